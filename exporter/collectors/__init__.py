@@ -1,0 +1,16 @@
+"""Collectors read hardware on the scheduler's timer; each one module, one job, no HTTP."""
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from prometheus_client.metrics_core import Metric
+
+
+class Collector(Protocol):
+    """What the scheduler runs: `collect` returns complete families; raising marks the cycle failed."""
+
+    name: str
+
+    def collect(self) -> Iterable[Metric]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,126 @@
+"""Runs every collector on its own timer thread and publishes rendered results.
+
+One thread per collector: a wedged NVML call stalls the GPU families only, and scrapes keep
+serving the last good snapshot of everything else.
+"""
+
+import logging
+import platform
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from exporter import __version__
+from exporter.collectors import Collector
+from exporter.exposition import ExpositionStore, render
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _CollectorStats:
+    duration_seconds: float = 0.0
+    errors: int = 0
+    last_success: float = 0.0
+    cycles: int = 0
+    last_error: str = ""
+
+
+class Scheduler:
+    """Collects on a fixed interval and keeps the exporter's self metrics current."""
+
+    def __init__(self, collectors: list[Collector], interval: float, store: ExpositionStore) -> None:
+        self._collectors = collectors
+        self._interval = interval
+        self._store = store
+        self._stats = {c.name: _CollectorStats() for c in collectors}
+        self._stats_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._publish_self()
+
+    def start(self) -> None:
+        for collector in self._collectors:
+            thread = threading.Thread(
+                target=self._loop, args=(collector,), name=f"collect-{collector.name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2)
+        for collector in self._collectors:
+            try:
+                collector.close()
+            except Exception:  # closing is best effort at shutdown
+                log.debug("closing collector %s failed", collector.name, exc_info=True)
+
+    def ready(self) -> bool:
+        """True once every collector finished one cycle, successful or not."""
+        with self._stats_lock:
+            return all(s.cycles > 0 for s in self._stats.values())
+
+    def run_once(self, collector: Collector) -> None:
+        started = time.perf_counter()
+        try:
+            body = render(list(collector.collect()))
+            error = ""
+        except Exception as exc:
+            body, error = b"", f"{type(exc).__name__}: {exc}"
+        duration = time.perf_counter() - started
+        self._store.publish(collector.name, body)
+        with self._stats_lock:
+            stats = self._stats[collector.name]
+            stats.duration_seconds = duration
+            stats.cycles += 1
+            if error:
+                stats.errors += 1
+                if error != stats.last_error:
+                    log.error("collector %s failed: %s", collector.name, error)
+            else:
+                stats.last_success = time.time()
+                if stats.last_error:
+                    log.info("collector %s recovered", collector.name)
+            stats.last_error = error
+        self._publish_self()
+
+    def _loop(self, collector: Collector) -> None:
+        next_run = time.monotonic()
+        while not self._stop.is_set():
+            self.run_once(collector)
+            next_run += self._interval
+            delay = next_run - time.monotonic()
+            if delay < 0:  # fell behind (slow collector): skip missed ticks rather than burst
+                next_run = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def _publish_self(self) -> None:
+        duration = GaugeMetricFamily(
+            "stepscope_exporter_collector_duration_seconds",
+            "Wall time of the collector's last cycle.",
+            labels=["collector"],
+        )
+        errors = CounterMetricFamily(
+            "stepscope_exporter_collector_errors",
+            "Collector cycles that failed as a whole.",
+            labels=["collector"],
+        )
+        last_success = GaugeMetricFamily(
+            "stepscope_exporter_collector_last_success_timestamp_seconds",
+            "Unix time of the collector's last successful cycle (0 = never).",
+            labels=["collector"],
+        )
+        with self._stats_lock:
+            for name in sorted(self._stats):
+                stats = self._stats[name]
+                duration.add_metric([name], stats.duration_seconds)
+                errors.add_metric([name], stats.errors)
+                last_success.add_metric([name], stats.last_success)
+        build = InfoMetricFamily("stepscope_exporter_build", "Exporter version and runtime.")
+        build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
+        self._store.publish("stepscope_exporter", render([build, duration, errors, last_success]))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite needs on a fresh Debian machine, then runs it.
+# Debian packages: Prometheus, promtool, the Pushgateway and node_exporter (for benchmarks).
+# Python: a virtualenv in .venv with the CPU build of torch, then the project with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_packages=(prometheus prometheus-pushgateway prometheus-node-exporter)
+missing=()
+for pkg in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+# The Debian packages start their daemons through systemd where it runs; tests start their own.
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0   # CPU build; install before extras pull CUDA wheels
+.venv/bin/python -m pip install -q -e '.[test]'
+
+.venv/bin/ruff check .
+.venv/bin/python -m pytest "$@"

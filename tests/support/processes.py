@@ -1,0 +1,121 @@
+"""Start real processes (the exporter, Prometheus, the Pushgateway) on free loopback ports."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAKE_NVML_DIR = REPO_ROOT / "tests" / "fake_nvml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http_ok(url: str, process: subprocess.Popen, timeout: float = 30.0, **kwargs) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before {url} answered")
+        try:
+            if requests.get(url, timeout=2, **kwargs).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
+
+
+@dataclass
+class Running:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running(
+    argv: Sequence[str], ready_url: str, log_path: Path, env: Mapping[str, str] | None = None,
+    timeout: float = 30.0, base_url: str | None = None,
+) -> Iterator[Running]:
+    """Runs argv until the block ends; its stdout+stderr go to log_path, shown on failure."""
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            list(argv), stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    try:
+        try:
+            wait_http_ok(ready_url, process, timeout)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}\n--- log of {argv[0]} ---\n{log_path.read_text(errors='replace')}") from None
+        yield Running(process, base_url or ready_url.rsplit("/", 1)[0], log_path)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def exporter_env(fake_nvml_scenario: Path | str | None = None) -> dict[str, str]:
+    """Environment for an exporter subprocess; a scenario puts the fake pynvml first on the path."""
+    env = {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    if fake_nvml_scenario is not None:
+        env["PYTHONPATH"] = f"{FAKE_NVML_DIR}{os.pathsep}{REPO_ROOT}"
+        env["STEPSCOPE_FAKE_NVML_SCENARIO"] = str(fake_nvml_scenario)
+    return env
+
+
+@contextmanager
+def running_exporter(
+    tmp_path: Path, *args: str, fake_nvml_scenario: Path | str | None = None,
+    env: Mapping[str, str] | None = None, port: int | None = None,
+) -> Iterator[Running]:
+    """A real `python -m exporter` on a free loopback port, ready (first collection done)."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}",
+            "--collect-interval", "0.5", *args]
+    full_env = {**exporter_env(fake_nvml_scenario), **(env or {})}
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / f"exporter-{port}.log",
+                 env=full_env, base_url=f"http://127.0.0.1:{port}") as proc:
+        yield proc
+
+
+def scrape(base_url: str, **kwargs) -> str:
+    response = requests.get(f"{base_url}/metrics", timeout=10, **kwargs)
+    response.raise_for_status()
+    return response.text
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, frozenset of label items): value} for quick lookups in assertions."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample_values(text: str, name: str, **labels: str) -> list[float]:
+    """Values of every sample called `name` whose labels include `labels`."""
+    return [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
