@@ -1,0 +1,93 @@
+"""Bad configuration ends with one clear line on stderr and exit code 2, never a traceback."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import exporter_env, free_port, running_exporter, scrape
+
+
+def run_exporter(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "exporter", *args],
+        capture_output=True, text=True, timeout=30, env={**exporter_env(), **(env or {})},
+    )
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in expected:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--collectors", "node,disco"], ["unknown collector 'disco'", "node, gpu, process"]),
+        (["--collect-interval", "-1"], ["--collect-interval", "must be a positive number"]),
+        (["--collect-interval", "soon"], ["'soon' is not a number"]),
+        (["--listen-address", "localhost"], ["HOST:PORT"]),
+        (["--listen-address", "127.0.0.1:70000"], ["port from 1 to 65535"]),
+        (["--tls-cert-file", "/nonexistent/cert.pem", "--tls-key-file", "/nonexistent/key.pem"],
+         ["cannot read '/nonexistent/cert.pem'"]),
+        (["--log-level", "loud"], ["invalid choice: 'loud'"]),
+        (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    ],
+)
+def test_bad_flags(args: list[str], expected: list[str]) -> None:
+    assert_clean_failure(run_exporter(*args), *expected)
+
+
+def test_bad_environment_value_fails_like_a_flag() -> None:
+    result = run_exporter(env={"STEPSCOPE_COLLECT_INTERVAL": "0"})
+    assert_clean_failure(result, "--collect-interval", "'0' must be a positive number")
+
+
+def test_tls_files_must_come_in_pairs_and_parse(tmp_path: Path) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not a certificate")
+    assert_clean_failure(run_exporter("--tls-cert-file", str(cert)), "must be given together")
+    assert_clean_failure(
+        run_exporter("--tls-cert-file", str(cert), "--tls-key-file", str(cert)), "cannot load TLS certificate/key"
+    )
+
+
+def test_empty_basic_auth_password_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "password"
+    empty.write_text("\n")
+    assert_clean_failure(
+        run_exporter("--basic-auth-user", "u", "--basic-auth-password-file", str(empty)), "is empty"
+    )
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_exporter("--listen-address", f"127.0.0.1:{port}", "--collectors", "")
+    assert_clean_failure(result, f"cannot listen on 127.0.0.1:{port}", "Address already in use")
+
+
+def test_help_documents_every_flag_with_its_environment_variable() -> None:
+    result = run_exporter("--help")
+    assert result.returncode == 0
+    flags = [word for word in result.stdout.split() if word.startswith("--") and word != "--help"]
+    text = " ".join(result.stdout.split())
+    for flag in set(flags) - {"--version"}:
+        env = "STEPSCOPE_" + flag[2:].replace("-", "_").upper()
+        assert env in text, f"{flag} does not name {env}"
+
+
+def test_environment_configures_the_exporter(tmp_path: Path) -> None:
+    port = free_port()
+    with running_exporter(tmp_path, port=port, env={"STEPSCOPE_COLLECTORS": ""}) as exporter:
+        text = scrape(exporter.url)
+    assert "stepscope_exporter_collector_duration_seconds" in text
+    assert 'collector="' not in text  # no collector ran: the environment was honoured

@@ -1,0 +1,140 @@
+"""The HTTP layer through a real exporter process: endpoints, gzip, concurrency, TLS, basic auth."""
+
+import gzip
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.support.processes import (
+    exporter_env,
+    free_port,
+    running,
+    running_exporter,
+    sample_values,
+    scrape,
+)
+
+NO_COLLECTORS = ("--collectors", "")
+
+
+def test_endpoints_and_self_metrics(tmp_path: Path) -> None:
+    with running_exporter(tmp_path, *NO_COLLECTORS) as exporter:
+        text = scrape(exporter.url)
+        assert sample_values(text, "stepscope_exporter_build_info") == [1.0]
+        assert requests.get(f"{exporter.url}/-/healthy", timeout=5).text == "OK\n"
+        assert requests.get(f"{exporter.url}/-/ready", timeout=5).status_code == 200
+        index = requests.get(f"{exporter.url}/", timeout=5).text
+        for link in ("metrics", "-/healthy", "-/ready"):
+            assert f'href="{link}"' in index
+        assert requests.get(f"{exporter.url}/nope", timeout=5).status_code == 404
+        response = requests.get(f"{exporter.url}/metrics", timeout=5)
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+
+
+def test_gzip_only_when_asked(tmp_path: Path) -> None:
+    with running_exporter(tmp_path, *NO_COLLECTORS) as exporter:
+        plain = requests.get(f"{exporter.url}/metrics", headers={"Accept-Encoding": "identity"}, timeout=5)
+        assert "Content-Encoding" not in plain.headers
+        packed = requests.get(
+            f"{exporter.url}/metrics", headers={"Accept-Encoding": "gzip"}, stream=True, timeout=5
+        )
+        assert packed.headers["Content-Encoding"] == "gzip"
+        raw = packed.raw.read(decode_content=False)
+        assert gzip.decompress(raw).decode().startswith("# HELP")
+        assert b"stepscope_exporter_build_info" in gzip.decompress(raw)
+
+
+def test_idle_and_slow_clients_do_not_block_scrapes(tmp_path: Path) -> None:
+    with running_exporter(tmp_path, *NO_COLLECTORS) as exporter:
+        port = int(exporter.url.rsplit(":", 1)[1])
+        idle = socket.create_connection(("127.0.0.1", port))
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        try:
+            results: list[int] = []
+
+            def scrape_once() -> None:
+                results.append(requests.get(f"{exporter.url}/metrics", timeout=5).status_code)
+
+            threads = [threading.Thread(target=scrape_once) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=10)
+            assert results == [200] * 8
+        finally:
+            idle.close()
+            slow.close()
+
+
+def test_basic_auth_protects_metrics_but_not_probes(tmp_path: Path) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_text("s3cret\n")
+    with running_exporter(
+        tmp_path, *NO_COLLECTORS, "--basic-auth-user", "prom", "--basic-auth-password-file", str(password_file)
+    ) as exporter:
+        denied = requests.get(f"{exporter.url}/metrics", timeout=5)
+        assert denied.status_code == 401
+        assert denied.headers["WWW-Authenticate"].startswith("Basic")
+        assert requests.get(f"{exporter.url}/metrics", auth=("prom", "wrong"), timeout=5).status_code == 401
+        assert requests.get(f"{exporter.url}/metrics", auth=("prom", "s3cret"), timeout=5).status_code == 200
+        assert requests.get(f"{exporter.url}/-/healthy", timeout=5).status_code == 200
+
+
+def _make_cert(directory: Path, common_name: str) -> tuple[Path, Path]:
+    cert, key = directory / "tls.crt", directory / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={common_name}",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+def _served_common_name(port: int) -> str:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port)) as raw, context.wrap_socket(raw) as tls:
+        der = tls.getpeercert(binary_form=True)
+    pem = ssl.DER_cert_to_PEM_cert(der)
+    subject = subprocess.run(["openssl", "x509", "-noout", "-subject"], input=pem, capture_output=True,
+                             text=True, check=True).stdout
+    return subject.strip().rsplit("=", 1)[1].strip()
+
+
+def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
+    cert, key = _make_cert(tmp_path, "first")
+    port = free_port()
+    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", "--collectors", "",
+            "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
+                 verify=False) as exporter:
+        assert requests.get(f"https://127.0.0.1:{port}/metrics", verify=str(cert), timeout=5).status_code == 200
+        assert _served_common_name(port) == "first"
+        with socket.create_connection(("127.0.0.1", port)):  # a client that never starts its handshake
+            assert requests.get(f"https://127.0.0.1:{port}/-/healthy", verify=str(cert), timeout=5).ok
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5)  # plain HTTP is refused
+
+        renewed = tmp_path / "renewed"
+        renewed.mkdir()
+        new_cert, new_key = _make_cert(renewed, "second")
+        new_key.replace(key)
+        new_cert.replace(cert)
+        deadline = time.monotonic() + 10
+        while _served_common_name(port) != "second" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _served_common_name(port) == "second"
+
+        cert.write_text("not a certificate")  # a broken renewal keeps the loaded certificate
+        time.sleep(1.5)
+        assert _served_common_name(port) == "second"
+        assert "TLS reload failed" in exporter.log()
