@@ -195,3 +195,20 @@ def test_grafana_dashboard_provider_reads_the_mounted_dashboards(compose: dict[s
     paths = [p["options"]["path"] for path in provisioning_files("dashboards")
              for p in yaml.safe_load(path.read_text()).get("providers", [])]
     assert paths and all(p.rstrip("/") == mounted_at for p in paths), (paths, mounted_at)
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """Understands Compose's `!reset` merge tag (YAML's own loaders reject unknown tags)."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+
+
+def test_cpu_override_only_drops_the_gpu_reservation(tmp_path: Path, compose: dict[str, Any]) -> None:
+    override = yaml.load((DOCKER / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)
+    assert override == {"services": {"exporter": {"deploy": "!reset"}}}
+    merged = yaml.safe_load(COMPOSE.read_text())
+    del merged["services"]["exporter"]["deploy"]
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(merged))
+    result = check_compose_schema(tmp_path / "compose.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr

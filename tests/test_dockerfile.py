@@ -1,8 +1,11 @@
 """The exporter image: pinned bases, non-root final stage, a health check, NVML through the NVIDIA
 runtime, and the same install and entry point as the README and pyproject."""
 
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,7 @@ import tomllib
 from dockerfile_parse import DockerfileParser
 
 from exporter.cli import DEFAULT_PORT
+from tests.support.processes import free_port, running_exporter
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -109,3 +113,16 @@ def test_dockerignore_admits_what_pip_install_needs() -> None:
     packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
     needed |= {pattern.rstrip("*") + "/" for pattern in packages}
     assert {f"!{path}" for path in needed} <= set(rules)
+
+
+def test_health_check_command_passes_on_a_live_exporter_and_fails_without(
+    stages: list[list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    (check,) = values(stages[-1], "HEALTHCHECK")
+    argv = json.loads(check[check.index("CMD") + 3:])
+    assert argv[0] == "python"
+    port = free_port()
+    argv = [sys.executable, *argv[1:-1], argv[-1].replace(f":{DEFAULT_PORT}/", f":{port}/")]
+    with running_exporter(tmp_path, "--collectors", "", port=port):
+        assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+    assert subprocess.run(argv, capture_output=True, timeout=30).returncode != 0

@@ -423,3 +423,20 @@ def test_sync_refuses_a_missing_bundle(tmp_path: Path) -> None:
     result = run_sync("--source", str(tmp_path), "--chart", str(CHART))
     assert result.returncode == 2
     assert result.stderr.strip() == f"sync_chart: error: {tmp_path}/rules/stepscope.rules.yml does not exist"
+
+
+def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    start, end = readme.index("<!-- section: deployment -->"), readme.index("<!-- /section: deployment -->")
+    section = readme[start:end]
+    snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "STEPSCOPE_PUSH_URL" in b)
+    documented = {e["name"]: e for e in yaml.safe_load(snippet)["containers"][0]["env"]}
+    text = notes(render(chart))
+    printed = {e["name"]: e for e in yaml.safe_load(text[text.index("  env:"):])["env"]}
+    assert documented.keys() == printed.keys()
+    assert documented["HOST_IP"] == printed["HOST_IP"]
+    assert documented["STEPSCOPE_PUSH_URL"] == printed["STEPSCOPE_PUSH_URL"]
+    # The README assumes release "stepscope"; the tests render release "rel".
+    documented_ref = documented["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    printed_ref = printed["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert documented_ref == {**printed_ref, "name": printed_ref["name"].replace("rel-", "", 1)}
