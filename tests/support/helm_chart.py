@@ -1,0 +1,85 @@
+"""Render and lint the Helm chart offline with the Helm Go SDK (helm-python-sdk), for the chart tests.
+
+`helm_python.Chart.render` exposes name/namespace/revision/install flags only; the native call under
+it also takes `api_versions` and `kube_version` (the SDK's `helm template --api-versions
+--kube-version`), which the CRD gating tests need. The options are decoded strictly by the
+library, so a misspelt option fails loudly instead of being ignored.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import yaml
+from helm_python import _native
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "stepscope"
+GRAFANA = REPO / "grafana"
+GRAFANA_RULES = GRAFANA / "rules" / "stepscope.rules.yml"
+FIXTURE_BUNDLE = REPO / "tests" / "fixtures" / "grafana_bundle"
+RELEASE = "rel"
+NAMESPACE = "monitoring"
+OPERATOR_API = "monitoring.coreos.com/v1"
+
+
+def bundle_source() -> Path:
+    """The real Grafana bundle once it exists, else the small test bundle."""
+    return GRAFANA if GRAFANA_RULES.is_file() else FIXTURE_BUNDLE
+
+
+def synced_copy(destination: Path, source: Path | None = None) -> Path:
+    """A copy of the chart whose files/ were filled by scripts/sync_chart.py from `source`."""
+    chart = destination / "stepscope"
+    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("files"))
+    if source is not None:
+        subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "sync_chart.py"), "--source", str(source),
+             "--chart", str(chart)],
+            check=True, capture_output=True, text=True,
+        )
+    return chart
+
+
+def render(
+    chart_dir: Path,
+    values: dict[str, Any] | None = None,
+    *,
+    api_versions: Iterable[str] = (),
+    kube_version: str | None = None,
+) -> dict[str, str]:
+    """Template path -> rendered text, as `helm template` would produce offline."""
+    opts: dict[str, Any] = {"name": RELEASE, "namespace": NAMESPACE, "api_versions": list(api_versions)}
+    if kube_version:
+        opts["kube_version"] = kube_version
+    with helm_python.Chart.load(chart_dir) as chart:
+        rendered = _native.call_string(
+            "helm_render", chart._raw(), json.dumps(values or {}), json.dumps(opts)
+        )
+    return json.loads(rendered)
+
+
+def objects(rendered: dict[str, str], *, tests: bool = False) -> list[dict[str, Any]]:
+    """The Kubernetes objects among rendered templates (NOTES.txt and empty documents dropped)."""
+    found = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt") or ("/templates/tests/" in path) != tests:
+            continue
+        found += [doc for doc in yaml.safe_load_all(text) if doc]
+    return found
+
+
+def notes(rendered: dict[str, str]) -> str:
+    return next(text for path, text in rendered.items() if path.endswith("NOTES.txt"))
+
+
+def lint(
+    chart_dir: Path, values: dict[str, Any] | None = None, kube_version: str = "v1.30.0"
+) -> dict[str, Any]:
+    """`helm lint --strict`: findings come back as data (severity 2 = warning, 3 = error)."""
+    return helm_python.lint(chart_dir, values, strict=True, namespace=NAMESPACE, kube_version=kube_version)

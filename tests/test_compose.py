@@ -1,0 +1,214 @@
+"""The compose stack: valid against the Compose specification, mounts that exist, loopback-only ports,
+a Prometheus config promtool accepts, and services that agree with each other and the bundle."""
+
+import ipaddress
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+PROMETHEUS_YML = DOCKER / "prometheus" / "prometheus.yml"
+GRAFANA = REPO / "grafana"
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str] | None = None) -> str:
+    """Compose's `${VAR:-default}` substitution with an empty (or given) environment."""
+    env = env or {}
+    return INTERPOLATION.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def check_compose_schema(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True, text=True,
+    )
+
+
+def test_compose_file_follows_the_compose_spec(tmp_path: Path) -> None:
+    result = check_compose_schema(COMPOSE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = yaml.safe_load(COMPOSE.read_text())
+    broken["services"]["exporter"]["pid_namespace"] = "host"   # the checker does reject unknown keys
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
+    assert check_compose_schema(tmp_path / "compose.yaml").returncode == 1
+
+
+def bind_mounts(compose: dict[str, Any]) -> list[tuple[str, Path, str]]:
+    """(service, source on this machine, target) for every bind mount (short syntax)."""
+    mounts = []
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if source.startswith((".", "/")):
+                mounts.append((name, (DOCKER / source).resolve(), target))
+    return mounts
+
+
+def test_bind_mounts_exist(compose: dict[str, Any]) -> None:
+    mounts = bind_mounts(compose)
+    assert mounts
+    for service, source, target in mounts:
+        if source.is_relative_to(GRAFANA):
+            continue   # test_grafana_bundle_mounts_exist
+        assert source.exists(), f"{service}: mount source {source} for {target} does not exist"
+        assert source.is_relative_to(REPO), f"{service}: {source} lies outside the repository"
+
+
+def grafana_mounts() -> list[tuple[str, Path, str]]:
+    return [m for m in bind_mounts(yaml.safe_load(COMPOSE.read_text())) if m[1].is_relative_to(GRAFANA)]
+
+
+@pytest.mark.parametrize("mount", grafana_mounts(), ids=lambda m: str(m[1].relative_to(REPO)))
+def test_grafana_bundle_mounts_exist(mount: tuple[str, Path, str]) -> None:
+    service, source, target = mount
+    if not GRAFANA.is_dir():
+        pytest.skip(f"{source.relative_to(REPO)} comes with the Grafana bundle, not merged here yet")
+    assert source.is_dir(), f"{service}: {source} (mounted at {target}) does not exist"
+
+
+def test_ports_are_loopback_unless_overridden(compose: dict[str, Any]) -> None:
+    published = [(name, p) for name, s in compose["services"].items() for p in s.get("ports", [])]
+    assert {name for name, _ in published} == {"exporter", "prometheus", "alertmanager", "grafana"}
+    for name, port in published:
+        host_ip, *ports = interpolate(port).split(":")
+        assert len(ports) == 2, f"{name}: {port!r} must name the host IP to publish on"
+        assert host_ip == "127.0.0.1", f"{name}: {port!r} publishes on {host_ip!r} by default"
+        assert interpolate(port, {"STEPSCOPE_BIND": "0.0.0.0"}).startswith("0.0.0.0:")
+
+
+def test_third_party_images_are_pinned(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        if "build" in service:
+            continue
+        image = service["image"]
+        repository, _, tag = image.rpartition(":")
+        pinned = re.fullmatch(r"v?\d+\.\d+\.\d+", tag)
+        assert repository and pinned, f"{name}: {image} is not pinned to a release"
+
+
+def test_exporter_sees_gpus_host_processes_and_pushes(compose: dict[str, Any]) -> None:
+    exporter = compose["services"]["exporter"]
+    assert exporter["build"]["dockerfile"] == "docker/Dockerfile" and (DOCKER / "Dockerfile").is_file()
+    (device,) = exporter["deploy"]["resources"]["reservations"]["devices"]
+    assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu", "utility"]}
+    assert exporter["pid"] == "host" and exporter["read_only"] is True
+    allow = ipaddress.ip_network(interpolate(exporter["environment"]["STEPSCOPE_INGEST_ALLOW"]))
+    (network,) = compose["networks"]["stepscope"]["ipam"]["config"]
+    assert allow == ipaddress.ip_network(interpolate(network["subnet"])), "ingest allow-list != stack subnet"
+
+
+def test_demo_trainer_pushes_to_the_exporter(compose: dict[str, Any]) -> None:
+    trainer = compose["services"]["trainer"]
+    assert trainer["profiles"] == ["demo"] and trainer["build"]["target"] == "demo"
+    assert trainer["pid"] == "host"   # the PID it registers is the one the exporter sees
+    command = [interpolate(part) for part in trainer["command"]]
+    url = command[command.index("--push-url") + 1]
+    assert url == trainer["environment"]["STEPSCOPE_PUSH_URL"] == "http://exporter:9847"
+    float(command[command.index("--slow-loader") + 1])
+    assert "--run" in command
+    stages = re.findall(r"^FROM \S+ AS (\w+)", (DOCKER / "Dockerfile").read_text(), re.M)
+    assert "demo" in stages and compose["services"]["exporter"]["build"]["target"] == stages[-1]
+
+
+def test_grafana_credentials_come_from_env_with_defaults(compose: dict[str, Any]) -> None:
+    env = compose["services"]["grafana"]["environment"]
+    assert interpolate(env["GF_SECURITY_ADMIN_USER"]) == "admin"
+    assert interpolate(env["GF_SECURITY_ADMIN_PASSWORD"], {"GRAFANA_ADMIN_PASSWORD": "s3cret"}) == "s3cret"
+
+
+def test_prometheus_targets_and_alertmanager_are_services(compose: dict[str, Any]) -> None:
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    services = compose["services"]
+    (scrape,) = [job for job in config["scrape_configs"] if job["job_name"] == "stepscope"]
+    for group in scrape["static_configs"]:
+        assert group["labels"]["instance"], "instance must carry the node name"
+        for target in group["targets"]:
+            host, port = target.split(":")
+            assert host in services and port == "9847"
+    (alertmanagers,) = config["alerting"]["alertmanagers"]
+    host = alertmanagers["static_configs"][0]["targets"][0].split(":")[0]
+    assert host in services
+    mounts = {target: source for _, source, target in bind_mounts(compose)}
+    rules_dir = mounts["/etc/prometheus/rules"]
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_YML.resolve()
+    assert config["rule_files"] == ["rules/stepscope.rules.yml"]
+    assert rules_dir == (GRAFANA / "rules").resolve()
+
+
+def test_alertmanager_routes_to_a_defined_receiver() -> None:
+    config = yaml.safe_load((DOCKER / "alertmanager" / "alertmanager.yml").read_text())
+    names = {r["name"] for r in config["receivers"]}
+    assert config["route"]["receiver"] in names
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True)
+
+
+def test_promtool_accepts_the_config_syntax() -> None:
+    result = promtool("check", "config", "--syntax-only", str(PROMETHEUS_YML))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(
+    not (GRAFANA / "rules" / "stepscope.rules.yml").is_file(),
+    reason="grafana/rules/stepscope.rules.yml not merged yet: the full promtool check waits for it",
+)
+def test_promtool_accepts_config_with_the_mounted_rules(tmp_path: Path) -> None:
+    # Lay the files out as the container sees them: the config, with rules/ next to it.
+    shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
+    shutil.copytree(GRAFANA / "rules", tmp_path / "rules")
+    result = promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def provisioning_files(kind: str) -> list[Path]:
+    return sorted((GRAFANA / "provisioning" / kind).glob("*.y*ml"))
+
+
+@pytest.mark.skipif(not provisioning_files("datasources"), reason="Grafana provisioning not merged yet")
+def test_grafana_datasource_points_at_the_prometheus_service() -> None:
+    datasources = [ds for path in provisioning_files("datasources")
+                   for ds in yaml.safe_load(path.read_text()).get("datasources", [])]
+    urls = [ds["url"] for ds in datasources if ds.get("type") == "prometheus"]
+    assert urls == ["http://prometheus:9090"]
+
+
+@pytest.mark.skipif(not provisioning_files("dashboards"), reason="Grafana provisioning not merged yet")
+def test_grafana_dashboard_provider_reads_the_mounted_dashboards(compose: dict[str, Any]) -> None:
+    mounts = {source: target for _, source, target in bind_mounts(compose)}
+    mounted_at = mounts[(GRAFANA / "dashboards").resolve()]
+    paths = [p["options"]["path"] for path in provisioning_files("dashboards")
+             for p in yaml.safe_load(path.read_text()).get("providers", [])]
+    assert paths and all(p.rstrip("/") == mounted_at for p in paths), (paths, mounted_at)
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """Understands Compose's `!reset` merge tag (YAML's own loaders reject unknown tags)."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+
+
+def test_cpu_override_only_drops_the_gpu_reservation(tmp_path: Path, compose: dict[str, Any]) -> None:
+    override = yaml.load((DOCKER / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)
+    assert override == {"services": {"exporter": {"deploy": "!reset"}}}
+    merged = yaml.safe_load(COMPOSE.read_text())
+    del merged["services"]["exporter"]["deploy"]
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(merged))
+    result = check_compose_schema(tmp_path / "compose.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr

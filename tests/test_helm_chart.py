@@ -1,0 +1,442 @@
+"""The Helm chart: lint, Kubernetes schema validation of every rendered object, security defaults,
+token wiring, CRD gating, values schema, and the rules/dashboards being the Grafana bundle's."""
+
+import base64
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.support.helm_chart import (
+    CHART,
+    FIXTURE_BUNDLE,
+    GRAFANA,
+    GRAFANA_RULES,
+    NAMESPACE,
+    OPERATOR_API,
+    REPO,
+    bundle_source,
+    lint,
+    notes,
+    objects,
+    render,
+    synced_copy,
+)
+
+CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+# The chart's minimum (Chart.yaml kubeVersion) and the newest Kubernetes kubernetes-validate knows.
+KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
+
+
+@pytest.fixture(scope="module")
+def chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synced_copy(tmp_path_factory.mktemp("chart"), bundle_source())
+
+
+def ci_values(path: Path) -> dict[str, Any]:
+    return helm_python.values_from_yaml(path.read_text())
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = by_kind(objs, kind)
+    return found
+
+
+def exporter_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def args_dict(container: dict[str, Any]) -> dict[str, str]:
+    return dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
+
+
+# ---- lint and validation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values_file", CI_FILES, ids=lambda p: p.name)
+def test_lint_strict_is_clean(chart: Path, values_file: Path) -> None:
+    report = lint(chart, ci_values(values_file))
+    problems = [m for m in report["messages"] if m["severity"] >= 2]   # strict: warnings count
+    assert not problems and not report["errors"], report
+
+
+def test_ci_files_cover_the_agreed_scenarios() -> None:
+    names = {p.name for p in CI_FILES}
+    assert {"default-values.yaml", "monitors-values.yaml", "existing-secret-hostnetwork-values.yaml",
+            "hostpid-off-values.yaml"} <= names
+
+
+def check_operator_object(obj: dict[str, Any]) -> None:
+    """kubernetes-validate has no schema for the Prometheus Operator CRDs: check their shape here."""
+    assert obj["apiVersion"] == OPERATOR_API
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
+    assert obj["metadata"]["namespace"] == NAMESPACE
+    spec = obj["spec"]
+    if obj["kind"] == "PrometheusRule":
+        assert spec["groups"], "PrometheusRule without groups"
+        for group in spec["groups"]:
+            assert group["name"] and group["rules"]
+            for rule in group["rules"]:
+                assert ("record" in rule) != ("alert" in rule) and rule["expr"]
+        return
+    endpoints = spec["endpoints" if obj["kind"] == "ServiceMonitor" else "podMetricsEndpoints"]
+    assert spec["selector"]["matchLabels"]
+    for endpoint in endpoints:
+        assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+        for relabel in endpoint["relabelings"] + endpoint.get("metricRelabelings", []):
+            assert set(relabel) <= {"sourceLabels", "separator", "targetLabel", "regex", "modulus",
+                                    "replacement", "action"}
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("api_versions", [(), (OPERATOR_API,)], ids=["plain", "operator"])
+@pytest.mark.parametrize("values_file", CI_FILES, ids=lambda p: p.name)
+def test_every_rendered_object_validates(
+    chart: Path, values_file: Path, api_versions: tuple[str, ...], kube_version: str
+) -> None:
+    rendered = render(
+        chart, ci_values(values_file), api_versions=api_versions, kube_version=f"v{kube_version}"
+    )
+    objs = objects(rendered) + objects(rendered, tests=True)
+    assert {"DaemonSet", "Service", "ServiceAccount"} <= {o["kind"] for o in objs}
+    for obj in objs:
+        if obj["kind"] in OPERATOR_KINDS:
+            check_operator_object(obj)
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except jsonschema.ValidationError as exc:   # kubernetes-validate's errors subclass it
+            path = ".".join(str(p) for p in exc.path)
+            name = f"{obj['kind']}/{obj['metadata']['name']}"
+            pytest.fail(f"{name} invalid for Kubernetes {kube_version} at {path}: {exc.message}")
+
+
+# ---- the DaemonSet ---------------------------------------------------------------------------------
+
+def test_defaults_are_locked_down(chart: Path) -> None:
+    objs = objects(render(chart))
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    container = exporter_container(objs)
+    ctx = container["securityContext"]
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == 65532
+    assert ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    assert "privileged" not in ctx
+
+
+def test_scheduled_on_gpu_nodes_without_taking_a_gpu(chart: Path) -> None:
+    objs = objects(render(chart))
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    container = exporter_container(objs)
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    terms = required["nodeSelectorTerms"]
+    assert {t["matchExpressions"][0]["key"] for t in terms} == {
+        "nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"}
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in container["resources"][section]
+        assert {"cpu", "memory"} <= set(container["resources"][section])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert pod["hostPID"] is True and pod["hostNetwork"] is False
+    assert "runtimeClassName" not in pod
+
+
+def test_probes_hit_health_and_readiness(chart: Path) -> None:
+    container = exporter_container(objects(render(chart)))
+    assert container["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": "http"}
+    (port,) = container["ports"]
+    assert port["name"] == "http" and port["containerPort"] == 9847
+    assert args_dict(container)["--listen-address"] == "0.0.0.0:9847"
+
+
+def test_image_defaults_to_app_version(chart: Path) -> None:
+    app_version = yaml.safe_load((chart / "Chart.yaml").read_text())["appVersion"]
+    container = exporter_container(objects(render(chart)))
+    assert container["image"].endswith(f"/stepscope-exporter:{app_version}")
+    assert exporter_container(objects(render(chart, {"image": {"tag": "9.9.9"}})))["image"].endswith(":9.9.9")
+
+
+def test_ingest_token_flows_from_secret_to_flag(chart: Path) -> None:
+    objs = objects(render(chart))
+    secret = one(objs, "Secret")
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    container = exporter_container(objs)
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{40}", token)
+    (volume,) = [v for v in pod["volumes"] if v.get("secret")]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "token"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    assert args_dict(container)["--ingest-token-file"] == f"{mount['mountPath']}/{item['path']}"
+    assert container["ports"][0]["hostPort"] == 9847   # reachable at the node's IP
+
+
+def test_notes_show_how_training_pods_push(chart: Path) -> None:
+    text = notes(render(chart))
+    env = yaml.safe_load(text[text.index("  env:"):text.index("STEPSCOPE_RUN")] + "STEPSCOPE_RUN\n")["env"]
+    by_name = {e["name"]: e for e in env}
+    assert by_name["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert by_name["STEPSCOPE_PUSH_URL"]["value"] == "http://$(HOST_IP):9847"
+    assert by_name["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rel-stepscope-ingest",
+                                                                             "key": "token"}
+
+
+def test_existing_secret_host_network_and_runtime_class(chart: Path) -> None:
+    rendered = render(chart, ci_values(CHART / "ci" / "existing-secret-hostnetwork-values.yaml"))
+    objs = objects(rendered)
+    assert not by_kind(objs, "Secret"), "an existingSecret must not be shadowed by a generated one"
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    container = exporter_container(objs)
+    (volume,) = [v for v in pod["volumes"] if v.get("secret")]
+    assert volume["secret"]["secretName"] == "stepscope-push-token"
+    assert volume["secret"]["items"][0]["key"] == "push-token"
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["runtimeClassName"] == "nvidia"
+    assert container["ports"][0]["hostPort"] == container["ports"][0]["containerPort"]
+    flags = args_dict(container)
+    assert flags["--ingest-allow"] == "10.0.0.0/8" and flags["--ingest-ttl"] == "10m"
+    assert "secretKeyRef:\n          name: stepscope-push-token\n          key: push-token" in notes(rendered)
+
+
+def test_host_pid_off(chart: Path) -> None:
+    objs = objects(render(chart, ci_values(CHART / "ci" / "hostpid-off-values.yaml")))
+    assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["hostPID"] is False
+    assert args_dict(exporter_container(objs))["--collectors"] == "node,gpu"
+
+
+def test_ingest_disabled_leaves_no_token_and_no_host_port(chart: Path) -> None:
+    rendered = render(chart, {"ingest": {"enabled": False}})
+    objs = objects(rendered)
+    container = exporter_container(objs)
+    assert not by_kind(objs, "Secret")
+    assert not any(a.startswith("--ingest") for a in container["args"])
+    assert "hostPort" not in container["ports"][0] and "volumeMounts" not in container
+    assert "push API is disabled" in notes(rendered)
+
+
+def test_service_and_helm_test_pod(chart: Path) -> None:
+    rendered = render(chart)
+    service = one(objects(rendered), "Service")
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "http" and port["port"] == 9847
+    daemonset = one(objects(rendered), "DaemonSet")
+    assert service["spec"]["selector"].items() <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    pod = one(objects(rendered, tests=True), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    url = f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port['port']}/-/healthy"
+    assert pod["spec"]["containers"][0]["command"][-1] == url
+    assert pod["spec"]["containers"][0]["command"][0] == "wget"
+
+
+# ---- Prometheus Operator objects -------------------------------------------------------------------
+
+def kinds(objs: list[dict[str, Any]]) -> set[str]:
+    return {o["kind"] for o in objs}
+
+
+def test_auto_follows_the_cluster_api(chart: Path) -> None:
+    assert not kinds(objects(render(chart))) & OPERATOR_KINDS
+    with_api = kinds(objects(render(chart, api_versions=[OPERATOR_API])))
+    assert {"ServiceMonitor", "PrometheusRule"} <= with_api and "PodMonitor" not in with_api
+
+
+def test_forced_on_renders_without_the_api(chart: Path) -> None:
+    objs = objects(render(chart, ci_values(CHART / "ci" / "monitors-values.yaml")))
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        assert one(objs, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    endpoint = one(objs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["metricRelabelings"][0]["action"] == "keep"
+
+
+def test_forced_off_stays_off_with_the_api(chart: Path) -> None:
+    values = {"serviceMonitor": {"enabled": False}, "prometheusRule": {"enabled": False}}
+    assert not kinds(objects(render(chart, values, api_versions=[OPERATOR_API]))) & OPERATOR_KINDS
+
+
+@pytest.mark.parametrize("kind", ["ServiceMonitor", "PodMonitor"])
+def test_instance_is_the_node_name(chart: Path, kind: str) -> None:
+    user_relabel = {"targetLabel": "cluster", "replacement": "c1"}
+    on = {"enabled": True, "relabelings": [user_relabel]}
+    values = {"serviceMonitor": on if kind == "ServiceMonitor" else {"enabled": False},
+              "podMonitor": on if kind == "PodMonitor" else {"enabled": False}}
+    monitor = one(objects(render(chart, values)), kind)
+    endpoints = monitor["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+    relabelings = endpoints[0]["relabelings"]
+    assert relabelings[0] == {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance",
+                              "action": "replace"}
+    assert relabelings[1] == user_relabel   # the user's come after
+
+
+def test_pod_monitor_replaces_an_auto_service_monitor(chart: Path) -> None:
+    values = ci_values(CHART / "ci" / "hostpid-off-values.yaml")
+    objs = objects(render(chart, values, api_versions=[OPERATOR_API]))
+    assert "PodMonitor" in kinds(objs) and "ServiceMonitor" not in kinds(objs)
+
+
+def test_both_monitors_forced_on_is_refused(chart: Path) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match="both true: choose one"):
+        render(chart, {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}})
+
+
+# ---- rules and dashboards are the Grafana bundle's -------------------------------------------------
+
+def test_prometheus_rule_is_the_bundle_rules_file(chart: Path) -> None:
+    rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
+    source = yaml.safe_load((bundle_source() / "rules" / "stepscope.rules.yml").read_text())
+    assert rule["spec"]["groups"] == source["groups"]
+
+
+def test_dashboards_are_the_bundle_json(chart: Path) -> None:
+    maps = by_kind(objects(render(chart)), "ConfigMap")
+    sources = sorted((bundle_source() / "dashboards").glob("*.json"))
+    assert len(maps) == len(sources) > 0
+    shipped = {}
+    for config_map in maps:
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        shipped.update(config_map["data"])
+    assert shipped == {p.name: p.read_text() for p in sources}
+    assert all(json.loads(text)["title"] for text in shipped.values())
+
+
+def test_chart_without_synced_files_fails_clearly(tmp_path: Path) -> None:
+    bare = synced_copy(tmp_path, source=None)
+    missing_dashboards = r"dashboards/\*\.json are missing.*sync_chart\.py"
+    with pytest.raises(helm_python.HelmRenderError, match=missing_dashboards):
+        render(bare)
+    missing_rules = r"stepscope\.rules\.yml is missing.*sync_chart\.py"
+    with pytest.raises(helm_python.HelmRenderError, match=missing_rules):
+        render(bare, {"dashboards": {"enabled": False}}, api_versions=[OPERATOR_API])
+
+
+@pytest.mark.skipif(
+    not GRAFANA_RULES.is_file(),
+    reason="grafana/rules/stepscope.rules.yml not in this branch yet (Grafana bundle not merged)",
+)
+def test_chart_copies_match_the_grafana_bundle() -> None:
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "sync_chart.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, f"chart drifted from {GRAFANA}:\n{result.stdout}{result.stderr}"
+
+
+# ---- values schema ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"hostPid": True}, r"at '': additional properties 'hostPid' not allowed"),
+    ({"serviceMonitor": {"additionalLabel": {}}},
+     r"at '/serviceMonitor': additional properties 'additionalLabel'"),
+    ({"hostPID": "yes"}, r"at '/hostPID': got string, want boolean"),
+    ({"port": "9847"}, r"at '/port': got string, want integer"),
+    ({"serviceMonitor": {"enabled": "yes"}},
+     r"at '/serviceMonitor/enabled': value must be one of 'auto', true, false"),
+    ({"collectors": ["node", "disk"]}, r"at '/collectors/1': value must be one of 'node', 'gpu', 'process'"),
+    ({"serviceMonitor": {"additionalLabels": {"release": 1}}}, r"/serviceMonitor/additionalLabels/release"),
+    ({"securityContext": {"runAsUser": "root"}},
+     r"at '/securityContext/runAsUser': got string, want integer"),
+])
+def test_schema_rejects_bad_values(chart: Path, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match=message):
+        render(chart, values)
+    report = lint(chart, values)
+    assert any(re.search(message, m["error"]) for m in report["messages"] if m["severity"] == 3), report
+
+
+def test_schema_closes_every_object() -> None:
+    """Every object level either forbids unknown keys or types its values; the only open objects are
+    embedded Kubernetes API objects, which the API server validates."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    open_objects = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        if node.get("type") == "object" and "additionalProperties" not in node:
+            open_objects.append(path)
+        for key, child in node.get("properties", {}).items():
+            walk(child, f"{path}.{key}")
+        for keyword in ("items", "additionalProperties"):
+            if isinstance(node.get(keyword), dict):
+                walk(node[keyword], f"{path}[]")
+        for child in node.get("anyOf", []):
+            walk(child, path)
+
+    walk(schema, "")
+    assert schema["additionalProperties"] is False
+    assert sorted(open_objects) == sorted([
+        ".extraEnv[].valueFrom", ".podSecurityContext.seLinuxOptions", ".podSecurityContext.appArmorProfile",
+        ".securityContext.seLinuxOptions", ".securityContext.appArmorProfile",
+        ".affinity.nodeAffinity", ".affinity.podAffinity", ".affinity.podAntiAffinity", ".global",
+    ])
+
+
+def test_values_file_matches_schema_keys(chart: Path) -> None:
+    """Every default has a schema entry (the render above would fail otherwise) and vice versa."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(schema["properties"]) - {"global"} == set(defaults)
+
+
+# ---- scripts/sync_chart.py -------------------------------------------------------------------------
+
+def run_sync(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "sync_chart.py"), *args],
+                          capture_output=True, text=True)
+
+
+def test_sync_copies_checks_and_prunes(tmp_path: Path) -> None:
+    chart = synced_copy(tmp_path / "c", source=None)
+    stale = chart / "files" / "dashboards" / "gone.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    check = run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check")
+    assert check.returncode == 1
+    assert "missing:" in check.stdout and "stale:" in check.stdout
+    assert "run python scripts/sync_chart.py" in check.stderr
+    assert run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart)).returncode == 0
+    assert not stale.exists()
+    assert run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check").returncode == 0
+    (chart / "files" / "stepscope.rules.yml").write_text("groups: []\n")
+    edited = run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check")
+    assert edited.returncode == 1 and "differs:" in edited.stdout
+
+
+def test_sync_refuses_a_missing_bundle(tmp_path: Path) -> None:
+    result = run_sync("--source", str(tmp_path), "--chart", str(CHART))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"sync_chart: error: {tmp_path}/rules/stepscope.rules.yml does not exist"
+
+
+def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    start, end = readme.index("<!-- section: deployment -->"), readme.index("<!-- /section: deployment -->")
+    section = readme[start:end]
+    snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "STEPSCOPE_PUSH_URL" in b)
+    documented = {e["name"]: e for e in yaml.safe_load(snippet)["containers"][0]["env"]}
+    text = notes(render(chart))
+    printed = {e["name"]: e for e in yaml.safe_load(text[text.index("  env:"):])["env"]}
+    assert documented.keys() == printed.keys()
+    assert documented["HOST_IP"] == printed["HOST_IP"]
+    assert documented["STEPSCOPE_PUSH_URL"] == printed["STEPSCOPE_PUSH_URL"]
+    # The README assumes release "stepscope"; the tests render release "rel".
+    documented_ref = documented["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    printed_ref = printed["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert documented_ref == {**printed_ref, "name": printed_ref["name"].replace("rel-", "", 1)}
