@@ -1,0 +1,121 @@
+"""Scrape latency and CPU cost: stepscope-exporter against Debian's prometheus-node-exporter.
+
+Every target runs at once and is scraped round-robin (one scrape each per round) over keep-alive
+connections with gzip, as Prometheus does, so machine noise hits all of them alike. CPU is the
+target process's user+system time over the whole measured window, background collection included,
+per 1000 scrapes. Prints a markdown table and writes benchmarks/results/scrape.md.
+
+    python benchmarks/bench_scrape.py [--scrapes 300]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import psutil
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from tests.fake_nvml.scenario import make_scenario  # noqa: E402
+
+from tests.support.processes import free_port, running, running_exporter  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "scrape.md"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(targets: dict[str, tuple[str, int]], scrapes: int) -> list[dict[str, object]]:
+    sessions = {name: requests.Session() for name in targets}
+    for name, (url, _) in targets.items():  # warm up: connections, first collections, caches
+        for _ in range(20):
+            sessions[name].get(url, headers={"Accept-Encoding": "gzip"}, timeout=10).raise_for_status()
+    procs = {name: psutil.Process(pid) for name, (_, pid) in targets.items()}
+    cpu_before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in targets}
+    sizes: dict[str, int] = {}
+    for _ in range(scrapes):
+        for name, (url, _) in targets.items():
+            started = time.perf_counter()
+            response = sessions[name].get(url, headers={"Accept-Encoding": "gzip"}, timeout=10)
+            latencies[name].append(time.perf_counter() - started)
+            response.raise_for_status()
+            sizes[name] = len(response.content)
+    cpu_after = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    rows = []
+    for name in targets:
+        series = sum(1 for line in sessions[name].get(targets[name][0], timeout=10).text.splitlines()
+                     if line and not line.startswith("#"))
+        rows.append({
+            "target": name,
+            "series": series,
+            "p50_ms": statistics.median(latencies[name]) * 1e3,
+            "p99_ms": percentile(latencies[name], 0.99) * 1e3,
+            "cpu_s_per_1000": (cpu_after[name] - cpu_before[name]) / scrapes * 1000,
+        })
+    return rows
+
+
+def table(rows: list[dict[str, object]], baseline: str) -> str:
+    base = next(r for r in rows if r["target"] == baseline)
+    lines = [
+        "| target | series | p50 ms | p99 ms | CPU s / 1000 scrapes | p50 vs node_exporter | CPU vs node_exporter |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['target']} | {r['series']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_s_per_1000']:.2f} "
+            f"| {r['p50_ms'] / base['p50_ms']:.2f}x | {r['cpu_s_per_1000'] / base['cpu_s_per_1000']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scrapes", type=int, default=300, help="scrapes per target (at least 200)")
+    args = parser.parse_args()
+    if args.scrapes < 200:
+        parser.error("--scrapes must be at least 200")
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        tmp_path = Path(tmp)
+        scenario = tmp_path / "gpus8x8.json"
+        scenario.write_text(json.dumps(make_scenario(gpus=8, processes_per_gpu=8)))
+        port = free_port()
+        node_exporter = stack.enter_context(running(
+            ["prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{port}"],
+            f"http://127.0.0.1:{port}/metrics", tmp_path / "node_exporter.log",
+        ))
+        default = stack.enter_context(running_exporter(tmp_path, "--collect-interval", "5"))
+        gpus = stack.enter_context(running_exporter(
+            tmp_path, "--collect-interval", "5", fake_nvml_scenario=scenario))
+        targets = {
+            "prometheus-node-exporter (Debian, default collectors)": (
+                f"http://127.0.0.1:{port}/metrics", node_exporter.process.pid),
+            "stepscope-exporter (defaults, no GPU)": (f"{default.url}/metrics", default.process.pid),
+            "stepscope-exporter (fake NVML, 8 GPUs x 8 processes)": (f"{gpus.url}/metrics", gpus.process.pid),
+        }
+        rows = measure(targets, args.scrapes)
+    report = (
+        f"Scrape benchmark, {args.scrapes} gzip scrapes per target, round-robin, "
+        f"{psutil.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n\n"
+        + table(rows, baseline=next(iter(targets)))
+        + "\n"
+    )
+    print(report)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("# " + report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
