@@ -1,0 +1,342 @@
+"""GPU readings from NVML (nvidia-ml-py): per-GPU gauges and counters, GPM on Hopper+, XID counts.
+
+Every NVML call runs on the collector's timer thread (plus the XID event thread), never at scrape
+time. Each field is read on its own, so an unsupported query drops one family of one GPU; a GPU that
+stops answering drops to `stepscope_gpu_up 0` while the others keep reporting. Without a driver the
+collector publishes `stepscope_gpu_collector_up 0`, logs that once and retries now and then.
+"""
+
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from types import ModuleType
+from typing import Any
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from exporter.collectors.gpu_events import XidWatcher
+from exporter.collectors.gpu_gpm import GpmSampler
+from exporter.gpu_processes import GpuProcessTable
+
+log = logging.getLogger(__name__)
+
+GPU = ("gpu", "uuid")
+# stepscope_gpu_<key>: (family class, help, labels); counters get `_total` when rendered
+FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
+    "collector_up": (GaugeMetricFamily, "1 when NVML initialised, 0 otherwise (no GPU, no driver).", ()),
+    "up": (GaugeMetricFamily, "1 while the GPU answers NVML queries, 0 once it stopped answering.", GPU),
+    "info": (GaugeMetricFamily, "GPU identity (value 1).", (*GPU, "name", "driver_version", "pci_bus_id")),
+    "utilization_ratio": (GaugeMetricFamily, "Fraction of the last sample period a kernel was running.", GPU),
+    "memory_utilization_ratio": (
+        GaugeMetricFamily, "Fraction of the last sample period device memory was read or written.", GPU),
+    "memory_used_bytes": (GaugeMetricFamily, "Framebuffer memory in use.", GPU),
+    "memory_free_bytes": (GaugeMetricFamily, "Framebuffer memory free.", GPU),
+    "memory_total_bytes": (GaugeMetricFamily, "Framebuffer memory installed.", GPU),
+    "temperature_celsius": (GaugeMetricFamily, "GPU die temperature.", GPU),
+    "power_watts": (GaugeMetricFamily, "Power draw of the board.", GPU),
+    "power_limit_watts": (GaugeMetricFamily, "Enforced power limit.", GPU),
+    "energy_joules": (CounterMetricFamily, "Energy used since the driver was loaded.", GPU),
+    "sm_clock_hertz": (GaugeMetricFamily, "Current SM clock.", GPU),
+    "memory_clock_hertz": (GaugeMetricFamily, "Current memory clock.", GPU),
+    "clock_event_active": (
+        GaugeMetricFamily, "1 for each clock-event (throttle) reason active now.", (*GPU, "reason")),
+    "clock_event_seconds": (
+        CounterMetricFamily, "Cumulative time clocks were held down, by policy.", (*GPU, "reason")),
+    "pcie_receive_bytes_per_second": (GaugeMetricFamily, "PCIe receive throughput (last 20 ms).", GPU),
+    "pcie_transmit_bytes_per_second": (GaugeMetricFamily, "PCIe transmit throughput (last 20 ms).", GPU),
+    "ecc_errors": (CounterMetricFamily, "Aggregate ECC errors over the GPU's life.", (*GPU, "type")),
+    "xid_errors": (CounterMetricFamily, "XID critical errors seen since exporter start.", (*GPU, "xid")),
+    "xid_last_seen_timestamp_seconds": (GaugeMetricFamily, "Unix time that XID last fired.", (*GPU, "xid")),
+    "sm_active_ratio": (GaugeMetricFamily, "GPM: fraction of SMs busy (Hopper and newer).", GPU),
+    "sm_occupancy_ratio": (GaugeMetricFamily, "GPM: resident warps over the theoretical maximum.", GPU),
+    "tensor_active_ratio": (GaugeMetricFamily, "GPM: fraction of time tensor cores were busy.", GPU),
+    "dram_active_ratio": (GaugeMetricFamily, "GPM: DRAM bandwidth used over the maximum.", GPU),
+}
+
+# Clock-event reason bits (nvml.h nvmlClocksEventReason*, same values as the older ThrottleReason*)
+CLOCK_EVENT_REASONS = (
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+)
+VIOLATION_POLICIES = (
+    ("power", "NVML_PERF_POLICY_POWER"),
+    ("thermal", "NVML_PERF_POLICY_THERMAL"),
+    ("sync_boost", "NVML_PERF_POLICY_SYNC_BOOST"),
+    ("board_limit", "NVML_PERF_POLICY_BOARD_LIMIT"),
+    ("low_utilization", "NVML_PERF_POLICY_LOW_UTILIZATION"),
+    ("reliability", "NVML_PERF_POLICY_RELIABILITY"),
+    ("app_clocks", "NVML_PERF_POLICY_TOTAL_APP_CLOCKS"),
+    ("base_clocks", "NVML_PERF_POLICY_TOTAL_BASE_CLOCKS"),
+)
+# errors that mean the GPU itself stopped answering when the basic queries raise them
+DEVICE_DOWN_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_DriverNotLoaded",
+                      "NVMLError_ResetRequired")
+
+Sample = tuple[str, tuple[str, ...], float]  # (family key, labels after gpu+uuid, value)
+Reader = Callable[[ModuleType, Any], Iterable[Sample]]
+
+
+def _utilization(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+    return [("utilization_ratio", (), rates.gpu / 100), ("memory_utilization_ratio", (), rates.memory / 100)]
+
+
+def _memory(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    """v2 when the bindings and driver have it: its `used` leaves out driver-reserved memory."""
+    try:
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+    except (AttributeError, nvml.NVMLError_FunctionNotFound):  # bindings or driver older than v2
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return [("memory_used_bytes", (), memory.used), ("memory_free_bytes", (), memory.free),
+            ("memory_total_bytes", (), memory.total)]
+
+
+def _clock_events(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    bits = (read or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(handle)
+    return [("clock_event_active", (reason,), float(bool(bits & bit))) for reason, bit in CLOCK_EVENT_REASONS]
+
+
+def _violation(reason: str, policy: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    spent = nvml.nvmlDeviceGetViolationStatus(handle, getattr(nvml, policy))
+    return [("clock_event_seconds", (reason,), spent.violationTime / 1e9)]
+
+
+def _scaled(key: str, scale: float, call: Callable[[ModuleType, Any], float],
+            nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    return [(key, (), call(nvml, handle) * scale)]
+
+
+def _ecc(kind: str, error_type: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    count = nvml.nvmlDeviceGetTotalEccErrors(handle, getattr(nvml, error_type), nvml.NVML_AGGREGATE_ECC)
+    return [("ecc_errors", (kind,), count)]
+
+
+# (family key, factor to base units, NVML call) for fields that are one number
+SCALAR_FIELDS: tuple[tuple[str, float, Callable[[ModuleType, Any], float]], ...] = (
+    ("temperature_celsius", 1, lambda n, h: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
+    ("power_watts", 1e-3, lambda n, h: n.nvmlDeviceGetPowerUsage(h)),  # mW
+    ("power_limit_watts", 1e-3, lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h)),  # mW
+    ("energy_joules", 1e-3, lambda n, h: n.nvmlDeviceGetTotalEnergyConsumption(h)),  # mJ
+    ("sm_clock_hertz", 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
+    ("memory_clock_hertz", 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
+    ("pcie_receive_bytes_per_second", 1024,  # KB/s
+     lambda n, h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES)),
+    ("pcie_transmit_bytes_per_second", 1024,
+     lambda n, h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES)),
+)
+# Basic queries first: driver-level errors there mean the GPU is gone, elsewhere just a missing field.
+BASIC_READERS: tuple[tuple[str, Reader], ...] = (("utilization", _utilization), ("memory", _memory))
+READERS: tuple[tuple[str, Reader], ...] = (
+    *((key, partial(_scaled, key, scale, call)) for key, scale, call in SCALAR_FIELDS),
+    ("clock_events", _clock_events),
+    *((f"violation_{reason}", partial(_violation, reason, policy)) for reason, policy in VIOLATION_POLICIES),
+    ("ecc_corrected", partial(_ecc, "corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED")),
+    ("ecc_uncorrected", partial(_ecc, "uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED")),
+)
+
+
+class _GpuDown(Exception):
+    """A GPU stopped answering during this cycle."""
+
+
+@dataclass
+class _Gpu:
+    index: str
+    driver_version: str
+    handle: Any = None  # None until the GPU answered the identity queries
+    uuid: str = ""
+    name: str = ""
+    pci_bus_id: str = ""
+    gpm: GpmSampler | None = None
+    up: bool = True
+    failed_fields: set[tuple[str, str]] = field(default_factory=set)
+
+
+class _Output:
+    """Families created on first use, so a family with no samples is absent rather than empty."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def add(self, key: str, labels: tuple[str, ...], value: float) -> None:
+        family = self._families.get(key)
+        if family is None:
+            kind, doc, label_names = FAMILIES[key]
+            family = self._families[key] = kind(f"stepscope_gpu_{key}", doc, labels=list(label_names))
+        family.add_metric(list(labels), value)
+
+    def families(self) -> list[Metric]:
+        return list(self._families.values())
+
+
+class GpuCollector:
+    """Reads every GPU through NVML once per cycle; see the module docstring for failure handling."""
+
+    name = "gpu"
+
+    def __init__(self, gpu_processes: GpuProcessTable, nvml: ModuleType | None = None,
+                 init_retry_seconds: float = 60.0) -> None:
+        self._gpu_processes = gpu_processes
+        self._nvml = nvml
+        self._init_retry_seconds = init_retry_seconds
+        self._next_init = 0.0
+        self._unavailable_logged = False
+        self._gpus: list[_Gpu] | None = None  # None until NVML initialised
+        self._events: XidWatcher | None = None
+        self._down_errors: tuple[type[Exception], ...] = ()
+
+    def collect(self) -> list[Metric]:
+        out = _Output()
+        if self._gpus is None and not self._init():
+            out.add("collector_up", (), 0)
+            self._gpu_processes.replace({})
+            return out.families()
+        out.add("collector_up", (), 1)
+        processes: dict[int, dict[str, int]] = {}
+        now = time.monotonic()
+        for gpu in self._gpus or ():
+            self._collect_gpu(gpu, now, out, processes)
+        for (index, uuid, xid), count, last_seen in self._events.seen() if self._events else ():
+            out.add("xid_errors", (index, uuid, xid), count)
+            out.add("xid_last_seen_timestamp_seconds", (index, uuid, xid), last_seen)
+        self._gpu_processes.replace(processes)
+        return out.families()
+
+    def close(self) -> None:
+        if self._gpus is None:
+            return
+        if self._events is not None:
+            self._events.close()
+        nvml = self._nvml
+        assert nvml is not None
+        for gpu in self._gpus:
+            if gpu.gpm is not None:
+                gpu.gpm.close()
+        with contextlib.suppress(nvml.NVMLError):  # best effort at exit
+            nvml.nvmlShutdown()
+        self._gpus = None
+
+    def _init(self) -> bool:
+        """nvmlInit and GPU discovery; False (logged once) while NVML is unavailable."""
+        now = time.monotonic()
+        if now < self._next_init:
+            return False
+        self._next_init = now + self._init_retry_seconds
+        try:
+            nvml = self._nvml or importlib.import_module("pynvml")
+        except ImportError as exc:
+            self._unavailable(f"nvidia-ml-py is not installed: {exc}")
+            return False
+        self._nvml = nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            self._unavailable(str(exc))
+            return False
+        try:
+            driver = nvml.nvmlSystemGetDriverVersion()
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            with contextlib.suppress(nvml.NVMLError):
+                nvml.nvmlShutdown()
+            self._unavailable(str(exc))
+            return False
+        self._down_errors = tuple(getattr(nvml, name) for name in DEVICE_DOWN_ERRORS)
+        self._gpus = [_Gpu(str(index), driver) for index in range(count)]
+        for gpu in self._gpus:
+            with contextlib.suppress(_GpuDown):  # reported by the first cycle, which tries again
+                self._identify(gpu)
+        identified = [(g.index, g.uuid, g.handle) for g in self._gpus if g.handle is not None]
+        self._events = XidWatcher.start(nvml, identified)
+        log.info("NVML initialised: driver %s, %d GPU(s) (%s)", driver, len(self._gpus), ", ".join(
+            f"{g.index}: {g.name or 'not answering'}{' +GPM' if g.gpm else ''}" for g in self._gpus))
+        return True
+
+    def _unavailable(self, reason: str) -> None:
+        if self._unavailable_logged:
+            log.debug("NVML still unavailable (%s)", reason)
+            return
+        self._unavailable_logged = True
+        log.warning("NVML unavailable (%s): GPU metrics disabled, retrying every %gs",
+                    reason, self._init_retry_seconds)
+
+    def _identify(self, gpu: _Gpu) -> None:
+        """Handle and identity of a GPU; raises _GpuDown while it does not answer."""
+        nvml = self._nvml
+        assert nvml is not None
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(int(gpu.index))
+            uuid, name = nvml.nvmlDeviceGetUUID(handle), nvml.nvmlDeviceGetName(handle)
+            bus_id = nvml.nvmlDeviceGetPciInfo(handle).busId
+        except nvml.NVMLError as exc:
+            raise _GpuDown(str(exc)) from None
+        gpu.handle, gpu.uuid, gpu.name = handle, uuid, name
+        gpu.pci_bus_id = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
+        gpu.gpm = GpmSampler.open(nvml, handle)
+
+    def _collect_gpu(self, gpu: _Gpu, now: float, out: _Output, processes: dict[int, dict[str, int]]) -> None:
+        try:
+            if gpu.handle is None:
+                self._identify(gpu)
+            samples: list[Sample] = []
+            for what, reader in BASIC_READERS:
+                samples += self._read(gpu, what, reader, basic=True) or ()
+            for what, reader in READERS:
+                samples += self._read(gpu, what, reader) or ()
+            ratios = self._read(gpu, "gpm", lambda _n, _h: gpu.gpm.read(now)) if gpu.gpm else None
+            held = self._read(gpu, "processes", lambda n, h: n.nvmlDeviceGetComputeRunningProcesses(h))
+        except _GpuDown as exc:
+            if gpu.up:
+                log.warning("GPU %s (%s) stopped answering (%s)", gpu.index, gpu.uuid, exc)
+            gpu.up = False
+            if gpu.gpm:
+                gpu.gpm.reset()
+            out.add("up", (gpu.index, gpu.uuid), 0)
+            if gpu.handle is not None:
+                self._add_info(gpu, out)
+            return
+        if not gpu.up:
+            log.info("GPU %s (%s) answers again", gpu.index, gpu.uuid)
+            gpu.up = True
+        labels = (gpu.index, gpu.uuid)
+        out.add("up", labels, 1)
+        self._add_info(gpu, out)
+        for key, extra, value in samples:
+            out.add(key, (*labels, *extra), value)
+        for key, value in (ratios or {}).items():
+            out.add(key, labels, value)
+        for process in held or ():
+            if process.usedGpuMemory is not None:
+                per_gpu = processes.setdefault(process.pid, {})
+                per_gpu[gpu.index] = per_gpu.get(gpu.index, 0) + process.usedGpuMemory
+
+    @staticmethod
+    def _add_info(gpu: _Gpu, out: _Output) -> None:
+        out.add("info", (gpu.index, gpu.uuid, gpu.name, gpu.driver_version, gpu.pci_bus_id), 1)
+
+    def _read(self, gpu: _Gpu, what: str, reader: Callable[[ModuleType, Any], Any],
+              basic: bool = False) -> Any:
+        """The reader's result; None when NVML refuses this field (logged once per GPU and error)."""
+        nvml = self._nvml
+        assert nvml is not None
+        try:
+            return reader(nvml, gpu.handle)
+        except nvml.NVMLError as exc:
+            if isinstance(exc, nvml.NVMLError_GpuIsLost) or (basic and isinstance(exc, self._down_errors)):
+                raise _GpuDown(str(exc)) from None
+            if (what, type(exc).__name__) not in gpu.failed_fields:
+                gpu.failed_fields.add((what, type(exc).__name__))
+                log.debug("GPU %s: %s unavailable (%s): left out", gpu.index, what, exc)
+            return None

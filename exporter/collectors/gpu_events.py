@@ -1,0 +1,110 @@
+"""XID critical errors from an NVML event set, counted on a daemon thread.
+
+XIDs are events, not readings: the driver reports each one once, so a thread blocks on the event
+set and the GPU collector publishes the counts accumulated so far.
+"""
+
+import ctypes
+import logging
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WAIT_TIMEOUT_MS = 1000  # bounds how long close() waits for the thread
+
+
+class XidWatcher:
+    """Counts XIDs per (gpu index, uuid, xid) and remembers when each last fired."""
+
+    def __init__(self, nvml: ModuleType, event_set: Any, gpus: list[tuple[str, str, Any]]) -> None:
+        self._nvml = nvml
+        self._event_set = event_set
+        self._by_handle = {_handle_key(handle): (index, uuid) for index, uuid, handle in gpus}
+        self._by_uuid = {uuid: (index, uuid) for index, uuid, _ in gpus}
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str, str], tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-xid-events", daemon=True)
+
+    @classmethod
+    def start(cls, nvml: ModuleType, gpus: list[tuple[str, str, Any]]) -> "XidWatcher | None":
+        """Registers (index, uuid, handle) GPUs for XID events; None when no GPU supports them."""
+        if not gpus:
+            return None
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            log.warning("NVML event set unavailable (%s): no XID metrics", exc)
+            return None
+        registered = []
+        for index, uuid, handle in gpus:
+            try:
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+                registered.append((index, uuid, handle))
+            except nvml.NVMLError as exc:
+                log.warning("GPU %s: XID events unavailable (%s): no XID metrics for it", index, exc)
+        if not registered:
+            nvml.nvmlEventSetFree(event_set)
+            return None
+        watcher = cls(nvml, event_set, registered)
+        watcher._thread.start()
+        return watcher
+
+    def seen(self) -> list[tuple[tuple[str, str, str], int, float]]:
+        """[((gpu, uuid, xid), count, last seen unix time)] accumulated since start."""
+        with self._lock:
+            return [(key, count, last) for key, (count, last) in self._seen.items()]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=WAIT_TIMEOUT_MS / 1000 + 2)
+        if not self._thread.is_alive():  # never free a set a wedged wait still uses
+            try:
+                self._nvml.nvmlEventSetFree(self._event_set)
+            except self._nvml.NVMLError:
+                log.debug("freeing the NVML event set failed", exc_info=True)
+
+    def _run(self) -> None:
+        nvml = self._nvml
+        failing = False
+        while not self._stop.is_set():
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._event_set, WAIT_TIMEOUT_MS)
+            except nvml.NVMLError_Timeout:
+                continue
+            except nvml.NVMLError as exc:
+                if not failing:
+                    log.warning("waiting for NVML XID events failed (%s); retrying every second", exc)
+                    failing = True
+                self._stop.wait(1.0)
+                continue
+            if failing:
+                log.info("waiting for NVML XID events works again")
+                failing = False
+            if data.eventType == nvml.nvmlEventTypeXidCriticalError:
+                self._record(data.device, str(data.eventData))
+
+    def _record(self, device: Any, xid: str) -> None:
+        """Attributes the event by its handle: asking a GPU that fell off the bus for its UUID fails."""
+        identity = self._by_handle.get(_handle_key(device))
+        if identity is None:
+            try:
+                uuid = self._nvml.nvmlDeviceGetUUID(device)
+                identity = self._by_uuid.get(uuid, ("", uuid))
+            except self._nvml.NVMLError:
+                identity = ("", "")
+        key = (*identity, xid)
+        with self._lock:
+            count, _ = self._seen.get(key, (0, 0.0))
+            self._seen[key] = (count + 1, time.time())
+
+
+def _handle_key(handle: Any) -> Any:
+    """The address behind a real NVML handle (ctypes pointers never compare equal by value)."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except ctypes.ArgumentError:  # not a ctypes pointer: the handle is its own key
+        return handle

@@ -1,0 +1,135 @@
+"""Builds, writes and loads scenarios for the fake pynvml (format: the docstring of pynvml.py here).
+
+    from tests.fake_nvml.scenario import make_scenario, write_scenario
+    write_scenario(tmp_path / "nvml.json", make_scenario(gpus=8, processes_per_gpu=8))
+
+or from a shell: `python tests/fake_nvml/scenario.py --gpus 8 --processes-per-gpu 8 out.json`.
+"""
+
+import argparse
+import copy
+import importlib.util
+import itertools
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+GIB = 1024**3
+
+# Per-model templates: realistic identity and limits; readings are a busy training GPU.
+MODELS: dict[str, dict[str, Any]] = {
+    "H100": {
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory": {"total": 80 * GIB, "used": 61 * GIB, "reserved": GIB // 2},
+        "power_usage_mw": 512_000, "enforced_power_limit_mw": 700_000,
+        "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 61,
+        "gpm": {"sm_util": 82.0, "sm_occupancy": 41.0, "any_tensor_util": 55.0, "dram_bw_util": 63.0},
+    },
+    "A100": {
+        "name": "NVIDIA A100-SXM4-80GB",
+        "memory": {"total": 80 * GIB, "used": 52 * GIB, "reserved": GIB // 2},
+        "power_usage_mw": 301_000, "enforced_power_limit_mw": 400_000,
+        "clocks_mhz": {"sm": 1410, "mem": 1593}, "temperature_c": 55,
+    },
+    "T4": {
+        "name": "Tesla T4",
+        "memory": {"total": 15 * GIB, "used": 9 * GIB, "reserved": GIB // 4},
+        "power_usage_mw": 63_000, "enforced_power_limit_mw": 70_000,
+        "clocks_mhz": {"sm": 1590, "mem": 5001}, "temperature_c": 71,
+    },
+}
+
+
+def make_gpu(index: int, model: str = "H100", *, processes: Iterable[tuple[int, int | None]] = (),
+             throttle: Sequence[str] = (), **overrides: Any) -> dict[str, Any]:
+    """One GPU of `model` (a MODELS key) holding (pid, bytes) processes; overrides replace keys."""
+    power_mw = MODELS[model]["power_usage_mw"]
+    gpu = {
+        "uuid": f"GPU-{index:08x}-5eed-4e1d-9a7e-{model.lower():0>12}",
+        "pci_bus_id": f"00000000:{0x18 + index * 0x10:02X}:00.0",
+        "utilization": {"gpu": 87, "memory": 41},
+        **copy.deepcopy(MODELS[model]),
+        "total_energy_mj": {"start": 5_000_000_000, "per_second": power_mw},  # energy rate = power
+        "clocks_event_reasons": list(throttle),
+        "violation_ns": {  # held down 10% of the time for an active reason
+            "power": {"start": 12_000_000_000, "per_second": 1e8 if "sw_power_cap" in throttle else 0},
+            "thermal": {"start": 0, "per_second": 1e8 if "sw_thermal_slowdown" in throttle else 0},
+            "sync_boost": 0, "board_limit": 0, "low_utilization": 3_000_000_000, "reliability": 0,
+            "app_clocks": 0, "base_clocks": 0,
+        },
+        "pcie_kbps": {"rx": 1_200_000, "tx": 800_000},
+        "ecc_aggregate": {"corrected": 3, "uncorrected": 0},
+        "processes": [{"pid": pid, "used_memory": used} for pid, used in processes],
+    }
+    gpu.update(overrides)
+    return gpu
+
+
+def make_scenario(gpus: int = 8, processes_per_gpu: int = 8, *, models: Sequence[str] = ("H100",),
+                  pids: Sequence[int] | None = None, first_pid: int = 3_000_000,
+                  process_memory: int = 6 * GIB, throttle: Sequence[str] = (),
+                  xid_events: Sequence[dict[str, int]] = (),
+                  driver_version: str = "550.54.15") -> dict[str, Any]:
+    """`gpus` GPUs (models cycled) with `processes_per_gpu` processes each.
+
+    Pids come from `pids` (cycled; pass real pids when the process collector must find them) or
+    count up from `first_pid`, one distinct pid per (GPU, slot).
+    """
+    pid_source = itertools.cycle(pids) if pids else itertools.count(first_pid)
+    return {
+        "driver_version": driver_version,
+        "init_error": None,
+        "gpus": [
+            make_gpu(index, models[index % len(models)], throttle=throttle,
+                     processes=[(next(pid_source), process_memory) for _ in range(processes_per_gpu)])
+            for index in range(gpus)
+        ],
+        "xid_events": list(xid_events),
+    }
+
+
+def write_scenario(path: Path | str, scenario: dict[str, Any]) -> Path:
+    """Writes atomically (temp file + rename) so the fake never reads half a file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(scenario, indent=1), encoding="utf-8")
+    os.replace(temporary, path)
+    return path
+
+
+def load_scenario(name: str) -> dict[str, Any]:
+    """One of the example scenarios in tests/fake_nvml/scenarios (without .json)."""
+    return json.loads((HERE / "scenarios" / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def load_fake_pynvml() -> ModuleType:
+    """A fresh copy of the fake module (own init count, handles and delivered events) for in-process use."""
+    spec = importlib.util.spec_from_file_location("fake_pynvml", HERE / "pynvml.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write a fake-NVML scenario JSON file.")
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--processes-per-gpu", type=int, default=8)
+    parser.add_argument("--models", default="H100", help=f"comma-separated, cycled; from {', '.join(MODELS)}")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r} (known: {', '.join(MODELS)})")
+    write_scenario(args.output, make_scenario(args.gpus, args.processes_per_gpu, models=models))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

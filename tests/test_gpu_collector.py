@@ -1,0 +1,374 @@
+"""GPU collector against the scripted fake NVML: in-process, and through a real exporter process."""
+
+import importlib.util
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.collectors import gpu_events
+from exporter.collectors.gpu import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuCollector
+from exporter.exposition import render
+from exporter.gpu_processes import GpuProcessTable
+from tests.fake_nvml.scenario import GIB, load_fake_pynvml, load_scenario, make_scenario, write_scenario
+from tests.support.processes import running_exporter, sample_values, scrape
+
+SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
+MIXED = load_scenario("mixed")
+UUIDS = [gpu["uuid"] for gpu in MIXED["gpus"]]
+GPM_FAMILIES = ("stepscope_gpu_sm_active_ratio", "stepscope_gpu_sm_occupancy_ratio",
+                "stepscope_gpu_tensor_active_ratio", "stepscope_gpu_dram_active_ratio")
+PER_GPU_FAMILIES = tuple(f"stepscope_gpu_{name}" for name in (
+    "up", "info", "utilization_ratio", "memory_utilization_ratio", "memory_used_bytes", "memory_free_bytes",
+    "memory_total_bytes", "temperature_celsius", "power_watts", "power_limit_watts", "energy_joules_total",
+    "sm_clock_hertz", "memory_clock_hertz", "clock_event_active", "clock_event_seconds_total",
+    "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second",
+))
+
+
+def wait_for(read: Callable[[], str], ok: Callable[[str], bool], what: str, timeout: float = 20.0) -> str:
+    """Reads until ok(text); a readiness wait, not a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while not ok(text := read()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}; last reading:\n{text}")
+        time.sleep(0.05)
+    return text
+
+
+def names_for_gpu(text: str, gpu: str) -> set[str]:
+    families = text_string_to_metric_families(text)
+    return {s.name for f in families for s in f.samples if s.labels.get("gpu") == gpu}
+
+
+def gpu_family_names(text: str) -> set[str]:
+    return {f.name for f in text_string_to_metric_families(text) if f.name.startswith("stepscope_gpu")}
+
+
+def one(text: str, name: str, /, **labels: str) -> float:
+    """The single sample `name` carrying `labels` (`name` may itself be a label, as in gpu_info)."""
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(values) == 1, f"{name}{labels}: {values}"
+    return values[0]
+
+
+class Harness:
+    """A collector on the fake NVML with its scenario file, for in-process tests."""
+
+    def __init__(self, path: Path, scenario: dict[str, Any], **kwargs: Any) -> None:
+        self.path = path
+        self.scenario = scenario
+        write_scenario(path, scenario)
+        self.nvml = load_fake_pynvml()
+        self.table = GpuProcessTable()
+        self.collector = GpuCollector(self.table, nvml=self.nvml, **kwargs)
+
+    def rewrite(self, change: Callable[[dict[str, Any]], None]) -> None:
+        change(self.scenario)
+        write_scenario(self.path, self.scenario)
+
+    def scrape(self) -> str:
+        return render(self.collector.collect()).decode()
+
+
+@pytest.fixture
+def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Harness]]:
+    path = tmp_path / "nvml.json"
+    monkeypatch.setenv(SCENARIO_ENV, str(path))
+    monkeypatch.setattr(gpu_events, "WAIT_TIMEOUT_MS", 100)  # close() waits for one event wait to end
+    made: list[Harness] = []
+
+    def make(scenario: dict[str, Any] = MIXED, **kwargs: Any) -> Harness:
+        made.append(Harness(path, load_scenario("mixed") if scenario is MIXED else scenario, **kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.collector.close()
+
+
+def test_mixed_scenario_publishes_every_family_in_base_units(harness: Callable[..., Harness]) -> None:
+    text = harness().scrape()
+    assert one(text, "stepscope_gpu_collector_up") == 1
+    for index, uuid in enumerate(UUIDS):
+        gpu = str(index)
+        assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, gpu)
+        assert one(text, "stepscope_gpu_up", gpu=gpu, uuid=uuid) == 1
+        assert one(text, "stepscope_gpu_utilization_ratio", gpu=gpu, uuid=uuid) == pytest.approx(0.87)
+        assert one(text, "stepscope_gpu_memory_utilization_ratio", gpu=gpu) == pytest.approx(0.41)
+    h100 = {"gpu": "0", "uuid": UUIDS[0]}
+    assert one(text, "stepscope_gpu_info", **h100, name="NVIDIA H100 80GB HBM3", driver_version="550.54.15",
+               pci_bus_id="00000000:18:00.0") == 1
+    assert one(text, "stepscope_gpu_power_watts", **h100) == pytest.approx(512.0)
+    assert one(text, "stepscope_gpu_power_limit_watts", **h100) == pytest.approx(700.0)
+    assert one(text, "stepscope_gpu_sm_clock_hertz", **h100) == pytest.approx(1.98e9)
+    assert one(text, "stepscope_gpu_memory_clock_hertz", **h100) == pytest.approx(2.619e9)
+    assert one(text, "stepscope_gpu_temperature_celsius", **h100) == 61
+    assert one(text, "stepscope_gpu_pcie_receive_bytes_per_second", **h100) == 1_200_000 * 1024
+    assert one(text, "stepscope_gpu_pcie_transmit_bytes_per_second", **h100) == 800_000 * 1024
+    assert one(text, "stepscope_gpu_energy_joules_total", **h100) >= 5_000_000
+    assert one(text, "stepscope_gpu_clock_event_seconds_total", **h100, reason="power") >= 12.0
+    assert one(text, "stepscope_gpu_clock_event_seconds_total", **h100, reason="low_utilization") == 3.0
+    assert one(text, "stepscope_gpu_ecc_errors_total", gpu="1", type="corrected") >= 17
+    assert one(text, "stepscope_gpu_ecc_errors_total", gpu="1", type="uncorrected") == 1
+    # memory v2 leaves driver-reserved memory out of `used`; the T4 scenario's driver only has v1
+    assert one(text, "stepscope_gpu_memory_used_bytes", **h100) == 61 * GIB
+    assert one(text, "stepscope_gpu_memory_free_bytes", **h100) == 80 * GIB - 61 * GIB - GIB // 2
+    assert one(text, "stepscope_gpu_memory_total_bytes", **h100) == 80 * GIB
+    assert one(text, "stepscope_gpu_memory_used_bytes", gpu="2") == 9 * GIB + GIB // 4
+    for reason, _ in VIOLATION_POLICIES:
+        assert one(text, "stepscope_gpu_clock_event_seconds_total", gpu="0", reason=reason) >= 0
+
+
+def test_gpm_ratios_only_for_the_hopper_gpu(harness: Callable[..., Harness]) -> None:
+    h = harness()
+    first = h.scrape()
+    assert not set(GPM_FAMILIES) & gpu_family_names(first), "GPM needs two samples: absent on the first cycle"
+    time.sleep(0.12)  # GPM samples must be at least 100 ms apart
+    text = h.scrape()
+    expected = {"sm_active": 0.82, "sm_occupancy": 0.41, "tensor_active": 0.55, "dram_active": 0.63}
+    for metric, ratio in expected.items():
+        assert one(text, f"stepscope_gpu_{metric}_ratio", gpu="0", uuid=UUIDS[0]) == pytest.approx(ratio)
+    for gpu in ("1", "2"):
+        assert not set(GPM_FAMILIES) & names_for_gpu(text, gpu)
+
+
+def test_clock_event_state_set_follows_the_reason_bits(harness: Callable[..., Harness]) -> None:
+    text = harness().scrape()
+    active = {"0": {"sw_power_cap"}, "1": {"sw_thermal_slowdown", "hw_thermal_slowdown"}, "2": {"gpu_idle"}}
+    for gpu, expected in active.items():
+        states = {reason: one(text, "stepscope_gpu_clock_event_active", gpu=gpu, reason=reason)
+                  for reason, _ in CLOCK_EVENT_REASONS}
+        assert {reason for reason, on in states.items() if on == 1} == expected
+        assert set(states.values()) == {0.0, 1.0}
+
+
+def test_unsupported_or_failing_field_is_left_out_for_that_gpu_only(harness: Callable[..., Harness]) -> None:
+    h = harness()
+    h.rewrite(lambda s: s["gpus"][1].setdefault("errors", {}).update(power_usage_mw="Unknown"))
+    text = h.scrape()
+    # the T4 scenario has no ECC and no board_limit violation counter: NotSupported
+    assert sample_values(text, "stepscope_gpu_ecc_errors_total", gpu="2") == []
+    assert sample_values(text, "stepscope_gpu_clock_event_seconds_total", gpu="2", reason="board_limit") == []
+    assert len(sample_values(text, "stepscope_gpu_clock_event_seconds_total", gpu="2")) == 7
+    assert len(sample_values(text, "stepscope_gpu_ecc_errors_total", gpu="0")) == 2
+    # an error on a non-basic field drops that field, the GPU stays up
+    assert sample_values(text, "stepscope_gpu_power_watts", gpu="1") == []
+    assert one(text, "stepscope_gpu_up", gpu="1") == 1
+    assert one(text, "stepscope_gpu_power_limit_watts", gpu="1") == 400
+    assert [one(text, "stepscope_gpu_power_watts", gpu=g) for g in ("0", "2")] == [512, 63]
+
+
+def test_older_bindings_without_event_reasons_or_memory_v2(
+    harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = harness()
+    monkeypatch.delattr(h.nvml, "nvmlDeviceGetCurrentClocksEventReasons")
+    monkeypatch.delattr(h.nvml, "nvmlMemory_v2")
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_clock_event_active", gpu="0", reason="sw_power_cap") == 1
+    assert one(text, "stepscope_gpu_memory_used_bytes", gpu="0") == 61 * GIB + GIB // 2  # v1: incl. reserved
+
+
+def test_lost_gpu_reports_down_while_others_stay_fresh_then_returns(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    h = harness()
+    caplog.set_level(logging.INFO, logger="exporter.collectors.gpu")
+    h.scrape()
+
+    def lose(scenario: dict[str, Any]) -> None:
+        scenario["gpus"][1]["lost"] = True
+        scenario["gpus"][0]["temperature_c"] = 77
+    h.rewrite(lose)
+    for _ in range(3):
+        text = h.scrape()
+        assert one(text, "stepscope_gpu_up", gpu="1", uuid=UUIDS[1]) == 0
+        assert names_for_gpu(text, "1") == {"stepscope_gpu_up", "stepscope_gpu_info"}
+        assert one(text, "stepscope_gpu_temperature_celsius", gpu="0") == 77
+        assert one(text, "stepscope_gpu_up", gpu="2") == 1
+        assert 4101 in h.table.get() and "1" not in h.table.get()[4101]
+    assert sum("stopped answering" in r.message for r in caplog.records) == 1
+
+    h.rewrite(lambda s: s["gpus"][1].pop("lost"))
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_up", gpu="1") == 1
+    assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, "1")
+    assert h.table.get()[4101]["1"] == 8 * GIB
+    assert sum("answers again" in r.message for r in caplog.records) == 1
+
+
+def test_gpu_lost_before_start_is_reported_and_picked_up_later(harness: Callable[..., Harness]) -> None:
+    scenario = load_scenario("mixed")
+    scenario["gpus"][1]["lost"] = True
+    h = harness(scenario)
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_up", gpu="1", uuid="") == 0  # identity unknown yet
+    assert sample_values(text, "stepscope_gpu_info", gpu="1") == []
+    assert one(text, "stepscope_gpu_up", gpu="0") == 1
+    h.rewrite(lambda s: s["gpus"][1].pop("lost"))
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_up", gpu="1", uuid=UUIDS[1]) == 1
+    assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, "1")
+
+
+@pytest.mark.parametrize(("field", "down"),
+                         [("utilization", True), ("memory", True), ("temperature_c", False)])
+def test_driver_error_on_a_basic_query_marks_the_gpu_down(
+    harness: Callable[..., Harness], field: str, down: bool
+) -> None:
+    h = harness()
+    h.rewrite(lambda s: s["gpus"][2].setdefault("errors", {}).update({field: "Unknown"}))
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_up", gpu="2") == (0 if down else 1)
+    assert one(text, "stepscope_gpu_up", gpu="0") == 1
+
+
+def test_process_gpu_memory_lands_in_the_table(harness: Callable[..., Harness]) -> None:
+    h = harness()
+    h.scrape()
+    assert {pid: dict(gpus) for pid, gpus in h.table.get().items()} == {
+        4101: {"0": 30 * GIB, "1": 8 * GIB},  # one process on two GPUs
+        4102: {"0": 20 * GIB},
+        4104: {"2": 2 * GIB},  # 4103 reports no memory figure (None): left out
+    }
+    h.rewrite(lambda s: s["gpus"][0]["processes"].append({"pid": 4102, "used_memory": GIB}))
+    h.scrape()
+    assert h.table.get()[4102] == {"0": 21 * GIB}  # two contexts of one pid on one GPU add up
+
+
+def test_generated_eight_by_eight_scenario(harness: Callable[..., Harness]) -> None:
+    h = harness(make_scenario(gpus=8, processes_per_gpu=8, models=("H100", "A100")))
+    text = h.scrape()
+    assert sample_values(text, "stepscope_gpu_up") == [1] * 8
+    assert len(h.table.get()) == 64
+    assert all(len(per_gpu) == 1 for per_gpu in h.table.get().values())
+
+
+def test_xid_events_count_per_gpu_and_xid(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    scenario = load_scenario("mixed")
+    scenario["gpus"][2]["errors"] = {"register_events": "NotSupported"}
+    scenario["xid_events"] = [{"gpu": 0, "xid": 79}, {"gpu": 2, "xid": 31}]
+    h = harness(scenario)
+    before = time.time()
+    h.scrape()  # starts the event thread
+    text = wait_for(h.scrape, lambda t: bool(sample_values(t, "stepscope_gpu_xid_errors_total")),
+                    "the first XID")
+    assert one(text, "stepscope_gpu_xid_errors_total", gpu="0", uuid=UUIDS[0], xid="79") == 1
+    last_seen = one(text, "stepscope_gpu_xid_last_seen_timestamp_seconds", gpu="0", xid="79")
+    assert before <= last_seen <= time.time()
+    assert sample_values(text, "stepscope_gpu_xid_errors_total", gpu="2") == []  # not registered
+    assert sum("XID events unavailable" in r.message for r in caplog.records) == 1
+
+    h.rewrite(lambda s: s["xid_events"].extend([{"gpu": 0, "xid": 79}, {"gpu": 1, "xid": 48}]))
+    text = wait_for(h.scrape, lambda t: sorted(sample_values(t, "stepscope_gpu_xid_errors_total")) == [1, 2],
+                    "the appended XIDs")
+    assert one(text, "stepscope_gpu_xid_errors_total", gpu="0", xid="79") == 2
+    assert one(text, "stepscope_gpu_xid_errors_total", gpu="1", uuid=UUIDS[1], xid="48") == 1
+
+
+def test_no_driver_reports_collector_down_logs_once_and_recovers(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="exporter.collectors.gpu")
+    h = harness(load_scenario("no_driver"), init_retry_seconds=0)
+    for _ in range(4):
+        text = h.scrape()
+        assert gpu_family_names(text) == {"stepscope_gpu_collector_up"}
+        assert one(text, "stepscope_gpu_collector_up") == 0
+        assert h.table.get() == {}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["NVML unavailable (Driver Not Loaded): GPU metrics disabled, retrying every 0s"]
+
+    h.rewrite(lambda s: s.update(load_scenario("mixed")))
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_collector_up") == 1
+    assert one(text, "stepscope_gpu_up", gpu="2") == 1
+
+
+def test_real_nvidia_ml_py_without_a_driver_is_a_clean_collector_down() -> None:
+    pytest.importorskip("pynvml")
+    collector = GpuCollector(GpuProcessTable())  # the real bindings; no NVIDIA driver on this machine
+    try:
+        text = render(collector.collect()).decode()
+        if one(text, "stepscope_gpu_collector_up") == 1:
+            pytest.skip("an NVIDIA driver is present here")
+        assert gpu_family_names(text) == {"stepscope_gpu_collector_up"}
+    finally:
+        collector.close()
+
+
+def test_close_frees_gpm_samples_and_shuts_nvml_down(harness: Callable[..., Harness]) -> None:
+    h = harness()
+    h.scrape()
+    assert h.nvml.gpm_samples_allocated() == 2  # the H100's pair
+    h.collector.close()
+    assert h.nvml.gpm_samples_allocated() == 0
+    with pytest.raises(h.nvml.NVMLError_Uninitialized):
+        h.nvml.nvmlDeviceGetCount()
+
+
+# --- through a real exporter process -------------------------------------------------------------
+
+
+def test_exporter_scrape_with_mixed_gpus_passes_promtool(tmp_path: Path) -> None:
+    scenario = write_scenario(tmp_path / "nvml.json", load_scenario("mixed"))
+    with running_exporter(tmp_path, "--collectors", "gpu", fake_nvml_scenario=scenario) as exporter:
+        text = wait_for(lambda: scrape(exporter.url), lambda t: "stepscope_gpu_sm_active_ratio{" in t,
+                        "GPM ratios (second cycle)")
+    for index in range(3):
+        assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, str(index))
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                             timeout=60)
+    assert (checked.returncode, checked.stdout + checked.stderr) == (0, "")
+
+
+def test_exporter_gpu_lost_mid_run_and_back(tmp_path: Path) -> None:
+    scenario = load_scenario("mixed")
+    path = write_scenario(tmp_path / "nvml.json", scenario)
+    with running_exporter(tmp_path, "--collectors", "gpu", fake_nvml_scenario=path) as exporter:
+        assert one(scrape(exporter.url), "stepscope_gpu_up", gpu="1") == 1
+        scenario["gpus"][1]["lost"] = True
+        scenario["gpus"][0]["power_usage_mw"] = 650_000
+        write_scenario(path, scenario)
+        text = wait_for(lambda: scrape(exporter.url),
+                        lambda t: sample_values(t, "stepscope_gpu_up", gpu="1") == [0], "GPU 1 down")
+        assert names_for_gpu(text, "1") == {"stepscope_gpu_up", "stepscope_gpu_info"}
+        assert one(text, "stepscope_gpu_power_watts", gpu="0") == 650
+        assert one(text, "stepscope_gpu_up", gpu="2") == 1
+
+        del scenario["gpus"][1]["lost"]
+        write_scenario(path, scenario)
+        text = wait_for(lambda: scrape(exporter.url),
+                        lambda t: sample_values(t, "stepscope_gpu_up", gpu="1") == [1], "GPU 1 back")
+        assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, "1")
+        log = exporter.log()
+    assert log.count("stopped answering") == 1 and log.count("answers again") == 1
+
+
+def test_exporter_without_driver_logs_once_and_keeps_other_collectors(tmp_path: Path) -> None:
+    with_node = importlib.util.find_spec("exporter.collectors.node") is not None  # another helper's module
+    scenario = write_scenario(tmp_path / "nvml.json", load_scenario("no_driver"))
+    with running_exporter(tmp_path, "--collectors", "gpu,node" if with_node else "gpu",
+                          fake_nvml_scenario=scenario) as exporter:
+        first = one(scrape(exporter.url), "stepscope_exporter_collector_last_success_timestamp_seconds",
+                    collector="gpu")
+        text = wait_for(lambda: scrape(exporter.url), lambda t: one(
+            t, "stepscope_exporter_collector_last_success_timestamp_seconds", collector="gpu") >= first + 1.5,
+            "at least three more GPU cycles")
+        log = exporter.log()
+    assert gpu_family_names(text) == {"stepscope_gpu_collector_up"}
+    assert one(text, "stepscope_gpu_collector_up") == 0
+    assert one(text, "stepscope_exporter_collector_errors_total", collector="gpu") == 0
+    assert log.count("NVML unavailable") == 1, log
+    if with_node:
+        assert sample_values(text, "stepscope_node_cpus") != []
