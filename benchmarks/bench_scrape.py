@@ -24,7 +24,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from tests.fake_nvml.scenario import make_scenario  # noqa: E402
-
 from tests.support.processes import free_port, running, running_exporter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scrape.md"
