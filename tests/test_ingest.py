@@ -120,6 +120,21 @@ def test_parse_push_canonicalises_histograms_and_drops_created() -> None:
     assert all(s.labels["run"] == "r" and s.labels["rank"] == "0" for s in families["stepscope_step_seconds"])
 
 
+@pytest.mark.parametrize(("body", "reason", "text"), [
+    ("# TYPE stepscope_steps_created gauge\nstepscope_steps_created 1.7e9\n", None, ""),
+    ("# TYPE stepscope_training_info_created gauge\nstepscope_training_info_created 1\n", "unknown_family",
+     "unknown family 'stepscope_training_info_created'"),
+    ("# TYPE stepscope_step_seconds_count counter\nstepscope_step_seconds_count 1\n", "wrong_type",
+     "needs the line '# TYPE stepscope_step_seconds histogram' before it (got counter)"),
+])
+def test_created_companions_dropped_near_names_refused(body: str, reason: str | None, text: str) -> None:
+    if reason is None:
+        assert parse_push(body.encode(), "r", "0", 128) == {}
+        return
+    error = rejected(parse_push, body.encode(), "r", "0", 128)
+    assert (error.reason, error.status) == (reason, 400) and text in error.message
+
+
 def test_parse_error_names_the_line() -> None:
     body = b"# TYPE stepscope_steps_total counter\nstepscope_steps_total{x 1\n"
     error = rejected(parse_push, body, "r", "0", 128)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -130,6 +131,19 @@ def test_base64_path_values_and_matching_body_labels(exporter: Running) -> None:
     body = '# TYPE stepscope_steps_total counter\nstepscope_steps_total{run="lr=3e-4/bs 64",rank="3"} 5\n'
     assert requests.put(url, data=body, timeout=10).status_code == 200
     assert samples(scrape(exporter.url))[key("stepscope_steps_total", run="lr=3e-4/bs 64", rank="3")] == 5
+
+
+def test_concurrent_pushes_all_land(exporter: Running) -> None:
+    def push_rank(rank: int) -> list[int]:
+        url = group_url(exporter.url, "busy", str(rank))
+        return [requests.put(url, data=full_body(steps=steps), timeout=10).status_code for steps in (1, 2, 5)]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        statuses = [status for result in pool.map(push_rank, range(8)) for status in result]
+    assert statuses == [200] * 24
+    pushed = of_run(scrape(exporter.url), "busy").items()
+    steps = {dict(labels)["rank"]: v for (name, labels), v in pushed if name == "stepscope_steps_total"}
+    assert steps == {str(rank): 5 for rank in range(8)}
 
 
 def test_scrape_with_pushed_data_passes_promtool(exporter: Running, tmp_path: Path) -> None:

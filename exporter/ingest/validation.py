@@ -41,7 +41,6 @@ FAMILIES: Mapping[str, FamilySpec] = {
                    "State set: 1 for the process's current training state, 0 for the others."),
     )
 }
-PATH_LABELS = ("run", "rank")
 RESERVED_LABELS = ("job", "instance")
 NON_EMPTY_LABELS = frozenset({"phase", "state", "pid"})
 PHASE_FAMILY = "stepscope_step_phase_seconds"
@@ -107,10 +106,10 @@ def _spec_for(name: str, typ: str) -> FamilySpec | None:
         if name.endswith(suffix):
             base = name[: -len(suffix)]
             known = FAMILIES.get(base) or FAMILIES.get(base + "_total")
-            if known is None:
-                continue
-            if suffix == "_created" and known.type in ("counter", "histogram"):
+            if suffix == "_created" and known is not None and known.type in ("counter", "histogram"):
                 return None  # prometheus_client's creation timestamps: harmless, not stored
+            if known is None or suffix == "_created":
+                continue
             raise Rejected(
                 400, "wrong_type",
                 f"sample {name} needs the line '# TYPE {known.name} {known.type}' before it (got {typ})",

@@ -18,14 +18,14 @@ def phase_family(phases: Sequence[str] = ("dataloader_next", "forward"), steps: 
     body = "# HELP stepscope_step_phase_seconds Phase time.\n# TYPE stepscope_step_phase_seconds histogram\n"
     for phase in phases:
         body += histogram("stepscope_step_phase_seconds",
-                          [("0.01", 1), ("0.1", steps - 1), ("+Inf", steps)], steps, 0.05 * steps,
+                          [("0.01", 0), ("0.1", max(steps - 1, 0)), ("+Inf", steps)], steps, 0.05 * steps,
                           f'phase="{phase}"')
     return body
 
 
 def step_family(steps: int = 4) -> str:
     return ("# TYPE stepscope_step_seconds histogram\n"
-            + histogram("stepscope_step_seconds", [("0.1", 1), ("1", steps), ("+Inf", steps)],
+            + histogram("stepscope_step_seconds", [("0.1", min(steps, 1)), ("1", steps), ("+Inf", steps)],
                         steps, 0.3 * steps))
 
 
