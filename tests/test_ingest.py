@@ -4,15 +4,16 @@ import base64
 import ipaddress
 
 import pytest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.exposition import ExpositionStore
+from exporter.exposition import ExpositionStore, render
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.api import PushApi, parse_group_path
 from exporter.ingest.errors import Rejected
-from exporter.ingest.render import render_training
+from exporter.ingest.render import render_group_lines, render_training
 from exporter.ingest.store import GroupStore, StoreLimits
-from exporter.ingest.validation import parse_push
+from exporter.ingest.validation import FAMILIES, parse_push
 from tests.support.ingest_bodies import counter, full_body, info_family, phase_family
 
 LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)
@@ -160,26 +161,33 @@ def families(body: str, run: str = "r", rank: str = "0"):  # type: ignore[no-unt
     return parse_push(body.encode(), run, rank, 128)
 
 
+def push(store: GroupStore, rank: str, parsed: dict, replace: bool = True):  # type: ignore[no-untyped-def]
+    return store.push("r", rank, parsed, render_group_lines(parsed), replace)
+
+
 def test_post_merges_put_replaces() -> None:
     store = GroupStore(LIMITS)
-    store.push("r", "0", families(full_body(steps=4)), replace=True)
-    store.push("r", "0", families(counter("stepscope_steps_total", 9)), replace=False)
+    push(store, "0", families(full_body(steps=4)), True)
+    push(store, "0", families(counter("stepscope_steps_total", 9)), False)
     group = store.snapshot()[1][0]
     assert group.families["stepscope_steps_total"][0].value == 9
     assert "stepscope_step_phase_seconds" in group.families
-    store.push("r", "0", families(counter("stepscope_steps_total", 10)), replace=True)
+    text = render_training(store.snapshot()[1]).decode()
+    assert 'stepscope_steps_total{rank="0",run="r"} 9.0' in text
+    assert 'stepscope_step_phase_seconds_count{phase="forward",rank="0",run="r"} 4.0' in text
+    push(store, "0", families(counter("stepscope_steps_total", 10)), True)
     assert list(store.snapshot()[1][0].families) == ["stepscope_steps_total"]
 
 
 def test_limits_apply_to_the_merged_group_and_leave_it_unchanged() -> None:
     store = GroupStore(StoreLimits(max_groups=3, max_series_per_group=25, max_phases=3, ttl_seconds=10))
-    store.push("r", "0", families(full_body()), replace=True)  # 2 phases: 21 series
+    push(store, "0", families(full_body()), True)  # 2 phases: 21 series
     before = store.snapshot()
-    error = rejected(store.push, "r", "0", families(phase_family(("a", "b", "c", "d"))), False)
+    error = rejected(push, store, "0", families(phase_family(("a", "b", "c", "d"))), False)
     assert (error.status, error.reason) == (400, "too_many_phases")
     assert "4 distinct phases, over the limit of 3 (--ingest-max-phases): a, b, c, d" in error.message
     # POST replaces the 10 phase series with 15: 26 series in the merged group
-    error = rejected(store.push, "r", "0", families(phase_family(("a", "b", "c"))), False)
+    error = rejected(push, store, "0", families(phase_family(("a", "b", "c"))), False)
     assert (error.status, error.reason) == (400, "too_many_series")
     assert "would hold 26 series, over the limit of 25 (--ingest-max-series-per-group)" in error.message
     assert store.snapshot() == before
@@ -189,22 +197,22 @@ def test_group_limit_counts_only_new_groups_and_expired_ones_free_room() -> None
     clock = FakeClock()
     store = GroupStore(LIMITS, clock=clock)
     for rank in "012":
-        store.push("r", rank, {}, replace=True)
-    store.push("r", "2", {}, replace=True)  # existing group: never counts as new
-    error = rejected(store.push, "r", "3", {}, True)
+        push(store, rank, {}, True)
+    push(store, "2", {}, True)  # existing group: never counts as new
+    error = rejected(push, store, "3", {}, True)
     assert (error.status, error.reason) == (429, "too_many_groups")
     assert "--ingest-max-groups 3" in error.message
     clock.now += 11
-    store.push("r", "3", {}, replace=True)
+    push(store, "3", {}, True)
     assert [g.rank for g in store.snapshot()[1]] == ["3"]
 
 
 def test_ttl_expiry_and_registered_processes() -> None:
     clock = FakeClock()
     store = GroupStore(LIMITS, clock=clock)
-    store.push("r", "0", families(info_family(pid=111)), replace=True)
+    push(store, "0", families(info_family(pid=111)), True)
     clock.now += 5
-    store.push("r", "1", families(info_family(pid=222), rank="1"), replace=True)
+    push(store, "1", families(info_family(pid=222), rank="1"), True)
     assert store.registered_processes() == {111: {"run": "r", "rank": "0"}, 222: {"run": "r", "rank": "1"}}
     clock.now += 6  # rank 0 is now 11 s old, rank 1 is 6 s old
     assert store.registered_processes() == {222: {"run": "r", "rank": "1"}}
@@ -216,13 +224,23 @@ def test_ttl_expiry_and_registered_processes() -> None:
 
 def test_render_merges_groups_into_one_family_each() -> None:
     store = GroupStore(LIMITS)
-    store.push("r", "10", families(full_body(), rank="10"), replace=True)
-    store.push("r", "2", families(full_body(), rank="2"), replace=True)
-    parsed = list(text_string_to_metric_families(render_training(store.snapshot()[1]).decode()))
+    push(store, "10", families(full_body(), rank="10"), True)
+    push(store, "2", families(full_body(), rank="2"), True)
+    groups = store.snapshot()[1]
+    text = render_training(groups).decode()
+    parsed = list(text_string_to_metric_families(text))
     names = [f.name for f in parsed]
     assert len(names) == len(set(names)) == 7
     ranks = [s.labels["rank"] for s in parsed[2].samples]
     assert ranks == ["2", "10"]  # numeric rank order within a family
+    # the joined per-group lines equal prometheus_client rendering all samples of a family at once
+    whole = []
+    for name, spec in FAMILIES.items():
+        family = Metric(name.removesuffix("_total") if spec.type == "counter" else name, spec.help, spec.type)
+        family.samples = [s for group in groups for s in group.families[name]]
+        whole.append(family)
+    assert text.startswith(render(whole).decode())
+    assert text.count("# TYPE") == 7
 
 
 def test_push_api_publishes_nothing_for_a_refused_push() -> None:

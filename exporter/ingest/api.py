@@ -15,7 +15,7 @@ from urllib.parse import unquote
 from exporter.exposition import ExpositionStore
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.errors import REASONS, Rejected
-from exporter.ingest.render import render_self, render_training
+from exporter.ingest.render import render_group_lines, render_self, render_training
 from exporter.ingest.store import GroupStore
 from exporter.ingest.validation import parse_push
 from exporter.server import PushResponse
@@ -152,7 +152,8 @@ class PushApi:
         if "protobuf" in headers.get("content-type", ""):
             raise Rejected(415, "unsupported_media_type", "only the text exposition format 0.0.4 is accepted")
         families = parse_push(body, run, rank, self._max_label_length)
-        group = self._groups.push(run, rank, families, replace=method == "PUT")
+        rendered = render_group_lines(families)  # outside the store's lock
+        group = self._groups.push(run, rank, families, rendered, replace=method == "PUT")
         series = sum(len(samples) for samples in group.families.values())
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {series} series")
 

@@ -23,6 +23,7 @@ class Group:
     run: str
     rank: str
     families: Mapping[str, tuple[Sample, ...]]
+    rendered: Mapping[str, bytes]  # per family: its sample lines, so a re-render only joins bytes
     pushed_at: float  # Unix time of the last push, published for "pushes but no steps" alerts
     expires_at: float  # monotonic deadline
 
@@ -47,7 +48,9 @@ class GroupStore:
         self._groups: Mapping[GroupKey, Group] = MappingProxyType({})
         self._version = 0
 
-    def push(self, run: str, rank: str, families: Families, replace: bool) -> Group:
+    def push(
+        self, run: str, rank: str, families: Families, rendered: Mapping[str, bytes], replace: bool
+    ) -> Group:
         """PUT (replace=True) replaces the group; POST replaces only the families it carries."""
         limits = self._limits
         with self._lock:
@@ -61,7 +64,10 @@ class GroupStore:
                     f"limit (--ingest-max-groups {limits.max_groups}); a group expires "
                     f"{limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE",
                 )
-            merged = dict(families) if replace or old is None else {**old.families, **families}
+            if replace or old is None:
+                merged, merged_rendered = dict(families), dict(rendered)
+            else:
+                merged, merged_rendered = {**old.families, **families}, {**old.rendered, **rendered}
             phases = sorted({s.labels["phase"] for s in merged.get(PHASE_FAMILY, ())})
             if len(phases) > limits.max_phases:
                 shown = ", ".join(phases[:8]) + (", ..." if len(phases) > 8 else "")
@@ -77,7 +83,8 @@ class GroupStore:
                     f"group run={run!r} rank={rank} would hold {series} series, over the limit of "
                     f"{limits.max_series_per_group} (--ingest-max-series-per-group)",
                 )
-            group = Group(run, rank, MappingProxyType(merged), self._wall_clock(), now + limits.ttl_seconds)
+            group = Group(run, rank, MappingProxyType(merged), MappingProxyType(merged_rendered),
+                          self._wall_clock(), now + limits.ttl_seconds)
             self._replace_locked({**self._groups, (run, rank): group})
             return group
 
