@@ -37,14 +37,23 @@ def test_default_policy_refuses_other_addresses_and_says_how_to_allow(ip: str) -
     error = rejected(AccessPolicy().check, ip, None)
     assert (error.status, error.reason) == (403, "forbidden")
     assert "--ingest-token-file" in error.message and "--ingest-allow" in error.message
-    assert ip in error.message
+    assert ip.removeprefix("::ffff:") in error.message
+
+
+def test_refusal_suggests_an_allow_entry_for_the_client() -> None:
+    message = rejected(AccessPolicy().check, "::ffff:10.0.0.1", None).message
+    assert "only loopback clients may push without a token" in message
+    assert "add this client to --ingest-allow (e.g. 10.0.0.1/32)" in message
+    assert "(e.g. fd00::2/128)" in rejected(AccessPolicy().check, "fd00::2", None).message
 
 
 def test_allow_list_admits_its_networks_and_loopback_only() -> None:
     policy = AccessPolicy(allow=(ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8")))
     for ip in ("10.1.2.3", "::ffff:10.9.9.9", "fd00::2", "127.0.0.1"):
         policy.check(ip, None)
-    assert rejected(policy.check, "11.0.0.1", None).status == 403
+    error = rejected(policy.check, "11.0.0.1", None)
+    assert error.status == 403
+    assert "only loopback clients and --ingest-allow networks may push without a token" in error.message
 
 
 def test_token_is_required_from_everyone_once_configured() -> None:

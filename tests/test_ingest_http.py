@@ -1,5 +1,6 @@
 """The push API through a real exporter process: hand-written bodies over HTTP, then /metrics."""
 
+import gzip
 import importlib.util
 import os
 import socket
@@ -267,6 +268,18 @@ def test_protobuf_bodies_get_415(exporter: Running) -> None:
     headers = {"Content-Type": "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily"}
     assert_refused(exporter, "PUT", group_url(exporter.url, "refuse"), 415, "only the text exposition format",
                    "unsupported_media_type", data=b"\x00\x01", headers=headers)
+
+
+def test_chunked_bodies_get_411(exporter: Running) -> None:
+    assert_refused(exporter, "PUT", group_url(exporter.url, "refuse"), 411,
+                   "send the body with a Content-Length", "length_required",
+                   data=iter([full_body().encode()]))
+
+
+def test_compressed_bodies_get_415(exporter: Running) -> None:
+    assert_refused(exporter, "PUT", group_url(exporter.url, "refuse"), 415,
+                   "Content-Encoding 'gzip' is not supported", "unsupported_media_type",
+                   data=gzip.compress(full_body().encode()), headers={"Content-Encoding": "gzip"})
 
 
 # --- TTL, group limit, access -------------------------------------------------------------------

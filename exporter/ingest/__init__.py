@@ -28,6 +28,13 @@ Flags (each also read from the STEPSCOPE_* variable named in `--help`):
 
 Without a token or allow-list only loopback clients may push (403 otherwise), so an exporter
 listening on all interfaces does not let the network inject or delete series.
+
+Refusals answer a one-line text naming the limit or the offending item and count in
+stepscope_exporter_ingest_rejected_total{reason}: 401 unauthorized, 403 forbidden, 404/400
+bad_path, 405 bad_method, 411 length_required (chunked body), 413 body_too_large, 415
+unsupported_media_type (protobuf or compressed body), 429 too_many_groups, and 400 for malformed,
+unknown_family, wrong_type, bad_label, label_too_long, bad_value, non_cumulative_buckets,
+too_many_phases, too_many_series. A refused push changes nothing stored.
 """
 
 import argparse

@@ -23,12 +23,13 @@ class AccessPolicy:
     def check(self, client_ip: str, authorization: str | None) -> None:
         """Returns when the client may push; raises Rejected (401 or 403) otherwise."""
         address = _address(client_ip)
+        client = str(address) if address is not None else client_ip
         allowed = address is not None and any(address in network for network in self.allow)
         if self.token is not None:
             if self.allow and not allowed:
                 raise Rejected(
                     403, "forbidden",
-                    f"pushes from {client_ip} are not allowed: the address is outside --ingest-allow",
+                    f"pushes from {client} are not allowed: the address is outside --ingest-allow",
                 )
             if not _bearer_matches(authorization, self.token):
                 raise Rejected(
@@ -39,11 +40,13 @@ class AccessPolicy:
             return
         if allowed or (address is not None and address.is_loopback):
             return
+        example = f"{client}/{address.max_prefixlen}" if address is not None else "10.0.0.0/8"
+        who = "loopback clients and --ingest-allow networks" if self.allow else "loopback clients"
         raise Rejected(
             403, "forbidden",
-            f"pushes from {client_ip} are not allowed: without configuration only loopback clients may "
-            "push; start the exporter with --ingest-token-file FILE (clients then send 'Authorization: "
-            f"Bearer <token>') or --ingest-allow CIDR (e.g. {client_ip}/32) to accept this client",
+            f"pushes from {client} are not allowed: only {who} may push without a token; start the "
+            "exporter with --ingest-token-file FILE (clients then send 'Authorization: Bearer <token>') "
+            f"or add this client to --ingest-allow (e.g. {example})",
         )
 
 

@@ -147,10 +147,19 @@ class PushApi:
             existed = self._groups.delete(run, rank)
             return PushResponse(202, f"deleted group run={run!r} rank={rank}" if existed
                                 else f"no group run={run!r} rank={rank}; nothing deleted")
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            # the HTTP layer reads Content-Length bytes only: a chunked body would arrive empty and
+            # a PUT would wipe the group
+            raise Rejected(411, "length_required", "send the body with a Content-Length header "
+                                                   "(chunked transfer encoding is not supported)")
         if len(body) > self.max_body_bytes:
             raise _too_large(len(body), self.max_body_bytes)
         if "protobuf" in headers.get("content-type", ""):
             raise Rejected(415, "unsupported_media_type", "only the text exposition format 0.0.4 is accepted")
+        encoding = headers.get("content-encoding", "identity")
+        if encoding.lower() != "identity":
+            raise Rejected(415, "unsupported_media_type",
+                           f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
         families = parse_push(body, run, rank, self._max_label_length)
         rendered = render_group_lines(families)  # outside the store's lock
         group = self._groups.push(run, rank, families, rendered, replace=method == "PUT")

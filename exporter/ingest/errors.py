@@ -10,6 +10,7 @@ REASONS = (
     "body_too_large",
     "forbidden",
     "label_too_long",
+    "length_required",
     "malformed",
     "non_cumulative_buckets",
     "too_many_groups",
