@@ -285,7 +285,7 @@ def test_compressed_bodies_get_415(exporter: Running) -> None:
 # --- TTL, group limit, access -------------------------------------------------------------------
 
 def test_groups_expire_after_the_ttl(tmp_path: Path) -> None:
-    with running_exporter(tmp_path, "--collectors", "", "--ingest-ttl", "2") as exp:
+    with running_exporter(tmp_path, "--collectors", "", "--ingest-ttl", "3") as exp:
         requests.put(group_url(exp.url, "short"), data=full_body(), timeout=10).raise_for_status()
         assert of_run(scrape(exp.url), "short")
         assert wait_for(lambda: of_run(scrape(exp.url), "short") == {})
