@@ -1,24 +1,92 @@
-"""Push API for training hooks (Pushgateway subset). Placeholder until the hooks issue lands."""
+"""Push API for training hooks: the Pushgateway HTTP API subset, served by the exporter itself.
+
+    PUT    /metrics/job/stepscope/run/<run>/rank/<rank>   replace the group (200)
+    POST   /metrics/job/stepscope/run/<run>/rank/<rank>   replace only the families in the body (200)
+    DELETE /metrics/job/stepscope/run/<run>/rank/<rank>   drop the group (202)
+
+Path values may be base64url-encoded Pushgateway style (`/run@base64/<b64>`). The body is a text
+exposition (format 0.0.4) of only these families: stepscope_step_phase_seconds{phase} and
+stepscope_step_seconds (histograms), stepscope_steps_total and stepscope_samples_total (counters),
+stepscope_training_info{local_rank,world_size,pid,framework} (1) and
+stepscope_training_state{state} (state set). `run` and `rank` come from the path; body labels
+`run`/`rank` must match it and `job`/`instance` are refused. `_created` samples are dropped.
+/metrics then shows every family once, samples of all groups merged, plus
+stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
+
+Flags (each also read from the STEPSCOPE_* variable named in `--help`):
+
+    --ingest-token-file FILE          bearer token (whitespace stripped); once set, every push needs
+                                      `Authorization: Bearer <token>`            default: none
+    --ingest-allow CIDR,...           networks that may push without a token; with a token, pushes
+                                      must also come from them                   default: none
+    --ingest-ttl SECONDS              a group expires this long after its last push   default: 600
+    --ingest-max-body-bytes N         413 above this                             default: 1048576
+    --ingest-max-series-per-group N   samples in one group, buckets included     default: 2000
+    --ingest-max-groups N             stored groups (run, rank) at once          default: 512
+    --ingest-max-label-value-length N characters in any label value and the run  default: 128
+    --ingest-max-phases N             distinct phase values per group            default: 32
+
+Without a token or allow-list only loopback clients may push (403 otherwise), so an exporter
+listening on all interfaces does not let the network inject or delete series.
+
+Refusals answer a one-line text naming the limit or the offending item and count in
+stepscope_exporter_ingest_rejected_total{reason}: 401 unauthorized, 403 forbidden, 404/400
+bad_path, 405 bad_method, 411 length_required (chunked body), 413 body_too_large, 415
+unsupported_media_type (protobuf or compressed body), 429 too_many_groups, and 400 for malformed,
+unknown_family, wrong_type, bad_label, label_too_long, bad_value, non_cumulative_buckets,
+too_many_phases, too_many_series. A refused push changes nothing stored.
+"""
 
 import argparse
 
 from exporter.exposition import ExpositionStore
+from exporter.flags import add_flag, cidr_list, fail, positive_float, positive_int, readable_file
+from exporter.ingest.access import AccessPolicy
+from exporter.ingest.api import PushApi
+from exporter.ingest.store import GroupStore, StoreLimits
 
-
-class PushApi:
-    max_body_bytes = 0
-
-    def registered_processes(self) -> dict[int, dict[str, str]]:
-        return {}
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
+__all__ = ["PushApi", "add_flags", "build"]
 
 
 def add_flags(group: argparse._ArgumentGroup) -> None:
-    """Ingest flags are added by the hooks issue."""
+    add_flag(group, "--ingest-token-file", default=None, type=readable_file,
+             help="file holding the bearer token pushes must send (Authorization: Bearer <token>); "
+                  "without it and without --ingest-allow only loopback clients may push")
+    add_flag(group, "--ingest-allow", default="", type=cidr_list,
+             help="comma-separated networks (CIDR) whose clients may push without a token; with a "
+                  "token, pushes must also come from these networks")
+    add_flag(group, "--ingest-ttl", default="600", type=positive_float,
+             help="seconds after its last push at which a pushed group (run, rank) is dropped")
+    add_flag(group, "--ingest-max-body-bytes", default="1048576", type=positive_int,
+             help="largest accepted push body (413 above)")
+    add_flag(group, "--ingest-max-series-per-group", default="2000", type=positive_int,
+             help="most series one group (run, rank) may hold, histogram buckets included")
+    add_flag(group, "--ingest-max-groups", default="512", type=positive_int,
+             help="most groups (run, rank) stored at once; pushes for new groups beyond it get 429")
+    add_flag(group, "--ingest-max-label-value-length", default="128", type=positive_int,
+             help="longest label value (and run name) accepted, in characters")
+    add_flag(group, "--ingest-max-phases", default="32", type=positive_int,
+             help="most distinct phase names per group")
 
 
-def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi | None:
-    return None
+def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
+    """The push API for parsed flags; ends the program with one line when the token file is unusable."""
+    token = None
+    if args.ingest_token_file:
+        try:
+            with open(args.ingest_token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"cannot read --ingest-token-file {args.ingest_token_file!r}: {exc}")
+        if not token:
+            fail(f"--ingest-token-file {args.ingest_token_file!r} is empty")
+    limits = StoreLimits(
+        max_groups=args.ingest_max_groups,
+        max_series_per_group=args.ingest_max_series_per_group,
+        max_phases=args.ingest_max_phases,
+        ttl_seconds=args.ingest_ttl,
+    )
+    return PushApi(
+        store, GroupStore(limits), AccessPolicy(token, tuple(args.ingest_allow)),
+        max_body_bytes=args.ingest_max_body_bytes, max_label_length=args.ingest_max_label_value_length,
+    )

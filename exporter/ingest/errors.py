@@ -1,0 +1,34 @@
+"""The one way a push is refused: an HTTP status, a counter reason and a message for the pusher."""
+
+# Every reason `stepscope_exporter_ingest_rejected_total` can carry; all are published from start-up
+# (at 0) so alerts on a rate work before the first rejection.
+REASONS = (
+    "bad_label",
+    "bad_method",
+    "bad_path",
+    "bad_value",
+    "body_too_large",
+    "forbidden",
+    "label_too_long",
+    "length_required",
+    "malformed",
+    "non_cumulative_buckets",
+    "too_many_groups",
+    "too_many_phases",
+    "too_many_series",
+    "unauthorized",
+    "unknown_family",
+    "unsupported_media_type",
+    "wrong_type",
+)
+
+
+class Rejected(Exception):
+    """A push the exporter refuses; raised before anything stored changes."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message

@@ -1,0 +1,54 @@
+"""Hand-written push bodies (text exposition 0.0.4) for the ingest tests, one knob per variation."""
+
+import os
+from collections.abc import Sequence
+
+
+def histogram(name: str, buckets: Sequence[tuple[str, float]], count: float, total: float,
+              labels: str = "") -> str:
+    """Lines of one histogram series; `labels` like 'phase="forward"' (no braces)."""
+    sep = "," if labels else ""
+    lines = [f'{name}_bucket{{{labels}{sep}le="{le}"}} {value}' for le, value in buckets]
+    braces = f"{{{labels}}}" if labels else ""
+    lines += [f"{name}_count{braces} {count}", f"{name}_sum{braces} {total}"]
+    return "\n".join(lines) + "\n"
+
+
+def phase_family(phases: Sequence[str] = ("dataloader_next", "forward"), steps: int = 4) -> str:
+    body = "# HELP stepscope_step_phase_seconds Phase time.\n# TYPE stepscope_step_phase_seconds histogram\n"
+    for phase in phases:
+        body += histogram("stepscope_step_phase_seconds",
+                          [("0.01", 0), ("0.1", max(steps - 1, 0)), ("+Inf", steps)], steps, 0.05 * steps,
+                          f'phase="{phase}"')
+    return body
+
+
+def step_family(steps: int = 4) -> str:
+    return ("# TYPE stepscope_step_seconds histogram\n"
+            + histogram("stepscope_step_seconds", [("0.1", min(steps, 1)), ("1", steps), ("+Inf", steps)],
+                        steps, 0.3 * steps))
+
+
+def counter(name: str, value: float) -> str:
+    return f"# HELP {name} A counter.\n# TYPE {name} counter\n{name} {value}\n"
+
+
+def info_family(pid: int | None = None, framework: str = "torch") -> str:
+    pid = os.getpid() if pid is None else pid
+    return ("# TYPE stepscope_training_info gauge\n"
+            f'stepscope_training_info{{local_rank="0",world_size="2",pid="{pid}",'
+            f'framework="{framework}"}} 1\n')
+
+
+def state_family(current: str = "train") -> str:
+    states = ("setup", "train", "eval")
+    lines = [f'stepscope_training_state{{state="{s}"}} {int(s == current)}' for s in states]
+    return "# TYPE stepscope_training_state gauge\n" + "\n".join(lines) + "\n"
+
+
+def full_body(steps: int = 4, pid: int | None = None, phases: Sequence[str] = ("dataloader_next", "forward"),
+              state: str = "train") -> str:
+    """Every accepted family, as a hooks client pushes it."""
+    return (phase_family(phases, steps) + step_family(steps)
+            + counter("stepscope_steps_total", steps) + counter("stepscope_samples_total", 32 * steps)
+            + info_family(pid) + state_family(state))

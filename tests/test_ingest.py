@@ -1,0 +1,273 @@
+"""Ingest pieces in-process: access rules by address, path parsing, body checks, the group store."""
+
+import base64
+import ipaddress
+
+import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.exposition import ExpositionStore, render
+from exporter.ingest.access import AccessPolicy
+from exporter.ingest.api import PushApi, parse_group_path
+from exporter.ingest.errors import Rejected
+from exporter.ingest.render import render_group_lines, render_training
+from exporter.ingest.store import GroupStore, StoreLimits
+from exporter.ingest.validation import FAMILIES, parse_push
+from tests.support.ingest_bodies import counter, full_body, info_family, phase_family
+
+LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)
+
+
+def rejected(call, *args):  # type: ignore[no-untyped-def]
+    with pytest.raises(Rejected) as info:
+        call(*args)
+    return info.value
+
+
+# --- access -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ip", ["127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1"])
+def test_default_policy_admits_loopback(ip: str) -> None:
+    AccessPolicy().check(ip, None)
+
+
+@pytest.mark.parametrize("ip", ["192.0.2.7", "10.0.0.1", "::ffff:10.0.0.1", "fd00::2", "not-an-ip"])
+def test_default_policy_refuses_other_addresses_and_says_how_to_allow(ip: str) -> None:
+    error = rejected(AccessPolicy().check, ip, None)
+    assert (error.status, error.reason) == (403, "forbidden")
+    assert "--ingest-token-file" in error.message and "--ingest-allow" in error.message
+    assert ip.removeprefix("::ffff:") in error.message
+
+
+def test_refusal_suggests_an_allow_entry_for_the_client() -> None:
+    message = rejected(AccessPolicy().check, "::ffff:10.0.0.1", None).message
+    assert "only loopback clients may push without a token" in message
+    assert "add this client to --ingest-allow (e.g. 10.0.0.1/32)" in message
+    assert "(e.g. fd00::2/128)" in rejected(AccessPolicy().check, "fd00::2", None).message
+
+
+def test_allow_list_admits_its_networks_and_loopback_only() -> None:
+    policy = AccessPolicy(allow=(ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8")))
+    for ip in ("10.1.2.3", "::ffff:10.9.9.9", "fd00::2", "127.0.0.1"):
+        policy.check(ip, None)
+    error = rejected(policy.check, "11.0.0.1", None)
+    assert error.status == 403
+    assert "only loopback clients and --ingest-allow networks may push without a token" in error.message
+
+
+def test_token_is_required_from_everyone_once_configured() -> None:
+    policy = AccessPolicy(token="s3cret")
+    for header in (None, "", "Bearer wrong", "Basic s3cret", "Bearer", "s3cret"):
+        error = rejected(policy.check, "127.0.0.1", header)
+        assert (error.status, error.reason) == (401, "unauthorized")
+        assert "Authorization: Bearer" in error.message
+    policy.check("127.0.0.1", "Bearer s3cret")
+    policy.check("192.0.2.7", "bearer  s3cret ")
+
+
+def test_token_with_allow_list_needs_both() -> None:
+    policy = AccessPolicy(token="s3cret", allow=(ipaddress.ip_network("10.0.0.0/8"),))
+    policy.check("10.0.0.5", "Bearer s3cret")
+    assert rejected(policy.check, "192.0.2.7", "Bearer s3cret").status == 403
+    assert rejected(policy.check, "10.0.0.5", "Bearer nope").status == 401
+
+
+# --- path ---------------------------------------------------------------------------------------
+
+def b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("/metrics/job/stepscope/run/r1/rank/0", ("r1", "0")),
+    ("/metrics/job/stepscope/rank/12/run/r1/", ("r1", "12")),
+    ("/metrics/job/stepscope/run/my%20run/rank/3", ("my run", "3")),
+    (f"/metrics/job/stepscope/run@base64/{b64('a/b ü?')}/rank/1", ("a/b ü?", "1")),
+    (f"/metrics/job@base64/{b64('stepscope')}/run/r/rank@base64/{b64('7')}", ("r", "7")),
+    ("/metrics/job/stepscope/run@base64/cnVu=/rank/0", ("run", "0")),  # padded form accepted too
+])
+def test_group_paths(path: str, expected: tuple[str, str]) -> None:
+    assert parse_group_path(path, 128) == expected
+
+
+@pytest.mark.parametrize(("path", "status", "text"), [
+    ("/metrics/job/stepscope", 404, "push to /metrics/job/stepscope/run/<run>/rank/<rank>"),
+    ("/metrics/job/stepscope/run/r/rank/0/extra/x", 404, "push to"),
+    ("/metrics/job/stepscope/run/r/gpu/0", 404, "push to"),
+    ("/metrics/job/other/run/r/rank/0", 404, "job 'other' is not served here"),
+    ("/metrics/job/stepscope/run/r/run/s", 400, "'run' appears twice"),
+    ("/metrics/job/stepscope/run/r/rank/-1", 400, "rank '-1' in the path is not a non-negative integer"),
+    ("/metrics/job/stepscope/run/r/rank/01", 400, "not a non-negative integer"),
+    ("/metrics/job/stepscope/run//rank/0", 400, "must be non-empty printable text"),
+    ("/metrics/job/stepscope/run/a%0Ab/rank/0", 400, "must be non-empty printable text"),
+    ("/metrics/job/stepscope/run@base64/!!/rank/0", 400, "run@base64 is not base64url-encoded"),
+    ("/metrics/job/stepscope/run/" + "r" * 40 + "/rank/0", 400, "over the limit of 32"),
+])
+def test_bad_group_paths(path: str, status: int, text: str) -> None:
+    error = rejected(parse_group_path, path, 32)
+    assert error.status == status
+    assert text in error.message
+
+
+# --- body ---------------------------------------------------------------------------------------
+
+def test_parse_push_canonicalises_histograms_and_drops_created() -> None:
+    body = (
+        "# TYPE stepscope_step_seconds histogram\n"
+        'stepscope_step_seconds_count 3\nstepscope_step_seconds_bucket{le="+Inf"} 3\n'
+        'stepscope_step_seconds_bucket{le="1"} 2\nstepscope_step_seconds_sum 1.5\n'
+        "# TYPE stepscope_step_seconds_created gauge\nstepscope_step_seconds_created 1.7e9\n"
+    )
+    families = parse_push(body.encode(), "r", "0", 128)
+    assert list(families) == ["stepscope_step_seconds"]
+    assert [(s.name, s.labels.get("le"), s.value) for s in families["stepscope_step_seconds"]] == [
+        ("stepscope_step_seconds_bucket", "1.0", 2),
+        ("stepscope_step_seconds_bucket", "+Inf", 3),
+        ("stepscope_step_seconds_count", None, 3),
+        ("stepscope_step_seconds_sum", None, 1.5),
+    ]
+    assert all(s.labels["run"] == "r" and s.labels["rank"] == "0" for s in families["stepscope_step_seconds"])
+
+
+@pytest.mark.parametrize(("body", "reason", "text"), [
+    ("# TYPE stepscope_steps_created gauge\nstepscope_steps_created 1.7e9\n", None, ""),
+    ("# TYPE stepscope_training_info_created gauge\nstepscope_training_info_created 1\n", "unknown_family",
+     "unknown family 'stepscope_training_info_created'"),
+    ("# TYPE stepscope_step_seconds_count counter\nstepscope_step_seconds_count 1\n", "wrong_type",
+     "needs the line '# TYPE stepscope_step_seconds histogram' before it (got counter)"),
+])
+def test_created_companions_dropped_near_names_refused(body: str, reason: str | None, text: str) -> None:
+    if reason is None:
+        assert parse_push(body.encode(), "r", "0", 128) == {}
+        return
+    error = rejected(parse_push, body.encode(), "r", "0", 128)
+    assert (error.reason, error.status) == (reason, 400) and text in error.message
+
+
+def test_parse_error_names_the_line() -> None:
+    body = b"# TYPE stepscope_steps_total counter\nstepscope_steps_total{x 1\n"
+    error = rejected(parse_push, body, "r", "0", 128)
+    assert (error.status, error.reason) == (400, "malformed")
+    assert "line 2" in error.message and "stepscope_steps_total{x 1" in error.message
+
+
+def test_body_must_be_utf8() -> None:
+    assert rejected(parse_push, b"\xff\xfe", "r", "0", 128).reason == "malformed"
+
+
+# --- store --------------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def families(body: str, run: str = "r", rank: str = "0"):  # type: ignore[no-untyped-def]
+    return parse_push(body.encode(), run, rank, 128)
+
+
+def push(store: GroupStore, rank: str, parsed: dict, replace: bool = True):  # type: ignore[no-untyped-def]
+    return store.push("r", rank, parsed, render_group_lines(parsed), replace)
+
+
+def test_post_merges_put_replaces() -> None:
+    store = GroupStore(LIMITS)
+    push(store, "0", families(full_body(steps=4)), True)
+    push(store, "0", families(counter("stepscope_steps_total", 9)), False)
+    group = store.snapshot()[1][0]
+    assert group.families["stepscope_steps_total"][0].value == 9
+    assert "stepscope_step_phase_seconds" in group.families
+    text = render_training(store.snapshot()[1]).decode()
+    assert 'stepscope_steps_total{rank="0",run="r"} 9.0' in text
+    assert 'stepscope_step_phase_seconds_count{phase="forward",rank="0",run="r"} 4.0' in text
+    push(store, "0", families(counter("stepscope_steps_total", 10)), True)
+    assert list(store.snapshot()[1][0].families) == ["stepscope_steps_total"]
+
+
+def test_limits_apply_to_the_merged_group_and_leave_it_unchanged() -> None:
+    store = GroupStore(StoreLimits(max_groups=3, max_series_per_group=25, max_phases=3, ttl_seconds=10))
+    push(store, "0", families(full_body()), True)  # 2 phases: 21 series
+    before = store.snapshot()
+    error = rejected(push, store, "0", families(phase_family(("a", "b", "c", "d"))), False)
+    assert (error.status, error.reason) == (400, "too_many_phases")
+    assert "4 distinct phases, over the limit of 3 (--ingest-max-phases): a, b, c, d" in error.message
+    # POST replaces the 10 phase series with 15: 26 series in the merged group
+    error = rejected(push, store, "0", families(phase_family(("a", "b", "c"))), False)
+    assert (error.status, error.reason) == (400, "too_many_series")
+    assert "would hold 26 series, over the limit of 25 (--ingest-max-series-per-group)" in error.message
+    assert store.snapshot() == before
+
+
+def test_group_limit_counts_only_new_groups_and_expired_ones_free_room() -> None:
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock)
+    for rank in "012":
+        push(store, rank, {}, True)
+    push(store, "2", {}, True)  # existing group: never counts as new
+    error = rejected(push, store, "3", {}, True)
+    assert (error.status, error.reason) == (429, "too_many_groups")
+    assert "--ingest-max-groups 3" in error.message
+    clock.now += 11
+    push(store, "3", {}, True)
+    assert [g.rank for g in store.snapshot()[1]] == ["3"]
+
+
+def test_ttl_expiry_and_registered_processes() -> None:
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock)
+    push(store, "0", families(info_family(pid=111)), True)
+    clock.now += 5
+    push(store, "1", families(info_family(pid=222), rank="1"), True)
+    assert store.registered_processes() == {111: {"run": "r", "rank": "0"}, 222: {"run": "r", "rank": "1"}}
+    clock.now += 6  # rank 0 is now 11 s old, rank 1 is 6 s old
+    assert store.registered_processes() == {222: {"run": "r", "rank": "1"}}
+    assert store.expire() is True
+    assert [g.rank for g in store.snapshot()[1]] == ["1"]
+    assert store.expire() is False
+    assert store.delete("r", "1") is True and store.registered_processes() == {}
+
+
+def test_render_merges_groups_into_one_family_each() -> None:
+    store = GroupStore(LIMITS)
+    push(store, "10", families(full_body(), rank="10"), True)
+    push(store, "2", families(full_body(), rank="2"), True)
+    groups = store.snapshot()[1]
+    text = render_training(groups).decode()
+    parsed = list(text_string_to_metric_families(text))
+    names = [f.name for f in parsed]
+    assert len(names) == len(set(names)) == 7
+    ranks = [s.labels["rank"] for s in parsed[2].samples]
+    assert ranks == ["2", "10"]  # numeric rank order within a family
+    # the joined per-group lines equal prometheus_client rendering all samples of a family at once
+    whole = []
+    for name, spec in FAMILIES.items():
+        family = Metric(name.removesuffix("_total") if spec.type == "counter" else name, spec.help, spec.type)
+        family.samples = [s for group in groups for s in group.families[name]]
+        whole.append(family)
+    assert text.startswith(render(whole).decode())
+    assert text.count("# TYPE") == 7
+
+
+def test_push_api_publishes_nothing_for_a_refused_push() -> None:
+    exposition = ExpositionStore()
+    api = PushApi(exposition, GroupStore(LIMITS), AccessPolicy(), max_body_bytes=10_000, max_label_length=128)
+    path = "/metrics/job/stepscope/run/r/rank/0"
+    assert api.handle("PUT", path, {}, full_body().encode(), "127.0.0.1").status == 200
+    before = exposition.body()
+    response = api.handle("PUT", path, {}, b"stepscope_steps_total 1\n", "127.0.0.1")
+    assert response.status == 400
+    training = [line for line in exposition.body().decode().splitlines() if "stepscope_step" in line]
+    assert training == [line for line in before.decode().splitlines() if "stepscope_step" in line]
+    assert api.handle("PATCH", path, {}, b"", "127.0.0.1").status == 405
+    assert api.handle("PUT", path, {}, b"x" * 10_001, "127.0.0.1").status == 413
+    response = api.reject_oversized("PUT", path, 20_000, "127.0.0.1")
+    assert (response.status, response.message) == (
+        413, "body of 20000 bytes exceeds the limit of 10000 bytes (--ingest-max-body-bytes)")
+    counted = 'stepscope_exporter_ingest_rejected_total{reason="body_too_large"} 2.0'
+    assert counted in exposition.body().decode()
+    assert api.registered_processes() == {int(s.labels["pid"]): {"run": "r", "rank": "0"}
+                                          for s in families(info_family())["stepscope_training_info"]}
