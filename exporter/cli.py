@@ -87,7 +87,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
 
 
 def _build_collectors(
-    args: argparse.Namespace, push_api: ingest.PushApi | None
+    args: argparse.Namespace, push_api: ingest.PushApi
 ) -> list[Collector]:
     gpu_processes = GpuProcessTable()
     collectors: list[Collector] = []
@@ -102,8 +102,7 @@ def _build_collectors(
     if "process" in args.collectors:
         from exporter.collectors.process import ProcessCollector
 
-        registered = push_api.registered_processes if push_api else dict
-        collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=registered))
+        collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=push_api.registered_processes))
     return collectors
 
 
@@ -137,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host, port = args.listen_address
     try:
         server = ExporterServer(
-            (host, port), store, scheduler.ready, tls=tls, auth=auth, push_handler=push_api
+            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth
         )
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
@@ -149,8 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     scheduler.start()
-    if push_api is not None:
-        push_api.start()
+    push_api.start()
     scheme = "https" if tls else "http"
     log.info("stepscope-exporter %s serving %s://%s:%d/metrics (collectors: %s)",
              __version__, scheme, host, server.server_address[1], ", ".join(args.collectors) or "none")
@@ -158,7 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.serve_forever()
     finally:
         server.server_close()
-        if push_api is not None:
-            push_api.stop()
+        push_api.stop()
         scheduler.stop()
     return 0

@@ -52,6 +52,10 @@ class PushHandler(Protocol):
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, client_ip: str) -> PushResponse:
         ...
 
+    def reject_oversized(self, method: str, path: str, length: int, client_ip: str) -> PushResponse:
+        """The answer to a Content-Length over `max_body_bytes`; the body is never read."""
+        ...
+
 
 class TlsContextSource:
     """Serves an SSLContext for cert/key files and rebuilds it when either file changes.
@@ -118,9 +122,9 @@ class ExporterServer(ThreadingHTTPServer):
         address: tuple[str, int],
         store: ExpositionStore,
         ready: Callable[[], bool],
+        push_handler: PushHandler,
         tls: TlsContextSource | None = None,
         auth: BasicAuth | None = None,
-        push_handler: PushHandler | None = None,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
@@ -197,7 +201,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _push(self, method: str) -> None:
         handler = self.server.push_handler
-        if handler is None or not self.path.startswith("/metrics/"):
+        if not self.path.startswith("/metrics/"):
             self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"method not allowed\n", "text/plain; charset=utf-8")
             return
         try:
@@ -208,15 +212,14 @@ class _Handler(BaseHTTPRequestHandler):
         if length < 0:
             self._reply_text(HTTPStatus.BAD_REQUEST, "invalid Content-Length")
             return
-        if length > handler.max_body_bytes:
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        if length > handler.max_body_bytes or "chunked" in headers.get("transfer-encoding", ""):
             self.close_connection = True  # the unread body must not be parsed as the next request
-            self._reply_text(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"body of {length} bytes exceeds the limit of {handler.max_body_bytes} bytes",
-            )
+        if length > handler.max_body_bytes:
+            response = handler.reject_oversized(method, self.path, length, self.client_address[0])
+            self._reply_text(response.status, response.message)
             return
         body = self.rfile.read(length) if length else b""
-        headers = {k.lower(): v for k, v in self.headers.items()}
         response = handler.handle(method, self.path, headers, body, self.client_address[0])
         self._reply_text(response.status, response.message)
 
