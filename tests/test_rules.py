@@ -15,8 +15,9 @@ REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
 BOOLEAN_ALERTS = {"StepscopeGpuDown", "StepscopeGpuCollectorDown", "StepscopeExporterDown"}
 
 promtool = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(promtool is None,
-                                    reason="promtool not installed (apt-get install prometheus)")
+needs_promtool = pytest.mark.skipif(
+    promtool is None, reason="promtool not installed (apt-get install prometheus)"
+)
 
 
 def rules() -> list[dict]:
@@ -45,8 +46,9 @@ def test_promtool_check_rules() -> None:
 
 @needs_promtool
 def test_promtool_unit_tests_pass() -> None:
-    result = subprocess.run([promtool, "test", "rules", *map(str, TEST_FILES)], capture_output=True,
-                            text=True, cwd=RULES_DIR)
+    result = subprocess.run(
+        [promtool, "test", "rules", *map(str, TEST_FILES)], capture_output=True, text=True, cwd=RULES_DIR
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
