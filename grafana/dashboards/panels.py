@@ -71,7 +71,12 @@ def query_variable(
         .sort(dm.VariableSort.NATURAL_ASC)
     )
     if multi:
-        variable = variable.multi(True).include_all(True).all_value(".*")
+        variable = (
+            variable.multi(True)
+            .include_all(True)
+            .all_value(".*")
+            .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        )
     return variable
 
 
