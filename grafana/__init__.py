@@ -1,0 +1,1 @@
+"""stepscope Grafana bundle: dashboards and alert provisioning generated from code and the rules file."""

@@ -1,0 +1,1 @@
+"""Grafana alert provisioning generated from the Prometheus rules file."""

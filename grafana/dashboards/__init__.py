@@ -1,0 +1,1 @@
+"""Dashboards generated with grafana-foundation-sdk; the committed JSON is their output."""

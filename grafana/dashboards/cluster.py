@@ -1,0 +1,224 @@
+"""Cluster dashboard: all agents side by side, to spot idle GPUs and uneven work across nodes and ranks."""
+
+from grafana_foundation_sdk.builders import dashboard
+from grafana_foundation_sdk.models import dashboard as dm
+
+from grafana.dashboards.panels import (
+    SAMPLES_PER_SECOND,
+    Q,
+    alert_list_panel,
+    bargauge_panel,
+    datasource_variable,
+    heatmap_panel,
+    row,
+    stat_panel,
+    table_panel,
+    thresholds,
+    timeseries_panel,
+)
+
+UID = "stepscope-cluster"
+IDLE_GPU = (
+    "(instance_gpu:stepscope_gpu_utilization:avg_ratio < 0.05)"
+    " unless on (instance, gpu) instance_gpu:stepscope_gpu_utilization_in_run:avg_ratio"
+)
+UTILIZATION = thresholds((None, "red"), (0.5, "yellow"), (0.8, "green"))
+
+
+def build() -> dashboard.Dashboard:
+    board = (
+        dashboard.Dashboard("stepscope / Cluster")
+        .uid(UID)
+        .tags(["stepscope", "cluster"])
+        .description("All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.")
+        .time("now-3h", "now")
+        .refresh("1m")
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .with_variable(datasource_variable())
+    )
+
+    board = board.with_row(row("Fleet"))
+    board = (
+        board.with_panel(
+            stat_panel(
+                "Nodes",
+                "stepscope exporters Prometheus scrapes.",
+                [Q("count(stepscope_exporter_build_info)", "nodes")],
+                "none",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "GPUs",
+                "GPUs answering NVML across all nodes.",
+                [Q("sum(stepscope_gpu_up)", "GPUs")],
+                "none",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Idle GPUs",
+                "GPUs below 5% utilization that no run holds memory on: capacity nobody uses.",
+                [Q(f"count({IDLE_GPU}) or vector(0)", "idle GPUs")],
+                "none",
+                steps=thresholds((None, "green"), (1, "yellow")),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Active runs",
+                "Runs that completed a step in the last minute.",
+                [Q("count(run:stepscope_steps:rate1m > 0) or vector(0)", "runs")],
+                "none",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "GPU utilization in runs",
+                "Average utilization of the GPUs that runs hold memory on, over the whole cluster.",
+                [Q("avg(instance_gpu:stepscope_gpu_utilization_in_run:avg_ratio)", "in runs")],
+                "percentunit",
+                steps=UTILIZATION,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Cluster throughput",
+                "Samples per second over all runs.",
+                [Q("sum(run:stepscope_samples:rate1m)", "samples/s")],
+                SAMPLES_PER_SECOND,
+            )
+        )
+    )
+
+    board = board.with_row(row("GPUs"))
+    board = (
+        board.with_panel(
+            heatmap_panel(
+                "GPU utilization, node x GPU",
+                "One row per GPU (node and index), colour = utilization (1m average): dark rows are idle or "
+                "starved GPUs, a single dark row in a busy run is a sick GPU or a straggler.",
+                [Q("instance_gpu:stepscope_gpu_utilization:avg_ratio", "{{instance}} GPU {{gpu}}")],
+                "percentunit",
+                width=24,
+                height=10,
+            )
+        )
+        .with_panel(
+            table_panel(
+                "Idle GPUs",
+                "GPUs below 5% utilization with no run on them (empty when every GPU is in use).",
+                [Q(IDLE_GPU, table=True)],
+                {"Value": ("utilization", "percentunit")},
+                width=12,
+            )
+        )
+        .with_panel(
+            bargauge_panel(
+                "GPU utilization per node",
+                "Average utilization of all GPUs of each node (1m).",
+                [Q("instance:stepscope_gpu_utilization:avg_ratio", "{{instance}}")],
+                "percentunit",
+                steps=UTILIZATION,
+            )
+        )
+    )
+
+    board = board.with_row(row("Skew across nodes and ranks"))
+    board = (
+        board.with_panel(
+            timeseries_panel(
+                "GPU utilization in runs per node",
+                "Average utilization of the GPUs runs use, per node. Nodes of the same run should sit "
+                "together; one lower line is where the run loses time.",
+                [Q("instance:stepscope_gpu_utilization_in_run:avg_ratio", "{{instance}}")],
+                "percentunit",
+                limits=(0, 1),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "CPU utilization per node",
+                "Host CPU utilization per node (all but idle and iowait, 1m): a saturated node starves its "
+                "data loaders.",
+                [Q("instance:stepscope_node_cpu_utilization:ratio", "{{instance}}")],
+                "percentunit",
+                limits=(0, 1),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Samples per second per node",
+                "Throughput each node contributes over all runs: uneven bars for equal hardware mean uneven "
+                "work or a slow node.",
+                [Q("sum by (instance) (run_rank:stepscope_samples:rate1m)", "{{instance}}")],
+                SAMPLES_PER_SECOND,
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Rank skew per run (slowest / fastest mean step)",
+                "Per run, the slowest rank's mean step time over the fastest's. 1 = balanced; above 1.3 a "
+                "rank or its node holds the run back (see the straggler table on the Training dashboard).",
+                [
+                    Q(
+                        "max by (run) (run_rank:stepscope_step_seconds:mean_rate1m)"
+                        " / min by (run) (run_rank:stepscope_step_seconds:mean_rate1m)",
+                        "{{run}}",
+                    )
+                ],
+                "none",
+                limits=(1, None),
+            )
+        )
+        .with_panel(
+            table_panel(
+                "Runs",
+                "Every run with its verdict, throughput, median step time, data-loading share, GPU "
+                "utilization of its GPUs and lowest straggler score.",
+                [
+                    Q("run:stepscope_bottleneck:verdict", table=True),
+                    Q("run:stepscope_samples:rate1m", table=True),
+                    Q("run:stepscope_step_seconds:p50_rate1m", table=True),
+                    Q("run:stepscope_dataloader_share:ratio_rate1m", table=True),
+                    Q("run:stepscope_gpu_utilization:avg_ratio", table=True),
+                    Q("min by (run) (run_rank:stepscope_straggler_score:ratio)", table=True),
+                ],
+                {
+                    "Value #B": ("samples/s", "none"),
+                    "Value #C": ("p50 step", "s"),
+                    "Value #D": ("data-loading share", "percentunit"),
+                    "Value #E": ("GPU utilization", "percentunit"),
+                    "Value #F": ("lowest straggler score", "none"),
+                },
+                hide=("Time", "__name__", "job", "Value #A"),
+            )
+        )
+        .with_panel(
+            table_panel(
+                "Nodes",
+                "Every node with its CPU, memory and GPU utilization and GPU count.",
+                [
+                    Q("instance:stepscope_node_cpu_utilization:ratio", table=True),
+                    Q("instance:stepscope_node_memory_utilization:ratio", table=True),
+                    Q("instance:stepscope_gpu_utilization:avg_ratio", table=True),
+                    Q("count by (instance) (stepscope_gpu_info)", table=True),
+                ],
+                {
+                    "Value #A": ("CPU", "percentunit"),
+                    "Value #B": ("memory", "percentunit"),
+                    "Value #C": ("GPU utilization", "percentunit"),
+                    "Value #D": ("GPUs", "none"),
+                },
+            )
+        )
+    )
+
+    board = board.with_row(row("Alerts"))
+    return board.with_panel(
+        alert_list_panel(
+            "Firing alerts",
+            "Every stepscope alert firing or pending in the cluster.",
+        )
+    )

@@ -1,0 +1,321 @@
+"""Panel and variable builders shared by the dashboards, so every panel gets the same basics.
+
+Every panel goes through `_panel`, which sets the `${datasource}` data source, a description, the unit
+and the queries; the tests check that nothing slips past it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from grafana_foundation_sdk.builders import (
+    bargauge,
+    common,
+    dashboard,
+    heatmap,
+    prometheus,
+    stat,
+    statetimeline,
+    table,
+    timeseries,
+)
+from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.models import common as common_models
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import heatmap as heatmap_models
+from grafana_foundation_sdk.models import prometheus as prom_models
+from grafana_foundation_sdk.models.common import DataSourceRef
+
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SAMPLES_PER_SECOND = "suffix: samples/s"
+REF_IDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+B = TypeVar("B", bound=cogbuilder.Builder)
+
+
+@dataclass(frozen=True)
+class Q:
+    """One PromQL query of a panel; `table` queries are instant and formatted as a table,
+    `buckets` ones are histogram buckets that Grafana de-accumulates for a heatmap."""
+
+    expr: str
+    legend: str = ""
+    table: bool = False
+    instant: bool = False
+    buckets: bool = False
+
+
+def datasource_variable() -> dashboard.DatasourceVariable:
+    return dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")
+
+
+def query_variable(
+    name: str,
+    label: str,
+    metric_selector: str,
+    label_name: str,
+    *,
+    multi: bool = False,
+    description: str = "",
+) -> dashboard.QueryVariable:
+    """A `label_values(selector, label)` variable; multi ones add "All" as the regex `.*`."""
+    query = f"label_values({metric_selector}, {label_name})"
+    variable = (
+        dashboard.QueryVariable(name)
+        .label(label)
+        .description(description)
+        .datasource(DATASOURCE)
+        .query(query)
+        .definition(query)
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dm.VariableSort.NATURAL_ASC)
+    )
+    if multi:
+        variable = (
+            variable.multi(True)
+            .include_all(True)
+            .all_value(".*")
+            .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        )
+    return variable
+
+
+def _target(query: Q, ref_id: str) -> prometheus.Dataquery:
+    target = prometheus.Dataquery().expr(query.expr).ref_id(ref_id).datasource(DATASOURCE)
+    if query.legend:
+        target = target.legend_format(query.legend)
+    if query.table:
+        target = target.format(prom_models.PromQueryFormat.TABLE).instant()
+    elif query.instant:
+        target = target.instant()
+    elif query.buckets:
+        target = target.format(prom_models.PromQueryFormat.HEATMAP)
+    return target
+
+
+def _panel(
+    builder: B, title: str, description: str, queries: Sequence[Q], unit: str | None, width: int, height: int
+) -> B:
+    builder = builder.title(title).description(description).datasource(DATASOURCE).span(width).height(height)
+    if unit:
+        builder = builder.unit(unit)
+    for index, query in enumerate(queries):
+        builder = builder.with_target(_target(query, REF_IDS[index]))
+    return builder
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dashboard.ThresholdsConfig:
+    """Absolute thresholds; the first step's value is None (the base colour)."""
+    return (
+        dashboard.ThresholdsConfig()
+        .mode(dm.ThresholdsMode.ABSOLUTE)
+        .steps([dm.Threshold(value=value, color=color) for value, color in steps])
+    )
+
+
+def value_text(mapping: dict[str, tuple[str, str]]) -> list[dm.ValueMapping]:
+    """Value -> (text, colour) mappings, e.g. state codes to names."""
+    return [
+        dm.ValueMap(
+            options={
+                value: dm.ValueMappingResult(text=text, color=color, index=index)
+                for index, (value, (text, color)) in enumerate(mapping.items())
+            }
+        )
+    ]
+
+
+def timeseries_panel(
+    title: str,
+    description: str,
+    queries: Sequence[Q],
+    unit: str,
+    *,
+    stack: bool = False,
+    limits: tuple[float | None, float | None] = (None, None),
+    threshold_line: dashboard.ThresholdsConfig | None = None,
+    width: int = 12,
+    height: int = 8,
+) -> timeseries.Panel:
+    panel = _panel(timeseries.Panel(), title, description, queries, unit, width, height)
+    panel = (
+        panel.legend(
+            common.VizLegendOptions()
+            .show_legend(True)
+            .display_mode(common_models.LegendDisplayMode.LIST)
+            .placement(common_models.LegendPlacement.BOTTOM)
+        )
+        .tooltip(
+            common.VizTooltipOptions()
+            .mode(common_models.TooltipDisplayMode.MULTI)
+            .sort(common_models.SortOrder.DESCENDING)
+        )
+        .line_width(1)
+        .fill_opacity(10)
+    )
+    if stack:
+        panel = panel.stacking(common.StackingConfig().mode(common_models.StackingMode.NORMAL)).fill_opacity(
+            60
+        )
+    low, high = limits
+    if low is not None:
+        panel = panel.min(low)
+    if high is not None:
+        panel = panel.max(high)
+    if threshold_line is not None:
+        panel = panel.thresholds(threshold_line).thresholds_style(
+            common.GraphThresholdsStyleConfig().mode(common_models.GraphThresholdsStyleMode.DASHED)
+        )
+    return panel
+
+
+def stat_panel(
+    title: str,
+    description: str,
+    queries: Sequence[Q],
+    unit: str,
+    *,
+    steps: dashboard.ThresholdsConfig | None = None,
+    show_name: bool = False,
+    width: int = 4,
+    height: int = 5,
+) -> stat.Panel:
+    panel = _panel(stat.Panel(), title, description, queries, unit, width, height)
+    panel = panel.reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    if show_name:
+        panel = panel.text_mode(common_models.BigValueTextMode.NAME).graph_mode(
+            common_models.BigValueGraphMode.NONE
+        )
+    if steps is not None:
+        panel = panel.thresholds(steps).color_mode(common_models.BigValueColorMode.BACKGROUND)
+    return panel
+
+
+def bargauge_panel(
+    title: str,
+    description: str,
+    queries: Sequence[Q],
+    unit: str,
+    *,
+    limits: tuple[float, float] = (0, 1),
+    steps: dashboard.ThresholdsConfig | None = None,
+    width: int = 12,
+    height: int = 8,
+) -> bargauge.Panel:
+    panel = _panel(bargauge.Panel(), title, description, queries, unit, width, height)
+    panel = (
+        panel.min(limits[0])
+        .max(limits[1])
+        .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
+        .orientation(common_models.VizOrientation.HORIZONTAL)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    )
+    if steps is not None:
+        panel = panel.thresholds(steps)
+    return panel
+
+
+def table_panel(
+    title: str,
+    description: str,
+    queries: Sequence[Q],
+    columns: dict[str, tuple[str, str]],
+    *,
+    hide: Sequence[str] = ("Time", "__name__", "job"),
+    width: int = 24,
+    height: int = 8,
+) -> table.Panel:
+    """Instant table queries merged on their labels; `columns` maps "Value #<ref>" -> (name, unit)."""
+    panel = _panel(table.Panel(), title, description, queries, None, width, height)
+    panel = panel.with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
+    panel = panel.with_transformation(
+        dm.DataTransformerConfig(
+            id_val="organize",
+            options={
+                "excludeByName": {name: True for name in hide},
+                "renameByName": {value: name for value, (name, _) in columns.items()},
+            },
+        )
+    )
+    for name, unit in columns.values():
+        panel = panel.override_by_name(name, [dm.DynamicConfigValue(id_val="unit", value=unit)])
+    return panel
+
+
+def heatmap_panel(
+    title: str,
+    description: str,
+    queries: Sequence[Q],
+    unit: str,
+    *,
+    y_unit: str = "",
+    width: int = 12,
+    height: int = 8,
+) -> heatmap.Panel:
+    """A heatmap of pre-bucketed series (histogram buckets, or one row per series)."""
+    panel = _panel(heatmap.Panel(), title, description, queries, None, width, height)
+    panel = (
+        panel.calculate(False)
+        .cell_values(heatmap.CellValues().unit(unit))
+        .y_axis(heatmap.YAxisConfig().unit(y_unit) if y_unit else heatmap.YAxisConfig())
+        .color(
+            heatmap.HeatmapColorOptions()
+            .mode(heatmap_models.HeatmapColorMode.SCHEME)
+            .scheme("RdYlGn")
+            .fill("dark-orange")
+            .steps(64)
+            .exponent(0.5)
+            .reverse(False)
+        )
+    )
+    return panel
+
+
+def state_timeline_panel(
+    title: str,
+    description: str,
+    queries: Sequence[Q],
+    mappings: list[dm.ValueMapping],
+    *,
+    width: int = 24,
+    height: int = 8,
+) -> statetimeline.Panel:
+    panel = _panel(statetimeline.Panel(), title, description, queries, None, width, height)
+    return panel.mappings(mappings).show_value(common_models.VisibilityMode.NEVER).merge_values(True)
+
+
+def alert_list_panel(title: str, description: str, *, width: int = 24, height: int = 6) -> dashboard.Panel:
+    """Grafana's alert list (no query); shows the provisioned stepscope alert rules that fire."""
+    return (
+        dashboard.Panel()
+        .type("alertlist")
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .span(width)
+        .height(height)
+        .options(
+            {
+                "viewMode": "list",
+                "groupMode": "default",
+                "groupBy": [],
+                "maxItems": 20,
+                "sortOrder": 1,
+                "dashboardAlerts": False,
+                "alertName": "",
+                "folder": {"title": "stepscope"},
+                "stateFilter": {
+                    "firing": True,
+                    "pending": True,
+                    "normal": False,
+                    "error": True,
+                    "noData": False,
+                },
+                "alertInstanceLabelFilter": "",
+            }
+        )
+    )
+
+
+def row(title: str) -> dashboard.Row:
+    return dashboard.Row(title)

@@ -1,0 +1,96 @@
+"""Every PromQL query of the committed dashboards, with template variables filled in.
+
+The end-to-end test runs these against a real Prometheus; the dashboard tests parse them with
+promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects everything.
+"""
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+DASHBOARDS_DIR = Path(__file__).resolve().parent
+VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+LABEL_VALUES = re.compile(r"^label_values\((?:(.*),\s*)?(\w+)\)$", re.DOTALL)
+# Grafana's built-in interval variables, for a query run outside Grafana.
+BUILTINS = {"__rate_interval": "1m", "__interval": "1m", "__range": "1h"}
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    dashboard: str
+    panel: str
+    ref_id: str
+    expr: str
+    raw_expr: str
+
+
+@dataclass(frozen=True)
+class VariableQuery:
+    dashboard: str
+    variable: str
+    selector: str
+    label: str
+    raw_query: str
+
+
+def substitute(text: str, values: Mapping[str, str] | None = None) -> str:
+    """Replaces $var and ${var} with values[var], built-ins with fixed windows, the rest with `.*`."""
+    values = {**BUILTINS, **(values or {})}
+
+    def replace(match: re.Match) -> str:
+        return values.get(match.group(1) or match.group(2), ".*")
+
+    return VARIABLE.sub(replace, text)
+
+
+def load_dashboards(directory: Path = DASHBOARDS_DIR) -> dict[str, dict]:
+    """{file name: dashboard model} for every committed dashboard JSON."""
+    return {path.name: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def panels(model: dict) -> list[dict]:
+    """Every panel that is not a row, including panels nested in collapsed rows."""
+    found = []
+    for panel in model.get("panels", []):
+        if panel.get("type") == "row":
+            found.extend(panel.get("panels", []))
+        else:
+            found.append(panel)
+    return found
+
+
+def panel_queries(
+    directory: Path = DASHBOARDS_DIR, values: Mapping[str, str] | None = None
+) -> list[PanelQuery]:
+    return [
+        PanelQuery(
+            name, panel["title"], target.get("refId", ""), substitute(target["expr"], values), target["expr"]
+        )
+        for name, model in load_dashboards(directory).items()
+        for panel in panels(model)
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+
+
+def variable_queries(
+    directory: Path = DASHBOARDS_DIR, values: Mapping[str, str] | None = None
+) -> list[VariableQuery]:
+    """`label_values(selector, label)` variables; the selector is a PromQL series selector."""
+    found = []
+    for name, model in load_dashboards(directory).items():
+        for variable in model.get("templating", {}).get("list", []):
+            if variable.get("type") != "query":
+                continue
+            query = variable["query"] if isinstance(variable["query"], str) else variable["query"]["query"]
+            match = LABEL_VALUES.match(query.strip())
+            if match is None:
+                raise ValueError(f"{name}: variable {variable['name']} is not label_values(...): {query}")
+            found.append(
+                VariableQuery(
+                    name, variable["name"], substitute(match.group(1) or "", values), match.group(2), query
+                )
+            )
+    return found

@@ -1,0 +1,361 @@
+"""Training run dashboard: is this run fast, what is each step made of, and which rank holds it up."""
+
+from grafana_foundation_sdk.builders import dashboard
+from grafana_foundation_sdk.models import dashboard as dm
+
+from grafana.dashboards.panels import (
+    SAMPLES_PER_SECOND,
+    Q,
+    alert_list_panel,
+    bargauge_panel,
+    datasource_variable,
+    heatmap_panel,
+    query_variable,
+    row,
+    stat_panel,
+    state_timeline_panel,
+    table_panel,
+    thresholds,
+    timeseries_panel,
+    value_text,
+)
+
+UID = "stepscope-training"
+RUN = 'run=~"$run"'
+RANKS = 'run=~"$run",rank=~"$rank"'
+
+# State set -> one code per rank, so the state timeline shows one row per rank.
+STATE_CODES = {"setup": 1, "train": 2, "eval": 3, "checkpoint": 4, "idle": 5}
+STATE_COLORS = {"setup": "blue", "train": "green", "eval": "purple", "checkpoint": "orange", "idle": "text"}
+
+
+def _state_expr() -> str:
+    selector = f"stepscope_training_state{{{RANKS}"
+    known = "|".join(STATE_CODES)
+    parts = [f'(({selector},state="{state}"}} == 1) * {code})' for state, code in STATE_CODES.items()]
+    parts.append(f'(({selector},state!~"{known}"}} == 1) * 0)')
+    return "max by (rank) (\n  " + "\n  or ".join(parts) + "\n)"
+
+
+def build() -> dashboard.Dashboard:
+    board = (
+        dashboard.Dashboard("stepscope / Training run")
+        .uid(UID)
+        .tags(["stepscope", "training"])
+        .description("Why is this training run slow: step time, phases, data loading, ranks, GPUs.")
+        .time("now-1h", "now")
+        .refresh("30s")
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+    )
+    board = (
+        board.with_variable(datasource_variable())
+        .with_variable(
+            query_variable(
+                "run",
+                "Run",
+                "stepscope_steps_total",
+                "run",
+                description="training run (the `run` label set by the hooks)",
+            )
+        )
+        .with_variable(
+            query_variable(
+                "rank",
+                "Rank",
+                f"stepscope_steps_total{{{RUN}}}",
+                "rank",
+                multi=True,
+                description="global ranks of the run",
+            )
+        )
+    )
+
+    board = board.with_row(row("Overview"))
+    board = (
+        board.with_panel(
+            stat_panel(
+                "Bottleneck verdict",
+                "What limits the run now. data_bound: waiting for batches takes > 30% of step time. "
+                "gpu_bound: its GPUs are >= 80% busy (good: buy faster GPUs or optimise kernels). "
+                "host_bound: neither, the time goes to host work (Python, copies, communication, CPU-only "
+                "compute). idle: no step in the last minute.",
+                [Q(f"run:stepscope_bottleneck:verdict{{{RUN}}}", "{{verdict}}")],
+                "none",
+                show_name=True,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Throughput",
+                "Samples per second over all ranks of the run (1m rate).",
+                [Q(f"run:stepscope_samples:rate1m{{{RUN}}}", "samples/s")],
+                SAMPLES_PER_SECOND,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Step time p50",
+                "Median step time over all ranks (1m window, from the step histogram).",
+                [Q(f"run:stepscope_step_seconds:p50_rate1m{{{RUN}}}", "p50")],
+                "s",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Step time p95",
+                "95th percentile step time over all ranks: far above p50 means hiccups "
+                "(data stalls, checkpoints, garbage collection).",
+                [Q(f"run:stepscope_step_seconds:p95_rate1m{{{RUN}}}", "p95")],
+                "s",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Data-loading share",
+                "Share of step time spent in dataloader_next (waiting for the next batch). Loading should be "
+                "much smaller than training time: above 30% the run is data bound.",
+                [Q(f"run:stepscope_dataloader_share:ratio_rate1m{{{RUN}}}", "data loading")],
+                "percentunit",
+                steps=thresholds((None, "green"), (0.1, "yellow"), (0.3, "red")),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "GPU utilization (run's GPUs)",
+                "Average utilization of the GPUs the run's ranks hold memory on. Below 80% the GPUs wait for "
+                "the host or the data. Empty for CPU-only runs.",
+                [Q(f"run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}", "GPU")],
+                "percentunit",
+                steps=thresholds((None, "red"), (0.5, "yellow"), (0.8, "green")),
+            )
+        )
+    )
+
+    board = board.with_row(row("Step time"))
+    board = (
+        board.with_panel(
+            timeseries_panel(
+                "Step time p50 / p95 per rank",
+                "Step time quantiles per rank from the step histogram (1m window). Ranks far above the "
+                "others are stragglers; p95 spikes are stalls.",
+                [
+                    Q(f"run_rank:stepscope_step_seconds:p50_rate1m{{{RANKS}}}", "rank {{rank}} p50"),
+                    Q(f"run_rank:stepscope_step_seconds:p95_rate1m{{{RANKS}}}", "rank {{rank}} p95"),
+                ],
+                "s",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Throughput",
+                "Samples per second of the run and of each rank (1m rate). Drops line up with "
+                "stalls in the step time panel.",
+                [
+                    Q(f"run:stepscope_samples:rate1m{{{RUN}}}", "run"),
+                    Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", "rank {{rank}}"),
+                ],
+                SAMPLES_PER_SECOND,
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Phase breakdown (seconds per step)",
+                "Average seconds per step in each phase over the selected ranks, stacked: what a step is "
+                "made of. A tall dataloader_next band means data loading; to_device means host-to-device "
+                "copies (use pinned memory and non_blocking); forward/backward/optimizer_step is compute.",
+                [
+                    Q(
+                        "avg by (phase) "
+                        f"(run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m{{{RANKS}}})",
+                        "{{phase}}",
+                    )
+                ],
+                "s",
+                stack=True,
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Data-loading share per rank",
+                "dataloader_next seconds / step seconds per rank (1m). The dashed line is the 30% alert "
+                "threshold; the I/O-vs-compute rule of thumb wants it near 0.",
+                [Q(f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{RANKS}}}", "rank {{rank}}")],
+                "percentunit",
+                limits=(0, 1),
+                threshold_line=thresholds((None, "green"), (0.3, "red")),
+            )
+        )
+        .with_panel(
+            heatmap_panel(
+                "Step time distribution",
+                "Histogram of step times over the selected ranks, per minute: one band is steady, several "
+                "bands or a long tail mean periodic stalls.",
+                [
+                    Q(
+                        f"sum by (le) (rate(stepscope_step_seconds_bucket{{{RANKS}}}[1m]))",
+                        "{{le}}",
+                        buckets=True,
+                    )
+                ],
+                "short",
+                y_unit="s",
+                width=24,
+            )
+        )
+    )
+
+    board = board.with_row(row("Ranks"))
+    board = (
+        board.with_panel(
+            table_panel(
+                "Per-rank comparison",
+                "One line per rank: straggler score (run median step time / the rank's; 1 typical, below "
+                "0.75 a straggler), mean and p95 step time, data-loading share, steps and samples per "
+                "second.",
+                [
+                    Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_step_seconds:mean_rate1m{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_step_seconds:p95_rate1m{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_steps:rate1m{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", table=True),
+                ],
+                {
+                    "Value #A": ("straggler score", "none"),
+                    "Value #B": ("mean step", "s"),
+                    "Value #C": ("p95 step", "s"),
+                    "Value #D": ("data-loading share", "percentunit"),
+                    "Value #E": ("steps/s", "none"),
+                    "Value #F": ("samples/s", "none"),
+                },
+                width=14,
+            )
+        )
+        .with_panel(
+            bargauge_panel(
+                "Straggler score",
+                "Run median step time / the rank's step time. 1 = typical; below 0.75 (red) the rank is a "
+                "straggler and every synchronised step waits for it: check its node on the Node dashboard.",
+                [Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", "rank {{rank}} ({{instance}})")],
+                "none",
+                limits=(0, 1.5),
+                steps=thresholds((None, "red"), (0.75, "yellow"), (0.9, "green")),
+                width=10,
+            )
+        )
+        .with_panel(
+            state_timeline_panel(
+                "Training state per rank",
+                "What each rank reports doing (setup, train, eval, checkpoint, idle): long checkpoint or "
+                "eval bands explain throughput dips; a rank stuck in a state while others train is hung.",
+                [Q(_state_expr(), "rank {{rank}}")],
+                value_text(
+                    {str(code): (state, STATE_COLORS[state]) for state, code in STATE_CODES.items()}
+                    | {"0": ("other", "text")}
+                ),
+            )
+        )
+    )
+
+    board = board.with_row(row("GPUs and processes of this run"))
+    board = (
+        board.with_panel(
+            timeseries_panel(
+                "GPU utilization of the run's GPUs",
+                "Utilization (1m average) of every GPU the run's ranks hold memory on. Below 90% for 15 "
+                "minutes pages StepscopeGpuUnderutilized.",
+                [
+                    Q(
+                        f"instance_gpu_run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}",
+                        "{{instance}} GPU {{gpu}}",
+                    )
+                ],
+                "percentunit",
+                limits=(0, 1),
+                threshold_line=thresholds((None, "red"), (0.9, "green")),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "GPU memory held by each rank",
+                "GPU memory each rank's process holds, per GPU (from NVML's process list).",
+                [
+                    Q(
+                        f"instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{RANKS}}}",
+                        "rank {{rank}} on {{instance}} GPU {{gpu}}",
+                    )
+                ],
+                "bytes",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "GPU memory used of the run's GPUs",
+                "Used / total memory of the GPUs the run uses (all processes on them). Above 95% the next "
+                "allocation may fail with CUDA OOM.",
+                [
+                    Q(
+                        "instance_gpu:stepscope_gpu_memory_used:ratio * on (instance, gpu) group_left ()"
+                        " group by (instance, gpu)"
+                        f" (instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{RUN}}} > 0)",
+                        "{{instance}} GPU {{gpu}}",
+                    )
+                ],
+                "percentunit",
+                limits=(0, 1),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Host CPU of the run's processes (cores)",
+                "CPU cores used by each rank's process and its data-loader workers. Data-bound runs whose "
+                "workers use all their cores need more cores or cheaper decoding.",
+                [
+                    Q(
+                        f"sum by (rank) (rate(stepscope_process_cpu_seconds_total{{{RANKS}}}[1m]))",
+                        "rank {{rank}}",
+                    )
+                ],
+                "none",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Host memory of the run's processes",
+                "Resident memory of each rank's process plus its data-loader workers.",
+                [Q(f"sum by (rank) (stepscope_process_resident_memory_bytes{{{RANKS}}})", "rank {{rank}}")],
+                "bytes",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Data-loader workers and read throughput",
+                "Live child processes (DataLoader workers) per rank, and bytes they read from storage per "
+                "second. Few workers with a high data-loading share: raise num_workers.",
+                [
+                    Q(f"sum by (rank) (stepscope_process_children{{{RANKS}}})", "rank {{rank}} workers"),
+                    Q(
+                        f"sum by (rank) (rate(stepscope_process_io_read_bytes_total{{{RANKS}}}[1m]))",
+                        "rank {{rank}} read",
+                    ),
+                ],
+                "none",
+                limits=(0, None),
+            ).override_by_regexp(".* read", [dm.DynamicConfigValue(id_val="unit", value="Bps")])
+        )
+    )
+
+    board = board.with_row(row("Alerts"))
+    return board.with_panel(
+        alert_list_panel(
+            "Firing alerts",
+            "stepscope alerts that are firing or pending now (Grafana-managed rules "
+            "provisioned from the Prometheus rules file).",
+        )
+    )

@@ -1,0 +1,99 @@
+"""A real Prometheus (Debian's /usr/bin/prometheus) on a free loopback port, and its HTTP query API."""
+
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import requests
+import yaml
+
+from tests.support.processes import Running, free_port, running
+
+T = TypeVar("T")
+
+
+def prometheus_binary() -> str | None:
+    return shutil.which("prometheus")
+
+
+@contextmanager
+def running_prometheus(
+    tmp_path: Path,
+    targets: dict[str, str],
+    rule_files: Sequence[Path] = (),
+    *,
+    job: str = "stepscope",
+    scrape_interval: str = "1s",
+    evaluation_interval: str = "1s",
+) -> Iterator[Running]:
+    """Prometheus scraping `targets` ({instance label: host:port}) and evaluating `rule_files`."""
+    binary = prometheus_binary()
+    if binary is None:
+        raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
+    config = {
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
+        "rule_files": [str(path) for path in rule_files],
+        "scrape_configs": [
+            {
+                "job_name": job,
+                "static_configs": [
+                    {"targets": [address], "labels": {"instance": instance}}
+                    for instance, address in targets.items()
+                ],
+            }
+        ],
+    }
+    config_path = tmp_path / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    argv = [
+        binary,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+    with running(
+        argv,
+        f"http://127.0.0.1:{port}/-/ready",
+        tmp_path / "prometheus.log",
+        base_url=f"http://127.0.0.1:{port}",
+    ) as proc:
+        yield proc
+
+
+def query(base_url: str, expr: str) -> list[dict]:
+    """Instant query results ([{"metric": {...}, "value": [t, "v"]}]); raises on a PromQL error."""
+    response = requests.get(f"{base_url}/api/v1/query", params={"query": expr}, timeout=10)
+    body = response.json()
+    if body.get("status") != "success":
+        raise ValueError(f"query failed: {expr}\n{body.get('errorType')}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def series(base_url: str, selector: str) -> list[dict]:
+    """Label sets of the series `selector` matches (what Grafana's label_values() reads)."""
+    response = requests.get(f"{base_url}/api/v1/series", params={"match[]": selector}, timeout=10)
+    body = response.json()
+    if body.get("status") != "success":
+        raise ValueError(f"series failed: {selector}\n{body.get('errorType')}: {body.get('error')}")
+    return body["data"]
+
+
+def rule_groups(base_url: str) -> list[dict]:
+    response = requests.get(f"{base_url}/api/v1/rules", timeout=10)
+    response.raise_for_status()
+    return response.json()["data"]["groups"]
+
+
+def wait_for(condition: Callable[[], T], timeout: float, interval: float = 1.0) -> T:
+    """Calls `condition` until it returns something truthy; returns that or the last falsy value."""
+    deadline = time.monotonic() + timeout
+    result = condition()
+    while not result and time.monotonic() < deadline:
+        time.sleep(interval)
+        result = condition()
+    return result

@@ -1,0 +1,127 @@
+"""The committed dashboards are exactly the generator's output and follow the bundle's rules."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grafana.dashboards import generate
+from grafana.dashboards.metrics import EXPORTER_METRICS
+from grafana.dashboards.queries import (
+    DASHBOARDS_DIR,
+    load_dashboards,
+    panel_queries,
+    panels,
+    variable_queries,
+)
+
+RULES_FILE = Path(__file__).resolve().parents[1] / "grafana" / "rules" / "stepscope.rules.yml"
+RECORDING_RULE = re.compile(r"\b[a-z_]+:stepscope_\w+:\w+\b")
+ANY_RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
+EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+EXPECTED = {"stepscope-training.json", "stepscope-node.json", "stepscope-cluster.json"}
+PANEL_UNIT_TYPES = {"timeseries", "stat", "bargauge"}
+
+
+def recording_rules() -> set[str]:
+    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
+    return {rule["record"] for group in groups for rule in group["rules"] if "record" in rule}
+
+
+def dashboards() -> dict[str, dict]:
+    return load_dashboards(DASHBOARDS_DIR)
+
+
+def test_committed_json_is_the_generator_output(tmp_path: Path) -> None:
+    written = generate.generate(tmp_path)
+    assert {path.name for path in written} == EXPECTED == set(dashboards())
+    for path in written:
+        committed = DASHBOARDS_DIR / path.name
+        assert committed.read_text() == path.read_text(), (
+            f"{path.name} differs from the generator: run python -m grafana.dashboards.generate"
+        )
+
+
+def test_no_inputs_and_stable_uids() -> None:
+    for name, model in dashboards().items():
+        assert "__inputs" not in json.dumps(model), name
+        assert model["uid"] == name.removesuffix(".json")
+
+
+def test_datasource_variable_feeds_every_panel_and_variable() -> None:
+    for name, model in dashboards().items():
+        variables = model["templating"]["list"]
+        assert variables[0] == {
+            **variables[0],
+            "name": "datasource",
+            "type": "datasource",
+            "query": "prometheus",
+        }
+        for variable in variables[1:]:
+            assert variable["datasource"] == DATASOURCE, f"{name}: variable {variable['name']}"
+        for panel in panels(model):
+            assert panel.get("datasource") == DATASOURCE, f"{name}: {panel['title']}"
+            for target in panel.get("targets", []):
+                assert target.get("datasource") == DATASOURCE, f"{name}: {panel['title']}"
+
+
+def test_every_panel_has_a_description_and_a_unit() -> None:
+    for name, model in dashboards().items():
+        for panel in panels(model):
+            assert panel.get("description", "").strip(), f"{name}: {panel['title']} has no description"
+            if panel["type"] in PANEL_UNIT_TYPES:
+                assert panel["fieldConfig"]["defaults"].get("unit"), f"{name}: {panel['title']} has no unit"
+
+
+def test_panel_ids_are_unique() -> None:
+    for name, model in dashboards().items():
+        ids = [panel["id"] for panel in model["panels"]]
+        assert len(ids) == len(set(ids)), name
+
+
+def test_queries_use_known_metrics_and_recording_rules() -> None:
+    rules = recording_rules()
+    texts = [(q.dashboard, q.panel, q.raw_expr) for q in panel_queries()]
+    texts += [(v.dashboard, v.variable, v.raw_query) for v in variable_queries()]
+    assert texts
+    for dashboard, where, expr in texts:
+        for name in ANY_RULE_NAME.findall(expr):
+            assert name in rules, f"{dashboard} / {where}: {name} is not a recording rule"
+        for name in EXPORTER_NAME.findall(RECORDING_RULE.sub("", expr)):
+            assert name in EXPORTER_METRICS, f"{dashboard} / {where}: {name} is not an exporter metric"
+
+
+def test_variables_are_defined_and_matched_as_regex() -> None:
+    for name, model in dashboards().items():
+        defined = {variable["name"] for variable in model["templating"]["list"]}
+        for query in panel_queries():
+            if query.dashboard != name:
+                continue
+            used = {a or b for a, b in re.findall(r"\$\{(\w+)\}|\$(\w+)", query.raw_expr)}
+            assert used <= defined, f"{name} / {query.panel}: undefined {used - defined}"
+            assert not re.search(r'[^=!]="\$', query.raw_expr), (
+                f"{name} / {query.panel}: use =~ for variables"
+            )
+
+
+def test_recording_rules_are_used_by_the_dashboards() -> None:
+    """Dashboards prefer the recording rules; one no panel shows is dead weight."""
+    text = " ".join(q.raw_expr for q in panel_queries())
+    unused = {rule for rule in recording_rules() if rule not in text}
+    assert not unused, f"recording rules no dashboard shows: {sorted(unused)}"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_every_query_parses_as_promql(tmp_path: Path) -> None:
+    """promtool check rules parses each expression, with variables filled in."""
+    exprs = [q.expr for q in panel_queries()] + [v.selector for v in variable_queries() if v.selector]
+    rules = [{"record": f"dashboard:check:expr{index}", "expr": expr} for index, expr in enumerate(exprs)]
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    result = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,107 @@
+"""Grafana provisioning: files parse, point at things that exist, and the alerts match the rules file."""
+
+import re
+from pathlib import Path
+
+import yaml
+
+from grafana.alerting import generate as alerting
+from grafana.dashboards.queries import DASHBOARDS_DIR, load_dashboards, panels
+
+PROVISIONING = Path(__file__).resolve().parents[1] / "grafana" / "provisioning"
+TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
+
+
+def load(relative: str) -> dict:
+    return yaml.safe_load((PROVISIONING / relative).read_text())
+
+
+def prometheus_alerts() -> dict[str, dict]:
+    groups = yaml.safe_load(alerting.RULES_FILE.read_text())["groups"]
+    return {rule["alert"]: rule for group in groups for rule in group["rules"] if "alert" in rule}
+
+
+def grafana_rules() -> dict[str, dict]:
+    groups = load("alerting/stepscope-alerts.yml")["groups"]
+    return {rule["title"]: rule for group in groups for rule in group["rules"]}
+
+
+def test_committed_alert_provisioning_is_the_generator_output() -> None:
+    assert alerting.OUTPUT_FILE.read_text() == alerting.render(), (
+        "stepscope-alerts.yml is stale: run python -m grafana.alerting.generate"
+    )
+
+
+def test_datasource_has_a_fixed_uid_and_the_url_from_the_environment() -> None:
+    document = load("datasources/stepscope.yml")
+    assert document["apiVersion"] == 1
+    (datasource,) = document["datasources"]
+    assert datasource["type"] == "prometheus"
+    assert datasource["uid"] == "stepscope-prometheus"
+    assert datasource["url"] == "${PROMETHEUS_URL}"
+
+
+def test_dashboard_provider_loads_the_generated_dashboards_into_the_alert_folder() -> None:
+    document = load("dashboards/stepscope.yml")
+    assert document["apiVersion"] == 1
+    (provider,) = document["providers"]
+    assert provider["type"] == "file"
+    assert provider["folder"] == alerting.FOLDER
+    assert provider["options"]["path"].startswith("/")
+    assert set(load_dashboards(DASHBOARDS_DIR)) == {
+        "stepscope-training.json",
+        "stepscope-node.json",
+        "stepscope-cluster.json",
+    }
+
+
+def test_alert_list_panels_show_the_provisioned_folder() -> None:
+    alert_lists = [
+        panel
+        for model in load_dashboards(DASHBOARDS_DIR).values()
+        for panel in panels(model)
+        if panel["type"] == "alertlist"
+    ]
+    assert alert_lists
+    for panel in alert_lists:
+        assert panel["options"]["folder"]["title"] == alerting.FOLDER
+
+
+def test_every_prometheus_alert_is_a_grafana_rule_with_the_same_meaning() -> None:
+    prometheus = prometheus_alerts()
+    grafana = grafana_rules()
+    assert set(grafana) == set(prometheus)
+    for name, rule in grafana.items():
+        source = prometheus[name]
+        query = next(item for item in rule["data"] if item["refId"] == "A")
+        assert query["model"]["expr"] == source["expr"].strip(), name
+        assert rule["for"] == source.get("for", "0s"), name
+        assert rule["labels"] == source["labels"], name
+        assert set(rule["annotations"]) == set(source["annotations"]), name
+
+
+def test_grafana_rules_reference_the_provisioned_datasource_and_their_own_condition() -> None:
+    datasource_uid = load("datasources/stepscope.yml")["datasources"][0]["uid"]
+    uids = set()
+    for name, rule in grafana_rules().items():
+        assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", rule["uid"]), name
+        uids.add(rule["uid"])
+        ref_ids = {item["refId"] for item in rule["data"]}
+        assert rule["condition"] in ref_ids, name
+        for item in rule["data"]:
+            assert item["datasourceUid"] in (datasource_uid, "__expr__"), name
+            if item["datasourceUid"] == "__expr__":
+                expression = item["model"]["expression"]
+                referenced = set(re.findall(r"\$(\w+)", expression)) or {expression}
+                assert referenced <= ref_ids - {item["refId"]}, f"{name}: {expression}"
+        assert rule["noDataState"] == "OK", f"{name}: a healthy cluster returns no series"
+    assert len(uids) == len(grafana_rules())
+
+
+def test_annotations_use_grafana_template_variables() -> None:
+    for name, rule in grafana_rules().items():
+        for key, text in rule["annotations"].items():
+            for template in TEMPLATE.findall(text):
+                assert not re.search(r"\$value\b", template), f"{name}.{key}: $value is a string in Grafana"
+                for variable in re.findall(r"\$\w+", template):
+                    assert variable in ("$labels", "$values"), f"{name}.{key}: {variable}"

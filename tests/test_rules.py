@@ -1,0 +1,84 @@
+"""The Prometheus rules file passes promtool, and every alert is tested both firing and silent."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+RULES_DIR = Path(__file__).resolve().parents[1] / "grafana" / "rules"
+RULES_FILE = RULES_DIR / "stepscope.rules.yml"
+TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
+REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
+# Up/down conditions: their value is always 0, so the description states the fact instead.
+BOOLEAN_ALERTS = {"StepscopeGpuDown", "StepscopeGpuCollectorDown", "StepscopeExporterDown"}
+
+promtool = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    promtool is None, reason="promtool not installed (apt-get install prometheus)"
+)
+
+
+def rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES_FILE.read_text())["groups"] for rule in group["rules"]]
+
+
+def alerts() -> list[dict]:
+    return [rule for rule in rules() if "alert" in rule]
+
+
+def alert_cases() -> list[tuple[str, bool]]:
+    """(alertname, fires) for every alert_rule_test case in the promtool test files."""
+    return [
+        (case["alertname"], bool(case.get("exp_alerts")))
+        for path in TEST_FILES
+        for group in yaml.safe_load(path.read_text())["tests"]
+        for case in group.get("alert_rule_test", [])
+    ]
+
+
+@needs_promtool
+def test_promtool_check_rules() -> None:
+    result = subprocess.run([promtool, "check", "rules", str(RULES_FILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests_pass() -> None:
+    result = subprocess.run(
+        [promtool, "test", "rules", *map(str, TEST_FILES)], capture_output=True, text=True, cwd=RULES_DIR
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_firing_and_a_silent_case() -> None:
+    cases = set(alert_cases())
+    missing = [
+        f"{rule['alert']} ({'firing' if fires else 'silent'})"
+        for rule in alerts()
+        for fires in (True, False)
+        if (rule["alert"], fires) not in cases
+    ]
+    assert not missing, f"alerts without a promtool case: {missing}"
+
+
+def test_test_cases_name_existing_alerts() -> None:
+    names = {rule["alert"] for rule in alerts()}
+    assert {name for name, _ in alert_cases()} <= names
+
+
+def test_every_alert_has_severity_and_annotations() -> None:
+    for rule in alerts():
+        assert rule.get("labels", {}).get("severity") in ("info", "warning", "critical"), rule["alert"]
+        for key in REQUIRED_ANNOTATIONS:
+            assert rule.get("annotations", {}).get(key, "").strip(), f"{rule['alert']} lacks {key}"
+        if rule["alert"] not in BOOLEAN_ALERTS:
+            assert "$value" in rule["annotations"]["description"], f"{rule['alert']} hides the live value"
+
+
+def test_recording_rule_names_follow_level_metric_operations() -> None:
+    for rule in rules():
+        if "record" in rule:
+            level, metric, operations = rule["record"].split(":")
+            assert level and metric.startswith("stepscope_") and operations, rule["record"]
