@@ -181,11 +181,13 @@ def provisioning_files(kind: str) -> list[Path]:
 
 
 @pytest.mark.skipif(not provisioning_files("datasources"), reason="Grafana provisioning not merged yet")
-def test_grafana_datasource_points_at_the_prometheus_service() -> None:
+def test_grafana_datasource_points_at_the_prometheus_service(compose: dict[str, Any]) -> None:
     datasources = [ds for path in provisioning_files("datasources")
                    for ds in yaml.safe_load(path.read_text()).get("datasources", [])]
     urls = [ds["url"] for ds in datasources if ds.get("type") == "prometheus"]
-    assert urls == ["http://prometheus:9090"]
+    grafana_env = compose["services"]["grafana"]["environment"]
+    resolved = [grafana_env.get(url[2:-1], url) if url.startswith("${") else url for url in urls]
+    assert resolved == ["http://prometheus:9090"]
 
 
 @pytest.mark.skipif(not provisioning_files("dashboards"), reason="Grafana provisioning not merged yet")
