@@ -75,6 +75,9 @@ class Pusher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout + 1.0)
+            if self._thread.is_alive():  # wedged beyond its timeout: do not share the session with it
+                log.warning("stepscope: pusher thread did not stop; skipping the final push")
+                return
         if final_push:
             self.push_once()
         self._session.close()
@@ -110,7 +113,7 @@ class Pusher:
         message = response.text.strip()[:300] or response.reason
         kind = "rejected" if response.status_code < 500 else "server error"
         return self._failed(
-            f"{kind} {response.status_code} {message}",
+            f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try
             f"push to {self.url} {kind} ({response.status_code}): {message}; training continues",
         )
 
