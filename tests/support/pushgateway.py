@@ -1,0 +1,31 @@
+"""A real Debian `prometheus-pushgateway` on a loopback port, for the training-hooks tests."""
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import Running, free_port, running
+
+PUSHGATEWAY = shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
+
+
+def require_pushgateway() -> None:
+    if not Path(PUSHGATEWAY).exists():
+        pytest.skip("prometheus-pushgateway is not installed (scripts/test.sh installs it)")
+
+
+@contextmanager
+def running_pushgateway(tmp_path: Path, port: int | None = None) -> Iterator[Running]:
+    """A fresh Pushgateway (no persistence: a restart forgets every group) until the block ends."""
+    require_pushgateway()
+    port = port or free_port()
+    # Debian's build persists to /var/lib/prometheus/pushgateway.data by default: shared, and it would
+    # survive a restart. An empty file name keeps everything in memory.
+    argv = [PUSHGATEWAY, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="]
+    log_path = tmp_path / f"pushgateway-{port}-{len(list(tmp_path.glob('pushgateway-*.log')))}.log"
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", log_path,
+                 base_url=f"http://127.0.0.1:{port}") as proc:
+        yield proc

@@ -1,0 +1,260 @@
+"""Training hooks without a server: bucket math, rendering, config errors, limits, CUDA event logic."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import training_hooks as th
+from tests.support.processes import REPO_ROOT, sample_values, samples
+from training_hooks.config import Config
+from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from training_hooks.pusher import encode_label_value, group_url
+from training_hooks.timing import Histogram
+
+
+def tracker(**kwargs) -> th.Tracker:
+    t = th.init(run="unit", push_url="", **kwargs)
+    return t
+
+
+def test_observations_land_in_le_buckets_and_render_cumulative() -> None:
+    hist = Histogram((0.001, 0.01, 0.1))
+    for seconds in (0.0005, 0.001, 0.002, 0.01, 0.05, 5.0):
+        hist.observe_ns(round(seconds * 1e9))
+    assert hist.counts == [2, 2, 1, 1]  # 0.001 and 0.01 sit on their bounds: le is inclusive
+    snap = hist.snapshot()
+    assert snap.cumulative == (2, 4, 5, 6)
+    assert snap.count == 6
+    assert snap.sum_seconds == pytest.approx(5.0635)
+
+
+def test_rendered_histogram_families() -> None:
+    t = tracker(buckets=[0.001, 0.01])
+    phase = t.phase("forward")
+    for duration_ns in (500_000, 5_000_000, 50_000_000):
+        phase._hist.observe_ns(duration_ns)
+    t.step(samples=8)
+    t.step(samples=8)
+    text = t.render()
+    got = samples(text)
+    bucket = "stepscope_step_phase_seconds_bucket"
+    assert got[(bucket, frozenset({("phase", "forward"), ("le", "0.001")}))] == 1
+    assert got[(bucket, frozenset({("phase", "forward"), ("le", "0.01")}))] == 2
+    assert got[(bucket, frozenset({("phase", "forward"), ("le", "+Inf")}))] == 3
+    assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward") == [3]
+    assert sample_values(text, "stepscope_step_phase_seconds_sum", phase="forward") == [pytest.approx(0.0555)]
+    assert sample_values(text, "stepscope_steps_total") == [2]
+    assert sample_values(text, "stepscope_samples_total") == [16]
+    assert sample_values(text, "stepscope_step_seconds_count") == [2]
+    info = [s for s in got if s[0] == "stepscope_training_info"]
+    assert dict(info[0][1]) == {"local_rank": "0", "world_size": "1", "pid": str(__import__("os").getpid()),
+                                "framework": "pytorch"}
+    for forbidden in ("run=", "rank=", "job="):
+        assert forbidden not in text.replace("local_rank=", "")
+    t.close()
+
+
+def test_promtool_accepts_the_body(tmp_path) -> None:
+    t = tracker()
+    with t.phase("forward"):
+        pass
+    t.step()
+    result = subprocess.run(["promtool", "check", "metrics"], input=t.render(), capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    t.close()
+
+
+def test_state_set_and_scoped_state() -> None:
+    t = tracker()
+    assert t.current_state == "setup"
+    t.state("train")
+    with t.state("eval"):
+        assert sample_values(t.render(), "stepscope_training_state", state="eval") == [1]
+    text = t.render()
+    assert sample_values(text, "stepscope_training_state", state="train") == [1]
+    assert sum(sample_values(text, "stepscope_training_state")) == 1
+    with pytest.raises(ValueError, match="unknown training state 'warmup'"):
+        t.state("warmup")
+    t.close()
+    assert t.current_state == "idle"
+
+
+def test_loader_times_next_and_skips_epoch_end() -> None:
+    t = tracker()
+    seen = []
+    for item in t.loader(iter([1, 2, 3])):
+        seen.append(item)
+        t.step(samples=1)
+    assert seen == [1, 2, 3]
+    assert t.current_state == "train"
+    assert sample_values(t.render(), "stepscope_step_phase_seconds_count", phase="dataloader_next") == [3]
+    t.close()
+
+
+def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
+    t = tracker(max_phases=3)
+    with caplog.at_level(logging.WARNING, logger="training_hooks"):
+        for i in range(6):
+            with t.phase(f"p{i}"):
+                pass
+    assert len([r for r in caplog.records if "distinct phases" in r.message]) == 1
+    text = t.render()
+    assert {s[1] for s in samples(text) if s[0] == "stepscope_step_phase_seconds_count"} == {
+        frozenset({("phase", f"p{i}")}) for i in range(3)
+    }
+    t.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "message"),
+    [
+        ({"buckets": (0.1, 0.1)}, {}, "strictly increasing"),
+        ({"buckets": (0.5, 0.1)}, {}, "strictly increasing"),
+        ({"buckets": (0.1, float("inf"))}, {}, "finite"),
+        ({}, {"RANK": "abc"}, "RANK must be an integer >= 0, got 'abc'"),
+        ({}, {"RANK": "-1"}, "RANK must be an integer >= 0"),
+        ({}, {"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 must be smaller than world_size 4"),
+        ({}, {"WORLD_SIZE": "0"}, "WORLD_SIZE must be an integer >= 1"),
+        ({}, {"STEPSCOPE_PUSH_INTERVAL": "soon"}, "STEPSCOPE_PUSH_INTERVAL must be a number"),
+        ({}, {"STEPSCOPE_PUSH_INTERVAL": "0"}, "push_interval must be a number > 0"),
+        ({}, {"STEPSCOPE_PUSH_URL": "localhost:9847"}, "must start with http://"),
+        ({}, {"STEPSCOPE_BUCKETS": "0.1,x"}, "STEPSCOPE_BUCKETS must be comma-separated"),
+        ({"run": " "}, {}, "run must be a non-empty string"),
+        ({"max_phases": 0}, {}, "max_phases must be an integer >= 1"),
+    ],
+)
+def test_bad_config_is_a_clear_value_error(kwargs, env, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        Config.resolve(env={"STEPSCOPE_RUN": "r", **env}, **kwargs)
+
+
+def test_bad_phase_name_is_a_clear_value_error() -> None:
+    t = tracker()
+    with pytest.raises(ValueError, match="phase name must match"):
+        t.phase('bad"name')
+    t.close()
+
+
+def test_environment_fills_identity() -> None:
+    cfg = Config.resolve(env={"STEPSCOPE_RUN": "job-7", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+                              "STEPSCOPE_PUSH_TOKEN": "s3cret", "STEPSCOPE_BUCKETS": "0.01,0.1,1"})
+    assert (cfg.run, cfg.rank, cfg.local_rank, cfg.world_size) == ("job-7", 3, 1, 8)
+    assert cfg.push_token == "s3cret"
+    assert cfg.buckets == (0.01, 0.1, 1.0)
+    assert cfg.push_url == "http://127.0.0.1:9847"
+    assert Config.resolve(env={"RANK": "3", "WORLD_SIZE": "8"}, rank=0).rank == 0  # arguments win
+
+
+def test_default_buckets_are_log_spaced() -> None:
+    assert len(th.DEFAULT_BUCKETS) == 16
+    assert th.DEFAULT_BUCKETS[0] == 0.0001 and th.DEFAULT_BUCKETS[-1] == 60.0
+
+
+def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
+    assert group_url("http://h:1/", "resnet-a", 2) == "http://h:1/metrics/job/stepscope/run/resnet-a/rank/2"
+    assert group_url("http://h:1", "team/exp 1", 0) == (
+        f"http://h:1/metrics/job/stepscope/run@base64/{encode_label_value('team/exp 1')}/rank/0"
+    )
+    assert encode_label_value("a/b") == "YS9i"
+
+
+class FakeEvent:
+    """The subset of torch.cuda.Event the timer uses; `clock` says when the GPU reached it (ms)."""
+
+    gpu_now = 0.0
+
+    def __init__(self, enable_timing: bool) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = FakeCuda.enqueue_at
+
+    def query(self) -> bool:
+        return self.at is not None and self.at <= FakeCuda.gpu_done
+
+    def synchronize(self) -> None:
+        FakeCuda.gpu_done = max(FakeCuda.gpu_done, self.at)
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return end.at - self.at
+
+
+class FakeCuda:
+    Event = FakeEvent
+    enqueue_at = 0.0  # GPU time (ms) at which the next recorded event will complete
+    gpu_done = 0.0  # GPU time (ms) reached so far
+    syncs = 0
+
+    @classmethod
+    def synchronize(cls) -> None:
+        cls.syncs += 1
+
+
+def test_cuda_events_resolve_lazily_without_synchronize() -> None:
+    FakeCuda.enqueue_at, FakeCuda.gpu_done, FakeCuda.syncs = 0.0, 0.0, 0
+    timer = CudaTimer(FakeCuda, max_pending=100)
+    hist = Histogram((0.001, 0.01))
+    phase = CudaPhase("forward", hist, timer)
+    for _ in range(3):  # three 5 ms kernels queued back to back
+        with phase:
+            FakeCuda.enqueue_at += 5.0
+    assert timer.pending == 3 and hist.counts == [0, 0, 0]
+    FakeCuda.gpu_done = 10.0  # the GPU finished two of them
+    assert timer.resolve() == 2
+    assert hist.counts == [0, 2, 0] and hist.sum_ns == 10_000_000
+    assert timer.resolve(block=True) == 1
+    assert hist.counts == [0, 3, 0] and timer.pending == 0
+    assert FakeCuda.syncs == 0
+    with phase:  # events are recycled, not allocated per phase
+        FakeCuda.enqueue_at += 1.0
+    assert len(timer._free) == 4
+
+
+def test_cuda_pending_queue_is_bounded() -> None:
+    FakeCuda.enqueue_at, FakeCuda.gpu_done = 0.0, 0.0
+    timer = CudaTimer(FakeCuda, max_pending=4)
+    hist = Histogram((0.001,))
+    phase = CudaPhase("backward", hist, timer)
+    for _ in range(10):
+        with phase:
+            FakeCuda.enqueue_at += 1.0
+    assert timer.pending == 4
+    assert sum(hist.counts) == 6
+
+
+def test_sync_mode_synchronizes_around_the_phase() -> None:
+    FakeCuda.syncs = 0
+    hist = Histogram((0.001,))
+    with SyncCudaPhase("forward", hist, FakeCuda):
+        pass
+    assert FakeCuda.syncs == 2 and sum(hist.counts) == 1
+
+
+def test_imports_and_works_without_torch_and_exporter() -> None:
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None
+        sys.modules["exporter"] = None
+        import training_hooks as th
+        t = th.init(run="no-torch", push_url="")
+        for _ in t.loader(range(2)):
+            with t.phase("forward", cuda=True):
+                pass
+            t.step(samples=2)
+        text = t.render()
+        assert 'stepscope_step_phase_seconds_count{phase="forward"} 2' in text, text
+        assert "stepscope_steps_total 2" in text
+        t.close()
+        assert not any(m == "torch" or m.startswith(("torch.", "exporter", "lightning", "transformers"))
+                       for m in sys.modules if sys.modules[m] is not None)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

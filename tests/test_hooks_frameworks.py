@@ -1,0 +1,114 @@
+"""The Lightning and Hugging Face callbacks on real CPU Trainers, pushing to a real Pushgateway."""
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from tests.support.processes import sample_values, scrape
+from tests.support.pushgateway import running_pushgateway
+
+STEPS = 6
+BATCH = 4
+ITEM_SLEEP = 0.002
+
+
+class Regression(Dataset):
+    def __init__(self, items: int, as_dict: bool = False) -> None:
+        self.items, self.as_dict = items, as_dict
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, index: int):
+        time.sleep(ITEM_SLEEP)
+        x = torch.full((8,), index / self.items)
+        y = x.sum(dim=0, keepdim=True)
+        return {"x": x, "labels": y} if self.as_dict else (x, y)
+
+
+def test_lightning_callback_times_fit(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from training_hooks.lightning import StepscopeCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    with running_pushgateway(tmp_path) as gateway:
+        callback = StepscopeCallback(run="pl-run", push_url=gateway.url, push_interval=0.2)
+        trainer = pl.Trainer(
+            max_steps=STEPS, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, val_check_interval=3, limit_val_batches=2,
+            default_root_dir=tmp_path, callbacks=[callback],
+        )
+        trainer.fit(Module(), DataLoader(Regression(100), batch_size=BATCH),
+                    DataLoader(Regression(8), batch_size=BATCH))
+        text = scrape(gateway.url)
+    group = {"job": "stepscope", "run": "pl-run", "rank": "0"}
+    for phase in ("to_device", "forward", "backward", "optimizer_step", "train_batch"):
+        counts = sample_values(text, "stepscope_step_phase_seconds_count", phase=phase, **group)
+        assert counts == [STEPS], phase
+    # The first fetch of each epoch and the fetches after validation are timed; none inside validation.
+    [loads] = sample_values(text, "stepscope_step_phase_seconds_count", phase="dataloader_next", **group)
+    assert 1 <= loads <= STEPS
+    [load_seconds] = sample_values(text, "stepscope_step_phase_seconds_sum", phase="dataloader_next", **group)
+    assert load_seconds >= loads * BATCH * ITEM_SLEEP
+    assert sample_values(text, "stepscope_steps_total", **group) == [STEPS]
+    assert sample_values(text, "stepscope_samples_total", **group) == [STEPS * BATCH]
+    assert sample_values(text, "stepscope_training_info", framework="lightning", **group) == [1]
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+    assert "batch_to_device" not in vars(trainer.strategy)  # the wrapper is gone after fit
+
+
+def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from training_hooks.huggingface import StepscopeCallback
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH, report_to=[], use_cpu=True, logging_strategy="no",
+        save_strategy="no", eval_strategy="steps", eval_steps=3, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    with running_pushgateway(tmp_path) as gateway:
+        callback = StepscopeCallback(run="hf-run", push_url=gateway.url, push_interval=0.2)
+        trainer = Trainer(model=Model(), args=args, train_dataset=Regression(100, as_dict=True),
+                          eval_dataset=Regression(8, as_dict=True), callbacks=[callback])
+        trainer.train()
+        text = scrape(gateway.url)
+    group = {"job": "stepscope", "run": "hf-run", "rank": "0"}
+    for phase in ("train_batch", "optimizer_step", "step_lr_schedulers"):
+        counts = sample_values(text, "stepscope_step_phase_seconds_count", phase=phase, **group)
+        assert counts == [STEPS], phase
+    [loads] = sample_values(text, "stepscope_step_phase_seconds_count", phase="dataloader_next", **group)
+    assert 1 <= loads < STEPS  # the gap after an evaluation is dropped, not counted as loading
+    assert sample_values(text, "stepscope_steps_total", **group) == [STEPS]
+    assert sample_values(text, "stepscope_samples_total", **group) == [STEPS * BATCH]
+    assert sample_values(text, "stepscope_training_info", framework="transformers", **group) == [1]
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+

@@ -1,0 +1,179 @@
+"""A real torch CPU training loop with the hooks, pushing to a real Pushgateway (and the exporter)."""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import training_hooks as th
+from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
+from tests.support.pushgateway import running_pushgateway
+
+ITEM_SLEEP = 0.005
+BATCH = 4
+
+
+class SleepyDataset(Dataset):
+    """Regression data that takes a known time per item, like slow storage."""
+
+    def __init__(self, items: int, sleep: float) -> None:
+        self.items, self.sleep = items, sleep
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sleep:
+            time.sleep(self.sleep)
+        x = torch.full((8,), float(index))
+        return x, x.sum(dim=0, keepdim=True)
+
+
+def train(tracker: th.Tracker, steps: int, item_sleep: float = 0.0) -> None:
+    """A plain PyTorch loop timed with every standard phase."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
+    loader = DataLoader(SleepyDataset(steps * BATCH, item_sleep), batch_size=BATCH)
+    for x, y in tracker.loader(loader):
+        with tracker.phase("to_device"):
+            x, y = x.to("cpu"), y.to("cpu")
+        with tracker.phase("train_batch", cuda=True):
+            with tracker.phase("forward", cuda=True):
+                loss = nn.functional.mse_loss(model(x), y)
+            with tracker.phase("backward", cuda=True):
+                optimizer.zero_grad()
+                loss.backward()
+            with tracker.phase("optimizer_step", cuda=True):
+                optimizer.step()
+        with tracker.phase("step_lr_schedulers"):
+            scheduler.step()
+        with tracker.phase("from_device"):
+            value = loss.detach().to("cpu")
+        with tracker.phase("reduce_metrics"):
+            float(value)
+        tracker.step(samples=len(x))
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_torch_loop_pushes_every_phase_to_a_pushgateway(tmp_path: Path) -> None:
+    steps = 12
+    with running_pushgateway(tmp_path) as gateway:
+        tracker = th.init(run="team/mlp a", push_url=gateway.url, push_interval=0.2, rank=1, world_size=2)
+        train(tracker, steps, ITEM_SLEEP)
+        tracker.close()
+        text = scrape(gateway.url)
+    group = {"job": "stepscope", "run": "team/mlp a", "rank": "1"}  # base64 grouping key decoded
+    for phase in th.STANDARD_PHASES:
+        counts = sample_values(text, "stepscope_step_phase_seconds_count", phase=phase, **group)
+        assert counts == [steps], phase
+    assert sample_values(text, "stepscope_steps_total", **group) == [steps]
+    assert sample_values(text, "stepscope_samples_total", **group) == [steps * BATCH]
+    assert sample_values(text, "stepscope_step_seconds_count", **group) == [steps]
+    [loading] = sample_values(text, "stepscope_step_phase_seconds_sum", phase="dataloader_next", **group)
+    assert loading >= steps * BATCH * ITEM_SLEEP
+    [step_sum] = sample_values(text, "stepscope_step_seconds_sum", **group)
+    assert step_sum >= loading
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+    assert sample_values(text, "stepscope_training_info", framework="pytorch", world_size="2", **group) == [1]
+    assert sample_values(text, "push_failure_time_seconds", **group) == [0]
+
+
+def test_pusher_survives_a_missing_gateway_and_a_restart(tmp_path: Path, caplog) -> None:
+    steps = 20
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    group = {"job": "stepscope", "run": "robust", "rank": "0"}
+    caplog.set_level(logging.WARNING, logger="training_hooks")
+    tracker = th.init(run="robust", push_url=url, push_interval=0.05, max_backoff=0.2)
+    pusher = tracker.pusher
+    train(tracker, steps)
+    assert tracker.steps == steps  # nothing listening, and the loop still completed
+    wait_for(lambda: pusher.stats.failures >= 3, "failed pushes")
+    assert threading.get_ident() not in pusher.stats.threads  # pushes never ran on the training thread
+    assert len([r for r in caplog.records if "cannot push" in r.message]) == 1  # one line per outage
+
+    with running_pushgateway(tmp_path, port=port) as gateway:
+        wait_for(lambda: pusher.stats.successes >= 1, "the first successful push")
+        assert sample_values(scrape(gateway.url), "stepscope_steps_total", **group) == [steps]
+    assert len([r for r in caplog.records if "works again" in r.message]) == 1
+
+    with running_pushgateway(tmp_path, port=port) as gateway:  # a restarted gateway has forgotten the run
+        pushed = pusher.stats.successes
+        wait_for(lambda: pusher.stats.successes > pushed, "a push to the restarted gateway")
+        assert sample_values(scrape(gateway.url), "stepscope_steps_total", **group) == [steps]
+        train(tracker, 5)
+        tracker.close()
+        assert sample_values(scrape(gateway.url), "stepscope_steps_total", **group) == [steps + 5]
+
+
+def test_rejected_push_logs_the_server_message_once(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="training_hooks")
+    with running_pushgateway(tmp_path) as gateway:
+        tracker = th.init(run="misconfigured", push_url=f"{gateway.url}/wrong-prefix", push_interval=0.05,
+                          max_backoff=0.1)
+        train(tracker, 3)
+        wait_for(lambda: tracker.pusher.stats.failures >= 3, "rejected pushes")
+        tracker.close()
+    assert tracker.steps == 3
+    rejected = [r.message for r in caplog.records if "rejected" in r.message]
+    assert len(rejected) == 1
+    assert "404" in rejected[0] and "page not found" in rejected[0]
+
+
+def test_token_and_content_type_reach_the_server() -> None:
+    """A stock Pushgateway ignores the token, so a plain HTTP server records what the client sends."""
+    received: list[tuple[str, dict[str, str], bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, dict(self.headers), body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        tracker = th.init(run="auth", push_url=f"http://127.0.0.1:{server.server_port}", push_token="s3cret")
+        tracker.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    path, headers, body = received[-1]
+    assert path == "/metrics/job/stepscope/run/auth/rank/0"
+    assert headers["Authorization"] == "Bearer s3cret"
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert b'stepscope_training_state{state="idle"} 1' in body
+
+
+@pytest.mark.skipif(not (REPO_ROOT / "exporter" / "ingest" / "api.py").exists(),
+                    reason="the exporter's push ingest (exporter/ingest/api.py) is not in this branch yet")
+def test_torch_loop_pushes_to_the_exporter(tmp_path: Path) -> None:
+    with running_exporter(tmp_path) as exporter:
+        tracker = th.init(run="to-exporter", push_url=exporter.url, push_interval=0.2)
+        train(tracker, 6)
+        tracker.close()
+        assert tracker.pusher.stats.failures == 0, tracker.pusher.stats.last_error
+        text = scrape(exporter.url)
+    labels = {"run": "to-exporter", "rank": "0"}
+    assert sample_values(text, "stepscope_steps_total", **labels) == [6]
+    assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward", **labels) == [6]

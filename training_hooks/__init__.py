@@ -1,0 +1,48 @@
+"""stepscope training hooks: time each training step's phases in-process and push them to the exporter.
+
+Imports neither torch nor the exporter; the framework integrations live in `training_hooks.lightning`
+and `training_hooks.huggingface`.
+
+    import training_hooks as th
+    tracker = th.init(run="resnet-a")
+    for batch in tracker.loader(train_loader):
+        with tracker.phase("forward", cuda=True):
+            ...
+        tracker.step(samples=len(batch))
+    tracker.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from training_hooks.config import (
+    DEFAULT_BUCKETS,
+    STANDARD_PHASES,
+    STATES,
+    Config,
+    log_buckets,
+)
+from training_hooks.tracker import Tracker
+
+__all__ = ["DEFAULT_BUCKETS", "STANDARD_PHASES", "STATES", "Config", "Tracker", "init", "log_buckets"]
+
+
+def init(
+    run: str | None = None, *, push_url: str | None = None, push_token: str | None = None,
+    push_interval: float | None = None, rank: int | None = None, local_rank: int | None = None,
+    world_size: int | None = None, buckets: Sequence[float] | None = None, max_phases: int | None = None,
+    framework: str | None = None, sync: bool | None = None, max_backoff: float | None = None,
+) -> Tracker:
+    """A started Tracker; every argument left as None comes from the environment or its default.
+
+    Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE, STEPSCOPE_PUSH_URL (default
+    http://127.0.0.1:9847; empty disables pushing), STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL (5 s),
+    STEPSCOPE_BUCKETS. Raises ValueError with a clear message on bad settings.
+    """
+    config = Config.resolve(
+        run=run, push_url=push_url, push_token=push_token, push_interval=push_interval, rank=rank,
+        local_rank=local_rank, world_size=world_size, buckets=tuple(buckets) if buckets is not None else None,
+        max_phases=max_phases, framework=framework, sync=sync, max_backoff=max_backoff,
+    )
+    return Tracker(config)

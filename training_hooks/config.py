@@ -1,0 +1,156 @@
+"""Tracker settings from arguments and the environment, validated once at start-up (never on the hot path)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PUSH_URL = "http://127.0.0.1:9847"
+DEFAULT_PUSH_INTERVAL = 5.0
+DEFAULT_MAX_PHASES = 32
+MAX_LABEL_LENGTH = 128
+
+STANDARD_PHASES = (
+    "dataloader_next", "to_device", "forward", "backward", "optimizer_step", "train_batch",
+    "step_lr_schedulers", "from_device", "reduce_metrics",
+)
+# The fixed state set of stepscope_training_state: exactly one is 1 at any time.
+STATES = ("setup", "train", "eval", "checkpoint", "idle")
+
+_PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def log_buckets(low: float, high: float, count: int) -> tuple[float, ...]:
+    """`count` log-spaced upper bounds from low to high, rounded to 2 significant digits (readable `le`)."""
+    if not (0 < low < high and count >= 2):
+        raise ValueError(f"log_buckets needs 0 < low < high and count >= 2, got {low}, {high}, {count}")
+    ratio = (high / low) ** (1 / (count - 1))
+    bounds = tuple(float(f"{low * ratio**i:.2g}") for i in range(count))
+    return validate_buckets(bounds)
+
+
+def validate_buckets(bounds: Sequence[float]) -> tuple[float, ...]:
+    """Finite, positive, strictly increasing upper bounds (the +Inf bucket is implicit)."""
+    values = tuple(float(b) for b in bounds)
+    if not values:
+        raise ValueError("buckets must not be empty")
+    for value in values:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"buckets must be finite and > 0 (+Inf is implicit), got {value!r}")
+    for lower, upper in itertools.pairwise(values):
+        if upper <= lower:
+            raise ValueError(f"buckets must be strictly increasing, got {lower!r} then {upper!r}")
+    return values
+
+
+# About 16 buckets from 100 µs to 60 s: 1e-4, 2.4e-4, 5.9e-4, ... 25, 60.
+DEFAULT_BUCKETS = log_buckets(1e-4, 60.0, 16)
+
+
+def validate_phase_name(name: str) -> str:
+    if not isinstance(name, str) or not _PHASE_NAME.match(name):
+        raise ValueError(f"phase name must match [A-Za-z_][A-Za-z0-9_]* (at most 64 chars), got {name!r}")
+    return name
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}")
+    return value
+
+
+def _default_run() -> str:
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return script or "default"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a Tracker needs; build it with `Config.resolve` so the environment fills the gaps."""
+
+    run: str
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    push_url: str = DEFAULT_PUSH_URL  # "" disables pushing
+    push_token: str | None = None
+    push_interval: float = DEFAULT_PUSH_INTERVAL
+    push_timeout: float = 2.0
+    max_backoff: float = 60.0
+    buckets: tuple[float, ...] = DEFAULT_BUCKETS
+    max_phases: int = DEFAULT_MAX_PHASES
+    framework: str = "pytorch"
+    sync: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run, str) or not self.run.strip():
+            raise ValueError("run must be a non-empty string (argument run= or STEPSCOPE_RUN)")
+        if len(self.run) > MAX_LABEL_LENGTH:
+            raise ValueError(f"run must be at most {MAX_LABEL_LENGTH} characters, got {len(self.run)}")
+        for name in ("rank", "local_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be smaller than world_size {self.world_size}")
+        if self.push_url and not re.match(r"^https?://[^/\s]+", self.push_url):
+            raise ValueError(f"push URL must start with http:// or https:// and a host, got {self.push_url!r}"
+                             " (empty disables pushing)")
+        for name in ("push_interval", "push_timeout", "max_backoff"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0 seconds, got {value!r}")
+        object.__setattr__(self, "buckets", validate_buckets(self.buckets))
+        if not isinstance(self.max_phases, int) or self.max_phases < 1:
+            raise ValueError(f"max_phases must be an integer >= 1, got {self.max_phases!r}")
+        if not self.framework or len(self.framework) > MAX_LABEL_LENGTH:
+            raise ValueError(f"framework must be a short non-empty string, got {self.framework!r}")
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **given: object) -> Config:
+        """Arguments win; None means "take it from the environment (or the default)".
+
+        Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun), STEPSCOPE_PUSH_URL,
+        STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds).
+        """
+        env = os.environ if env is None else env
+        values = {k: v for k, v in given.items() if v is not None}
+        if "run" not in values:
+            values["run"] = env.get("STEPSCOPE_RUN") or _default_run()
+        values.setdefault("rank", _int_env(env, "RANK", 0, 0))
+        values.setdefault("local_rank", _int_env(env, "LOCAL_RANK", 0, 0))
+        values.setdefault("world_size", _int_env(env, "WORLD_SIZE", 1, 1))
+        if "push_url" not in values:
+            values["push_url"] = env.get("STEPSCOPE_PUSH_URL", DEFAULT_PUSH_URL).strip()
+        values["push_url"] = str(values["push_url"]).rstrip("/")
+        if "push_token" not in values and env.get("STEPSCOPE_PUSH_TOKEN"):
+            values["push_token"] = env["STEPSCOPE_PUSH_TOKEN"].strip()
+        if "push_interval" not in values and env.get("STEPSCOPE_PUSH_INTERVAL"):
+            raw = env["STEPSCOPE_PUSH_INTERVAL"]
+            try:
+                values["push_interval"] = float(raw)
+            except ValueError:
+                raise ValueError(f"STEPSCOPE_PUSH_INTERVAL must be a number of seconds, got {raw!r}") \
+                    from None
+        if "buckets" not in values and env.get("STEPSCOPE_BUCKETS"):
+            raw = env["STEPSCOPE_BUCKETS"]
+            try:
+                values["buckets"] = tuple(float(part) for part in raw.split(","))
+            except ValueError:
+                raise ValueError(f"STEPSCOPE_BUCKETS must be comma-separated seconds, got {raw!r}") from None
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,126 @@
+"""Background pusher: PUTs the cumulative exposition to a Pushgateway-compatible endpoint.
+
+Pushes are cumulative and replace the whole group (PUT), so they are idempotent: a failed push, an
+exporter restart or a Pushgateway that forgot everything loses resolution, never data. The pusher never
+raises into training: an unreachable endpoint (or a 5xx) is logged once and retried with exponential
+backoff up to `max_backoff`; a 4xx is a configuration problem, so the server's message is logged once.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import requests
+
+from training_hooks.render import CONTENT_TYPE
+
+log = logging.getLogger("training_hooks")
+
+_PLAIN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+
+
+def encode_label_value(value: str) -> str:
+    """Path segment for a grouping label: `name/value`, or `name@base64/<b64url>` for anything unusual."""
+    if _PLAIN_LABEL_VALUE.match(value):
+        return value
+    return base64.urlsafe_b64encode(value.encode()).decode() or "="
+
+
+def group_url(base_url: str, run: str, rank: int) -> str:
+    run_part = f"run/{run}" if _PLAIN_LABEL_VALUE.match(run) else f"run@base64/{encode_label_value(run)}"
+    return f"{base_url.rstrip('/')}/metrics/job/stepscope/{run_part}/rank/{rank}"
+
+
+@dataclass
+class PushStats:
+    """What the pusher did; read by tests and by users who want to know whether pushes land."""
+
+    attempts: int = 0
+    successes: int = 0
+    failures: int = 0
+    last_error: str = ""
+    threads: set[int] = field(default_factory=set)  # idents of the threads that pushed
+
+
+class Pusher:
+    def __init__(
+        self, url: str, body: Callable[[], str], interval: float, token: str | None = None,
+        timeout: float = 2.0, max_backoff: float = 60.0,
+    ) -> None:
+        self.url = url
+        self._body = body
+        self.interval = interval
+        self.timeout = timeout
+        self.max_backoff = max(max_backoff, interval)
+        self.stats = PushStats()
+        self._session = requests.Session()
+        self._headers = {"Content-Type": CONTENT_TYPE}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = ""  # the problem already logged, until the next success
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
+        self._thread.start()
+
+    def stop(self, final_push: bool = True) -> None:
+        """Stops the thread, then pushes once more from the caller so the final state lands."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout + 1.0)
+            if self._thread.is_alive():  # wedged beyond its timeout: do not share the session with it
+                log.warning("stepscope: pusher thread did not stop; skipping the final push")
+                return
+        if final_push:
+            self.push_once()
+        self._session.close()
+
+    def _loop(self) -> None:
+        delay = self.interval
+        ok = self.push_once()  # at once: the exporter learns the pid before the first interval passes
+        while True:
+            delay = self.interval if ok else min(max(delay * 2, self.interval), self.max_backoff)
+            if self._stop.wait(delay):
+                return
+            ok = self.push_once()
+
+    def push_once(self) -> bool:
+        """One PUT of the current cumulative state; True when the server accepted it. Never raises."""
+        self.stats.attempts += 1
+        self.stats.threads.add(threading.get_ident())
+        try:
+            response = self._session.put(
+                self.url, data=self._body().encode(), headers=self._headers, timeout=self.timeout
+            )
+        except requests.RequestException as exc:
+            return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__}); "
+                                "retrying with backoff, training continues")
+        except Exception as exc:  # a bug in rendering must not kill the thread or the training
+            return self._failed("error", f"push to {self.url} failed: {exc!r}")
+        if response.status_code < 300:
+            self.stats.successes += 1
+            if self._failing:
+                log.warning("stepscope: pushing to %s works again", self.url)
+                self._failing = ""
+            return True
+        message = response.text.strip()[:300] or response.reason
+        kind = "rejected" if response.status_code < 500 else "server error"
+        return self._failed(
+            f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try
+            f"push to {self.url} {kind} ({response.status_code}): {message}; training continues",
+        )
+
+    def _failed(self, key: str, message: str) -> bool:
+        self.stats.failures += 1
+        self.stats.last_error = message
+        if self._failing != key:
+            log.warning("stepscope: %s", message)
+            self._failing = key
+        return False

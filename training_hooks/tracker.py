@@ -1,0 +1,203 @@
+"""The Tracker: phases, step boundaries and state of one training process, plus its pusher.
+
+Use one Tracker per process, from the training thread only (histograms have a single writer; see
+`timing`). The pusher thread only reads, through `snapshot()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from time import perf_counter_ns
+from typing import Any
+
+from training_hooks.config import STATES, Config, validate_phase_name
+from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from training_hooks.pusher import Pusher, group_url
+from training_hooks.render import Snapshot, render
+from training_hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
+
+log = logging.getLogger("training_hooks")
+
+Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
+
+
+def _cuda_module() -> Any | None:
+    """torch.cuda when torch is already imported and sees a GPU; never imports torch itself."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch.cuda if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+class _StateScope:
+    """Returned by `Tracker.state`: `with tracker.state("eval"):` restores the previous state on exit."""
+
+    __slots__ = ("_previous", "_tracker")
+
+    def __init__(self, tracker: Tracker, previous: str) -> None:
+        self._tracker = tracker
+        self._previous = previous
+
+    def __enter__(self) -> _StateScope:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._tracker.state(self._previous)
+
+
+class Tracker:
+    def __init__(self, config: Config, start_pusher: bool = True) -> None:
+        self.config = config
+        self._pid = os.getpid()
+        self._histograms: dict[str, Histogram] = {}
+        # Copy-on-write tuple: the pusher iterates it while the training thread may add a phase.
+        self._phase_order: tuple[tuple[str, Histogram], ...] = ()
+        self._host: dict[str, Phase] = {}
+        self._gpu: dict[str, Phase] = {}
+        self._warned_limit = False
+        self._step_hist = Histogram(config.buckets)
+        self._steps = 0
+        self._samples = 0
+        self._boundary = perf_counter_ns()
+        self._state = "setup"
+        self._cuda_timer: CudaTimer | None = None
+        self._closed = False
+        self.pusher: Pusher | None = None
+        if config.push_url:
+            self.pusher = Pusher(
+                group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
+                token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
+            )
+            if start_pusher:
+                self.pusher.start()
+        atexit.register(self.close)
+
+    # -- hot path ---------------------------------------------------------------------------------
+
+    def phase(self, name: str, cuda: bool = False) -> Phase:
+        """The reusable timer for `name`: `with tracker.phase("forward", cuda=True): ...`.
+
+        cuda=True times with CUDA events when torch.cuda is available (host wall time otherwise).
+        """
+        found = (self._gpu if cuda else self._host).get(name)
+        return found if found is not None else self._new_phase(name, cuda)
+
+    def step(self, samples: int = 0) -> None:
+        """Marks a step boundary: observes the whole step's wall time, counts the step and its samples."""
+        now = perf_counter_ns()
+        self._step_hist.observe_ns(now - self._boundary)
+        self._boundary = now
+        self._steps += 1
+        self._samples += samples
+        if self._cuda_timer is not None and self._cuda_timer.pending:
+            self._cuda_timer.resolve()
+
+    def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
+
+        Sets state "train" and restarts the step clock, so the first step does not include setup time.
+        """
+        phase = self.phase("dataloader_next")
+        iterator = iter(iterable)
+        self.state("train")
+        self._boundary = perf_counter_ns()
+        while True:
+            phase.start()
+            try:
+                item = next(iterator)
+            except StopIteration:  # the end of an epoch is not a batch load: nothing recorded
+                return
+            phase.end()
+            yield item
+
+    # -- slow path --------------------------------------------------------------------------------
+
+    def state(self, name: str) -> _StateScope:
+        """Sets the training state (setup, train, eval, checkpoint, idle).
+
+        Entering "train" restarts the step clock so time spent in eval or checkpointing is not a step.
+        """
+        if name not in STATES:
+            raise ValueError(f"unknown training state {name!r}; known: {', '.join(STATES)}")
+        previous = self._state
+        if name == "train" and previous != "train":
+            self._boundary = perf_counter_ns()
+        self._state = name
+        return _StateScope(self, previous)
+
+    @property
+    def current_state(self) -> str:
+        return self._state
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def _new_phase(self, name: str, cuda: bool) -> Phase:
+        validate_phase_name(name)
+        hist = self._histograms.get(name)
+        if hist is None:
+            if len(self._histograms) >= self.config.max_phases:
+                if not self._warned_limit:
+                    log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
+                                self.config.max_phases, name)
+                    self._warned_limit = True
+                return NULL_PHASE
+            hist = self._histograms[name] = Histogram(self.config.buckets)
+            self._phase_order = (*self._phase_order, (name, hist))
+        cuda_module = _cuda_module() if cuda else None
+        phase: Phase
+        if cuda_module is None:
+            phase = self._host.get(name) or HostPhase(name, hist)
+        elif self.config.sync:
+            phase = SyncCudaPhase(name, hist, cuda_module)
+        else:
+            if self._cuda_timer is None:
+                self._cuda_timer = CudaTimer(cuda_module)
+            phase = CudaPhase(name, hist, self._cuda_timer)
+        (self._gpu if cuda else self._host)[name] = phase
+        return phase
+
+    def snapshot(self) -> Snapshot:
+        """A consistent-enough copy for rendering; safe to call from the pusher thread."""
+        cfg = self.config
+        return Snapshot(
+            phases=[(name, hist.snapshot()) for name, hist in self._phase_order],
+            step=self._step_hist.snapshot(),
+            steps=self._steps,
+            samples=self._samples,
+            state=self._state,
+            info={"local_rank": str(cfg.local_rank), "world_size": str(cfg.world_size),
+                  "pid": str(os.getpid()), "framework": cfg.framework},
+        )
+
+    def render(self) -> str:
+        return render(self.snapshot())
+
+    def close(self) -> None:
+        """Resolves outstanding GPU timings, sets state idle and pushes one final time. Idempotent."""
+        if self._closed or os.getpid() != self._pid:  # a forked data-loader worker owns nothing here
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._cuda_timer is not None:
+            try:
+                self._cuda_timer.resolve(block=True)
+            except Exception as exc:  # a dead CUDA context at exit must not hide the final push
+                log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
+        self._state = "idle"
+        if self.pusher is not None:
+            self.pusher.stop(final_push=True)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
