@@ -1,0 +1,131 @@
+"""Node collector: host CPU, memory, disk, network and chosen filesystems, read through psutil.
+
+psutil keeps this portable (no hand-parsed /proc); families a platform cannot give (disk busy time
+on macOS, say) are simply absent.
+"""
+
+import logging
+import os
+import platform
+import re
+import socket
+from collections.abc import Iterable
+
+import psutil
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+log = logging.getLogger(__name__)
+
+# node_exporter's default: partitions (their disk is already counted) and loop/ram devices.
+_IGNORED_DISKS = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$")
+# Already included in user/nice on Linux: publishing them too would double count guest time and
+# break "the modes add up to all CPU time", which utilization queries rely on.
+_OVERLAPPING_CPU_MODES = frozenset({"guest", "guest_nice"})
+
+
+class NodeCollector:
+    """Publishes the README's `stepscope_node_*` families."""
+
+    name = "node"
+
+    def __init__(self, filesystem_paths: list[str]) -> None:
+        self._filesystem_paths = list(filesystem_paths)
+        self._missing_paths: set[str] = set()
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._cpu()
+        yield from self._memory()
+        yield from self._disks()
+        yield from self._network()
+        yield from self._filesystems()
+        yield self._info()
+
+    def close(self) -> None:
+        """Nothing to release: psutil holds no handles between calls."""
+
+    def _info(self) -> Metric:
+        info = GaugeMetricFamily("stepscope_node_info", "Node identity, for joins (value is always 1).",
+                                 labels=["hostname", "kernel", "os"])
+        info.add_metric([socket.gethostname(), platform.release(), platform.system()], 1)
+        return info
+
+    def _cpu(self) -> Iterable[Metric]:
+        seconds = CounterMetricFamily("stepscope_node_cpu_seconds_total",
+                                      "CPU time spent in each mode, summed over all CPUs.", labels=["mode"])
+        for mode, value in psutil.cpu_times()._asdict().items():
+            if mode not in _OVERLAPPING_CPU_MODES:
+                seconds.add_metric([mode], value)
+        yield seconds
+        yield GaugeMetricFamily("stepscope_node_cpus", "Logical CPUs.", value=psutil.cpu_count() or 0)
+
+    def _memory(self) -> Iterable[Metric]:
+        memory = psutil.virtual_memory()
+        yield GaugeMetricFamily("stepscope_node_memory_total_bytes", "Total host memory.", value=memory.total)
+        yield GaugeMetricFamily("stepscope_node_memory_available_bytes",
+                                "Host memory available to new work without swapping.", value=memory.available)
+
+    def _disks(self) -> Iterable[Metric]:
+        disks = {name: io for name, io in (psutil.disk_io_counters(perdisk=True) or {}).items()
+                 if not _IGNORED_DISKS.match(name)}
+        fields = [
+            ("read_bytes", "stepscope_node_disk_read_bytes_total", "Bytes read from the disk.", 1),
+            ("write_bytes", "stepscope_node_disk_written_bytes_total", "Bytes written to the disk.", 1),
+            ("read_count", "stepscope_node_disk_reads_completed_total", "Reads completed.", 1),
+            ("write_count", "stepscope_node_disk_writes_completed_total", "Writes completed.", 1),
+            ("busy_time", "stepscope_node_disk_io_time_seconds_total",
+             "Time the disk was busy doing I/O.", 0.001),  # psutil reports milliseconds
+        ]
+        for attribute, metric, documentation, scale in fields:
+            family = CounterMetricFamily(metric, documentation, labels=["device"])
+            for device in sorted(disks):
+                value = getattr(disks[device], attribute, None)
+                if value is not None:
+                    family.add_metric([device], value * scale)
+            if family.samples:
+                yield family
+
+    def _network(self) -> Iterable[Metric]:
+        nics = psutil.net_io_counters(pernic=True)
+        receive = CounterMetricFamily("stepscope_node_network_receive_bytes_total",
+                                      "Bytes received on the interface.", labels=["device"])
+        transmit = CounterMetricFamily("stepscope_node_network_transmit_bytes_total",
+                                       "Bytes transmitted on the interface.", labels=["device"])
+        for device in sorted(nics):
+            receive.add_metric([device], nics[device].bytes_recv)
+            transmit.add_metric([device], nics[device].bytes_sent)
+        yield receive
+        yield transmit
+
+    def _filesystems(self) -> Iterable[Metric]:
+        size = GaugeMetricFamily("stepscope_node_filesystem_size_bytes",
+                                 "Size of the filesystem holding the path.", labels=["path", "mountpoint"])
+        avail = GaugeMetricFamily("stepscope_node_filesystem_avail_bytes",
+                                  "Bytes available to unprivileged users on the filesystem holding the path.",
+                                  labels=["path", "mountpoint"])
+        mountpoints = [p.mountpoint for p in psutil.disk_partitions(all=True)]
+        for path in self._filesystem_paths:
+            try:
+                usage = psutil.disk_usage(path)
+            except OSError as exc:
+                if path not in self._missing_paths:
+                    log.warning("filesystem path %r skipped: %s", path, exc.strerror or exc)
+                    self._missing_paths.add(path)
+                continue
+            self._missing_paths.discard(path)
+            labels = [path, _mountpoint_of(path, mountpoints)]
+            size.add_metric(labels, usage.total)
+            avail.add_metric(labels, usage.free)
+        yield size
+        yield avail
+
+
+def _mountpoint_of(path: str, mountpoints: list[str]) -> str:
+    """The deepest mount point containing path (symlinks resolved); path itself when none matches."""
+    real = os.path.realpath(path)
+    best = ""
+    for mountpoint in mountpoints:
+        prefix = mountpoint if mountpoint.endswith(os.sep) else mountpoint + os.sep
+        if (real == mountpoint or real.startswith(prefix)) and len(mountpoint) > len(best):
+            best = mountpoint
+    return best or real

@@ -1,0 +1,164 @@
+"""Process collector: CPU, memory, I/O and GPU memory of training processes, workers included.
+
+Covers the processes the training hooks registered and every process holding GPU memory (the GPU
+collector's table). A process is reported together with all its live descendants, so data-loader
+workers count towards the rank that owns them.
+
+Counters stay monotonic as workers come and go: an exited worker stays visible (as a zombie) until
+its parent reaps it, and reaping moves its CPU time into the parent's children_user/children_system
+and its I/O into the parent's own counters, both of which are included. Where time does leave the
+tree (an orphan re-parented to init, a parent that ignores SIGCHLD) or a worker is reaped between
+two reads of one cycle, the published counter holds its peak rather than dropping, which Prometheus
+would read as a counter reset.
+"""
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import psutil
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from exporter.gpu_processes import GpuProcessTable
+
+log = logging.getLogger(__name__)
+
+_LABELS = ["pid", "run", "rank"]
+
+
+@dataclass
+class _Tracked:
+    """A cached psutil handle plus the peak of each published counter, which keeps them monotonic."""
+
+    process: psutil.Process
+    peaks: dict[str, float] = field(default_factory=dict)
+
+    def monotonic(self, counter: str, value: float) -> float:
+        peak = max(value, self.peaks.get(counter, value))
+        self.peaks[counter] = peak
+        return peak
+
+
+@dataclass
+class _Reading:
+    cpu_seconds: float
+    rss: int
+    children: int
+    io: tuple[int, int] | None  # (read, written) bytes; None where the platform or permissions deny it
+
+
+class ProcessCollector:
+    """Publishes the README's `stepscope_process_*` families."""
+
+    name = "process"
+
+    def __init__(
+        self,
+        gpu_processes: GpuProcessTable,
+        registered: Callable[[], Mapping[int, Mapping[str, str]]],
+    ) -> None:
+        self._gpu_processes = gpu_processes
+        self._registered = registered
+        self._tracked: dict[int, _Tracked] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        registered = self._registered()
+        gpu_table = self._gpu_processes.get()
+        pids = sorted(set(registered) | set(gpu_table))
+        for pid in set(self._tracked) - set(pids):
+            del self._tracked[pid]
+
+        cpu = CounterMetricFamily("stepscope_process_cpu_seconds_total",
+                                  "User+system CPU time of the process and its descendants, reaped ones "
+                                  "included.", labels=_LABELS)
+        rss = GaugeMetricFamily("stepscope_process_resident_memory_bytes",
+                                "Resident memory of the process plus its live descendants (shared pages "
+                                "counted once per process).", labels=_LABELS)
+        io_read = CounterMetricFamily("stepscope_process_io_read_bytes_total",
+                                      "Storage bytes read by the process and its descendants.",
+                                      labels=_LABELS)
+        io_write = CounterMetricFamily("stepscope_process_io_write_bytes_total",
+                                       "Storage bytes written by the process and its descendants.",
+                                       labels=_LABELS)
+        children = GaugeMetricFamily("stepscope_process_children",
+                                     "Live descendant processes (data-loader workers).", labels=_LABELS)
+        gpu_memory = GaugeMetricFamily("stepscope_process_gpu_memory_bytes",
+                                       "GPU memory the process holds on the GPU.", labels=[*_LABELS, "gpu"])
+
+        for pid in pids:
+            identity = registered.get(pid, {})
+            labels = [str(pid), identity.get("run", ""), identity.get("rank", "")]
+            for gpu, used in sorted(gpu_table.get(pid, {}).items()):
+                gpu_memory.add_metric([*labels, gpu], used)
+            tracked = self._track(pid)
+            if tracked is None:
+                continue
+            try:
+                reading = _read_tree(tracked.process)
+            except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
+                log.debug("process %d skipped: %s", pid, exc)
+                if isinstance(exc, psutil.NoSuchProcess):
+                    del self._tracked[pid]
+                continue
+            cpu.add_metric(labels, tracked.monotonic("cpu", reading.cpu_seconds))
+            rss.add_metric(labels, reading.rss)
+            children.add_metric(labels, reading.children)
+            if reading.io is not None:
+                io_read.add_metric(labels, tracked.monotonic("io_read", reading.io[0]))
+                io_write.add_metric(labels, tracked.monotonic("io_write", reading.io[1]))
+        return [cpu, rss, io_read, io_write, children, gpu_memory]
+
+    def close(self) -> None:
+        self._tracked.clear()
+
+    def _track(self, pid: int) -> _Tracked | None:
+        """The cached handle for pid, replaced when the pid now names a different process."""
+        tracked = self._tracked.get(pid)
+        if tracked is not None and tracked.process.is_running():
+            return tracked
+        self._tracked.pop(pid, None)
+        try:
+            tracked = _Tracked(psutil.Process(pid))
+        except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
+            log.debug("process %d skipped: %s", pid, exc)
+            return None
+        self._tracked[pid] = tracked
+        return tracked
+
+
+def _read_tree(process: psutil.Process) -> _Reading:
+    """Sums the process and its live descendants; a descendant that exits mid-read is left out."""
+    with process.oneshot():
+        times = process.cpu_times()
+        cpu_seconds = times.user + times.system + times.children_user + times.children_system
+        rss = process.memory_info().rss
+        io = _io_bytes(process)
+        descendants = process.children(recursive=True)
+    live = 0
+    for child in descendants:
+        try:
+            with child.oneshot():
+                times = child.cpu_times()
+                cpu_seconds += times.user + times.system + times.children_user + times.children_system
+                if child.status() == psutil.STATUS_ZOMBIE:  # exited, its time not yet in the parent's
+                    continue
+                rss += child.memory_info().rss
+                child_io = _io_bytes(child) if io is not None else None
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        live += 1
+        io = (io[0] + child_io[0], io[1] + child_io[1]) if io is not None and child_io is not None else None
+    return _Reading(cpu_seconds, rss, live, io)
+
+
+def _io_bytes(process: psutil.Process) -> tuple[int, int] | None:
+    """(read, written) storage bytes, or None where psutil has no io_counters or may not read them."""
+    io_counters = getattr(process, "io_counters", None)  # absent on macOS
+    if io_counters is None:
+        return None
+    try:
+        counters = io_counters()
+    except psutil.AccessDenied:
+        return None
+    return counters.read_bytes, counters.write_bytes

@@ -1,0 +1,266 @@
+"""Node collector: the README's names and labels, and accuracy against independently measured load."""
+
+import bisect
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.collectors.node import NodeCollector
+from exporter.exposition import render
+from tests.support.processes import REPO_ROOT, running_exporter, sample_values, scrape
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux ground truth")
+MiB = 1 << 20
+LABELS = {
+    "stepscope_node_info": {"hostname", "kernel", "os"},
+    "stepscope_node_cpu_seconds_total": {"mode"},
+    "stepscope_node_disk_read_bytes_total": {"device"},
+    "stepscope_node_disk_written_bytes_total": {"device"},
+    "stepscope_node_disk_reads_completed_total": {"device"},
+    "stepscope_node_disk_writes_completed_total": {"device"},
+    "stepscope_node_disk_io_time_seconds_total": {"device"},
+    "stepscope_node_network_receive_bytes_total": {"device"},
+    "stepscope_node_network_transmit_bytes_total": {"device"},
+    "stepscope_node_filesystem_size_bytes": {"path", "mountpoint"},
+    "stepscope_node_filesystem_avail_bytes": {"path", "mountpoint"},
+    "stepscope_node_cpus": set(),
+    "stepscope_node_memory_total_bytes": set(),
+    "stepscope_node_memory_available_bytes": set(),
+}
+
+
+def collected(collector: NodeCollector) -> dict[str, list]:
+    """{sample name: samples} of one collection, through the same rendering a scrape uses."""
+    by_name: dict[str, list] = {}
+    for family in text_string_to_metric_families(render(list(collector.collect())).decode()):
+        for sample in family.samples:
+            by_name.setdefault(sample.name, []).append(sample)
+    return by_name
+
+
+def readme_node_metrics() -> set[str]:
+    section = (REPO_ROOT / "README.md").read_text().split("<!-- section: exporter -->")[1]
+    rows = [line for line in section.splitlines() if line.startswith("| `stepscope_node_")]
+    return {name for row in rows for name in re.findall(r"`(stepscope_node_\w+)`", row.split("|")[1])}
+
+
+def test_labels_match_the_readme(tmp_path: Path) -> None:
+    by_name = collected(NodeCollector([str(tmp_path)]))
+    for name, labels in LABELS.items():
+        if name == "stepscope_node_disk_io_time_seconds_total" and name not in by_name:
+            continue  # documented as absent where psutil has no busy_time
+        assert name in by_name, name
+        assert {frozenset(s.labels) for s in by_name[name]} == {frozenset(labels)}, name
+    assert {s.value for s in by_name["stepscope_node_info"]} == {1.0}
+    assert set(by_name) <= set(LABELS)
+
+
+@linux_only
+def test_every_readme_node_metric_is_published_on_linux(tmp_path: Path) -> None:
+    documented = readme_node_metrics()
+    assert documented == set(LABELS)
+    assert documented == set(collected(NodeCollector([str(tmp_path)])))
+
+
+def test_cpu_modes_and_counts(tmp_path: Path) -> None:
+    by_name = collected(NodeCollector([str(tmp_path)]))
+    modes = {s.labels["mode"] for s in by_name["stepscope_node_cpu_seconds_total"]}
+    assert {"user", "system", "idle"} <= modes
+    assert not modes & {"guest", "guest_nice"}  # already inside user/nice
+    assert by_name["stepscope_node_cpus"][0].value == psutil.cpu_count()
+    assert by_name["stepscope_node_memory_total_bytes"][0].value == psutil.virtual_memory().total
+
+
+def test_filesystem_paths_and_missing_path_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    missing = str(tmp_path / "not-there")
+    collector = NodeCollector([str(tmp_path), missing])
+    with caplog.at_level(logging.WARNING, logger="exporter.collectors.node"):
+        collected(collector)
+        by_name = collected(collector)
+    assert [r.getMessage() for r in caplog.records if "not-there" in r.getMessage()] == [
+        f"filesystem path {missing!r} skipped: No such file or directory"
+    ]
+    (size,) = by_name["stepscope_node_filesystem_size_bytes"]
+    expected_mount = os.path.realpath(tmp_path)
+    while not os.path.ismount(expected_mount):
+        expected_mount = os.path.dirname(expected_mount)
+    assert size.labels == {"path": str(tmp_path), "mountpoint": expected_mount}
+    usage = shutil.disk_usage(tmp_path)
+    assert size.value == usage.total
+    (avail,) = by_name["stepscope_node_filesystem_avail_bytes"]
+    assert avail.value == pytest.approx(usage.free, abs=256 * MiB)  # other writers share the disk
+
+
+# --- accuracy through a real exporter -------------------------------------------------------------
+
+
+def reading(url: str, after: float = 0.0, timeout: float = 10.0) -> tuple[str, float]:
+    """A scrape whose node reading was taken after `after`, and the time of that reading.
+
+    The reading time is the node collector's last success minus its duration (psutil is read at the
+    start of the cycle). Two equal consecutive scrapes guard against a scrape landing between the
+    collector's publish and the self metrics' update.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        first, second = scrape(url), scrape(url)
+        (succeeded,) = sample_values(second, "stepscope_exporter_collector_last_success_timestamp_seconds",
+                                     collector="node")
+        (duration,) = sample_values(second, "stepscope_exporter_collector_duration_seconds", collector="node")
+        taken = succeeded - duration
+        if first == second and taken > after:
+            return second, taken
+        time.sleep(0.05)
+    raise TimeoutError(f"no node reading after {after} within {timeout}s")
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    values = sample_values(text, name, **labels)
+    assert values, f"{name} {labels} missing"
+    return sum(values)
+
+
+class ProcStatSampler:
+    """Ground truth for CPU load: /proc/stat's aggregate line sampled every 10 ms with wall time."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []  # (time, busy ticks, all ticks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "ProcStatSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/stat") as handle:
+                fields = [int(v) for v in handle.readline().split()[1:9]]  # user..steal, no guest
+            self.samples.append((time.time(), sum(fields) - fields[3] - fields[4], sum(fields)))
+            time.sleep(0.01)
+
+    def utilization(self, start: float, end: float) -> float:
+        times = [s[0] for s in self.samples]
+        first = self.samples[min(bisect.bisect_left(times, start), len(times) - 1)]
+        last = self.samples[min(bisect.bisect_left(times, end), len(times) - 1)]
+        return (last[1] - first[1]) / (last[2] - first[2])
+
+
+BURN = """
+import os, time
+end = time.monotonic() + 3.0
+while time.monotonic() < end:
+    pass
+t = os.times()
+print(t.user + t.system)
+"""
+
+
+@linux_only
+def test_cpu_utilization_matches_proc_stat(tmp_path: Path) -> None:
+    with running_exporter(tmp_path, "--collectors", "node") as exporter, ProcStatSampler() as truth:
+        before, t1 = reading(exporter.url, after=time.time())
+        burn = subprocess.run([sys.executable, "-c", BURN], capture_output=True, text=True, check=True)
+        burned = float(burn.stdout)
+        after, t2 = reading(exporter.url, after=time.time() + 0.5)
+    cpus = total(after, "stepscope_node_cpus")
+
+    def busy(text: str) -> float:
+        return total(text, "stepscope_node_cpu_seconds_total") - sum(
+            total(text, "stepscope_node_cpu_seconds_total", mode=m) for m in ("idle", "iowait"))
+
+    busy_seconds = busy(after) - busy(before)
+    exported = busy_seconds / (t2 - t1) / cpus
+    expected = truth.utilization(t1, t2)
+    print(f"window {t2 - t1:.2f}s burned {burned:.2f}s exported {exported:.3f} /proc/stat {expected:.3f}")
+    assert busy_seconds >= 0.95 * burned
+    assert exported == pytest.approx(expected, abs=0.05)
+
+
+def block_device_of(path: Path) -> str | None:
+    """The whole disk holding path, via sysfs; None for virtual filesystems (tmpfs, overlay)."""
+    dev = os.stat(path).st_dev
+    sys_dir = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if not sys_dir.exists():
+        return None
+    resolved = sys_dir.resolve()
+    return resolved.parent.name if (resolved / "partition").exists() else resolved.name
+
+
+@linux_only
+def test_disk_written_bytes_grow_by_a_fsynced_file(tmp_path: Path) -> None:
+    fstype = max((p for p in psutil.disk_partitions(all=True) if str(tmp_path).startswith(p.mountpoint)),
+                 key=lambda p: len(p.mountpoint)).fstype
+    if fstype in {"tmpfs", "ramfs"}:
+        pytest.skip(f"{tmp_path} is on {fstype}: writes never reach a disk")
+    device = block_device_of(tmp_path)
+    labels = {"device": device} if device else {}  # else: sum of whole disks (partitions are not published)
+    size = 64 * MiB
+    with running_exporter(tmp_path, "--collectors", "node") as exporter:
+        before, _ = reading(exporter.url, after=time.time())
+        with open(tmp_path / "blob", "wb") as handle:
+            handle.write(os.urandom(size))
+            handle.flush()
+            os.fsync(handle.fileno())
+        after, _ = reading(exporter.url, after=time.time())
+    name = "stepscope_node_disk_written_bytes_total"
+    grown = total(after, name, **labels) - total(before, name, **labels)
+    print(f"device {device}: written grew by {grown / MiB:.1f} MiB for a {size / MiB:.0f} MiB file")
+    assert grown >= size
+    assert total(after, "stepscope_node_disk_writes_completed_total", **labels) > total(
+        before, "stepscope_node_disk_writes_completed_total", **labels)
+
+
+@linux_only
+def test_loopback_counters_grow_by_bytes_sent(tmp_path: Path) -> None:
+    size = 16 * MiB
+    with running_exporter(tmp_path, "--collectors", "node") as exporter:
+        before, _ = reading(exporter.url, after=time.time())
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            received = 0
+
+            def drain() -> None:
+                nonlocal received
+                conn, _ = server.accept()
+                with conn:
+                    while chunk := conn.recv(1 << 16):
+                        received += len(chunk)
+
+            reader = threading.Thread(target=drain)
+            reader.start()
+            with socket.create_connection(server.getsockname()) as client:
+                client.sendall(b"x" * size)
+            reader.join(timeout=10)
+        after, _ = reading(exporter.url, after=time.time())
+    assert received == size
+    for name in ("stepscope_node_network_receive_bytes_total", "stepscope_node_network_transmit_bytes_total"):
+        assert total(after, name, device="lo") - total(before, name, device="lo") >= size, name
+
+
+def test_promtool_accepts_a_real_scrape(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    with running_exporter(tmp_path, "--collectors", "node,process",
+                          "--filesystem-paths", f"/,{tmp_path}") as exporter:
+        text = scrape(exporter.url)
+    assert "stepscope_node_cpu_seconds_total" in text
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")

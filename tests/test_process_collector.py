@@ -1,0 +1,151 @@
+"""Process collector against real processes: a trainer-like parent with two fork()ed workers."""
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from exporter.collectors.process import ProcessCollector
+from exporter.exposition import render
+from exporter.gpu_processes import GpuProcessTable
+from tests.support.processes import sample_values
+
+MiB = 1 << 20
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="uses fork() workers")
+
+# A stand-in for a training process with two data-loader workers: each worker burns 1 s of CPU,
+# reports its own measured CPU time and holds 32 MiB; the parent then holds 64 MiB of its own.
+TRAINER = """
+import json, multiprocessing, sys, time
+
+def worker(conn):
+    start = time.process_time()
+    while time.process_time() - start < 1.0:
+        pass
+    ballast = b"w" * (32 << 20)
+    conn.send(time.process_time())
+    conn.recv()
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("fork")
+    pipes, workers = [], []
+    for _ in range(2):
+        mine, theirs = context.Pipe()
+        process = context.Process(target=worker, args=(theirs,))
+        process.start()
+        pipes.append(mine)
+        workers.append(process)
+    burned = [pipe.recv() for pipe in pipes]
+    ballast = b"p" * (64 << 20)
+    print(json.dumps(burned), flush=True)
+    sys.stdin.readline()
+    for pipe in pipes:
+        pipe.send("stop")
+    for process in workers:
+        process.join()
+    print("joined", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def trainer(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, float]]:
+    """The running trainer and the CPU seconds its workers measured for themselves."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    process = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        burned = sum(json.loads(process.stdout.readline()))
+        yield process, burned
+    finally:
+        for descendant in [*psutil.Process(process.pid).children(recursive=True), process]:
+            descendant.kill()
+        process.wait()
+
+
+def scraped(collector: ProcessCollector) -> str:
+    return render(list(collector.collect())).decode()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    (found,) = sample_values(text, name, **labels)
+    return found
+
+
+def test_registered_process_includes_its_workers(trainer: tuple[subprocess.Popen, float]) -> None:
+    process, burned = trainer
+    pid = str(process.pid)
+    collector = ProcessCollector(GpuProcessTable(), lambda: {process.pid: {"run": "r1", "rank": "0"}})
+    text = scraped(collector)
+    labels = {"pid": pid, "run": "r1", "rank": "0"}
+    cpu = value(text, "stepscope_process_cpu_seconds_total", **labels)
+    print(f"workers burned {burned:.2f}s, exported {cpu:.2f}s")
+    assert cpu >= 0.9 * burned
+    assert value(text, "stepscope_process_children", **labels) == 2
+    assert value(text, "stepscope_process_resident_memory_bytes", **labels) >= (64 + 2 * 32) * MiB
+    if hasattr(psutil.Process, "io_counters"):
+        assert value(text, "stepscope_process_io_read_bytes_total", **labels) >= 0
+        assert value(text, "stepscope_process_io_write_bytes_total", **labels) >= 0
+
+    process.stdin.write("stop workers\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == "joined\n"
+    # A fresh collector has no peak to hold: the reaped workers' time must come from children_*.
+    text = scraped(ProcessCollector(GpuProcessTable(), lambda: {process.pid: {"run": "r1", "rank": "0"}}))
+    assert value(text, "stepscope_process_cpu_seconds_total", **labels) >= 0.9 * burned
+    assert value(text, "stepscope_process_children", **labels) == 0
+    assert value(scraped(collector), "stepscope_process_cpu_seconds_total", **labels) >= cpu
+
+
+def test_gpu_process_without_registration_has_empty_run_and_rank(
+    trainer: tuple[subprocess.Popen, float],
+) -> None:
+    process, _ = trainer
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
+        try:
+            table = GpuProcessTable()
+            table.replace({other.pid: {"0": 123 * MiB}, process.pid: {"0": 1 * MiB, "1": 2 * MiB}})
+            text = scraped(ProcessCollector(table, lambda: {process.pid: {"run": "r1", "rank": "3"}}))
+        finally:
+            other.kill()
+    unregistered = {"pid": str(other.pid), "run": "", "rank": ""}
+    assert value(text, "stepscope_process_gpu_memory_bytes", gpu="0", **unregistered) == 123 * MiB
+    assert value(text, "stepscope_process_children", **unregistered) == 0
+    registered = {"pid": str(process.pid), "run": "r1", "rank": "3"}
+    assert value(text, "stepscope_process_gpu_memory_bytes", gpu="1", **registered) == 2 * MiB
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(process.pid)) == [MiB, 2 * MiB]
+
+
+def test_vanished_and_unknown_pids_are_dropped_quietly() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    never = max(psutil.pids()) + 100_000  # beyond every live pid
+    registered = {child.pid: {"run": "r", "rank": "0"}, never: {"run": "r", "rank": "1"}}
+    collector = ProcessCollector(GpuProcessTable(), lambda: registered)
+    try:
+        first = scraped(collector)
+    finally:
+        child.kill()
+        child.wait()
+    assert sample_values(first, "stepscope_process_children", pid=str(child.pid)) == [0]
+    assert sample_values(first, "stepscope_process_children", pid=str(never)) == []
+    after = scraped(collector)
+    assert sample_values(after, "stepscope_process_cpu_seconds_total") == []
+    assert "# TYPE stepscope_process_cpu_seconds_total counter" in after
+
+
+def test_promtool_accepts_process_families(trainer: tuple[subprocess.Popen, float]) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    process, _ = trainer
+    table = GpuProcessTable()
+    table.replace({process.pid: {"0": MiB}})
+    text = scraped(ProcessCollector(table, lambda: {process.pid: {"run": "r1", "rank": "0"}}))
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
