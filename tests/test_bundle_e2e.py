@@ -6,7 +6,6 @@ must tell the run with a slow data loader from the fast one. Skipped until the e
 its push API and the hooks are merged.
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -20,7 +19,6 @@ import yaml
 from grafana.dashboards.queries import panel_queries, variable_queries
 from tests.support.processes import REPO_ROOT, running_exporter
 from tests.support.prometheus import (
-    prometheus_binary,
     query,
     rule_groups,
     running_prometheus,
@@ -39,29 +37,7 @@ EMPTY_BY_DESIGN = {
 GPU_LAYOUT = {0: (95, ("fast", 0)), 1: (95, ("fast", 1)), 2: (25, ("slow", 0)), 3: (0, None)}
 
 
-def _missing_parts() -> list[str]:
-    missing = [
-        path
-        for path in ("exporter/ingest/api.py", "exporter/collectors/node.py", "tests/fake_nvml/scenario.py")
-        if not (REPO_ROOT / path).exists()
-    ]
-    try:
-        if not callable(getattr(importlib.import_module("training_hooks"), "init", None)):
-            missing.append("training_hooks.init")
-    except ImportError:
-        missing.append("training_hooks/__init__.py")
-    if prometheus_binary() is None:
-        missing.append("/usr/bin/prometheus")
-    return missing
-
-
-MISSING = _missing_parts()
-pytestmark = [
-    pytest.mark.skipif(
-        bool(MISSING), reason=f"needs the merged exporter and hooks; missing: {', '.join(MISSING)}"
-    ),
-    pytest.mark.timeout(300),
-]
+pytestmark = pytest.mark.timeout(300)
 
 
 @dataclass

@@ -75,8 +75,6 @@ def grafana_mounts() -> list[tuple[str, Path, str]]:
 @pytest.mark.parametrize("mount", grafana_mounts(), ids=lambda m: str(m[1].relative_to(REPO)))
 def test_grafana_bundle_mounts_exist(mount: tuple[str, Path, str]) -> None:
     service, source, target = mount
-    if not GRAFANA.is_dir():
-        pytest.skip(f"{source.relative_to(REPO)} comes with the Grafana bundle, not merged here yet")
     assert source.is_dir(), f"{service}: {source} (mounted at {target}) does not exist"
 
 
@@ -164,10 +162,6 @@ def test_promtool_accepts_the_config_syntax() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(
-    not (GRAFANA / "rules" / "stepscope.rules.yml").is_file(),
-    reason="grafana/rules/stepscope.rules.yml not merged yet: the full promtool check waits for it",
-)
 def test_promtool_accepts_config_with_the_mounted_rules(tmp_path: Path) -> None:
     # Lay the files out as the container sees them: the config, with rules/ next to it.
     shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
@@ -180,7 +174,6 @@ def provisioning_files(kind: str) -> list[Path]:
     return sorted((GRAFANA / "provisioning" / kind).glob("*.y*ml"))
 
 
-@pytest.mark.skipif(not provisioning_files("datasources"), reason="Grafana provisioning not merged yet")
 def test_grafana_datasource_points_at_the_prometheus_service(compose: dict[str, Any]) -> None:
     datasources = [ds for path in provisioning_files("datasources")
                    for ds in yaml.safe_load(path.read_text()).get("datasources", [])]
@@ -190,7 +183,6 @@ def test_grafana_datasource_points_at_the_prometheus_service(compose: dict[str, 
     assert resolved == ["http://prometheus:9090"]
 
 
-@pytest.mark.skipif(not provisioning_files("dashboards"), reason="Grafana provisioning not merged yet")
 def test_grafana_dashboard_provider_reads_the_mounted_dashboards(compose: dict[str, Any]) -> None:
     mounts = {source: target for _, source, target in bind_mounts(compose)}
     mounted_at = mounts[(GRAFANA / "dashboards").resolve()]

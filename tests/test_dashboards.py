@@ -2,11 +2,9 @@
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from grafana.dashboards import generate
@@ -116,7 +114,6 @@ def test_recording_rules_are_used_by_the_dashboards() -> None:
     assert not unused, f"recording rules no dashboard shows: {sorted(unused)}"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_every_query_parses_as_promql(tmp_path: Path) -> None:
     """promtool check rules parses each expression, with variables filled in."""
     exprs = [q.expr for q in panel_queries()] + [v.selector for v in variable_queries() if v.selector]

@@ -1,6 +1,5 @@
 """GPU collector against the scripted fake NVML: in-process, and through a real exporter process."""
 
-import importlib.util
 import logging
 import subprocess
 import time
@@ -356,9 +355,8 @@ def test_exporter_gpu_lost_mid_run_and_back(tmp_path: Path) -> None:
 
 
 def test_exporter_without_driver_logs_once_and_keeps_other_collectors(tmp_path: Path) -> None:
-    with_node = importlib.util.find_spec("exporter.collectors.node") is not None  # another helper's module
     scenario = write_scenario(tmp_path / "nvml.json", load_scenario("no_driver"))
-    with running_exporter(tmp_path, "--collectors", "gpu,node" if with_node else "gpu",
+    with running_exporter(tmp_path, "--collectors", "gpu,node",
                           fake_nvml_scenario=scenario) as exporter:
         first = one(scrape(exporter.url), "stepscope_exporter_collector_last_success_timestamp_seconds",
                     collector="gpu")
@@ -370,5 +368,4 @@ def test_exporter_without_driver_logs_once_and_keeps_other_collectors(tmp_path: 
     assert one(text, "stepscope_gpu_collector_up") == 0
     assert one(text, "stepscope_exporter_collector_errors_total", collector="gpu") == 0
     assert log.count("NVML unavailable") == 1, log
-    if with_node:
-        assert sample_values(text, "stepscope_node_cpus") != []
+    assert sample_values(text, "stepscope_node_cpus") != []

@@ -19,7 +19,6 @@ from tests.support.helm_chart import (
     CHART,
     FIXTURE_BUNDLE,
     GRAFANA,
-    GRAFANA_RULES,
     NAMESPACE,
     OPERATOR_API,
     REPO,
@@ -330,10 +329,6 @@ def test_chart_without_synced_files_fails_clearly(tmp_path: Path) -> None:
         render(bare, {"dashboards": {"enabled": False}}, api_versions=[OPERATOR_API])
 
 
-@pytest.mark.skipif(
-    not GRAFANA_RULES.is_file(),
-    reason="grafana/rules/stepscope.rules.yml not in this branch yet (Grafana bundle not merged)",
-)
 def test_chart_copies_match_the_grafana_bundle() -> None:
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "sync_chart.py"), "--check"],
                             capture_output=True, text=True)

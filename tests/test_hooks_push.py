@@ -7,13 +7,12 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import training_hooks as th
-from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
+from tests.support.processes import free_port, running_exporter, sample_values, scrape
 from tests.support.pushgateway import running_pushgateway
 
 ITEM_SLEEP = 0.005
@@ -165,8 +164,6 @@ def test_token_and_content_type_reach_the_server() -> None:
     assert b'stepscope_training_state{state="idle"} 1' in body
 
 
-@pytest.mark.skipif(not (REPO_ROOT / "exporter" / "ingest" / "api.py").exists(),
-                    reason="the exporter's push ingest (exporter/ingest/api.py) is not in this branch yet")
 def test_torch_loop_pushes_to_the_exporter(tmp_path: Path) -> None:
     with running_exporter(tmp_path) as exporter:
         tracker = th.init(run="to-exporter", push_url=exporter.url, push_interval=0.2)

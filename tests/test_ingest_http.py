@@ -1,7 +1,6 @@
 """The push API through a real exporter process: hand-written bodies over HTTP, then /metrics."""
 
 import gzip
-import importlib.util
 import os
 import socket
 import subprocess
@@ -381,8 +380,6 @@ def test_non_loopback_clients_need_configuration(tmp_path: Path, own_address: st
             assert of_run(scrape(exp.url), "net") == {}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("exporter.collectors.process") is None,
-                    reason="exporter/collectors/process.py is written on another branch (runs once merged)")
 def test_registered_pid_gets_process_series(tmp_path: Path) -> None:
     with running_exporter(tmp_path, "--collectors", "process") as exp:
         body = info_family(pid=os.getpid()) + counter("stepscope_steps_total", 1)

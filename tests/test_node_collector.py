@@ -255,9 +255,7 @@ def test_loopback_counters_grow_by_bytes_sent(tmp_path: Path) -> None:
 
 
 def test_promtool_accepts_a_real_scrape(tmp_path: Path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed")
+    promtool = shutil.which("promtool") or "promtool"
     with running_exporter(tmp_path, "--collectors", "node,process",
                           "--filesystem-paths", f"/,{tmp_path}") as exporter:
         text = scrape(exporter.url)

@@ -5,22 +5,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from tests.support.processes import Running, free_port, running
 
 PUSHGATEWAY = shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
 
 
-def require_pushgateway() -> None:
-    if not Path(PUSHGATEWAY).exists():
-        pytest.skip("prometheus-pushgateway is not installed (scripts/test.sh installs it)")
-
-
 @contextmanager
 def running_pushgateway(tmp_path: Path, port: int | None = None) -> Iterator[Running]:
     """A fresh Pushgateway (no persistence: a restart forgets every group) until the block ends."""
-    require_pushgateway()
     port = port or free_port()
     # Debian's build persists to /var/lib/prometheus/pushgateway.data by default: shared, and it would
     # survive a restart. An empty file name keeps everything in memory.
