@@ -27,6 +27,7 @@ from tests.fake_nvml.scenario import make_scenario  # noqa: E402
 from tests.support.processes import free_port, running, running_exporter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scrape.md"
+COLLECT_INTERVAL = 5  # the exporter's default
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -94,15 +95,16 @@ def main() -> int:
             ["prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{port}"],
             f"http://127.0.0.1:{port}/metrics", tmp_path / "node_exporter.log",
         ))
-        default = stack.enter_context(running_exporter(tmp_path, "--collect-interval", "5"))
+        default = stack.enter_context(running_exporter(tmp_path, "--collect-interval", str(COLLECT_INTERVAL)))
         gpus = stack.enter_context(running_exporter(
-            tmp_path, "--collect-interval", "5", fake_nvml_scenario=scenario))
+            tmp_path, "--collect-interval", str(COLLECT_INTERVAL), fake_nvml_scenario=scenario))
         targets = {
             "prometheus-node-exporter (Debian, default collectors)": (
                 f"http://127.0.0.1:{port}/metrics", node_exporter.process.pid),
             "stepscope-exporter (defaults, no GPU)": (f"{default.url}/metrics", default.process.pid),
             "stepscope-exporter (fake NVML, 8 GPUs x 8 processes)": (f"{gpus.url}/metrics", gpus.process.pid),
         }
+        time.sleep(2 * COLLECT_INTERVAL + 1)  # two cycles: GPM ratios and GPU-process series need a second one
         rows = measure(targets, args.scrapes)
     report = (
         f"Scrape benchmark, {args.scrapes} gzip scrapes per target, round-robin, "
