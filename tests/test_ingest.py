@@ -14,6 +14,7 @@ from exporter.ingest.errors import Rejected
 from exporter.ingest.render import render_group_lines, render_training
 from exporter.ingest.store import GroupStore, StoreLimits
 from exporter.ingest.validation import FAMILIES, parse_push
+from exporter.registered import RegisteredProcess
 from tests.support.ingest_bodies import counter, full_body, info_family, phase_family
 
 LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)
@@ -221,14 +222,39 @@ def test_ttl_expiry_and_registered_processes() -> None:
     store = GroupStore(LIMITS, clock=clock)
     push(store, "0", families(info_family(pid=111)), True)
     clock.now += 5
-    push(store, "1", families(info_family(pid=222), rank="1"), True)
-    assert store.registered_processes() == {111: {"run": "r", "rank": "0"}, 222: {"run": "r", "rank": "1"}}
+    push(store, "1", families(info_family(pid=222, start_time="1712345678.25"), rank="1"), True)
+    assert store.registered_processes() == [RegisteredProcess(111, "r", "0"),
+                                            RegisteredProcess(222, "r", "1", 1712345678.25)]
     clock.now += 6  # rank 0 is now 11 s old, rank 1 is 6 s old
-    assert store.registered_processes() == {222: {"run": "r", "rank": "1"}}
+    assert store.registered_processes() == [RegisteredProcess(222, "r", "1", 1712345678.25)]
     assert store.expire() is True
     assert [g.rank for g in store.snapshot()[1]] == ["1"]
     assert store.expire() is False
-    assert store.delete("r", "1") is True and store.registered_processes() == {}
+    assert store.delete("r", "1") is True and store.registered_processes() == []
+
+
+def test_the_same_pid_from_two_pid_namespaces_registers_twice() -> None:
+    store = GroupStore(LIMITS)
+    push(store, "0", families(info_family(pid=1, start_time="100.5")), True)
+    push(store, "1", families(info_family(pid=1, start_time="200.5"), rank="1"), True)
+    assert store.registered_processes() == [RegisteredProcess(1, "r", "0", 100.5),
+                                            RegisteredProcess(1, "r", "1", 200.5)]
+
+
+@pytest.mark.parametrize(("start_time", "stored"), [
+    ("1712345678.250", "1712345678.250"), ("0", "0"), ("", None),  # empty = absent, as in Prometheus
+])
+def test_training_info_takes_an_optional_start_time(start_time: str, stored: str | None) -> None:
+    (sample,) = families(info_family(pid=7, start_time=start_time))["stepscope_training_info"]
+    assert sample.labels.get("start_time") == stored
+    assert set(sample.labels) - {"start_time"} == {"run", "rank", "local_rank", "world_size", "pid", "framework"}
+
+
+@pytest.mark.parametrize("start_time", ["-1", "1e9", "12.", ".5", "nan", "1712345678,25", "1" * 13, "1.0000000001"])
+def test_training_info_refuses_a_malformed_start_time(start_time: str) -> None:
+    error = rejected(families, info_family(start_time=start_time))
+    assert (error.status, error.reason) == (400, "bad_label")
+    assert "label 'start_time' must be the process start time in Unix seconds" in error.message
 
 
 def test_render_merges_groups_into_one_family_each() -> None:
@@ -269,5 +295,5 @@ def test_push_api_publishes_nothing_for_a_refused_push() -> None:
         413, "body of 20000 bytes exceeds the limit of 10000 bytes (--ingest-max-body-bytes)")
     counted = 'stepscope_exporter_ingest_rejected_total{reason="body_too_large"} 2.0'
     assert counted in exposition.body().decode()
-    assert api.registered_processes() == {int(s.labels["pid"]): {"run": "r", "rank": "0"}
-                                          for s in families(info_family())["stepscope_training_info"]}
+    assert api.registered_processes() == [RegisteredProcess(int(s.labels["pid"]), "r", "0")
+                                          for s in families(info_family())["stepscope_training_info"]]

@@ -187,6 +187,8 @@ REFUSALS = {
     "missing_label": ('# TYPE stepscope_training_state gauge\nstepscope_training_state 1\n', 400,
                       "stepscope_training_state: missing label 'state'"),
     "bad_pid": (info_family(pid=0), 400, "label 'pid' must be a positive process id"),
+    "bad_start_time": (info_family(start_time="-3"), 400,
+                       "label 'start_time' must be the process start time in Unix seconds"),
     "label_too_long": (phase_family(("p" * 33,)), 400,
                        "value of label 'phase' has 33 characters, over the limit of 32 "
                        "(--ingest-max-label-value-length)"),
@@ -208,7 +210,8 @@ REFUSALS = {
 REASON = {
     "untyped": "wrong_type", "unparsable": "malformed", "duplicate": "malformed", "job_label": "bad_label",
     "instance_label": "bad_label", "run_mismatch": "bad_label", "unexpected_label": "bad_label",
-    "missing_label": "bad_label", "bad_pid": "bad_label", "negative_counter": "bad_value",
+    "missing_label": "bad_label", "bad_pid": "bad_label", "bad_start_time": "bad_label",
+    "negative_counter": "bad_value",
     "info_not_one": "bad_value", "timestamp": "bad_value", "non_cumulative": "non_cumulative_buckets",
     "no_inf_bucket": "non_cumulative_buckets", "count_mismatch": "non_cumulative_buckets",
 }

@@ -13,6 +13,7 @@ import pytest
 from exporter.collectors.process import ProcessCollector
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
+from exporter.registered import RegisteredProcess
 from tests.support.processes import sample_values
 
 MiB = 1 << 20
@@ -81,7 +82,7 @@ def value(text: str, name: str, **labels: str) -> float:
 def test_registered_process_includes_its_workers(trainer: tuple[subprocess.Popen, float]) -> None:
     process, burned = trainer
     pid = str(process.pid)
-    collector = ProcessCollector(GpuProcessTable(), lambda: {process.pid: {"run": "r1", "rank": "0"}})
+    collector = ProcessCollector(GpuProcessTable(), lambda: [RegisteredProcess(process.pid, "r1", "0")])
     text = scraped(collector)
     labels = {"pid": pid, "run": "r1", "rank": "0"}
     cpu = value(text, "stepscope_process_cpu_seconds_total", **labels)
@@ -97,7 +98,7 @@ def test_registered_process_includes_its_workers(trainer: tuple[subprocess.Popen
     process.stdin.flush()
     assert process.stdout.readline() == "joined\n"
     # A fresh collector has no peak to hold: the reaped workers' time must come from children_*.
-    text = scraped(ProcessCollector(GpuProcessTable(), lambda: {process.pid: {"run": "r1", "rank": "0"}}))
+    text = scraped(ProcessCollector(GpuProcessTable(), lambda: [RegisteredProcess(process.pid, "r1", "0")]))
     assert value(text, "stepscope_process_cpu_seconds_total", **labels) >= 0.9 * burned
     assert value(text, "stepscope_process_children", **labels) == 0
     assert value(scraped(collector), "stepscope_process_cpu_seconds_total", **labels) >= cpu
@@ -111,7 +112,7 @@ def test_gpu_process_without_registration_has_empty_run_and_rank(
         try:
             table = GpuProcessTable()
             table.replace({other.pid: {"0": 123 * MiB}, process.pid: {"0": 1 * MiB, "1": 2 * MiB}})
-            text = scraped(ProcessCollector(table, lambda: {process.pid: {"run": "r1", "rank": "3"}}))
+            text = scraped(ProcessCollector(table, lambda: [RegisteredProcess(process.pid, "r1", "3")]))
         finally:
             other.kill()
     unregistered = {"pid": str(other.pid), "run": "", "rank": ""}
@@ -125,7 +126,7 @@ def test_gpu_process_without_registration_has_empty_run_and_rank(
 def test_vanished_and_unknown_pids_are_dropped_quietly() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     never = max(psutil.pids()) + 100_000  # beyond every live pid
-    registered = {child.pid: {"run": "r", "rank": "0"}, never: {"run": "r", "rank": "1"}}
+    registered = [RegisteredProcess(child.pid, "r", "0"), RegisteredProcess(never, "r", "1")]
     collector = ProcessCollector(GpuProcessTable(), lambda: registered)
     try:
         first = scraped(collector)
@@ -144,6 +145,22 @@ def test_promtool_accepts_process_families(trainer: tuple[subprocess.Popen, floa
     process, _ = trainer
     table = GpuProcessTable()
     table.replace({process.pid: {"0": MiB}})
-    text = scraped(ProcessCollector(table, lambda: {process.pid: {"run": "r1", "rank": "0"}}))
+    text = scraped(ProcessCollector(table, lambda: [RegisteredProcess(process.pid, "r1", "0")]))
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_registered_pid_is_trusted_only_with_its_own_start_time(trainer: tuple[subprocess.Popen, float]) -> None:
+    process, _ = trainer
+    started = psutil.Process(process.pid).create_time()
+    table = GpuProcessTable()
+    table.replace({process.pid: {"0": MiB}})
+    # The pid exists here, but a process from another pid namespace started at another time reported it.
+    stranger = scraped(ProcessCollector(table, lambda: [RegisteredProcess(process.pid, "other", "1", started + 5)]))
+    assert sample_values(stranger, "stepscope_process_cpu_seconds_total", run="other") == []
+    assert sample_values(stranger, "stepscope_process_gpu_memory_bytes", pid=str(process.pid), run="", rank="") \
+        == [MiB]  # still published as the unregistered GPU process it is
+    same = scraped(ProcessCollector(table, lambda: [RegisteredProcess(process.pid, "r1", "0", started + 0.004)]))
+    labels = {"pid": str(process.pid), "run": "r1", "rank": "0"}
+    assert value(same, "stepscope_process_children", **labels) == 2
+    assert value(same, "stepscope_process_gpu_memory_bytes", gpu="0", **labels) == MiB

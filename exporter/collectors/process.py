@@ -2,7 +2,9 @@
 
 Covers the processes the training hooks registered and every process holding GPU memory (the GPU
 collector's table). A process is reported together with all its live descendants, so data-loader
-workers count towards the rank that owns them.
+workers count towards the rank that owns them. The `pid` label is the pid this exporter (and NVML)
+sees; a registered process that reported a pid from another pid namespace is found by
+`pid_namespaces`, so its run and rank also land on its GPU memory.
 
 Counters stay monotonic as workers come and go: an exited worker stays visible (as a zombie) until
 its parent reaps it, and reaping moves its CPU time into the parent's children_user/children_system
@@ -13,14 +15,16 @@ would read as a counter reset.
 """
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter.collectors.pid_namespaces import PidResolver
 from exporter.gpu_processes import GpuProcessTable
+from exporter.registered import RegisteredProcess
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +60,17 @@ class ProcessCollector:
     def __init__(
         self,
         gpu_processes: GpuProcessTable,
-        registered: Callable[[], Mapping[int, Mapping[str, str]]],
+        registered: Callable[[], Sequence[RegisteredProcess]],
     ) -> None:
         self._gpu_processes = gpu_processes
         self._registered = registered
+        self._resolver = PidResolver()
         self._tracked: dict[int, _Tracked] = {}
 
     def collect(self) -> Iterable[Metric]:
-        registered = self._registered()
+        identities = self._identities()
         gpu_table = self._gpu_processes.get()
-        pids = sorted(set(registered) | set(gpu_table))
+        pids = sorted(set(identities) | set(gpu_table))
         for pid in set(self._tracked) - set(pids):
             del self._tracked[pid]
 
@@ -87,8 +92,7 @@ class ProcessCollector:
                                        "GPU memory the process holds on the GPU.", labels=[*_LABELS, "gpu"])
 
         for pid in pids:
-            identity = registered.get(pid, {})
-            labels = [str(pid), identity.get("run", ""), identity.get("rank", "")]
+            labels = [str(pid), *identities.get(pid, ("", ""))]
             for gpu, used in sorted(gpu_table.get(pid, {}).items()):
                 gpu_memory.add_metric([*labels, gpu], used)
             tracked = self._track(pid)
@@ -111,6 +115,17 @@ class ProcessCollector:
 
     def close(self) -> None:
         self._tracked.clear()
+
+    def _identities(self) -> dict[int, tuple[str, str]]:
+        """{pid as seen here: (run, rank)} of the registered processes that could be found here."""
+        registered = self._registered()
+        found = self._resolver.resolve((p.pid, p.start_time) for p in registered)
+        identities: dict[int, tuple[str, str]] = {}
+        for process in registered:
+            pid = found.get((process.pid, process.start_time))
+            if pid is not None:
+                identities.setdefault(pid, (process.run, process.rank))
+        return identities
 
     def _track(self, pid: int) -> _Tracked | None:
         """The cached handle for pid, replaced when the pid now names a different process."""

@@ -7,7 +7,7 @@
 Path values may be base64url-encoded Pushgateway style (`/run@base64/<b64>`). The body is a text
 exposition (format 0.0.4) of only these families: stepscope_step_phase_seconds{phase} and
 stepscope_step_seconds (histograms), stepscope_steps_total and stepscope_samples_total (counters),
-stepscope_training_info{local_rank,world_size,pid,framework} (1) and
+stepscope_training_info{local_rank,world_size,pid,framework[,start_time]} (1) and
 stepscope_training_state{state} (state set). `run` and `rank` come from the path; body labels
 `run`/`rank` must match it and `job`/`instance` are refused. `_created` samples are dropped.
 /metrics then shows every family once, samples of all groups merged, plus

@@ -18,6 +18,7 @@ from exporter.ingest.errors import REASONS, Rejected
 from exporter.ingest.render import render_group_lines, render_self, render_training
 from exporter.ingest.store import GroupStore
 from exporter.ingest.validation import parse_push
+from exporter.registered import RegisteredProcess
 from exporter.server import PushResponse
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,8 @@ class PushApi:
         """The 413 for the HTTP layer, which refuses a too-large Content-Length without reading the body."""
         return self._refuse(_too_large(length, self.max_body_bytes), method, path, client_ip)
 
-    def registered_processes(self) -> dict[int, dict[str, str]]:
-        """{pid: {"run", "rank"}} of the training processes whose groups are live."""
+    def registered_processes(self) -> list[RegisteredProcess]:
+        """The training processes whose groups are live, as their hooks reported them."""
         return self._groups.registered_processes()
 
     def start(self) -> None:

@@ -14,6 +14,7 @@ from prometheus_client.samples import Sample
 
 from exporter.ingest.errors import Rejected
 from exporter.ingest.validation import INFO_FAMILY, PHASE_FAMILY, Families
+from exporter.registered import RegisteredProcess
 
 GroupKey = tuple[str, str]
 
@@ -108,12 +109,17 @@ class GroupStore:
         live = (g for g in groups.values() if g.expires_at > now)
         return version, tuple(sorted(live, key=lambda g: (g.run, int(g.rank))))
 
-    def registered_processes(self) -> dict[int, dict[str, str]]:
-        """{pid: {"run", "rank"}} from the `pid` label of live groups' stepscope_training_info."""
-        processes: dict[int, dict[str, str]] = {}
+    def registered_processes(self) -> list[RegisteredProcess]:
+        """The `pid` and `start_time` labels of live groups' stepscope_training_info, by run and rank.
+
+        A list, not a mapping by pid: processes in different pid namespaces may report the same pid.
+        """
+        processes: list[RegisteredProcess] = []
         for group in self.snapshot()[1]:
             for sample in group.families.get(INFO_FAMILY, ()):
-                processes[int(sample.labels["pid"])] = {"run": group.run, "rank": group.rank}
+                start_time = sample.labels.get("start_time")
+                processes.append(RegisteredProcess(int(sample.labels["pid"]), group.run, group.rank,
+                                                   float(start_time) if start_time else None))
         return processes
 
     def next_expiry(self) -> float | None:

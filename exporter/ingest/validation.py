@@ -25,6 +25,7 @@ class FamilySpec:
     type: str
     labels: tuple[str, ...]
     help: str
+    optional: tuple[str, ...] = ()  # body labels a client may leave out (older clients do)
 
 
 FAMILIES: Mapping[str, FamilySpec] = {
@@ -36,7 +37,7 @@ FAMILIES: Mapping[str, FamilySpec] = {
         FamilySpec("stepscope_steps_total", "counter", (), "Training steps completed."),
         FamilySpec("stepscope_samples_total", "counter", (), "Training samples processed."),
         FamilySpec("stepscope_training_info", "gauge", ("local_rank", "world_size", "pid", "framework"),
-                   "Identity of a training process; always 1."),
+                   "Identity of a training process; always 1.", optional=("start_time",)),
         FamilySpec("stepscope_training_state", "gauge", ("state",),
                    "State set: 1 for the process's current training state, 0 for the others."),
     )
@@ -47,6 +48,7 @@ PHASE_FAMILY = "stepscope_step_phase_seconds"
 INFO_FAMILY = "stepscope_training_info"
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 _PID = re.compile(r"[1-9][0-9]{0,9}")
+_START_TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")  # Unix seconds, as psutil's create_time()
 
 Families = dict[str, tuple[Sample, ...]]
 """Exposed family name -> its samples for one group, `run` and `rank` included."""
@@ -166,8 +168,8 @@ def _check_labels(spec: FamilySpec, sample: Sample, run: str, rank: str, max_lab
                     "in the URL path",
                 )
             continue
-        if name not in spec.labels and not (bucket and name == "le"):
-            allowed = ", ".join(spec.labels) or "none besides run and rank"
+        if name not in spec.labels and name not in spec.optional and not (bucket and name == "le"):
+            allowed = ", ".join((*spec.labels, *spec.optional)) or "none besides run and rank"
             raise Rejected(
                 400, "bad_label", f"{_show(sample)}: unexpected label {name!r} (allowed: {allowed})"
             )
@@ -184,6 +186,14 @@ def _check_labels(spec: FamilySpec, sample: Sample, run: str, rank: str, max_lab
             raise Rejected(400, "bad_label", f"{_show(sample)}: label {name!r} must not be empty")
     if spec.name == INFO_FAMILY and not _PID.fullmatch(sample.labels["pid"]):
         raise Rejected(400, "bad_label", f"{_show(sample)}: label 'pid' must be a positive process id")
+    if spec.name == INFO_FAMILY and sample.labels.get("start_time") and not _START_TIME.fullmatch(
+        sample.labels["start_time"]
+    ):
+        raise Rejected(
+            400, "bad_label",
+            f"{_show(sample)}: label 'start_time' must be the process start time in Unix seconds "
+            "(a non-negative decimal number like 1712345678.25)",
+        )
 
 
 @dataclass
@@ -251,7 +261,9 @@ def _check_histogram(spec: FamilySpec, samples: list[Sample], run: str, rank: st
 
 
 def _canonical_labels(spec: FamilySpec, labels: Mapping[str, str], run: str, rank: str) -> dict[str, str]:
-    return {"run": run, "rank": rank, **{name: labels[name] for name in spec.labels}}
+    """run and rank from the path, the spec's labels, and optional ones that are set (empty = absent)."""
+    optional = {name: labels[name] for name in spec.optional if labels.get(name)}
+    return {"run": run, "rank": rank, **{name: labels[name] for name in spec.labels}, **optional}
 
 
 def _show(sample: Sample) -> str:

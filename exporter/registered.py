@@ -1,0 +1,21 @@
+"""The training processes the hooks registered, as the ingest store hands them to the process collector.
+
+Keeps the collector ignorant of pushed families and the ingest ignorant of /proc.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RegisteredProcess:
+    """One `stepscope_training_info` sample of a live group.
+
+    `pid` is os.getpid() in the training process's own pid namespace, which in a container is not the
+    pid the exporter sees; `start_time` (Unix seconds, None from clients that do not send it) lets the
+    process collector tell the two apart and find the process the exporter sees.
+    """
+
+    pid: int
+    run: str
+    rank: str
+    start_time: float | None = None

@@ -1,0 +1,164 @@
+"""A training process in its own pid namespace (as in a pod or a compose service), made real with unshare.
+
+The process reports its in-namespace pid (1 here) and start time; the exporter must publish it
+under the pid it sees, and never the unrelated process that has pid 1 in the exporter's namespace.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from exporter.collectors.pid_namespaces import PidResolver
+from exporter.collectors.process import ProcessCollector
+from exporter.exposition import render
+from exporter.gpu_processes import GpuProcessTable
+from exporter.registered import RegisteredProcess
+from tests.support.ingest_bodies import counter, info_family
+from tests.support.processes import running_exporter, sample_values, samples, scrape
+
+MiB = 1 << 20
+
+# Burns a little CPU, reports what the hooks would (its own pid, psutil's create_time) and waits.
+INSIDE = """
+import json, os, sys, time
+import psutil
+start = time.process_time()
+while time.process_time() - start < 0.3:
+    pass
+print(json.dumps({"pid": os.getpid(), "start_time": psutil.Process().create_time()}), flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclass
+class Namespaced:
+    inner_pid: int  # os.getpid() inside the namespace
+    host_pid: int  # the same process as the test (and the exporter) sees it
+    start_time: float
+
+
+@pytest.fixture
+def namespaced() -> Iterator[Namespaced]:
+    unshare = shutil.which("unshare")
+    if not sys.platform.startswith("linux") or unshare is None:
+        pytest.skip("needs Linux and util-linux's unshare")
+    process = subprocess.Popen([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", INSIDE],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        if not line:
+            process.wait(timeout=10)
+            error = process.stderr.read()
+            if "Operation not permitted" in error:
+                pytest.skip(f"creating a pid namespace is not permitted here (EPERM): {error.strip()}")
+            raise RuntimeError(f"unshare exited with {process.returncode}: {error}")
+        reported = json.loads(line)
+        (child,) = psutil.Process(process.pid).children()  # unshare --fork's child, pid 1 inside
+        yield Namespaced(reported["pid"], child.pid, reported["start_time"])
+    finally:
+        process.stdin.close()  # the script returns, pid 1 exits, the namespace goes
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_the_namespace_is_real(namespaced: Namespaced) -> None:
+    assert namespaced.inner_pid == 1 != namespaced.host_pid
+    assert psutil.Process(1).create_time() != pytest.approx(namespaced.start_time, abs=1)  # pid 1 here differs
+
+
+# --- the resolver -------------------------------------------------------------------------------
+
+def test_a_pid_from_this_namespace_with_its_start_time_is_itself() -> None:
+    mine = (os.getpid(), psutil.Process().create_time())
+    assert PidResolver().resolve([mine]) == {mine: os.getpid()}
+
+
+def test_a_pid_with_another_start_time_is_a_stranger() -> None:
+    stranger = (os.getpid(), psutil.Process().create_time() - 10)
+    assert PidResolver().resolve([stranger]) == {}
+
+
+def test_without_a_start_time_the_pid_is_trusted() -> None:
+    never = max(psutil.pids()) + 100_000
+    assert PidResolver().resolve([(never, None), (1, None)]) == {(never, None): never, (1, None): 1}
+
+
+def test_a_pid_from_another_namespace_resolves_to_the_pid_seen_here(namespaced: Namespaced) -> None:
+    reported = (namespaced.inner_pid, namespaced.start_time)
+    later = (namespaced.inner_pid, namespaced.start_time + 1)  # pid 1 of some other namespace
+    assert PidResolver().resolve([reported, later]) == {reported: namespaced.host_pid}
+
+
+class CountingResolver(PidResolver):
+    """Counts the scans of /proc, which the resolver should spend only on unresolved processes."""
+
+    scans = 0
+
+    def _innermost_pids(self, wanted: set[int]) -> dict[int, list[int]]:
+        self.scans += 1
+        return super()._innermost_pids(wanted)
+
+
+def test_resolutions_are_cached_and_scans_happen_once_per_call_at_most(namespaced: Namespaced) -> None:
+    reported = (namespaced.inner_pid, namespaced.start_time)
+    strangers = [(namespaced.inner_pid, namespaced.start_time + 1), (2, namespaced.start_time + 2)]
+    resolver = CountingResolver()
+    assert resolver.resolve([reported, *strangers]) == {reported: namespaced.host_pid}
+    assert resolver.scans == 1
+    assert resolver.resolve([reported]) == {reported: namespaced.host_pid}
+    assert resolver.scans == 1  # cached, and the cached pid still has the start time
+    assert resolver.resolve([reported, *strangers]) == {reported: namespaced.host_pid}
+    assert resolver.scans == 2  # the strangers are looked for again, the known one is not
+    resolver.resolve([])  # its group is gone: forgotten
+    assert resolver.resolve([reported]) == {reported: namespaced.host_pid}
+    assert resolver.scans == 3
+
+
+# --- the process collector and the real exporter ------------------------------------------------
+
+def test_collector_labels_the_host_pid_and_its_gpu_memory(namespaced: Namespaced) -> None:
+    table = GpuProcessTable()
+    table.replace({namespaced.host_pid: {"0": 5 * MiB}})  # NVML reports host pids
+    registered = [RegisteredProcess(namespaced.inner_pid, "ns", "2", namespaced.start_time)]
+    text = render(list(ProcessCollector(table, lambda: registered).collect())).decode()
+    labels = {"pid": str(namespaced.host_pid), "run": "ns", "rank": "2"}
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", gpu="0", **labels) == [5 * MiB]
+    (cpu,) = sample_values(text, "stepscope_process_cpu_seconds_total", **labels)
+    assert cpu >= 0.25  # the 0.3 s the process burned inside its namespace
+    assert sample_values(text, "stepscope_process_cpu_seconds_total", pid=str(namespaced.inner_pid)) == []
+
+
+def published(base_url: str, timeout: float = 15.0, **labels: str) -> bool:
+    """Whether a scrape shows stepscope_process_cpu_seconds_total with `labels` within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sample_values(scrape(base_url), "stepscope_process_cpu_seconds_total", **labels):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_exporter_publishes_a_namespaced_push_under_the_host_pid(tmp_path: Path, namespaced: Namespaced) -> None:
+    with running_exporter(tmp_path, "--collectors", "process") as exp:
+        body = (info_family(pid=namespaced.inner_pid, start_time=f"{namespaced.start_time:.3f}")
+                + counter("stepscope_steps_total", 1))
+        url = f"{exp.url}/metrics/job/stepscope/run/pods/rank/3"
+        requests.put(url, data=body, timeout=10).raise_for_status()
+        assert published(exp.url, pid=str(namespaced.host_pid), run="pods", rank="3"), exp.log()
+        text = scrape(exp.url)
+    process_series = [dict(lbls) for name, lbls in samples(text) if name.startswith("stepscope_process_")]
+    assert not [series for series in process_series if series["pid"] == str(namespaced.inner_pid)]
+    assert [series["pid"] for series in process_series if series["run"] == "pods"] == [str(namespaced.host_pid)] * 5
