@@ -1,10 +1,13 @@
 """Training hooks without a server: bucket math, rendering, config errors, limits, CUDA event logic."""
 
 import logging
+import os
+import re
 import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 
 import training_hooks as th
@@ -49,9 +52,12 @@ def test_rendered_histogram_families() -> None:
     assert sample_values(text, "stepscope_steps_total") == [2]
     assert sample_values(text, "stepscope_samples_total") == [16]
     assert sample_values(text, "stepscope_step_seconds_count") == [2]
-    info = [s for s in got if s[0] == "stepscope_training_info"]
-    assert dict(info[0][1]) == {"local_rank": "0", "world_size": "1", "pid": str(__import__("os").getpid()),
-                                "framework": "pytorch"}
+    info = dict(next(s for s in got if s[0] == "stepscope_training_info")[1])
+    start_time = info.pop("start_time")
+    assert info == {"local_rank": "0", "world_size": "1", "pid": str(os.getpid()), "framework": "pytorch"}
+    # the creation time the exporter compares with, fixed precision, whatever namespace it looks from
+    assert re.fullmatch(r"[0-9]+\.[0-9]{3}", start_time)
+    assert float(start_time) == pytest.approx(psutil.Process().create_time(), abs=0.001)
     for forbidden in ("run=", "rank=", "job="):
         assert forbidden not in text.replace("local_rank=", "")
     t.close()

@@ -23,7 +23,7 @@ class Snapshot:
     steps: int
     samples: int
     state: str
-    info: Mapping[str, str]  # local_rank, world_size, pid, framework
+    info: Mapping[str, str]  # local_rank, world_size, pid, framework, start_time where known
 
 
 def _escape(value: str) -> str:

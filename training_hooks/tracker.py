@@ -7,12 +7,15 @@ Use one Tracker per process, from the training thread only (histograms have a si
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator
 from time import perf_counter_ns
 from typing import Any
+
+import psutil
 
 from training_hooks.config import STATES, Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
@@ -33,6 +36,19 @@ def _cuda_module() -> Any | None:
     try:
         return torch.cuda if torch.cuda.is_available() else None
     except Exception:
+        return None
+
+
+@functools.cache
+def _start_time(pid: int) -> str | None:
+    """The process's creation time in Unix seconds, None where psutil cannot read it.
+
+    It lets the exporter find this process when it sees another pid namespace: psutil derives it from
+    boot time and the start ticks in /proc/<pid>/stat, which are the same seen from either namespace.
+    """
+    try:
+        return f"{psutil.Process(pid).create_time():.3f}"
+    except (psutil.Error, OSError):
         return None
 
 
@@ -168,14 +184,19 @@ class Tracker:
     def snapshot(self) -> Snapshot:
         """A consistent-enough copy for rendering; safe to call from the pusher thread."""
         cfg = self.config
+        pid = os.getpid()
+        info = {"local_rank": str(cfg.local_rank), "world_size": str(cfg.world_size), "pid": str(pid),
+                "framework": cfg.framework}
+        start_time = _start_time(pid)
+        if start_time is not None:
+            info["start_time"] = start_time
         return Snapshot(
             phases=[(name, hist.snapshot()) for name, hist in self._phase_order],
             step=self._step_hist.snapshot(),
             steps=self._steps,
             samples=self._samples,
             state=self._state,
-            info={"local_rank": str(cfg.local_rank), "world_size": str(cfg.world_size),
-                  "pid": str(os.getpid()), "framework": cfg.framework},
+            info=info,
         )
 
     def render(self) -> str:
