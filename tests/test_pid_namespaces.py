@@ -72,6 +72,8 @@ def namespaced() -> Iterator[Namespaced]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        process.stdout.close()
+        process.stderr.close()
 
 
 def test_the_namespace_is_real(namespaced: Namespaced) -> None:
