@@ -216,7 +216,7 @@ def build() -> dashboard.Dashboard:
                 "0.75 a straggler) of step time and of the local phases (dataloader_next + to_device + "
                 "forward, before the first collective), mean and p95 step time, local seconds per step, "
                 "data-loading share, steps and samples per second. Under DDP/FSDP step times are equal on "
-                "every rank, so only the local score and local seconds show the straggler.",
+                "every rank; under DDP the local score and local seconds still show the straggler.",
                 [
                     Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", table=True),
                     Q(f"run_rank:stepscope_straggler_local_score:ratio{{{RANKS}}}", table=True),
@@ -247,7 +247,8 @@ def build() -> dashboard.Dashboard:
                 "first collective (local: dataloader_next + to_device + forward). 1 = typical; below 0.75 "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
                 "the Node dashboard. Under DDP/FSDP all ranks wait for the slowest in the all-reduce, so "
-                "their step scores stay at 1 and the local score is the one that drops.",
+                "their step scores stay at 1; under DDP the local score is the one that drops (FSDP "
+                "all-gathers parameters inside forward, so the wait lands there and both stay near 1).",
                 [
                     Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", "rank {{rank}} step ({{instance}})"),
                     Q(
