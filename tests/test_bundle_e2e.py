@@ -2,8 +2,8 @@
 real Prometheus loading grafana/rules/stepscope.rules.yml with a 1 s scrape.
 
 Every dashboard query, every variable query and every recording rule must return data, and the bundle
-must tell the run with a slow data loader from the fast one. Skipped until the exporter's collectors,
-its push API and the hooks are merged.
+must tell the run with a slow data loader from the fast one, and find the slow rank of a synchronous
+DistributedDataParallel run (gloo on CPU) whose step times are equal on every rank.
 """
 
 import os
@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from grafana.dashboards.queries import panel_queries, variable_queries
-from tests.support.processes import REPO_ROOT, running_exporter
+from tests.support.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.prometheus import (
     query,
     rule_groups,
@@ -35,6 +35,9 @@ EMPTY_BY_DESIGN = {
 }
 # GPU index -> (utilization %, run rank holding memory on it): fast's GPUs busy, slow's starved, one idle.
 GPU_LAYOUT = {0: (95, ("fast", 0)), 1: (95, ("fast", 1)), 2: (25, ("slow", 0)), 3: (0, None)}
+# The DDP run: rank DDP_SLOW_RANK sleeps this long in forward; the other rank waits for it in backward.
+DDP_SLOW_RANK = 1
+DDP_EXTRA_SECONDS = 0.03
 
 
 pytestmark = pytest.mark.timeout(300)
@@ -66,8 +69,22 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
     return scenario
 
 
-def _demo(run: str, rank: int, world_size: int, push_url: str, log: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def _demo(
+    run: str,
+    rank: int,
+    world_size: int,
+    push_url: str,
+    log: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        **(env or {}),
+    }
     argv = [
         sys.executable,
         "-m",
@@ -102,16 +119,37 @@ def _runs(base_url: str, expr: str) -> set[str]:
     return {item["metric"].get("run", "") for item in query(base_url, expr)}
 
 
+def _ddp_demos(push_url: str, tmp: Path) -> dict[tuple[str, int], subprocess.Popen]:
+    """Two ranks of one synchronous run, wired up the way torchrun does (env), without its overhead."""
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    slow = ("--ddp", "--slow-rank", str(DDP_SLOW_RANK), "--extra-step-seconds", str(DDP_EXTRA_SECONDS))
+    return {
+        ("ddp", rank): _demo(
+            "ddp", rank, 2, push_url, tmp / f"ddp-{rank}.log", *slow, env={**rendezvous, "RANK": str(rank)}
+        )
+        for rank in (0, 1)
+    }
+
+
 def _empty_queries(base_url: str) -> list[str]:
     """What has no data yet: recording rules, dashboard and variable queries, per-run signals."""
+    every_run = {"fast", "slow", "ddp"}
     empty = [
-        f"{expr} for both runs"
-        for expr in (
-            "run:stepscope_dataloader_share:ratio_rate1m",
-            "run:stepscope_bottleneck:verdict",
-            "run:stepscope_gpu_utilization:avg_ratio",
+        f"{expr} for runs {sorted(runs)}"
+        for expr, runs in (
+            ("run:stepscope_dataloader_share:ratio_rate1m", every_run),
+            ("run:stepscope_bottleneck:verdict", every_run),
+            ("run:stepscope_gpu_utilization:avg_ratio", {"fast", "slow"}),  # ddp holds no GPU
         )
-        if _runs(base_url, expr) != {"fast", "slow"}
+        if _runs(base_url, expr) != runs
+    ]
+    empty += [
+        f"{expr} for both ddp ranks"
+        for expr in (
+            'run_rank:stepscope_straggler_score:ratio{run="ddp"}',
+            'run_rank:stepscope_straggler_local_score:ratio{run="ddp"}',
+        )
+        if len(query(base_url, expr)) != 2
     ]
     empty += [f"rule {name}" for name in _recording_rules() if not query(base_url, name)]
     empty += [
@@ -144,6 +182,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "fast", 1, 2, exporter.url, tmp / "fast-1.log", "--extra-step-seconds", "0.02"
                 ),
                 ("slow", 0): _demo("slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05"),
+                **_ddp_demos(exporter.url, tmp),
             }
             try:
                 # the fake NVML re-reads its scenario: now the training pids hold memory on their GPUs
@@ -173,6 +212,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _by_run(results: list[dict]) -> dict[str, float]:
     return {item["metric"]["run"]: float(item["value"][1]) for item in results}
+
+
+def _by_rank(results: list[dict]) -> dict[str, float]:
+    return {item["metric"]["rank"]: float(item["value"][1]) for item in results}
 
 
 def test_every_recording_rule_and_dashboard_query_returns_data(stack: Stack) -> None:
@@ -218,7 +261,7 @@ def test_verdicts_name_the_bottleneck(stack: Stack) -> None:
         item["metric"]["run"]: item["metric"]["verdict"]
         for item in query(stack.prometheus, "run:stepscope_bottleneck:verdict")
     }
-    assert verdicts == {"fast": "gpu_bound", "slow": "data_bound"}
+    assert verdicts == {"fast": "gpu_bound", "slow": "data_bound", "ddp": "host_bound"}  # ddp: CPU only
 
 
 def test_gpus_map_to_the_runs_holding_them(stack: Stack) -> None:
@@ -235,3 +278,40 @@ def test_underutilization_alert_expression_skips_busy_and_idle_gpus(stack: Stack
         for item in query(stack.prometheus, _alert_expr("StepscopeGpuUnderutilized"))
     }
     assert selected == {("2", "slow")}
+
+
+def test_ddp_straggler_is_found_by_the_local_score_not_the_step_time_score(stack: Stack) -> None:
+    ddp = 'run="ddp"'
+    step_score = _by_rank(query(stack.prometheus, f"run_rank:stepscope_straggler_score:ratio{{{ddp}}}"))
+    local_score = _by_rank(
+        query(stack.prometheus, f"run_rank:stepscope_straggler_local_score:ratio{{{ddp}}}")
+    )
+    local_seconds = _by_rank(
+        query(stack.prometheus, f"run_rank:stepscope_step_local_seconds:per_step_rate1m{{{ddp}}}")
+    )
+    backward = _by_rank(
+        query(
+            stack.prometheus,
+            f'run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m{{{ddp},phase="backward"}}',
+        )
+    )
+    print(
+        f"\nddp step-time score {step_score}, local score {local_score}, "
+        f"local s/step {local_seconds}, backward s/step {backward}"
+    )
+    slow, fast = str(DDP_SLOW_RANK), str(1 - DDP_SLOW_RANK)
+    # every rank waits for the slowest in the all-reduce: equal step times, the step-time score is blind
+    assert all(abs(score - 1) <= 0.15 for score in step_score.values()) and len(step_score) == 2, step_score
+    # the wait lands in the fast rank's backward, the slowness in the slow rank's forward
+    assert backward[fast] > backward[slow], backward
+    assert local_seconds[slow] > local_seconds[fast] + DDP_EXTRA_SECONDS / 2, local_seconds
+    assert local_score[slow] < 0.75, local_score
+    assert local_score[fast] >= 0.9, local_score
+
+
+def test_straggler_alert_expression_selects_the_slow_ddp_rank_only(stack: Stack) -> None:
+    selected = {
+        (item["metric"]["run"], item["metric"]["rank"], item["metric"]["score"])
+        for item in query(stack.prometheus, _alert_expr("StepscopeStragglerRank"))
+    }
+    assert selected == {("ddp", str(DDP_SLOW_RANK), "local_phases")}

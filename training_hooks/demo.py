@@ -1,17 +1,26 @@
 """`python -m training_hooks.demo`: a small MLP on synthetic data, instrumented, pushing to the exporter.
 
 Launch several with `--rank` and one with `--extra-step-seconds` to watch a straggler, or use
-`--slow-loader` to watch a data-bound run. Needs torch (CPU is enough).
+`--slow-loader` to watch a data-bound run. `--ddp` trains synchronously with DistributedDataParallel
+(gloo, CPU) under torchrun, where every rank waits for the slowest in the gradient all-reduce:
+`torchrun --nproc-per-node 2 -m training_hooks.demo --ddp --slow-rank 1 --extra-step-seconds 0.03`.
+Needs torch (CPU is enough).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import training_hooks
+
+DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
+DDP_TIMEOUT_SECONDS = 60
 
 
 def _non_negative_float(text: str) -> float:
@@ -49,21 +58,53 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=_positive_int(1), default=None,
                         help="world size (default: WORLD_SIZE, or rank + 1)")
     parser.add_argument("--extra-step-seconds", type=_non_negative_float, default=0.0, metavar="SECONDS",
-                        help="extra compute time per step on this rank (a straggler)")
+                        help="extra compute time per step in forward (a straggler): on this rank, or on "
+                             "--slow-rank only")
+    parser.add_argument("--slow-rank", type=_positive_int(0), default=None, metavar="RANK",
+                        help="apply --extra-step-seconds only on this rank (default: on every rank)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="synchronous data parallel: DistributedDataParallel over gloo, rank and world "
+                             "size from torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT")
     parser.add_argument("--push-url", default=None,
                         help="exporter or Pushgateway URL (default: STEPSCOPE_PUSH_URL or http://127.0.0.1:9847)")
     parser.add_argument("--push-interval", type=float, default=None,
                         help="seconds between pushes (default: STEPSCOPE_PUSH_INTERVAL or 5)")
     args = parser.parse_args(argv)
+    if args.ddp:
+        try:
+            rank, world_size = ddp_env(os.environ)
+        except ValueError as exc:
+            parser.error(str(exc))
+        for flag, given, env_value in (("--rank", args.rank, rank), ("--world-size", args.world_size, world_size)):
+            if given is not None and given != env_value:
+                parser.error(f"{flag} {given} disagrees with torchrun's environment ({env_value})")
+        args.rank, args.world_size = rank, world_size
     if args.world_size is None and args.rank is not None:
         args.world_size = args.rank + 1
     return args
+
+
+def ddp_env(env: Mapping[str, str]) -> tuple[int, int]:
+    """(rank, world size) from the variables torchrun sets; ValueError names what is missing or wrong."""
+    missing = [name for name in DDP_ENV if not env.get(name, "").strip()]
+    if missing:
+        raise ValueError(f"--ddp needs {', '.join(missing)} in the environment: start it with "
+                         "torchrun --nproc-per-node N -m training_hooks.demo --ddp")
+    try:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(f"RANK and WORLD_SIZE must be integers, got {env['RANK']!r} and "
+                         f"{env['WORLD_SIZE']!r}") from None
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK {rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE {world_size})")
+    return rank, world_size
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         import torch
+        from torch import distributed as dist
         from torch import nn
         from torch.utils.data import DataLoader, Dataset
     except ImportError:
@@ -77,10 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m training_hooks.demo: error: {exc}", file=sys.stderr)
         return 2
     cfg = tracker.config
+    if args.slow_rank is not None and args.slow_rank >= cfg.world_size:
+        tracker.close()
+        print(f"python -m training_hooks.demo: error: --slow-rank {args.slow_rank} must be smaller than "
+              f"world_size {cfg.world_size}", file=sys.stderr)
+        return 2
+    extra_seconds = args.extra_step_seconds if args.slow_rank in (None, cfg.rank) else 0.0
     where = "nowhere (push disabled)"
     if tracker.pusher is not None:
         where = f"to {tracker.pusher.url} every {cfg.push_interval:g}s"
-    print(f"stepscope demo: run={cfg.run} rank={cfg.rank}/{cfg.world_size} pushing {where}", flush=True)
+    mode = " ddp (gloo)" if args.ddp else ""
+    print(f"stepscope demo: run={cfg.run} rank={cfg.rank}/{cfg.world_size}{mode} pushing {where}", flush=True)
 
     class SyntheticBatches(Dataset):
         """Whole batches of random regression data; sleeps per batch to mimic slow storage."""
@@ -95,19 +143,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return x, x.sum(dim=1, keepdim=True)
 
     torch.manual_seed(cfg.rank)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
-    loader = DataLoader(SyntheticBatches(), batch_size=None, shuffle=False)
+    model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
     step = 0
     try:
+        if args.ddp:
+            # Every backward all-reduces the gradients: the fast ranks wait there for the slow one.
+            dist.init_process_group("gloo", rank=cfg.rank, world_size=cfg.world_size,
+                                    timeout=datetime.timedelta(seconds=DDP_TIMEOUT_SECONDS))
+            model = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
+        loader = DataLoader(SyntheticBatches(), batch_size=None, shuffle=False)
         for x, y in tracker.loader(loader):
             with tracker.phase("to_device"):
                 x, y = x.to("cpu"), y.to("cpu")
             with tracker.phase("forward", cuda=True):
                 loss = nn.functional.mse_loss(model(x), y)
-                if args.extra_step_seconds:
-                    time.sleep(args.extra_step_seconds)
+                if extra_seconds:
+                    time.sleep(extra_seconds)
             with tracker.phase("backward", cuda=True):
                 optimizer.zero_grad()
                 loss.backward()
@@ -121,8 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
     except KeyboardInterrupt:
         pass
+    except RuntimeError as exc:  # gloo reports a dead peer or a timeout as a plain RuntimeError
+        if not args.ddp:
+            raise
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"stepscope demo: lost the process group after {step} steps: {reason}", file=sys.stderr)
+        return 1
     finally:
         tracker.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     print(f"stepscope demo: {step} steps done", flush=True)
     return 0
 

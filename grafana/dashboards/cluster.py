@@ -176,14 +176,20 @@ def build() -> dashboard.Dashboard:
             table_panel(
                 "Runs",
                 "Every run with its verdict, throughput, median step time, data-loading share, GPU "
-                "utilization of its GPUs and lowest straggler score.",
+                "utilization of its GPUs and lowest straggler score (step time or local phases, whichever is lower).",
                 [
                     Q("run:stepscope_bottleneck:verdict", table=True),
                     Q("run:stepscope_samples:rate1m", table=True),
                     Q("run:stepscope_step_seconds:p50_rate1m", table=True),
                     Q("run:stepscope_dataloader_share:ratio_rate1m", table=True),
                     Q("run:stepscope_gpu_utilization:avg_ratio", table=True),
-                    Q("min by (run) (run_rank:stepscope_straggler_score:ratio)", table=True),
+                    Q(
+                        "min by (run) (\n"
+                        '  label_replace(run_rank:stepscope_straggler_score:ratio, "score", "step", "", "")\n'
+                        '  or label_replace(run_rank:stepscope_straggler_local_score:ratio, "score", "local", "", "")\n'
+                        ")",
+                        table=True,
+                    ),
                 ],
                 {
                     "Value #B": ("samples/s", "none"),

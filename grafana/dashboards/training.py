@@ -212,34 +212,50 @@ def build() -> dashboard.Dashboard:
         board.with_panel(
             table_panel(
                 "Per-rank comparison",
-                "One line per rank: straggler score (run median step time / the rank's; 1 typical, below "
-                "0.75 a straggler), mean and p95 step time, data-loading share, steps and samples per "
-                "second.",
+                "One line per rank: the two straggler scores (run median / the rank's; 1 typical, below "
+                "0.75 a straggler) of step time and of the local phases (dataloader_next + to_device + "
+                "forward, before the first collective), mean and p95 step time, local seconds per step, "
+                "data-loading share, steps and samples per second. Under DDP/FSDP step times are equal on "
+                "every rank; under DDP the local score and local seconds still show the straggler.",
                 [
                     Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_straggler_local_score:ratio{{{RANKS}}}", table=True),
                     Q(f"run_rank:stepscope_step_seconds:mean_rate1m{{{RANKS}}}", table=True),
                     Q(f"run_rank:stepscope_step_seconds:p95_rate1m{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_step_local_seconds:per_step_rate1m{{{RANKS}}}", table=True),
                     Q(f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{RANKS}}}", table=True),
                     Q(f"run_rank:stepscope_steps:rate1m{{{RANKS}}}", table=True),
                     Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", table=True),
                 ],
                 {
-                    "Value #A": ("straggler score", "none"),
-                    "Value #B": ("mean step", "s"),
-                    "Value #C": ("p95 step", "s"),
-                    "Value #D": ("data-loading share", "percentunit"),
-                    "Value #E": ("steps/s", "none"),
-                    "Value #F": ("samples/s", "none"),
+                    "Value #A": ("step-time score", "none"),
+                    "Value #B": ("local score", "none"),
+                    "Value #C": ("mean step", "s"),
+                    "Value #D": ("p95 step", "s"),
+                    "Value #E": ("local per step", "s"),
+                    "Value #F": ("data-loading share", "percentunit"),
+                    "Value #G": ("steps/s", "none"),
+                    "Value #H": ("samples/s", "none"),
                 },
                 width=14,
             )
         )
         .with_panel(
             bargauge_panel(
-                "Straggler score",
-                "Run median step time / the rank's step time. 1 = typical; below 0.75 (red) the rank is a "
-                "straggler and every synchronised step waits for it: check its node on the Node dashboard.",
-                [Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", "rank {{rank}} ({{instance}})")],
+                "Straggler scores",
+                "Run median / the rank's value, of mean step time (step) and of the local phases before the "
+                "first collective (local: dataloader_next + to_device + forward). 1 = typical; below 0.75 "
+                "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
+                "the Node dashboard. Under DDP/FSDP all ranks wait for the slowest in the all-reduce, so "
+                "their step scores stay at 1; under DDP the local score is the one that drops (FSDP "
+                "all-gathers parameters inside forward, so the wait lands there and both stay near 1).",
+                [
+                    Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", "rank {{rank}} step ({{instance}})"),
+                    Q(
+                        f"run_rank:stepscope_straggler_local_score:ratio{{{RANKS}}}",
+                        "rank {{rank}} local ({{instance}})",
+                    ),
+                ],
                 "none",
                 limits=(0, 1.5),
                 steps=thresholds((None, "red"), (0.75, "yellow"), (0.9, "green")),
