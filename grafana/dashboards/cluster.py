@@ -1,14 +1,13 @@
 """Cluster dashboard: all agents side by side, to spot idle GPUs and uneven work across nodes and ranks."""
 
 from grafana_foundation_sdk.builders import dashboard
-from grafana_foundation_sdk.models import dashboard as dm
 
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
     alert_list_panel,
     bargauge_panel,
-    datasource_variable,
+    base_dashboard,
     heatmap_panel,
     row,
     stat_panel,
@@ -27,14 +26,11 @@ UTILIZATION = thresholds((None, "red"), (0.5, "yellow"), (0.8, "green"))
 
 def build() -> dashboard.Dashboard:
     board = (
-        dashboard.Dashboard("stepscope / Cluster")
-        .uid(UID)
-        .tags(["stepscope", "cluster"])
-        .description("All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.")
-        .time("now-3h", "now")
-        .refresh("1m")
-        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
-        .with_variable(datasource_variable())
+        base_dashboard(
+            "stepscope / Cluster", UID, ["stepscope", "cluster"],
+            "All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.",
+            since="now-3h", refresh="1m",
+        )
     )
 
     board = board.with_row(row("Fleet"))

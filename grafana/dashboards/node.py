@@ -6,7 +6,7 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana.dashboards.panels import (
     Q,
     bargauge_panel,
-    datasource_variable,
+    base_dashboard,
     query_variable,
     row,
     stat_panel,
@@ -24,14 +24,10 @@ GPUS = 'instance=~"$instance",gpu=~"$gpu"'
 
 def build() -> dashboard.Dashboard:
     board = (
-        dashboard.Dashboard("stepscope / Node and GPU")
-        .uid(UID)
-        .tags(["stepscope", "node", "gpu"])
-        .description("One agent: host CPU, memory, disks, network, every GPU metric, and its processes.")
-        .time("now-1h", "now")
-        .refresh("30s")
-        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
-        .with_variable(datasource_variable())
+        base_dashboard(
+            "stepscope / Node and GPU", UID, ["stepscope", "node", "gpu"],
+            "One agent: host CPU, memory, disks, network, every GPU metric, and its processes.",
+        )
         .with_variable(
             query_variable(
                 "instance",

@@ -45,6 +45,22 @@ class Q:
     buckets: bool = False
 
 
+def base_dashboard(
+    title: str, uid: str, tags: list[str], description: str, *, since: str = "now-1h", refresh: str = "30s"
+) -> dashboard.Dashboard:
+    """The settings every stepscope dashboard shares, with the `datasource` variable first."""
+    return (
+        dashboard.Dashboard(title)
+        .uid(uid)
+        .tags(tags)
+        .description(description)
+        .time(since, "now")
+        .refresh(refresh)
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .with_variable(datasource_variable())
+    )
+
+
 def datasource_variable() -> dashboard.DatasourceVariable:
     return dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")
 

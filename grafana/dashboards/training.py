@@ -8,7 +8,7 @@ from grafana.dashboards.panels import (
     Q,
     alert_list_panel,
     bargauge_panel,
-    datasource_variable,
+    base_dashboard,
     heatmap_panel,
     query_variable,
     row,
@@ -39,16 +39,10 @@ def _state_expr() -> str:
 
 def build() -> dashboard.Dashboard:
     board = (
-        dashboard.Dashboard("stepscope / Training run")
-        .uid(UID)
-        .tags(["stepscope", "training"])
-        .description("Why is this training run slow: step time, phases, data loading, ranks, GPUs.")
-        .time("now-1h", "now")
-        .refresh("30s")
-        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
-    )
-    board = (
-        board.with_variable(datasource_variable())
+        base_dashboard(
+            "stepscope / Training run", UID, ["stepscope", "training"],
+            "Why is this training run slow: step time, phases, data loading, ranks, GPUs.",
+        )
         .with_variable(
             query_variable(
                 "run",
