@@ -247,6 +247,7 @@ def test_variables_offer_the_runs_ranks_node_and_gpus(stack: Stack) -> None:
 
 def test_data_loading_share_is_high_for_the_slow_loader_only(stack: Stack) -> None:
     share = _by_run(query(stack.prometheus, "run:stepscope_dataloader_share:ratio_rate1m"))
+    print(f"data-loading share by run: {share}")  # shown with pytest -s
     assert share["slow"] > 0.5, share
     assert share["fast"] < 0.2, share
 
