@@ -13,18 +13,7 @@ stepscope_training_state{state} (state set). `run` and `rank` come from the path
 /metrics then shows every family once, samples of all groups merged, plus
 stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
 
-Flags (each also read from the STEPSCOPE_* variable named in `--help`):
-
-    --ingest-token-file FILE          bearer token (whitespace stripped); once set, every push needs
-                                      `Authorization: Bearer <token>`            default: none
-    --ingest-allow CIDR,...           networks that may push without a token; with a token, pushes
-                                      must also come from them                   default: none
-    --ingest-ttl SECONDS              a group expires this long after its last push   default: 600
-    --ingest-max-body-bytes N         413 above this                             default: 1048576
-    --ingest-max-series-per-group N   samples in one group, buckets included     default: 2000
-    --ingest-max-groups N             stored groups (run, rank) at once          default: 512
-    --ingest-max-label-value-length N characters in any label value and the run  default: 128
-    --ingest-max-phases N             distinct phase values per group            default: 32
+Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below).
 
 Without a token or allow-list only loopback clients may push (403 otherwise), so an exporter
 listening on all interfaces does not let the network inject or delete series.

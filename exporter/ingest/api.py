@@ -14,7 +14,7 @@ from urllib.parse import unquote
 
 from exporter.exposition import ExpositionStore
 from exporter.ingest.access import AccessPolicy
-from exporter.ingest.errors import REASONS, Rejected
+from exporter.ingest.errors import REASONS, Rejected, clip
 from exporter.ingest.render import render_group_lines, render_self, render_training
 from exporter.ingest.store import GroupStore
 from exporter.ingest.validation import parse_push
@@ -34,7 +34,7 @@ def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
     raw = path.split("?", 1)[0]
     segments = raw.removeprefix("/metrics/").removesuffix("/").split("/")
     if not raw.startswith("/metrics/") or len(segments) != 6:
-        raise Rejected(404, "bad_path", f"no push endpoint at {_clip(raw)!r}: push to {PATH_FORMAT}")
+        raise Rejected(404, "bad_path", f"no push endpoint at {clip(raw)!r}: push to {PATH_FORMAT}")
     labels: dict[str, str] = {}
     for name, value in zip(segments[::2], segments[1::2], strict=True):
         name, value = unquote(name), unquote(value)
@@ -45,21 +45,21 @@ def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
             raise Rejected(400, "bad_path", f"label {name!r} appears twice; push to {PATH_FORMAT}")
         labels[name] = value
     if list(labels) != ["job", "run", "rank"] and list(labels) != ["job", "rank", "run"]:
-        raise Rejected(404, "bad_path", f"no push endpoint at {_clip(raw)!r}: push to {PATH_FORMAT}")
+        raise Rejected(404, "bad_path", f"no push endpoint at {clip(raw)!r}: push to {PATH_FORMAT}")
     if labels["job"] != "stepscope":
         raise Rejected(
-            404, "bad_path", f"job {_clip(labels['job'])!r} is not served here: push to {PATH_FORMAT}"
+            404, "bad_path", f"job {clip(labels['job'])!r} is not served here: push to {PATH_FORMAT}"
         )
     run, rank = labels["run"], labels["rank"]
     if not _RANK.fullmatch(rank):
-        raise Rejected(400, "bad_path", f"rank {_clip(rank)!r} in the path is not a non-negative integer")
+        raise Rejected(400, "bad_path", f"rank {clip(rank)!r} in the path is not a non-negative integer")
     if not run or not run.isprintable():
-        raise Rejected(400, "bad_path", f"run {_clip(run)!r} in the path must be non-empty printable text")
+        raise Rejected(400, "bad_path", f"run {clip(run)!r} in the path must be non-empty printable text")
     if len(run) > max_label_length:
         raise Rejected(
             400, "label_too_long",
             f"run in the path has {len(run)} characters, over the limit of {max_label_length} "
-            f"(--ingest-max-label-value-length): {_clip(run)!r}",
+            f"(--ingest-max-label-value-length): {clip(run)!r}",
         )
     return run, rank
 
@@ -70,7 +70,7 @@ def _b64decode(name: str, value: str) -> str:
         return base64.b64decode(padded, altchars=b"-_", validate=True).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise Rejected(
-            400, "bad_path", f"value of {name}@base64 is not base64url-encoded UTF-8: {_clip(value)!r}"
+            400, "bad_path", f"value of {name}@base64 is not base64url-encoded UTF-8: {clip(value)!r}"
         ) from None
 
 
@@ -79,10 +79,6 @@ def _too_large(length: int, limit: int) -> Rejected:
         413, "body_too_large",
         f"body of {length} bytes exceeds the limit of {limit} bytes (--ingest-max-body-bytes)",
     )
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class PushApi:
@@ -175,7 +171,7 @@ class PushApi:
         # The first refusal per reason is a warning; repeats (a client pushing every few seconds) go
         # to debug, and the counter keeps the tally.
         log.log(logging.WARNING if first else logging.DEBUG, "refused %s %s from %s (%d %s): %s",
-                method, _clip(path), client_ip, rejected.status, rejected.reason, rejected.message)
+                method, clip(path), client_ip, rejected.status, rejected.reason, rejected.message)
         self._publish()
         return PushResponse(rejected.status, rejected.message)
 

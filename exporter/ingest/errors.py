@@ -32,3 +32,8 @@ class Rejected(Exception):
         self.status = status
         self.reason = reason
         self.message = message
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """Shortens client-supplied text quoted back in a refusal or a log line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_fd_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from exporter.ingest.errors import Rejected
+from exporter.ingest.errors import Rejected, clip
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def parse_push(body: bytes, run: str, rank: str, max_label_length: int) -> Famil
         raise Rejected(
             400, "malformed",
             f"cannot parse the text exposition (format 0.0.4) at line {lines.number} "
-            f"{_clip(lines.line)!r}: {detail}",
+            f"{clip(lines.line)!r}: {detail}",
         ) from None
     families: Families = {}
     for family in parsed:
@@ -118,7 +118,7 @@ def _spec_for(name: str, typ: str) -> FamilySpec | None:
             )
     raise Rejected(
         400, "unknown_family",
-        f"unknown family {_clip(exposed)!r}: the push API accepts only {', '.join(FAMILIES)}",
+        f"unknown family {clip(exposed)!r}: the push API accepts only {', '.join(FAMILIES)}",
     )
 
 
@@ -177,7 +177,7 @@ def _check_labels(spec: FamilySpec, sample: Sample, run: str, rank: str, max_lab
             raise Rejected(
                 400, "label_too_long",
                 f"{spec.name}: value of label {name!r} has {len(value)} characters, over the limit of "
-                f"{max_label_length} (--ingest-max-label-value-length): {_clip(value)!r}",
+                f"{max_label_length} (--ingest-max-label-value-length): {clip(value)!r}",
             )
     for name in (*spec.labels, *(("le",) if bucket else ())):
         if name not in sample.labels:
@@ -267,14 +267,10 @@ def _canonical_labels(spec: FamilySpec, labels: Mapping[str, str], run: str, ran
 
 
 def _show(sample: Sample) -> str:
-    return _clip(sample.name + _show_labels(sample.labels), 200)
+    return clip(sample.name + _show_labels(sample.labels), 200)
 
 
 def _show_labels(labels: Mapping[str, str]) -> str:
     if not labels:
         return ""
-    return "{" + ",".join(f'{k}="{_clip(v)}"' for k, v in labels.items()) + "}"
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return "{" + ",".join(f'{k}="{clip(v, 60)}"' for k, v in labels.items()) + "}"
