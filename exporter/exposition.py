@@ -26,40 +26,31 @@ def render(families: Iterable[Metric]) -> bytes:
 class ExpositionStore:
     """Holds the latest rendered body of every source (a collector, self metrics, ingest).
 
-    Writers swap in a new immutable mapping; readers take the current one without locking. The
-    concatenated body and its gzip form are cached per version, so repeated scrapes between two
-    collection cycles cost a dictionary lookup.
+    The concatenated body and its gzip form are built once per change and then served from the
+    cache, so repeated scrapes between two collection cycles cost a lock and a comparison.
     """
 
     def __init__(self) -> None:
         self._parts: dict[str, bytes] = {}
         self._version = 0
-        self._write_lock = threading.Lock()
-        self._cache: tuple[int, bytes, bytes | None] = (0, b"", None)
-        self._cache_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._cached_version = -1
+        self._plain = b""
+        self._packed: bytes | None = None
 
     def publish(self, source: str, body: bytes) -> None:
-        with self._write_lock:
-            parts = dict(self._parts)
-            parts[source] = body
-            self._parts = parts
+        with self._lock:
+            self._parts = {**self._parts, source: body}
             self._version += 1
 
     def body(self, compressed: bool = False) -> bytes:
-        version, plain, packed = self._cache
-        if version != self._version:
-            with self._cache_lock:
-                version, plain, packed = self._cache
-                if version != self._version:
-                    version, parts = self._version, self._parts
-                    plain = b"".join(parts[name] for name in sorted(parts))
-                    packed = None
-                    self._cache = (version, plain, packed)
-        if not compressed:
-            return plain
-        if packed is None:
-            packed = gzip.compress(plain, compresslevel=5)
-            with self._cache_lock:
-                if self._cache[0] == version:
-                    self._cache = (version, plain, packed)
-        return packed
+        with self._lock:
+            if self._cached_version != self._version:
+                self._plain = b"".join(self._parts[name] for name in sorted(self._parts))
+                self._packed = None
+                self._cached_version = self._version
+            if not compressed:
+                return self._plain
+            if self._packed is None:
+                self._packed = gzip.compress(self._plain, compresslevel=5)
+            return self._packed
