@@ -22,7 +22,6 @@ from tests.support.helm_chart import (
     NAMESPACE,
     OPERATOR_API,
     REPO,
-    bundle_source,
     lint,
     notes,
     objects,
@@ -38,7 +37,7 @@ KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 
 @pytest.fixture(scope="module")
 def chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synced_copy(tmp_path_factory.mktemp("chart"), bundle_source())
+    return synced_copy(tmp_path_factory.mktemp("chart"), GRAFANA)
 
 
 def ci_values(path: Path) -> dict[str, Any]:
@@ -303,13 +302,13 @@ def test_both_monitors_forced_on_is_refused(chart: Path) -> None:
 
 def test_prometheus_rule_is_the_bundle_rules_file(chart: Path) -> None:
     rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
-    source = yaml.safe_load((bundle_source() / "rules" / "stepscope.rules.yml").read_text())
+    source = yaml.safe_load((GRAFANA / "rules" / "stepscope.rules.yml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
 
 
 def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     maps = by_kind(objects(render(chart)), "ConfigMap")
-    sources = sorted((bundle_source() / "dashboards").glob("*.json"))
+    sources = sorted((GRAFANA / "dashboards").glob("*.json"))
     assert len(maps) == len(sources) > 0
     shipped = {}
     for config_map in maps:
