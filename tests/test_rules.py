@@ -88,6 +88,16 @@ def test_rules_read_only_published_metrics_and_recording_rules() -> None:
     assert read <= EXPORTER_METRICS, f"neither published nor recorded: {sorted(read - EXPORTER_METRICS)}"
 
 
+def test_readme_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:
+    readme = (RULES_DIR.parents[1] / "README.md").read_text()
+    section = readme[readme.index("<!-- section: dashboards -->"):readme.index("<!-- /section: dashboards -->")]
+    rows = dict(re.findall(r"^\| `(Stepscope\w+)`( \(critical\))? \|", section, re.M))
+    assert rows.keys() == {rule["alert"] for rule in alerts()}
+    for rule in alerts():
+        marked = rows[rule["alert"]] == " (critical)"
+        assert marked == (rule["labels"]["severity"] == "critical"), f"README row of {rule['alert']}"
+
+
 def test_recording_rule_names_follow_level_metric_operations() -> None:
     for rule in rules():
         if "record" in rule:
