@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grafana.dashboards.metrics import EXPORTER_METRICS
 from grafana.dashboards.queries import panel_queries, variable_queries
-from tests.support.processes import REPO_ROOT, free_port, running_exporter
+from tests.support.processes import REPO_ROOT, free_port, running_exporter, samples, scrape
 from tests.support.prometheus import (
     query,
     rule_groups,
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @dataclass
 class Stack:
+    exporter: str
     prometheus: str
     waited_for: list[str]  # what was still without data when the wait ended (empty when ready)
 
@@ -198,7 +200,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     assert proc.poll() is None, (
                         f"demo {key} exited:\n{(tmp / f'{key[0]}-{key[1]}.log').read_text()}"
                     )
-                yield Stack(prometheus.url, last)
+                yield Stack(exporter.url, prometheus.url, last)
             finally:
                 for proc in demos.values():
                     proc.terminate()
@@ -221,6 +223,23 @@ def _by_rank(results: list[dict]) -> dict[str, float]:
 def test_every_recording_rule_and_dashboard_query_returns_data(stack: Stack) -> None:
     assert not stack.waited_for, "no data after {}s for:\n{}".format(
         READY_TIMEOUT_SECONDS, "\n".join(stack.waited_for)
+    )
+
+
+def test_dashboard_metric_list_is_what_the_exporter_publishes(stack: Stack) -> None:
+    """grafana/dashboards/metrics.py is the exporter's contract for the dashboards: with every
+    collector, GPUs with GPM and an XID, and training processes pushing, a scrape holds exactly it."""
+    published: set[str] = set()
+
+    def complete() -> bool:  # XID events arrive asynchronously
+        published.clear()
+        published.update(name for name, _ in samples(scrape(stack.exporter)))
+        return published >= EXPORTER_METRICS
+
+    wait_for(complete, 30)
+    assert published == EXPORTER_METRICS, (
+        f"listed but not published: {sorted(EXPORTER_METRICS - published)}; "
+        f"published but not listed: {sorted(published - EXPORTER_METRICS)}"
     )
 
 

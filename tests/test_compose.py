@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from exporter.cli import build_parser
+
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
@@ -107,6 +109,20 @@ def test_exporter_sees_gpus_host_processes_and_pushes(compose: dict[str, Any]) -
     allow = ipaddress.ip_network(interpolate(exporter["environment"]["STEPSCOPE_INGEST_ALLOW"]))
     (network,) = compose["networks"]["stepscope"]["ipam"]["config"]
     assert allow == ipaddress.ip_network(interpolate(network["subnet"])), "ingest allow-list != stack subnet"
+
+
+def test_exporter_reads_and_accepts_its_compose_environment(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt variable is silently ignored, a bad value makes the container exit: both caught here."""
+    environment = {name: interpolate(value) for name, value in compose["services"]["exporter"]["environment"].items()}
+    read = set(re.findall(r"\[env (STEPSCOPE_\w+)\]", build_parser().format_help()))
+    assert environment.keys() <= read, f"the exporter does not read {sorted(environment.keys() - read)}"
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args([])
+    assert args.collect_interval == 5
+    assert args.ingest_allow
 
 
 def test_demo_trainer_pushes_to_the_exporter(compose: dict[str, Any]) -> None:

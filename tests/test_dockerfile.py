@@ -51,6 +51,13 @@ def test_base_images_are_pinned_to_a_version(stages: list[list[dict[str, Any]]])
         assert repository and re.match(r"\d+\.\d+\.\d+-", tag), f"{image} is not pinned to a version tag"
 
 
+def test_readme_names_the_pinned_base_image() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("<!-- section: deployment -->"):readme.index("<!-- /section: deployment -->")]
+    images = set(DockerfileParser(path=str(DOCKERFILE)).parent_images)
+    assert images and all(f"`{image.removeprefix('docker.io/library/')}`" in section for image in images), images
+
+
 def test_final_stage_runs_as_non_root(stages: list[list[dict[str, Any]]]) -> None:
     for stage in stages[1:]:   # every stage that ships (demo and runtime), not the builder
         (user,) = values(stage, "USER")

@@ -70,7 +70,7 @@ def test_alert_list_panels_show_the_provisioned_folder() -> None:
 def test_every_prometheus_alert_is_a_grafana_rule_with_the_same_meaning() -> None:
     prometheus = prometheus_alerts()
     grafana = grafana_rules()
-    assert set(grafana) == set(prometheus)
+    assert prometheus and set(grafana) == set(prometheus)
     for name, rule in grafana.items():
         source = prometheus[name]
         query = next(item for item in rule["data"] if item["refId"] == "A")
@@ -99,8 +99,11 @@ def test_grafana_rules_reference_the_provisioned_datasource_and_their_own_condit
 
 
 def test_annotations_use_grafana_template_variables() -> None:
+    prometheus = prometheus_alerts()
     for name, rule in grafana_rules().items():
         for key, text in rule["annotations"].items():
+            if re.search(r"\$value\b", prometheus[name]["annotations"][key]):
+                assert "$values.B.Value" in text, f"{name}.{key}: the alert's value was lost"
             for template in TEMPLATE.findall(text):
                 assert not re.search(r"\$value\b", template), f"{name}.{key}: $value is a string in Grafana"
                 for variable in re.findall(r"\$\w+", template):

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from exporter.cli import build_parser
 from tests.support.helm_chart import (
     CHART,
     FIXTURE_BUNDLE,
@@ -22,7 +23,6 @@ from tests.support.helm_chart import (
     NAMESPACE,
     OPERATOR_API,
     REPO,
-    bundle_source,
     lint,
     notes,
     objects,
@@ -38,7 +38,7 @@ KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 
 @pytest.fixture(scope="module")
 def chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synced_copy(tmp_path_factory.mktemp("chart"), bundle_source())
+    return synced_copy(tmp_path_factory.mktemp("chart"), GRAFANA)
 
 
 def ci_values(path: Path) -> dict[str, Any]:
@@ -159,6 +159,20 @@ def test_scheduled_on_gpu_nodes_without_taking_a_gpu(chart: Path) -> None:
     assert "runtimeClassName" not in pod
 
 
+@pytest.mark.parametrize("values_file", CI_FILES, ids=lambda p: p.name)
+def test_exporter_accepts_the_rendered_args(chart: Path, values_file: Path, tmp_path: Path) -> None:
+    """The chart's flags go through the exporter's own parser (the token file, mounted in the pod,
+    is a local file here): a value the schema admits but the exporter refuses is a crash loop."""
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    args = exporter_container(objects(render(chart, ci_values(values_file))))["args"]
+    args = [f"--ingest-token-file={token}" if a.startswith("--ingest-token-file=") else a for a in args]
+    try:
+        build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"the exporter refuses {args} (its message is in the captured stderr)")
+
+
 def test_probes_hit_health_and_readiness(chart: Path) -> None:
     container = exporter_container(objects(render(chart)))
     assert container["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "http"}
@@ -215,7 +229,7 @@ def test_existing_secret_host_network_and_runtime_class(chart: Path) -> None:
     assert pod["runtimeClassName"] == "nvidia"
     assert container["ports"][0]["hostPort"] == container["ports"][0]["containerPort"]
     flags = args_dict(container)
-    assert flags["--ingest-allow"] == "10.0.0.0/8" and flags["--ingest-ttl"] == "10m"
+    assert flags["--ingest-allow"] == "10.0.0.0/8" and flags["--ingest-ttl"] == "1800"
     assert "secretKeyRef:\n          name: stepscope-push-token\n          key: push-token" in notes(rendered)
 
 
@@ -303,13 +317,13 @@ def test_both_monitors_forced_on_is_refused(chart: Path) -> None:
 
 def test_prometheus_rule_is_the_bundle_rules_file(chart: Path) -> None:
     rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
-    source = yaml.safe_load((bundle_source() / "rules" / "stepscope.rules.yml").read_text())
+    source = yaml.safe_load((GRAFANA / "rules" / "stepscope.rules.yml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
 
 
 def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     maps = by_kind(objects(render(chart)), "ConfigMap")
-    sources = sorted((bundle_source() / "dashboards").glob("*.json"))
+    sources = sorted((GRAFANA / "dashboards").glob("*.json"))
     assert len(maps) == len(sources) > 0
     shipped = {}
     for config_map in maps:
@@ -343,6 +357,7 @@ def test_chart_copies_match_the_grafana_bundle() -> None:
      r"at '/serviceMonitor': additional properties 'additionalLabel'"),
     ({"hostPID": "yes"}, r"at '/hostPID': got string, want boolean"),
     ({"port": "9847"}, r"at '/port': got string, want integer"),
+    ({"ingest": {"ttl": "10m"}}, r"at '/ingest/ttl': got string, want number"),   # seconds, as the flag
     ({"serviceMonitor": {"enabled": "yes"}},
      r"at '/serviceMonitor/enabled': value must be one of 'auto', true, false"),
     ({"collectors": ["node", "disk"]}, r"at '/collectors/1': value must be one of 'node', 'gpu', 'process'"),

@@ -1,10 +1,13 @@
 """The Prometheus rules file passes promtool, and every alert is tested both firing and silent."""
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import yaml
+
+from grafana.dashboards.metrics import EXPORTER_METRICS
 
 RULES_DIR = Path(__file__).resolve().parents[1] / "grafana" / "rules"
 RULES_FILE = RULES_DIR / "stepscope.rules.yml"
@@ -12,6 +15,8 @@ TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
 # Up/down conditions: their value is always 0, so the description states the fact instead.
 BOOLEAN_ALERTS = {"StepscopeGpuDown", "StepscopeGpuCollectorDown", "StepscopeExporterDown"}
+RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
+METRIC_NAME = re.compile(r"\bstepscope_\w+")
 
 promtool = shutil.which("promtool") or "promtool"  # scripts/test.sh installs it
 
@@ -69,6 +74,28 @@ def test_every_alert_has_severity_and_annotations() -> None:
             assert rule.get("annotations", {}).get(key, "").strip(), f"{rule['alert']} lacks {key}"
         if rule["alert"] not in BOOLEAN_ALERTS:
             assert "$value" in rule["annotations"]["description"], f"{rule['alert']} hides the live value"
+
+
+def test_rules_read_only_published_metrics_and_recording_rules() -> None:
+    """A misspelt metric passes promtool's unit tests when the test series repeat the typo; the names
+    must be the exporter's (grafana/dashboards/metrics.py, checked against a real scrape by the e2e test)."""
+    records = {rule["record"] for rule in rules() if "record" in rule}
+    read = set()
+    for rule in rules():
+        read |= set(RULE_NAME.findall(rule["expr"])) - records
+        read |= set(METRIC_NAME.findall(RULE_NAME.sub("", rule["expr"])))
+    assert "stepscope_steps_total" in read
+    assert read <= EXPORTER_METRICS, f"neither published nor recorded: {sorted(read - EXPORTER_METRICS)}"
+
+
+def test_readme_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:
+    readme = (RULES_DIR.parents[1] / "README.md").read_text()
+    section = readme[readme.index("<!-- section: dashboards -->"):readme.index("<!-- /section: dashboards -->")]
+    rows = dict(re.findall(r"^\| `(Stepscope\w+)`( \(critical\))? \|", section, re.M))
+    assert rows.keys() == {rule["alert"] for rule in alerts()}
+    for rule in alerts():
+        marked = rows[rule["alert"]] == " (critical)"
+        assert marked == (rule["labels"]["severity"] == "critical"), f"README row of {rule['alert']}"
 
 
 def test_recording_rule_names_follow_level_metric_operations() -> None:

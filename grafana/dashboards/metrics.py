@@ -1,7 +1,8 @@
 """The exporter's metric contract (README "What it publishes" plus the pushed training families).
 
-Dashboards and alerts may only reference these names or recording rules; a renamed metric in the
-exporter then fails the dashboard tests instead of leaving an empty panel.
+Dashboards and alerts may only reference these names or recording rules (tests/test_dashboards.py),
+and tests/test_bundle_e2e.py checks that a real scrape holds exactly these names: a renamed metric in
+the exporter then fails the tests instead of leaving an empty panel.
 """
 
 HISTOGRAMS = ("stepscope_step_phase_seconds", "stepscope_step_seconds")

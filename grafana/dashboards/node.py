@@ -22,6 +22,12 @@ NODE = 'instance=~"$instance"'
 GPUS = 'instance=~"$instance",gpu=~"$gpu"'
 
 
+def _per_process(series: str) -> Q:
+    """A column of the process table: one row per process, whose columns merge on (pid, run, rank);
+    GPU memory adds up the process's GPUs."""
+    return Q(f"sum by (pid, run, rank) ({series})", table=True)
+
+
 def build() -> dashboard.Dashboard:
     board = (
         base_dashboard(
@@ -69,7 +75,6 @@ def build() -> dashboard.Dashboard:
                     ),
                 ],
                 "percentunit",
-                stack=False,
                 limits=(0, 1),
                 threshold_line=thresholds((None, "green"), (0.9, "red")),
             )
@@ -346,7 +351,6 @@ def build() -> dashboard.Dashboard:
     )
 
     board = board.with_row(row("Processes"))
-    proc = NODE
     board = board.with_panel(
         table_panel(
             "Processes",
@@ -354,21 +358,12 @@ def build() -> dashboard.Dashboard:
             "data-loader workers), resident memory, worker count, storage reads and writes, GPU memory. "
             "Unregistered GPU processes have an empty run.",
             [
-                Q(
-                    f"sum by (pid, run, rank) (rate(stepscope_process_cpu_seconds_total{{{proc}}}[1m]))",
-                    table=True,
-                ),
-                Q(f"sum by (pid, run, rank) (stepscope_process_resident_memory_bytes{{{proc}}})", table=True),
-                Q(f"sum by (pid, run, rank) (stepscope_process_children{{{proc}}})", table=True),
-                Q(
-                    f"sum by (pid, run, rank) (rate(stepscope_process_io_read_bytes_total{{{proc}}}[1m]))",
-                    table=True,
-                ),
-                Q(
-                    f"sum by (pid, run, rank) (rate(stepscope_process_io_write_bytes_total{{{proc}}}[1m]))",
-                    table=True,
-                ),
-                Q(f"sum by (pid, run, rank) (stepscope_process_gpu_memory_bytes{{{proc}}})", table=True),
+                _per_process(f"rate(stepscope_process_cpu_seconds_total{{{NODE}}}[1m])"),
+                _per_process(f"stepscope_process_resident_memory_bytes{{{NODE}}}"),
+                _per_process(f"stepscope_process_children{{{NODE}}}"),
+                _per_process(f"rate(stepscope_process_io_read_bytes_total{{{NODE}}}[1m])"),
+                _per_process(f"rate(stepscope_process_io_write_bytes_total{{{NODE}}}[1m])"),
+                _per_process(f"stepscope_process_gpu_memory_bytes{{{NODE}}}"),
             ],
             {
                 "Value #A": ("CPU cores", "none"),

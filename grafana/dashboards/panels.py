@@ -41,7 +41,6 @@ class Q:
     expr: str
     legend: str = ""
     table: bool = False
-    instant: bool = False
     buckets: bool = False
 
 
@@ -102,8 +101,6 @@ def _target(query: Q, ref_id: str) -> prometheus.Dataquery:
         target = target.legend_format(query.legend)
     if query.table:
         target = target.format(prom_models.PromQueryFormat.TABLE).instant()
-    elif query.instant:
-        target = target.instant()
     elif query.buckets:
         target = target.format(prom_models.PromQueryFormat.HEATMAP)
     return target

@@ -1,4 +1,4 @@
-"""Every PromQL query of the committed dashboards, with template variables filled in.
+"""Every PromQL query of the committed dashboards, with template variables filled in as `.*`.
 
 The end-to-end test runs these against a real Prometheus; the dashboard tests parse them with
 promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects everything.
@@ -6,7 +6,6 @@ promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects
 
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +34,11 @@ class VariableQuery:
     raw_query: str
 
 
-def substitute(text: str, values: Mapping[str, str] | None = None) -> str:
-    """Replaces $var and ${var} with values[var], built-ins with fixed windows, the rest with `.*`."""
-    values = {**BUILTINS, **(values or {})}
+def substitute(text: str) -> str:
+    """Replaces $var and ${var}: built-ins with fixed windows, the dashboard's variables with `.*`."""
 
     def replace(match: re.Match) -> str:
-        return values.get(match.group(1) or match.group(2), ".*")
+        return BUILTINS.get(match.group(1) or match.group(2), ".*")
 
     return VARIABLE.sub(replace, text)
 
@@ -61,13 +59,9 @@ def panels(model: dict) -> list[dict]:
     return found
 
 
-def panel_queries(
-    directory: Path = DASHBOARDS_DIR, values: Mapping[str, str] | None = None
-) -> list[PanelQuery]:
+def panel_queries(directory: Path = DASHBOARDS_DIR) -> list[PanelQuery]:
     return [
-        PanelQuery(
-            name, panel["title"], target.get("refId", ""), substitute(target["expr"], values), target["expr"]
-        )
+        PanelQuery(name, panel["title"], target.get("refId", ""), substitute(target["expr"]), target["expr"])
         for name, model in load_dashboards(directory).items()
         for panel in panels(model)
         for target in panel.get("targets", [])
@@ -75,9 +69,7 @@ def panel_queries(
     ]
 
 
-def variable_queries(
-    directory: Path = DASHBOARDS_DIR, values: Mapping[str, str] | None = None
-) -> list[VariableQuery]:
+def variable_queries(directory: Path = DASHBOARDS_DIR) -> list[VariableQuery]:
     """`label_values(selector, label)` variables; the selector is a PromQL series selector."""
     found = []
     for name, model in load_dashboards(directory).items():
@@ -90,7 +82,7 @@ def variable_queries(
                 raise ValueError(f"{name}: variable {variable['name']} is not label_values(...): {query}")
             found.append(
                 VariableQuery(
-                    name, variable["name"], substitute(match.group(1) or "", values), match.group(2), query
+                    name, variable["name"], substitute(match.group(1) or ""), match.group(2), query
                 )
             )
     return found

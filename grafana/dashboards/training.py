@@ -24,15 +24,15 @@ UID = "stepscope-training"
 RUN = 'run=~"$run"'
 RANKS = 'run=~"$run",rank=~"$rank"'
 
-# State set -> one code per rank, so the state timeline shows one row per rank.
-STATE_CODES = {"setup": 1, "train": 2, "eval": 3, "checkpoint": 4, "idle": 5}
-STATE_COLORS = {"setup": "blue", "train": "green", "eval": "purple", "checkpoint": "orange", "idle": "text"}
+# State set -> one code per rank, so the state timeline shows one row per rank; state -> (code, colour).
+STATES = {"setup": (1, "blue"), "train": (2, "green"), "eval": (3, "purple"), "checkpoint": (4, "orange"),
+          "idle": (5, "text")}
 
 
 def _state_expr() -> str:
     selector = f"stepscope_training_state{{{RANKS}"
-    known = "|".join(STATE_CODES)
-    parts = [f'(({selector},state="{state}"}} == 1) * {code})' for state, code in STATE_CODES.items()]
+    known = "|".join(STATES)
+    parts = [f'(({selector},state="{state}"}} == 1) * {code})' for state, (code, _) in STATES.items()]
     parts.append(f'(({selector},state!~"{known}"}} == 1) * 0)')
     return "max by (rank) (\n  " + "\n  or ".join(parts) + "\n)"
 
@@ -263,7 +263,7 @@ def build() -> dashboard.Dashboard:
                 "eval bands explain throughput dips; a rank stuck in a state while others train is hung.",
                 [Q(_state_expr(), "rank {{rank}}")],
                 value_text(
-                    {str(code): (state, STATE_COLORS[state]) for state, code in STATE_CODES.items()}
+                    {str(code): (state, color) for state, (code, color) in STATES.items()}
                     | {"0": ("other", "text")}
                 ),
             )

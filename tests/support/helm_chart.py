@@ -21,16 +21,10 @@ from helm_python import _native
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "stepscope"
 GRAFANA = REPO / "grafana"
-GRAFANA_RULES = GRAFANA / "rules" / "stepscope.rules.yml"
 FIXTURE_BUNDLE = REPO / "tests" / "fixtures" / "grafana_bundle"
 RELEASE = "rel"
 NAMESPACE = "monitoring"
 OPERATOR_API = "monitoring.coreos.com/v1"
-
-
-def bundle_source() -> Path:
-    """The real Grafana bundle once it exists, else the small test bundle."""
-    return GRAFANA if GRAFANA_RULES.is_file() else FIXTURE_BUNDLE
 
 
 def synced_copy(destination: Path, source: Path | None = None) -> Path:

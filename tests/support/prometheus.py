@@ -15,30 +15,21 @@ from tests.support.processes import Running, free_port, running
 T = TypeVar("T")
 
 
-def prometheus_binary() -> str | None:
-    return shutil.which("prometheus")
-
-
 @contextmanager
 def running_prometheus(
-    tmp_path: Path,
-    targets: dict[str, str],
-    rule_files: Sequence[Path] = (),
-    *,
-    job: str = "stepscope",
-    scrape_interval: str = "1s",
-    evaluation_interval: str = "1s",
+    tmp_path: Path, targets: dict[str, str], rule_files: Sequence[Path] = ()
 ) -> Iterator[Running]:
-    """Prometheus scraping `targets` ({instance label: host:port}) and evaluating `rule_files`."""
-    binary = prometheus_binary()
+    """Prometheus scraping `targets` ({instance label: host:port}) as job stepscope every second and
+    evaluating `rule_files` every second."""
+    binary = shutil.which("prometheus")
     if binary is None:
         raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
     config = {
-        "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(path) for path in rule_files],
         "scrape_configs": [
             {
-                "job_name": job,
+                "job_name": "stepscope",
                 "static_configs": [
                     {"targets": [address], "labels": {"instance": instance}}
                     for instance, address in targets.items()
