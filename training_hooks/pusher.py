@@ -70,7 +70,7 @@ class Pusher:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
         self._thread.start()
 
-    def stop(self, final_push: bool = True) -> None:
+    def stop(self) -> None:
         """Stops the thread, then pushes once more from the caller so the final state lands."""
         self._stop.set()
         if self._thread is not None:
@@ -78,8 +78,7 @@ class Pusher:
             if self._thread.is_alive():  # wedged beyond its timeout: do not share the session with it
                 log.warning("stepscope: pusher thread did not stop; skipping the final push")
                 return
-        if final_push:
-            self.push_once()
+        self.push_once()
         self._session.close()
 
     def _loop(self) -> None:
