@@ -82,10 +82,10 @@ class Pusher:
         self._session.close()
 
     def _loop(self) -> None:
-        delay = self.interval
+        delay = self.interval  # never below the interval: max_backoff >= interval
         ok = self.push_once()  # at once: the exporter learns the pid before the first interval passes
         while True:
-            delay = self.interval if ok else min(max(delay * 2, self.interval), self.max_backoff)
+            delay = self.interval if ok else min(delay * 2, self.max_backoff)
             if self._stop.wait(delay):
                 return
             ok = self.push_once()
