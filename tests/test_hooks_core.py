@@ -166,6 +166,8 @@ def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
         f"http://h:1/metrics/job/stepscope/run@base64/{encode_label_value('team/exp 1')}/rank/0"
     )
     assert encode_label_value("a/b") == "YS9i"
+    assert encode_label_value("team/exp 1") == "dGVhbS9leHAgMQ=="  # url-safe alphabet, padded
+    assert encode_label_value("") == "="
 
 
 class FakeEvent:

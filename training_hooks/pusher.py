@@ -25,13 +25,12 @@ _PLAIN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
 def encode_label_value(value: str) -> str:
-    """Path segment for a grouping label: `name/value`, or `name@base64/<b64url>` for anything unusual."""
-    if _PLAIN_LABEL_VALUE.match(value):
-        return value
-    return base64.urlsafe_b64encode(value.encode()).decode() or "="
+    """The Pushgateway's base64url form of a grouping-label value, for a `name@base64/<value>` segment."""
+    return base64.urlsafe_b64encode(value.encode()).decode() or "="  # "=" is its spelling of empty
 
 
 def group_url(base_url: str, run: str, rank: int) -> str:
+    """The group's URL: `run/<run>`, or `run@base64/<b64url>` for a run name a path segment cannot carry."""
     run_part = f"run/{run}" if _PLAIN_LABEL_VALUE.match(run) else f"run@base64/{encode_label_value(run)}"
     return f"{base_url.rstrip('/')}/metrics/job/stepscope/{run_part}/rank/{rank}"
 
