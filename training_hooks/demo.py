@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             if given is not None and given != env_value:
                 parser.error(f"{flag} {given} disagrees with torchrun's environment ({env_value})")
         args.rank, args.world_size = rank, world_size
-    if args.world_size is None and args.rank is not None:
+    if args.world_size is None and args.rank is not None and not os.environ.get("WORLD_SIZE", "").strip():
         args.world_size = args.rank + 1
     return args
 
