@@ -144,7 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.manual_seed(cfg.rank)
     model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
-    step = 0
     try:
         if args.ddp:
             # Every backward all-reduces the gradients: the fast ranks wait there for the slow one.
@@ -169,8 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with tracker.phase("step_lr_schedulers"):
                 scheduler.step()
             tracker.step(samples=len(x))
-            step += 1
-            if args.steps and step >= args.steps:
+            if args.steps and tracker.steps >= args.steps:
                 break
     except KeyboardInterrupt:
         pass
@@ -178,13 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.ddp:
             raise
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"stepscope demo: lost the process group after {step} steps: {reason}", file=sys.stderr)
+        print(f"stepscope demo: lost the process group after {tracker.steps} steps: {reason}", file=sys.stderr)
         return 1
     finally:
         tracker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    print(f"stepscope demo: {step} steps done", flush=True)
+    print(f"stepscope demo: {tracker.steps} steps done", flush=True)
     return 0
 
 
