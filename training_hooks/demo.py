@@ -14,7 +14,7 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import training_hooks
 
@@ -33,7 +33,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _positive_int(minimum: int):
+def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -49,18 +49,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m training_hooks.demo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--run", default="demo", help="run label (default: demo)")
-    parser.add_argument("--steps", type=_positive_int(0), default=0, help="steps to train, 0 = forever")
-    parser.add_argument("--batch-size", type=_positive_int(1), default=64)
+    parser.add_argument("--steps", type=_int_at_least(0), default=0, help="steps to train, 0 = forever")
+    parser.add_argument("--batch-size", type=_int_at_least(1), default=64)
     parser.add_argument("--slow-loader", type=_non_negative_float, default=0.0, metavar="SECONDS",
                         help="sleep this long per batch in the data loader (a data-bound run)")
-    parser.add_argument("--rank", type=_positive_int(0), default=None,
+    parser.add_argument("--rank", type=_int_at_least(0), default=None,
                         help="global rank (default: RANK or 0)")
-    parser.add_argument("--world-size", type=_positive_int(1), default=None,
+    parser.add_argument("--world-size", type=_int_at_least(1), default=None,
                         help="world size (default: WORLD_SIZE, or rank + 1)")
     parser.add_argument("--extra-step-seconds", type=_non_negative_float, default=0.0, metavar="SECONDS",
                         help="extra compute time per step in forward (a straggler): on this rank, or on "
                              "--slow-rank only")
-    parser.add_argument("--slow-rank", type=_positive_int(0), default=None, metavar="RANK",
+    parser.add_argument("--slow-rank", type=_int_at_least(0), default=None, metavar="RANK",
                         help="apply --extra-step-seconds only on this rank (default: on every rank)")
     parser.add_argument("--ddp", action="store_true",
                         help="synchronous data parallel: DistributedDataParallel over gloo, rank and world "
