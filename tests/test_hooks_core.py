@@ -1,5 +1,6 @@
 """Training hooks without a server: bucket math, rendering, config errors, limits, CUDA event logic."""
 
+import itertools
 import logging
 import os
 import re
@@ -158,6 +159,9 @@ def test_environment_fills_identity() -> None:
 def test_default_buckets_are_log_spaced() -> None:
     assert len(th.DEFAULT_BUCKETS) == 16
     assert th.DEFAULT_BUCKETS[0] == 0.0001 and th.DEFAULT_BUCKETS[-1] == 60.0
+    # (60 / 1e-4) ** (1 / 15) = 2.43 between neighbours, give or take the 2-significant-digit rounding
+    assert all(2.3 < b / a < 2.6 for a, b in itertools.pairwise(th.DEFAULT_BUCKETS))
+    assert all(float(f"{b:.2g}") == b for b in th.DEFAULT_BUCKETS)  # 2 significant digits: readable `le`
 
 
 def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
