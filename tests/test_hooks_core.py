@@ -156,6 +156,21 @@ def test_environment_fills_identity() -> None:
     assert Config.resolve(env={"RANK": "3", "WORLD_SIZE": "8"}, rank=0).rank == 0  # arguments win
 
 
+def test_environment_defaults_and_empty_push_url(monkeypatch) -> None:
+    """The README's environment table: defaults, the interval, and an empty URL that disables pushing."""
+    monkeypatch.setattr(sys, "argv", ["/jobs/train_resnet.py", "--lr", "0.1"])
+    cfg = Config.resolve(env={})
+    assert cfg.run == "train_resnet"  # no STEPSCOPE_RUN: the script's name
+    assert (cfg.rank, cfg.local_rank, cfg.world_size, cfg.push_interval) == (0, 0, 1, 5.0)
+    assert cfg.push_token is None
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    assert Config.resolve(env={}).run == "default"
+    assert Config.resolve(env={"STEPSCOPE_RUN": "r", "STEPSCOPE_PUSH_INTERVAL": "0.5"}).push_interval == 0.5
+    quiet = th.Tracker(Config.resolve(env={"STEPSCOPE_RUN": "r", "STEPSCOPE_PUSH_URL": ""}))
+    assert quiet.config.push_url == "" and quiet.pusher is None
+    quiet.close()
+
+
 def test_default_buckets_are_log_spaced() -> None:
     assert len(th.DEFAULT_BUCKETS) == 16
     assert th.DEFAULT_BUCKETS[0] == 0.0001 and th.DEFAULT_BUCKETS[-1] == 60.0
