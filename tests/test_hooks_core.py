@@ -64,7 +64,7 @@ def test_rendered_histogram_families() -> None:
     t.close()
 
 
-def test_promtool_accepts_the_body(tmp_path) -> None:
+def test_promtool_accepts_the_body() -> None:
     t = tracker()
     with t.phase("forward"):
         pass
