@@ -14,7 +14,7 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import training_hooks
 
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
         from torch import distributed as dist
         from torch import nn
-        from torch.utils.data import DataLoader, Dataset
+        from torch.utils.data import DataLoader, IterableDataset
     except ImportError:
         print("the demo needs torch: pip install 'stepscope[torch]'", file=sys.stderr)
         return 2
@@ -130,17 +130,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = " ddp (gloo)" if args.ddp else ""
     print(f"stepscope demo: run={cfg.run} rank={cfg.rank}/{cfg.world_size}{mode} pushing {where}", flush=True)
 
-    class SyntheticBatches(Dataset):
-        """Whole batches of random regression data; sleeps per batch to mimic slow storage."""
+    class SyntheticBatches(IterableDataset):
+        """Endless whole batches of random regression data (--steps 0 runs forever); sleeps per batch to
+        mimic slow storage."""
 
-        def __len__(self) -> int:
-            return 1_000_000
-
-        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if args.slow_loader:
-                time.sleep(args.slow_loader)
-            x = torch.randn(args.batch_size, 64)
-            return x, x.sum(dim=1, keepdim=True)
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            while True:
+                if args.slow_loader:
+                    time.sleep(args.slow_loader)
+                x = torch.randn(args.batch_size, 64)
+                yield x, x.sum(dim=1, keepdim=True)
 
     torch.manual_seed(cfg.rank)
     model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
@@ -152,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
-        loader = DataLoader(SyntheticBatches(), batch_size=None, shuffle=False)
+        loader = DataLoader(SyntheticBatches(), batch_size=None)
         for x, y in tracker.loader(loader):
             with tracker.phase("to_device"):
                 x, y = x.to("cpu"), y.to("cpu")
