@@ -15,10 +15,7 @@ import gc
 import logging
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from torch import nn
 
 import training_hooks as th
+from tests.support.pushgateway import PUSHGATEWAY, running_pushgateway
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hooks.md"
 
@@ -43,13 +41,10 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 # -- 1. per-phase cost ----------------------------------------------------------------------------
 
-def per_op_ns(body: Callable[[int], None], ops: int, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        body(ops)
-        samples.append((time.perf_counter_ns() - start) / ops)
-    return statistics.median(samples)
+def per_op_ns(body: Callable[[int], None], ops: int) -> float:
+    start = time.perf_counter_ns()
+    body(ops)
+    return (time.perf_counter_ns() - start) / ops
 
 
 def bench_phase_cost(ops: int = 200_000, repeats: int = 7) -> str:
@@ -97,7 +92,7 @@ def bench_phase_cost(ops: int = 200_000, repeats: int = 7) -> str:
     results: dict[str, list[float]] = {name: [] for name, _ in cases}
     for _ in range(repeats):  # interleave so drift hits every case alike
         for name, body in cases:
-            results[name].append(per_op_ns(body, ops, 1))
+            results[name].append(per_op_ns(body, ops))
     medians = {name: statistics.median(values) for name, values in results.items()}
     baseline = medians["prometheus_client `with Histogram.time()`"]
     rows = [[name, f"{ns:.0f}", f"{ns / baseline:.2f}"] for name, ns in medians.items()]
@@ -107,36 +102,14 @@ def bench_phase_cost(ops: int = 200_000, repeats: int = 7) -> str:
 
 # -- 2. a real training loop ----------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def pushgateway() -> Iterator[str]:
-    """A real Pushgateway when installed (in memory only), else "" (push disabled)."""
-    binary = shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
-    if not Path(binary).exists():
+    """The tests' real Pushgateway (in memory only) when installed, else "" (push disabled)."""
+    if not Path(PUSHGATEWAY).exists():
         yield ""
         return
-    port = free_port()
-    proc = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import requests
-
-        for _ in range(100):
-            try:
-                if requests.get(f"{url}/-/ready", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with tempfile.TemporaryDirectory() as logs, running_pushgateway(Path(logs)) as gateway:
+        yield gateway.url
 
 
 def make_model(width: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1,5 +1,6 @@
 """Training hooks without a server: bucket math, rendering, config errors, limits, CUDA event logic."""
 
+import itertools
 import logging
 import os
 import re
@@ -63,7 +64,7 @@ def test_rendered_histogram_families() -> None:
     t.close()
 
 
-def test_promtool_accepts_the_body(tmp_path) -> None:
+def test_promtool_accepts_the_body() -> None:
     t = tracker()
     with t.phase("forward"):
         pass
@@ -155,9 +156,27 @@ def test_environment_fills_identity() -> None:
     assert Config.resolve(env={"RANK": "3", "WORLD_SIZE": "8"}, rank=0).rank == 0  # arguments win
 
 
+def test_environment_defaults_and_empty_push_url(monkeypatch) -> None:
+    """The README's environment table: defaults, the interval, and an empty URL that disables pushing."""
+    monkeypatch.setattr(sys, "argv", ["/jobs/train_resnet.py", "--lr", "0.1"])
+    cfg = Config.resolve(env={})
+    assert cfg.run == "train_resnet"  # no STEPSCOPE_RUN: the script's name
+    assert (cfg.rank, cfg.local_rank, cfg.world_size, cfg.push_interval) == (0, 0, 1, 5.0)
+    assert cfg.push_token is None
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    assert Config.resolve(env={}).run == "default"
+    assert Config.resolve(env={"STEPSCOPE_RUN": "r", "STEPSCOPE_PUSH_INTERVAL": "0.5"}).push_interval == 0.5
+    quiet = th.Tracker(Config.resolve(env={"STEPSCOPE_RUN": "r", "STEPSCOPE_PUSH_URL": ""}))
+    assert quiet.config.push_url == "" and quiet.pusher is None
+    quiet.close()
+
+
 def test_default_buckets_are_log_spaced() -> None:
     assert len(th.DEFAULT_BUCKETS) == 16
     assert th.DEFAULT_BUCKETS[0] == 0.0001 and th.DEFAULT_BUCKETS[-1] == 60.0
+    # (60 / 1e-4) ** (1 / 15) = 2.43 between neighbours, give or take the 2-significant-digit rounding
+    assert all(2.3 < b / a < 2.6 for a, b in itertools.pairwise(th.DEFAULT_BUCKETS))
+    assert all(float(f"{b:.2g}") == b for b in th.DEFAULT_BUCKETS)  # 2 significant digits: readable `le`
 
 
 def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
@@ -166,6 +185,8 @@ def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
         f"http://h:1/metrics/job/stepscope/run@base64/{encode_label_value('team/exp 1')}/rank/0"
     )
     assert encode_label_value("a/b") == "YS9i"
+    assert encode_label_value("team/exp 1") == "dGVhbS9leHAgMQ=="  # url-safe alphabet, padded
+    assert encode_label_value("") == "="
 
 
 class FakeEvent:

@@ -1,5 +1,6 @@
 """`python -m training_hooks.demo` as a user runs it: a subprocess pushing to a real Pushgateway."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,10 @@ from tests.support.processes import REPO_ROOT, sample_values, scrape
 from tests.support.pushgateway import running_pushgateway
 
 
-def demo(*args: str) -> subprocess.CompletedProcess:
+def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "training_hooks.demo", *args]
-    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+                          env={**os.environ, **env} if env else None)
 
 
 def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
@@ -49,3 +51,16 @@ def test_demo_rejects_bad_flags(args: list[str], message: str) -> None:
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "identity"),
+    [
+        (["--rank", "1"], {"WORLD_SIZE": "4"}, "rank=1/4"),  # WORLD_SIZE first, as --help says
+        (["--rank", "1"], {"WORLD_SIZE": ""}, "rank=1/2"),  # then rank + 1
+    ],
+)
+def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: str) -> None:
+    result = demo("--steps", "1", "--push-url", "", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere")

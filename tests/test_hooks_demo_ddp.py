@@ -4,6 +4,7 @@ way torchrun does it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), pushing to a 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,33 @@ def test_ddp_ranks_step_together_and_the_fast_rank_waits_in_backward(tmp_path: P
     assert phase(1, "forward") >= STEPS * EXTRA_SECONDS
     assert phase(0, "forward") < STEPS * EXTRA_SECONDS
     assert phase(0, "backward") > phase(1, "backward") + STEPS * EXTRA_SECONDS / 2
+
+
+def steps_pushed(text: str, rank: int) -> bool:
+    return any(value > 0 for value in sample_values(text, "stepscope_steps_total", run="lost-peer", rank=str(rank)))
+
+
+def test_a_lost_peer_ends_the_other_rank_with_exit_1_and_one_message(tmp_path: Path) -> None:
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with running_pushgateway(tmp_path) as gateway:
+        ranks = [demo("--ddp", "--run", "lost-peer", "--steps", "0", "--push-url", gateway.url,
+                      "--push-interval", "0.2", env={**rendezvous, "RANK": str(rank)}) for rank in (0, 1)]
+        try:
+            deadline = time.monotonic() + 60
+            while not all(steps_pushed(scrape(gateway.url), rank) for rank in (0, 1)):
+                assert time.monotonic() < deadline, "the two ranks never trained together"
+                time.sleep(0.1)
+            ranks[1].kill()  # rank 1 dies mid-training, as an OOM-killed worker would
+            _, stderr = ranks[0].communicate(timeout=120)
+        finally:
+            for proc in ranks:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.communicate()
+    assert ranks[0].returncode == 1
+    assert stderr.startswith("stepscope demo: lost the process group after "), stderr
+    assert len(stderr.strip().splitlines()) == 1
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.parametrize(

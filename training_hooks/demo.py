@@ -14,7 +14,7 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import training_hooks
 
@@ -33,7 +33,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _positive_int(minimum: int):
+def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -49,18 +49,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m training_hooks.demo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--run", default="demo", help="run label (default: demo)")
-    parser.add_argument("--steps", type=_positive_int(0), default=0, help="steps to train, 0 = forever")
-    parser.add_argument("--batch-size", type=_positive_int(1), default=64)
+    parser.add_argument("--steps", type=_int_at_least(0), default=0, help="steps to train, 0 = forever")
+    parser.add_argument("--batch-size", type=_int_at_least(1), default=64)
     parser.add_argument("--slow-loader", type=_non_negative_float, default=0.0, metavar="SECONDS",
                         help="sleep this long per batch in the data loader (a data-bound run)")
-    parser.add_argument("--rank", type=_positive_int(0), default=None,
+    parser.add_argument("--rank", type=_int_at_least(0), default=None,
                         help="global rank (default: RANK or 0)")
-    parser.add_argument("--world-size", type=_positive_int(1), default=None,
+    parser.add_argument("--world-size", type=_int_at_least(1), default=None,
                         help="world size (default: WORLD_SIZE, or rank + 1)")
     parser.add_argument("--extra-step-seconds", type=_non_negative_float, default=0.0, metavar="SECONDS",
                         help="extra compute time per step in forward (a straggler): on this rank, or on "
                              "--slow-rank only")
-    parser.add_argument("--slow-rank", type=_positive_int(0), default=None, metavar="RANK",
+    parser.add_argument("--slow-rank", type=_int_at_least(0), default=None, metavar="RANK",
                         help="apply --extra-step-seconds only on this rank (default: on every rank)")
     parser.add_argument("--ddp", action="store_true",
                         help="synchronous data parallel: DistributedDataParallel over gloo, rank and world "
@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             if given is not None and given != env_value:
                 parser.error(f"{flag} {given} disagrees with torchrun's environment ({env_value})")
         args.rank, args.world_size = rank, world_size
-    if args.world_size is None and args.rank is not None:
+    if args.world_size is None and args.rank is not None and not os.environ.get("WORLD_SIZE", "").strip():
         args.world_size = args.rank + 1
     return args
 
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
         from torch import distributed as dist
         from torch import nn
-        from torch.utils.data import DataLoader, Dataset
+        from torch.utils.data import DataLoader, IterableDataset
     except ImportError:
         print("the demo needs torch: pip install 'stepscope[torch]'", file=sys.stderr)
         return 2
@@ -130,21 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = " ddp (gloo)" if args.ddp else ""
     print(f"stepscope demo: run={cfg.run} rank={cfg.rank}/{cfg.world_size}{mode} pushing {where}", flush=True)
 
-    class SyntheticBatches(Dataset):
-        """Whole batches of random regression data; sleeps per batch to mimic slow storage."""
+    class SyntheticBatches(IterableDataset):
+        """Endless whole batches of random regression data (--steps 0 runs forever); sleeps per batch to
+        mimic slow storage."""
 
-        def __len__(self) -> int:
-            return 1_000_000
-
-        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if args.slow_loader:
-                time.sleep(args.slow_loader)
-            x = torch.randn(args.batch_size, 64)
-            return x, x.sum(dim=1, keepdim=True)
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            while True:
+                if args.slow_loader:
+                    time.sleep(args.slow_loader)
+                x = torch.randn(args.batch_size, 64)
+                yield x, x.sum(dim=1, keepdim=True)
 
     torch.manual_seed(cfg.rank)
     model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
-    step = 0
     try:
         if args.ddp:
             # Every backward all-reduces the gradients: the fast ranks wait there for the slow one.
@@ -153,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
-        loader = DataLoader(SyntheticBatches(), batch_size=None, shuffle=False)
+        loader = DataLoader(SyntheticBatches(), batch_size=None)
         for x, y in tracker.loader(loader):
             with tracker.phase("to_device"):
                 x, y = x.to("cpu"), y.to("cpu")
@@ -169,8 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with tracker.phase("step_lr_schedulers"):
                 scheduler.step()
             tracker.step(samples=len(x))
-            step += 1
-            if args.steps and step >= args.steps:
+            if args.steps and tracker.steps >= args.steps:
                 break
     except KeyboardInterrupt:
         pass
@@ -178,13 +175,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.ddp:
             raise
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"stepscope demo: lost the process group after {step} steps: {reason}", file=sys.stderr)
+        print(f"stepscope demo: lost the process group after {tracker.steps} steps: {reason}", file=sys.stderr)
         return 1
     finally:
         tracker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    print(f"stepscope demo: {step} steps done", flush=True)
+    print(f"stepscope demo: {tracker.steps} steps done", flush=True)
     return 0
 
 

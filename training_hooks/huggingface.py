@@ -5,9 +5,9 @@ Phases (from `transformers.TrainerCallback` hooks; one step = one optimizer step
   train_batch         on_step_begin -> on_step_end (forward, backward, optimizer: not split by the Trainer)
   optimizer_step      on_pre_optimizer_step -> on_optimizer_step
   step_lr_schedulers  on_optimizer_step -> on_step_end (scheduler step and zero_grad)
-samples_total counts per_device_train_batch_size x gradient_accumulation_steps per step (the Trainer does
-not show the batch to callbacks). States: train, eval and checkpoint (entered when the Trainer decides to
-evaluate or save at a step end, left when it reports done), idle after training.
+samples_total counts train_batch_size (per device x GPUs in this process) x gradient_accumulation_steps
+per step (the Trainer does not show the batch to callbacks). States: train, eval and checkpoint (entered
+when the Trainer decides to evaluate or save at a step end, left when it reports done), idle after training.
 Requires `transformers`; importing this module imports it.
 """
 
@@ -36,6 +36,7 @@ class StepscopeCallback(TrainerCallback):
         self._init_kwargs = init_kwargs
         self._loading = False
         self._in_step = False
+        self._samples_per_step = 0
 
     def _phase(self, name: str) -> Any:
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
@@ -51,6 +52,7 @@ class StepscopeCallback(TrainerCallback):
                     "local_rank": args.local_process_index, "world_size": args.world_size,
                     **self._init_kwargs}
             self.tracker = training_hooks.init(**init)
+        self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps
         self.tracker.state("train")
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -84,7 +86,7 @@ class StepscopeCallback(TrainerCallback):
         self._in_step = False
         self._phase("step_lr_schedulers").end()
         self._phase("train_batch").end()
-        self.tracker.step(samples=args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        self.tracker.step(samples=self._samples_per_step)
         self._enter_eval_or_save(control)
         self._start_loading()
 

@@ -50,11 +50,11 @@ class StepscopeCallback(Callback):
             self._wrap_batch_to_device(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._unwrap_batch_to_device(trainer)
+        self._unwrap_batch_to_device()
         self._finish()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._unwrap_batch_to_device(trainer)
+        self._unwrap_batch_to_device()
         self._finish()
 
     def _finish(self) -> None:
@@ -86,7 +86,7 @@ class StepscopeCallback(Callback):
         strategy.batch_to_device = batch_to_device  # instance attribute; removed at teardown
         self._wrapped = strategy
 
-    def _unwrap_batch_to_device(self, trainer: Trainer) -> None:
+    def _unwrap_batch_to_device(self) -> None:
         if self._wrapped is not None:
             self._wrapped.__dict__.pop("batch_to_device", None)
             self._wrapped = None

@@ -25,13 +25,12 @@ _PLAIN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
 def encode_label_value(value: str) -> str:
-    """Path segment for a grouping label: `name/value`, or `name@base64/<b64url>` for anything unusual."""
-    if _PLAIN_LABEL_VALUE.match(value):
-        return value
-    return base64.urlsafe_b64encode(value.encode()).decode() or "="
+    """The Pushgateway's base64url form of a grouping-label value, for a `name@base64/<value>` segment."""
+    return base64.urlsafe_b64encode(value.encode()).decode() or "="  # "=" is its spelling of empty
 
 
 def group_url(base_url: str, run: str, rank: int) -> str:
+    """The group's URL: `run/<run>`, or `run@base64/<b64url>` for a run name a path segment cannot carry."""
     run_part = f"run/{run}" if _PLAIN_LABEL_VALUE.match(run) else f"run@base64/{encode_label_value(run)}"
     return f"{base_url.rstrip('/')}/metrics/job/stepscope/{run_part}/rank/{rank}"
 
@@ -70,7 +69,7 @@ class Pusher:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
         self._thread.start()
 
-    def stop(self, final_push: bool = True) -> None:
+    def stop(self) -> None:
         """Stops the thread, then pushes once more from the caller so the final state lands."""
         self._stop.set()
         if self._thread is not None:
@@ -78,15 +77,14 @@ class Pusher:
             if self._thread.is_alive():  # wedged beyond its timeout: do not share the session with it
                 log.warning("stepscope: pusher thread did not stop; skipping the final push")
                 return
-        if final_push:
-            self.push_once()
+        self.push_once()
         self._session.close()
 
     def _loop(self) -> None:
-        delay = self.interval
+        delay = self.interval  # never below the interval: max_backoff >= interval
         ok = self.push_once()  # at once: the exporter learns the pid before the first interval passes
         while True:
-            delay = self.interval if ok else min(max(delay * 2, self.interval), self.max_backoff)
+            delay = self.interval if ok else min(delay * 2, self.max_backoff)
             if self._stop.wait(delay):
                 return
             ok = self.push_once()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 from time import perf_counter_ns
 
 
@@ -45,13 +46,7 @@ class Histogram:
 
     def snapshot(self) -> HistogramSnapshot:
         counts = self.counts.copy()  # one C-level copy: consistent with itself
-        sum_ns = self.sum_ns
-        cumulative = []
-        running = 0
-        for c in counts:
-            running += c
-            cumulative.append(running)
-        return HistogramSnapshot(self.bounds, tuple(cumulative), sum_ns / 1e9)
+        return HistogramSnapshot(self.bounds, tuple(accumulate(counts)), self.sum_ns / 1e9)
 
 
 class HostPhase:

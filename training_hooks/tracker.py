@@ -69,7 +69,7 @@ class _StateScope:
 
 
 class Tracker:
-    def __init__(self, config: Config, start_pusher: bool = True) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
         self._pid = os.getpid()
         self._histograms: dict[str, Histogram] = {}
@@ -91,8 +91,7 @@ class Tracker:
                 group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
                 token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
             )
-            if start_pusher:
-                self.pusher.start()
+            self.pusher.start()
         atexit.register(self.close)
 
     # -- hot path ---------------------------------------------------------------------------------
@@ -215,7 +214,7 @@ class Tracker:
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
         self._state = "idle"
         if self.pusher is not None:
-            self.pusher.stop(final_push=True)
+            self.pusher.stop()
 
     def __enter__(self) -> Tracker:
         return self
