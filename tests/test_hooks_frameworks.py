@@ -76,6 +76,62 @@ def test_lightning_callback_times_fit(tmp_path: Path) -> None:
     assert "batch_to_device" not in vars(trainer.strategy)  # the wrapper is gone after fit
 
 
+OPTIMIZER_SLEEP = 0.02
+
+
+def test_lightning_manual_optimization_with_two_backwards_and_optimizers(tmp_path: Path) -> None:
+    """A step with two backward passes and two optimizers: one forward, two backwards, one optimizer span."""
+    import lightning.pytorch as pl
+
+    from training_hooks.lightning import StepscopeCallback
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):  # Lightning's hook runs inside step(), after the closure
+            result = super().step(closure)
+            time.sleep(OPTIMIZER_SLEEP)
+            return result
+
+    class TwoLosses(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.first, self.second = nn.Linear(8, 1), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            slow, fast = self.optimizers()
+            self.manual_backward(nn.functional.mse_loss(self.first(x), y))
+            self.manual_backward(nn.functional.mse_loss(self.second(x), y))
+            slow.step()
+            fast.step()
+            slow.zero_grad()
+            fast.zero_grad()
+
+        def configure_optimizers(self):
+            return [SlowSGD(self.first.parameters(), lr=1e-3), torch.optim.SGD(self.second.parameters(), lr=1e-3)]
+
+    with running_pushgateway(tmp_path) as gateway:
+        callback = StepscopeCallback(run="pl-manual", push_url=gateway.url, push_interval=0.2)
+        trainer = pl.Trainer(  # manual optimization counts every optimizer.step() towards max_steps
+            max_steps=2 * STEPS, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+            default_root_dir=tmp_path, callbacks=[callback],
+        )
+        trainer.fit(TwoLosses(), DataLoader(Regression(100), batch_size=BATCH))
+        text = scrape(gateway.url)
+    group = {"job": "stepscope", "run": "pl-manual", "rank": "0"}
+
+    def count(phase: str) -> list[float]:
+        return sample_values(text, "stepscope_step_phase_seconds_count", phase=phase, **group)
+
+    assert sample_values(text, "stepscope_steps_total", **group) == [STEPS]
+    assert count("forward") == [STEPS]  # ended by the first backward only
+    assert count("backward") == [2 * STEPS]
+    assert count("optimizer_step") == [STEPS]
+    [optimizer_seconds] = sample_values(text, "stepscope_step_phase_seconds_sum", phase="optimizer_step", **group)
+    assert optimizer_seconds >= STEPS * OPTIMIZER_SLEEP  # spans from the first optimizer, the slow one
+
+
 def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 

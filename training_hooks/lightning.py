@@ -37,6 +37,7 @@ class StepscopeCallback(Callback):
         self._init_kwargs = init_kwargs
         self._loading = False
         self._in_optimizer = False
+        self._in_forward = False
         self._wrapped: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -114,17 +115,21 @@ class StepscopeCallback(Callback):
         self._in_optimizer = False
         self._phase("train_batch").start()
         self._phase("forward").start()
+        self._in_forward = True
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
-        self._phase("forward").end()
+        if self._in_forward:  # a second backward in one step (manual optimization) ends no forward
+            self._phase("forward").end()
+            self._in_forward = False
         self._phase("backward").start()
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._phase("backward").end()
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self._phase("optimizer_step").start()
-        self._in_optimizer = True
+        if not self._in_optimizer:  # several optimizers: one span from the first to the batch end
+            self._phase("optimizer_step").start()
+            self._in_optimizer = True
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
