@@ -238,7 +238,7 @@ def bench_training_loop(pairs: int = 80, block: int = 25) -> str:
 
 # -- 3. Lightning ---------------------------------------------------------------------------------
 
-def bench_lightning(repeats: int = 7, steps: int = 100) -> str:
+def bench_lightning(repeats: int = 15, steps: int = 200) -> str:
     import lightning.pytorch as pl
     from lightning.pytorch.profilers import SimpleProfiler
     from torch.utils.data import DataLoader, TensorDataset
