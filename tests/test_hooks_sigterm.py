@@ -15,13 +15,31 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
+from tests.support.prometheus import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-PRELUDE = """
+PRELUDE = '''
 import os, signal, sys, threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 import training_hooks as th
-"""
+
+class Receiver(BaseHTTPRequestHandler):
+    """A push endpoint that says on stdout when a body with state idle arrives."""
+    def do_PUT(self):
+        body = self.rfile.read(int(self.headers["Content-Length"])).decode()
+        self.send_response(200)
+        self.end_headers()
+        if 'state="idle"} 1' in body:
+            print("pushed idle", flush=True)
+    def log_message(self, *args):
+        pass
+
+def receiver_url():
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}"
+'''
 
 
 def run_script(body: str, **env: str) -> subprocess.CompletedProcess:
@@ -34,24 +52,13 @@ def run_script(body: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_default_action_still_ends_the_process_by_sigterm_after_the_final_push() -> None:
     result = run_script("""
-        from http.server import BaseHTTPRequestHandler, HTTPServer
-        class Receiver(BaseHTTPRequestHandler):
-            def do_PUT(self):
-                body = self.rfile.read(int(self.headers["Content-Length"])).decode()
-                self.send_response(200); self.end_headers()
-                if 'state="idle"} 1' in body:
-                    print("final push: idle", flush=True)
-            def log_message(self, *args):
-                pass
-        server = HTTPServer(("127.0.0.1", 0), Receiver)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        tracker = th.init(run="r", push_url=f"http://127.0.0.1:{server.server_port}", push_interval=60)
+        tracker = th.init(run="r", push_url=receiver_url(), push_interval=60)
         tracker.step()
         os.kill(os.getpid(), signal.SIGTERM)
         print("survived", flush=True)
     """)
     assert result.returncode == -signal.SIGTERM, result.stderr
-    assert "final push: idle" in result.stdout.splitlines()
+    assert "pushed idle" in result.stdout.splitlines()
     assert "survived" not in result.stdout
 
 
@@ -134,14 +141,15 @@ def test_forked_child_dies_of_sigterm_without_pushing_for_the_parent() -> None:
 def test_sigterm_to_a_training_process_shows_its_final_state_on_metrics_within_two_seconds(
     tmp_path: Path,
 ) -> None:
-    """The demo trains on torch (CPU) and pushes once a minute; only the SIGTERM path can deliver its
-    final state quickly. Kubernetes and `docker stop` end pods this way."""
+    """The demo trains on torch (CPU) and pushes every second; state idle is only ever set by close(),
+    which the SIGTERM handler runs before the signal ends the process. Kubernetes and `docker stop`
+    end pods this way."""
     with running_exporter(tmp_path, "--collectors", "node", port=free_port()) as exporter:
         log = tmp_path / "demo.log"
         with open(log, "wb") as out:
             demo = subprocess.Popen(
                 [sys.executable, "-m", "training_hooks.demo", "--run", "sigterm", "--push-url", exporter.url,
-                 "--push-interval", "60"],
+                 "--push-interval", "1"],
                 stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
             )
@@ -149,11 +157,12 @@ def test_sigterm_to_a_training_process_shows_its_final_state_on_metrics_within_t
             def pushed(name: str, **labels: str) -> list[float]:
                 return sample_values(scrape(exporter.url), name, run="sigterm", **labels)
 
-            deadline = time.monotonic() + 60
-            while not pushed("stepscope_training_state", state="setup") and time.monotonic() < deadline:
+            def training() -> bool:
                 assert demo.poll() is None, log.read_text()
-                time.sleep(0.2)
-            time.sleep(2)  # the loop trains now; the next periodic push is a minute away
+                steps = pushed("stepscope_steps_total")
+                return pushed("stepscope_training_state", state="train") == [1] and bool(steps) and steps[0] > 0
+
+            assert wait_for(training, 90, interval=0.2), f"the demo did not train:\n{log.read_text()}"
             demo.send_signal(signal.SIGTERM)
             sent = time.monotonic()
             while pushed("stepscope_training_state", state="idle") != [1] and time.monotonic() - sent < 2.0:
@@ -161,7 +170,6 @@ def test_sigterm_to_a_training_process_shows_its_final_state_on_metrics_within_t
             assert pushed("stepscope_training_state", state="idle") == [1], (
                 f"no final state 2 s after SIGTERM:\n{log.read_text()}"
             )
-            assert pushed("stepscope_steps_total")[0] > 0  # the final push carries the training it did
             assert demo.wait(timeout=30) == -signal.SIGTERM, log.read_text()  # not swallowed
         finally:
             if demo.poll() is None:
@@ -173,23 +181,11 @@ def test_lightning_keeps_its_graceful_sigterm_stop_and_the_final_state_is_pushed
     """Lightning installs its SIGTERM handler after our callback's tracker exists, chains to ours, and
     stops fitting at the end of the batch (SIGTERMException): the process must not die on the spot."""
     result = run_script("""
-        from http.server import BaseHTTPRequestHandler, HTTPServer
         import torch
         from torch import nn
         import lightning.pytorch as pl
         from lightning.pytorch.utilities.exceptions import SIGTERMException
         from training_hooks.lightning import StepscopeCallback
-
-        class Receiver(BaseHTTPRequestHandler):
-            def do_PUT(self):
-                body = self.rfile.read(int(self.headers["Content-Length"])).decode()
-                self.send_response(200); self.end_headers()
-                if 'state="idle"} 1' in body:
-                    print("pushed idle", flush=True)
-            def log_message(self, *args):
-                pass
-        server = HTTPServer(("127.0.0.1", 0), Receiver)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
 
         class Module(pl.LightningModule):
             def __init__(self):
@@ -203,7 +199,7 @@ def test_lightning_keeps_its_graceful_sigterm_stop_and_the_final_state_is_pushed
                 return torch.optim.SGD(self.parameters(), lr=0.01)
 
         data = torch.utils.data.TensorDataset(torch.randn(64, 4))
-        callback = StepscopeCallback(run="pl", push_url=f"http://127.0.0.1:{server.server_port}", push_interval=60)
+        callback = StepscopeCallback(run="pl", push_url=receiver_url(), push_interval=60)
         trainer = pl.Trainer(max_steps=50, accelerator="cpu", logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
         try:
