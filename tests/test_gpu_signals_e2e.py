@@ -139,6 +139,6 @@ def test_alerts_stop_when_the_run_pushes_its_final_state_on_sigterm(stack: Stack
     trainer.send_signal(signal.SIGTERM)
     assert trainer.wait(timeout=30) == -signal.SIGTERM
     assert wait_for(lambda: not _firing(stack.prometheus, "StepscopeGpuBusyButIdle"), 15)
+    assert wait_for(lambda: _verdicts(stack.prometheus)["tiny"] == "idle", 15)  # evaluated by its own group
     steps = query(stack.prometheus, 'run:stepscope_steps:rate1m{run="tiny"} > 0')
     assert steps, "the run's last minute of steps is still in the rate window"
-    assert _verdicts(stack.prometheus)["tiny"] == "idle"
