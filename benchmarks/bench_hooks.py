@@ -49,14 +49,24 @@ def per_op_ns(body: Callable[[int], None], ops: int) -> float:
 
 def bench_phase_cost(ops: int = 200_000, repeats: int = 7) -> str:
     tracker = th.init(run="bench", push_url="")
-    hist = Histogram("bench_seconds", "x", buckets=th.DEFAULT_BUCKETS, registry=CollectorRegistry())
-    labelled = Histogram("bench_phase_seconds", "x", ["phase"], buckets=th.DEFAULT_BUCKETS,
+    bucketed = th.init(run="bench-buckets", push_url="", phase_buckets=True, handle_sigterm=False)
+    hist = Histogram("bench_seconds", "x", buckets=th.log_buckets(1e-4, 60.0, 16), registry=CollectorRegistry())
+    labelled = Histogram("bench_phase_seconds", "x", ["phase"], buckets=th.log_buckets(1e-4, 60.0, 16),
                          registry=CollectorRegistry())
 
     def ours(n: int) -> None:
         for _ in range(n):
             with tracker.phase("forward"):
                 pass
+
+    def ours_buckets(n: int) -> None:
+        for _ in range(n):
+            with bucketed.phase("forward"):
+                pass
+
+    def ours_step(n: int) -> None:
+        for _ in range(n):
+            tracker.step()
 
     def ours_cuda_flag(n: int) -> None:
         for _ in range(n):
@@ -82,7 +92,9 @@ def bench_phase_cost(ops: int = 200_000, repeats: int = 7) -> str:
             pass
 
     cases = [
-        ("stepscope `with tracker.phase(name)`", ours),
+        ("stepscope `with tracker.phase(name)` (default: no phase buckets)", ours),
+        ("stepscope `with tracker.phase(name)`, phase buckets on (216-bound fine grid)", ours_buckets),
+        ("stepscope `tracker.step()` (216-bound fine grid)", ours_step),
         ("stepscope `with tracker.phase(name, cuda=True)` (no GPU: host)", ours_cuda_flag),
         ("prometheus_client `with Histogram.time()`", prom_time),
         ("prometheus_client `with Histogram.labels(name).time()`", prom_labels_time),
@@ -97,6 +109,7 @@ def bench_phase_cost(ops: int = 200_000, repeats: int = 7) -> str:
     baseline = medians["prometheus_client `with Histogram.time()`"]
     rows = [[name, f"{ns:.0f}", f"{ns / baseline:.2f}"] for name, ns in medians.items()]
     tracker.close()
+    bucketed.close()
     return table(["operation", "ns per op (median)", "vs Histogram.time()"], rows)
 
 

@@ -34,8 +34,9 @@ READY_TIMEOUT_SECONDS = 120
 EMPTY_BY_DESIGN = {
     ("stepscope-node.json", "XID errors"): "XID events are rare; the fake NVML delivers them asynchronously",
 }
-# GPU index -> (utilization %, run rank holding memory on it): fast's GPUs busy, slow's starved, one idle.
-GPU_LAYOUT = {0: (95, ("fast", 0)), 1: (95, ("fast", 1)), 2: (25, ("slow", 0)), 3: (0, None)}
+# GPU index -> (NVML utilization %, GPM SM active %, run rank holding memory on it): fast's GPUs busy,
+# slow's starved, one idle.
+GPU_LAYOUT = {0: (95, 88, ("fast", 0)), 1: (95, 88, ("fast", 1)), 2: (25, 20, ("slow", 0)), 3: (0, 0, None)}
 # The DDP run: rank DDP_SLOW_RANK sleeps this long in forward; the other rank waits for it in backward.
 DDP_SLOW_RANK = 1
 DDP_EXTRA_SECONDS = 0.03
@@ -56,7 +57,7 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
 
     scenario = make_scenario(gpus=0, processes_per_gpu=0, xid_events=[{"gpu": 3, "xid": 13}])
     gpus = []
-    for index, (utilization, holder) in GPU_LAYOUT.items():
+    for index, (utilization, sm_active, holder) in GPU_LAYOUT.items():
         processes = [(pids[holder], 4 * 1024**3)] if holder in pids else []
         gpus.append(
             make_gpu(
@@ -65,6 +66,8 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
                 processes=processes,
                 throttle=["sw_power_cap"] if index == 0 else [],
                 utilization={"gpu": utilization, "memory": utilization // 2},
+                gpm={"sm_util": sm_active, "sm_occupancy": sm_active / 2, "any_tensor_util": sm_active / 2,
+                     "dram_bw_util": sm_active / 2},
             )
         )
     scenario["gpus"] = gpus
@@ -141,7 +144,7 @@ def _empty_queries(base_url: str) -> list[str]:
         for expr, runs in (
             ("run:stepscope_dataloader_share:ratio_rate1m", every_run),
             ("run:stepscope_bottleneck:verdict", every_run),
-            ("run:stepscope_gpu_utilization:avg_ratio", {"fast", "slow"}),  # ddp holds no GPU
+            ("run:stepscope_gpu_effective_utilization:avg_ratio", {"fast", "slow"}),  # ddp holds no GPU
         )
         if _runs(base_url, expr) != runs
     ]

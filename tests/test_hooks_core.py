@@ -36,7 +36,8 @@ def test_observations_land_in_le_buckets_and_render_cumulative() -> None:
 
 
 def test_rendered_histogram_families() -> None:
-    t = tracker(buckets=[0.001, 0.01])
+    t = tracker(buckets=[0.001, 0.01], phase_buckets=True)
+    t.state("train")
     phase = t.phase("forward")
     for duration_ns in (500_000, 5_000_000, 50_000_000):
         phase._hist.observe_ns(duration_ns)
@@ -130,6 +131,8 @@ def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
         ({}, {"STEPSCOPE_PUSH_INTERVAL": "0"}, "push_interval must be a number > 0"),
         ({}, {"STEPSCOPE_PUSH_URL": "localhost:9847"}, "must start with http://"),
         ({}, {"STEPSCOPE_BUCKETS": "0.1,x"}, "STEPSCOPE_BUCKETS must be comma-separated"),
+        ({}, {"STEPSCOPE_PHASE_BUCKETS": "maybe"}, "STEPSCOPE_PHASE_BUCKETS must be one of 1, true"),
+        ({"phase_buckets": "yes"}, {}, "phase_buckets must be True or False"),
         ({"run": " "}, {}, "run must be a non-empty string"),
         ({"max_phases": 0}, {}, "max_phases must be an integer >= 1"),
     ],
@@ -171,12 +174,12 @@ def test_environment_defaults_and_empty_push_url(monkeypatch) -> None:
     quiet.close()
 
 
-def test_default_buckets_are_log_spaced() -> None:
-    assert len(th.DEFAULT_BUCKETS) == 16
-    assert th.DEFAULT_BUCKETS[0] == 0.0001 and th.DEFAULT_BUCKETS[-1] == 60.0
+def test_log_buckets_helper_gives_readable_log_spaced_bounds() -> None:
+    bounds = th.log_buckets(1e-4, 60.0, 16)
+    assert len(bounds) == 16 and bounds[0] == 0.0001 and bounds[-1] == 60.0
     # (60 / 1e-4) ** (1 / 15) = 2.43 between neighbours, give or take the 2-significant-digit rounding
-    assert all(2.3 < b / a < 2.6 for a, b in itertools.pairwise(th.DEFAULT_BUCKETS))
-    assert all(float(f"{b:.2g}") == b for b in th.DEFAULT_BUCKETS)  # 2 significant digits: readable `le`
+    assert all(2.3 < b / a < 2.6 for a, b in itertools.pairwise(bounds))
+    assert all(float(f"{b:.2g}") == b for b in bounds)  # 2 significant digits: readable `le`
 
 
 def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:

@@ -49,9 +49,6 @@ def validate_buckets(bounds: Sequence[float]) -> tuple[float, ...]:
     return values
 
 
-# About 16 buckets from 100 µs to 60 s: 1e-4, 2.4e-4, 5.9e-4, ... 25, 60.
-DEFAULT_BUCKETS = log_buckets(1e-4, 60.0, 16)
-
 
 def validate_phase_name(name: str) -> str:
     if not isinstance(name, str) or not _PHASE_NAME.match(name):
@@ -72,6 +69,15 @@ def _int_env(env: Mapping[str, str], name: str, default: int, minimum: int) -> i
     return value
 
 
+def _bool_env(env: Mapping[str, str], name: str) -> bool:
+    raw = env[name].strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be one of 1, true, yes, on, 0, false, no, off; got {env[name]!r}")
+
+
 def _default_run() -> str:
     script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
     return script or "default"
@@ -90,10 +96,12 @@ class Config:
     push_interval: float = DEFAULT_PUSH_INTERVAL
     push_timeout: float = 2.0
     max_backoff: float = 60.0
-    buckets: tuple[float, ...] = DEFAULT_BUCKETS
+    buckets: tuple[float, ...] | None = None  # None: buckets that follow the run (training_hooks.timing)
+    phase_buckets: bool = False  # per-phase buckets; phases always have _sum and _count
     max_phases: int = DEFAULT_MAX_PHASES
     framework: str = "pytorch"
     sync: bool = False
+    handle_sigterm: bool = True  # push the final state on SIGTERM, then chain (training_hooks.signals)
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
@@ -115,7 +123,10 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a number > 0 seconds, got {value!r}")
-        object.__setattr__(self, "buckets", validate_buckets(self.buckets))
+        if self.buckets is not None:
+            object.__setattr__(self, "buckets", validate_buckets(self.buckets))
+        if not isinstance(self.phase_buckets, bool):
+            raise ValueError(f"phase_buckets must be True or False, got {self.phase_buckets!r}")
         if not isinstance(self.max_phases, int) or self.max_phases < 1:
             raise ValueError(f"max_phases must be an integer >= 1, got {self.max_phases!r}")
         if not self.framework or len(self.framework) > MAX_LABEL_LENGTH:
@@ -126,7 +137,8 @@ class Config:
         """Arguments win; None means "take it from the environment (or the default)".
 
         Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun), STEPSCOPE_PUSH_URL,
-        STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds).
+        STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds),
+        STEPSCOPE_PHASE_BUCKETS (1/true/yes/on or 0/false/no/off).
         """
         env = os.environ if env is None else env
         values = {k: v for k, v in given.items() if v is not None}
@@ -153,4 +165,6 @@ class Config:
                 values["buckets"] = tuple(float(part) for part in raw.split(","))
             except ValueError:
                 raise ValueError(f"STEPSCOPE_BUCKETS must be comma-separated seconds, got {raw!r}") from None
+        if "phase_buckets" not in values and env.get("STEPSCOPE_PHASE_BUCKETS", "").strip():
+            values["phase_buckets"] = _bool_env(env, "STEPSCOPE_PHASE_BUCKETS")
         return cls(**values)  # type: ignore[arg-type]

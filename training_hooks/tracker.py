@@ -21,6 +21,7 @@ from training_hooks.config import STATES, Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
 from training_hooks.pusher import Pusher, group_url
 from training_hooks.render import Snapshot, render
+from training_hooks.signals import FinalPushOnSigterm
 from training_hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
 
 log = logging.getLogger("training_hooks")
@@ -78,7 +79,7 @@ class Tracker:
         self._host: dict[str, Phase] = {}
         self._gpu: dict[str, Phase] = {}
         self._warned_limit = False
-        self._step_hist = Histogram(config.buckets)
+        self._step_hist = self._new_histogram(buckets=True)
         self._steps = 0
         self._samples = 0
         self._boundary = perf_counter_ns()
@@ -93,6 +94,9 @@ class Tracker:
             )
             self.pusher.start()
         atexit.register(self.close)
+        self._sigterm = FinalPushOnSigterm(self.close)
+        if config.handle_sigterm:
+            self._sigterm.install()
 
     # -- hot path ---------------------------------------------------------------------------------
 
@@ -105,9 +109,16 @@ class Tracker:
         return found if found is not None else self._new_phase(name, cuda)
 
     def step(self, samples: int = 0) -> None:
-        """Marks a step boundary: observes the whole step's wall time, counts the step and its samples."""
+        """Marks a step boundary: observes the whole step's wall time, counts the step and its samples.
+
+        The first step in state setup means the loop trains (state train); when it began is unknown
+        (setup time would be in it), so its time is not observed.
+        """
         now = perf_counter_ns()
-        self._step_hist.observe_ns(now - self._boundary)
+        if self._state == "setup":
+            self._state = "train"
+        else:
+            self._step_hist.observe_ns(now - self._boundary)
         self._boundary = now
         self._steps += 1
         self._samples += samples
@@ -165,7 +176,7 @@ class Tracker:
                                 self.config.max_phases, name)
                     self._warned_limit = True
                 return NULL_PHASE
-            hist = self._histograms[name] = Histogram(self.config.buckets)
+            hist = self._histograms[name] = self._new_histogram(buckets=self.config.phase_buckets)
             self._phase_order = (*self._phase_order, (name, hist))
         cuda_module = _cuda_module() if cuda else None
         phase: Phase
@@ -179,6 +190,14 @@ class Tracker:
             phase = CudaPhase(name, hist, self._cuda_timer)
         (self._gpu if cuda else self._host)[name] = phase
         return phase
+
+    def _new_histogram(self, buckets: bool) -> Histogram:
+        """Buckets that follow the run unless the user fixed them; without buckets, _sum and _count only."""
+        if not buckets:
+            return Histogram(())
+        if self.config.buckets is None:
+            return Histogram.following()
+        return Histogram(self.config.buckets)
 
     def snapshot(self) -> Snapshot:
         """A consistent-enough copy for rendering; safe to call from the pusher thread."""
@@ -202,11 +221,15 @@ class Tracker:
         return render(self.snapshot())
 
     def close(self) -> None:
-        """Resolves outstanding GPU timings, sets state idle and pushes one final time. Idempotent."""
+        """Resolves outstanding GPU timings, sets state idle and pushes one final time. Idempotent.
+
+        Runs at exit, and on SIGTERM before the signal goes on to its previous handler (`signals`).
+        """
         if self._closed or os.getpid() != self._pid:  # a forked data-loader worker owns nothing here
             return
         self._closed = True
         atexit.unregister(self.close)
+        self._sigterm.uninstall()
         if self._cuda_timer is not None:
             try:
                 self._cuda_timer.resolve(block=True)

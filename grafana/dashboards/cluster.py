@@ -19,7 +19,7 @@ from grafana.dashboards.panels import (
 UID = "stepscope-cluster"
 IDLE_GPU = (
     "(instance_gpu:stepscope_gpu_utilization:avg_ratio < 0.05)"
-    " unless on (instance, gpu) instance_gpu:stepscope_gpu_utilization_in_run:avg_ratio"
+    " unless on (instance, gpu) instance_gpu:stepscope_gpu_effective_utilization_in_run:avg_ratio"
 )
 UTILIZATION = thresholds((None, "red"), (0.5, "yellow"), (0.8, "green"))
 
@@ -71,8 +71,9 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "GPU utilization in runs",
-                "Average utilization of the GPUs that runs hold memory on, over the whole cluster.",
-                [Q("avg(instance_gpu:stepscope_gpu_utilization_in_run:avg_ratio)", "in runs")],
+                "Average effective utilization of the GPUs that runs hold memory on, over the whole cluster: "
+                "SM active where GPM reads it (Hopper and newer), NVML utilization elsewhere.",
+                [Q("avg(instance_gpu:stepscope_gpu_effective_utilization_in_run:avg_ratio)", "in runs")],
                 "percentunit",
                 steps=UTILIZATION,
             )
@@ -92,9 +93,15 @@ def build() -> dashboard.Dashboard:
         board.with_panel(
             heatmap_panel(
                 "GPU utilization, node x GPU",
-                "One row per GPU (node and index), colour = utilization (1m average): dark rows are idle or "
-                "starved GPUs, a single dark row in a busy run is a sick GPU or a straggler.",
-                [Q("instance_gpu:stepscope_gpu_utilization:avg_ratio", "{{instance}} GPU {{gpu}}")],
+                "One row per GPU (node and index), colour = effective utilization (1m average: SM active "
+                "where GPM reads it, NVML utilization elsewhere): dark rows are idle, starved or busy-but-idle "
+                "GPUs, a single dark row in a busy run is a sick GPU or a straggler.",
+                [
+                    Q(
+                        "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio",
+                        "{{instance}} GPU {{gpu}} ({{source}})",
+                    )
+                ],
                 "percentunit",
                 width=24,
                 height=10,
@@ -103,7 +110,8 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             table_panel(
                 "Idle GPUs",
-                "GPUs below 5% utilization with no run on them (empty when every GPU is in use).",
+                "GPUs below 5% NVML utilization (no kernel ran) with no run on them (empty when every GPU is "
+                "in use).",
                 [Q(IDLE_GPU, table=True)],
                 {"Value": ("utilization", "percentunit")},
                 width=12,
@@ -112,8 +120,8 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             bargauge_panel(
                 "GPU utilization per node",
-                "Average utilization of all GPUs of each node (1m).",
-                [Q("instance:stepscope_gpu_utilization:avg_ratio", "{{instance}}")],
+                "Average effective utilization of all GPUs of each node (1m).",
+                [Q("instance:stepscope_gpu_effective_utilization:avg_ratio", "{{instance}}")],
                 "percentunit",
                 steps=UTILIZATION,
             )
@@ -125,9 +133,9 @@ def build() -> dashboard.Dashboard:
         board.with_panel(
             timeseries_panel(
                 "GPU utilization in runs per node",
-                "Average utilization of the GPUs runs use, per node. Nodes of the same run should sit "
-                "together; one lower line is where the run loses time.",
-                [Q("instance:stepscope_gpu_utilization_in_run:avg_ratio", "{{instance}}")],
+                "Average effective utilization of the GPUs runs use, per node. Nodes of the same run should "
+                "sit together; one lower line is where the run loses time.",
+                [Q("instance:stepscope_gpu_effective_utilization_in_run:avg_ratio", "{{instance}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -171,14 +179,16 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             table_panel(
                 "Runs",
-                "Every run with its verdict, throughput, median step time, data-loading share, GPU "
-                "utilization of its GPUs and lowest straggler score (step time or local phases, whichever is lower).",
+                "Every run with its verdict, throughput, median step time, data-loading share, effective "
+                "utilization of its GPUs, ranks in state train and lowest straggler score (step time or local "
+                "phases, whichever is lower).",
                 [
                     Q("run:stepscope_bottleneck:verdict", table=True),
                     Q("run:stepscope_samples:rate1m", table=True),
                     Q("run:stepscope_step_seconds:p50_rate1m", table=True),
                     Q("run:stepscope_dataloader_share:ratio_rate1m", table=True),
-                    Q("run:stepscope_gpu_utilization:avg_ratio", table=True),
+                    Q("run:stepscope_gpu_effective_utilization:avg_ratio", table=True),
+                    Q("run:stepscope_training_ranks:count", table=True),
                     Q(
                         "min by (run) (\n"
                         '  label_replace(run_rank:stepscope_straggler_score:ratio, "score", "step", "", "")\n'
@@ -192,7 +202,8 @@ def build() -> dashboard.Dashboard:
                     "Value #C": ("p50 step", "s"),
                     "Value #D": ("data-loading share", "percentunit"),
                     "Value #E": ("GPU utilization", "percentunit"),
-                    "Value #F": ("lowest straggler score", "none"),
+                    "Value #F": ("ranks training", "none"),
+                    "Value #G": ("lowest straggler score", "none"),
                 },
                 hide=("Time", "__name__", "job", "Value #A"),
             )
@@ -200,11 +211,11 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             table_panel(
                 "Nodes",
-                "Every node with its CPU, memory and GPU utilization and GPU count.",
+                "Every node with its CPU, memory and effective GPU utilization and GPU count.",
                 [
                     Q("instance:stepscope_node_cpu_utilization:ratio", table=True),
                     Q("instance:stepscope_node_memory_utilization:ratio", table=True),
-                    Q("instance:stepscope_gpu_utilization:avg_ratio", table=True),
+                    Q("instance:stepscope_gpu_effective_utilization:avg_ratio", table=True),
                     Q("count by (instance) (stepscope_gpu_info)", table=True),
                 ],
                 {

@@ -180,6 +180,24 @@ def build() -> dashboard.Dashboard:
         )
         .with_panel(
             timeseries_panel(
+                "Effective GPU utilization",
+                "What the verdicts and alerts read (1m average): SM active where GPM reads it (Hopper and "
+                "newer), NVML utilization elsewhere; the legend says which. NVML utilization high while SM "
+                "active is low is a GPU that looks busy but does little: kernels too small to fill it, or a "
+                "launch-bound loop (StepscopeGpuBusyButIdle).",
+                [
+                    Q(
+                        f"instance_gpu:stepscope_gpu_effective_utilization:avg_ratio{{{GPUS}}}",
+                        "GPU {{gpu}} ({{source}})",
+                    )
+                ],
+                "percentunit",
+                limits=(0, 1),
+                threshold_line=thresholds((None, "red"), (0.8, "green")),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
                 "GPM: SM active, SM occupancy, tensor cores, DRAM",
                 "NVML GPU performance metrics (Hopper and newer; empty elsewhere): SM active = share of SMs "
                 "busy; occupancy = warps resident; tensor = tensor-core pipes busy (low with FP32: use "

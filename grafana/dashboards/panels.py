@@ -138,6 +138,15 @@ def value_text(mapping: dict[str, tuple[str, str]]) -> list[dm.ValueMapping]:
     ]
 
 
+def range_text(low: float, high: float, text: str, color: str) -> dm.ValueMapping:
+    """Values in [low, high] shown as `text` in `color`: a hint in place of a number."""
+    return dm.RangeMap(
+        options=dm.DashboardRangeMapOptions(
+            from_val=low, to=high, result=dm.ValueMappingResult(text=text, color=color, index=0)
+        )
+    )
+
+
 def timeseries_panel(
     title: str,
     description: str,
@@ -190,11 +199,14 @@ def stat_panel(
     *,
     steps: dashboard.ThresholdsConfig | None = None,
     show_name: bool = False,
+    mappings: list[dm.ValueMapping] | None = None,
     width: int = 4,
     height: int = 5,
 ) -> stat.Panel:
     panel = _panel(stat.Panel(), title, description, queries, unit, width, height)
     panel = panel.reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    if mappings:
+        panel = panel.mappings(mappings)
     if show_name:
         panel = panel.text_mode(common_models.BigValueTextMode.NAME).graph_mode(
             common_models.BigValueGraphMode.NONE

@@ -11,6 +11,7 @@ from grafana.dashboards.panels import (
     base_dashboard,
     heatmap_panel,
     query_variable,
+    range_text,
     row,
     stat_panel,
     state_timeline_panel,
@@ -70,9 +71,12 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "Bottleneck verdict",
                 "What limits the run now. data_bound: waiting for batches takes > 30% of step time. "
-                "gpu_bound: its GPUs are >= 80% busy (good: buy faster GPUs or optimise kernels). "
-                "host_bound: neither, the time goes to host work (Python, copies, communication, CPU-only "
-                "compute). idle: no step in the last minute.",
+                "gpu_bound: its GPUs' effective utilization (SM active on Hopper and newer, NVML utilization "
+                "elsewhere) is >= 80% (good: buy faster GPUs or optimise kernels). gpu_busy_idle: its GPUs run "
+                "kernels >= 80% of the time but their SMs are active < 50%: kernels too small or a "
+                "launch-bound loop (larger batch, CUDA graphs, torch.compile, fewer host syncs). host_bound: "
+                "none of these, the time goes to host work (Python, copies, communication, CPU-only compute). "
+                "idle: no step in the last minute, or no rank in state train.",
                 [Q(f"run:stepscope_bottleneck:verdict{{{RUN}}}", "{{verdict}}")],
                 "none",
                 show_name=True,
@@ -116,9 +120,15 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "GPU utilization (run's GPUs)",
-                "Average utilization of the GPUs the run's ranks hold memory on. Below 80% the GPUs wait for "
-                "the host or the data. Empty for CPU-only runs.",
-                [Q(f"run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}", "GPU")],
+                "Average utilization of the GPUs the run's ranks hold memory on. effective: SM active where "
+                "GPM reads it (Hopper and newer), NVML utilization elsewhere; below 80% the GPUs wait for "
+                "the host or the data, or do little. NVML: the share of time a kernel was resident, however "
+                "few SMs it used; high NVML with low effective is a GPU that looks busy but does little. "
+                "Empty for CPU-only runs.",
+                [
+                    Q(f"run:stepscope_gpu_effective_utilization:avg_ratio{{{RUN}}}", "effective"),
+                    Q(f"run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}", "NVML"),
+                ],
                 "percentunit",
                 steps=thresholds((None, "red"), (0.5, "yellow"), (0.8, "green")),
             )
@@ -185,11 +195,12 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             heatmap_panel(
                 "Step time distribution",
-                "Histogram of step times over the selected ranks, per minute: one band is steady, several "
-                "bands or a long tail mean periodic stalls.",
+                "Histogram of the run's step times over all its ranks, per minute: one band is steady, "
+                "several bands or a long tail mean periodic stalls. Buckets are fine (9% apart) where the "
+                "run's steps fall and coarse elsewhere; only bounds every rank exports are shown.",
                 [
                     Q(
-                        f"sum by (le) (rate(stepscope_step_seconds_bucket{{{RANKS}}}[1m]))",
+                        f"run_le:stepscope_step_seconds_bucket:rate1m{{{RUN}}}",
                         "{{le}}",
                         buckets=True,
                     )
@@ -275,17 +286,40 @@ def build() -> dashboard.Dashboard:
         board.with_panel(
             timeseries_panel(
                 "GPU utilization of the run's GPUs",
-                "Utilization (1m average) of every GPU the run's ranks hold memory on. Below 90% for 15 "
-                "minutes pages StepscopeGpuUnderutilized.",
+                "Every GPU the run's ranks hold memory on (1m average). Effective utilization (SM active "
+                "where GPM reads it, else NVML utilization, named in the legend) below 80% SM active or 90% "
+                "NVML for 15 minutes pages StepscopeGpuUnderutilized. The NVML line is the share of time a "
+                "kernel was resident: far above the effective line, the GPU looks busy but does little "
+                "(StepscopeGpuBusyButIdle: larger batch, CUDA graphs, torch.compile, fewer host syncs).",
                 [
                     Q(
+                        f"instance_gpu_run:stepscope_gpu_effective_utilization:avg_ratio{{{RUN}}}",
+                        "{{instance}} GPU {{gpu}} effective ({{source}})",
+                    ),
+                    Q(
                         f"instance_gpu_run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}",
-                        "{{instance}} GPU {{gpu}}",
-                    )
+                        "{{instance}} GPU {{gpu}} NVML",
+                    ),
                 ],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "red"), (0.9, "green")),
+                threshold_line=thresholds((None, "red"), (0.8, "green")),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Tensor cores (run's GPUs)",
+                "Hint: the least tensor-core activity among the run's GPUs (GPM, Hopper and newer; empty "
+                "elsewhere). Near 0 while training means matrix multiplications run in FP32 on the CUDA "
+                "cores: BF16/FP16 autocast (torch.autocast, Lightning precision=\"bf16-mixed\", transformers "
+                "bf16=True) or TF32 (torch.set_float32_matmul_precision(\"high\")) puts them on the tensor "
+                "cores. StepscopeTensorCoresIdle (info) fires after an hour of it.",
+                [Q(f"min(instance_gpu_run:stepscope_gpu_tensor_active:avg_ratio{{{RUN}}})", "tensor cores")],
+                "percentunit",
+                steps=thresholds((None, "orange"), (0.01, "green")),
+                mappings=[range_text(0, 0.01, "unused: FP32 matmuls? try BF16 or TF32", "orange")],
+                width=12,
+                height=8,
             )
         )
         .with_panel(

@@ -1,0 +1,185 @@
+"""Buckets that follow the run, per-phase buckets behind their switch, and the first step meaning train."""
+
+import itertools
+import random
+import subprocess
+from bisect import bisect_left
+
+import pytest
+
+import training_hooks as th
+from tests.support.processes import sample_values, samples
+from training_hooks.config import Config
+from training_hooks.timing import (
+    FINE_GRID,
+    MAX_EXPORTED,
+    MIN_NEW_STEPS,
+    SKELETON,
+    Histogram,
+    HistogramSnapshot,
+)
+
+
+def tracker(**kwargs) -> th.Tracker:
+    return th.init(run="unit", push_url="", handle_sigterm=False, **kwargs)
+
+
+def observe(hist: Histogram, seconds: list[float]) -> None:
+    for value in seconds:
+        hist.observe_ns(round(value * 1e9))
+
+
+def around(rng: random.Random, centre: float, n: int, jitter: float = 0.02) -> list[float]:
+    return [centre * (1 + jitter * rng.gauss(0, 1)) for _ in range(n)]
+
+
+def exact_cumulative(values: list[float], bound: float) -> int:
+    return sum(1 for v in values if round(v * 1e9) <= round(bound * 1e9))
+
+
+def fine_bounds(snap: HistogramSnapshot) -> set[float]:
+    return set(snap.bounds) - {FINE_GRID[i] for i in SKELETON}
+
+
+def test_fine_grid_is_2_to_the_eighth_apart_from_a_microsecond_to_two_minutes() -> None:
+    assert FINE_GRID[0] < 1e-6 and FINE_GRID[-1] > 120
+    ratios = [b / a for a, b in itertools.pairwise(FINE_GRID)]
+    assert all(1.089 < r < 1.092 for r in ratios)  # 2^(1/8) = 1.0905: p95 off by <= 8.6% in one bin
+    assert all(float(f"{b:.4g}") == b for b in FINE_GRID)  # readable `le`
+    assert [FINE_GRID[i] for i in SKELETON][:5] == [1.563e-05, 6.25e-05, 0.00025, 0.001, 0.004]
+    assert all(SKELETON[i + 1] - SKELETON[i] == 16 for i in range(len(SKELETON) - 1))  # every 2nd octave
+
+
+def test_a_new_histogram_exports_the_skeleton_and_the_first_steps_place_no_window() -> None:
+    hist = Histogram.following()
+    observe(hist, [30.0] * 3)  # compilation: the first snapshot with observations is the baseline
+    assert hist.snapshot().bounds == tuple(FINE_GRID[i] for i in SKELETON)
+    observe(hist, around(random.Random(1), 0.024, MIN_NEW_STEPS - 1))
+    assert not fine_bounds(hist.snapshot()), "a decision needs MIN_NEW_STEPS observations"
+
+
+def test_fine_windows_follow_the_steps_with_exact_cumulative_counts() -> None:
+    rng = random.Random(2)
+    hist = Histogram.following()
+    seen = [30.0] * 3
+    observe(hist, seen)
+    hist.snapshot()
+    for _ in range(5):
+        batch = around(rng, 0.024, 50)
+        observe(hist, batch)
+        seen += batch
+        snap = hist.snapshot()
+    fine = sorted(fine_bounds(snap))
+    assert fine, "no fine window around 24 ms"
+    assert fine[0] < 0.024 * 0.95 and fine[-1] > 0.024 * 1.05  # the steps sit inside fine coverage
+    assert all(b / a < 1.092 for a, b in itertools.pairwise(fine))  # one contiguous fine window
+    assert len(snap.bounds) <= 22
+    for bound, cumulative in zip(snap.bounds, snap.cumulative, strict=False):
+        assert cumulative == exact_cumulative(seen, bound), bound
+    assert snap.count == len(seen)
+
+
+def test_a_second_mode_far_above_the_median_gets_its_own_window() -> None:
+    """Gradient accumulation: 3 of 4 steps short, every 4th 2.5x longer; p95 sits in the long mode."""
+    rng = random.Random(3)
+    hist = Histogram.following()
+    observe(hist, [0.1])
+    hist.snapshot()
+    for _ in range(4):
+        observe(hist, [step * (2.5 if i % 4 == 3 else 1) for i, step in enumerate(around(rng, 0.1, 80))])
+        snap = hist.snapshot()
+    for mode in (0.1, 0.25):  # the fine bin holding each mode is a bucket of its own
+        below, above = FINE_GRID[bisect_left(FINE_GRID, mode) - 1], FINE_GRID[bisect_left(FINE_GRID, mode)]
+        assert {below, above} <= set(snap.bounds), mode
+    assert len(fine_bounds(snap) & {b for b in FINE_GRID if 0.15 < b < 0.2}) < 3  # not one wide window
+
+
+def test_bounds_are_never_removed_and_stop_growing_at_the_cap() -> None:
+    rng = random.Random(4)
+    hist = Histogram.following()
+    observe(hist, [0.01])
+    hist.snapshot()
+    exported: set[float] = set()
+    for centre in (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 0.002, 0.02):  # a run all over the place
+        observe(hist, around(rng, centre, 40))
+        snap = hist.snapshot()
+        assert exported <= set(snap.bounds), "a bound disappeared: its series would churn"
+        exported = set(snap.bounds)
+        assert len(snap.bounds) <= MAX_EXPORTED
+    assert len(exported) == MAX_EXPORTED
+
+
+def test_fixed_buckets_export_exactly_what_the_user_chose() -> None:
+    t = tracker(buckets=[0.01, 0.1, 1.0])
+    t.state("train")
+    t.step()
+    assert t.snapshot().step.bounds == (0.01, 0.1, 1.0)
+    t.close()
+
+
+@pytest.mark.parametrize(
+    ("phase_buckets", "env", "on"),
+    [(None, {}, False), (True, {}, True), (None, {"STEPSCOPE_PHASE_BUCKETS": "on"}, True),
+     (False, {"STEPSCOPE_PHASE_BUCKETS": "yes"}, False)],  # the argument wins
+)
+def test_phase_buckets_are_off_by_default_and_on_behind_the_switch(phase_buckets, env, on) -> None:
+    config = Config.resolve(env={"STEPSCOPE_RUN": "r", "STEPSCOPE_PUSH_URL": "", **env},
+                            phase_buckets=phase_buckets, handle_sigterm=False)
+    t = th.Tracker(config)
+    with t.phase("forward"):
+        pass
+    text = t.render()
+    les = {float(dict(labels)["le"]) for name, labels in samples(text)
+           if name == "stepscope_step_phase_seconds_bucket"}
+    skeleton = {FINE_GRID[i] for i in SKELETON}
+    assert les == (skeleton | {float("inf")} if on else {float("inf")})
+    assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward") == [1]
+    assert len(sample_values(text, "stepscope_step_phase_seconds_sum", phase="forward")) == 1
+    t.close()
+
+
+def test_promtool_accepts_a_body_with_windows_and_bucketless_phases() -> None:
+    t = tracker()
+    t.state("train")
+    with t.phase("forward"):
+        pass
+    observe(t._step_hist, around(random.Random(5), 0.05, 60))
+    t.render()
+    observe(t._step_hist, around(random.Random(6), 0.05, 60))
+    body = t.render()
+    assert fine_bounds(t.snapshot().step)
+    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    t.close()
+
+
+def test_first_step_outside_a_state_means_train_and_is_not_timed() -> None:
+    t = tracker()
+    assert t.current_state == "setup"
+    t.step(samples=4)
+    assert t.current_state == "train"
+    t.step(samples=4)
+    text = t.render()
+    assert sample_values(text, "stepscope_training_state", state="train") == [1]
+    assert sample_values(text, "stepscope_steps_total") == [2]
+    assert sample_values(text, "stepscope_samples_total") == [8]
+    assert sample_values(text, "stepscope_step_seconds_count") == [1]  # setup time is no step
+    t.close()
+
+
+@pytest.mark.parametrize("state", ["eval", "checkpoint", "idle"])
+def test_a_step_inside_another_state_keeps_that_state(state: str) -> None:
+    t = tracker()
+    with t.state(state):
+        t.step()
+        assert t.current_state == state
+    assert t.current_state == "setup"
+    t.close()
+
+
+def test_loader_enters_train_so_the_first_step_is_timed() -> None:
+    t = tracker()
+    for _ in t.loader([1, 2]):
+        t.step()
+    assert sample_values(t.render(), "stepscope_step_seconds_count") == [2]
+    t.close()

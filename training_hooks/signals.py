@@ -1,0 +1,68 @@
+"""A SIGTERM handler that pushes the final state, then lets the signal do what it did before.
+
+Kubernetes and `docker stop` end a training process with SIGTERM, and Python's default action kills
+it without running `atexit`: the rank would go on showing `state="train"` until the exporter's TTL.
+The handler runs a callback (the tracker's close: state idle, one final push) and then chains:
+
+- a previous Python handler is called with the same arguments (it decides what happens next);
+- with the default action before us, and our handler still the one installed (ours or another
+  tracker's), the default is restored and the signal raised again: the process dies of SIGTERM as
+  it would have without us;
+- when a handler installed after ours calls ours as part of its own chain (Lightning composes the
+  handlers it finds, and stops training at the end of the batch instead of dying), that handler
+  decides: ours pushes and returns.
+
+It is installed only from the main thread (Python delivers signals there; `signal.signal` refuses
+other threads) and never over SIG_IGN or a handler set outside Python, which cannot be chained.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+log = logging.getLogger("training_hooks")
+
+
+class FinalPushOnSigterm:
+    def __init__(self, on_term: Callable[[], None]) -> None:
+        self._on_term = on_term
+        self._handler = self._handle  # one bound method object, so `is` finds it installed
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
+
+    def install(self) -> bool:
+        """Installs the handler; False where it cannot chain (not the main thread, SIG_IGN, foreign)."""
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("stepscope: not the main thread; no SIGTERM handler, close() pushes the final state")
+            return False
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None or previous is signal.SIG_IGN:
+            return False
+        self._previous = previous
+        signal.signal(signal.SIGTERM, self._handler)
+        return True
+
+    def uninstall(self) -> None:
+        """Puts the previous handler back, if ours is still the installed one (else it stays chained)."""
+        if threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGTERM) is self._handler
+        ):
+            signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        installed = signal.getsignal(signum)  # before on_term, whose close() uninstalls us
+        on_top = isinstance(getattr(installed, "__self__", None), FinalPushOnSigterm)
+        try:
+            self._on_term()
+        except Exception as exc:  # the signal must go on whatever the final push did
+            log.warning("stepscope: final push on SIGTERM failed: %r", exc)
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+        elif on_top:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
