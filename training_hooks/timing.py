@@ -162,6 +162,8 @@ class Histogram:
             (*(cumulative[i] for i in exported), cumulative[-1]),
             self.sum_ns / 1e9,
         )
+
+
 class HostPhase:
     """`with phase:` times wall-clock with perf_counter_ns; reused for every step (no allocation per use).
 
