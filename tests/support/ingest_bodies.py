@@ -54,3 +54,34 @@ def full_body(steps: int = 4, pid: int | None = None, phases: Sequence[str] = ("
     return (phase_family(phases, steps) + step_family(steps)
             + counter("stepscope_steps_total", steps) + counter("stepscope_samples_total", 32 * steps)
             + info_family(pid) + state_family(state))
+
+
+STANDARD_PHASES = ("dataloader_next", "to_device", "forward", "backward", "optimizer_step", "train_batch",
+                   "step_lr_schedulers", "from_device", "reduce_metrics")
+
+
+def hooks_body(phases: Sequence[str] = STANDARD_PHASES, steps: int = 12_345, pid: int = 4242,
+               seed: int = 0) -> str:
+    """What training_hooks.render pushes for a rank that ran `steps` steps: the realistic body (9 phases:
+    ~14 KB), with log-normal phase times spread over the default buckets."""
+    import random
+
+    from training_hooks.config import DEFAULT_BUCKETS
+    from training_hooks.render import Snapshot, render
+    from training_hooks.timing import Histogram
+
+    rng = random.Random(seed)
+
+    def observed(median: float) -> Histogram:
+        hist = Histogram(DEFAULT_BUCKETS)
+        for _ in range(min(steps, 2000)):
+            hist.observe_ns(int(rng.lognormvariate(0, 0.6) * median * 1e9))
+        return hist
+
+    snap = Snapshot(
+        phases=[(phase, observed(0.002 * (i + 1)).snapshot()) for i, phase in enumerate(phases)],
+        step=observed(0.05).snapshot(), steps=steps, samples=32 * steps, state="train",
+        info={"local_rank": "0", "world_size": "8", "pid": str(pid), "framework": "torch",
+              "start_time": "1712345678.25"},
+    )
+    return render(snap)
