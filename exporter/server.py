@@ -276,20 +276,14 @@ class ExporterServer:
         self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-parse")
         self._warned_connections = False
         self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def serve(self) -> None:
-        """Runs the event loop in this thread until stop() or a SIGTERM/SIGINT."""
-        asyncio.run(self._serve(install_signals=threading.current_thread() is threading.main_thread()))
+        """Runs the event loop in the main thread until SIGTERM or SIGINT."""
+        asyncio.run(self._serve())
 
-    def stop(self) -> None:
-        """Asks a serving loop (in another thread) to shut down gracefully."""
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-
-    async def _serve(self, install_signals: bool) -> None:
+    async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
-        self._loop, self._stop = loop, asyncio.Event()
+        self._stop = asyncio.Event()
         logger = logging.getLogger(f"{__name__}.aiohttp")
         logger.addFilter(_QuietBadRequests())
         handlers = web.Server(self._dispatch)  # tracks connections for the cap and the graceful stop
@@ -313,9 +307,8 @@ class ExporterServer:
             ssl=self.tls.listening_context() if self.tls else None,
             ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_SECONDS if self.tls else None,
         )
-        if install_signals:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(signum, self._on_signal, signum)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
         try:
             await self._stop.wait()
         finally:

@@ -17,7 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from exporter.ingest.errors import Rejected
 from exporter.ingest.parser import PushLimits, parse_push
-from tests.support.ingest_bodies import full_body, hooks_body
+from tests.support.ingest_bodies import HOSTILE_SHAPES, full_body, hooks_body
 
 LIMITS = PushLimits(max_label_length=128, max_series=2000, max_phases=32)
 Samples = set[tuple[str, frozenset[tuple[str, str]], str]]
@@ -132,22 +132,6 @@ def test_mutated_bodies_are_refused_or_read_as_the_oracle_reads_them(name: str) 
     assert accepted > 0  # the mutations also produce bodies both parsers accept
 
 
-# Hostile shapes: the oracle takes seconds to minutes on some; the strict parser stays linear.
-HOSTILE = {
-    "comment line of blanks": lambda n: "#" + " " * n + "\n",
-    "blank lines": lambda n: "\n" * n,
-    "comment lines": lambda n: "# x\n" * (n // 4),
-    "escaped quotes in a label value": lambda n: ('# TYPE stepscope_training_state gauge\n'
-                                                  'stepscope_training_state{state="' + '\\"' * (n // 2) + '"} 1\n'),
-    "blanks inside braces": lambda n: ('# TYPE stepscope_steps_total counter\n'
-                                       "stepscope_steps_total{" + " " * n + "} 1\n"),
-    "long label name": lambda n: '# TYPE stepscope_steps_total counter\nstepscope_steps_total{' + "a" * n + '="1"} 1\n',
-    "long number": lambda n: "# TYPE stepscope_steps_total counter\nstepscope_steps_total " + "1" * n + "\n",
-    "many small samples": lambda n: "# TYPE stepscope_training_state gauge\n" + "".join(
-        f'stepscope_training_state{{state="s{i}"}} 0\n' for i in range(n // 40)),
-}
-
-
 def _cpu_seconds(body: bytes) -> float:
     """The least CPU time of three parses of the body, refused or not."""
     best = math.inf
@@ -159,10 +143,10 @@ def _cpu_seconds(body: bytes) -> float:
     return best
 
 
-@pytest.mark.parametrize("shape", list(HOSTILE))
+@pytest.mark.parametrize("shape", list(HOSTILE_SHAPES))
 def test_hostile_bodies_cost_linear_time(shape: str) -> None:
     """Four times the bytes cost about four times the CPU (quadratic would be sixteen): a ratio within
     one process, with room for a busy machine, not a time budget (benchmarks/bench_ingest.py has those)."""
-    small, large = (HOSTILE[shape](size).encode() for size in (256 * 1024, 1024 * 1024))
+    small, large = (HOSTILE_SHAPES[shape](size).encode() for size in (256 * 1024, 1024 * 1024))
     ratio = _cpu_seconds(large) / max(_cpu_seconds(small), 1e-4)
     assert ratio < 9, f"{shape}: 4x the bytes cost {ratio:.1f}x the CPU"

@@ -59,7 +59,7 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
              help="longest label value (and run name) accepted, in characters")
     add_flag(group, "--ingest-max-phases", default="32", type=positive_int,
              help="most distinct phase names per group")
-    add_flag(group, "--ingest-max-series", default="100000", type=positive_int,
+    add_flag(group, "--ingest-max-series", default="150000", type=positive_int,
              help="most series stored over all groups (429 above); bounds the exporter's memory")
     add_flag(group, "--ingest-max-bytes-in-flight", default="8388608", type=positive_int,
              help="most push-body bytes received at once, by Content-Length; a push beyond it gets 503 "

@@ -38,6 +38,13 @@ _PLAIN_VALUE_TEXT = re.compile(r'[^"\\]*')  # label value text up to the next qu
 # The common case in one match: name="value without escapes" then ',' or '}'. Each part is a single
 # character class ending at a character it excludes, so a match or a miss costs one pass.
 _PLAIN_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*)"([,}])')
+_PLAIN_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*)"')
+# A whole sample line of the common shape: name{a="x",b="y"} 12.5 (no escapes, no blanks in braces,
+# no timestamp). Deterministic: each repetition starts with a character the previous part excludes.
+_LABEL_PAIR_TEXT = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"'
+_COMMON_SAMPLE = re.compile(
+    rf'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_LABEL_PAIR_TEXT}(?:,{_LABEL_PAIR_TEXT})*)?)\}})? ([-+0-9.eE]+)'
+)
 _NUMBER_CHARS = "0123456789.eE+-"
 _SPECIAL_VALUES = {"+inf": math.inf, "inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 _ESCAPES = {"\\": "\\", "n": "\n", '"': '"'}
@@ -125,6 +132,14 @@ def _needs_type_line(name: str, spec: FamilySpec, got: str) -> Rejected:
     )
 
 
+def _label_too_long(name: str, value: str, limit: int) -> Rejected:
+    return Rejected(
+        400, "label_too_long",
+        f"value of label {name!r} has more than {limit} characters, the limit "
+        f"(--ingest-max-label-value-length): {clip(value)!r}",
+    )
+
+
 def _parse_number(token: str) -> float:
     if len(token) > _MAX_NUMBER_LENGTH:
         raise _Malformed(f"number {clip(token, 20)!r} is longer than {_MAX_NUMBER_LENGTH} characters")
@@ -157,6 +172,9 @@ class _FamilyBuilder:
         self, spec: FamilySpec, path_fragments: dict[str, str], le_cache: dict[str, tuple[float, str]]
     ) -> None:
         self.spec = spec
+        self.sample_names = frozenset(
+            [spec.name + suffix for suffix in _HISTOGRAM_SUFFIXES] if spec.type == "histogram" else [spec.name]
+        )
         self.series = 0  # exposed series so far, histogram buckets, _count and _sum included
         self._path = path_fragments  # label name -> 'name="escaped value"' for run and rank
         self._le_cache = le_cache
@@ -372,12 +390,30 @@ class _BodyParser:
     # --- samples ----------------------------------------------------------------------------------
 
     def _sample(self, text: str) -> None:
+        """A sample line: the common shape (plain label values, one blank, a number) in two C-level
+        matches; anything else, and every problem, through the general reader below."""
+        fast = _COMMON_SAMPLE.fullmatch(text)
+        builder = self._builder
+        if fast is None or builder is None or fast.group(1) not in builder.sample_names:
+            self._sample_in_general(text)
+            return
+        name, label_text, value_text = fast.groups()
+        labels = _PLAIN_LABEL_PAIR.findall(label_text) if label_text else []
+        try:
+            value = float(value_text)
+        except ValueError:
+            self._sample_in_general(text)  # refuses it with the general reader's message
+            return
+        self._samples_seen = True
+        self._record(builder, name, labels, value)
+
+    def _sample_in_general(self, text: str) -> None:
         match = _METRIC_NAME.match(text)
         if match is None:
             raise _Malformed("a sample line starts with a metric name")
         name = match.group()
         builder = self._builder
-        if builder is None or not self._belongs(name, builder.spec):
+        if builder is None or name not in builder.sample_names:
             if self._dropping and name == self._name:
                 self._samples_seen = True
                 self._split_sample(text, match.end())  # syntax only
@@ -386,8 +422,12 @@ class _BodyParser:
             self._split_sample(text, match.end())
             return
         self._samples_seen = True
-        spec = builder.spec
         labels, value = self._split_sample(text, match.end())
+        self._record(builder, name, labels, value)
+
+    def _record(self, builder: _FamilyBuilder, name: str, labels: list[tuple[str, str]], value: float) -> None:
+        """Checks one sample of the current family and adds it."""
+        spec = builder.spec
         key, values, le = self._check_labels(spec, name, labels)
         if spec.type != "histogram":
             self._check_value(spec, name, labels, value)
@@ -398,7 +438,7 @@ class _BodyParser:
                 f"the body holds more than {self._limits.max_series} series, the limit per group "
                 "(--ingest-max-series-per-group)",
             )
-        if spec.name == PHASE_FAMILY:
+        if spec.name == PHASE_FAMILY and key[0] not in self._phases:
             self._phases.add(key[0])
             if len(self._phases) > self._limits.max_phases:
                 shown = ", ".join(sorted(self._phases)[:8]) + ", ..."
@@ -407,11 +447,6 @@ class _BodyParser:
                     f"the body holds more than {self._limits.max_phases} distinct phases, the limit per group "
                     f"(--ingest-max-phases): {shown}",
                 )
-
-    def _belongs(self, name: str, spec: FamilySpec) -> bool:
-        if spec.type == "histogram":
-            return name.startswith(spec.name) and name[len(spec.name):] in _HISTOGRAM_SUFFIXES
-        return name == spec.name
 
     def _stray_sample(self, name: str) -> None:
         """A sample outside the family announced last: untyped to Prometheus."""
@@ -466,7 +501,7 @@ class _BodyParser:
             if plain is not None:
                 name, value, end = plain.groups()
                 if len(value) > limit:
-                    self._label_value(text, plain.start(2), name, limit)  # raises label_too_long
+                    raise _label_too_long(name, value, limit)
                 if name in seen:
                     raise _Malformed(f"label {name!r} appears twice")
                 seen.add(name)
@@ -512,11 +547,7 @@ class _BodyParser:
             parts.append(text[at:end])
             length += end - at
             if length > limit:
-                raise Rejected(
-                    400, "label_too_long",
-                    f"value of label {name!r} has more than {limit} characters, the limit "
-                    f"(--ingest-max-label-value-length): {clip(''.join(parts))!r}",
-                )
+                raise _label_too_long(name, "".join(parts), limit)
             if end >= len(text):
                 raise _Malformed(f"the value of label {clip(name, 40)!r} has no closing quote")
             if text[end] == '"':
@@ -535,7 +566,11 @@ class _BodyParser:
         bucket = spec.type == "histogram" and name.endswith("_bucket")
         values: dict[str, str] = {}
         le = None
+        limit = self._limits.max_label_length
+        path_labels = 0
         for label, value in labels:
+            if len(value) > limit:
+                raise _label_too_long(label, value, limit)
             if label in RESERVED_LABELS:
                 raise Rejected(
                     400, "bad_label",
@@ -543,6 +578,7 @@ class _BodyParser:
                     "Prometheus sets job and instance; run and rank come from the URL path)",
                 )
             if label in PATH_LABELS:
+                path_labels += 1
                 if value != self._path[label]:
                     raise Rejected(
                         400, "bad_label",
@@ -561,6 +597,8 @@ class _BodyParser:
                 raise Rejected(
                     400, "bad_label", f"{_show(name, labels)}: unexpected label {label!r} (allowed: {allowed})"
                 )
+        if len(values) + path_labels + (le is not None) != len(labels):
+            raise _Malformed("a label appears twice")
         if bucket and le is None:
             raise Rejected(400, "bad_label", f"{_show(name, labels)}: missing label 'le'")
         for label in spec.labels:

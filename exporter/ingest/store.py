@@ -47,7 +47,7 @@ class StoreLimits:
     max_series_per_group: int
     max_phases: int
     ttl_seconds: float
-    max_series: int = 100_000  # over all groups: what bounds the exporter's memory
+    max_series: int = 150_000  # over all groups: what bounds the exporter's memory
 
 
 class GroupStore:

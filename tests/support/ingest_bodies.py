@@ -1,7 +1,7 @@
 """Hand-written push bodies (text exposition 0.0.4) for the ingest tests, one knob per variation."""
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 def histogram(name: str, buckets: Sequence[tuple[str, float]], count: float, total: float,
@@ -85,3 +85,20 @@ def hooks_body(phases: Sequence[str] = STANDARD_PHASES, steps: int = 12_345, pid
               "start_time": "1712345678.25"},
     )
     return render(snap)
+
+
+# Bodies built to be expensive for a parser, by size in bytes: prometheus_client's parser takes seconds to
+# minutes on the first and the escaped quotes; a linear parser takes about the same time per byte on all.
+HOSTILE_SHAPES: Mapping[str, Callable[[int], str]] = {
+    "comment line of blanks": lambda n: "#" + " " * n + "x\n",
+    "blank lines": lambda n: "\n" * n,
+    "comment lines": lambda n: "# x\n" * (n // 4),
+    "escaped quotes in a label value": lambda n: ('# TYPE stepscope_training_state gauge\n'
+                                                  'stepscope_training_state{state="' + '\\"' * (n // 2) + '"} 1\n'),
+    "blanks inside braces": lambda n: ('# TYPE stepscope_steps_total counter\n'
+                                       "stepscope_steps_total{" + " " * n + "} 1\n"),
+    "long label name": lambda n: '# TYPE stepscope_steps_total counter\nstepscope_steps_total{' + "a" * n + '="1"} 1\n',
+    "long number": lambda n: "# TYPE stepscope_steps_total counter\nstepscope_steps_total " + "1" * n + "\n",
+    "many small samples": lambda n: "# TYPE stepscope_training_state gauge\n" + "".join(
+        f'stepscope_training_state{{state="s{i}"}} 0\n' for i in range(n // 40)),
+}
