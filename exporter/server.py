@@ -312,7 +312,8 @@ class ExporterServer:
         try:
             await self._stop.wait()
         finally:
-            server.close()  # no new connections; in-flight requests finish below
+            server.close()  # no new connections
+            handlers.pre_shutdown()  # idle keep-alive connections close now, busy ones after their response
             await handlers.shutdown(SHUTDOWN_TIMEOUT_SECONDS)
             self._parser.shutdown(wait=False, cancel_futures=True)
 

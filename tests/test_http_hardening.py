@@ -213,7 +213,8 @@ def test_non_http_bytes_are_answered_and_closed_at_once(exporter: Running, name:
 @pytest.mark.parametrize("method", ["TRACE", "OPTIONS", "PATCH", "PROPFIND", "CONNECT"])
 def test_other_methods_get_405_in_plain_text(exporter: Running, method: str) -> None:
     target = "127.0.0.1:1" if method == "CONNECT" else "/"
-    reply, _ = exchange(port_of(exporter), f"{method} {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), wait=3)
+    request = f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    reply, _ = exchange(port_of(exporter), request.encode(), wait=3)
     status, _, rest = reply.partition(b"\r\n")
     assert status in (b"HTTP/1.1 405 Method Not Allowed", b"HTTP/1.1 400 Bad Request"), reply
     assert b"Content-Type: text/plain; charset=utf-8" in rest
@@ -232,7 +233,7 @@ def test_patch_on_a_push_path_is_a_counted_405(exporter: Running) -> None:
 def test_a_raw_utf8_path_is_refused_and_an_encoded_one_read_as_utf8(exporter: Running) -> None:
     body = counter("stepscope_steps_total", 5).encode()
     for run in ("lr-ü-é", "lr-%C3%BC-%C3%A9"):
-        head = (f"PUT {GROUP.format(run=run, rank='0')} HTTP/1.1\r\nHost: x\r\n"
+        head = (f"PUT {GROUP.format(run=run, rank='0')} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         reply, _ = exchange(port_of(exporter), head + body, wait=3)
         # raw bytes outside ASCII are no valid request target (RFC 9112): a 400 in plain text, not a guess
@@ -284,7 +285,10 @@ def test_an_encrypted_tls_key_fails_with_one_line_and_never_prompts(tmp_path: Pa
                     output += os.read(controller, 4096)
                 except OSError:
                     break
-        assert process.poll() is not None, f"still running (waiting for a passphrase?): {output!r}"
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running (waiting for a passphrase?): {output!r}")
     finally:
         if process.poll() is None:
             process.kill()
