@@ -225,8 +225,8 @@ def bench_training_loop(
     plain_ms = statistics.median(wall["plain"])
     rows = [
         ["without hooks", f"{plain_ms:.3f}", f"{statistics.median(cpu['plain']):.3f}", "", ""],
-        ["with hooks (6 phases + step, pushing)", f"{statistics.median(wall['hooked']):.3f}",
-         f"{statistics.median(cpu['hooked']):.3f}", cell(wall), cell(cpu)],
+        [f"with hooks (6 phases + step, {'pushing' if url else 'not pushing'})",
+         f"{statistics.median(wall['hooked']):.3f}", f"{statistics.median(cpu['hooked']):.3f}", cell(wall), cell(cpu)],
         ["the hooks alone (empty phase bodies)", f"{alone / 1e3:.4f}", "",
          f"{alone / (plain_ms * 1e3) * 100:.3f} %", ""],
     ]

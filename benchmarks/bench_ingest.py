@@ -2,8 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_ingest.py [--rounds 60] [--skip-loop]   # ~10 min, 2 cores
 
-1. The parser alone, in this process: CPU per parse of the 9-phase body the hooks push (14 KB), and
-   of 1 MiB bodies of every hostile shape (tests/support/ingest_bodies.py).
+1. The parser alone, in this process: CPU per parse of the 9-phase body the hooks push (14 KB with
+   16 buckets per histogram; also with 40), and of 1 MiB bodies of every hostile shape
+   (tests/support/ingest_bodies.py).
 2. For 8, 64, 256 and 512 stored groups (9-phase bodies from training_hooks.render, added to a fresh
    exporter and a fresh Pushgateway alike), interleaved round by round:
    - push: server CPU per PUT re-pushing an existing group with new counts (200 per target, alternating);
@@ -15,7 +16,8 @@
      scrape) is scraped in the same rounds as the reference. Cold CPU = CPU of (push + scrape)
      minus CPU of the same push alone, both measured in the same rounds.
 3. The hooks' pusher: benchmarks/bench_hooks.py's CPU training loop (~5 ms steps, 6 phases) with and
-   without hooks, pushing every 1 s to a stepscope exporter on this machine.
+   without hooks, pushing every 1 s to a stepscope exporter on this machine; then the same with the
+   hooks not pushing, which shows what the pushes add beyond the machine's noise.
 Server CPU is the target process's user+system time (clock ticks, summed over many requests).
 Writes benchmarks/results/ingest.md.
 """
@@ -70,7 +72,7 @@ def rss_of(pid: int) -> int:
 
 # -- 1. the parser alone --------------------------------------------------------------------------
 
-def bench_parser(body: bytes) -> str:
+def bench_parser(body: bytes, wide_body: bytes) -> str:
     def cpu_ms(data: bytes, repeats: int) -> float:
         best = []
         for _ in range(5):
@@ -81,7 +83,8 @@ def bench_parser(body: bytes) -> str:
             best.append((time.process_time() - started) / repeats * 1e3)
         return statistics.median(best)
 
-    rows = [[f"9-phase hooks body ({len(body) / 1000:.1f} KB)", f"{cpu_ms(body, 200):.3f}", ""]]
+    rows = [[f"9-phase hooks body, 16 buckets ({len(body) / 1000:.1f} KB)", f"{cpu_ms(body, 200):.3f}", ""],
+            [f"9-phase hooks body, 40 buckets ({len(wide_body) / 1000:.1f} KB)", f"{cpu_ms(wide_body, 100):.3f}", ""]]
     for shape, make in HOSTILE_SHAPES.items():
         hostile = make(1024 * 1024).encode()
         try:
@@ -277,8 +280,16 @@ def bench_pusher(pairs: int) -> str:
     from benchmarks.bench_hooks import bench_training_loop
 
     torch.set_num_threads(1)  # as bench_hooks.py: one training thread, so the other core serves the exporter
-    return bench_training_loop(pairs=pairs, target=stepscope_exporter,
-                               target_name="a stepscope exporter on this machine")
+    pushing = bench_training_loop(pairs=pairs, target=stepscope_exporter,
+                                  target_name="a stepscope exporter on this machine")
+    silent = bench_training_loop(pairs=pairs, target=no_push_target, target_name="nowhere")
+    return (f"Pushing to the exporter:\n\n{pushing}\n\nThe same hooks not pushing at all (the machine's noise "
+            f"floor for the comparison above):\n\n{silent}")
+
+
+@contextmanager
+def no_push_target() -> Iterator[str]:
+    yield ""
 
 
 def main() -> int:
@@ -288,14 +299,14 @@ def main() -> int:
     args = parser.parse_args()
     started = time.monotonic()
     body = hooks_body().encode()
-    sections = ["## The parser alone (in process)\n\n" + bench_parser(body)]
+    sections = ["## The parser alone (in process)\n\n" + bench_parser(body, hooks_body(buckets=40).encode())]
     with tempfile.TemporaryDirectory() as tmp:
         pushes, scrapes = bench_groups(args.rounds, Path(tmp))
     sections.append("## Push CPU and memory per stored group\n\n" + pushes)
     sections.append("## Scrapes (gzip, keep-alive)\n\n" + scrapes)
     if not args.skip_loop:
         sections.append("## The hooks' pusher: CPU training loop, hooks vs none, pushing every 1 s\n\n"
-                        + bench_pusher(pairs=60))
+                        + bench_pusher(pairs=100))
     load = os.getloadavg()[0]
     report = (f"# Ingest benchmark\n\nPython {platform.python_version()}, {psutil.cpu_count()} CPUs, load average "
               f"{load:.1f} at the end; total {time.monotonic() - started:.0f} s; {args.rounds} rounds at 64 groups. "

@@ -150,3 +150,22 @@ def test_hostile_bodies_cost_linear_time(shape: str) -> None:
     small, large = (HOSTILE_SHAPES[shape](size).encode() for size in (256 * 1024, 1024 * 1024))
     ratio = _cpu_seconds(large) / max(_cpu_seconds(small), 1e-4)
     assert ratio < 9, f"{shape}: 4x the bytes cost {ratio:.1f}x the CPU"
+
+
+@pytest.mark.parametrize(("line", "reason", "text"), [
+    ('stepscope_step_phase_seconds_bucket{phase="f",le="0.1"} -1', "bad_value", "counts must be finite and >= 0"),
+    ('stepscope_step_phase_seconds_bucket{phase="f",le="0.01"} 1', "malformed", "NaN or duplicate le"),
+    ('stepscope_step_phase_seconds_bucket{phase="f",le="' + "9" * 200 + '"} 1', "label_too_long", "'le'"),
+    ('stepscope_step_phase_seconds_bucket{le="x",phase="f"} 1', "malformed", "le is not a number"),
+])
+def test_later_buckets_of_a_series_are_checked_like_the_first(line: str, reason: str, text: str) -> None:
+    """The second and later buckets of a series skip re-checking the labels they share with the first:
+    what differs (le, the count) is still checked."""
+    body = ("# TYPE stepscope_step_phase_seconds histogram\n"
+            'stepscope_step_phase_seconds_bucket{phase="f",le="0.01"} 1\n' + line + "\n"
+            'stepscope_step_phase_seconds_bucket{phase="f",le="+Inf"} 2\n'
+            'stepscope_step_phase_seconds_count{phase="f"} 2\nstepscope_step_phase_seconds_sum{phase="f"} 0.1\n')
+    with pytest.raises(Rejected) as info:
+        parse_push(body.encode(), "r", "0", LIMITS)
+    assert info.value.reason == reason
+    assert text in info.value.message

@@ -85,6 +85,8 @@ def parse_push(body: bytes, run: str, rank: str, limits: PushLimits) -> dict[str
         raise Rejected(400, "malformed", f"body is not UTF-8 text: {exc}") from None
     parser = _BodyParser(run, rank, limits)
     for number, line in enumerate(text.split("\n"), start=1):
+        if not line:
+            continue
         try:
             parser.feed(line)
         except _Malformed as exc:
@@ -140,6 +142,17 @@ def _label_too_long(name: str, value: str, limit: int) -> Rejected:
     )
 
 
+def _split_le(label_text: str) -> tuple[str, str] | None:
+    """(the other labels' text, le) of a bucket's plain label text with le first or last, else None."""
+    if label_text.startswith('le="'):
+        end = label_text.find('"', 4)
+        return label_text[end + 2:], label_text[4:end]
+    at = label_text.rfind(',le="')
+    if at < 0 or '"' in label_text[at + 5:-1]:
+        return None
+    return label_text[:at], label_text[at + 5:-1]
+
+
 def _parse_number(token: str) -> float:
     if len(token) > _MAX_NUMBER_LENGTH:
         raise _Malformed(f"number {clip(token, 20)!r} is longer than {_MAX_NUMBER_LENGTH} characters")
@@ -176,6 +189,8 @@ class _FamilyBuilder:
             [spec.name + suffix for suffix in _HISTOGRAM_SUFFIXES] if spec.type == "histogram" else [spec.name]
         )
         self.series = 0  # exposed series so far, histogram buckets, _count and _sum included
+        self.bucket_name = spec.name + "_bucket" if spec.type == "histogram" else ""
+        self.series_by_text: dict[str, _Histogram] = {}  # label text without le -> its checked series
         self._path = path_fragments  # label name -> 'name="escaped value"' for run and rank
         self._le_cache = le_cache
         self._lines: list[str] = []
@@ -201,6 +216,21 @@ class _FamilyBuilder:
             self.series += hist.add_bucket(self._bound(le, name, labels), value, name, labels)
         else:
             hist.add_total(suffix, value, name, labels)
+
+    def remember(self, text_without_le: str, key: SeriesKey) -> None:
+        """Notes that buckets with these other labels belong to the series `key`, whose labels are checked."""
+        hist = self._seen.get(key)
+        if hist is not None:
+            self.series_by_text[text_without_le] = hist
+
+    def add_known_bucket(self, hist: "_Histogram", le: str, value: float) -> bool:
+        """Adds a bucket of a series read before, when nothing about it needs a refusal; else False."""
+        bound = self._le_cache.get(le)
+        if bound is None or bound[0] in hist.buckets or not (math.isfinite(value) and value >= 0):
+            return False
+        hist.buckets[bound[0]] = (bound[1], value)
+        self.series += 1
+        return True
 
     def finish(self) -> ParsedFamily:
         lines = self._lines
@@ -398,14 +428,24 @@ class _BodyParser:
             self._sample_in_general(text)
             return
         name, label_text, value_text = fast.groups()
-        labels = _PLAIN_LABEL_PAIR.findall(label_text) if label_text else []
         try:
             value = float(value_text)
         except ValueError:
             self._sample_in_general(text)  # refuses it with the general reader's message
             return
+        split = _split_le(label_text) if name == builder.bucket_name and label_text else None
+        if split is not None:
+            hist = builder.series_by_text.get(split[0])
+            if hist is not None and len(split[1]) <= self._limits.max_label_length and builder.add_known_bucket(
+                hist, split[1], value
+            ):
+                self._check_series_limit(builder)
+                return
+        labels = _PLAIN_LABEL_PAIR.findall(label_text) if label_text else []
         self._samples_seen = True
-        self._record(builder, name, labels, value)
+        key = self._record(builder, name, labels, value)
+        if split is not None:
+            builder.remember(split[0], key)
 
     def _sample_in_general(self, text: str) -> None:
         match = _METRIC_NAME.match(text)
@@ -425,19 +465,16 @@ class _BodyParser:
         labels, value = self._split_sample(text, match.end())
         self._record(builder, name, labels, value)
 
-    def _record(self, builder: _FamilyBuilder, name: str, labels: list[tuple[str, str]], value: float) -> None:
-        """Checks one sample of the current family and adds it."""
+    def _record(
+        self, builder: _FamilyBuilder, name: str, labels: list[tuple[str, str]], value: float
+    ) -> SeriesKey:
+        """Checks one sample of the current family and adds it; returns its series key."""
         spec = builder.spec
         key, values, le = self._check_labels(spec, name, labels)
         if spec.type != "histogram":
             self._check_value(spec, name, labels, value)
         builder.add(name, key, values, value, labels, le)
-        if self._series + builder.series > self._limits.max_series:
-            raise Rejected(
-                400, "too_many_series",
-                f"the body holds more than {self._limits.max_series} series, the limit per group "
-                "(--ingest-max-series-per-group)",
-            )
+        self._check_series_limit(builder)
         if spec.name == PHASE_FAMILY and key[0] not in self._phases:
             self._phases.add(key[0])
             if len(self._phases) > self._limits.max_phases:
@@ -447,6 +484,15 @@ class _BodyParser:
                     f"the body holds more than {self._limits.max_phases} distinct phases, the limit per group "
                     f"(--ingest-max-phases): {shown}",
                 )
+        return key
+
+    def _check_series_limit(self, builder: _FamilyBuilder) -> None:
+        if self._series + builder.series > self._limits.max_series:
+            raise Rejected(
+                400, "too_many_series",
+                f"the body holds more than {self._limits.max_series} series, the limit per group "
+                "(--ingest-max-series-per-group)",
+            )
 
     def _stray_sample(self, name: str) -> None:
         """A sample outside the family announced last: untyped to Prometheus."""

@@ -61,19 +61,20 @@ STANDARD_PHASES = ("dataloader_next", "to_device", "forward", "backward", "optim
 
 
 def hooks_body(phases: Sequence[str] = STANDARD_PHASES, steps: int = 12_345, pid: int = 4242,
-               seed: int = 0) -> str:
-    """What training_hooks.render pushes for a rank that ran `steps` steps: the realistic body (9 phases:
-    ~14 KB), with log-normal phase times spread over the default buckets."""
+               seed: int = 0, buckets: int = 16) -> str:
+    """What training_hooks.render pushes for a rank that ran `steps` steps: the realistic body (9 phases,
+    16 log-spaced buckets from 100 µs to 60 s: ~14 KB), with log-normal phase times over the buckets."""
     import random
 
-    from training_hooks.config import DEFAULT_BUCKETS
+    from training_hooks.config import log_buckets
     from training_hooks.render import Snapshot, render
     from training_hooks.timing import Histogram
 
     rng = random.Random(seed)
+    bounds = log_buckets(1e-4, 60.0, buckets)
 
     def observed(median: float) -> Histogram:
-        hist = Histogram(DEFAULT_BUCKETS)
+        hist = Histogram(bounds)
         for _ in range(min(steps, 2000)):
             hist.observe_ns(int(rng.lognormvariate(0, 0.6) * median * 1e9))
         return hist
