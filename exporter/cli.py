@@ -2,9 +2,7 @@
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from exporter import __version__, ingest
@@ -17,11 +15,12 @@ from exporter.flags import (
     fail,
     listen_address,
     positive_float,
+    positive_int,
     readable_file,
 )
 from exporter.gpu_processes import GpuProcessTable
 from exporter.scheduler import Scheduler
-from exporter.server import BasicAuth, ExporterServer, TlsContextSource
+from exporter.server import BasicAuth, ExporterServer, TlsContextSource, WebLimits
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
@@ -62,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="require HTTP basic auth with this user on /metrics (health probes stay open)")
     add_flag(web, "--basic-auth-password-file", default=None, type=readable_file,
              help="file holding the basic auth password (trailing newline ignored)")
+    add_flag(web, "--web-max-connections", default="512", type=positive_int,
+             help="most client connections open at once; more get 503 and are closed")
 
     collection = parser.add_argument_group("collection")
     add_flag(collection, "--collectors", default=",".join(COLLECTOR_NAMES), type=collector_list,
@@ -134,28 +135,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     collectors = _build_collectors(args, push_api)
     scheduler = Scheduler(collectors, args.collect_interval, store)
     host, port = args.listen_address
+    limits = WebLimits(max_connections=args.web_max_connections,
+                       max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
     try:
         server = ExporterServer(
-            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth
+            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth, limits=limits
         )
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
 
-    def shutdown(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
     scheduler.start()
     push_api.start()
     scheme = "https" if tls else "http"
     log.info("stepscope-exporter %s serving %s://%s:%d/metrics (collectors: %s)",
              __version__, scheme, host, server.server_address[1], ", ".join(args.collectors) or "none")
     try:
-        server.serve_forever()
+        server.serve()  # until SIGTERM or SIGINT; in-flight responses finish first
     finally:
-        server.server_close()
         push_api.stop()
         scheduler.stop()
     return 0

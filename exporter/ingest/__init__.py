@@ -20,10 +20,12 @@ listening on all interfaces does not let the network inject or delete series.
 
 Refusals answer a one-line text naming the limit or the offending item and count in
 stepscope_exporter_ingest_rejected_total{reason}: 401 unauthorized, 403 forbidden, 404/400
-bad_path, 405 bad_method, 411 length_required (chunked body), 413 body_too_large, 415
-unsupported_media_type (protobuf or compressed body), 429 too_many_groups, and 400 for malformed,
+bad_path, 405 bad_method, 408/400 incomplete_body (a body that stalls past its deadline or ends
+before its Content-Length), 411 length_required (chunked body), 413 body_too_large, 415
+unsupported_media_type (protobuf or compressed body), 429 too_many_groups and too_many_series (the
+total over all groups), 503 server_busy (too many body bytes in flight), and 400 for malformed,
 unknown_family, wrong_type, bad_label, label_too_long, bad_value, non_cumulative_buckets,
-too_many_phases, too_many_series. A refused push changes nothing stored.
+too_many_phases, too_many_series (per group). A refused push changes nothing stored.
 """
 
 import argparse
@@ -32,6 +34,7 @@ from exporter.exposition import ExpositionStore
 from exporter.flags import add_flag, cidr_list, fail, positive_float, positive_int, readable_file
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.api import PushApi
+from exporter.ingest.parser import PushLimits
 from exporter.ingest.store import GroupStore, StoreLimits
 
 __all__ = ["PushApi", "add_flags", "build"]
@@ -56,6 +59,11 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
              help="longest label value (and run name) accepted, in characters")
     add_flag(group, "--ingest-max-phases", default="32", type=positive_int,
              help="most distinct phase names per group")
+    add_flag(group, "--ingest-max-series", default="150000", type=positive_int,
+             help="most series stored over all groups (429 above); bounds the exporter's memory")
+    add_flag(group, "--ingest-max-bytes-in-flight", default="8388608", type=positive_int,
+             help="most push-body bytes received at once, by Content-Length; a push beyond it gets 503 "
+                  "before its body is read, so pushes never crowd out scrapes")
 
 
 def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
@@ -74,8 +82,14 @@ def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
         max_series_per_group=args.ingest_max_series_per_group,
         max_phases=args.ingest_max_phases,
         ttl_seconds=args.ingest_ttl,
+        max_series=args.ingest_max_series,
+    )
+    push_limits = PushLimits(
+        max_label_length=args.ingest_max_label_value_length,
+        max_series=args.ingest_max_series_per_group,
+        max_phases=args.ingest_max_phases,
     )
     return PushApi(
         store, GroupStore(limits), AccessPolicy(token, tuple(args.ingest_allow)),
-        max_body_bytes=args.ingest_max_body_bytes, max_label_length=args.ingest_max_label_value_length,
+        max_body_bytes=args.ingest_max_body_bytes, limits=push_limits,
     )
