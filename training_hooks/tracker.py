@@ -73,8 +73,10 @@ class Tracker:
         self.config = config
         self._pid = os.getpid()
         self._histograms: dict[str, Histogram] = {}
-        # Copy-on-write tuple: the pusher iterates it while the training thread may add a phase.
-        self._phase_order: tuple[tuple[str, Histogram], ...] = ()
+        # Copy-on-write tuple of (name, timing, histogram): the pusher iterates it while the training
+        # thread may add a phase. timing says what the histogram holds: host, cuda_event or cuda_sync.
+        self._phase_order: tuple[tuple[str, str, Histogram], ...] = ()
+        self._timing: dict[str, str] = {}
         self._host: dict[str, Phase] = {}
         self._gpu: dict[str, Phase] = {}
         self._warned_limit = False
@@ -107,12 +109,13 @@ class Tracker:
     def step(self, samples: int = 0) -> None:
         """Marks a step boundary: observes the whole step's wall time, counts the step and its samples."""
         now = perf_counter_ns()
-        self._step_hist.observe_ns(now - self._boundary)
+        duration = now - self._boundary
+        self._step_hist.observe_ns(duration)
         self._boundary = now
         self._steps += 1
         self._samples += samples
-        if self._cuda_timer is not None and self._cuda_timer.pending:
-            self._cuda_timer.resolve()
+        if self._cuda_timer is not None:  # resolves finished GPU timings, decides if the next step is timed
+            self._cuda_timer.step_done(duration)
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -155,19 +158,18 @@ class Tracker:
     def steps(self) -> int:
         return self._steps
 
+    @property
+    def gpu_sample_every(self) -> int | None:
+        """k: CUDA events time about one step in k (chosen from measured costs); None without them."""
+        return self._cuda_timer.sample_every if self._cuda_timer is not None else None
+
     def _new_phase(self, name: str, cuda: bool) -> Phase:
         validate_phase_name(name)
-        hist = self._histograms.get(name)
-        if hist is None:
-            if len(self._histograms) >= self.config.max_phases:
-                if not self._warned_limit:
-                    log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
-                                self.config.max_phases, name)
-                    self._warned_limit = True
-                return NULL_PHASE
-            hist = self._histograms[name] = Histogram(self.config.buckets)
-            self._phase_order = (*self._phase_order, (name, hist))
         cuda_module = _cuda_module() if cuda else None
+        timing = "host" if cuda_module is None else "cuda_sync" if self.config.sync else "cuda_event"
+        hist = self._histogram(name, timing)
+        if hist is None:
+            return NULL_PHASE
         phase: Phase
         if cuda_module is None:
             phase = self._host.get(name) or HostPhase(name, hist)
@@ -180,6 +182,25 @@ class Tracker:
         (self._gpu if cuda else self._host)[name] = phase
         return phase
 
+    def _histogram(self, name: str, timing: str) -> Histogram | None:
+        """The phase's histogram, made on first use; None over the phase limit (warned once)."""
+        hist = self._histograms.get(name)
+        if hist is not None:
+            if self._timing[name] != timing:
+                log.warning("stepscope: phase %r is timed as %s and as %s; its histogram (labelled %s) mixes "
+                            "both", name, self._timing[name], timing, self._timing[name])
+            return hist
+        if len(self._histograms) >= self.config.max_phases:
+            if not self._warned_limit:
+                log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
+                            self.config.max_phases, name)
+                self._warned_limit = True
+            return None
+        hist = self._histograms[name] = Histogram(self.config.buckets)
+        self._timing[name] = timing
+        self._phase_order = (*self._phase_order, (name, timing, hist))
+        return hist
+
     def snapshot(self) -> Snapshot:
         """A consistent-enough copy for rendering; safe to call from the pusher thread."""
         cfg = self.config
@@ -190,7 +211,7 @@ class Tracker:
         if start_time is not None:
             info["start_time"] = start_time
         return Snapshot(
-            phases=[(name, hist.snapshot()) for name, hist in self._phase_order],
+            phases=[(name, timing, hist.snapshot()) for name, timing, hist in self._phase_order],
             step=self._step_hist.snapshot(),
             steps=self._steps,
             samples=self._samples,

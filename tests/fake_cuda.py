@@ -1,0 +1,185 @@
+"""A stand-in for the part of `torch.cuda` the training hooks call: a simulated GPU with per-call costs.
+
+Host cost per call, measured on an H100 80GB HBM3 with torch 2.11 + CUDA 13 (issue 9), in µs:
+`Event.record()` 9.2 when it looks the current stream up itself, of which `current_stream()` is 4.1
+(so 5.1 given a stream), `query()` 0.3, `elapsed_time()` 1.1, a new `Event` 0.8. Not measured there,
+so assumed: the raw stream lookup (`torch._C._cuda_getCurrentRawStream` + `_cuda_getDevice`, two C
+calls returning ints) 0.3, `synchronize()` 5 plus the wait.
+
+    cuda = FakeCuda(spend=True)    # costs are busy waits on the calling thread: real CPU (benchmarks)
+    cuda = FakeCuda(spend=False)   # costs advance a virtual host clock, `cuda.clock()` (tests)
+
+The GPU: `launch(seconds)` queues that much GPU work on the current stream; it starts when the
+stream's earlier work ends, or now if the stream is idle. An event recorded on a stream completes
+when the work queued before it is done; `elapsed_time` is the GPU time between two events, in ms.
+`calls` counts every API call by name, so tests can check what the hot path asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from time import perf_counter_ns
+
+COSTS_US = {
+    "Event.record": 5.1,
+    "current_stream": 4.1,
+    "Event.query": 0.3,
+    "Event.elapsed_time": 1.1,
+    "Event": 0.8,
+    "_cuda_getDevice": 0.15,  # assumed (see the module docstring)
+    "_cuda_getCurrentRawStream": 0.15,  # assumed
+    "synchronize": 5.0,  # assumed, before the wait
+    "Event.synchronize": 5.0,  # assumed, before the wait
+}
+
+
+class _StreamState:
+    """One CUDA stream of the simulated GPU: when its queued work ends, in host nanoseconds."""
+
+    def __init__(self, stream_id: int) -> None:
+        self.stream_id = stream_id
+        self.busy_until_ns = 0
+
+
+class FakeStream:
+    """What `current_stream()` returns: a new wrapper per call, equal when the stream is the same."""
+
+    def __init__(self, state: _StreamState) -> None:
+        self.state = state
+        self.cuda_stream = state.stream_id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.state is self.state
+
+    def __hash__(self) -> int:
+        return self.state.stream_id
+
+
+class FakeEvent:
+    """torch.cuda.Event's timing subset; `done_ns` is when the GPU reaches it (None until recorded)."""
+
+    def __init__(self, cuda: FakeCuda, enable_timing: bool = False) -> None:
+        if not enable_timing:
+            raise ValueError("the hooks must ask for timing events")
+        cuda.spend("Event")
+        self._cuda = cuda
+        self.done_ns: int | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        cuda = self._cuda
+        if stream is None:
+            stream = cuda.current_stream()
+        cuda.spend("Event.record")
+        self.done_ns = max(stream.state.busy_until_ns, cuda.clock())
+
+    def query(self) -> bool:
+        self._cuda.spend("Event.query")
+        if self.done_ns is None:
+            return True  # torch: an event never recorded has nothing to wait for
+        return self.done_ns <= self._cuda.clock()
+
+    def synchronize(self) -> None:
+        self._cuda.spend("Event.synchronize")
+        if self.done_ns is not None:
+            self._cuda.wait_until(self.done_ns)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        self._cuda.spend("Event.elapsed_time")
+        if self.done_ns is None or end.done_ns is None or end.done_ns > self._cuda.clock():
+            raise RuntimeError("elapsed_time needs two completed events (torch raises too)")
+        return (end.done_ns - self.done_ns) / 1e6
+
+
+class FakeCuda:
+    """The `torch.cuda` subset: Event, current_stream, stream, Stream, synchronize, is_available."""
+
+    def __init__(self, spend: bool = False, costs_us: dict[str, float] | None = None,
+                 raw_stream_lookup: bool = True) -> None:
+        self.spending = spend
+        self.costs_ns = {name: round(us * 1000) for name, us in {**COSTS_US, **(costs_us or {})}.items()}
+        self.calls: Counter[str] = Counter()
+        self._virtual_ns = 0
+        self._ids = itertools.count(1)
+        self._current = self._default = _StreamState(next(self._ids))
+        self._streams = [self._default]
+        if not raw_stream_lookup:  # an older torch: the hooks must fall back to current_stream()
+            self._cuda_getDevice = None  # type: ignore[method-assign]
+            self._cuda_getCurrentRawStream = None  # type: ignore[method-assign]
+
+    # -- clocks -------------------------------------------------------------------------------------
+
+    def clock(self) -> int:
+        """Host time in ns: real (perf_counter_ns) when spending, virtual otherwise."""
+        return perf_counter_ns() if self.spending else self._virtual_ns
+
+    def advance(self, seconds: float) -> None:
+        """Host time passes (virtual clock), or is spent (busy wait), like host work in a step."""
+        self._pass(round(seconds * 1e9))
+
+    def spend(self, what: str) -> None:
+        self.calls[what] += 1
+        self._pass(self.costs_ns.get(what, 0))
+
+    def wait_until(self, when_ns: int) -> None:
+        self._pass(when_ns - self.clock())
+
+    def _pass(self, ns: int) -> None:
+        if ns <= 0:
+            return
+        if not self.spending:
+            self._virtual_ns += ns
+            return
+        deadline = perf_counter_ns() + ns
+        while perf_counter_ns() < deadline:
+            pass
+
+    # -- the simulated GPU --------------------------------------------------------------------------
+
+    def launch(self, seconds: float) -> None:
+        """Queues `seconds` of GPU work on the current stream (costs the host nothing here)."""
+        state = self._current
+        state.busy_until_ns = max(state.busy_until_ns, self.clock()) + round(seconds * 1e9)
+
+    def gpu_idle_at(self) -> int:
+        return max(state.busy_until_ns for state in self._streams)
+
+    # -- the torch.cuda API -------------------------------------------------------------------------
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:
+        return FakeEvent(self, enable_timing)
+
+    def Stream(self) -> FakeStream:
+        state = _StreamState(next(self._ids))
+        self._streams.append(state)
+        return FakeStream(state)
+
+    def current_stream(self) -> FakeStream:
+        self.spend("current_stream")
+        return FakeStream(self._current)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        previous, self._current = self._current, stream.state
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def synchronize(self) -> None:
+        self.spend("synchronize")
+        self.wait_until(self.gpu_idle_at())
+
+    def is_available(self) -> bool:
+        return True
+
+    # torch keeps these in torch._C; the hooks look for them on a stand-in itself
+    def _cuda_getDevice(self) -> int:
+        self.spend("_cuda_getDevice")
+        return 0
+
+    def _cuda_getCurrentRawStream(self, device: int) -> int:
+        self.spend("_cuda_getCurrentRawStream")
+        return self._current.stream_id
