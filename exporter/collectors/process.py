@@ -15,6 +15,7 @@ would read as a counter reset.
 """
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ from exporter.registered import RegisteredProcess
 log = logging.getLogger(__name__)
 
 _LABELS = ["pid", "run", "rank"]
+# A GPU-holding pid this exporter cannot see (another pid namespace, no hostPID) is looked up again
+# only this often: a failed lookup costs ~25 µs, every cycle, for every such pid.
+MISSING_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -67,6 +71,7 @@ class ProcessCollector:
         self._registered = registered
         self._resolver = PidResolver()
         self._tracked: dict[int, _Tracked] = {}
+        self._missing: dict[int, float] = {}  # pid -> monotonic time of its last failed lookup
 
     def collect(self) -> Iterable[Metric]:
         identities = self._identities()
@@ -74,6 +79,8 @@ class ProcessCollector:
         pids = sorted(set(identities) | set(gpu_table))
         for pid in set(self._tracked) - set(pids):
             del self._tracked[pid]
+        for pid in set(self._missing) - set(pids):
+            del self._missing[pid]
 
         cpu = CounterMetricFamily("stepscope_process_cpu_seconds_total",
                                   "User+system CPU time of the process and its descendants, reaped ones "
@@ -92,7 +99,7 @@ class ProcessCollector:
         gpu_memory = GaugeMetricFamily("stepscope_process_gpu_memory_bytes",
                                        "GPU memory the process holds on the GPU.", labels=[*_LABELS, "gpu"])
 
-        children_of = _children_map() if pids else {}
+        children_of: dict[int, list[int]] | None = None  # read once per cycle, when first needed
         for pid in pids:
             labels = [str(pid), *identities.get(pid, ("", ""))]
             for gpu, used in sorted(gpu_table.get(pid, {}).items()):
@@ -100,6 +107,8 @@ class ProcessCollector:
             tracked = self._track(pid)
             if tracked is None:
                 continue
+            if children_of is None:
+                children_of = _children_map()
             try:
                 reading = _read_tree(tracked.process, children_of)
             except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
@@ -135,11 +144,19 @@ class ProcessCollector:
         if tracked is not None and tracked.process.is_running():
             return tracked
         self._tracked.pop(pid, None)
+        now = time.monotonic()
+        if now - self._missing.get(pid, -MISSING_RETRY_SECONDS) < MISSING_RETRY_SECONDS:
+            return None
         try:
             tracked = _Tracked(psutil.Process(pid))
-        except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
+        except psutil.NoSuchProcess as exc:
+            log.debug("process %d skipped for %gs: %s", pid, MISSING_RETRY_SECONDS, exc)
+            self._missing[pid] = now
+            return None
+        except psutil.AccessDenied as exc:
             log.debug("process %d skipped: %s", pid, exc)
             return None
+        self._missing.pop(pid, None)
         self._tracked[pid] = tracked
         return tracked
 

@@ -250,10 +250,20 @@ class c_nvmlGpmMetric_t(_Struct):
         super().__init__(metricId=0, nvmlReturn=NVML_SUCCESS, value=0.0)
 
 
+class _MetricSlots(dict):
+    """The request's metrics array: NVML_GPM_METRIC_MAX slots, each made on first use (477 structs per
+    request would cost the fake a millisecond, which the real ctypes array does not)."""
+
+    def __missing__(self, slot: int) -> c_nvmlGpmMetric_t:
+        if not 0 <= slot < NVML_GPM_METRIC_MAX:
+            raise IndexError(slot)
+        metric = self[slot] = c_nvmlGpmMetric_t()
+        return metric
+
+
 class c_nvmlGpmMetricsGet_t(_Struct):
     def __init__(self) -> None:
-        super().__init__(version=0, numMetrics=0, sample1=None, sample2=None,
-                         metrics=[c_nvmlGpmMetric_t() for _ in range(NVML_GPM_METRIC_MAX)])
+        super().__init__(version=0, numMetrics=0, sample1=None, sample2=None, metrics=_MetricSlots())
 
 
 _STARTED = time.monotonic()
@@ -539,7 +549,7 @@ def nvmlGpmMetricsGet(request: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t:
             or second.taken_at <= first.taken_at):
         raise NVMLError_InvalidArgument()
     values = _field(_handles[second.device], "gpm")
-    for metric in request.metrics[: request.numMetrics]:
+    for metric in (request.metrics[slot] for slot in range(request.numMetrics)):
         name = GPM_KEYS.get(metric.metricId)
         if name in values:
             metric.value, metric.nvmlReturn = float(values[name]), NVML_SUCCESS
