@@ -9,9 +9,12 @@ calls returning ints) 0.3, `synchronize()` 5 plus the wait.
     cuda = FakeCuda(spend=True)    # costs are busy waits on the calling thread: real CPU (benchmarks)
     cuda = FakeCuda(spend=False)   # costs advance a virtual host clock, `cuda.clock()` (tests)
 
-The GPU: `launch(seconds)` queues that much GPU work on the current stream; it starts when the
-stream's earlier work ends, or now if the stream is idle. An event recorded on a stream completes
-when the work queued before it is done; `elapsed_time` is the GPU time between two events, in ms.
+The GPUs: `launch(seconds)` queues that much GPU work on the current stream of the current device
+(`device(i)` switches, as `torch.cuda.device` does); it starts when the stream's earlier work ends, or
+now if the stream is idle. An event recorded on a stream completes when the work queued before it is
+done; `elapsed_time` is the GPU time between two events, in ms. As in CUDA, an event belongs to the
+device it was first recorded on: recording it on another device's stream, or timing two events of
+different devices, raises RuntimeError.
 `calls` counts every API call by name, so tests can check what the hot path asks for.
 """
 
@@ -37,10 +40,11 @@ COSTS_US = {
 
 
 class _StreamState:
-    """One CUDA stream of the simulated GPU: when its queued work ends, in host nanoseconds."""
+    """One CUDA stream of a simulated GPU: when its queued work ends, in host nanoseconds."""
 
-    def __init__(self, stream_id: int) -> None:
+    def __init__(self, stream_id: int, device: int) -> None:
         self.stream_id = stream_id
+        self.device = device
         self.busy_until_ns = 0
 
 
@@ -50,6 +54,7 @@ class FakeStream:
     def __init__(self, state: _StreamState) -> None:
         self.state = state
         self.cuda_stream = state.stream_id
+        self.device_index = state.device
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FakeStream) and other.state is self.state
@@ -67,12 +72,16 @@ class FakeEvent:
         cuda.spend("Event")
         self._cuda = cuda
         self.done_ns: int | None = None
+        self.device: int | None = None
 
     def record(self, stream: FakeStream | None = None) -> None:
         cuda = self._cuda
         if stream is None:
             stream = cuda.current_stream()
         cuda.spend("Event.record")
+        if self.device is not None and self.device != stream.device_index:
+            raise RuntimeError("Event device does not match recording stream's device")
+        self.device = stream.device_index
         self.done_ns = max(stream.state.busy_until_ns, cuda.clock())
 
     def query(self) -> bool:
@@ -88,8 +97,10 @@ class FakeEvent:
 
     def elapsed_time(self, end: FakeEvent) -> float:
         self._cuda.spend("Event.elapsed_time")
-        if self.done_ns is None or end.done_ns is None or end.done_ns > self._cuda.clock():
+        if self.done_ns is None or end.done_ns is None or max(self.done_ns, end.done_ns) > self._cuda.clock():
             raise RuntimeError("elapsed_time needs two completed events (torch raises too)")
+        if self.device != end.device:
+            raise RuntimeError("Both events must be recorded on the same device")
         return (end.done_ns - self.done_ns) / 1e6
 
 
@@ -103,8 +114,9 @@ class FakeCuda:
         self.calls: Counter[str] = Counter()
         self._virtual_ns = 0
         self._ids = itertools.count(1)
-        self._current = self._default = _StreamState(next(self._ids))
-        self._streams = [self._default]
+        self._device = 0
+        self._current = {0: _StreamState(next(self._ids), 0)}  # device -> its current stream
+        self._streams = [self._current[0]]
         if not raw_stream_lookup:  # an older torch: the hooks must fall back to current_stream()
             self._cuda_getDevice = None  # type: ignore[method-assign]
             self._cuda_getCurrentRawStream = None  # type: ignore[method-assign]
@@ -140,7 +152,7 @@ class FakeCuda:
 
     def launch(self, seconds: float) -> None:
         """Queues `seconds` of GPU work on the current stream (costs the host nothing here)."""
-        state = self._current
+        state = self._current_state()
         state.busy_until_ns = max(state.busy_until_ns, self.clock()) + round(seconds * 1e9)
 
     def gpu_idle_at(self) -> int:
@@ -152,21 +164,38 @@ class FakeCuda:
         return FakeEvent(self, enable_timing)
 
     def Stream(self) -> FakeStream:
-        state = _StreamState(next(self._ids))
+        state = _StreamState(next(self._ids), self._device)
         self._streams.append(state)
         return FakeStream(state)
 
     def current_stream(self) -> FakeStream:
         self.spend("current_stream")
-        return FakeStream(self._current)
+        return FakeStream(self._current_state())
 
     @contextlib.contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:
-        previous, self._current = self._current, stream.state
+        device = stream.device_index
+        previous, self._current[device] = self._current_state(device), stream.state
+        try:
+            with self.device(device):
+                yield
+        finally:
+            self._current[device] = previous
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        previous, self._device = self._device, index
         try:
             yield
         finally:
-            self._current = previous
+            self._device = previous
+
+    def _current_state(self, device: int | None = None) -> _StreamState:
+        device = self._device if device is None else device
+        if device not in self._current:
+            self._current[device] = _StreamState(next(self._ids), device)
+            self._streams.append(self._current[device])
+        return self._current[device]
 
     def synchronize(self) -> None:
         self.spend("synchronize")
@@ -178,8 +207,8 @@ class FakeCuda:
     # torch keeps these in torch._C; the hooks look for them on a stand-in itself
     def _cuda_getDevice(self) -> int:
         self.spend("_cuda_getDevice")
-        return 0
+        return self._device
 
     def _cuda_getCurrentRawStream(self, device: int) -> int:
         self.spend("_cuda_getCurrentRawStream")
-        return self._current.stream_id
+        return self._current_state(device).stream_id

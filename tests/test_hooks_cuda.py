@@ -206,3 +206,30 @@ def test_a_phase_timed_both_ways_warns_once(fake_gpu: FakeCuda, caplog: pytest.L
     t.close()
     assert sample_values(t.render(), "stepscope_step_phase_seconds_count", phase="forward",
                          timing="cuda_event") == [4]
+
+
+def test_events_stay_on_their_device_and_a_phase_across_devices_is_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cuda = FakeCuda()
+    loop = Loop(cuda, sample_every=1)
+    for _ in range(20):  # a process driving two GPUs: pooled events must not hop devices
+        with loop.phases["forward"]:
+            cuda.launch(4e-4)
+        with cuda.device(1), loop.phases["backward"]:
+            cuda.launch(8e-4)
+        cuda.advance(2e-3)
+        loop.timer.step_done(2_000_000)
+    loop.finish()
+    assert sum(loop.hists["forward"].counts) == sum(loop.hists["backward"].counts) == 20
+    assert loop.hists["backward"].sum_ns == pytest.approx(20 * 8e5, abs=100)
+    with caplog.at_level(logging.WARNING, logger="training_hooks"):
+        for _ in range(2):
+            loop.phases["optimizer_step"].start()
+            with cuda.device(1):
+                loop.phases["optimizer_step"].end()  # ends on another device: cannot be timed
+            cuda.advance(1e-3)
+            loop.timer.step_done(1_000_000)
+        loop.finish()
+    assert sum(loop.hists["optimizer_step"].counts) == 0
+    assert len([r for r in caplog.records if "could not be timed" in r.message]) == 1

@@ -30,6 +30,7 @@ and `synchronize`).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import sys
@@ -40,6 +41,8 @@ from time import perf_counter_ns
 from typing import Any
 
 from training_hooks.timing import Histogram
+
+log = logging.getLogger("training_hooks")
 
 DEFAULT_MAX_PENDING = 4096
 DEFAULT_BUDGET = 0.005  # events may cost this fraction of the mean step time
@@ -78,6 +81,10 @@ class _CurrentStream:
     def get(self) -> Any:
         if self._raw is None:
             return self._cuda.current_stream()
+        if self._cached is None:  # current_stream() first: it lets torch initialise CUDA lazily
+            self._cached = self._cuda.current_stream()
+            self._cached_raw = self._raw()
+            return self._cached
         raw = self._raw()
         if raw != self._cached_raw:
             self._cached, self._cached_raw = self._cuda.current_stream(), raw
@@ -121,7 +128,8 @@ class CudaTimer:
         self._stream = _CurrentStream(cuda)
         self._countdown = 1
         self._pending: deque[_Pair] = deque()
-        self._free: list[Any] = []
+        self._free: dict[int, list[Any]] = {}  # device index -> reusable events (an event stays on its device)
+        self._failed_pairs = 0
         self._last: _Pair | None = None  # the latest pair, while a next phase may share its end
         self._last_end_ns = 0
         self._last_stream: Any = None
@@ -189,20 +197,40 @@ class CudaTimer:
             pair = pending[0]
             if block:
                 pair.end.synchronize()
-            elif not pair.end.query():
+                pair.start.synchronize()
+            elif not (pair.end.query() and pair.start.query()):  # a phase may end on another stream
                 break
             pending.popleft()
             if pair is self._last:
                 self._last = None  # its end goes back to the pool: nothing may start at it now
-            _observe(pair.hist, max(0, round(pair.start.elapsed_time(pair.end) * 1e6)), pair.weight)  # ms
-            self._free.append(pair.start)  # the pair that ended at it, if any, resolved before
+            self._observe(pair)
+            self._release(pair.start)  # the pair that ended at it, if any, resolved before
             if not pair.end_shared:
-                self._free.append(pair.end)
+                self._release(pair.end)
             done += 1
         return done
 
+    def _observe(self, pair: _Pair) -> None:
+        try:
+            elapsed_ms = pair.start.elapsed_time(pair.end)
+        except RuntimeError as exc:  # e.g. a phase that began on one device and ended on another
+            self._failed_pairs += 1
+            if self._failed_pairs == 1:
+                log.warning("stepscope: a CUDA-timed phase could not be timed and is left out (%s)", exc)
+            return
+        _observe(pair.hist, max(0, round(elapsed_ms * 1e6)), pair.weight)
+
+    def _release(self, event: Any) -> None:
+        self._free.setdefault(event.stepscope_device, []).append(event)
+
     def _record(self, stream: Any) -> Any:
-        event = self._free.pop() if self._free else self.cuda.Event(enable_timing=True)
+        device = getattr(stream, "device_index", 0)
+        free = self._free.get(device)
+        if free:
+            event = free.pop()
+        else:
+            event = self.cuda.Event(enable_timing=True)
+            event.stepscope_device = device  # CUDA binds an event to the device it is first recorded on
         event.record(stream)
         return event
 
