@@ -6,8 +6,11 @@ Host cost per call, measured on an H100 80GB HBM3 with torch 2.11 + CUDA 13 (iss
 so assumed: the raw stream lookup (`torch._C._cuda_getCurrentRawStream` + `_cuda_getDevice`, two C
 calls returning ints) 0.3, `synchronize()` 5 plus the wait.
 
-    cuda = FakeCuda(spend=True)    # costs are busy waits on the calling thread: real CPU (benchmarks)
+    cuda = FakeCuda(spend=True)    # costs are spent as CPU work on the calling thread (benchmarks)
     cuda = FakeCuda(spend=False)   # costs advance a virtual host clock, `cuda.clock()` (tests)
+
+Spent costs are a spin loop calibrated in thread CPU time, so they cost the same CPU on a busy
+machine (where a busy wait on the wall clock would stretch with every preemption).
 
 The GPUs: `launch(seconds)` queues that much GPU work on the current stream of the current device
 (`device(i)` switches, as `torch.cuda.device` does); it starts when the stream's earlier work ends, or
@@ -24,7 +27,8 @@ import contextlib
 import itertools
 from collections import Counter
 from collections.abc import Iterator
-from time import perf_counter_ns
+from functools import cache
+from time import perf_counter_ns, thread_time_ns
 
 COSTS_US = {
     "Event.record": 5.1,
@@ -128,24 +132,28 @@ class FakeCuda:
         return perf_counter_ns() if self.spending else self._virtual_ns
 
     def advance(self, seconds: float) -> None:
-        """Host time passes (virtual clock), or is spent (busy wait), like host work in a step."""
-        self._pass(round(seconds * 1e9))
+        """Host work: virtual time passes, or that much CPU is spent, like host code in a step."""
+        self._work(round(seconds * 1e9))
 
     def spend(self, what: str) -> None:
         self.calls[what] += 1
-        self._pass(self.costs_ns.get(what, 0))
+        self._work(self.costs_ns.get(what, 0))
 
     def wait_until(self, when_ns: int) -> None:
-        self._pass(when_ns - self.clock())
+        """Waiting for the GPU: virtual time passes, or the wall clock (a spin, as CUDA's default)."""
+        if not self.spending:
+            self._virtual_ns = max(self._virtual_ns, when_ns)
+            return
+        while perf_counter_ns() < when_ns:
+            pass
 
-    def _pass(self, ns: int) -> None:
+    def _work(self, ns: int) -> None:
         if ns <= 0:
             return
         if not self.spending:
             self._virtual_ns += ns
             return
-        deadline = perf_counter_ns() + ns
-        while perf_counter_ns() < deadline:
+        for _ in range(round(ns / _spin_ns())):
             pass
 
     # -- the simulated GPU --------------------------------------------------------------------------
@@ -212,3 +220,18 @@ class FakeCuda:
     def _cuda_getCurrentRawStream(self, device: int) -> int:
         self.spend("_cuda_getCurrentRawStream")
         return self._current_state(device).stream_id
+
+
+@cache
+def _spin_ns() -> float:
+    """Thread CPU nanoseconds one iteration of `for _ in range(n): pass` takes here (over 50 ms)."""
+    iterations = 2_000_000
+    for _ in range(3):
+        started = thread_time_ns()
+        for _ in range(iterations):
+            pass
+        spent = thread_time_ns() - started
+        if spent > 50_000_000:
+            break
+        iterations *= 2
+    return spent / iterations
