@@ -233,3 +233,11 @@ def test_events_stay_on_their_device_and_a_phase_across_devices_is_left_out(
         loop.finish()
     assert sum(loop.hists["optimizer_step"].counts) == 0
     assert len([r for r in caplog.records if "could not be timed" in r.message]) == 1
+
+
+def test_a_pause_between_steps_does_not_lower_the_sample_rate() -> None:
+    cuda = FakeCuda()
+    loop = Loop(cuda)
+    for index in range(400):
+        loop.step(host_seconds=1.3e-3 if index % 40 else 2.0)  # an evaluation every 40 steps
+    assert 5 <= loop.timer.sample_every <= 9  # as without the pauses: chosen from the median step

@@ -18,8 +18,8 @@ them in the `torch.cuda.current_stream()` it calls when given no stream; `query(
   the occurrences of that phase since the previous timed one (its weight), so the histogram's count
   and sum estimate every occurrence and per-step rates stay right; quantiles come from the timed
   ones. k is chosen from measurement: the host time spent in event calls per sampled step (timed
-  around every call) over the mean step time, so that events cost at most `DEFAULT_BUDGET` (0.5%)
-  of the step; it is re-chosen every window of steps.
+  around every call) over the median step time, so that events cost at most `DEFAULT_BUDGET` (0.5%)
+  of a typical step; it is re-chosen every window of steps.
 
 Pairs wait in a FIFO until `resolve()` (called by the training thread at each step boundary) finds
 their end event complete with `Event.query()`: no host synchronization on the hot path. Only the
@@ -45,7 +45,7 @@ from training_hooks.timing import Histogram
 log = logging.getLogger("training_hooks")
 
 DEFAULT_MAX_PENDING = 4096
-DEFAULT_BUDGET = 0.005  # events may cost this fraction of the mean step time
+DEFAULT_BUDGET = 0.005  # events may cost this fraction of the median step time
 SHARED_BOUNDARY_NS = 10_000  # a phase starting this soon after the previous one's end shares its event
 MAX_SAMPLE_EVERY = 100
 MIN_WINDOW_STEPS = 50  # k is re-chosen after max(this, 8 k) steps
@@ -101,12 +101,11 @@ class _Pair:
         self.end_shared = False
 
 
-def choose_sample_every(cost_ns_per_sampled_step: float, mean_step_ns: float,
-                        budget: float = DEFAULT_BUDGET) -> int:
-    """The smallest k with (event cost per sampled step) / k <= budget x (mean step time)."""
-    if mean_step_ns <= 0:
+def choose_sample_every(cost_ns_per_sampled_step: float, step_ns: float, budget: float = DEFAULT_BUDGET) -> int:
+    """The smallest k with (event cost per sampled step) / k <= budget x (step time)."""
+    if step_ns <= 0:
         return 1
-    k = math.ceil(cost_ns_per_sampled_step / (budget * mean_step_ns))
+    k = math.ceil(cost_ns_per_sampled_step / (budget * step_ns))
     return min(max(k, 1), MAX_SAMPLE_EVERY)
 
 
@@ -133,7 +132,8 @@ class CudaTimer:
         self._last: _Pair | None = None  # the latest pair, while a next phase may share its end
         self._last_end_ns = 0
         self._last_stream: Any = None
-        self._window_steps = self._window_sampled = self._window_step_ns = self._spent_ns = 0
+        self._window_sampled = self._spent_ns = 0
+        self._window_steps_ns: list[int] = []  # durations of the window's steps
 
     # -- the phase hot path -----------------------------------------------------------------------
 
@@ -170,10 +170,9 @@ class CudaTimer:
             began = self._clock()
             self._resolve(block=False)
             self._spent_ns += self._clock() - began
-        self._window_steps += 1
         self._window_sampled += self.sampling
-        self._window_step_ns += step_ns
-        if self.adaptive and self._window_steps >= max(MIN_WINDOW_STEPS, 8 * self.sample_every):
+        self._window_steps_ns.append(step_ns)
+        if self.adaptive and len(self._window_steps_ns) >= max(MIN_WINDOW_STEPS, 8 * self.sample_every):
             self._choose_sample_every()
         self._countdown -= 1
         self.sampling = self._countdown <= 0
@@ -235,10 +234,13 @@ class CudaTimer:
         return event
 
     def _choose_sample_every(self) -> None:
+        """k for the next window, from the median step: a pause (eval, a checkpoint) does not lower it."""
+        steps = sorted(self._window_steps_ns)
         if self._window_sampled:
             self.sample_every = choose_sample_every(
-                self._spent_ns / self._window_sampled, self._window_step_ns / self._window_steps, self.budget)
-        self._window_steps = self._window_sampled = self._window_step_ns = self._spent_ns = 0
+                self._spent_ns / self._window_sampled, steps[len(steps) // 2], self.budget)
+        self._window_sampled = self._spent_ns = 0
+        self._window_steps_ns = []
 
 
 def _observe(hist: Histogram, duration_ns: int, weight: int) -> None:
