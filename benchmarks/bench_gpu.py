@@ -417,6 +417,11 @@ def paced_scrapes(targets: dict[str, tuple[str, int]], seconds: float) -> list[d
 # -- the CPU-side cost model ------------------------------------------------------------------------
 
 
+def commit_of(rev: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True)
+    return done.stdout.strip() or rev
+
+
 def baseline_tree(rev: str, into: Path) -> Path | None:
     """The repository at `rev` (git archive), for "before" figures; None when git cannot give it."""
     archive = into / "baseline.tar"
@@ -722,7 +727,8 @@ def hooks_cost_model(baseline: Path | None) -> str:
                 tracker.close()
             ratio = phase_mean_s(events, "backward") / phase_mean_s(trackers["sync"], "backward")
             notes = {"events": f"k = {k}; backward's event time / its sync time = {ratio:.3f}"}
-            sections.append(f"### {target:g} ms steps ({steps} steps per block, {rounds} rounds)\n\n"
+            sections.append(f"### {target:g} ms of host work per step (a calibrated spin: the `off` row shows what "
+                            f"it took under this load; {steps} steps per block, {rounds} rounds)\n\n"
                             + table(HOOK_HEADERS, overhead_rows(times, notes=notes))
                             + f"\n\nOrder: {order_effect(times, orders, 'off', 'off (A/A)')}.\n")
         sections.append("### Per operation\n\n" + per_operation_ns(cuda) + "\n")
@@ -835,7 +841,8 @@ def cost_model(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp_dir, push_target(Path(tmp_dir)) as push_url:
         tmp = Path(tmp_dir)
         baseline = baseline_tree(args.baseline_rev, tmp)
-        trees = {"after (this tree)": REPO_ROOT, **({f"before ({args.baseline_rev})": baseline} if baseline else {})}
+        before = f"before ({args.baseline_rev} @ {commit_of(args.baseline_rev)})"
+        trees = {"after (this tree)": REPO_ROOT, **({before: baseline} if baseline else {})}
         sections = [
             ("NVML calls priced at H100 latencies, 8 GPUs", priced_cycles(tmp)),
             ("The same cycle with the latencies spent for real", spent_cycles(tmp, trees)),
