@@ -13,7 +13,8 @@ On a GPU (an NVIDIA driver for NVML and torch with CUDA); without one it says so
    synchronized phase sums.
 
 --cost-model needs no GPU: the fake NVML and the fake torch.cuda (tests/) at the H100 costs of
-issue 9, the same code paths, and the baseline tree (--baseline-rev, main by default) for "before":
+issue 9, the same code paths, and the baseline tree (--baseline-rev; by default where this branch left
+main) for "before":
 1. NVML calls per cycle and per slow round at 8 GPUs (H100 with GPM, A100 without), priced;
 2. the same with the fake spending those latencies for real: wall-clock per cycle, before and after;
 3. exporter CPU at a 1 s interval, 8 fake GPUs and none, before and after, all running at once;
@@ -415,6 +416,12 @@ def paced_scrapes(targets: dict[str, tuple[str, int]], seconds: float) -> list[d
 
 
 # -- the CPU-side cost model ------------------------------------------------------------------------
+
+
+def fork_point() -> str:
+    """The commit where this branch left main (main itself when that cannot be told)."""
+    done = subprocess.run(["git", "-C", str(REPO_ROOT), "merge-base", "HEAD", "main"], capture_output=True, text=True)
+    return done.stdout.strip()[:12] or "main"
 
 
 def commit_of(rev: str) -> str:
@@ -863,12 +870,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds per hooks table")
     parser.add_argument("--window", type=float, default=None,
                         help="seconds of exporter CPU measurement (120 on a GPU, 60 for the cost model)")
-    parser.add_argument("--baseline-rev", default="main", help="git revision for the cost model's 'before'")
+    parser.add_argument("--baseline-rev", default=None,
+                        help="git revision for the cost model's 'before' (default: where this branch left main)")
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3")
     if args.cost_model:
         args.window = args.window or 60.0
+        args.baseline_rev = args.baseline_rev or fork_point()
         report, output = cost_model(args), RESULTS / "gpu_cost_model.md"
     else:
         reason = gpu_missing()
