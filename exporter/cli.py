@@ -11,6 +11,7 @@ from exporter.exposition import ExpositionStore
 from exporter.flags import (
     OneLineErrorParser,
     add_flag,
+    add_switch,
     comma_list,
     fail,
     listen_address,
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "
                   "and free space to publish")
+    add_switch(collection, "--no-gpu-pcie-poll",
+               help="publish no PCIe throughput for GPUs without GPM (pre-Hopper) rather than poll "
+                    "nvmlDeviceGetPcieThroughput, which blocks 20 ms per direction, every 10 s on a "
+                    "background thread")
 
     ingest.add_flags(parser.add_argument_group("push API (training hooks)"))
 
@@ -99,7 +104,7 @@ def _build_collectors(
     if "gpu" in args.collectors:
         from exporter.collectors.gpu import GpuCollector
 
-        collectors.append(GpuCollector(gpu_processes=gpu_processes))
+        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=not args.no_gpu_pcie_poll))
     if "process" in args.collectors:
         from exporter.collectors.process import ProcessCollector
 

@@ -4,7 +4,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -23,6 +23,36 @@ class _Families:
 def render(families: Iterable[Metric]) -> bytes:
     """Text exposition format 0.0.4 of the given families."""
     return generate_latest(_Families(families))  # type: ignore[arg-type]
+
+
+class CachedRenderer:
+    """Renders one source's families cycle after cycle, re-rendering only the families that changed.
+
+    Most families of an idle node (GPU identity, memory totals, clocks, limits, temperatures) read
+    the same from one cycle to the next: comparing a family's samples with the last cycle's costs a
+    fraction of rendering them. One caller at a time (each source has its own).
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[str, str, list[Any], bytes]] = {}  # name -> (type, help, samples, text)
+        self._body: bytes | None = None
+
+    def render(self, families: Iterable[Metric]) -> tuple[bytes, bool]:
+        """The text of `families`, and whether it differs from the last call's (so worth publishing)."""
+        last, current, parts = self._last, {}, []
+        for family in families:
+            cached = last.get(family.name)
+            if cached is not None and cached[:3] == (family.type, family.documentation, family.samples):
+                text = cached[3]
+            else:
+                text = render([family])
+            current[family.name] = (family.type, family.documentation, family.samples, text)
+            parts.append(text)
+        self._last = current
+        body = b"".join(parts)
+        changed = body != self._body
+        self._body = body
+        return body, changed
 
 
 class Chunk:

@@ -18,7 +18,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass(frozen=True)
 class Snapshot:
-    phases: Sequence[tuple[str, HistogramSnapshot]]
+    phases: Sequence[tuple[str, str, HistogramSnapshot]]  # (phase, timing, histogram)
     step: HistogramSnapshot
     steps: int
     samples: int
@@ -48,11 +48,13 @@ def _histogram(
 
 def render(snap: Snapshot) -> str:
     lines = [
-        "# HELP stepscope_step_phase_seconds Time spent in each phase of a training step.",
+        "# HELP stepscope_step_phase_seconds Time spent in each phase of a training step (timing: host = wall "
+        "time; cuda_event = CUDA event time of sampled steps, each counting for the untimed ones before it; "
+        "cuda_sync = wall time between synchronizes).",
         "# TYPE stepscope_step_phase_seconds histogram",
     ]
-    for phase, hist in snap.phases:
-        _histogram(lines, "stepscope_step_phase_seconds", hist, [("phase", phase)])
+    for phase, timing, hist in snap.phases:
+        _histogram(lines, "stepscope_step_phase_seconds", hist, [("phase", phase), ("timing", timing)])
     lines += [
         "# HELP stepscope_step_seconds Wall time between consecutive step boundaries (the whole step).",
         "# TYPE stepscope_step_seconds histogram",

@@ -74,8 +74,10 @@ class Tracker:
         self.config = config
         self._pid = os.getpid()
         self._histograms: dict[str, Histogram] = {}
-        # Copy-on-write tuple: the pusher iterates it while the training thread may add a phase.
-        self._phase_order: tuple[tuple[str, Histogram], ...] = ()
+        # Copy-on-write tuple of (name, timing, histogram): the pusher iterates it while the training
+        # thread may add a phase. timing says what the histogram holds: host, cuda_event or cuda_sync.
+        self._phase_order: tuple[tuple[str, str, Histogram], ...] = ()
+        self._timing: dict[str, str] = {}
         self._host: dict[str, Phase] = {}
         self._gpu: dict[str, Phase] = {}
         self._warned_limit = False
@@ -115,15 +117,16 @@ class Tracker:
         (setup time would be in it), so its time is not observed.
         """
         now = perf_counter_ns()
+        duration = now - self._boundary
         if self._state == "setup":
             self._state = "train"
         else:
-            self._step_hist.observe_ns(now - self._boundary)
+            self._step_hist.observe_ns(duration)
         self._boundary = now
         self._steps += 1
         self._samples += samples
-        if self._cuda_timer is not None and self._cuda_timer.pending:
-            self._cuda_timer.resolve()
+        if self._cuda_timer is not None:  # resolves finished GPU timings, decides if the next step is timed
+            self._cuda_timer.step_done(duration)
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -166,19 +169,18 @@ class Tracker:
     def steps(self) -> int:
         return self._steps
 
+    @property
+    def gpu_sample_every(self) -> int | None:
+        """k: CUDA events time about one step in k (chosen from measured costs); None without them."""
+        return self._cuda_timer.sample_every if self._cuda_timer is not None else None
+
     def _new_phase(self, name: str, cuda: bool) -> Phase:
         validate_phase_name(name)
-        hist = self._histograms.get(name)
-        if hist is None:
-            if len(self._histograms) >= self.config.max_phases:
-                if not self._warned_limit:
-                    log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
-                                self.config.max_phases, name)
-                    self._warned_limit = True
-                return NULL_PHASE
-            hist = self._histograms[name] = self._new_histogram(buckets=self.config.phase_buckets)
-            self._phase_order = (*self._phase_order, (name, hist))
         cuda_module = _cuda_module() if cuda else None
+        timing = "host" if cuda_module is None else "cuda_sync" if self.config.sync else "cuda_event"
+        hist = self._histogram(name, timing)
+        if hist is None:
+            return NULL_PHASE
         phase: Phase
         if cuda_module is None:
             phase = self._host.get(name) or HostPhase(name, hist)
@@ -190,6 +192,25 @@ class Tracker:
             phase = CudaPhase(name, hist, self._cuda_timer)
         (self._gpu if cuda else self._host)[name] = phase
         return phase
+
+    def _histogram(self, name: str, timing: str) -> Histogram | None:
+        """The phase's histogram, made on first use; None over the phase limit (warned once)."""
+        hist = self._histograms.get(name)
+        if hist is not None:
+            if self._timing[name] != timing:
+                log.warning("stepscope: phase %r is timed as %s and as %s; its histogram (labelled %s) mixes "
+                            "both", name, self._timing[name], timing, self._timing[name])
+            return hist
+        if len(self._histograms) >= self.config.max_phases:
+            if not self._warned_limit:
+                log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
+                            self.config.max_phases, name)
+                self._warned_limit = True
+            return None
+        hist = self._histograms[name] = self._new_histogram(buckets=self.config.phase_buckets)
+        self._timing[name] = timing
+        self._phase_order = (*self._phase_order, (name, timing, hist))
+        return hist
 
     def _new_histogram(self, buckets: bool) -> Histogram:
         """Buckets that follow the run unless the user fixed them; without buckets, _sum and _count only."""
@@ -209,7 +230,7 @@ class Tracker:
         if start_time is not None:
             info["start_time"] = start_time
         return Snapshot(
-            phases=[(name, hist.snapshot()) for name, hist in self._phase_order],
+            phases=[(name, timing, hist.snapshot()) for name, timing, hist in self._phase_order],
             step=self._step_hist.snapshot(),
             steps=self._steps,
             samples=self._samples,

@@ -33,7 +33,8 @@ FAMILIES: Mapping[str, FamilySpec] = {
     spec.name: spec
     for spec in (
         FamilySpec("stepscope_step_phase_seconds", "histogram", ("phase",),
-                   "Time of one phase of a training step (CUDA event time for GPU phases)."),
+                   "Time of one phase of a training step (CUDA event time for GPU phases).",
+                   optional=("timing",)),
         FamilySpec("stepscope_step_seconds", "histogram", (), "Time of one whole training step."),
         FamilySpec("stepscope_steps_total", "counter", (), "Training steps completed."),
         FamilySpec("stepscope_samples_total", "counter", (), "Training samples processed."),
