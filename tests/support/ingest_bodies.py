@@ -80,7 +80,7 @@ def hooks_body(phases: Sequence[str] = STANDARD_PHASES, steps: int = 12_345, pid
         return hist
 
     snap = Snapshot(
-        phases=[(phase, observed(0.002 * (i + 1)).snapshot()) for i, phase in enumerate(phases)],
+        phases=[(phase, "host", observed(0.002 * (i + 1)).snapshot()) for i, phase in enumerate(phases)],
         step=observed(0.05).snapshot(), steps=steps, samples=32 * steps, state="train",
         info={"local_rank": "0", "world_size": "8", "pid": str(pid), "framework": "torch",
               "start_time": "1712345678.25"},
