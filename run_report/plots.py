@@ -7,6 +7,7 @@ Time runs left to right from the window's start, in seconds, minutes or hours by
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from matplotlib.figure import Figure
@@ -134,10 +135,10 @@ def gantt(window: Window, intervals: Sequence[Interval], verdicts: Sequence[tupl
 def gpu_utilization(window: Window, effective: Iterable[Series], nvml: Iterable[Series]) -> bytes:
     """Effective utilization (SM active or NVML, label source) of every GPU the run held, NVML dashed."""
     axis = TimeAxis(window)
-    fig = Figure(figsize=(WIDTH, 3.6), dpi=DPI, layout="constrained")
+    gpus = sorted(effective, key=_gpu_key)
+    fig = Figure(figsize=(WIDTH, 3.6 + 0.2 * math.ceil(len(gpus) / 4)), dpi=DPI, layout="constrained")
     ax = fig.subplots()
     nvml_by_gpu = {(s.labels.get("instance"), s.labels.get("gpu")): s for s in nvml}
-    gpus = sorted(effective, key=_gpu_key)
     cycle = _palette(len(gpus))
     for index, series in enumerate(gpus):
         color = cycle[index % len(cycle)]
@@ -149,7 +150,8 @@ def gpu_utilization(window: Window, effective: Iterable[Series], nvml: Iterable[
     ax.set_ylim(0, 1.05)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_title("Effective GPU utilization of the run's GPUs (dashed: NVML utilization where SM active is read)")
-    _legend(ax, 16)
+    if 0 < len(gpus) <= 32:
+        fig.legend(loc="outside lower center", ncols=4, frameon=False, fontsize="small")
     _time_axis(ax, axis)
     return _png(fig)
 

@@ -39,10 +39,11 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
     exported then are kept; a rank born inside the window counts every bound from zero.
     """
     d = window.range_ms
+    just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
     now = f"last_over_time({selector}[{d}])"
-    before = f"last_over_time({selector}[{BEFORE}] offset {d})"
+    before = f"last_over_time({selector}[{BEFORE}] offset {just_before})"
     if born_per_rank:
-        rank_before = f"last_over_time({steps_selector}[{BEFORE}] offset {d})"
+        rank_before = f"last_over_time({steps_selector}[{BEFORE}] offset {just_before})"
         born = f"({now} unless on (run, {RANK}) {rank_before})"
     else:
         born = f"({now} unless {before})"
