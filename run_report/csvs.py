@@ -81,7 +81,8 @@ def over_time(over: Mapping[str, list[Series]], columns: Mapping[str, str], keys
                 row[column] = value
                 row.update({column: series.labels[label] for column, label in extra.items() if label in series.labels})
     names = [*columns, *extra]
-    ordered = sorted(rows, key=lambda k: (k[0], *(rank_key(part) for part in k[1:])))
+    order = {key[1:]: tuple(rank_key(part) for part in key[1:]) for key in rows}  # per series, not per row
+    ordered = sorted(rows, key=lambda k: (k[0], order[k[1:]]))
     return ["time", *keys, *names], [[iso(k[0]), *k[1:], *(rows[k].get(name) for name in names)] for k in ordered]
 
 

@@ -175,4 +175,7 @@ def _mark(ok: bool | None) -> Markup:
 
 
 def _fractions(fractions: Mapping[str, float]) -> str:
-    return ", ".join(f"{verdict} {share:.0%}" for verdict, share in fractions.items()) or "no verdict recorded"
+    def share_text(share: float) -> str:
+        return "<1%" if share < 0.005 else f"{share:.0%}"
+
+    return ", ".join(f"{verdict} {share_text(share)}" for verdict, share in fractions.items()) or "no verdict recorded"
