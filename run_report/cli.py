@@ -8,6 +8,7 @@ import argparse
 import re
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def _report(args: argparse.Namespace) -> int:
     if data.totals["steps"] and not data.over_time["verdict"]:
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
                          "(run:stepscope_bottleneck:verdict): load grafana/rules/stepscope.rules.yml")
-    built = report.build(data, prom.base_url)
+    built = report.build(data, _without_credentials(prom.base_url))
     with output.staged(out) as staging:
         files = report.write(built, staging)
     print(f"{out / 'index.html'} and {len(files) - 1} CSVs for run {args.run} from {iso(window.start)} to "
@@ -155,6 +156,13 @@ def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: f
         return end
     last_active = max(times)
     return min(end, last_active + max(2 * step, min(IDLE_TAIL_SECONDS, 0.1 * (last_active - start))))
+
+
+def _without_credentials(url: str) -> str:
+    """The URL as the page shows it: user and password (http://user:secret@host) left out."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=host))
 
 
 def _safe(run: str) -> str:

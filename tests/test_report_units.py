@@ -192,3 +192,11 @@ def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(
                   {"labels": '{rank="1",instance="n"}', "value": 110}],
         "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.5 * 65 / 104}],
     })
+
+
+def test_the_page_never_shows_credentials_of_the_prometheus_url() -> None:
+    from run_report.cli import _without_credentials
+
+    assert _without_credentials("https://reader:s3cret@prom.example:9090/prometheus") == \
+        "https://prom.example:9090/prometheus"
+    assert _without_credentials("http://localhost:9090") == "http://localhost:9090"
