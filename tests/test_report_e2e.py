@@ -22,7 +22,7 @@ import pytest
 
 from run_report import cli, csvs
 from run_report.report import RUN_SUMMARY_HEADER
-from tests.support.demos import start_ddp_demos, start_demo, stop
+from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
 from tests.support.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
 
@@ -31,9 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
 NODE = "report-node"
 BATCH = 64  # the demo's default batch size
-DATA_STEPS, DATA_EVAL_EVERY = 250, 100
-DDP_STEPS, DDP_EVAL_EVERY = 400, 150
-EVAL_SECONDS = 3.0
+DATA_STEPS, DATA_EVAL_EVERY = 160, 60
+DDP_STEPS, DDP_EVAL_EVERY = 240, 90
+EVAL_SECONDS = 2.5
 DDP_SLOW_RANK = 1
 # GPU index -> (NVML utilization %, SM active %, the (run, rank) holding memory on it)
 GPU_LAYOUT = {0: (30, 22, ("data", 0)), 1: (96, 90, ("ddp", 0)), 2: (96, 86, ("ddp", 1)), 3: (0, 0, None)}
@@ -46,19 +46,6 @@ class Runs:
     tmp: Path
     exits: dict[tuple[str, str], float]  # (run, rank) -> when the test saw the process end
     reports: dict[str, Path]
-
-
-def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
-    from tests.fake_nvml.scenario import make_gpu, make_scenario
-
-    scenario = make_scenario(gpus=0, processes_per_gpu=0)
-    scenario["gpus"] = [
-        make_gpu(index, "H100", processes=[(pids[holder], 4 * 1024**3)] if holder in pids else [],
-                 utilization={"gpu": nvml, "memory": nvml // 2},
-                 gpm={"sm_util": sm, "sm_occupancy": sm / 2, "any_tensor_util": sm / 2, "dram_bw_util": sm / 2})
-        for index, (nvml, sm, holder) in GPU_LAYOUT.items()
-    ]
-    return scenario
 
 
 def _report(prometheus: str, run: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -86,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     from tests.fake_nvml.scenario import write_scenario
 
     tmp = tmp_path_factory.mktemp("report-e2e")
-    scenario = write_scenario(tmp / "nvml.json", _gpu_scenario({}))
+    scenario = write_scenario(tmp / "nvml.json", gpus_for_runs(GPU_LAYOUT, {}))
     with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter, \
             running_prometheus(tmp, {NODE: exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
         eval_flags = ("--eval-seconds", str(EVAL_SECONDS))
@@ -98,13 +85,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
                               str(DDP_EVAL_EVERY), *eval_flags),
         }
         try:
-            write_scenario(scenario, _gpu_scenario({key: proc.pid for key, proc in demos.items()}))
+            write_scenario(scenario, gpus_for_runs(GPU_LAYOUT, {key: proc.pid for key, proc in demos.items()}))
             exits = _wait_exits(demos, tmp)
         finally:
             stop(demos.values())
         # every rank's final push (state idle) scraped, and the rules evaluated after it
         assert wait_for(lambda: len(query(prometheus.url, 'stepscope_training_state{state="idle"} == 1')) == 3, 20)
-        time.sleep(3)
+        time.sleep(2)
         reports = {run: tmp / f"report-{run}" for run in ("data", "ddp")}
         for run, out in reports.items():
             result = _report(prometheus.url, run, out)

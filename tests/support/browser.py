@@ -12,7 +12,7 @@ from pathlib import Path
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--window-size=1200,2000",
+    "--disable-dev-shm-usage", "--window-size=1200,2400", "--force-device-scale-factor=1",
 )
 
 

@@ -62,6 +62,22 @@ def start_ddp_demos(
     }
 
 
+def gpus_for_runs(layout: dict[int, tuple[int, float, tuple[str, int] | None]],
+                  pids: dict[tuple[str, int], int], memory: int = 4 * 1024**3) -> dict:
+    """A fake-NVML scenario of H100s: GPU index -> (NVML utilization %, SM active %, the (run, rank)
+    holding `memory` bytes on it); `pids` maps (run, rank) to the process's pid once it runs."""
+    from tests.fake_nvml.scenario import make_gpu, make_scenario
+
+    scenario = make_scenario(gpus=0, processes_per_gpu=0)
+    scenario["gpus"] = [
+        make_gpu(index, "H100", processes=[(pids[holder], memory)] if holder in pids else [],
+                 utilization={"gpu": nvml, "memory": nvml // 2},
+                 gpm={"sm_util": sm, "sm_occupancy": sm / 2, "any_tensor_util": sm / 2, "dram_bw_util": sm / 2})
+        for index, (nvml, sm, holder) in layout.items()
+    ]
+    return scenario
+
+
 def stop(processes: Iterable[subprocess.Popen]) -> None:
     """SIGTERM (the hooks push their final state), then SIGKILL after 10 s."""
     processes = list(processes)
