@@ -95,7 +95,7 @@ def _report(args: argparse.Namespace) -> int:
     data = fetch(prom, args.run, window, nodes)
     if data.totals["steps"] and not data.over_time["verdict"]:
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
-                         "(run:stepscope_bottleneck:verdict): load grafana/rules/stepscope.rules.yml")
+                         "(run:stepscope_bottleneck:verdict): load the rule files of grafana/rules/ into Prometheus")
     built = report.build(data, _without_credentials(prom.base_url))
     with output.staged(out) as staging:
         files = report.write(built, staging)
