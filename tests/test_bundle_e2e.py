@@ -6,9 +6,7 @@ must tell the run with a slow data loader from the fast one, and find the slow r
 DistributedDataParallel run (gloo on CPU) whose step times are equal on every rank.
 """
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +16,8 @@ import yaml
 
 from grafana.dashboards.metrics import EXPORTER_METRICS
 from grafana.dashboards.queries import panel_queries, variable_queries
-from tests.support.processes import REPO_ROOT, free_port, running_exporter, samples, scrape
+from tests.support.demos import start_ddp_demos, start_demo, stop
+from tests.support.processes import REPO_ROOT, running_exporter, samples, scrape
 from tests.support.prometheus import (
     query,
     rule_groups,
@@ -74,42 +73,6 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
     return scenario
 
 
-def _demo(
-    run: str,
-    rank: int,
-    world_size: int,
-    push_url: str,
-    log: Path,
-    *extra: str,
-    env: dict[str, str] | None = None,
-) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        **(env or {}),
-    }
-    argv = [
-        sys.executable,
-        "-m",
-        "training_hooks.demo",
-        "--run",
-        run,
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(world_size),
-        "--push-url",
-        push_url,
-        "--push-interval",
-        "1",
-        *extra,
-    ]
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
 def _recording_rules() -> list[str]:
     groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
     return sorted({rule["record"] for group in groups for rule in group["rules"] if "record" in rule})
@@ -125,15 +88,9 @@ def _runs(base_url: str, expr: str) -> set[str]:
 
 
 def _ddp_demos(push_url: str, tmp: Path) -> dict[tuple[str, int], subprocess.Popen]:
-    """Two ranks of one synchronous run, wired up the way torchrun does (env), without its overhead."""
-    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    slow = ("--ddp", "--slow-rank", str(DDP_SLOW_RANK), "--extra-step-seconds", str(DDP_EXTRA_SECONDS))
-    return {
-        ("ddp", rank): _demo(
-            "ddp", rank, 2, push_url, tmp / f"ddp-{rank}.log", *slow, env={**rendezvous, "RANK": str(rank)}
-        )
-        for rank in (0, 1)
-    }
+    """Two ranks of one synchronous run, one of them slow."""
+    slow = ("--slow-rank", str(DDP_SLOW_RANK), "--extra-step-seconds", str(DDP_EXTRA_SECONDS))
+    return start_ddp_demos("ddp", 2, push_url, tmp, *slow)
 
 
 def _empty_queries(base_url: str) -> list[str]:
@@ -180,13 +137,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         address = exporter.url.removeprefix("http://")
         with running_prometheus(tmp, {NODE: address}, [RULES_FILE]) as prometheus:
             demos = {
-                ("fast", 0): _demo(
+                ("fast", 0): start_demo(
                     "fast", 0, 2, exporter.url, tmp / "fast-0.log", "--extra-step-seconds", "0.02"
                 ),
-                ("fast", 1): _demo(
+                ("fast", 1): start_demo(
                     "fast", 1, 2, exporter.url, tmp / "fast-1.log", "--extra-step-seconds", "0.02"
                 ),
-                ("slow", 0): _demo("slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05"),
+                ("slow", 0): start_demo("slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05"),
                 **_ddp_demos(exporter.url, tmp),
             }
             try:
@@ -205,14 +162,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     )
                 yield Stack(exporter.url, prometheus.url, last)
             finally:
-                for proc in demos.values():
-                    proc.terminate()
-                for proc in demos.values():
-                    try:
-                        proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop(demos.values())
 
 
 def _by_run(results: list[dict]) -> dict[str, float]:

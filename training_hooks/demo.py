@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import training_hooks
 
@@ -62,6 +63,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "--slow-rank only")
     parser.add_argument("--slow-rank", type=_int_at_least(0), default=None, metavar="RANK",
                         help="apply --extra-step-seconds only on this rank (default: on every rank)")
+    parser.add_argument("--eval-every", type=_int_at_least(0), default=0, metavar="STEPS",
+                        help="evaluate every STEPS steps in state eval (default 0: never)")
+    parser.add_argument("--eval-seconds", type=_non_negative_float, default=2.0, metavar="SECONDS",
+                        help="how long each evaluation runs forward passes (default 2)")
     parser.add_argument("--ddp", action="store_true",
                         help="synchronous data parallel: DistributedDataParallel over gloo, rank and world "
                              "size from torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT")
@@ -98,6 +103,18 @@ def ddp_env(env: Mapping[str, str]) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK {rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE {world_size})")
     return rank, world_size
+
+
+def evaluate(model: Any, batch_size: int, seconds: float) -> None:
+    """Forward passes without gradients on fresh batches for `seconds` (the demo's validation)."""
+    import torch
+
+    deadline = time.monotonic() + seconds
+    model.eval()
+    with torch.no_grad():
+        while time.monotonic() < deadline:
+            model(torch.randn(batch_size, 64))
+    model.train()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             tracker.step(samples=len(x))
             if args.steps and tracker.steps >= args.steps:
                 break
+            if args.eval_every and tracker.steps % args.eval_every == 0:
+                with tracker.state("eval"):
+                    evaluate(model, args.batch_size, args.eval_seconds)
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:  # gloo reports a dead peer or a timeout as a plain RuntimeError
