@@ -36,6 +36,16 @@ EMPTY_BY_DESIGN = {
 # GPU index -> (NVML utilization %, GPM SM active %, run rank holding memory on it): fast's GPUs busy,
 # slow's starved, one idle.
 GPU_LAYOUT = {0: (95, 88, ("fast", 0)), 1: (95, 88, ("fast", 1)), 2: (25, 20, ("slow", 0)), 3: (0, 0, None)}
+# GPU index -> GPM interconnect readings (MiB/s): NVLink on 0-2, C2C on 2 (a Grace Hopper), none on 3,
+# whose GPM refuses both (an H100 without NVLink)
+INTERCONNECT = {
+    0: {"nvlink_total_rx_per_sec": 30_000.0, "nvlink_total_tx_per_sec": 31_000.0},
+    1: {"nvlink_total_rx_per_sec": 31_000.0, "nvlink_total_tx_per_sec": 30_000.0},
+    2: {"nvlink_total_rx_per_sec": 0.0, "nvlink_total_tx_per_sec": 0.0,  # a link that carries nothing
+        "c2c_total_rx_per_sec": 9_000.0, "c2c_total_tx_per_sec": 2_000.0},
+    3: {},
+}
+INTERCONNECT_ROW = "GPU $gpu: NVLink, step phases, host link"
 # The DDP run: rank DDP_SLOW_RANK sleeps this long in forward; the other rank waits for it in backward.
 DDP_SLOW_RANK = 1
 DDP_EXTRA_SECONDS = 0.03
@@ -66,7 +76,7 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
                 throttle=["sw_power_cap"] if index == 0 else [],
                 utilization={"gpu": utilization, "memory": utilization // 2},
                 gpm={"sm_util": sm_active, "sm_occupancy": sm_active / 2, "any_tensor_util": sm_active / 2,
-                     "dram_bw_util": sm_active / 2},
+                     "dram_bw_util": sm_active / 2, **INTERCONNECT[index]},
             )
         )
     scenario["gpus"] = gpus
