@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from grafana.dashboards.metrics import EXPORTER_METRICS
-from grafana.dashboards.queries import panel_queries, variable_queries
+from grafana.dashboards.queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
 from tests.support.demos import start_ddp_demos, start_demo, stop
 from tests.support.processes import REPO_ROOT, running_exporter, samples, scrape
 from tests.support.prometheus import (
@@ -36,6 +36,16 @@ EMPTY_BY_DESIGN = {
 # GPU index -> (NVML utilization %, GPM SM active %, run rank holding memory on it): fast's GPUs busy,
 # slow's starved, one idle.
 GPU_LAYOUT = {0: (95, 88, ("fast", 0)), 1: (95, 88, ("fast", 1)), 2: (25, 20, ("slow", 0)), 3: (0, 0, None)}
+# GPU index -> GPM interconnect readings (MiB/s): NVLink on 0-2, C2C on 2 (a Grace Hopper), none on 3,
+# whose GPM refuses both (an H100 without NVLink)
+INTERCONNECT = {
+    0: {"nvlink_total_rx_per_sec": 30_000.0, "nvlink_total_tx_per_sec": 31_000.0},
+    1: {"nvlink_total_rx_per_sec": 31_000.0, "nvlink_total_tx_per_sec": 30_000.0},
+    2: {"nvlink_total_rx_per_sec": 0.0, "nvlink_total_tx_per_sec": 0.0,  # a link that carries nothing
+        "c2c_total_rx_per_sec": 9_000.0, "c2c_total_tx_per_sec": 2_000.0},
+    3: {},
+}
+INTERCONNECT_ROW = "GPU $gpu: NVLink, step phases, host link"
 # The DDP run: rank DDP_SLOW_RANK sleeps this long in forward; the other rank waits for it in backward.
 DDP_SLOW_RANK = 1
 DDP_EXTRA_SECONDS = 0.03
@@ -66,7 +76,7 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
                 throttle=["sw_power_cap"] if index == 0 else [],
                 utilization={"gpu": utilization, "memory": utilization // 2},
                 gpm={"sm_util": sm_active, "sm_occupancy": sm_active / 2, "any_tensor_util": sm_active / 2,
-                     "dram_bw_util": sm_active / 2},
+                     "dram_bw_util": sm_active / 2, **INTERCONNECT[index]},
             )
         )
     scenario["gpus"] = gpus
@@ -288,3 +298,52 @@ def test_straggler_alert_expression_selects_the_slow_ddp_rank_only(stack: Stack)
         for item in query(stack.prometheus, _alert_expr("StepscopeStragglerRank"))
     }
     assert selected == {("ddp", str(DDP_SLOW_RANK), "local_phases")}
+
+
+def _interconnect_row_on(base_url: str, gpu: str) -> dict[str, list[dict]]:
+    """What each panel of the repeated per-GPU row shows for one GPU: {panel title: series}."""
+    model = load_dashboards(DASHBOARDS_DIR)["stepscope-node.json"]
+    start = next(i for i, p in enumerate(model["panels"]) if p.get("title") == INTERCONNECT_ROW)
+    assert model["panels"][start]["repeat"] == "gpu"
+    shown = {}
+    for panel in model["panels"][start + 1 :]:
+        if panel["type"] == "row":
+            break
+        title = panel["title"].replace("$gpu", gpu)
+        exprs = [substitute(t["expr"].replace("$gpu", gpu)) for t in panel["targets"]]
+        shown[title] = [item for expr in exprs for item in query(base_url, expr)]
+    return shown
+
+
+def test_interconnect_row_puts_each_gpus_links_next_to_its_ranks_phases(stack: Stack) -> None:
+    """The node dashboard's row for one GPU: NVLink and host-link bytes/s where the GPU reports them
+    (absent, so "no data", where not: never a made-up zero), beside the phases of the ranks on it."""
+    mib = 2**20
+
+    def by_name(series: list[dict]) -> dict[str, float]:
+        return {item["metric"]["__name__"].removeprefix("stepscope_gpu_"): float(item["value"][1])
+                for item in series}
+
+    gpu0 = _interconnect_row_on(stack.prometheus, "0")
+    assert by_name(gpu0["NVLink (GPU ↔ GPU), GPU 0"]) == {
+        "nvlink_receive_bytes_per_second": 30_000 * mib, "nvlink_transmit_bytes_per_second": 31_000 * mib}
+    phases = {(i["metric"]["run"], i["metric"]["rank"], i["metric"]["phase"])
+              for i in gpu0["Step phases of the ranks on GPU 0"]}
+    assert {(run, rank) for run, rank, _ in phases} == {("fast", "0")}, phases  # only the rank on GPU 0
+    assert {("fast", "0", "backward"), ("fast", "0", "to_device")} <= phases
+    assert set(by_name(gpu0["Host link (PCIe, C2C), GPU 0"])) == {
+        "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second"}  # no C2C on this GPU
+
+    gpu2 = _interconnect_row_on(stack.prometheus, "2")
+    assert by_name(gpu2["NVLink (GPU ↔ GPU), GPU 2"]) == {
+        "nvlink_receive_bytes_per_second": 0.0, "nvlink_transmit_bytes_per_second": 0.0}
+    host = by_name(gpu2["Host link (PCIe, C2C), GPU 2"])
+    assert host["c2c_receive_bytes_per_second"] == 9_000 * mib
+    assert host["c2c_transmit_bytes_per_second"] == 2_000 * mib
+    assert {i["metric"]["run"] for i in gpu2["Step phases of the ranks on GPU 2"]} == {"slow"}
+
+    gpu3 = _interconnect_row_on(stack.prometheus, "3")  # GPM refuses NVLink and C2C, no rank on it
+    assert gpu3["NVLink (GPU ↔ GPU), GPU 3"] == []
+    assert gpu3["Step phases of the ranks on GPU 3"] == []
+    assert set(by_name(gpu3["Host link (PCIe, C2C), GPU 3"])) == {
+        "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second"}

@@ -1,7 +1,8 @@
 """The README's metric table is the contract: a real scrape publishes exactly the families it lists.
 
-Every collector runs (the fake NVML with an H100 for GPM, a throttled A100 with an XID, this test
-process holding GPU memory) and real training hooks push, so every documented family has data.
+Every collector runs (the fake NVML with an H100 for GPM and NVLink, a GH200 for C2C, a throttled
+A100 with an XID, this test process holding GPU memory) and real training hooks push, so every
+documented family has data.
 """
 
 import os
@@ -51,6 +52,7 @@ def test_a_full_scrape_publishes_exactly_the_readme_families(tmp_path: Path) -> 
         "gpus": [
             make_gpu(0, "H100", processes=[(os.getpid(), 2 * GIB)]),
             make_gpu(1, "A100", throttle=["sw_power_cap"]),
+            make_gpu(2, "GH200"),
         ],
         "xid_events": [{"gpu": 1, "xid": 79}],
     }

@@ -60,6 +60,14 @@ FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "sm_occupancy_ratio": (GaugeMetricFamily, "GPM: resident warps over the theoretical maximum.", GPU),
     "tensor_active_ratio": (GaugeMetricFamily, "GPM: fraction of time tensor cores were busy.", GPU),
     "dram_active_ratio": (GaugeMetricFamily, "GPM: DRAM bandwidth used over the maximum.", GPU),
+    "nvlink_receive_bytes_per_second": (
+        GaugeMetricFamily, "GPM: NVLink receive throughput, all links, since the last cycle.", GPU),
+    "nvlink_transmit_bytes_per_second": (
+        GaugeMetricFamily, "GPM: NVLink transmit throughput, all links, since the last cycle.", GPU),
+    "c2c_receive_bytes_per_second": (
+        GaugeMetricFamily, "GPM: C2C (chip-to-chip, Grace Hopper) receive throughput since the last cycle.", GPU),
+    "c2c_transmit_bytes_per_second": (
+        GaugeMetricFamily, "GPM: C2C (chip-to-chip, Grace Hopper) transmit throughput since the last cycle.", GPU),
 }
 
 # Clock-event reason bits (nvml.h nvmlClocksEventReason*, same values as the older ThrottleReason*)

@@ -1,9 +1,11 @@
-"""NVML GPM (GPU Performance Monitoring, Hopper and newer): SM, tensor-core, DRAM and PCIe activity.
+"""NVML GPM (GPU Performance Monitoring, Hopper and newer): SM, tensor-core, DRAM, PCIe, NVLink and C2C.
 
 GPM metrics are computed from two device samples taken some time apart, so each GPU keeps two
 allocated samples and alternates between them: the newest sample of one cycle is the baseline of
 the next. PCIe throughput comes from the same sample pair, so a GPU with GPM never needs
-`nvmlDeviceGetPcieThroughput`, which blocks for 20 ms per direction.
+`nvmlDeviceGetPcieThroughput`, which blocks for 20 ms per direction. NVLink (all links together: the
+gradient all-reduce between GPUs) and C2C (Grace Hopper's chip-to-chip link to its CPU) come from the
+same nvmlGpmMetricsGet call; a GPU whose GPM refuses them (no NVLink, no C2C) publishes none.
 """
 
 import contextlib
@@ -18,6 +20,10 @@ GPM_METRICS = (
     ("dram_active_ratio", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
     ("pcie_transmit_bytes_per_second", "NVML_GPM_METRIC_PCIE_TX_PER_SEC", 2.0**20),  # MiB/s
     ("pcie_receive_bytes_per_second", "NVML_GPM_METRIC_PCIE_RX_PER_SEC", 2.0**20),
+    ("nvlink_transmit_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", 2.0**20),
+    ("nvlink_receive_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", 2.0**20),
+    ("c2c_transmit_bytes_per_second", "NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC", 2.0**20),
+    ("c2c_receive_bytes_per_second", "NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC", 2.0**20),
 )
 PCIE_KEYS = frozenset({"pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second"})
 MIN_SAMPLE_GAP_SECONDS = 0.1  # NVML needs the two samples at least 100 ms apart
@@ -31,7 +37,7 @@ class GpmSampler:
         self._handle = handle
         self._baseline, self._spare = samples
         self._baseline_at: float | None = None
-        # metrics these bindings name; older nvidia-ml-py lacks the PCIe ids
+        # metrics these bindings name; older nvidia-ml-py lacks the PCIe, NVLink or C2C ids
         self._metrics = [(key, getattr(nvml, name), factor) for key, name, factor in GPM_METRICS
                          if hasattr(nvml, name)]
         self.gives_pcie: bool | None = None  # None until the first metrics read tells

@@ -50,6 +50,10 @@ EXPORTER_METRICS = frozenset(
         "stepscope_gpu_sm_occupancy_ratio",
         "stepscope_gpu_tensor_active_ratio",
         "stepscope_gpu_dram_active_ratio",
+        "stepscope_gpu_nvlink_receive_bytes_per_second",
+        "stepscope_gpu_nvlink_transmit_bytes_per_second",
+        "stepscope_gpu_c2c_receive_bytes_per_second",
+        "stepscope_gpu_c2c_transmit_bytes_per_second",
         # processes
         "stepscope_process_cpu_seconds_total",
         "stepscope_process_resident_memory_bytes",

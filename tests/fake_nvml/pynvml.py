@@ -34,9 +34,12 @@ GPU (every key optional; a missing field raises NVMLError_NotSupported, like a G
     "ecc_aggregate": {"corrected": COUNTER, "uncorrected": COUNTER},
     "processes": [{"pid": 1234, "used_memory": B}],  # used_memory null = not available; missing = []
     "gpm": {"sm_util": 80, "sm_occupancy": 40, "any_tensor_util": 55, "dram_bw_util": 60,
-            "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.9},
-                                                   # percent, PCIe in MiB/s; a missing key is refused
-                                                   # per metric; no "gpm" = unsupported (pre-Hopper)
+            "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.9,
+            "nvlink_total_tx_per_sec": 40000, "nvlink_total_rx_per_sec": 40000,
+            "c2c_total_tx_per_sec": 2000, "c2c_total_rx_per_sec": 9000},
+                                                   # percent, throughputs in MiB/s; a missing key is
+                                                   # refused per metric (no NVLink, no C2C); no "gpm"
+                                                   # = unsupported (pre-Hopper)
     "errors": {"power_usage_mw": "Unknown", ...}   # force NVMLError_<Name> for one field; fields are
                                                    # the keys above plus "memory_v2", "gpm_sample",
                                                    # "register_events"
@@ -110,6 +113,10 @@ NVML_GPM_METRIC_ANY_TENSOR_UTIL = 5
 NVML_GPM_METRIC_DRAM_BW_UTIL = 10
 NVML_GPM_METRIC_PCIE_TX_PER_SEC = 20
 NVML_GPM_METRIC_PCIE_RX_PER_SEC = 21
+NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC = 60
+NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC = 61
+NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC = 100
+NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC = 101
 NVML_GPM_METRIC_MAX = 477
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_SUPPORT_VERSION = 1
@@ -142,6 +149,10 @@ GPM_KEYS = {
     NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_bw_util",
     NVML_GPM_METRIC_PCIE_TX_PER_SEC: "pcie_tx_per_sec",
     NVML_GPM_METRIC_PCIE_RX_PER_SEC: "pcie_rx_per_sec",
+    NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: "nvlink_total_rx_per_sec",
+    NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: "nvlink_total_tx_per_sec",
+    NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC: "c2c_total_tx_per_sec",
+    NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC: "c2c_total_rx_per_sec",
 }
 
 

@@ -29,7 +29,18 @@ MODELS: dict[str, dict[str, Any]] = {
         "power_usage_mw": 512_000, "enforced_power_limit_mw": 700_000,
         "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 61,
         "gpm": {"sm_util": 82.0, "sm_occupancy": 41.0, "any_tensor_util": 55.0, "dram_bw_util": 63.0,
-                "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.875},  # MiB/s: pcie_kbps below
+                "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.875,  # MiB/s: pcie_kbps below
+                "nvlink_total_tx_per_sec": 48_000.0, "nvlink_total_rx_per_sec": 47_500.0},  # no C2C
+    },
+    "GH200": {  # Grace Hopper: the GPU reaches its CPU over NVLink-C2C, so host copies bypass PCIe
+        "name": "NVIDIA GH200 480GB",
+        "memory": {"total": 96 * GIB, "used": 70 * GIB, "reserved": GIB // 2},
+        "power_usage_mw": 610_000, "enforced_power_limit_mw": 900_000,
+        "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 58,
+        "gpm": {"sm_util": 79.0, "sm_occupancy": 38.0, "any_tensor_util": 52.0, "dram_bw_util": 58.0,
+                "pcie_tx_per_sec": 2.0, "pcie_rx_per_sec": 3.0,
+                "nvlink_total_tx_per_sec": 51_000.0, "nvlink_total_rx_per_sec": 50_500.0,
+                "c2c_total_tx_per_sec": 6_000.0, "c2c_total_rx_per_sec": 21_000.0},
     },
     "A100": {
         "name": "NVIDIA A100-SXM4-80GB",
