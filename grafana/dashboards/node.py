@@ -362,6 +362,7 @@ def build() -> dashboard.Dashboard:
                 "harmless.",
                 [Q(f"stepscope_gpu_clock_event_active{{{GPUS}}}", "GPU {{gpu}} {{reason}}")],
                 value_text({"0": ("inactive", "transparent"), "1": ("active", "red")}),
+                width=12,
             )
         )
         .with_panel(
