@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter_ns
 from typing import Any
 
@@ -19,6 +19,8 @@ import psutil
 
 from training_hooks.config import STATES, Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from training_hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
+from training_hooks.profiling import TraceSettings, TraceTaker
 from training_hooks.pusher import Pusher, group_url
 from training_hooks.render import Snapshot, render
 from training_hooks.signals import FinalPushOnSigterm
@@ -87,12 +89,20 @@ class Tracker:
         self._boundary = perf_counter_ns()
         self._state = "setup"
         self._cuda_timer: CudaTimer | None = None
+        # The trace taker's step-boundary call while a profiler trace is requested or recording, else None:
+        # all that on-demand tracing adds to the hot path (training_hooks.profiling).
+        self._tracing: Callable[[], None] | None = None
+        self._limits: Limits | None = None
         self._closed = False
         self.pusher: Pusher | None = None
+        self.traces: TraceTaker | None = None
         if config.push_url:
+            settings = TraceSettings(config.trace_dir, config.trace_max_bytes, config.trace_keep)
+            self.traces = TraceTaker(config.run, config.rank, settings, self._arm_tracing)
             self.pusher = Pusher(
                 group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
                 token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
+                headers=self.traces.headers, on_answer=self.traces.on_answer,
             )
             self.pusher.start()
         atexit.register(self.close)
@@ -127,6 +137,8 @@ class Tracker:
         self._samples += samples
         if self._cuda_timer is not None:  # resolves finished GPU timings, decides if the next step is timed
             self._cuda_timer.step_done(duration)
+        if self._tracing is not None:  # a profiler trace was requested: start, step or finish it
+            self._tracing()
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -147,6 +159,30 @@ class Tracker:
             yield item
 
     # -- slow path --------------------------------------------------------------------------------
+
+    def measure_limits(
+        self, loader: Iterable[Any], train_step: Callable[[Any], object], batches: int = 50, *,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS, device: Any = None, samples_per_batch: int | None = None,
+    ) -> Limits:
+        """The loader limit and the compute limit in samples per second, pushed as gauges from now on.
+
+        Loader limit: batches drawn from a fresh iterator of `loader` and discarded. Compute limit:
+        `train_step(batch)` on its first batch again and again (moved to `device` once when given),
+        synchronized at the end when the process uses CUDA. Run it before training or at a checkpoint:
+        the step really runs, so it updates the model; time spent here is not a step. Phases timed
+        inside `train_step` count as usual, so pass a step without tracker calls. See
+        `training_hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
+        """
+        limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
+                         samples_per_batch=samples_per_batch, cuda=_cuda_module())
+        self._limits = limits
+        if self._state == "train":
+            self._boundary = perf_counter_ns()
+        log.info("stepscope: %s", limits)
+        return limits
+
+    def _arm_tracing(self, boundary: Callable[[], None] | None) -> None:
+        self._tracing = boundary
 
     def state(self, name: str) -> _StateScope:
         """Sets the training state (setup, train, eval, checkpoint, idle).
@@ -236,6 +272,8 @@ class Tracker:
             samples=self._samples,
             state=self._state,
             info=info,
+            limits=self._limits,
+            trace=self.traces.published() if self.traces is not None else None,
         )
 
     def render(self) -> str:
@@ -256,6 +294,8 @@ class Tracker:
                 self._cuda_timer.resolve(block=True)
             except Exception as exc:  # a dead CUDA context at exit must not hide the final push
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
+        if self.traces is not None:
+            self.traces.close()  # a trace being recorded is written with the steps it has
         self._state = "idle"
         if self.pusher is not None:
             self.pusher.stop()
