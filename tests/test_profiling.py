@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import training_hooks as th
+from tests.fake_cuda import FakeCuda
 from tests.support.traces import step_annotations
+from training_hooks import tracker as tracker_module
+from training_hooks.cuda import CudaTimer
 from training_hooks.profiling import (
     REQUEST_HEADER,
     STATUS_HEADER,
@@ -174,3 +178,23 @@ def test_prune_keeps_the_newest_traces_of_one_run_and_rank(tmp_path: Path) -> No
     deleted = prune(tmp_path, mine, keep=2)
     assert sorted(p.name for p in deleted) == [f"{mine}0.pt.trace.json.gz", f"{mine}1.pt.trace.json.gz"]
     assert len(list(tmp_path.glob(f"{other}*"))) == 4
+
+
+def test_the_step_boundary_hook_joins_gpu_timing_and_an_armed_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """step() makes one test, as before traces existed: a single hook serves CUDA timing, an armed
+    trace, or both, whichever thread set its part first."""
+    cuda = FakeCuda()
+    monkeypatch.setattr(tracker_module, "_cuda_module", lambda: cuda)
+    calls: list[str] = []
+    monkeypatch.setattr(CudaTimer, "step_done", lambda timer, duration: calls.append("gpu"))
+    tracker = th.init(run="hook", push_url="", handle_sigterm=False)
+    assert tracker._at_boundary is None
+    tracker._arm_tracing(lambda duration: calls.append("trace"))  # armed before any GPU phase
+    tracker.step()
+    with tracker.phase("forward", cuda=True):  # the CUDA timer joins the armed trace
+        pass
+    tracker.step()
+    tracker._arm_tracing(None)  # the trace ended
+    tracker.step()
+    assert calls == ["trace", "gpu", "trace", "gpu"]
+    tracker.close()

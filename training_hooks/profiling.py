@@ -16,14 +16,15 @@ Protocol, carried by the pusher (a stock Pushgateway ignores both headers):
 - while a request for the rank waits, the exporter answers its pushes with
   `Stepscope-Profile-Request: {"id": ..., "steps": N}` until a push shows the rank took it.
 
-Cost: none while no trace is requested: no profiler object exists and `Tracker.step` tests one
-attribute (benchmarks/results/profile_idle.md). A request arms the tracker from the pusher thread; the
-training thread starts `torch.profiler` at its next step boundary (CPU activities, plus CUDA when this
-process initialised CUDA; shapes, stacks and memory off) with one warm-up step and N recorded steps
-(`schedule(wait=0, warmup=1, active=N)`: the trace holds `ProfilerStep#` annotations for exactly N
-steps), stops it when the schedule says the trace is ready, and a writer thread exports the Chrome
-trace, gzips it under a size cap into the trace directory and deletes the rank's older traces beyond
-a count. One trace at a time: a rank that is tracing takes no second request.
+Cost: none while no trace is requested: no profiler object exists, and `Tracker.step` makes the one
+test it made before (its boundary hook, which an armed request joins; benchmarks/results/profile.md).
+A request arms the tracker from the pusher thread; the training thread starts `torch.profiler` at its
+next step boundary (CPU activities, plus CUDA when this process initialised CUDA; shapes, stacks and
+memory off) with one warm-up step and N recorded steps (`schedule(wait=0, warmup=1, active=N)`: the
+trace holds `ProfilerStep#` annotations for exactly N steps), stops it when the schedule says the
+trace is ready, and a writer thread exports the Chrome trace, gzips it under a size cap into the trace
+directory and deletes the rank's older traces beyond a count. One trace at a time: a rank that is
+tracing takes no second request.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ PROTOCOL_VERSION = 1
 MAX_TRACE_STEPS = 1000
 WARMUP_STEPS = 1
 TRACE_SUFFIX = ".pt.trace.json.gz"  # what TensorBoard's profiler plugin and Perfetto recognise
-WRITER_JOIN_SECONDS = 60.0  # close() waits this long for a trace being written
+WRITER_JOIN_SECONDS = 10.0  # close() waits this long for a trace being written (SIGTERM has a grace period)
 CLOSE_LOCK_SECONDS = 1.0  # close() from a signal handler may interrupt the holder: never wait forever
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 
-Arm = Callable[[Callable[[], None] | None], None]
+Arm = Callable[[Callable[[int], None] | None], None]
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,15 @@ def profiler_unavailable() -> str:
             return "this torch build has no Kineto profiler (torch.autograd.kineto_available() is False)"
     except Exception as exc:
         return f"cannot ask torch whether its profiler works: {exc!r}"
+    if _other_session(torch):
+        return "another torch.profiler session is recording in this process; ask again when it ends"
     return ""
+
+
+def _other_session(torch: Any) -> bool:
+    """Whether a torch.profiler session records now (Kineto allows one per process; starting a second
+    would end the first). torch keeps the flag in a module global; absent in other versions."""
+    return bool(getattr(getattr(torch.autograd, "profiler", None), "_is_profiler_enabled", False))
 
 
 def trace_file_prefix(run: str, rank: int) -> str:
@@ -138,8 +147,8 @@ def gzip_capped(source: Path, target: Path, max_bytes: int) -> int:
                 if raw.tell() > max_bytes:
                     raise TraceTooLarge(f"over {max_bytes} bytes gzipped")
         size = partial.stat().st_size
-        if size > max_bytes:
-            raise TraceTooLarge(f"{size} bytes gzipped, over {max_bytes}")
+        if size > max_bytes:  # the compressor's buffer held the excess until the end
+            raise TraceTooLarge(f"over {max_bytes} bytes gzipped")
         os.replace(partial, target)
         return size
     finally:
@@ -254,8 +263,9 @@ class TraceTaker:
 
     # -- training thread --------------------------------------------------------------------------
 
-    def boundary(self) -> None:
-        """At a step boundary while armed: starts the profiler, or steps it and finishes when ready."""
+    def boundary(self, step_ns: int = 0) -> None:
+        """At a step boundary while armed (`step_ns`, the step's duration, is not needed): starts the
+        profiler, or steps it and finishes when the schedule says the trace is ready."""
         with self._lock:
             request = self._request
             if request is None or self._writer is not None:  # finished meanwhile
@@ -296,6 +306,9 @@ class TraceTaker:
     def _start(self, request: TraceRequest) -> None:
         import torch.profiler as tp  # torch is imported: profiler_unavailable() said so
 
+        if _other_session(sys.modules["torch"]):  # started since the request came: leave it alone
+            self._fail(request, "another torch.profiler session is recording in this process")
+            return
         activities = [tp.ProfilerActivity.CPU]
         if _uses_cuda(sys.modules["torch"]) and tp.ProfilerActivity.CUDA in tp.supported_activities():
             activities.append(tp.ProfilerActivity.CUDA)

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter_ns
 from typing import Any
@@ -29,6 +30,7 @@ from training_hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
 log = logging.getLogger("training_hooks")
 
 Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
+BoundaryHook = Callable[[int], None]  # called at each step boundary with the step's duration in ns
 
 
 def _cuda_module() -> Any | None:
@@ -89,9 +91,13 @@ class Tracker:
         self._boundary = perf_counter_ns()
         self._state = "setup"
         self._cuda_timer: CudaTimer | None = None
-        # The trace taker's step-boundary call while a profiler trace is requested or recording, else None:
-        # all that on-demand tracing adds to the hot path (training_hooks.profiling).
-        self._tracing: Callable[[], None] | None = None
+        # The trace taker's boundary call while a profiler trace is requested or recording (profiling).
+        self._tracing: BoundaryHook | None = None
+        # What step() calls with the step's duration: the CUDA timer's step_done once GPU phases exist,
+        # the trace taker's boundary while armed, both, or None. One test on the hot path, as before
+        # on-demand traces existed (benchmarks/results/profile.md); set by _update_boundary_hook only.
+        self._at_boundary: BoundaryHook | None = None
+        self._boundary_lock = threading.Lock()  # the pusher thread arms, the training thread adds CUDA
         self._limits: Limits | None = None
         self._closed = False
         self.pusher: Pusher | None = None
@@ -135,10 +141,9 @@ class Tracker:
         self._boundary = now
         self._steps += 1
         self._samples += samples
-        if self._cuda_timer is not None:  # resolves finished GPU timings, decides if the next step is timed
-            self._cuda_timer.step_done(duration)
-        if self._tracing is not None:  # a profiler trace was requested: start, step or finish it
-            self._tracing()
+        at_boundary = self._at_boundary
+        if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
+            at_boundary(duration)  # ends a requested profiler trace
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -181,8 +186,23 @@ class Tracker:
         log.info("stepscope: %s", limits)
         return limits
 
-    def _arm_tracing(self, boundary: Callable[[], None] | None) -> None:
+    def _arm_tracing(self, boundary: BoundaryHook | None) -> None:
         self._tracing = boundary
+        self._update_boundary_hook()
+
+    def _update_boundary_hook(self) -> None:
+        with self._boundary_lock:
+            timer, tracing = self._cuda_timer, self._tracing
+            if tracing is None or timer is None:
+                self._at_boundary = tracing or (timer.step_done if timer is not None else None)
+                return
+            step_done = timer.step_done
+
+            def both(duration: int) -> None:
+                step_done(duration)
+                tracing(duration)
+
+            self._at_boundary = both
 
     def state(self, name: str) -> _StateScope:
         """Sets the training state (setup, train, eval, checkpoint, idle).
@@ -225,6 +245,7 @@ class Tracker:
         else:
             if self._cuda_timer is None:
                 self._cuda_timer = CudaTimer(cuda_module)
+                self._update_boundary_hook()
             phase = CudaPhase(name, hist, self._cuda_timer)
         (self._gpu if cuda else self._host)[name] = phase
         return phase
