@@ -23,6 +23,8 @@ from typing import Any
 
 import requests
 
+from exporter.flags import positive_float
+
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
 API = "/api/v1/profiles"
@@ -48,16 +50,6 @@ def _int_in(low: int, high: int) -> Any:
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -70,7 +62,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="a rank to trace, repeatable (default: 0)")
     ranks.add_argument("--all-ranks", action="store_true", help="every rank of the run pushing to this exporter")
     parser.add_argument("--steps", type=_int_in(1, MAX_STEPS), default=20, help="training steps to record")
-    parser.add_argument("--wait", type=_seconds, default=120.0, metavar="SECONDS",
+    parser.add_argument("--wait", type=positive_float, default=120.0, metavar="SECONDS",
                         help="how long to wait for the traces")
     parser.add_argument("--token-file", metavar="FILE",
                         help="file holding the exporter's push token (default: STEPSCOPE_PUSH_TOKEN)")

@@ -57,6 +57,7 @@ INDEX_PAGE = """<!doctype html>
 <li><a href="metrics">/metrics</a> &mdash; node, GPU, process and training metrics</li>
 <li><a href="-/healthy">/-/healthy</a> &mdash; liveness</li>
 <li><a href="-/ready">/-/ready</a> &mdash; readiness (first collection done)</li>
+<li>/api/v1/profiles &mdash; PyTorch profiler traces of live ranks (stepscope-profile)</li>
 </ul></body></html>
 """
 

@@ -125,7 +125,7 @@ class ProfileRequests:
         here = {rank: pushed_at for (group_run, rank), pushed_at in live.items() if group_run == run}
         targets = sorted(here, key=int) if ranks is None else list(dict.fromkeys(ranks))
         missing = [rank for rank in targets if rank not in here]
-        if missing:
+        if missing or not here:
             raise ProfileError(404, _not_pushing(run, missing, here, sorted({r for r, _ in live})))
         with self._lock:
             self._expire_locked(live)
