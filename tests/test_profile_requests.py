@@ -143,6 +143,23 @@ def test_cancel_and_lookups(groups: GroupStore, clock: Clock) -> None:
     assert len(registry.listing(None)["requests"]) == 3  # 2 finished kept, plus the open one
 
 
+@pytest.mark.parametrize("header", [
+    '{"v": 1, "state": "ready", "last": {"id": "X", "ok": true, "path": "/p", "size": "big", "steps": 1}}',
+    '{"v": 1, "state": "ready", "last": {"id": "X", "ok": "yes"}}',
+    '{"v": 1, "state": "ready", "last": {"id": 7, "ok": false}}',
+    '{"v": 1, "state": "ready", "last": [1, 2]}',
+    '{"v": 1, "state": "running", "id": "X", "done_steps": "3"}',
+])
+def test_a_malformed_status_changes_nothing_and_fails_no_push(groups: GroupStore, clock: Clock, header: str) -> None:
+    registry = ProfileRequests(groups, clock=clock)
+    push(groups, registry, "0", READY)
+    [request] = registry.create("r", ["0"], 5)
+    header = header.replace('"X"', json.dumps(request.id))
+    assert push(groups, registry, "0", header) in (None, request.answer_header())
+    assert registry.get(request.id)["state"] in ("pending", "running")
+    assert registry.get(request.id)["done_steps"] == 0
+
+
 def test_pushes_answer_with_the_request_header(groups: GroupStore) -> None:
     limits = PushLimits(max_label_length=128, max_series=100, max_phases=4)
     api = PushApi(ExpositionStore(), groups, AccessPolicy(), max_body_bytes=100_000, limits=limits)

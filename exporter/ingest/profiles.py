@@ -57,12 +57,26 @@ def parse_status(raw: str) -> RankStatus | None:
         return None
     if not isinstance(data, dict) or data.get("state") not in ("ready", "running", "unavailable"):
         return None
-    last = data.get("last")
     done = data.get("done_steps")
     return RankStatus(
         state=data["state"], reason=clip(str(data.get("reason") or ""), 300), running_id=str(data.get("id") or ""),
-        done_steps=done if isinstance(done, int) else 0, last=last if isinstance(last, dict) else {},
+        done_steps=done if _count(done) else 0, last=_outcome(data.get("last")),
     )
+
+
+def _outcome(last: object) -> Mapping[str, Any]:
+    """The last request's outcome with the types the registry relies on; {} when it is anything else."""
+    if not isinstance(last, dict) or not isinstance(last.get("id"), str) or not isinstance(last.get("ok"), bool):
+        return {}
+    if last["ok"] and not (isinstance(last.get("path"), str) and _count(last.get("size"))
+                           and _count(last.get("steps"))):
+        return {}
+    return {"id": last["id"], "ok": last["ok"], "path": last.get("path", ""), "size": last.get("size", 0),
+            "steps": last.get("steps", 0), "reason": clip(str(last.get("reason") or ""), 300)}
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass
@@ -217,12 +231,11 @@ class ProfileRequests:
             return
         last = status.last
         if last.get("id") == request.id:
-            if last.get("ok"):
-                request.path, request.size = str(last.get("path", "")), int(last.get("size", 0))
-                request.trace_steps = int(last.get("steps", 0))
-                self._end_locked(request, "done", str(last.get("reason") or ""))
+            if last["ok"]:
+                request.path, request.size, request.trace_steps = last["path"], last["size"], last["steps"]
+                self._end_locked(request, "done", last["reason"])
             else:
-                self._end_locked(request, "failed", str(last.get("reason") or "the rank gave no reason"))
+                self._end_locked(request, "failed", last["reason"] or "the rank gave no reason")
         elif status.state == "running" and status.running_id == request.id:
             request.state = "running"
             request.started_at = request.started_at or self._clock()
