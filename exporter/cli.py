@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth = BasicAuth(args.basic_auth_user, password)
 
     store = ExpositionStore()
-    push_api = ingest.build(args, store)
+    push_api, profile_api = ingest.build(args, store)
     collectors = _build_collectors(args, push_api)
     scheduler = Scheduler(collectors, args.collect_interval, store)
     host, port = args.listen_address
@@ -144,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
     try:
         server = ExporterServer(
-            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth, limits=limits
+            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth, limits=limits,
+            profile_handler=profile_api,
         )
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")

@@ -8,7 +8,8 @@ the next request. What this module adds on top is bounded: a deadline for a requ
 (HEADER_TIMEOUT_SECONDS, from the connection's start or the previous response; also the idle limit
 of a kept-alive connection) and for a push body, a cap on connections and on push-body bytes in
 flight (so /metrics always gets through), the push API's access check before a body byte is read,
-405 in plain text for other methods, TLS that reloads its files, basic auth, a graceful stop.
+405 in plain text for other methods, TLS that reloads its files, basic auth, a graceful stop. The
+profile-request API (PROFILE_PREFIX) goes through the same bounded path as a push.
 """
 
 import asyncio
@@ -24,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Protocol
 
@@ -46,6 +47,7 @@ WRITE_SLICE_BYTES = 256 * 1024  # a slow scraper holds at most this much (plus t
 LARGE_BODY_BYTES = 64 * 1024  # parsed off the event loop, one at a time
 RECEIVE_BUFFER_BYTES = 64 * 1024
 READ_BUFFER_BYTES = 16 * 1024  # aiohttp stops reading a body at twice this until the handler reads it
+PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 INDEX_PAGE = """<!doctype html>
 <html><head><title>stepscope exporter</title></head>
@@ -55,6 +57,7 @@ INDEX_PAGE = """<!doctype html>
 <li><a href="metrics">/metrics</a> &mdash; node, GPU, process and training metrics</li>
 <li><a href="-/healthy">/-/healthy</a> &mdash; liveness</li>
 <li><a href="-/ready">/-/ready</a> &mdash; readiness (first collection done)</li>
+<li>/api/v1/profiles &mdash; PyTorch profiler traces of live ranks (stepscope-profile)</li>
 </ul></body></html>
 """
 
@@ -63,6 +66,8 @@ INDEX_PAGE = """<!doctype html>
 class PushResponse:
     status: int
     message: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # e.g. a profile request for the pushing rank
+    content_type: str = "text/plain"
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class PushRequest:
 
 
 class PushHandler(Protocol):
-    """Receives the Pushgateway-style API (`/metrics/job/...`); implemented by the ingest side."""
+    """Receives the Pushgateway-style API (`/metrics/job/...`) or the profile API (`/api/v1/profiles`);
+    implemented by the ingest side."""
 
     def check(self, request: PushRequest) -> PushResponse | None:
         """The answer decided from the request head alone (a refusal, a DELETE), or None to read the body."""
@@ -263,6 +269,7 @@ class ExporterServer:
         tls: TlsContextSource | None = None,
         auth: BasicAuth | None = None,
         limits: WebLimits = WebLimits(),
+        profile_handler: PushHandler | None = None,
     ) -> None:
         self._socket = _listen(address)
         self.server_address = self._socket.getsockname()
@@ -271,6 +278,7 @@ class ExporterServer:
         self.tls = tls
         self.auth = auth
         self.push_handler = push_handler
+        self.profile_handler = profile_handler
         self.limits = limits
         self._in_flight = 0  # push-body bytes being received, by Content-Length
         self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-parse")
@@ -325,9 +333,12 @@ class ExporterServer:
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.raw_path.split("?", 1)[0]
         method = request.method
+        if self.profile_handler is not None and (path == PROFILE_PREFIX or path.startswith(PROFILE_PREFIX + "/")):
+            # the push API's access rules, not basic auth: who may push may ask for traces
+            return await self._api(request, self.profile_handler)
         if method not in ("GET", "HEAD"):
             if path.startswith("/metrics/"):
-                return await self._push(request)
+                return await self._api(request, self.push_handler)
             return _text(HTTPStatus.METHOD_NOT_ALLOWED, f"method {method} is not allowed on {path}: use GET",
                          close=request.body_exists, headers={"Allow": "GET, HEAD"})
         close = request.body_exists  # a body nobody reads must not become the next request
@@ -360,16 +371,16 @@ class ExporterServer:
         await response.write_eof()
         return response
 
-    async def _push(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _api(self, request: web.BaseRequest, handler: PushHandler) -> web.StreamResponse:
+        """check() on the request head; then the body, bounded in size, time and bytes in flight; handle()."""
         push = PushRequest(
             method=request.method, path=request.raw_path, client_ip=request.remote or "",
             headers={name.lower(): value for name, value in request.headers.items()},
             length=request.content_length,
         )
-        handler = self.push_handler
         answer = handler.check(push)
         if answer is not None:
-            return _text(answer.status, answer.message, close=request.body_exists)
+            return _answer(answer, close=request.body_exists)
         length = push.length or 0
         if self._in_flight + length > self.limits.max_body_bytes_in_flight:
             answer = handler.refuse(
@@ -377,26 +388,26 @@ class ExporterServer:
                 f"{self._in_flight} bytes of other pushes are being received, the limit "
                 f"(--ingest-max-bytes-in-flight {self.limits.max_body_bytes_in_flight}): retry later",
             )
-            return _text(answer.status, answer.message, close=True, headers={"Retry-After": "1"})
+            return _answer(answer, close=True, headers={"Retry-After": "1"})
         self._in_flight += length
         try:
             body = await asyncio.wait_for(request.content.readexactly(length), BODY_TIMEOUT_SECONDS)
         except asyncio.TimeoutError:
             answer = handler.refuse(push, 408, "incomplete_body",
                                     f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g}s; nothing stored")
-            return _text(answer.status, answer.message, close=True)
+            return _answer(answer, close=True)
         except (asyncio.IncompleteReadError, ConnectionError, HttpProcessingError) as exc:
             received = len(exc.partial) if isinstance(exc, asyncio.IncompleteReadError) else "fewer"
             answer = handler.refuse(push, 400, "incomplete_body",
                                     f"the body ended after {received} of {length} bytes; nothing stored")
-            return _text(answer.status, answer.message, close=True)
+            return _answer(answer, close=True)
         finally:
             self._in_flight -= length
         if length > LARGE_BODY_BYTES:  # keeps the loop (and scrapes) responsive; one at a time bounds memory
             answer = await asyncio.get_running_loop().run_in_executor(self._parser, handler.handle, push, body)
         else:
             answer = handler.handle(push, body)
-        return _text(answer.status, answer.message)
+        return _answer(answer)
 
 
 def _response(response: web.StreamResponse, close: bool) -> web.StreamResponse:
@@ -406,8 +417,14 @@ def _response(response: web.StreamResponse, close: bool) -> web.StreamResponse:
     return response
 
 
-def _text(status: int, message: str, close: bool = False, headers: Mapping[str, str] | None = None) -> web.Response:
-    response = web.Response(status=status, text=message.rstrip("\n") + "\n", content_type="text/plain",
+def _text(status: int, message: str, close: bool = False, headers: Mapping[str, str] | None = None,
+          content_type: str = "text/plain") -> web.Response:
+    response = web.Response(status=status, text=message.rstrip("\n") + "\n", content_type=content_type,
                             charset="utf-8", headers=headers)
     _response(response, close)
     return response
+
+
+def _answer(answer: PushResponse, close: bool = False, headers: Mapping[str, str] | None = None) -> web.Response:
+    return _text(answer.status, answer.message, close=close, headers={**answer.headers, **(headers or {})} or None,
+                 content_type=answer.content_type)

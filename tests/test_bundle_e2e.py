@@ -7,6 +7,7 @@ DistributedDataParallel run (gloo on CPU) whose step times are equal on every ra
 """
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 from grafana.dashboards.metrics import EXPORTER_METRICS
 from grafana.dashboards.queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
 from tests.support.demos import start_ddp_demos, start_demo, stop
-from tests.support.processes import REPO_ROOT, running_exporter, samples, scrape
+from tests.support.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from tests.support.prometheus import (
     query,
     rule_groups,
@@ -25,6 +26,7 @@ from tests.support.prometheus import (
     series,
     wait_for,
 )
+from tests.support.traces import rank_tracing, step_annotations
 
 RULES_FILE = REPO_ROOT / "grafana" / "rules" / "stepscope.rules.yml"
 NODE = "e2e-node"
@@ -49,6 +51,9 @@ INTERCONNECT_ROW = "GPU $gpu: NVLink, step phases, host link"
 # The DDP run: rank DDP_SLOW_RANK sleeps this long in forward; the other rank waits for it in backward.
 DDP_SLOW_RANK = 1
 DDP_EXTRA_SECONDS = 0.03
+# fast and slow measure their loader and compute limits over this many batches before training
+LIMIT_BATCHES = 10
+TRACE_STEPS = 2
 
 
 pytestmark = pytest.mark.timeout(300)
@@ -112,6 +117,7 @@ def _empty_queries(base_url: str) -> list[str]:
             ("run:stepscope_dataloader_share:ratio_rate1m", every_run),
             ("run:stepscope_bottleneck:verdict", every_run),
             ("run:stepscope_gpu_effective_utilization:avg_ratio", {"fast", "slow"}),  # ddp holds no GPU
+            ("run:stepscope_limits:verdict", {"fast", "slow"}),  # ddp did not measure its limits
         )
         if _runs(base_url, expr) != runs
     ]
@@ -137,6 +143,16 @@ def _empty_queries(base_url: str) -> list[str]:
     return empty
 
 
+def _trace_fast_rank_0(exporter: str) -> None:
+    """A profiler trace of fast's rank 0 through stepscope-profile, once it pushes (the trace families
+    and the dashboard's trace table need one)."""
+    wait_for(lambda: rank_tracing(exporter, "fast", 0) == "ready", READY_TIMEOUT_SECONDS)
+    done = subprocess.run([sys.executable, "-m", "exporter.profile_cli", "--exporter", exporter, "--run", "fast",
+                           "--steps", str(TRACE_STEPS), "--wait", "60"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=90)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from tests.fake_nvml.scenario import write_scenario
@@ -146,19 +162,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter:
         address = exporter.url.removeprefix("http://")
         with running_prometheus(tmp, {NODE: address}, [RULES_FILE]) as prometheus:
+            limits = ("--measure-limits", str(LIMIT_BATCHES))
+            traces = {"STEPSCOPE_TRACE_DIR": str(tmp / "traces")}
             demos = {
                 ("fast", 0): start_demo(
-                    "fast", 0, 2, exporter.url, tmp / "fast-0.log", "--extra-step-seconds", "0.02"
+                    "fast", 0, 2, exporter.url, tmp / "fast-0.log", "--extra-step-seconds", "0.02", *limits,
+                    env=traces,
                 ),
                 ("fast", 1): start_demo(
-                    "fast", 1, 2, exporter.url, tmp / "fast-1.log", "--extra-step-seconds", "0.02"
+                    "fast", 1, 2, exporter.url, tmp / "fast-1.log", "--extra-step-seconds", "0.02", *limits
                 ),
-                ("slow", 0): start_demo("slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05"),
+                ("slow", 0): start_demo(
+                    "slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05", *limits
+                ),
                 **_ddp_demos(exporter.url, tmp),
             }
             try:
                 # the fake NVML re-reads its scenario: now the training pids hold memory on their GPUs
                 write_scenario(scenario, _gpu_scenario({key: proc.pid for key, proc in demos.items()}))
+                _trace_fast_rank_0(exporter.url)
                 last: list[str] = []
 
                 def ready() -> bool:
@@ -347,3 +369,26 @@ def test_interconnect_row_puts_each_gpus_links_next_to_its_ranks_phases(stack: S
     assert gpu3["Step phases of the ranks on GPU 3"] == []
     assert set(by_name(gpu3["Host link (PCIe, C2C), GPU 3"])) == {
         "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second"}
+
+
+def test_limits_verdict_and_alert_name_the_slow_loader(stack: Stack) -> None:
+    verdicts = {
+        item["metric"]["run"]: item["metric"]["verdict"]
+        for item in query(stack.prometheus, "run:stepscope_limits:verdict")
+    }
+    ratios = _by_run(query(stack.prometheus, 'run_rank:stepscope_loader_compute_limit:ratio{rank="0"}'))
+    print(f"limits verdicts {verdicts}, loader/compute of rank 0 {ratios}")
+    assert verdicts["slow"] == "loader_bound" and ratios["slow"] < 1  # 64 samples per 50 ms sleep: 1280/s
+    assert verdicts["fast"] != "loader_bound" and ratios["fast"] > 1  # 20 ms of compute per step, a fast loader
+    alert = query(stack.prometheus, _alert_expr("StepscopeLoaderBelowCompute"))
+    assert {(item["metric"]["run"], item["metric"]["rank"]) for item in alert} == {("slow", "0")}
+    [labels] = [item["metric"] for item in alert]
+    assert float(labels["loader_limit"]) < float(labels["compute_limit"])
+
+
+def test_the_requested_trace_is_published_with_its_file(stack: Stack) -> None:
+    text = scrape(stack.exporter)
+    [path] = {dict(labels)["path"] for name, labels in samples(text) if name == "stepscope_profile_trace_bytes"}
+    assert sample_values(text, "stepscope_profile_trace_bytes", run="fast", rank="0") == [Path(path).stat().st_size]
+    assert sample_values(text, "stepscope_profile_trace_steps", run="fast", rank="0") == [TRACE_STEPS]
+    assert len(step_annotations(path)) == TRACE_STEPS

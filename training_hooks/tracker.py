@@ -11,7 +11,8 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter_ns
 from typing import Any
 
@@ -19,6 +20,8 @@ import psutil
 
 from training_hooks.config import STATES, Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from training_hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
+from training_hooks.profiling import TraceSettings, TraceTaker
 from training_hooks.pusher import Pusher, group_url
 from training_hooks.render import Snapshot, render
 from training_hooks.signals import FinalPushOnSigterm
@@ -27,6 +30,7 @@ from training_hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
 log = logging.getLogger("training_hooks")
 
 Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
+BoundaryHook = Callable[[int], None]  # called at each step boundary with the step's duration in ns
 
 
 def _cuda_module() -> Any | None:
@@ -87,12 +91,24 @@ class Tracker:
         self._boundary = perf_counter_ns()
         self._state = "setup"
         self._cuda_timer: CudaTimer | None = None
+        # The trace taker's boundary call while a profiler trace is requested or recording (profiling).
+        self._tracing: BoundaryHook | None = None
+        # What step() calls with the step's duration: the CUDA timer's step_done once GPU phases exist,
+        # the trace taker's boundary while armed, both, or None. One test on the hot path, as before
+        # on-demand traces existed (benchmarks/results/profile.md); set by _update_boundary_hook only.
+        self._at_boundary: BoundaryHook | None = None
+        self._boundary_lock = threading.Lock()  # the pusher thread arms, the training thread adds CUDA
+        self._limits: Limits | None = None
         self._closed = False
         self.pusher: Pusher | None = None
+        self.traces: TraceTaker | None = None
         if config.push_url:
+            settings = TraceSettings(config.trace_dir, config.trace_max_bytes, config.trace_keep)
+            self.traces = TraceTaker(config.run, config.rank, settings, self._arm_tracing)
             self.pusher = Pusher(
                 group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
                 token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
+                headers=self.traces.headers, on_answer=self.traces.on_answer,
             )
             self.pusher.start()
         atexit.register(self.close)
@@ -125,8 +141,9 @@ class Tracker:
         self._boundary = now
         self._steps += 1
         self._samples += samples
-        if self._cuda_timer is not None:  # resolves finished GPU timings, decides if the next step is timed
-            self._cuda_timer.step_done(duration)
+        at_boundary = self._at_boundary
+        if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
+            at_boundary(duration)  # ends a requested profiler trace
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -147,6 +164,45 @@ class Tracker:
             yield item
 
     # -- slow path --------------------------------------------------------------------------------
+
+    def measure_limits(
+        self, loader: Iterable[Any], train_step: Callable[[Any], object], batches: int = 50, *,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS, device: Any = None, samples_per_batch: int | None = None,
+    ) -> Limits:
+        """The loader limit and the compute limit in samples per second, pushed as gauges from now on.
+
+        Loader limit: batches drawn from a fresh iterator of `loader` and discarded. Compute limit:
+        `train_step(batch)` on its first batch again and again (moved to `device` once when given),
+        synchronized at the end when the process uses CUDA. Run it before training or at a checkpoint:
+        the step really runs, so it updates the model; time spent here is not a step. Phases timed
+        inside `train_step` count as usual, so pass a step without tracker calls. See
+        `training_hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
+        """
+        limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
+                         samples_per_batch=samples_per_batch, cuda=_cuda_module())
+        self._limits = limits
+        if self._state == "train":
+            self._boundary = perf_counter_ns()
+        log.info("stepscope: %s", limits)
+        return limits
+
+    def _arm_tracing(self, boundary: BoundaryHook | None) -> None:
+        self._tracing = boundary
+        self._update_boundary_hook()
+
+    def _update_boundary_hook(self) -> None:
+        with self._boundary_lock:
+            timer, tracing = self._cuda_timer, self._tracing
+            if tracing is None or timer is None:
+                self._at_boundary = tracing or (timer.step_done if timer is not None else None)
+                return
+            step_done = timer.step_done
+
+            def both(duration: int) -> None:
+                step_done(duration)
+                tracing(duration)
+
+            self._at_boundary = both
 
     def state(self, name: str) -> _StateScope:
         """Sets the training state (setup, train, eval, checkpoint, idle).
@@ -189,6 +245,7 @@ class Tracker:
         else:
             if self._cuda_timer is None:
                 self._cuda_timer = CudaTimer(cuda_module)
+                self._update_boundary_hook()
             phase = CudaPhase(name, hist, self._cuda_timer)
         (self._gpu if cuda else self._host)[name] = phase
         return phase
@@ -236,6 +293,8 @@ class Tracker:
             samples=self._samples,
             state=self._state,
             info=info,
+            limits=self._limits,
+            trace=self.traces.published() if self.traces is not None else None,
         )
 
     def render(self) -> str:
@@ -256,6 +315,8 @@ class Tracker:
                 self._cuda_timer.resolve(block=True)
             except Exception as exc:  # a dead CUDA context at exit must not hide the final push
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
+        if self.traces is not None:
+            self.traces.close()  # a trace being recorded is written with the steps it has
         self._state = "idle"
         if self.pusher is not None:
             self.pusher.stop()

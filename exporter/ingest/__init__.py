@@ -8,7 +8,10 @@ Path values may be base64url-encoded Pushgateway style (`/run@base64/<b64>`). Th
 exposition (format 0.0.4) of only these families: stepscope_step_phase_seconds{phase} and
 stepscope_step_seconds (histograms), stepscope_steps_total and stepscope_samples_total (counters),
 stepscope_training_info{local_rank,world_size,pid,framework[,start_time]} (1) and
-stepscope_training_state{state} (state set). `run` and `rank` come from the path; body labels
+stepscope_training_state{state} (state set), stepscope_loader_limit_samples_per_second and
+stepscope_compute_limit_samples_per_second (tracker.measure_limits), and the rank's latest profiler
+trace: stepscope_profile_trace_bytes, _steps and _timestamp_seconds, each labelled with its `path`
+(up to 4096 characters). `run` and `rank` come from the path; body labels
 `run`/`rank` must match it and `job`/`instance` are refused. `_created` samples are dropped.
 /metrics then shows every family once, samples of all groups merged, plus
 stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
@@ -16,7 +19,9 @@ stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self met
 Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below).
 
 Without a token or allow-list only loopback clients may push (403 otherwise), so an exporter
-listening on all interfaces does not let the network inject or delete series.
+listening on all interfaces does not let the network inject or delete series. The same rules guard
+the profile-request API (`exporter.ingest.profile_api`, /api/v1/profiles), whose requests reach a
+rank in the answer to its next push.
 
 Refusals answer a one-line text naming the limit or the offending item and count in
 stepscope_exporter_ingest_rejected_total{reason}: 401 unauthorized, 403 forbidden, 404/400
@@ -35,9 +40,10 @@ from exporter.flags import add_flag, cidr_list, fail, positive_float, positive_i
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.api import PushApi
 from exporter.ingest.parser import PushLimits
+from exporter.ingest.profile_api import ProfileApi
 from exporter.ingest.store import GroupStore, StoreLimits
 
-__all__ = ["PushApi", "add_flags", "build"]
+__all__ = ["ProfileApi", "PushApi", "add_flags", "build"]
 
 
 def add_flags(group: argparse._ArgumentGroup) -> None:
@@ -66,8 +72,9 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
                   "before its body is read, so pushes never crowd out scrapes")
 
 
-def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
-    """The push API for parsed flags; ends the program with one line when the token file is unusable."""
+def build(args: argparse.Namespace, store: ExpositionStore) -> tuple[PushApi, ProfileApi]:
+    """The push API and the profile-request API for parsed flags; ends the program with one line when
+    the token file is unusable."""
     token = None
     if args.ingest_token_file:
         try:
@@ -89,7 +96,7 @@ def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
         max_series=args.ingest_max_series_per_group,
         max_phases=args.ingest_max_phases,
     )
-    return PushApi(
-        store, GroupStore(limits), AccessPolicy(token, tuple(args.ingest_allow)),
-        max_body_bytes=args.ingest_max_body_bytes, limits=push_limits,
-    )
+    access = AccessPolicy(token, tuple(args.ingest_allow))
+    push_api = PushApi(store, GroupStore(limits), access, max_body_bytes=args.ingest_max_body_bytes,
+                       limits=push_limits)
+    return push_api, ProfileApi(push_api.profiles, access)

@@ -17,6 +17,7 @@ from exporter.exposition import Chunk, ExpositionStore
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.errors import REASONS, Rejected, clip
 from exporter.ingest.parser import PushLimits, parse_push
+from exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
 from exporter.ingest.render import SelfSource, TrainingSource, last_push_line
 from exporter.ingest.store import GroupStore, StoredFamily
 from exporter.registered import RegisteredProcess
@@ -87,10 +88,11 @@ class PushApi:
 
     def __init__(
         self, store: ExpositionStore, groups: GroupStore, access: AccessPolicy, *,
-        max_body_bytes: int, limits: PushLimits,
+        max_body_bytes: int, limits: PushLimits, profiles: ProfileRequests | None = None,
     ) -> None:
         self.max_body_bytes = max_body_bytes
         self._groups = groups
+        self.profiles = profiles if profiles is not None else ProfileRequests(groups)
         self._access = access
         self._limits = limits
         self._stats_lock = threading.Lock()
@@ -125,7 +127,9 @@ class PushApi:
         except Rejected as rejected:
             return self._refuse(rejected, request)
         self._count_accepted()
-        return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series")
+        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()))
+        return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
+                            headers={REQUEST_HEADER: waiting} if waiting else {})
 
     def refuse(self, request: PushRequest, status: int, reason: str, message: str) -> PushResponse:
         """Counts and logs a refusal the HTTP layer decided (too many bodies in flight, a body cut short)."""
@@ -153,6 +157,7 @@ class PushApi:
         run, rank = parse_group_path(request.path, self._limits.max_label_length)
         if method == "DELETE":
             existed = self._groups.delete(run, rank)
+            self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])
             return PushResponse(202, f"deleted group run={run!r} rank={rank}" if existed
                                 else f"no group run={run!r} rank={rank}; nothing deleted")
         headers = request.headers
@@ -199,4 +204,5 @@ class PushApi:
             delay = 1.0 if next_expiry is None else max(0.0, next_expiry - time.monotonic()) + 0.01
             if self._stop.wait(min(delay, 1.0)):
                 return
-            self._groups.expire()
+            if self._groups.expire():
+                self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])

@@ -1,4 +1,4 @@
-"""The six families the push API accepts: one table the parser, the store and the renderer all read.
+"""The families the push API accepts: one table the parser, the store and the renderer all read.
 
 Adding an optional label or a family is a change to `FAMILIES` only: the parser derives the label
 sets, the canonical label order and the value rules from it.
@@ -43,11 +43,26 @@ FAMILIES: Mapping[str, FamilySpec] = {
         FamilySpec("stepscope_training_state", "gauge", ("state",),
                    "State set: 1 for the process's current training state, 0 for the others.",
                    values="zero_or_one"),
+        # tracker.measure_limits: what the loader alone and the training step alone can do
+        FamilySpec("stepscope_loader_limit_samples_per_second", "gauge", (),
+                   "Samples per second the training loader delivers with training mocked out (measure_limits)."),
+        FamilySpec("stepscope_compute_limit_samples_per_second", "gauge", (),
+                   "Samples per second of the training step on one cached batch, the loader mocked out "
+                   "(measure_limits)."),
+        # the rank's latest profiler trace (stepscope-profile): one series each per rank, never a growing set
+        FamilySpec("stepscope_profile_trace_bytes", "gauge", ("path",),
+                   "Size of the rank's latest PyTorch profiler trace, a gzipped Chrome trace at path."),
+        FamilySpec("stepscope_profile_trace_steps", "gauge", ("path",),
+                   "Training steps the rank's latest profiler trace holds."),
+        FamilySpec("stepscope_profile_trace_timestamp_seconds", "gauge", ("path",),
+                   "Unix time the rank's latest profiler trace was written."),
     )
 }
 PATH_LABELS = ("run", "rank")  # from the URL path; a body may repeat them only with the same values
 RESERVED_LABELS = ("job", "instance")  # set by the scraping Prometheus, never by a pusher
-NON_EMPTY_LABELS = frozenset({"phase", "state", "pid"})
+NON_EMPTY_LABELS = frozenset({"phase", "state", "pid", "path"})
+# Labels whose values may be longer than --ingest-max-label-value-length: file paths (PATH_MAX).
+LONG_LABEL_LENGTHS: Mapping[str, int] = {"path": 4096}
 PHASE_FAMILY = "stepscope_step_phase_seconds"
 INFO_FAMILY = "stepscope_training_info"
 LAST_PUSH_FAMILY = "stepscope_training_last_push_timestamp_seconds"

@@ -24,6 +24,7 @@ from exporter.ingest.errors import Rejected, clip
 from exporter.ingest.families import (
     FAMILIES,
     LABEL_RULES,
+    LONG_LABEL_LENGTHS,
     NON_EMPTY_LABELS,
     PATH_LABELS,
     PHASE_FAMILY,
@@ -135,10 +136,10 @@ def _needs_type_line(name: str, spec: FamilySpec, got: str) -> Rejected:
 
 
 def _label_too_long(name: str, value: str, limit: int) -> Rejected:
+    which = "for file paths" if name in LONG_LABEL_LENGTHS else "(--ingest-max-label-value-length)"
     return Rejected(
         400, "label_too_long",
-        f"value of label {name!r} has more than {limit} characters, the limit "
-        f"(--ingest-max-label-value-length): {clip(value)!r}",
+        f"value of label {name!r} has more than {limit} characters, the limit {which}: {clip(value)!r}",
     )
 
 
@@ -546,8 +547,8 @@ class _BodyParser:
             plain = _PLAIN_LABEL.match(text, at)
             if plain is not None:
                 name, value, end = plain.groups()
-                if len(value) > limit:
-                    raise _label_too_long(name, value, limit)
+                if len(value) > limit and len(value) > self._limit_of(name):
+                    raise _label_too_long(name, value, self._limit_of(name))
                 if name in seen:
                     raise _Malformed(f"label {name!r} appears twice")
                 seen.add(name)
@@ -569,7 +570,7 @@ class _BodyParser:
             at = _BLANKS.match(text, at + 1).end()  # type: ignore[union-attr]
             if text[at: at + 1] != '"':
                 raise _Malformed(f"the value of label {clip(name, 40)!r} must be in double quotes")
-            value, at = self._label_value(text, at + 1, name, limit)
+            value, at = self._label_value(text, at + 1, name, self._limit_of(name))
             if name in seen:
                 raise _Malformed(f"label {name!r} appears twice")
             seen.add(name)
@@ -579,6 +580,10 @@ class _BodyParser:
                 at += 1
             elif text[at: at + 1] != "}":
                 raise _Malformed("expected ',' or '}' after a label value")
+
+    def _limit_of(self, label: str) -> int:
+        """The longest value `label` may have: the flag's limit, or more for file paths."""
+        return max(self._limits.max_label_length, LONG_LABEL_LENGTHS.get(label, 0))
 
     @staticmethod
     def _label_value(text: str, at: int, name: str, limit: int) -> tuple[str, int]:
@@ -615,8 +620,8 @@ class _BodyParser:
         limit = self._limits.max_label_length
         path_labels = 0
         for label, value in labels:
-            if len(value) > limit:
-                raise _label_too_long(label, value, limit)
+            if len(value) > limit and len(value) > self._limit_of(label):
+                raise _label_too_long(label, value, self._limit_of(label))
             if label in RESERVED_LABELS:
                 raise Rejected(
                     400, "bad_label",

@@ -68,6 +68,11 @@ EXPORTER_METRICS = frozenset(
         "stepscope_training_info",
         "stepscope_training_state",
         "stepscope_training_last_push_timestamp_seconds",
+        "stepscope_loader_limit_samples_per_second",
+        "stepscope_compute_limit_samples_per_second",
+        "stepscope_profile_trace_bytes",
+        "stepscope_profile_trace_steps",
+        "stepscope_profile_trace_timestamp_seconds",
         # exporter self
         "stepscope_exporter_collector_duration_seconds",
         "stepscope_exporter_collector_errors_total",
