@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grafana.dashboards.metrics import EXPORTER_METRICS
-from grafana.dashboards.queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
+from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from tests.support.dashboard_queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
 from tests.support.demos import start_ddp_demos, start_demo, stop
 from tests.support.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from tests.support.prometheus import (
@@ -212,7 +212,7 @@ def test_every_recording_rule_and_dashboard_query_returns_data(stack: Stack) -> 
 
 
 def test_dashboard_metric_list_is_what_the_exporter_publishes(stack: Stack) -> None:
-    """grafana/dashboards/metrics.py is the exporter's contract for the dashboards: with every
+    """stepscope_contract is the exporter's contract for the dashboards: with every
     collector, GPUs with GPM and an XID, and training processes pushing, a scrape holds exactly it."""
     published: set[str] = set()
 
