@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import training_hooks as th
-from tests.support.processes import free_port, running_exporter, sample_values, scrape
-from tests.support.pushgateway import running_pushgateway
+from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
+from stepscope_testkit.pushgateway import running_pushgateway
 
 ITEM_SLEEP = 0.005
 BATCH = 4

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import training_hooks
 from stepscope_contract import FAMILIES
-from tests.fake_nvml.scenario import make_gpu, write_scenario
-from tests.support.processes import running_exporter, scrape
-from tests.support.traces import rank_tracing, request_state, request_trace, wait_until
+from stepscope_testkit.fake_nvml.scenario import make_gpu, write_scenario
+from stepscope_testkit.processes import running_exporter, scrape
+from stepscope_testkit.traces import rank_tracing, request_state, request_trace, wait_until
 
 GIB = 1024**3
 

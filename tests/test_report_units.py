@@ -15,7 +15,7 @@ from run_report.timeline import critical_path, labelled_intervals, state_interva
 from run_report.times import iso, parse_time
 from run_report.window import Window, aligned, resolution
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
-from tests.support.processes import REPO_ROOT
+from stepscope_testkit.processes import REPO_ROOT
 
 RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
