@@ -21,7 +21,7 @@ def test_the_installed_distribution_takes_its_version_from_the_contract() -> Non
 def test_the_exporter_reports_it() -> None:
     result = subprocess.run([sys.executable, "-m", "exporter", "--version"], capture_output=True, text=True)
     assert result.stdout.strip().endswith(f" {VERSION}"), result.stdout + result.stderr
-    assert USER_AGENT == f"stepscope-training-hooks/{VERSION}"
+    assert f"stepscope-training-hooks/{VERSION}" == USER_AGENT
 
 
 def test_the_chart_app_version_and_the_image_label_match() -> None:
