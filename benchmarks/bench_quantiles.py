@@ -36,9 +36,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 import training_hooks as th
-from tests.fake_nvml.scenario import make_scenario, write_scenario
-from tests.support.processes import running_exporter, scrape
-from training_hooks.config import STANDARD_PHASES, log_buckets
+from stepscope_contract import STANDARD_PHASES
+from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
+from stepscope_testkit.processes import running_exporter, scrape
+from training_hooks.config import log_buckets
 from training_hooks.timing import (
     FINE_GRID,
     MAX_EXPORTED,

@@ -17,10 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from run_report.window import Window, run_matcher
+from stepscope_contract import LOCAL_PHASES
 
 BEFORE = "10m"  # how far before the window a counter's previous value is looked for
 RANK = "rank, instance"  # a rank's identity; `instance` is its node
-PHASE_LOCAL = "dataloader_next|to_device|forward"  # before the first collective (rules: local score)
+PHASE_LOCAL = "|".join(LOCAL_PHASES)  # before the first collective (rules: local score)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from run_report import fmt
 from run_report.collect import RunData
 from run_report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
 from run_report.timeline import training_times
+from stepscope_contract import THRESHOLDS
 
-GPU_BOUND = 0.8  # the rules' gpu_bound threshold on effective utilization
-DATA_BOUND = 0.3  # the rules' data_bound threshold on the data-loading share
+GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
+DATA_BOUND = THRESHOLDS["data_loading_share"].value
 
 HEADLINES = {
     "data_bound": "Data-bound: the ranks wait for the next batch",

@@ -23,7 +23,7 @@ import pytest
 import training_hooks as th
 import training_hooks.timing
 import training_hooks.tracker
-from tests.support.processes import REPO_ROOT, running_exporter
+from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
 from training_hooks.pusher import Pusher, group_url
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from grafana.dashboards.metrics import EXPORTER_METRICS
+from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
 
 RULES_DIR = Path(__file__).resolve().parents[1] / "grafana" / "rules"
 RULES_FILE = RULES_DIR / "stepscope.rules.yml"
@@ -78,7 +78,7 @@ def test_every_alert_has_severity_and_annotations() -> None:
 
 def test_rules_read_only_published_metrics_and_recording_rules() -> None:
     """A misspelt metric passes promtool's unit tests when the test series repeat the typo; the names
-    must be the exporter's (grafana/dashboards/metrics.py, checked against a real scrape by the e2e test)."""
+    must be the exporter's (stepscope_contract, checked against a real scrape by the e2e test)."""
     records = {rule["record"] for rule in rules() if "record" in rule}
     read = set()
     for rule in rules():

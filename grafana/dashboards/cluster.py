@@ -24,15 +24,8 @@ IDLE_GPU = (
 UTILIZATION = thresholds((None, "red"), (0.5, "yellow"), (0.8, "green"))
 
 
-def build() -> dashboard.Dashboard:
-    board = (
-        base_dashboard(
-            "stepscope / Cluster", UID, ["stepscope", "cluster"],
-            "All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.",
-            since="now-3h", refresh="1m",
-        )
-    )
-
+def _fleet_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Fleet" row."""
     board = board.with_row(row("Fleet"))
     board = (
         board.with_panel(
@@ -87,7 +80,11 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "GPUs" row."""
     board = board.with_row(row("GPUs"))
     board = (
         board.with_panel(
@@ -127,7 +124,11 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Skew across nodes and ranks" row."""
     board = board.with_row(row("Skew across nodes and ranks"))
     board = (
         board.with_panel(
@@ -227,11 +228,29 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _alerts_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Alerts" row."""
     board = board.with_row(row("Alerts"))
-    return board.with_panel(
+    board = board.with_panel(
         alert_list_panel(
             "Firing alerts",
             "Every stepscope alert firing or pending in the cluster.",
         )
     )
+    return board
+
+
+def build() -> dashboard.Dashboard:
+    board = (
+        base_dashboard(
+            "stepscope / Cluster", UID, ["stepscope", "cluster"],
+            "All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.",
+            since="now-3h", refresh="1m",
+        )
+    )
+    for add_row in (_fleet_row, _gpus_row, _skew_across_nodes_and_ranks_row, _alerts_row):
+        board = add_row(board)
+    return board

@@ -97,33 +97,8 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     )
 
 
-def build() -> dashboard.Dashboard:
-    board = (
-        base_dashboard(
-            "stepscope / Node and GPU", UID, ["stepscope", "node", "gpu"],
-            "One agent: host CPU, memory, disks, network, every GPU metric, and its processes.",
-        )
-        .with_variable(
-            query_variable(
-                "instance",
-                "Node",
-                "stepscope_exporter_build_info",
-                "instance",
-                description="the exporter's scrape target (node name)",
-            )
-        )
-        .with_variable(
-            query_variable(
-                "gpu",
-                "GPU",
-                f"stepscope_gpu_info{{{NODE}}}",
-                "gpu",
-                multi=True,
-                description="GPU indices on the node",
-            )
-        )
-    )
-
+def _host_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Host" row."""
     board = board.with_row(row("Host"))
     board = (
         board.with_panel(
@@ -234,7 +209,11 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _gpu_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "GPU" row."""
     board = board.with_row(row("GPU"))
     board = (
         board.with_panel(
@@ -436,7 +415,11 @@ def build() -> dashboard.Dashboard:
     )
 
     board = _interconnect_row(board)
+    return board
 
+
+def _processes_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Processes" row."""
     board = board.with_row(row("Processes"))
     board = board.with_panel(
         table_panel(
@@ -463,9 +446,13 @@ def build() -> dashboard.Dashboard:
             height=9,
         )
     )
+    return board
 
+
+def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Exporter" row."""
     board = board.with_row(row("Exporter"))
-    return (
+    board = (
         board.with_panel(
             timeseries_panel(
                 "Collector cycle duration",
@@ -526,3 +513,35 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
+
+
+def build() -> dashboard.Dashboard:
+    board = (
+        base_dashboard(
+            "stepscope / Node and GPU", UID, ["stepscope", "node", "gpu"],
+            "One agent: host CPU, memory, disks, network, every GPU metric, and its processes.",
+        )
+        .with_variable(
+            query_variable(
+                "instance",
+                "Node",
+                "stepscope_exporter_build_info",
+                "instance",
+                description="the exporter's scrape target (node name)",
+            )
+        )
+        .with_variable(
+            query_variable(
+                "gpu",
+                "GPU",
+                f"stepscope_gpu_info{{{NODE}}}",
+                "gpu",
+                multi=True,
+                description="GPU indices on the node",
+            )
+        )
+    )
+    for add_row in (_host_row, _gpu_row, _processes_row, _exporter_row):
+        board = add_row(board)
+    return board

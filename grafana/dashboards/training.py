@@ -3,6 +3,7 @@
 from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import dashboard as dm
 
+import stepscope_contract as contract
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
@@ -26,8 +27,13 @@ RUN = 'run=~"$run"'
 RANKS = 'run=~"$run",rank=~"$rank"'
 
 # State set -> one code per rank, so the state timeline shows one row per rank; state -> (code, colour).
-STATES = {"setup": (1, "blue"), "train": (2, "green"), "eval": (3, "purple"), "checkpoint": (4, "orange"),
-          "idle": (5, "text")}
+STATE_COLOURS = ("blue", "green", "purple", "orange", "text")  # in the contract's order of STATES
+STATES = {state: (code, colour)
+          for code, (state, colour) in enumerate(zip(contract.STATES, STATE_COLOURS, strict=True), start=1)}
+DATA_BOUND = contract.THRESHOLDS["data_loading_share"].value
+GPU_BOUND = contract.THRESHOLDS["gpu_bound_utilization"].value
+STRAGGLER = contract.THRESHOLDS["straggler_score"].value
+SM_ACTIVE_LOW = contract.THRESHOLDS["sm_active_underutilized"].value
 
 
 def _state_expr() -> str:
@@ -38,33 +44,8 @@ def _state_expr() -> str:
     return "max by (rank) (\n  " + "\n  or ".join(parts) + "\n)"
 
 
-def build() -> dashboard.Dashboard:
-    board = (
-        base_dashboard(
-            "stepscope / Training run", UID, ["stepscope", "training"],
-            "Why is this training run slow: step time, phases, data loading, ranks, GPUs.",
-        )
-        .with_variable(
-            query_variable(
-                "run",
-                "Run",
-                "stepscope_steps_total",
-                "run",
-                description="training run (the `run` label set by the hooks)",
-            )
-        )
-        .with_variable(
-            query_variable(
-                "rank",
-                "Rank",
-                f"stepscope_steps_total{{{RUN}}}",
-                "rank",
-                multi=True,
-                description="global ranks of the run",
-            )
-        )
-    )
-
+def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Overview" row."""
     board = board.with_row(row("Overview"))
     board = (
         board.with_panel(
@@ -114,7 +95,7 @@ def build() -> dashboard.Dashboard:
                 "much smaller than training time: above 30% the run is data bound.",
                 [Q(f"run:stepscope_dataloader_share:ratio_rate1m{{{RUN}}}", "data loading")],
                 "percentunit",
-                steps=thresholds((None, "green"), (0.1, "yellow"), (0.3, "red")),
+                steps=thresholds((None, "green"), (0.1, "yellow"), (DATA_BOUND, "red")),
             )
         )
         .with_panel(
@@ -130,11 +111,15 @@ def build() -> dashboard.Dashboard:
                     Q(f"run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}", "NVML"),
                 ],
                 "percentunit",
-                steps=thresholds((None, "red"), (0.5, "yellow"), (0.8, "green")),
+                steps=thresholds((None, "red"), (0.5, "yellow"), (GPU_BOUND, "green")),
             )
         )
     )
+    return board
 
+
+def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Step time" row."""
     board = board.with_row(row("Step time"))
     board = (
         board.with_panel(
@@ -189,7 +174,7 @@ def build() -> dashboard.Dashboard:
                 [Q(f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{RANKS}}}", "rank {{rank}}")],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "green"), (0.3, "red")),
+                threshold_line=thresholds((None, "green"), (DATA_BOUND, "red")),
             )
         )
         .with_panel(
@@ -211,7 +196,11 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Ranks" row."""
     board = board.with_row(row("Ranks"))
     board = (
         board.with_panel(
@@ -263,7 +252,7 @@ def build() -> dashboard.Dashboard:
                 ],
                 "none",
                 limits=(0, 1.5),
-                steps=thresholds((None, "red"), (0.75, "yellow"), (0.9, "green")),
+                steps=thresholds((None, "red"), (STRAGGLER, "yellow"), (0.9, "green")),
                 width=10,
             )
         )
@@ -280,7 +269,11 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "GPUs and processes of this run" row."""
     board = board.with_row(row("GPUs and processes of this run"))
     board = (
         board.with_panel(
@@ -303,7 +296,7 @@ def build() -> dashboard.Dashboard:
                 ],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "red"), (0.8, "green")),
+                threshold_line=thresholds((None, "red"), (SM_ACTIVE_LOW, "green")),
             )
         )
         .with_panel(
@@ -396,17 +389,51 @@ def build() -> dashboard.Dashboard:
     )
 
     board = _limits_and_traces(board)
+    return board
 
+
+def _alerts_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Alerts" row."""
     board = board.with_row(row("Alerts"))
-    return board.with_panel(
+    board = board.with_panel(
         alert_list_panel(
             "Firing alerts",
             "stepscope alerts that are firing or pending now (Grafana-managed rules "
             "provisioned from the Prometheus rules file).",
         )
     )
+    return board
 
 
+def build() -> dashboard.Dashboard:
+    board = (
+        base_dashboard(
+            "stepscope / Training run", UID, ["stepscope", "training"],
+            "Why is this training run slow: step time, phases, data loading, ranks, GPUs.",
+        )
+        .with_variable(
+            query_variable(
+                "run",
+                "Run",
+                "stepscope_steps_total",
+                "run",
+                description="training run (the `run` label set by the hooks)",
+            )
+        )
+        .with_variable(
+            query_variable(
+                "rank",
+                "Rank",
+                f"stepscope_steps_total{{{RUN}}}",
+                "rank",
+                multi=True,
+                description="global ranks of the run",
+            )
+        )
+    )
+    for add_row in (_overview_row, _step_time_row, _ranks_row, _gpus_and_processes_of_this_run_row, _alerts_row):
+        board = add_row(board)
+    return board
 def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
     """The loader and compute limits (tracker.measure_limits) next to the real throughput, and the
     ranks' latest profiler traces (stepscope-profile)."""

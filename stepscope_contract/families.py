@@ -1,0 +1,192 @@
+"""Every metric family stepscope publishes: name, type, labels, meaning, and for the pushed families the
+help text and value rules both the hooks and the exporter's ingest use.
+
+The order is the README table's ("What it publishes"): `python -m grafana generate` writes that table
+from FAMILIES, merging neighbours that share type, labels and meaning into one row.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+GPU = ("gpu", "uuid")
+PROCESS = ("pid", "run", "rank")
+RUN_RANK = ("run", "rank")
+# The training families by role: the hooks' renderer and the exporter's ingest name them through these.
+STEP_PHASE_SECONDS = "stepscope_step_phase_seconds"
+STEP_SECONDS = "stepscope_step_seconds"
+STEPS_TOTAL = "stepscope_steps_total"
+SAMPLES_TOTAL = "stepscope_samples_total"
+TRAINING_INFO = "stepscope_training_info"
+TRAINING_STATE = "stepscope_training_state"
+TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
+LOADER_LIMIT = "stepscope_loader_limit_samples_per_second"
+COMPUTE_LIMIT = "stepscope_compute_limit_samples_per_second"
+TRACE_BYTES = "stepscope_profile_trace_bytes"
+TRACE_STEPS = "stepscope_profile_trace_steps"
+TRACE_TIMESTAMP = "stepscope_profile_trace_timestamp_seconds"
+# The labels a push's URL carries (/metrics/job/stepscope/run/<run>/rank/<rank>), never its body.
+PATH_LABELS = RUN_RANK
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family as a scrape shows it: counters named with `_total`, histograms by their base name.
+
+    `labels` are on every series (without `le`, `job` and `instance`); `optional` ones may be left out
+    (older clients do). `kind` "info" means value 1 with identity labels, "state set" one series per
+    state, 1 for the current one. `doc` is the README's meaning; `help` is the exposed HELP where this
+    table is the renderer's source (the pushed families and what the exporter adds to them).
+    """
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    doc: str
+    kind: str = ""
+    optional: tuple[str, ...] = ()
+    label_notes: Mapping[str, str] = field(default_factory=dict)  # label -> its values, for the README
+    help: str = ""
+    pushed: bool = False  # sent by the training hooks through the push API
+
+
+def _gpu(name: str, type_: str, doc: str, *extra: str, **kwargs: object) -> Family:
+    return Family(f"stepscope_gpu_{name}", type_, (*GPU, *extra), doc, **kwargs)  # type: ignore[arg-type]
+
+
+_CLOCK_EVENT_REASONS = (
+    "1 for each active clock-event (throttle) reason: `gpu_idle`, `applications_clocks_setting`, `sw_power_cap`, "
+    "`hw_slowdown`, `sync_boost`, `sw_thermal_slowdown`, `hw_thermal_slowdown`, `hw_power_brake_slowdown`, "
+    "`display_clock_setting`")
+_THROTTLE_POLICIES = (
+    "cumulative time clocks were held down, per NVML policy: `power`, `thermal`, `sync_boost`, `board_limit`, "
+    "`low_utilization`, `reliability`, `app_clocks`, `base_clocks` (read every 10 s)")
+_PCIE = ("PCIe throughput: GPM average since the last cycle on Hopper+; older GPUs a 20 ms window every 10 s "
+         "(none with `--no-gpu-pcie-poll`)")
+_NVLINK = ("NVLink throughput, all links together (GPM average since the last cycle; absent without GPM or where "
+           "GPM refuses it)")
+_C2C = "NVLink-C2C throughput between a Grace Hopper GPU and its CPU (GPM; absent on GPUs without C2C)"
+_GPM = "NVML GPM (Hopper and newer only; absent elsewhere)"
+_PHASE_DOC = (
+    "pushed by the hooks: time per step phase (only `le=\"+Inf\"` unless phase buckets are on); `timing` says "
+    "what it holds: `host` (wall time), `cuda_event` (CUDA event time of sampled steps, each counting for the "
+    "untimed ones), `cuda_sync` (`sync=True`); older clients omit it")
+_LIMITS_DOC = (
+    "pushed after `tracker.measure_limits`: samples/s of the loader alone and of the training step alone "
+    "([limits](#loader-and-compute-limits))")
+_TRACE_DOC = (
+    "pushed: the rank's latest profiler trace (gzipped, on the rank's node at `path`), its steps, when written; "
+    "one series each per rank ([traces](#profiler-traces-on-demand))")
+
+_NODE = (
+    Family("stepscope_node_info", "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),
+    Family("stepscope_node_cpu_seconds_total", "counter", ("mode",), "CPU time summed over all CPUs"),
+    Family("stepscope_node_cpus", "gauge", (),
+           'logical CPUs: `rate(cpu_seconds_total{mode!~"idle\\|iowait"})/cpus` is utilization'),
+    *(Family(f"stepscope_node_memory_{n}_bytes", "gauge", (), "host memory") for n in ("total", "available")),
+    *(Family(f"stepscope_node_disk_{n}_bytes_total", "counter", ("device",), "disk throughput")
+      for n in ("read", "written")),
+    *(Family(f"stepscope_node_disk_{n}_completed_total", "counter", ("device",), "disk IOPS")
+      for n in ("reads", "writes")),
+    Family("stepscope_node_disk_io_time_seconds_total", "counter", ("device",), "time the disk was busy"),
+    *(Family(f"stepscope_node_network_{n}_bytes_total", "counter", ("device",), "network throughput")
+      for n in ("receive", "transmit")),
+    *(Family(f"stepscope_node_filesystem_{n}_bytes", "gauge", ("path", "mountpoint"),
+             "space for `--filesystem-paths`") for n in ("size", "avail")),
+)
+_GPUS = (
+    Family("stepscope_gpu_collector_up", "gauge", (), "1 when NVML initialised, 0 otherwise (no GPU, no driver)"),
+    _gpu("up", "gauge", "1 while the GPU answers, 0 once lost (its readings are then absent; `_info` and XID "
+                        "counts stay)"),
+    _gpu("info", "gauge", "GPU identity", "name", "driver_version", "pci_bus_id", kind="info"),
+    _gpu("utilization_ratio", "gauge", "kernel-active time fraction"),
+    _gpu("memory_utilization_ratio", "gauge", "memory-controller busy fraction"),
+    *(_gpu(f"memory_{n}_bytes", "gauge", "framebuffer memory") for n in ("used", "free", "total")),
+    _gpu("temperature_celsius", "gauge", "die temperature"),
+    *(_gpu(n, "gauge", "draw and enforced limit") for n in ("power_watts", "power_limit_watts")),
+    _gpu("energy_joules_total", "counter", "energy since driver load (read every 10 s)"),
+    *(_gpu(f"{n}_clock_hertz", "gauge", "clocks") for n in ("sm", "memory")),
+    _gpu("clock_event_active", "gauge", _CLOCK_EVENT_REASONS, "reason", kind="state set"),
+    _gpu("clock_event_seconds_total", "counter", _THROTTLE_POLICIES, "reason"),
+    *(_gpu(f"pcie_{n}_bytes_per_second", "gauge", _PCIE) for n in ("receive", "transmit")),
+    _gpu("ecc_errors_total", "counter", "ECC errors", "type", label_notes={"type": "corrected, uncorrected"}),
+    _gpu("xid_errors_total", "counter", "XID events seen since exporter start", "xid"),
+    _gpu("xid_last_seen_timestamp_seconds", "gauge", "when that XID last fired", "xid"),
+    *(_gpu(f"{n}_ratio", "gauge", _GPM) for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active")),
+    *(_gpu(f"nvlink_{n}_bytes_per_second", "gauge", _NVLINK) for n in ("receive", "transmit")),
+    *(_gpu(f"c2c_{n}_bytes_per_second", "gauge", _C2C) for n in ("receive", "transmit")),
+)
+_PROCESSES = (
+    Family("stepscope_process_cpu_seconds_total", "counter", PROCESS,
+           "CPU of the process plus its children (data-loader workers)"),
+    Family("stepscope_process_resident_memory_bytes", "gauge", PROCESS, "RSS of the process plus its children"),
+    *(Family(f"stepscope_process_io_{n}_bytes_total", "counter", PROCESS,
+             "storage I/O of the process plus its children") for n in ("read", "write")),
+    Family("stepscope_process_children", "gauge", PROCESS, "live descendant processes (data-loader workers)"),
+    Family("stepscope_process_gpu_memory_bytes", "gauge", (*PROCESS, "gpu"), "GPU memory the process holds"),
+)
+_SELF = (
+    Family("stepscope_exporter_collector_duration_seconds", "gauge", ("collector",), "last cycle's wall time"),
+    Family("stepscope_exporter_collector_errors_total", "counter", ("collector",), "failed cycles"),
+    Family("stepscope_exporter_collector_last_success_timestamp_seconds", "gauge", ("collector",),
+           "last good cycle"),
+    Family("stepscope_exporter_build_info", "gauge", ("version", "python_version"), "build", kind="info"),
+    Family("stepscope_exporter_ingest_accepted_total", "counter", (), "pushes stored"),
+    Family("stepscope_exporter_ingest_rejected_total", "counter", ("reason",),
+           "pushes refused, by reason (every reason present from start)"),
+    Family("stepscope_exporter_ingest_groups", "gauge", (), "(run, rank) groups stored"),
+)
+_TRAINING = (
+    Family(STEP_PHASE_SECONDS, "histogram", (*RUN_RANK, "phase"), _PHASE_DOC, optional=("timing",),
+           help="Time spent in each phase of a training step (timing: host = wall time; cuda_event = CUDA event "
+                "time of sampled steps, each counting for the untimed ones before it; cuda_sync = wall time "
+                "between synchronizes).", pushed=True),
+    Family(STEP_SECONDS, "histogram", RUN_RANK,
+           "pushed: whole step time (buckets follow the run: each rank's `le` set grows, never shrinks)",
+           help="Wall time between consecutive step boundaries (the whole step).", pushed=True),
+    Family(STEPS_TOTAL, "counter", RUN_RANK, "pushed: steps and samples done",
+           help="Training steps completed.", pushed=True),
+    Family(SAMPLES_TOTAL, "counter", RUN_RANK, "pushed: steps and samples done",
+           help="Training samples processed.", pushed=True),
+    Family(TRAINING_INFO, "gauge", (*RUN_RANK, "local_rank", "world_size", "pid", "framework"),
+           "pushed: rank identity; `pid` as the process sees it, `start_time` its creation time (Unix seconds)",
+           kind="info", optional=("start_time",), help="Identity of the training process (value 1).", pushed=True),
+    Family(TRAINING_STATE, "gauge", (*RUN_RANK, "state"), "pushed: 1 for the rank's current state",
+           kind="state set", help="Current state of the training process (1 for the current state).",
+           pushed=True),
+    Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
+           "when the rank last pushed (groups expire `--ingest-ttl` after it)",
+           help="Unix time of the last accepted push of this run and rank (pushes without steps = stalled)."),
+    Family(LOADER_LIMIT, "gauge", RUN_RANK, _LIMITS_DOC, pushed=True,
+           help="Samples per second the training loader delivers with training mocked out "
+                "(tracker.measure_limits)."),
+    Family(COMPUTE_LIMIT, "gauge", RUN_RANK, _LIMITS_DOC, pushed=True,
+           help="Samples per second of the training step on one cached batch, the loader mocked out "
+                "(tracker.measure_limits)."),
+    Family(TRACE_BYTES, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
+           help="Size of the rank's latest PyTorch profiler trace (gzipped Chrome trace at path)."),
+    Family(TRACE_STEPS, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
+           help="Training steps the rank's latest profiler trace holds."),
+    Family(TRACE_TIMESTAMP, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
+           help="Unix time the rank's latest profiler trace was written."),
+)
+
+FAMILIES: Mapping[str, Family] = {f.name: f for f in (*_NODE, *_GPUS, *_PROCESSES, *_SELF, *_TRAINING)}
+
+
+def family(name: str) -> Family:
+    """The family of that name; a KeyError names it, so a consumer of a renamed family fails at import."""
+    return FAMILIES[name]
+
+
+def sample_names(families: Mapping[str, Family] = FAMILIES) -> frozenset[str]:
+    """The names PromQL can select: a histogram's `_bucket`, `_sum` and `_count`, every other family's own."""
+    names: set[str] = set()
+    for spec in families.values():
+        if spec.type == "histogram":
+            names |= {f"{spec.name}{suffix}" for suffix in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(spec.name)
+    return frozenset(names)
+
+
+SAMPLE_NAMES = sample_names()
