@@ -27,6 +27,7 @@ from stepscope_contract.families import (
     Family,
     family,
     sample_names,
+    selector,
 )
 from stepscope_contract.thresholds import THRESHOLDS, Threshold
 from stepscope_contract.training import (
@@ -86,4 +87,5 @@ __all__ = [
     "Threshold",
     "family",
     "sample_names",
+    "selector",
 ]

@@ -230,6 +230,11 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def selector(name: str, matchers: str) -> str:
+    """The PromQL selector of a family or recorded series with `matchers` (`run=~"$run"`)."""
+    return f"{name}{{{matchers}}}"
+
+
 def sample_names(families: Mapping[str, Family] = FAMILIES) -> frozenset[str]:
     """The names PromQL can select: a histogram's `_bucket`, `_sum` and `_count`, every other family's own."""
     names: set[str] = set()

@@ -5,6 +5,8 @@ tests/test_contract.py fails while one is missing, and tests/test_dashboards.py 
 goes unread. A rename is an edit here plus the same edit to the `record:` line.
 """
 
+from stepscope_contract.families import selector
+
 NODE_CPU_UTILIZATION = "instance:stepscope_node_cpu_utilization:ratio"
 NODE_MEMORY_UTILIZATION = "instance:stepscope_node_memory_utilization:ratio"
 
@@ -51,4 +53,4 @@ def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:
     """Each selected rank's step-time quantile (1m window): the one place that says how, so moving it
     from recorded series to a query-time histogram_quantile is an edit here."""
     recorded = {0.5: RANK_STEP_SECONDS_P50, 0.95: RANK_STEP_SECONDS_P95}[quantile]
-    return f"{recorded}{{{matchers}}}"
+    return selector(recorded, matchers)
