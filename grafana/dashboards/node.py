@@ -10,7 +10,6 @@ from grafana.dashboards.panels import (
     base_dashboard,
     query_variable,
     row,
-    sel,
     stat_panel,
     state_timeline_panel,
     table_panel,
@@ -20,6 +19,7 @@ from grafana.dashboards.panels import (
 )
 from stepscope_contract import families as fam
 from stepscope_contract import recordings as rec
+from stepscope_contract import selector as sel
 
 UID = "stepscope-node"
 NODE = 'instance=~"$instance"'

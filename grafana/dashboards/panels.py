@@ -44,11 +44,6 @@ class Q:
     buckets: bool = False
 
 
-def sel(name: str, matchers: str) -> str:
-    """A series selector: the family or recorded series `name` (from stepscope_contract) with `matchers`."""
-    return f"{name}{{{matchers}}}"
-
-
 def base_dashboard(
     title: str, uid: str, tags: list[str], description: str, *, since: str = "now-1h", refresh: str = "30s"
 ) -> dashboard.Dashboard:

@@ -14,7 +14,6 @@ from grafana.dashboards.panels import (
     query_variable,
     range_text,
     row,
-    sel,
     stat_panel,
     state_timeline_panel,
     table_panel,
@@ -24,6 +23,7 @@ from grafana.dashboards.panels import (
 )
 from stepscope_contract import families as fam
 from stepscope_contract import recordings as rec
+from stepscope_contract import selector as sel
 
 UID = "stepscope-training"
 RUN = 'run=~"$run"'
