@@ -19,12 +19,11 @@ from run_report.prometheus import Series
 from run_report.summary import STRAGGLER_SCORE, RankSummary
 from run_report.timeline import Bound, Interval, rank_key
 from run_report.window import Window
-from stepscope_contract import THRESHOLDS
+from stepscope_contract import STATES, THRESHOLDS
 
 WIDTH = 11.0  # inches; at DPI that is the page's content width
 DPI = 100
-STATE_COLORS = {"setup": "#9e9e9e", "train": "#2e7d32", "eval": "#1565c0", "checkpoint": "#ef6c00",
-                "idle": "#e0e0e0"}
+STATE_COLORS = dict(zip(STATES, ("#9e9e9e", "#2e7d32", "#1565c0", "#ef6c00", "#e0e0e0"), strict=True))
 VERDICT_COLORS = {"gpu_bound": "#00897b", "data_bound": "#e53935", "gpu_busy_idle": "#8e24aa",
                   "host_bound": "#fdd835", "idle": "#eeeeee"}
 OTHER_COLOR = "#6d4c41"

@@ -16,7 +16,7 @@ from run_report import fmt
 from run_report.collect import RunData
 from run_report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
 from run_report.timeline import training_times
-from stepscope_contract import THRESHOLDS
+from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 DATA_BOUND = THRESHOLDS["data_loading_share"].value
@@ -152,7 +152,7 @@ def _checks(totals: RunTotals, ranks: list[RankSummary], gpu: float | None, sour
     share, mean = totals.dataloader_share, totals.mean
     if share is None or mean is None:
         checks.append(Check("Loading time much smaller than training time",
-                            "dataloader_next not timed (iterate through tracker.loader())", "", None))
+                            f"{DATA_LOADING_PHASE} not timed (iterate through tracker.loader())", "", None))
     else:
         checks.append(Check("Loading time much smaller than training time",
                             f"{fmt.seconds(share * mean)} of a {fmt.seconds(mean)} step ({share:.0%})",

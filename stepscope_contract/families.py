@@ -11,7 +11,65 @@ from dataclasses import dataclass, field
 GPU = ("gpu", "uuid")
 PROCESS = ("pid", "run", "rank")
 RUN_RANK = ("run", "rank")
-# The training families by role: the hooks' renderer and the exporter's ingest name them through these.
+# Every family by role: the exporter, the hooks' renderer, the ingest, the dashboards and the report name
+# them through these, so a rename is an edit here.
+NODE_INFO = "stepscope_node_info"
+NODE_CPU_SECONDS = "stepscope_node_cpu_seconds_total"
+NODE_CPUS = "stepscope_node_cpus"
+NODE_MEMORY_TOTAL = "stepscope_node_memory_total_bytes"
+NODE_MEMORY_AVAILABLE = "stepscope_node_memory_available_bytes"
+NODE_DISK_READ_BYTES = "stepscope_node_disk_read_bytes_total"
+NODE_DISK_WRITTEN_BYTES = "stepscope_node_disk_written_bytes_total"
+NODE_DISK_READS = "stepscope_node_disk_reads_completed_total"
+NODE_DISK_WRITES = "stepscope_node_disk_writes_completed_total"
+NODE_DISK_IO_TIME = "stepscope_node_disk_io_time_seconds_total"
+NODE_NETWORK_RECEIVE = "stepscope_node_network_receive_bytes_total"
+NODE_NETWORK_TRANSMIT = "stepscope_node_network_transmit_bytes_total"
+NODE_FILESYSTEM_SIZE = "stepscope_node_filesystem_size_bytes"
+NODE_FILESYSTEM_AVAIL = "stepscope_node_filesystem_avail_bytes"
+
+GPU_COLLECTOR_UP = "stepscope_gpu_collector_up"
+GPU_UP = "stepscope_gpu_up"
+GPU_INFO = "stepscope_gpu_info"
+GPU_UTILIZATION = "stepscope_gpu_utilization_ratio"
+GPU_MEMORY_UTILIZATION = "stepscope_gpu_memory_utilization_ratio"
+GPU_MEMORY_USED = "stepscope_gpu_memory_used_bytes"
+GPU_MEMORY_FREE = "stepscope_gpu_memory_free_bytes"
+GPU_MEMORY_TOTAL = "stepscope_gpu_memory_total_bytes"
+GPU_TEMPERATURE = "stepscope_gpu_temperature_celsius"
+GPU_POWER = "stepscope_gpu_power_watts"
+GPU_POWER_LIMIT = "stepscope_gpu_power_limit_watts"
+GPU_ENERGY = "stepscope_gpu_energy_joules_total"
+GPU_SM_CLOCK = "stepscope_gpu_sm_clock_hertz"
+GPU_MEMORY_CLOCK = "stepscope_gpu_memory_clock_hertz"
+GPU_CLOCK_EVENT_ACTIVE = "stepscope_gpu_clock_event_active"
+GPU_CLOCK_EVENT_SECONDS = "stepscope_gpu_clock_event_seconds_total"
+GPU_PCIE = ("stepscope_gpu_pcie_receive_bytes_per_second", "stepscope_gpu_pcie_transmit_bytes_per_second")
+GPU_ECC_ERRORS = "stepscope_gpu_ecc_errors_total"
+GPU_XID_ERRORS = "stepscope_gpu_xid_errors_total"
+GPU_XID_LAST_SEEN = "stepscope_gpu_xid_last_seen_timestamp_seconds"
+GPU_SM_ACTIVE = "stepscope_gpu_sm_active_ratio"
+GPU_SM_OCCUPANCY = "stepscope_gpu_sm_occupancy_ratio"
+GPU_TENSOR_ACTIVE = "stepscope_gpu_tensor_active_ratio"
+GPU_DRAM_ACTIVE = "stepscope_gpu_dram_active_ratio"
+GPU_NVLINK = ("stepscope_gpu_nvlink_receive_bytes_per_second", "stepscope_gpu_nvlink_transmit_bytes_per_second")
+GPU_C2C = ("stepscope_gpu_c2c_receive_bytes_per_second", "stepscope_gpu_c2c_transmit_bytes_per_second")
+
+PROCESS_CPU_SECONDS = "stepscope_process_cpu_seconds_total"
+PROCESS_RESIDENT_MEMORY = "stepscope_process_resident_memory_bytes"
+PROCESS_IO_READ = "stepscope_process_io_read_bytes_total"
+PROCESS_IO_WRITE = "stepscope_process_io_write_bytes_total"
+PROCESS_CHILDREN = "stepscope_process_children"
+PROCESS_GPU_MEMORY = "stepscope_process_gpu_memory_bytes"
+
+COLLECTOR_DURATION = "stepscope_exporter_collector_duration_seconds"
+COLLECTOR_ERRORS = "stepscope_exporter_collector_errors_total"
+COLLECTOR_LAST_SUCCESS = "stepscope_exporter_collector_last_success_timestamp_seconds"
+BUILD_INFO = "stepscope_exporter_build_info"
+INGEST_ACCEPTED = "stepscope_exporter_ingest_accepted_total"
+INGEST_REJECTED = "stepscope_exporter_ingest_rejected_total"
+INGEST_GROUPS = "stepscope_exporter_ingest_groups"
+
 STEP_PHASE_SECONDS = "stepscope_step_phase_seconds"
 STEP_SECONDS = "stepscope_step_seconds"
 STEPS_TOTAL = "stepscope_steps_total"
@@ -50,7 +108,7 @@ class Family:
 
 
 def _gpu(name: str, type_: str, doc: str, *extra: str, **kwargs: object) -> Family:
-    return Family(f"stepscope_gpu_{name}", type_, (*GPU, *extra), doc, **kwargs)  # type: ignore[arg-type]
+    return Family(name, type_, (*GPU, *extra), doc, **kwargs)  # type: ignore[arg-type]
 
 
 _CLOCK_EVENT_REASONS = (
@@ -78,62 +136,56 @@ _TRACE_DOC = (
     "one series each per rank ([traces](#profiler-traces-on-demand))")
 
 _NODE = (
-    Family("stepscope_node_info", "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),
-    Family("stepscope_node_cpu_seconds_total", "counter", ("mode",), "CPU time summed over all CPUs"),
-    Family("stepscope_node_cpus", "gauge", (),
+    Family(NODE_INFO, "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),
+    Family(NODE_CPU_SECONDS, "counter", ("mode",), "CPU time summed over all CPUs"),
+    Family(NODE_CPUS, "gauge", (),
            'logical CPUs: `rate(cpu_seconds_total{mode!~"idle\\|iowait"})/cpus` is utilization'),
-    *(Family(f"stepscope_node_memory_{n}_bytes", "gauge", (), "host memory") for n in ("total", "available")),
-    *(Family(f"stepscope_node_disk_{n}_bytes_total", "counter", ("device",), "disk throughput")
-      for n in ("read", "written")),
-    *(Family(f"stepscope_node_disk_{n}_completed_total", "counter", ("device",), "disk IOPS")
-      for n in ("reads", "writes")),
-    Family("stepscope_node_disk_io_time_seconds_total", "counter", ("device",), "time the disk was busy"),
-    *(Family(f"stepscope_node_network_{n}_bytes_total", "counter", ("device",), "network throughput")
-      for n in ("receive", "transmit")),
-    *(Family(f"stepscope_node_filesystem_{n}_bytes", "gauge", ("path", "mountpoint"),
-             "space for `--filesystem-paths`") for n in ("size", "avail")),
+    *(Family(n, "gauge", (), "host memory") for n in (NODE_MEMORY_TOTAL, NODE_MEMORY_AVAILABLE)),
+    *(Family(n, "counter", ("device",), "disk throughput") for n in (NODE_DISK_READ_BYTES, NODE_DISK_WRITTEN_BYTES)),
+    *(Family(n, "counter", ("device",), "disk IOPS") for n in (NODE_DISK_READS, NODE_DISK_WRITES)),
+    Family(NODE_DISK_IO_TIME, "counter", ("device",), "time the disk was busy"),
+    *(Family(n, "counter", ("device",), "network throughput") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
+    *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`")
+      for n in (NODE_FILESYSTEM_SIZE, NODE_FILESYSTEM_AVAIL)),
 )
 _GPUS = (
-    Family("stepscope_gpu_collector_up", "gauge", (), "1 when NVML initialised, 0 otherwise (no GPU, no driver)"),
-    _gpu("up", "gauge", "1 while the GPU answers, 0 once lost (its readings are then absent; `_info` and XID "
-                        "counts stay)"),
-    _gpu("info", "gauge", "GPU identity", "name", "driver_version", "pci_bus_id", kind="info"),
-    _gpu("utilization_ratio", "gauge", "kernel-active time fraction"),
-    _gpu("memory_utilization_ratio", "gauge", "memory-controller busy fraction"),
-    *(_gpu(f"memory_{n}_bytes", "gauge", "framebuffer memory") for n in ("used", "free", "total")),
-    _gpu("temperature_celsius", "gauge", "die temperature"),
-    *(_gpu(n, "gauge", "draw and enforced limit") for n in ("power_watts", "power_limit_watts")),
-    _gpu("energy_joules_total", "counter", "energy since driver load (read every 10 s)"),
-    *(_gpu(f"{n}_clock_hertz", "gauge", "clocks") for n in ("sm", "memory")),
-    _gpu("clock_event_active", "gauge", _CLOCK_EVENT_REASONS, "reason", kind="state set"),
-    _gpu("clock_event_seconds_total", "counter", _THROTTLE_POLICIES, "reason"),
-    *(_gpu(f"pcie_{n}_bytes_per_second", "gauge", _PCIE) for n in ("receive", "transmit")),
-    _gpu("ecc_errors_total", "counter", "ECC errors", "type", label_notes={"type": "corrected, uncorrected"}),
-    _gpu("xid_errors_total", "counter", "XID events seen since exporter start", "xid"),
-    _gpu("xid_last_seen_timestamp_seconds", "gauge", "when that XID last fired", "xid"),
-    *(_gpu(f"{n}_ratio", "gauge", _GPM) for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active")),
-    *(_gpu(f"nvlink_{n}_bytes_per_second", "gauge", _NVLINK) for n in ("receive", "transmit")),
-    *(_gpu(f"c2c_{n}_bytes_per_second", "gauge", _C2C) for n in ("receive", "transmit")),
+    Family(GPU_COLLECTOR_UP, "gauge", (), "1 when NVML initialised, 0 otherwise (no GPU, no driver)"),
+    _gpu(GPU_UP, "gauge", "1 while the GPU answers, 0 once lost (its readings are then absent; `_info` and XID "
+                          "counts stay)"),
+    _gpu(GPU_INFO, "gauge", "GPU identity", "name", "driver_version", "pci_bus_id", kind="info"),
+    _gpu(GPU_UTILIZATION, "gauge", "kernel-active time fraction"),
+    _gpu(GPU_MEMORY_UTILIZATION, "gauge", "memory-controller busy fraction"),
+    *(_gpu(n, "gauge", "framebuffer memory") for n in (GPU_MEMORY_USED, GPU_MEMORY_FREE, GPU_MEMORY_TOTAL)),
+    _gpu(GPU_TEMPERATURE, "gauge", "die temperature"),
+    *(_gpu(n, "gauge", "draw and enforced limit") for n in (GPU_POWER, GPU_POWER_LIMIT)),
+    _gpu(GPU_ENERGY, "counter", "energy since driver load (read every 10 s)"),
+    *(_gpu(n, "gauge", "clocks") for n in (GPU_SM_CLOCK, GPU_MEMORY_CLOCK)),
+    _gpu(GPU_CLOCK_EVENT_ACTIVE, "gauge", _CLOCK_EVENT_REASONS, "reason", kind="state set"),
+    _gpu(GPU_CLOCK_EVENT_SECONDS, "counter", _THROTTLE_POLICIES, "reason"),
+    *(_gpu(n, "gauge", _PCIE) for n in GPU_PCIE),
+    _gpu(GPU_ECC_ERRORS, "counter", "ECC errors", "type", label_notes={"type": "corrected, uncorrected"}),
+    _gpu(GPU_XID_ERRORS, "counter", "XID events seen since exporter start", "xid"),
+    _gpu(GPU_XID_LAST_SEEN, "gauge", "when that XID last fired", "xid"),
+    *(_gpu(n, "gauge", _GPM) for n in (GPU_SM_ACTIVE, GPU_SM_OCCUPANCY, GPU_TENSOR_ACTIVE, GPU_DRAM_ACTIVE)),
+    *(_gpu(n, "gauge", _NVLINK) for n in GPU_NVLINK),
+    *(_gpu(n, "gauge", _C2C) for n in GPU_C2C),
 )
 _PROCESSES = (
-    Family("stepscope_process_cpu_seconds_total", "counter", PROCESS,
-           "CPU of the process plus its children (data-loader workers)"),
-    Family("stepscope_process_resident_memory_bytes", "gauge", PROCESS, "RSS of the process plus its children"),
-    *(Family(f"stepscope_process_io_{n}_bytes_total", "counter", PROCESS,
-             "storage I/O of the process plus its children") for n in ("read", "write")),
-    Family("stepscope_process_children", "gauge", PROCESS, "live descendant processes (data-loader workers)"),
-    Family("stepscope_process_gpu_memory_bytes", "gauge", (*PROCESS, "gpu"), "GPU memory the process holds"),
+    Family(PROCESS_CPU_SECONDS, "counter", PROCESS, "CPU of the process plus its children (data-loader workers)"),
+    Family(PROCESS_RESIDENT_MEMORY, "gauge", PROCESS, "RSS of the process plus its children"),
+    *(Family(n, "counter", PROCESS, "storage I/O of the process plus its children")
+      for n in (PROCESS_IO_READ, PROCESS_IO_WRITE)),
+    Family(PROCESS_CHILDREN, "gauge", PROCESS, "live descendant processes (data-loader workers)"),
+    Family(PROCESS_GPU_MEMORY, "gauge", (*PROCESS, "gpu"), "GPU memory the process holds"),
 )
 _SELF = (
-    Family("stepscope_exporter_collector_duration_seconds", "gauge", ("collector",), "last cycle's wall time"),
-    Family("stepscope_exporter_collector_errors_total", "counter", ("collector",), "failed cycles"),
-    Family("stepscope_exporter_collector_last_success_timestamp_seconds", "gauge", ("collector",),
-           "last good cycle"),
-    Family("stepscope_exporter_build_info", "gauge", ("version", "python_version"), "build", kind="info"),
-    Family("stepscope_exporter_ingest_accepted_total", "counter", (), "pushes stored"),
-    Family("stepscope_exporter_ingest_rejected_total", "counter", ("reason",),
-           "pushes refused, by reason (every reason present from start)"),
-    Family("stepscope_exporter_ingest_groups", "gauge", (), "(run, rank) groups stored"),
+    Family(COLLECTOR_DURATION, "gauge", ("collector",), "last cycle's wall time"),
+    Family(COLLECTOR_ERRORS, "counter", ("collector",), "failed cycles"),
+    Family(COLLECTOR_LAST_SUCCESS, "gauge", ("collector",), "last good cycle"),
+    Family(BUILD_INFO, "gauge", ("version", "python_version"), "build", kind="info"),
+    Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
+    Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),
+    Family(INGEST_GROUPS, "gauge", (), "(run, rank) groups stored"),
 )
 _TRAINING = (
     Family(STEP_PHASE_SECONDS, "histogram", (*RUN_RANK, "phase"), _PHASE_DOC, optional=("timing",),
@@ -176,6 +228,11 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (*_NODE, *_GPUS, *_PROCESSE
 def family(name: str) -> Family:
     """The family of that name; a KeyError names it, so a consumer of a renamed family fails at import."""
     return FAMILIES[name]
+
+
+def selector(name: str, matchers: str) -> str:
+    """The PromQL selector of a family or recorded series with `matchers` (`run=~"$run"`)."""
+    return f"{name}{{{matchers}}}"
 
 
 def sample_names(families: Mapping[str, Family] = FAMILIES) -> frozenset[str]:

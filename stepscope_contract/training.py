@@ -4,19 +4,25 @@ The hooks time and push these; the ingest validator, the rules, the dashboards a
 them back, so they live here once.
 """
 
+# The standard phases by role: the dashboards and the report explain a step through these.
+DATA_LOADING_PHASE = "dataloader_next"  # waiting for the next batch: the numerator of the data-loading share
+TO_DEVICE_PHASE = "to_device"  # the host-to-device copy of the batch
+FORWARD_PHASE = "forward"
+BACKWARD_PHASE = "backward"  # holds DDP's gradient all-reduce
+OPTIMIZER_PHASE = "optimizer_step"
 # Standard phase names (the seeds' vocabulary); users may add their own, bounded in count.
 STANDARD_PHASES = (
-    "dataloader_next", "to_device", "forward", "backward", "optimizer_step", "train_batch",
+    DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, "train_batch",
     "step_lr_schedulers", "from_device", "reduce_metrics",
 )
-# Waiting for the next batch: the numerator of the data-loading share.
-DATA_LOADING_PHASE = "dataloader_next"
 # The phases before a step's first collective: the local straggler score compares their sum across ranks,
 # because synchronous data parallelism equalises whole step times and hides the slow rank.
-LOCAL_PHASES = ("dataloader_next", "to_device", "forward")
+LOCAL_PHASES = (DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE)
 
 # The fixed state set of stepscope_training_state: exactly one is 1 at any time.
 STATES = ("setup", "train", "eval", "checkpoint", "idle")
+TRAIN_STATE = "train"  # the state the verdict, the alerts and the report count as training
+IDLE_STATE = "idle"  # what close() and SIGTERM push
 
 # Values of stepscope_step_phase_seconds{timing}: what a phase histogram holds.
 TIMINGS = ("host", "cuda_event", "cuda_sync")
