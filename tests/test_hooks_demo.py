@@ -46,12 +46,17 @@ def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
         (["--rank", "2", "--world-size", "2"], "rank 2 must be smaller than world_size 2"),
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
+        (["--push-interval", "0"], "push_interval must be a number > 0 seconds"),
     ],
 )
-def test_demo_rejects_bad_flags(args: list[str], message: str) -> None:
-    result = demo(*args)
+def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
+    """One line, exit 2, and before torch is imported (a stand-in torch that fails on import proves it)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    result = demo(*args, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"})
     assert result.returncode == 2
-    assert message in result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
