@@ -8,29 +8,24 @@ the Pushgateway's :9091 moves to a free port in all three of its commands; forev
 are stopped once they have shown what they are for.
 """
 
-import contextlib
-import os
-import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import helm_python
-import requests
 import tomllib
 import yaml
 
 from exporter.web_config import load
 from tests.support.helm_chart import CHART, GRAFANA, OPERATOR_API, objects, render, synced_copy
 from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape, wait_http_ok
-from tests.support.readme import README, readme_command, readme_commands, shell_env, start_shell
+from tests.support.readme import README, readme_command, readme_commands, shell_env, start_shell, stop_shells
 
 RUN_HERE = {  # command prefix -> the test that runs it
-    "python3 -m venv .venv && .venv/bin/pip install .": "test_the_first_command_installs_and_serves_from_a_fresh_venv",
-    "pip install '.[report]'": "test_the_first_command_installs_and_serves_from_a_fresh_venv",
-    "python -m run_report --help": "test_the_first_command_installs_and_serves_from_a_fresh_venv",
+    "python3 -m venv .venv && .venv/bin/pip install .": "test_readme_install.py",
+    "pip install '.[report]'": "test_readme_install.py",
+    "python -m run_report --help": "test_readme_install.py",
     "python -m training_hooks.demo": "test_the_demo_and_profile_commands",
     "torchrun --nproc-per-node 2 -m training_hooks.demo": "test_the_demo_and_profile_commands",
     "prometheus-pushgateway": "test_the_demo_and_profile_commands",
@@ -76,19 +71,6 @@ def _wait(condition: Callable[[], bool], what: str, processes: dict[str, subproc
                 raise AssertionError(f"{name} exited with {process.returncode} while waiting for {what}:\n{log}")
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _stop(processes: dict[str, subprocess.Popen]) -> None:
-    for process in processes.values():
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-    for process in processes.values():
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def _steps(base_url: str, run: str, rank: str) -> float:
@@ -138,38 +120,7 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
             for name in ("demo0", "demo1", "demo4", "demo5"):
                 assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
         finally:
-            _stop(processes)
-
-
-def test_the_first_command_installs_and_serves_from_a_fresh_venv(tmp_path: Path) -> None:
-    """In a copy of the checkout (its own .venv), with wheels from pip's cache."""
-    checkout = tmp_path / "stepscope"
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, check=True).stdout
-    for name in tracked.decode().split("\0"):
-        if name and (REPO_ROOT / name).is_file():
-            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO_ROOT / name, checkout / name)
-    port = free_port()
-    first = readme_commands()[0]
-    env = shell_env({"STEPSCOPE_WEB_LISTEN_ADDRESS": f"127.0.0.1:{port}"}, bin_dir=Path("/usr/bin"))
-    env.pop("PYTHONPATH")
-    shell = start_shell(first, tmp_path / "first.log", env, cwd=checkout)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/-/ready", shell, timeout=240)
-        assert "stepscope_exporter_build_info" in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    except Exception:
-        print((tmp_path / "first.log").read_text(errors="replace"))
-        raise
-    finally:
-        _stop({"first": shell})
-    venv = shell_env(bin_dir=checkout / ".venv" / "bin")
-    venv.pop("PYTHONPATH")
-    for line in (readme_command("pip install '.[report]'"), readme_command("python -m run_report --help")):
-        result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=venv, cwd=checkout,
-                                timeout=300)
-        assert result.returncode == 0, f"{line}: {result.stderr[-2000:]}"
-    assert "--prometheus" in result.stdout
-    assert (checkout / ".venv" / "bin" / "stepscope-report").is_file()
+            stop_shells(processes)
 
 
 def test_the_web_config_example_loads(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """The commands the README shows, read from its ```bash blocks, and a way to run one as a user would."""
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -48,3 +50,18 @@ def start_shell(command: str, log: Path, env: Mapping[str, str], cwd: Path = REP
     with open(log, "wb") as out:
         return subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT, env=dict(env),
                                 cwd=cwd, start_new_session=True)
+
+
+def stop_shells(shells: Mapping[str, subprocess.Popen]) -> None:
+    """SIGTERM to each shell's whole session (a demo, torchrun and its workers), SIGKILL after 15 s."""
+    for shell in shells.values():
+        if shell.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGTERM)
+    for shell in shells.values():
+        try:
+            shell.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
