@@ -17,6 +17,13 @@ def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           env={**os.environ, **env} if env else None)
 
 
+def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
+    """An environment whose `import torch` runs `failure` instead: proves what happens before it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"{failure}\n")
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+
+
 def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
     with running_pushgateway(tmp_path) as gateway:
         result = demo("--run", "demo-test", "--steps", "8", "--batch-size", "16", "--slow-loader", "0.01",
@@ -52,9 +59,7 @@ def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
 )
 def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
     """One line, exit 2, and before torch is imported (a stand-in torch that fails on import proves it)."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
-    result = demo(*args, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"})
+    result = demo(*args, env=without_torch(tmp_path, "raise SystemExit('torch was imported')"))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -67,7 +72,10 @@ def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -
         (["--rank", "1"], {"WORLD_SIZE": ""}, "rank=1/2"),  # then rank + 1
     ],
 )
-def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: str) -> None:
-    result = demo("--steps", "1", "--push-url", "", *args, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere")
+def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: str, tmp_path: Path) -> None:
+    """The identity is settled and said before torch is imported: a torch that fails on import ends the
+    demo right after the line (the training itself is test_demo_trains_and_pushes_a_slow_rank's)."""
+    result = demo("--steps", "1", "--push-url", "", *args,
+                  env={**env, **without_torch(tmp_path, "raise ImportError('no torch in this test')")})
+    assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere"), result.stderr
+    assert result.returncode == 2 and "the demo needs torch" in result.stderr

@@ -73,54 +73,63 @@ def _wait(condition: Callable[[], bool], what: str, processes: dict[str, subproc
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _steps(base_url: str, run: str, rank: str) -> float:
-    values = sample_values(scrape(base_url), "stepscope_steps_total", run=run, rank=rank)
-    return values[0] if values else 0.0
-
-
 def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
     """All demo commands at once against one real exporter (and the Pushgateway block against a real
-    Pushgateway), then both stepscope-profile commands against a rank of run resnet-a."""
+    Pushgateway), each stopped once it has pushed steps; then both stepscope-profile commands against a
+    rank of run resnet-a."""
     gateway_port = free_port()
-    demo_lines = [c for c in readme_commands() if c.startswith(("python -m training_hooks.demo", "torchrun"))]
-    assert len(demo_lines) == 6
+    demo_lines = [c for c in readme_commands()
+                  if c.startswith(("python -m training_hooks.demo", "torchrun")) and "9091" not in c]
+    assert len(demo_lines) == 5
     pushgateway_block = [c.replace("127.0.0.1:9091", f"127.0.0.1:{gateway_port}").removesuffix("&").strip()
                          for c in readme_commands() if "9091" in c]
     assert len(pushgateway_block) == 3 and pushgateway_block[0].startswith("prometheus-pushgateway")
     with running_exporter(tmp_path, "--collectors", "") as exporter:
         env = shell_env({"STEPSCOPE_PUSH_URL": exporter.url, "STEPSCOPE_PUSH_INTERVAL": "0.5",
                          "STEPSCOPE_TRACE_DIR": str(tmp_path / "traces")})
-        processes = {"pushgateway": start_shell(pushgateway_block[0], tmp_path / "pushgateway.log", env)}
+        shells = {"pushgateway": start_shell(pushgateway_block[0], tmp_path / "pushgateway.log", env)}
         try:
-            wait_http_ok(f"http://127.0.0.1:{gateway_port}/-/ready", processes["pushgateway"])
-            for index, line in enumerate([*demo_lines, pushgateway_block[1]]):
-                processes[f"demo{index}"] = start_shell(line, tmp_path / f"demo{index}.log", env)
+            wait_http_ok(f"http://127.0.0.1:{gateway_port}/-/ready", shells["pushgateway"])
+            demos = dict(zip(["demo", "straggler", "slow", "fixed", "ddp", "pushgateway-demo"],
+                             [*demo_lines, pushgateway_block[1]], strict=True))
             # a rank 3 of run resnet-a, for the profile commands (not a README command: the user's job)
-            processes["resnet"] = start_shell("python -m training_hooks.demo --run resnet-a --rank 3 --world-size 4",
-                                              tmp_path / "resnet.log", env)
-            pushed = [("demo", "0"), ("demo", "1"), ("slow", "0"), ("fixed", "0"), ("ddp", "0"), ("ddp", "1"),
-                      ("resnet-a", "3")]
-            _wait(lambda: all(_steps(exporter.url, run, rank) >= 3 for run, rank in pushed),
-                  f"steps from {pushed}", processes, tmp_path)
-            curl = pushgateway_block[2]
-            _wait(lambda: 'run="demo"' in subprocess.run(["bash", "-c", curl], capture_output=True, text=True,
-                                                         env=env).stdout,
-                  "the data-bound demo's steps on the Pushgateway", processes, tmp_path)
+            demos["resnet-a"] = "python -m training_hooks.demo --run resnet-a --rank 3 --world-size 4"
+            shells.update({name: start_shell(line, tmp_path / f"{name}.log", env) for name, line in demos.items()})
 
-            profiles = [c for c in readme_commands() if c.startswith("stepscope-profile")]
-            for line in profiles:
+            def pushed(*groups: tuple[str, str]) -> Callable[[str], bool]:
+                return lambda text: all(sample_values(text, "stepscope_steps_total", run=run, rank=rank) >= [3]
+                                        for run, rank in groups)
+
+            def on_gateway(_: str) -> bool:
+                curl = subprocess.run(["bash", "-c", pushgateway_block[2]], capture_output=True, text=True, env=env)
+                return 'run="demo"' in curl.stdout
+
+            shown = {"demo": pushed(("demo", "0")), "straggler": pushed(("demo", "1")), "slow": pushed(("slow", "0")),
+                     "fixed": pushed(("fixed", "0")), "ddp": pushed(("ddp", "0"), ("ddp", "1")),
+                     "pushgateway-demo": on_gateway, "resnet-a": pushed(("resnet-a", "3"))}
+
+            running = {name: shells[name] for name in demos}  # what must not exit by itself
+
+            def stop_those_done() -> bool:
+                text = scrape(exporter.url)
+                for name in [n for n in shown if shown[n](text)]:
+                    del shown[name]
+                    if name != "resnet-a":  # it stays for the traces
+                        stop_shells({name: running.pop(name)})  # training flat out costs the other tests CPU
+                return not shown
+
+            _wait(stop_those_done, "every demo's steps", running, tmp_path)
+            for line in [c for c in readme_commands() if c.startswith("stepscope-profile")]:
                 result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=150)
                 assert result.returncode == 0, result.stderr
                 (trace,) = result.stdout.split()
                 assert Path(trace).is_file() and trace.endswith(".pt.trace.json.gz")
-
-            logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("demo2", "demo3")}
-            assert "the loader is the limit" in logs["demo2"], logs["demo2"]  # as the README's comments say
-            assert "the training step is the limit" in logs["demo3"], logs["demo3"]
-            for name in ("demo0", "demo1", "demo4", "demo5"):
-                assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
         finally:
-            stop_shells(processes)
+            stop_shells(shells)
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in demos}
+    assert "the loader is the limit" in logs["slow"], logs["slow"]  # as the README's comments say
+    assert "the training step is the limit" in logs["fixed"], logs["fixed"]
+    assert not [name for name, log in logs.items() if "Traceback" in log and name != "ddp"], logs
 
 
 def test_the_web_config_example_loads(tmp_path: Path) -> None:

@@ -146,16 +146,6 @@ def evaluate(model: Any, batch_size: int, seconds: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        import torch
-        from torch import distributed as dist
-        from torch import nn
-        from torch.utils.data import DataLoader, IterableDataset
-    except ImportError:
-        print("python -m training_hooks.demo: error: the demo needs torch: pip install torch "
-              "(in a checkout of stepscope: pip install '.[torch]')", file=sys.stderr)
-        return 2
-
-    try:
         tracker = training_hooks.init(run=args.run, rank=args.rank, world_size=args.world_size,
                                       push_url=args.push_url, push_interval=args.push_interval)
     except ValueError as exc:
@@ -167,7 +157,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if tracker.pusher is not None:
         where = f"to {tracker.pusher.url} every {cfg.push_interval:g}s"
     mode = " ddp (gloo)" if args.ddp else ""
+    # said before torch's import (seconds): the hooks need no torch, and the rank shows as in setup
     print(f"stepscope demo: run={cfg.run} rank={cfg.rank}/{cfg.world_size}{mode} pushing {where}", flush=True)
+    try:
+        import torch
+        from torch import distributed as dist
+        from torch import nn
+        from torch.utils.data import DataLoader, IterableDataset
+    except ImportError:
+        tracker.close()
+        print("python -m training_hooks.demo: error: the demo needs torch: pip install torch "
+              "(in a checkout of stepscope: pip install '.[torch]')", file=sys.stderr)
+        return 2
 
     class SyntheticBatches(IterableDataset):
         """Endless whole batches of random regression data (--steps 0 runs forever); sleeps per batch to
