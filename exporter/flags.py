@@ -48,13 +48,16 @@ class _Setting(argparse.Action):
 
 
 class _Toggle(argparse.Action):
-    """An on/off flag: `--x` and `--no-x` (plus aliases), and a boolean variable."""
+    """An on/off flag: `--x` and `--no-x` (plus aliases), and boolean variables; a variable named after
+    an alias that turns the setting off (STEPSCOPE_NO_X) reads the other way round."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, *, values_by_flag: dict[str, bool],
-                 envs: Sequence[str], raw_default: bool | None, **kwargs: Any) -> None:
+                 envs: Sequence[str], inverted_envs: Sequence[str], raw_default: bool | None,
+                 **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=None, **kwargs)
         self.values_by_flag = values_by_flag
-        self.envs = tuple(envs)
+        self.envs = (*envs, *inverted_envs)
+        self.inverted_envs = frozenset(inverted_envs)
         self.raw_default = raw_default
         self.convert = boolean
 
@@ -101,6 +104,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
                 value = action.convert(os.environ[env])
             except argparse.ArgumentTypeError as exc:
                 self.error(f"environment variable {env}={os.environ[env]!r}: {exc}")
+            if env in getattr(action, "inverted_envs", ()):
+                value = not value
             if found is not None and found.value != value:
                 self.error(f"{found.name} and {env} set the same thing to different values: set one of them")
             found = found or Source("env", env, value)
@@ -152,15 +157,19 @@ def add_toggle(
     dest: str | None = None,
 ) -> None:
     """Adds `--flag` and `--no-flag` (plus `off_aliases` that turn it off); a variable in `envs` takes a
-    boolean. A None default leaves the setting unset when no flag or variable gives it."""
+    boolean, and so does the one named after each off alias, the other way round. A None default leaves
+    the setting unset when no flag or variable gives it."""
     name = flag.removeprefix("--")
     off = f"--no-{name}"
     envs = tuple(envs if envs is not None else (env_name(flag),))
+    inverted_envs = tuple(env_name(alias) for alias in off_aliases)
     values_by_flag = {flag: True, off: False, **dict.fromkeys(off_aliases, False)}
     shown_default = "on" if default else "off" if default is False else None
+    shown_envs = [*envs, *(f"{env} (1 turns it off)" for env in inverted_envs)]
     parser.add_argument(flag, off, *off_aliases, action=_Toggle, values_by_flag=values_by_flag, envs=envs,
-                        raw_default=default, dest=dest or name.replace(".", "_").replace("-", "_"),
-                        help=_help(help, shown_default, off_aliases, envs))
+                        inverted_envs=inverted_envs, raw_default=default,
+                        dest=dest or name.replace(".", "_").replace("-", "_"),
+                        help=_help(help, shown_default, off_aliases, shown_envs))
 
 
 def _help(text: str, default: str | None, aliases: Sequence[str], envs: Sequence[str]) -> str:

@@ -198,3 +198,15 @@ def test_collector_precedence(argv: list[str], env: dict[str, str], expected: li
 )
 def test_older_flags_are_aliases(argv: list[str], dest: str, value: object) -> None:
     assert getattr(build_parser().parse_args(argv), dest) == value
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [({"STEPSCOPE_NO_GPU_PCIE_POLL": "1"}, False), ({"STEPSCOPE_NO_GPU_PCIE_POLL": "0"}, True),
+     ({"STEPSCOPE_COLLECTOR_GPU_PCIE_POLL": "false"}, False), ({}, True)],
+)
+def test_the_older_negative_variable_reads_the_other_way_round(env: dict[str, str], value: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, text in env.items():
+        monkeypatch.setenv(name, text)
+    assert build_parser().parse_args([]).gpu_pcie_poll is value
