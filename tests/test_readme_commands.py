@@ -89,7 +89,8 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
                          "STEPSCOPE_TRACE_DIR": str(tmp_path / "traces")})
         shells = {"pushgateway": start_shell(pushgateway_block[0], tmp_path / "pushgateway.log", env)}
         try:
-            wait_http_ok(f"http://127.0.0.1:{gateway_port}/-/ready", shells["pushgateway"])
+            gateway = f"http://127.0.0.1:{gateway_port}"
+            wait_http_ok(f"{gateway}/-/ready", shells["pushgateway"])
             demos = dict(zip(["demo", "straggler", "slow", "fixed", "ddp", "pushgateway-demo"],
                              [*demo_lines, pushgateway_block[1]], strict=True))
             # a rank 3 of run resnet-a, for the profile commands (not a README command: the user's job)
@@ -101,24 +102,27 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
                                         for run, rank in groups)
 
             def on_gateway(_: str) -> bool:
-                curl = subprocess.run(["bash", "-c", pushgateway_block[2]], capture_output=True, text=True, env=env)
-                return 'run="demo"' in curl.stdout
+                return pushed(("demo", "0"))(scrape(gateway))
 
             shown = {"demo": pushed(("demo", "0")), "straggler": pushed(("demo", "1")), "slow": pushed(("slow", "0")),
                      "fixed": pushed(("fixed", "0")), "ddp": pushed(("ddp", "0"), ("ddp", "1")),
                      "pushgateway-demo": on_gateway, "resnet-a": pushed(("resnet-a", "3"))}
 
             running = {name: shells[name] for name in demos}  # what must not exit by itself
+            seen: dict[str, str] = {}  # what the exporter (the Pushgateway) showed of a demo when it was stopped
 
             def stop_those_done() -> bool:
                 text = scrape(exporter.url)
                 for name in [n for n in shown if shown[n](text)]:
                     del shown[name]
+                    seen[name] = scrape(gateway) if name == "pushgateway-demo" else text
                     if name != "resnet-a":  # it stays for the traces
                         stop_shells({name: running.pop(name)})  # training flat out costs the other tests CPU
                 return not shown
 
             _wait(stop_those_done, "every demo's steps", running, tmp_path)
+            curl = subprocess.run(["bash", "-c", pushgateway_block[2]], capture_output=True, text=True, env=env)
+            assert 'stepscope_steps_total{' in curl.stdout and 'run="demo"' in curl.stdout, curl.stdout
             for line in [c for c in readme_commands() if c.startswith("stepscope-profile")]:
                 result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=150)
                 assert result.returncode == 0, result.stderr
@@ -130,6 +134,19 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
     assert "the loader is the limit" in logs["slow"], logs["slow"]  # as the README's comments say
     assert "the training step is the limit" in logs["fixed"], logs["fixed"]
     assert not [name for name, log in logs.items() if "Traceback" in log and name != "ddp"], logs
+    # what the straggler and the data-bound run say they do, in their pushed sums
+    assert logs["straggler"].startswith(f"stepscope demo: run=demo rank=1/4 pushing to {exporter.url}")
+    assert logs["pushgateway-demo"].startswith(f"stepscope demo: run=demo rank=0/1 pushing to {gateway}")
+    straggler = {"run": "demo", "rank": "1"}
+    [steps] = sample_values(seen["straggler"], "stepscope_steps_total", **straggler)
+    [forward] = sample_values(seen["straggler"], "stepscope_step_phase_seconds_sum", phase="forward", **straggler)
+    assert forward >= steps * 0.05
+    data_bound = {"job": "stepscope", "run": "demo", "rank": "0"}
+    [steps] = sample_values(seen["pushgateway-demo"], "stepscope_steps_total", **data_bound)
+    assert sample_values(seen["pushgateway-demo"], "stepscope_samples_total", **data_bound) == [steps * 64]
+    [loading] = sample_values(seen["pushgateway-demo"], "stepscope_step_phase_seconds_sum", phase="dataloader_next",
+                              **data_bound)
+    assert loading >= steps * 0.1
 
 
 def test_the_web_config_example_loads(tmp_path: Path) -> None:
