@@ -10,10 +10,11 @@ import pytest
 
 LONGEST_FIRST = (  # seconds on a 2-core machine: set up + tests, roughly
     "test_report_e2e.py",        # ~70: two training runs, Prometheus, reports
-    "test_readme_commands.py",   # ~35: every demo command at once
-    "test_readme_install.py",    # ~30: a fresh venv
+    "test_readme_install.py",    # ~30: a fresh venv (pip, mostly waiting)
     "test_http_hardening.py",    # ~45: 512 groups, shutdown deadlines
     "test_bundle_e2e.py",        # ~30: training runs, Prometheus, every rule and panel query
+    "test_readme_commands.py",   # ~25: every demo command at once, a CPU burst: not beside the report
+                                 # module's training runs, whose state timeline the report tests time
     "test_hooks_demo_ddp.py",    # ~20: DDP over gloo
     "test_profile_e2e.py",       # ~25: traces of live ranks
     "test_hooks_sigterm.py",     # ~20
