@@ -11,20 +11,26 @@ from exporter.exposition import ExpositionStore
 from exporter.flags import (
     OneLineErrorParser,
     add_flag,
-    add_switch,
+    add_toggle,
+    choice,
     comma_list,
     fail,
     listen_address,
     positive_float,
     positive_int,
     readable_file,
+    source_of,
 )
 from exporter.gpu_processes import GpuProcessTable
 from exporter.scheduler import Scheduler
-from exporter.server import BasicAuth, ExporterServer, TlsContextSource, WebLimits
+from exporter.server import PROFILE_PREFIX, ExporterServer, WebLimits, WebOptions
+from exporter.web_auth import Authenticator, BcryptUsers, PasswordFileUser
+from exporter.web_config import TlsSettings, WebConfig, WebConfigError, load
+from exporter.web_tls import TlsContextSource
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
+RESERVED_PATHS = ("/", "/-/healthy", "/-/ready", PROFILE_PREFIX)
 
 log = logging.getLogger("exporter")
 
@@ -39,57 +45,123 @@ def collector_list(text: str) -> list[str]:
     return names
 
 
+def telemetry_path(text: str) -> str:
+    """Where /metrics moves to: an absolute path that no other endpoint (or the push API) uses."""
+    if not text.startswith("/") or text in RESERVED_PATHS or text.startswith(("/metrics/", PROFILE_PREFIX + "/")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a path starting with '/', other than /, /-/healthy, /-/ready and the push "
+            "and profile APIs (/metrics/job/..., /api/v1/profiles)"
+        )
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="stepscope-exporter",
         description=(
             "Publishes node, GPU and per-process metrics and the step timings pushed by training "
-            "hooks on /metrics for Prometheus. Works without a GPU: GPU families are then absent "
-            "and stepscope_gpu_collector_up is 0. Every flag can also be set by the environment "
-            "variable named in its help."
+            "hooks for Prometheus. Works without a GPU: GPU families are then absent and "
+            "stepscope_gpu_collector_up is 0. A flag wins over its environment variables (named in "
+            "its help); an alias (a flag of earlier releases) works like the flag it stands for."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     web = parser.add_argument_group("web")
-    add_flag(web, "--listen-address", default=f"0.0.0.0:{DEFAULT_PORT}", type=listen_address,
-             help="HOST:PORT to serve /metrics, health and the push API on ('[::]:PORT' for IPv6)")
-    add_flag(web, "--tls-cert-file", default=None, type=readable_file,
+    add_flag(web, "--web.listen-address", aliases=["--listen-address"], default=f"0.0.0.0:{DEFAULT_PORT}",
+             type=listen_address, dest="listen_address",
+             help="HOST:PORT to serve metrics, health and the push API on ('[::]:PORT' for IPv6)")
+    add_flag(web, "--web.telemetry-path", default="/metrics", type=telemetry_path, dest="telemetry_path",
+             help="path of the metrics endpoint (the push API stays at /metrics/job/...)")
+    add_flag(web, "--web.config.file", default=None, type=readable_file, dest="web_config_file",
+             help="exporter-toolkit web config YAML: tls_server_config, basic_auth_users (bcrypt), "
+                  "http_server_config.headers; the TLS files in it are reloaded when they change")
+    add_flag(web, "--web.max-connections", aliases=["--web-max-connections"], default="512", type=positive_int,
+             dest="web_max_connections", help="most client connections open at once; more get 503 and are closed")
+    legacy = parser.add_argument_group(
+        "web, older flags", "TLS and basic auth without a web config file (not together with --web.config.file)")
+    add_flag(legacy, "--tls-cert-file", default=None, type=readable_file,
              help="PEM certificate to serve HTTPS; reloaded when the file changes")
-    add_flag(web, "--tls-key-file", default=None, type=readable_file,
-             help="PEM private key for --tls-cert-file")
-    add_flag(web, "--basic-auth-user", default=None,
-             help="require HTTP basic auth with this user on /metrics (health probes stay open)")
-    add_flag(web, "--basic-auth-password-file", default=None, type=readable_file,
-             help="file holding the basic auth password (trailing newline ignored)")
-    add_flag(web, "--web-max-connections", default="512", type=positive_int,
-             help="most client connections open at once; more get 503 and are closed")
+    add_flag(legacy, "--tls-key-file", default=None, type=readable_file, help="PEM private key for --tls-cert-file")
+    add_flag(legacy, "--basic-auth-user", default=None,
+             help="require HTTP basic auth with this user on the metrics endpoint (health probes stay open)")
+    add_flag(legacy, "--basic-auth-password-file", default=None, type=readable_file,
+             help="file holding the basic auth password in clear (trailing newline ignored)")
 
     collection = parser.add_argument_group("collection")
     add_flag(collection, "--collectors", default=",".join(COLLECTOR_NAMES), type=collector_list,
-             help=f"comma-separated collectors to run, from: {', '.join(COLLECTOR_NAMES)}")
+             help=f"comma-separated collectors to run, from: {', '.join(COLLECTOR_NAMES)}; "
+                  "--collector.NAME / --no-collector.NAME switch one on or off")
+    for name in COLLECTOR_NAMES:
+        add_toggle(collection, f"--collector.{name}", default=None, dest=f"collector_{name}",
+                   help=f"run the {name} collector, or not (--no-collector.{name})")
+    add_toggle(collection, "--collector.gpu.pcie-poll", default=True, off_aliases=["--no-gpu-pcie-poll"],
+               dest="gpu_pcie_poll",
+               help="on GPUs without GPM (pre-Hopper) poll nvmlDeviceGetPcieThroughput, which blocks 20 ms per "
+                    "direction, every 10 s on a background thread; off: publish no PCIe throughput for them")
     add_flag(collection, "--collect-interval", default="5", type=positive_float,
              help="seconds between hardware readings; scrapes serve the latest reading")
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "
                   "and free space to publish")
-    add_switch(collection, "--no-gpu-pcie-poll",
-               help="publish no PCIe throughput for GPUs without GPM (pre-Hopper) rather than poll "
-                    "nvmlDeviceGetPcieThroughput, which blocks 20 ms per direction, every 10 s on a "
-                    "background thread")
 
     ingest.add_flags(parser.add_argument_group("push API (training hooks)"))
 
-    add_flag(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"],
-             help="log verbosity")
+    add_flag(parser, "--log.level", aliases=["--log-level"], default="info", dest="log_level",
+             type=choice("debug", "info", "warning", "error"), help="log verbosity: debug, info, warning, error")
     return parser
 
 
-def _check_combinations(args: argparse.Namespace) -> None:
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+def enabled_collectors(args: argparse.Namespace) -> list[str]:
+    """--collectors, then each --collector.NAME / --no-collector.NAME; a switch set on the command line
+    beats a list from the environment, and one that contradicts a list given beside it is an error."""
+    enabled = list(args.collectors)
+    listed_by = source_of(args, "collectors")
+    for name in COLLECTOR_NAMES:
+        switch = source_of(args, f"collector_{name}")
+        if switch is None or switch.value == (name in enabled):
+            continue
+        if listed_by is not None and listed_by.level == switch.level:
+            fail(f"{listed_by.name} {','.join(args.collectors) or '(none)'!s} and {switch.name} disagree about "
+                 f"the {name} collector: give one of them")
+        if listed_by is not None and listed_by.level == "flag":
+            continue  # a flag beats a variable
+        enabled = [n for n in enabled if n != name] + ([name] if switch.value else [])
+    return [name for name in COLLECTOR_NAMES if name in enabled]
+
+
+def _web_options(args: argparse.Namespace) -> WebOptions:
+    """TLS, basic auth and headers from --web.config.file or the older flags; one line on conflict."""
+    legacy = [flag for flag in ("--tls-cert-file", "--tls-key-file", "--basic-auth-user", "--basic-auth-password-file")
+              if getattr(args, flag[2:].replace("-", "_"))]
+    config = WebConfig()
+    if args.web_config_file:
+        if legacy:
+            fail(f"{legacy[0]} and --web.config.file both configure the web server: put it in the web config file")
+        try:
+            config = load(args.web_config_file)
+        except WebConfigError as exc:
+            fail(f"--web.config.file {args.web_config_file}: {exc}")
+    elif bool(args.tls_cert_file) != bool(args.tls_key_file):
         fail("--tls-cert-file and --tls-key-file must be given together")
-    if bool(args.basic_auth_user) != bool(args.basic_auth_password_file):
+    elif bool(args.basic_auth_user) != bool(args.basic_auth_password_file):
         fail("--basic-auth-user and --basic-auth-password-file must be given together")
+    tls_settings = config.tls or (TlsSettings(args.tls_cert_file, args.tls_key_file) if args.tls_cert_file else None)
+    tls = None
+    if tls_settings is not None:
+        try:
+            tls = TlsContextSource(tls_settings)
+        except (OSError, ValueError) as exc:
+            fail(f"cannot load TLS certificate/key: {exc}")
+    auth: Authenticator | None = BcryptUsers(config.users) if config.users else None
+    if args.basic_auth_user:
+        with open(args.basic_auth_password_file, encoding="utf-8") as handle:
+            password = handle.read().rstrip("\r\n")
+        if not password:
+            fail(f"--basic-auth-password-file {args.basic_auth_password_file!r} is empty")
+        auth = PasswordFileUser(args.basic_auth_user, password)
+    limits = WebLimits(max_connections=args.web_max_connections,
+                       max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
+    return WebOptions(telemetry_path=args.telemetry_path, tls=tls, auth=auth, headers=config.headers, limits=limits)
 
 
 def _build_collectors(
@@ -104,7 +176,7 @@ def _build_collectors(
     if "gpu" in args.collectors:
         from exporter.collectors.gpu import GpuCollector
 
-        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=not args.no_gpu_pcie_poll))
+        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll))
     if "process" in args.collectors:
         from exporter.collectors.process import ProcessCollector
 
@@ -114,47 +186,28 @@ def _build_collectors(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _check_combinations(args)
+    args.collectors = enabled_collectors(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-
-    tls = None
-    if args.tls_cert_file:
-        try:
-            tls = TlsContextSource(args.tls_cert_file, args.tls_key_file)
-        except (OSError, ValueError) as exc:
-            fail(f"cannot load TLS certificate/key: {exc}")
-    auth = None
-    if args.basic_auth_user:
-        with open(args.basic_auth_password_file, encoding="utf-8") as handle:
-            password = handle.read().rstrip("\r\n")
-        if not password:
-            fail(f"--basic-auth-password-file {args.basic_auth_password_file!r} is empty")
-        auth = BasicAuth(args.basic_auth_user, password)
-
+    options = _web_options(args)
     store = ExpositionStore()
     push_api, profile_api = ingest.build(args, store)
     collectors = _build_collectors(args, push_api)
     scheduler = Scheduler(collectors, args.collect_interval, store)
     host, port = args.listen_address
-    limits = WebLimits(max_connections=args.web_max_connections,
-                       max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
     try:
-        server = ExporterServer(
-            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth, limits=limits,
-            profile_handler=profile_api,
-        )
+        server = ExporterServer((host, port), store, scheduler.ready, push_api, options, profile_handler=profile_api)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
 
     scheduler.start()
     push_api.start()
-    scheme = "https" if tls else "http"
-    log.info("stepscope-exporter %s serving %s://%s:%d/metrics (collectors: %s)",
-             __version__, scheme, host, server.server_address[1], ", ".join(args.collectors) or "none")
+    scheme = "https" if options.tls else "http"
+    log.info("stepscope-exporter %s serving %s://%s:%d%s (collectors: %s)", __version__, scheme, host,
+             server.server_address[1], options.telemetry_path, ", ".join(args.collectors) or "none")
     try:
         server.serve()  # until SIGTERM or SIGINT; in-flight responses finish first
     finally:

@@ -1,48 +1,207 @@
-"""Flags that also read `STEPSCOPE_*` environment variables, validated by argparse types.
+"""Flags with aliases and `STEPSCOPE_*` environment variables, validated by argparse types.
 
-argparse runs `type` on string defaults too, so a bad environment value fails exactly like a bad
-flag: one line on stderr and exit code 2.
+A setting is one canonical flag (the Prometheus convention, `--web.listen-address`), its aliases
+(the flags of earlier releases, `--listen-address`) and the environment variables that set it
+when no flag does. Precedence: a flag, then a variable, then the default. Two spellings of one
+setting given at the same level with different values are an error, never a silent pick. A bad
+value ends with one line on stderr and exit code 2, naming what the user wrote: the flag, or the
+variable when the value came from the environment.
 """
 
 import argparse
 import ipaddress
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 ENV_PREFIX = "STEPSCOPE_"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+Convert = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a setting's value came from: `flag` (a command-line option) or `env` (a variable)."""
+
+    level: str
+    name: str
+    value: Any
+
+
+class _Setting(argparse.Action):
+    """A valued flag; remembers which spelling set it so aliases that disagree are caught."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, envs: Sequence[str], raw_default: str | None,
+                 convert: Convert | None, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, default=None, type=convert, **kwargs)
+        self.envs = tuple(envs)
+        self.raw_default = raw_default
+        self.convert = convert or (lambda text: text)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _record(parser, namespace, self.dest, Source("flag", option_string or self.dest, values))
+
+
+class _Toggle(argparse.Action):
+    """An on/off flag: `--x` and `--no-x` (plus aliases), and boolean variables; a variable named after
+    an alias that turns the setting off (STEPSCOPE_NO_X) reads the other way round."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, values_by_flag: dict[str, bool],
+                 envs: Sequence[str], inverted_envs: Sequence[str], raw_default: bool | None,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=None, **kwargs)
+        self.values_by_flag = values_by_flag
+        self.envs = (*envs, *inverted_envs)
+        self.inverted_envs = frozenset(inverted_envs)
+        self.raw_default = raw_default
+        self.convert = boolean
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        assert option_string is not None
+        _record(parser, namespace, self.dest, Source("flag", option_string, self.values_by_flag[option_string]))
+
+
+def _record(parser: argparse.ArgumentParser, namespace: argparse.Namespace, dest: str, source: Source) -> None:
+    sources: dict[str, Source] = namespace.__dict__.setdefault("_sources", {})
+    earlier = sources.get(dest)
+    if earlier is not None and earlier.name != source.name and earlier.value != source.value:
+        parser.error(f"{earlier.name} and {source.name} set the same thing to different values: give one of them")
+    sources[dest] = source
+    setattr(namespace, dest, source.value)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, and which fills unset settings from the environment.
+    Flags are never abbreviated: a prefix that matches today may be ambiguous after the next release."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed = super().parse_args(args, namespace)
+        sources: dict[str, Source] = parsed.__dict__.setdefault("_sources", {})
+        for action in self._actions:
+            if isinstance(action, (_Setting, _Toggle)) and action.dest not in sources:
+                self._from_environment(parsed, action, sources)
+        return parsed
+
+    def _from_environment(self, parsed: argparse.Namespace, action: "_Setting | _Toggle",
+                          sources: dict[str, Source]) -> None:
+        found: Source | None = None
+        for env in action.envs:
+            if env not in os.environ:
+                continue
+            try:
+                value = action.convert(os.environ[env])
+            except argparse.ArgumentTypeError as exc:
+                self.error(f"environment variable {env}={os.environ[env]!r}: {exc}")
+            if env in getattr(action, "inverted_envs", ()):
+                value = not value
+            if found is not None and found.value != value:
+                self.error(f"{found.name} and {env} set the same thing to different values: set one of them")
+            found = found or Source("env", env, value)
+        if found is not None:
+            sources[action.dest] = found
+            setattr(parsed, action.dest, found.value)
+        elif isinstance(action.raw_default, str):
+            setattr(parsed, action.dest, action.convert(action.raw_default))
+        else:
+            setattr(parsed, action.dest, action.raw_default)
+
+
+def source_of(args: argparse.Namespace, dest: str) -> Source | None:
+    """The flag or variable that set `dest`; None when it has its default."""
+    return args.__dict__.get("_sources", {}).get(dest)
+
 
 def env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    """`--web.listen-address` -> `STEPSCOPE_WEB_LISTEN_ADDRESS`."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").replace(".", "_").upper()
 
 
 def add_flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     flag: str,
     *,
-    default: Any,
+    default: str | None,
     help: str,
-    type: Callable[[str], Any] | None = None,
+    type: Convert | None = None,
+    aliases: Sequence[str] = (),
+    envs: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> None:
-    """Adds `--flag`, defaulting to $STEPSCOPE_FLAG when set; the help names the variable."""
-    env = env_name(flag)
-    value = os.environ.get(env, default)
-    parser.add_argument(flag, default=value, type=type, help=f"{help} [env {env}]", **kwargs)
+    """Adds `flag` (and its aliases), set when absent by the first of `envs` present (default: the
+    variable named after each spelling), else by `default`; the help names the aliases and variables."""
+    envs = tuple(envs if envs is not None else dict.fromkeys(env_name(f) for f in (flag, *aliases)))
+    parser.add_argument(flag, *aliases, action=_Setting, envs=envs, raw_default=default, convert=type,
+                        help=_help(help, default, aliases, envs), **kwargs)
 
 
-def add_switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, *, help: str) -> None:
-    """A boolean flag; the variable accepts 1/true/yes/on."""
-    env = env_name(flag)
-    default = os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
-    parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env {env}]")
+def add_toggle(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    *,
+    default: bool | None,
+    help: str,
+    off_aliases: Sequence[str] = (),
+    envs: Sequence[str] | None = None,
+    dest: str | None = None,
+) -> None:
+    """Adds `--flag` and `--no-flag` (plus `off_aliases` that turn it off); a variable in `envs` takes a
+    boolean, and so does the one named after each off alias, the other way round. A None default leaves
+    the setting unset when no flag or variable gives it."""
+    name = flag.removeprefix("--")
+    off = f"--no-{name}"
+    envs = tuple(envs if envs is not None else (env_name(flag),))
+    inverted_envs = tuple(env_name(alias) for alias in off_aliases)
+    values_by_flag = {flag: True, off: False, **dict.fromkeys(off_aliases, False)}
+    shown_default = "on" if default else "off" if default is False else None
+    shown_envs = [*envs, *(f"{env} (1 turns it off)" for env in inverted_envs)]
+    parser.add_argument(flag, off, *off_aliases, action=_Toggle, values_by_flag=values_by_flag, envs=envs,
+                        inverted_envs=inverted_envs, raw_default=default,
+                        dest=dest or name.replace(".", "_").replace("-", "_"),
+                        help=_help(help, shown_default, off_aliases, shown_envs))
+
+
+def _help(text: str, default: str | None, aliases: Sequence[str], envs: Sequence[str]) -> str:
+    parts = [text]
+    if default not in (None, ""):
+        parts.append(f"(default: {default})")
+    tags = []
+    if aliases:
+        tags.append(f"alias {', '.join(aliases)}")
+    if envs:
+        tags.append(f"env {', '.join(envs)}")
+    return " ".join(parts).replace("%", "%%") + (f" [{'; '.join(tags)}]" if tags else "")
+
+
+def choice(*words: str) -> Convert:
+    """A converter that admits only `words` (argparse's `choices` would not check a variable)."""
+
+    def convert(text: str) -> str:
+        if text not in words:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(words)}")
+        return text
+
+    return convert
+
+
+def boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (1/true/yes/on or 0/false/no/off)")
 
 
 def positive_float(text: str) -> float:

@@ -8,21 +8,16 @@ the next request. What this module adds on top is bounded: a deadline for a requ
 (HEADER_TIMEOUT_SECONDS, from the connection's start or the previous response; also the idle limit
 of a kept-alive connection) and for a push body, a cap on connections and on push-body bytes in
 flight (so /metrics always gets through), the push API's access check before a body byte is read,
-405 in plain text for other methods, TLS that reloads its files, basic auth, a graceful stop. The
-profile-request API (PROFILE_PREFIX) goes through the same bounded path as a push.
+405 in plain text for other methods, TLS (exporter.web_tls), basic auth (exporter.web_auth), the
+web config file's response headers, a graceful stop. The profile-request API (PROFILE_PREFIX) goes
+through the same bounded path as a push.
 """
 
 import asyncio
-import base64
-import hmac
 import logging
-import os
 import resource
 import signal
 import socket
-import ssl
-import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +29,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from exporter import __version__
 from exporter.exposition import ExpositionStore
+from exporter.web_auth import Authenticator
+from exporter.web_tls import TlsContextSource
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +51,7 @@ INDEX_PAGE = """<!doctype html>
 <body><h1>stepscope exporter {version}</h1>
 <p>Why is my training slow, and where?</p>
 <ul>
-<li><a href="metrics">/metrics</a> &mdash; node, GPU, process and training metrics</li>
+<li><a href="{metrics_link}">{metrics_path}</a> &mdash; node, GPU, process and training metrics</li>
 <li><a href="-/healthy">/-/healthy</a> &mdash; liveness</li>
 <li><a href="-/ready">/-/ready</a> &mdash; readiness (first collection done)</li>
 <li>/api/v1/profiles &mdash; PyTorch profiler traces of live ranks (stepscope-profile)</li>
@@ -101,80 +98,15 @@ class WebLimits:
     max_body_bytes_in_flight: int = 8 * 1024 * 1024
 
 
-class TlsContextSource:
-    """Serves an SSLContext for cert/key files and rebuilds it when either file changes.
+@dataclass(frozen=True)
+class WebOptions:
+    """What the flags and the web config file say about serving, beyond the address."""
 
-    Checked at most once a second on new connections; a broken replacement keeps the old context
-    and logs why, so a half-written renewal never takes the endpoint down. An encrypted key is
-    refused (ValueError) instead of letting OpenSSL prompt for a passphrase on the terminal.
-    """
-
-    def __init__(self, cert_file: str, key_file: str) -> None:
-        self._cert_file = cert_file
-        self._key_file = key_file
-        self._lock = threading.Lock()
-        self._checked_at = 0.0
-        self._stamp = self._file_stamp()
-        self._context = self._build()
-
-    def context(self) -> ssl.SSLContext:
-        now = time.monotonic()
-        if now - self._checked_at >= 1.0:
-            with self._lock:
-                self._checked_at = now
-                try:
-                    stamp = self._file_stamp()
-                except OSError as exc:
-                    log.error("TLS files unreadable, keeping the loaded certificate: %s", exc)
-                    return self._context
-                if stamp != self._stamp:
-                    try:
-                        self._context = self._build()
-                        self._stamp = stamp
-                        log.info("reloaded TLS certificate %s", self._cert_file)
-                    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-                        log.error("TLS reload failed, keeping the loaded certificate: %s", exc)
-        return self._context
-
-    def listening_context(self) -> ssl.SSLContext:
-        """A context for the listening socket that hands each handshake the current context.
-
-        The server-name callback runs on every ClientHello (with or without SNI), so a renewed
-        certificate serves the next connection without restarting the listener.
-        """
-        context = self._build()
-
-        def use_current(ssl_object: ssl.SSLObject, _server_name: str | None, _context: ssl.SSLContext) -> None:
-            ssl_object.context = self.context()
-
-        context.sni_callback = use_current  # type: ignore[assignment]
-        return context
-
-    def _file_stamp(self) -> tuple[float, float]:
-        return os.stat(self._cert_file).st_mtime, os.stat(self._key_file).st_mtime
-
-    def _build(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self._cert_file, self._key_file, password=self._refuse_passphrase)
-        return context
-
-    def _refuse_passphrase(self) -> bytes:
-        raise ValueError(f"the key in {self._key_file} is encrypted: give an unencrypted key "
-                         "(openssl pkey -in KEY -out PLAIN_KEY)")
-
-
-class BasicAuth:
-    """Checks `Authorization: Basic` (scheme case-insensitive) against one user and a password from a file."""
-
-    def __init__(self, user: str, password: str) -> None:
-        self._expected = base64.b64encode(f"{user}:{password}".encode()).decode()
-
-    def allows(self, header: str | None) -> bool:
-        scheme, _, credentials = (header or "").strip().partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        return hmac.compare_digest(credentials.strip().encode(), self._expected.encode())
+    telemetry_path: str = "/metrics"
+    tls: TlsContextSource | None = None
+    auth: Authenticator | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)  # added to every response
+    limits: WebLimits = WebLimits()
 
 
 class _TooManyConnections(asyncio.Protocol):
@@ -266,20 +198,19 @@ class ExporterServer:
         store: ExpositionStore,
         ready: Callable[[], bool],
         push_handler: PushHandler,
-        tls: TlsContextSource | None = None,
-        auth: BasicAuth | None = None,
-        limits: WebLimits = WebLimits(),
+        options: WebOptions = WebOptions(),
         profile_handler: PushHandler | None = None,
     ) -> None:
         self._socket = _listen(address)
         self.server_address = self._socket.getsockname()
         self.store = store
         self.ready = ready
-        self.tls = tls
-        self.auth = auth
+        self.options = options
+        self.tls = options.tls
+        self.auth = options.auth
         self.push_handler = push_handler
         self.profile_handler = profile_handler
-        self.limits = limits
+        self.limits = options.limits
         self._in_flight = 0  # push-body bytes being received, by Content-Length
         self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-parse")
         self._warned_connections = False
@@ -331,6 +262,12 @@ class ExporterServer:
         self._stop.set()
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        response = await self._route(request)
+        if not response.prepared:  # /metrics streams, and adds them itself
+            response.headers.update(self.options.headers)
+        return response
+
+    async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.raw_path.split("?", 1)[0]
         method = request.method
         if self.profile_handler is not None and (path == PROFILE_PREFIX or path.startswith(PROFILE_PREFIX + "/")):
@@ -346,20 +283,22 @@ class ExporterServer:
             if path == "/-/healthy" or self.ready():
                 return _text(HTTPStatus.OK, "OK", close=close)
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, "first collection not done", close=close)
-        if self.auth is not None and not self.auth.allows(request.headers.get("Authorization")):
+        if self.auth is not None and not await self.auth.allows(request.headers.get("Authorization")):
             return _text(HTTPStatus.UNAUTHORIZED, "unauthorized", close=close,
                          headers={"WWW-Authenticate": 'Basic realm="stepscope"'})
-        if path == "/metrics":
+        if path == self.options.telemetry_path:
             return await self._metrics(request, close)
         if path == "/":
-            page = INDEX_PAGE.format(version=__version__)
+            telemetry = self.options.telemetry_path
+            page = INDEX_PAGE.format(version=__version__, metrics_path=telemetry, metrics_link=telemetry.lstrip("/"))
             return _response(web.Response(status=200, text=page, content_type="text/html", charset="utf-8"), close)
         return _text(HTTPStatus.NOT_FOUND, "not found", close=close)
 
     async def _metrics(self, request: web.BaseRequest, close: bool) -> web.StreamResponse:
         compressed = "gzip" in request.headers.get("Accept-Encoding", "")
         body = self.store.body(compressed=compressed)
-        response = _response(web.StreamResponse(status=200, headers={"Content-Type": CONTENT_TYPE_LATEST}), close)
+        headers = {**self.options.headers, "Content-Type": CONTENT_TYPE_LATEST}
+        response = _response(web.StreamResponse(status=200, headers=headers), close)
         if compressed:
             response.headers["Content-Encoding"] = "gzip"
         response.content_length = len(body)

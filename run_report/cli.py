@@ -82,8 +82,8 @@ def _report(args: argparse.Namespace) -> int:
     try:
         from run_report import report
     except ImportError as exc:
-        raise UsageError(f"the report needs matplotlib ({exc.name} is missing): pip install 'stepscope[report]'") \
-            from None
+        raise UsageError(f"the report needs matplotlib ({exc.name} is missing): pip install matplotlib "
+                         "(in a checkout of stepscope: pip install '.[report]')") from None
     now = time.time()
     start, end = _requested(args, now)
     prom = Prometheus(args.prometheus, timeout=args.timeout)

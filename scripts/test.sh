@@ -25,4 +25,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]'
 
 .venv/bin/ruff check .
-.venv/bin/python -m pytest "$@"
+# Most tests wait on real processes (Prometheus scrapes, training runs, deadlines): two workers, each
+# taking whole modules so a module's Prometheus and training runs start once (tests/conftest.py
+# starts the longest modules first). More workers than cores measured no faster and made a timing
+# check flaky; `-n 0` runs everything in this process.
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"

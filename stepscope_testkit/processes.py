@@ -51,6 +51,7 @@ class Running:
 def running(
     argv: Sequence[str], ready_url: str, log_path: Path, env: Mapping[str, str] | None = None,
     timeout: float = 30.0, base_url: str | None = None, verify: bool | str = True,
+    cert: tuple[str, str] | None = None,
 ) -> Iterator[Running]:
     """Runs argv until the block ends; its stdout+stderr go to log_path, shown on failure."""
     with open(log_path, "wb") as log_file:
@@ -59,7 +60,7 @@ def running(
         )
     try:
         try:
-            wait_http_ok(ready_url, process, timeout, verify=verify)
+            wait_http_ok(ready_url, process, timeout, verify=verify, cert=cert)
         except Exception as exc:
             raise RuntimeError(f"{exc}\n--- log of {argv[0]} ---\n{log_path.read_text(errors='replace')}") from None
         yield Running(process, base_url or ready_url.rsplit("/", 1)[0], log_path)

@@ -36,17 +36,40 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) ->
         (["--listen-address", "127.0.0.1:70000"], ["port from 1 to 65535"]),
         (["--tls-cert-file", "/nonexistent/cert.pem", "--tls-key-file", "/nonexistent/key.pem"],
          ["cannot read '/nonexistent/cert.pem'"]),
-        (["--log-level", "loud"], ["invalid choice: 'loud'"]),
+        (["--log-level", "loud"], ["'loud' is not one of debug, info, warning, error"]),
         (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+        (["--listen"], ["unrecognized arguments: --listen"]),  # never abbreviated
+        (["--web.listen-address", ":1", "--listen-address", ":2"],
+         ["--web.listen-address and --listen-address set the same thing to different values"]),
+        (["--log.level", "debug", "--log-level", "info"], ["--log.level and --log-level"]),
+        (["--collectors", "node", "--collector.gpu"], ["--collectors node and --collector.gpu disagree"]),
+        (["--no-gpu-pcie-poll", "--collector.gpu.pcie-poll"], ["--no-gpu-pcie-poll and --collector.gpu.pcie-poll"]),
+        (["--web.telemetry-path", "metrics"], ["--web.telemetry-path", "must be a path starting with '/'"]),
+        (["--web.telemetry-path", "/metrics/job/x"], ["push and profile APIs"]),
+        (["--web.config.file", "/nonexistent/web.yml"], ["cannot read '/nonexistent/web.yml'"]),
     ],
 )
 def test_bad_flags(args: list[str], expected: list[str]) -> None:
     assert_clean_failure(run_exporter(*args), *expected)
 
 
-def test_bad_environment_value_fails_like_a_flag() -> None:
-    result = run_exporter(env={"STEPSCOPE_COLLECT_INTERVAL": "0"})
-    assert_clean_failure(result, "--collect-interval", "'0' must be a positive number")
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"STEPSCOPE_COLLECT_INTERVAL": "0"}, ["STEPSCOPE_COLLECT_INTERVAL='0'", "'0' must be a positive number"]),
+        ({"STEPSCOPE_LISTEN_ADDRESS": "nowhere"}, ["STEPSCOPE_LISTEN_ADDRESS='nowhere'", "HOST:PORT"]),
+        ({"STEPSCOPE_COLLECTOR_GPU": "maybe"}, ["STEPSCOPE_COLLECTOR_GPU='maybe'", "not a boolean"]),
+        ({"STEPSCOPE_LOG_LEVEL": "loud"}, ["STEPSCOPE_LOG_LEVEL='loud'"]),
+        ({"STEPSCOPE_LISTEN_ADDRESS": ":1", "STEPSCOPE_WEB_LISTEN_ADDRESS": ":2"},
+         ["STEPSCOPE_WEB_LISTEN_ADDRESS and STEPSCOPE_LISTEN_ADDRESS"]),
+        ({"STEPSCOPE_COLLECTORS": "node", "STEPSCOPE_COLLECTOR_GPU": "on"},
+         ["STEPSCOPE_COLLECTORS node and STEPSCOPE_COLLECTOR_GPU disagree"]),
+    ],
+)
+def test_bad_environment_values_name_the_variable(env: dict[str, str], expected: list[str]) -> None:
+    result = run_exporter(env=env)
+    assert_clean_failure(result, *expected)
+    assert "--" not in result.stderr.split("error:", 1)[1].split("=")[0]  # the variable, not a flag
 
 
 def test_tls_files_must_come_in_pairs_and_parse(tmp_path: Path) -> None:
@@ -78,11 +101,14 @@ def test_port_in_use() -> None:
 def test_help_documents_every_flag_with_its_environment_variable() -> None:
     result = run_exporter("--help")
     assert result.returncode == 0
-    flags = [word for word in result.stdout.split() if word.startswith("--") and word != "--help"]
-    text = " ".join(result.stdout.split())
-    for flag in set(flags) - {"--version"}:
-        env = "STEPSCOPE_" + flag[2:].replace("-", "_").upper()
+    text = " ".join(result.stdout.split()).replace("- ", "-")  # argparse wraps inside hyphenated words
+    flags = {word.strip(",;[]()") for word in text.split() if word.strip("[(").startswith("--")} - {"--help"}
+    for flag in flags - {"--version", "--collector.NAME"} - {f for f in flags if f.startswith("--no-")}:
+        env = "STEPSCOPE_" + flag[2:].replace("-", "_").replace(".", "_").upper()
         assert env in text, f"{flag} does not name {env}"
+    for new, old in [("--web.listen-address", "--listen-address"), ("--log.level", "--log-level"),
+                     ("--web.max-connections", "--web-max-connections")]:
+        assert f"alias {old}" in text and new in text
 
 
 def test_environment_configures_the_exporter(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def test_exporter_reads_and_accepts_its_compose_environment(
 ) -> None:
     """A misspelt variable is silently ignored, a bad value makes the container exit: both caught here."""
     environment = {name: interpolate(value) for name, value in compose["services"]["exporter"]["environment"].items()}
-    read = set(re.findall(r"\[env (STEPSCOPE_\w+)\]", build_parser().format_help()))
+    read = set(re.findall(r"\bSTEPSCOPE_\w+", build_parser().format_help()))
     assert environment.keys() <= read, f"the exporter does not read {sorted(environment.keys() - read)}"
     for name, value in environment.items():
         monkeypatch.setenv(name, value)

@@ -116,7 +116,7 @@ def test_dockerignore_admits_what_pip_install_needs() -> None:
     rules = [ln for ln in lines if ln and not ln.startswith("#")]
     assert rules[0] == "*", "start from an empty context and admit files explicitly"
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    needed = {"pyproject.toml", project["project"]["readme"]}
+    needed = {"pyproject.toml", project["project"]["readme"], *project["project"]["license-files"]}
     packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
     needed |= {pattern.rstrip("*") + "/" for pattern in packages}
     assert {f"!{path}" for path in needed} <= set(rules)
@@ -133,3 +133,11 @@ def test_health_check_command_passes_on_a_live_exporter_and_fails_without(
     with running_exporter(tmp_path, "--collectors", "", port=port):
         assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
     assert subprocess.run(argv, capture_output=True, timeout=30).returncode != 0
+
+
+def test_the_licence_is_declared_the_pep_639_way_and_shipped() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"  # an SPDX expression, not the deprecated table
+    assert all((REPO / name).is_file() for name in project["license-files"])
+    assert "Apache License" in (REPO / "LICENSE").read_text()[:200]
+    assert 'org.opencontainers.image.licenses="Apache-2.0"' in (REPO / "docker" / "Dockerfile").read_text()

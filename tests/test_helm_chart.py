@@ -2,8 +2,10 @@
 token wiring, CRD gating, values schema, and the rules/dashboards being the Grafana bundle's."""
 
 import base64
+import http.client
 import json
 import re
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
+from stepscope_testkit.processes import exporter_env, free_port, running
 from tests.support.helm_chart import (
     CHART,
     GRAFANA,
@@ -178,7 +181,7 @@ def test_probes_hit_health_and_readiness(chart: Path) -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": "http"}
     (port,) = container["ports"]
     assert port["name"] == "http" and port["containerPort"] == 9847
-    assert args_dict(container)["--listen-address"] == "0.0.0.0:9847"
+    assert args_dict(container)["--web.listen-address"] == "0.0.0.0:9847"
 
 
 def test_image_defaults_to_app_version(chart: Path) -> None:
@@ -228,7 +231,7 @@ def test_existing_secret_host_network_and_runtime_class(chart: Path) -> None:
     assert pod["runtimeClassName"] == "nvidia"
     assert container["ports"][0]["hostPort"] == container["ports"][0]["containerPort"]
     flags = args_dict(container)
-    assert flags["--ingest-allow"] == "10.0.0.0/8" and flags["--ingest-ttl"] == "1800"
+    assert flags["--ingest-allow-without-token"] == "10.0.0.0/8" and flags["--ingest-ttl"] == "1800"
     assert "secretKeyRef:\n          name: stepscope-push-token\n          key: push-token" in notes(rendered)
 
 
@@ -424,3 +427,42 @@ def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:
     documented_ref = documented["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
     printed_ref = printed["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert documented_ref == {**printed_ref, "name": printed_ref["name"].replace("rel-", "", 1)}
+
+
+def _push_from(source_ip: str, port: int, token: str | None = None) -> int:
+    """A push to 127.0.0.1:port sent from `source_ip` (any 127/8 address is this host's loopback)."""
+    body = "# TYPE stepscope_steps_total counter\nstepscope_steps_total 1\n"
+    headers = {"Content-Type": "text/plain", **({"Authorization": f"Bearer {token}"} if token else {})}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source_ip, 0))
+    try:
+        connection.request("PUT", f"/metrics/job/stepscope/run/r/rank/{source_ip.rsplit('.', 1)[1]}", body, headers)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_ingest_allow_admits_its_networks_without_the_token(chart: Path, tmp_path: Path) -> None:
+    """The rendered container args and Secret, run by a real exporter: an allowed network pushes without
+    the token the chart always sets, every other client needs it."""
+    objs = objects(render(chart, {"ingest": {"allow": ["127.0.0.2/32"]}}))
+    token = base64.b64decode(one(objs, "Secret")["data"]["token"]).decode()
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    port = free_port()
+    local = {"--ingest-token-file": str(token_file), "--web.listen-address": f"127.0.0.1:{port}", "--collectors": ""}
+    args = [f"{arg.split('=', 1)[0]}={local[arg.split('=', 1)[0]]}" if arg.split("=", 1)[0] in local else arg
+            for arg in exporter_container(objs)["args"]]
+    assert "--ingest-allow-without-token=127.0.0.2/32" in args
+    with running([sys.executable, "-m", "exporter", *args], f"http://127.0.0.1:{port}/-/healthy",
+                 tmp_path / "exporter.log", env=exporter_env()):
+        assert _push_from("127.0.0.2", port) == 200  # allowed network, no token
+        assert _push_from("127.0.0.3", port) == 401  # elsewhere, no token
+        assert _push_from("127.0.0.1", port) == 401  # loopback is not special once a token is set
+        assert _push_from("127.0.0.3", port, token) == 200
+        assert _push_from("127.0.0.3", port, "wrong") == 401
+
+
+def test_notes_commands_each_finish(chart: Path) -> None:
+    """`kubectl port-forward` never returns: NOTES must not chain a command after it with &&."""
+    lines = [line.strip() for line in notes(render(chart)).splitlines() if line.strip().startswith("kubectl")]
+    assert lines and all(line.endswith("&") and "&&" not in line for line in lines)

@@ -1,4 +1,6 @@
-"""`python -m training_hooks.demo` as a user runs it: a subprocess pushing to a real Pushgateway."""
+"""`python -m training_hooks.demo`'s flags and identity, checked before torch is imported. Training
+and pushing (to the exporter and to a real Pushgateway) are test_readme_commands.py's: it runs every
+demo command the README shows and reads their pushed steps, samples and phase sums."""
 
 import os
 import subprocess
@@ -7,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stepscope_testkit.processes import REPO_ROOT, sample_values, scrape
-from stepscope_testkit.pushgateway import running_pushgateway
+from stepscope_testkit.processes import REPO_ROOT
 
 
 def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -17,23 +18,11 @@ def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           env={**os.environ, **env} if env else None)
 
 
-def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
-    with running_pushgateway(tmp_path) as gateway:
-        result = demo("--run", "demo-test", "--steps", "8", "--batch-size", "16", "--slow-loader", "0.01",
-                      "--rank", "1", "--world-size", "2", "--extra-step-seconds", "0.02",
-                      "--push-url", gateway.url, "--push-interval", "0.2")
-        assert result.returncode == 0, result.stderr
-        text = scrape(gateway.url)
-    first_line = result.stdout.splitlines()[0]
-    assert first_line.startswith("stepscope demo: run=demo-test rank=1/2 pushing to ")
-    assert gateway.url in first_line
-    group = {"job": "stepscope", "run": "demo-test", "rank": "1"}
-    assert sample_values(text, "stepscope_steps_total", **group) == [8]
-    assert sample_values(text, "stepscope_samples_total", **group) == [8 * 16]
-    [loading] = sample_values(text, "stepscope_step_phase_seconds_sum", phase="dataloader_next", **group)
-    assert loading >= 8 * 0.01
-    [forward] = sample_values(text, "stepscope_step_phase_seconds_sum", phase="forward", **group)
-    assert forward >= 8 * 0.02
+def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
+    """An environment whose `import torch` runs `failure` instead: proves what happens before it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"{failure}\n")
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
 
 
 @pytest.mark.parametrize(
@@ -46,12 +35,15 @@ def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
         (["--rank", "2", "--world-size", "2"], "rank 2 must be smaller than world_size 2"),
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
+        (["--push-interval", "0"], "push_interval must be a number > 0 seconds"),
     ],
 )
-def test_demo_rejects_bad_flags(args: list[str], message: str) -> None:
-    result = demo(*args)
+def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
+    """One line, exit 2, and before torch is imported (a stand-in torch that fails on import proves it)."""
+    result = demo(*args, env=without_torch(tmp_path, "raise SystemExit('torch was imported')"))
     assert result.returncode == 2
-    assert message in result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -62,7 +54,10 @@ def test_demo_rejects_bad_flags(args: list[str], message: str) -> None:
         (["--rank", "1"], {"WORLD_SIZE": ""}, "rank=1/2"),  # then rank + 1
     ],
 )
-def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: str) -> None:
-    result = demo("--steps", "1", "--push-url", "", *args, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere")
+def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: str, tmp_path: Path) -> None:
+    """The identity is settled and said before torch is imported: a torch that fails on import ends the
+    demo right after the line (the training itself is test_demo_trains_and_pushes_a_slow_rank's)."""
+    result = demo("--steps", "1", "--push-url", "", *args,
+                  env={**env, **without_torch(tmp_path, "raise ImportError('no torch in this test')")})
+    assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere"), result.stderr
+    assert result.returncode == 2 and "the demo needs torch" in result.stderr

@@ -25,6 +25,7 @@ from run_report.report import RUN_SUMMARY_HEADER
 from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
 from tests.support.prometheus import query, running_prometheus, wait_for
+from tests.support.readme import readme_command, shell_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -341,3 +342,13 @@ def test_an_existing_directory_is_replaced_only_when_it_is_a_report(runs: Runs, 
         assert cli.main(["--prometheus", runs.prometheus, "--run", "data", "--out", str(again)]) == 0
     assert len(list(again.iterdir())) == 9
     assert sorted(path.name for path in tmp_path.iterdir()) == ["again", "notes"]
+
+
+def test_the_readme_report_command(runs: Runs, tmp_path: Path) -> None:
+    """The README's command as written, on this module's Prometheus and its run `data`."""
+    line = readme_command("stepscope-report --prometheus")
+    line = line.replace("http://localhost:9090", runs.prometheus).replace("llama-finetune-42", "data")
+    result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env=shell_env())
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "report" / "index.html").is_file() and (tmp_path / "report" / "run_summary.csv").is_file()

@@ -20,6 +20,7 @@ from stepscope_testkit.processes import (
     sample_values,
     scrape,
 )
+from tests.support.certs import make_cert
 
 NO_COLLECTORS = ("--collectors", "")
 
@@ -88,16 +89,6 @@ def test_basic_auth_protects_metrics_but_not_probes(tmp_path: Path) -> None:
         assert requests.get(f"{exporter.url}/-/healthy", timeout=5).status_code == 200
 
 
-def _make_cert(directory: Path, common_name: str) -> tuple[Path, Path]:
-    cert, key = directory / "tls.crt", directory / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={common_name}",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
-    return cert, key
-
-
 def _served_common_name(port: int) -> str:
     context = ssl.create_default_context()
     context.check_hostname = False
@@ -111,7 +102,7 @@ def _served_common_name(port: int) -> str:
 
 
 def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
-    cert, key = _make_cert(tmp_path, "first")
+    cert, key = make_cert(tmp_path, "first")
     port = free_port()
     argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", "--collectors", "",
             "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
@@ -126,7 +117,7 @@ def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
 
         renewed = tmp_path / "renewed"
         renewed.mkdir()
-        new_cert, new_key = _make_cert(renewed, "second")
+        new_cert, new_key = make_cert(renewed, "second")
         new_key.replace(key)
         new_cert.replace(cert)
         deadline = time.monotonic() + 10

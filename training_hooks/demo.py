@@ -17,9 +17,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import training_hooks
+from training_hooks.config import Config
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
@@ -48,9 +49,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line on stderr and exit 2 (argparse's usage block would bury the reason)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m training_hooks.demo",
-                                     description=__doc__.splitlines()[0])
+    parser = _OneLineErrors(prog="python -m training_hooks.demo", description=__doc__.splitlines()[0],
+                            allow_abbrev=False)
     parser.add_argument("--run", default="demo", help="run label (default: demo)")
     parser.add_argument("--steps", type=_int_at_least(0), default=0, help="steps to train, 0 = forever")
     parser.add_argument("--batch-size", type=_int_at_least(1), default=64)
@@ -96,6 +104,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--measure-limits needs at least 2 batches (0 turns it off)")
     if args.world_size is None and args.rank is not None and not os.environ.get("WORLD_SIZE", "").strip():
         args.world_size = args.rank + 1
+    # the hooks' own checks, before torch's import (seconds) makes a typo slow to report
+    try:
+        config = Config.resolve(run=args.run, rank=args.rank, world_size=args.world_size, push_url=args.push_url,
+                                push_interval=args.push_interval)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.slow_rank is not None and args.slow_rank >= config.world_size:
+        parser.error(f"--slow-rank {args.slow_rank} must be smaller than world_size {config.world_size}")
     return args
 
 
@@ -130,32 +146,29 @@ def evaluate(model: Any, batch_size: int, seconds: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        import torch
-        from torch import distributed as dist
-        from torch import nn
-        from torch.utils.data import DataLoader, IterableDataset
-    except ImportError:
-        print("the demo needs torch: pip install 'stepscope[torch]'", file=sys.stderr)
-        return 2
-
-    try:
         tracker = training_hooks.init(run=args.run, rank=args.rank, world_size=args.world_size,
                                       push_url=args.push_url, push_interval=args.push_interval)
     except ValueError as exc:
         print(f"python -m training_hooks.demo: error: {exc}", file=sys.stderr)
         return 2
     cfg = tracker.config
-    if args.slow_rank is not None and args.slow_rank >= cfg.world_size:
-        tracker.close()
-        print(f"python -m training_hooks.demo: error: --slow-rank {args.slow_rank} must be smaller than "
-              f"world_size {cfg.world_size}", file=sys.stderr)
-        return 2
     extra_seconds = args.extra_step_seconds if args.slow_rank in (None, cfg.rank) else 0.0
     where = "nowhere (push disabled)"
     if tracker.pusher is not None:
         where = f"to {tracker.pusher.url} every {cfg.push_interval:g}s"
     mode = " ddp (gloo)" if args.ddp else ""
+    # said before torch's import (seconds): the hooks need no torch, and the rank shows as in setup
     print(f"stepscope demo: run={cfg.run} rank={cfg.rank}/{cfg.world_size}{mode} pushing {where}", flush=True)
+    try:
+        import torch
+        from torch import distributed as dist
+        from torch import nn
+        from torch.utils.data import DataLoader, IterableDataset
+    except ImportError:
+        tracker.close()
+        print("python -m training_hooks.demo: error: the demo needs torch: pip install torch "
+              "(in a checkout of stepscope: pip install '.[torch]')", file=sys.stderr)
+        return 2
 
     class SyntheticBatches(IterableDataset):
         """Endless whole batches of random regression data (--steps 0 runs forever); sleeps per batch to

@@ -18,7 +18,8 @@ stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self met
 
 Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below).
 
-Without a token or allow-list only loopback clients may push (403 otherwise), so an exporter
+Without a token or allow-list only loopback clients may push (403 otherwise); with a token every
+client sends it (401 otherwise) except those in --ingest-allow-without-token, so an exporter
 listening on all interfaces does not let the network inject or delete series. The same rules guard
 the profile-request API (`exporter.ingest.profile_api`, /api/v1/profiles), whose requests reach a
 rank in the answer to its next push.
@@ -51,8 +52,11 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
              help="file holding the bearer token pushes must send (Authorization: Bearer <token>); "
                   "without it and without --ingest-allow only loopback clients may push")
     add_flag(group, "--ingest-allow", default="", type=cidr_list,
-             help="comma-separated networks (CIDR) whose clients may push without a token; with a "
-                  "token, pushes must also come from these networks")
+             help="comma-separated networks (CIDR) whose clients may push: without a token they push "
+                  "freely; with --ingest-token-file they must also send the token")
+    add_flag(group, "--ingest-allow-without-token", default="", type=cidr_list,
+             help="comma-separated networks (CIDR) whose clients may push without the token even when "
+                  "--ingest-token-file is set (a node-local training subnet)")
     add_flag(group, "--ingest-ttl", default="600", type=positive_float,
              help="seconds after its last push at which a pushed group (run, rank) is dropped")
     add_flag(group, "--ingest-max-body-bytes", default="1048576", type=positive_int,
@@ -96,7 +100,7 @@ def build(args: argparse.Namespace, store: ExpositionStore) -> tuple[PushApi, Pr
         max_series=args.ingest_max_series_per_group,
         max_phases=args.ingest_max_phases,
     )
-    access = AccessPolicy(token, tuple(args.ingest_allow))
+    access = AccessPolicy(token, tuple(args.ingest_allow), tuple(args.ingest_allow_without_token))
     push_api = PushApi(store, GroupStore(limits), access, max_body_bytes=args.ingest_max_body_bytes,
                        limits=push_limits)
     return push_api, ProfileApi(push_api.profiles, access)

@@ -15,16 +15,20 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 @dataclass(frozen=True)
 class AccessPolicy:
     """token set: every client needs `Authorization: Bearer <token>` (and, with `allow`, an address
-    in it). No token: loopback clients and clients in `allow` may push."""
+    in it), except clients in `without_token`. No token: loopback clients and clients in `allow` or
+    `without_token` may push."""
 
     token: str | None = None
     allow: tuple[Network, ...] = ()
+    without_token: tuple[Network, ...] = ()
 
     def check(self, client_ip: str, authorization: str | None) -> None:
         """Returns when the client may push; raises Rejected (401 or 403) otherwise."""
         address = _address(client_ip)
         client = str(address) if address is not None else client_ip
         allowed = address is not None and any(address in network for network in self.allow)
+        if address is not None and any(address in network for network in self.without_token):
+            return
         if self.token is not None:
             if self.allow and not allowed:
                 raise Rejected(
@@ -35,7 +39,7 @@ class AccessPolicy:
                 raise Rejected(
                     401, "unauthorized",
                     "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the token "
-                    "from the exporter's --ingest-token-file",
+                    "from the exporter's --ingest-token-file (or add this client to --ingest-allow-without-token)",
                 )
             return
         if allowed or (address is not None and address.is_loopback):

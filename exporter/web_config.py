@@ -1,0 +1,191 @@
+"""`--web.config.file`: the exporter-toolkit web configuration (TLS, basic auth, response headers).
+
+The same YAML that node_exporter, the Pushgateway and Prometheus read, so one file serves a whole
+fleet. Keys are checked as strictly as exporter-toolkit does (an unknown key is an error naming it
+and its line, never ignored); relative file names are relative to the file's directory. The few
+exporter-toolkit keys that Python's `ssl` cannot honour the same way (Go cipher suite and curve
+names, inline PEM, SAN allow-lists, rate limits) are refused by name rather than half-applied.
+"""
+
+import re
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TLS_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+# exporter-toolkit's client_auth_type values that Python's ssl can enforce; the two that accept an
+# unverified certificate (RequestClientCert, RequireClientCert) have no ssl equivalent
+CLIENT_AUTH = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+}
+# exporter-toolkit allows only these response headers, some with fixed values
+HEADER_VALUES: dict[str, tuple[str, ...]] = {
+    "Strict-Transport-Security": (),
+    "X-Content-Type-Options": ("nosniff",),
+    "X-Frame-Options": ("deny", "sameorigin"),
+    "X-XSS-Protection": (),
+    "Content-Security-Policy": (),
+}
+BCRYPT_HASH = re.compile(r"\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}")
+
+TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version",
+            "prefer_server_cipher_suites")
+UNSUPPORTED = {
+    "tls_server_config.cert": "give the certificate as cert_file",
+    "tls_server_config.key": "give the key as key_file",
+    "tls_server_config.client_ca": "give the CA as client_ca_file",
+    "tls_server_config.cipher_suites": "Python's ssl uses OpenSSL's defaults; set min_version instead",
+    "tls_server_config.curve_preferences": "Python's ssl uses OpenSSL's defaults",
+    "tls_server_config.client_allowed_sans": "use client_ca_file with a CA that signs only allowed clients",
+    "rate_limit": "rate limiting is not implemented; put a reverse proxy in front",
+}
+SCHEMA: dict[str, Any] = {
+    "tls_server_config": {**dict.fromkeys(TLS_KEYS), **dict.fromkeys(k.split(".")[1] for k in UNSUPPORTED if "." in k)},
+    "http_server_config": {"http2": None, "headers": None},
+    "basic_auth_users": None,
+    "rate_limit": None,
+}
+
+
+class WebConfigError(ValueError):
+    """A one-line reason why the file cannot be used."""
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+    client_auth: ssl.VerifyMode = ssl.CERT_NONE
+    min_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
+    max_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_3
+    prefer_server_ciphers: bool = True
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    tls: TlsSettings | None = None
+    users: Mapping[str, str] = field(default_factory=dict)  # user -> bcrypt hash
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def load(path: str) -> WebConfig:
+    """Reads and checks the file; raises WebConfigError with the key (and line) at fault."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        root = yaml.compose(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WebConfigError(f"cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
+    except yaml.YAMLError as exc:
+        raise WebConfigError(f"not YAML: {' '.join(str(exc).split())}") from None
+    if root is None:
+        return WebConfig()
+    _check_keys(root, SCHEMA, "")
+    data = yaml.safe_load(text)
+    base = Path(path).resolve().parent
+    return WebConfig(
+        tls=_tls(data.get("tls_server_config"), base),
+        users=_users(data.get("basic_auth_users")),
+        headers=_headers(data.get("http_server_config")),
+    )
+
+
+def _check_keys(node: yaml.Node, schema: dict[str, Any], prefix: str) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        where = prefix.rstrip(".") or "the file"
+        raise WebConfigError(f"line {node.start_mark.line + 1}: {where} must be a mapping of keys")
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        if key_node.value not in schema:
+            known = ", ".join(k for k in schema if f"{prefix}{k}" not in UNSUPPORTED)
+            raise WebConfigError(f"line {key_node.start_mark.line + 1}: unknown key {key!r} (known: {known})")
+        if key in UNSUPPORTED:
+            raise WebConfigError(f"line {key_node.start_mark.line + 1}: {key!r} is not supported by "
+                                 f"stepscope-exporter: {UNSUPPORTED[key]}")
+        child = schema[key_node.value]
+        empty = isinstance(value_node, yaml.ScalarNode) and value_node.tag.endswith(":null")
+        if isinstance(child, dict) and not empty:
+            _check_keys(value_node, child, f"{key}.")
+
+
+def _tls(section: dict[str, Any] | None, base: Path) -> TlsSettings | None:
+    if not section:
+        return None
+    files = {name: _path(section, name, base) for name in ("cert_file", "key_file", "client_ca_file")}
+    if not files["cert_file"] or not files["key_file"]:
+        missing = "cert_file" if not files["cert_file"] else "key_file"
+        raise WebConfigError(f"tls_server_config: missing {missing}")
+    auth_name = str(section.get("client_auth_type") or "NoClientCert")
+    if auth_name not in CLIENT_AUTH:
+        raise WebConfigError(f"tls_server_config.client_auth_type {auth_name!r} is not one of "
+                             f"{', '.join(CLIENT_AUTH)} (certificates that are not verified are not accepted)")
+    if files["client_ca_file"] and CLIENT_AUTH[auth_name] == ssl.CERT_NONE:
+        raise WebConfigError("tls_server_config: client_ca_file is set but client_auth_type is NoClientCert: "
+                             "set client_auth_type: RequireAndVerifyClientCert")
+    if CLIENT_AUTH[auth_name] != ssl.CERT_NONE and not files["client_ca_file"]:
+        raise WebConfigError(f"tls_server_config: client_auth_type {auth_name} needs client_ca_file")
+    prefer = section.get("prefer_server_cipher_suites", True)
+    if not isinstance(prefer, bool):
+        raise WebConfigError("tls_server_config.prefer_server_cipher_suites must be true or false")
+    settings = TlsSettings(
+        cert_file=files["cert_file"], key_file=files["key_file"], client_ca_file=files["client_ca_file"],
+        client_auth=CLIENT_AUTH[auth_name], min_version=_version(section, "min_version", "TLS12"),
+        max_version=_version(section, "max_version", "TLS13"), prefer_server_ciphers=prefer,
+    )
+    if settings.min_version > settings.max_version:
+        raise WebConfigError("tls_server_config: min_version is above max_version")
+    return settings
+
+
+def _path(section: dict[str, Any], name: str, base: Path) -> str | None:
+    value = section.get(name)
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str):
+        raise WebConfigError(f"tls_server_config.{name} must be a file name")
+    return str(base / value)
+
+
+def _version(section: dict[str, Any], name: str, default: str) -> ssl.TLSVersion:
+    value = str(section.get(name) or default)
+    if value not in TLS_VERSIONS:
+        raise WebConfigError(f"tls_server_config.{name} {value!r} is not one of {', '.join(TLS_VERSIONS)}")
+    return TLS_VERSIONS[value]
+
+
+def _users(section: dict[str, Any] | None) -> dict[str, str]:
+    users = {}
+    for user, hashed in (section or {}).items():
+        if not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed):
+            raise WebConfigError(f"basic_auth_users.{user}: not a bcrypt hash (make one with "
+                                 "htpasswd -nBC 10 '' | tr -d ':\\n')")
+        users[str(user)] = hashed
+    return users
+
+
+def _headers(section: dict[str, Any] | None) -> dict[str, str]:
+    http = section or {}
+    if not isinstance(http.get("http2", True), bool):
+        raise WebConfigError("http_server_config.http2 must be true or false")
+    headers = http.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise WebConfigError("http_server_config.headers must be a mapping of header names to values")
+    for name, value in headers.items():
+        if name not in HEADER_VALUES:
+            raise WebConfigError(f"http_server_config.headers: {name!r} can not be configured (only "
+                                 f"{', '.join(HEADER_VALUES)})")
+        allowed = HEADER_VALUES[name]
+        if allowed and value not in allowed:
+            raise WebConfigError(f"http_server_config.headers.{name}: {value!r} is not one of {', '.join(allowed)}")
+    return {str(name): str(value) for name, value in headers.items() if value not in (None, "")}

@@ -1,0 +1,67 @@
+"""The commands the README shows, read from its ```bash blocks, and a way to run one as a user would."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from stepscope_testkit.processes import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
+VENV_BIN = Path(sys.executable).parent  # `python`, `torchrun`, `stepscope-*` as an activated venv has them
+
+
+def readme_commands(text: str | None = None) -> list[str]:
+    """Every command of every ```bash block: continuation lines joined, comments and blank lines dropped."""
+    text = README.read_text() if text is None else text
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            command = _strip_comment(line).strip()
+            if command:
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+def _strip_comment(line: str) -> str:
+    """The line up to a `#` that starts a shell comment (the README quotes no `#`)."""
+    return "" if line.lstrip().startswith("#") else re.split(r"\s#", line, maxsplit=1)[0]
+
+
+def readme_command(prefix: str) -> str:
+    """The one README command starting with `prefix`."""
+    (command,) = [c for c in readme_commands() if c.startswith(prefix)]
+    return command
+
+
+def shell_env(extra: Mapping[str, str] | None = None, bin_dir: Path = VENV_BIN) -> dict[str, str]:
+    """The environment of a shell whose venv is activated, with the checkout importable."""
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO_ROOT),
+            "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def start_shell(command: str, log: Path, env: Mapping[str, str], cwd: Path = REPO_ROOT) -> subprocess.Popen:
+    """`bash -c command` in its own session (so a stop reaches every process it started)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT, env=dict(env),
+                                cwd=cwd, start_new_session=True)
+
+
+def stop_shells(shells: Mapping[str, subprocess.Popen]) -> None:
+    """SIGTERM to each shell's whole session (a demo, torchrun and its workers), SIGKILL after 15 s."""
+    for shell in shells.values():
+        if shell.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGTERM)
+    for shell in shells.values():
+        try:
+            shell.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()

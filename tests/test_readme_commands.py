@@ -1,0 +1,233 @@
+"""Every command in the README's ```bash blocks is run here, as written, or listed in NOT_RUN with the
+reason and what is checked instead. A command added to the README without either fails the first test.
+
+The commands run through `bash -c` with the virtualenv's bin first on PATH, as in an activated venv.
+Only what would collide between parallel runs is changed, each where the README itself allows it:
+the exporter's :9847 moves by STEPSCOPE_WEB_LISTEN_ADDRESS and the hooks follow by STEPSCOPE_PUSH_URL;
+the Pushgateway's :9091 moves to a free port in all three of its commands; forever-running commands
+are stopped once they have shown what they are for.
+"""
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import helm_python
+import tomllib
+import yaml
+
+from exporter.web_config import load
+from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape, wait_http_ok
+from tests.support.helm_chart import CHART, OPERATOR_API, objects, render
+from tests.support.readme import README, readme_command, readme_commands, shell_env, start_shell, stop_shells
+
+RUN_HERE = {  # command prefix -> the test that runs it
+    "python3 -m venv .venv && .venv/bin/pip install .": "test_readme_install.py",
+    "pip install '.[report]'": "test_readme_install.py",
+    "python -m run_report --help": "test_readme_install.py",
+    "python -m training_hooks.demo": "test_the_demo_and_profile_commands",
+    "torchrun --nproc-per-node 2 -m training_hooks.demo": "test_the_demo_and_profile_commands",
+    "prometheus-pushgateway": "test_the_demo_and_profile_commands",
+    "curl -s http://127.0.0.1:9091/metrics": "test_the_demo_and_profile_commands",
+    "stepscope-profile": "test_the_demo_and_profile_commands",
+    "stepscope-report --prometheus": "test_report_e2e.py::test_the_readme_report_command",
+    "python -m grafana generate": "test_generate.py: --check on the repository as a subprocess, generate "
+                                  "(through its main) on a copy with stale and hand-edited files",
+}
+NOT_RUN = {  # command prefix -> why not here, and what is checked instead
+    "bash scripts/test.sh": "it is this test suite (.ci/run runs it); test_the_test_command_is_what_ci_runs",
+    "docker ": "no Docker engine here (and no compose plugin); test_the_image_names_agree checks the "
+               "names, targets and files these commands use, test_compose.py the compose file",
+    "kubectl ": "needs a Kubernetes cluster; the chart is rendered with the README's values instead",
+    "helm install": "needs a cluster (and the helm CLI); test_the_helm_install_values_render renders "
+                    "and lints the chart with these --set values through the Helm SDK",
+    "helm test": "needs a cluster; test_the_helm_install_values_render checks the test pod is rendered",
+    "PYTHONPATH=. .venv/bin/python benchmarks/": "benchmarks take minutes each and write benchmarks/results/ "
+                                                 "(timing budgets live there, never in tests); "
+                                                 "test_the_benchmark_scripts_exist_and_compile",
+}
+
+
+def _matches(command: str, table: dict[str, str]) -> list[str]:
+    return [prefix for prefix in table if command.startswith(prefix)]
+
+
+def test_every_readme_command_is_run_or_explained() -> None:
+    commands = readme_commands()
+    assert len(commands) > 20
+    for command in commands:
+        assert len(_matches(command, RUN_HERE) + _matches(command, NOT_RUN)) == 1, (
+            f"README command {command!r}: run it in a test (RUN_HERE) or say why not (NOT_RUN)")
+
+
+def _wait(condition: Callable[[], bool], what: str, processes: dict[str, subprocess.Popen], logs: Path,
+          timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        for name, process in processes.items():
+            if process.poll() is not None:
+                log = (logs / f"{name}.log").read_text(errors="replace")
+                raise AssertionError(f"{name} exited with {process.returncode} while waiting for {what}:\n{log}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
+    """All demo commands at once against one real exporter (and the Pushgateway block against a real
+    Pushgateway), each stopped once it has pushed steps; then both stepscope-profile commands against a
+    rank of run resnet-a."""
+    gateway_port = free_port()
+    demo_lines = [c for c in readme_commands()
+                  if c.startswith(("python -m training_hooks.demo", "torchrun")) and "9091" not in c]
+    assert len(demo_lines) == 5
+    pushgateway_block = [c.replace("127.0.0.1:9091", f"127.0.0.1:{gateway_port}").removesuffix("&").strip()
+                         for c in readme_commands() if "9091" in c]
+    assert len(pushgateway_block) == 3 and pushgateway_block[0].startswith("prometheus-pushgateway")
+    with running_exporter(tmp_path, "--collectors", "") as exporter:
+        env = shell_env({"STEPSCOPE_PUSH_URL": exporter.url, "STEPSCOPE_PUSH_INTERVAL": "0.5",
+                         "STEPSCOPE_TRACE_DIR": str(tmp_path / "traces")})
+        shells = {"pushgateway": start_shell(pushgateway_block[0], tmp_path / "pushgateway.log", env)}
+        try:
+            gateway = f"http://127.0.0.1:{gateway_port}"
+            wait_http_ok(f"{gateway}/-/ready", shells["pushgateway"])
+            demos = dict(zip(["demo", "straggler", "slow", "fixed", "ddp", "pushgateway-demo"],
+                             [*demo_lines, pushgateway_block[1]], strict=True))
+            # a rank 3 of run resnet-a, for the profile commands (not a README command: the user's job)
+            demos["resnet-a"] = "python -m training_hooks.demo --run resnet-a --rank 3 --world-size 4"
+            shells.update({name: start_shell(line, tmp_path / f"{name}.log", env) for name, line in demos.items()})
+
+            def pushed(*groups: tuple[str, str]) -> Callable[[str], bool]:
+                return lambda text: all(sample_values(text, "stepscope_steps_total", run=run, rank=rank) >= [3]
+                                        for run, rank in groups)
+
+            def on_gateway(_: str) -> bool:
+                return pushed(("demo", "0"))(scrape(gateway))
+
+            shown = {"demo": pushed(("demo", "0")), "straggler": pushed(("demo", "1")), "slow": pushed(("slow", "0")),
+                     "fixed": pushed(("fixed", "0")), "ddp": pushed(("ddp", "0"), ("ddp", "1")),
+                     "pushgateway-demo": on_gateway, "resnet-a": pushed(("resnet-a", "3"))}
+
+            running = {name: shells[name] for name in demos}  # what must not exit by itself
+            seen: dict[str, str] = {}  # what the exporter (the Pushgateway) showed of a demo when it was stopped
+
+            def stop_those_done() -> bool:
+                text = scrape(exporter.url)
+                for name in [n for n in shown if shown[n](text)]:
+                    del shown[name]
+                    seen[name] = scrape(gateway) if name == "pushgateway-demo" else text
+                    if name != "resnet-a":  # it stays for the traces
+                        stop_shells({name: running.pop(name)})  # training flat out costs the other tests CPU
+                return not shown
+
+            _wait(stop_those_done, "every demo's steps", running, tmp_path)
+            curl = subprocess.run(["bash", "-c", pushgateway_block[2]], capture_output=True, text=True, env=env)
+            assert 'stepscope_steps_total{' in curl.stdout and 'run="demo"' in curl.stdout, curl.stdout
+            for line in [c for c in readme_commands() if c.startswith("stepscope-profile")]:
+                result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=150)
+                assert result.returncode == 0, result.stderr
+                (trace,) = result.stdout.split()
+                assert Path(trace).is_file() and trace.endswith(".pt.trace.json.gz")
+        finally:
+            stop_shells(shells)
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in demos}
+    assert "the loader is the limit" in logs["slow"], logs["slow"]  # as the README's comments say
+    assert "the training step is the limit" in logs["fixed"], logs["fixed"]
+    assert not [name for name, log in logs.items() if "Traceback" in log and name != "ddp"], logs
+    # what the straggler and the data-bound run say they do, in their pushed sums
+    assert logs["straggler"].startswith(f"stepscope demo: run=demo rank=1/4 pushing to {exporter.url}")
+    assert logs["pushgateway-demo"].startswith(f"stepscope demo: run=demo rank=0/1 pushing to {gateway}")
+    straggler = {"run": "demo", "rank": "1"}
+    [steps] = sample_values(seen["straggler"], "stepscope_steps_total", **straggler)
+    [forward] = sample_values(seen["straggler"], "stepscope_step_phase_seconds_sum", phase="forward", **straggler)
+    assert forward >= steps * 0.05
+    data_bound = {"job": "stepscope", "run": "demo", "rank": "0"}
+    [steps] = sample_values(seen["pushgateway-demo"], "stepscope_steps_total", **data_bound)
+    assert sample_values(seen["pushgateway-demo"], "stepscope_samples_total", **data_bound) == [steps * 64]
+    [loading] = sample_values(seen["pushgateway-demo"], "stepscope_step_phase_seconds_sum", phase="dataloader_next",
+                              **data_bound)
+    assert loading >= steps * 0.1
+
+
+def test_the_web_config_example_loads(tmp_path: Path) -> None:
+    """Not a command, but copied as one: the README's web.yml passes the exporter's checks."""
+    text = README.read_text()
+    example = text[text.index("# web.yml: --web.config.file"):]
+    (tmp_path / "web.yml").write_text(example[:example.index("```")])
+    config = load(str(tmp_path / "web.yml"))
+    assert config.tls is not None and config.tls.client_ca_file == str(tmp_path / "clients-ca.crt")
+    assert list(config.users) == ["prometheus"]
+    assert config.headers == {"X-Frame-Options": "deny", "X-Content-Type-Options": "nosniff"}
+
+
+def test_the_helm_install_values_render(tmp_path: Path) -> None:
+    install = readme_command("helm install")
+    words = install.split()
+    assert words[3] == "./helm/stepscope" and (REPO_ROOT / words[3]).resolve() == CHART
+    chart = CHART  # as committed: files/dashboards links to grafana/dashboards_out
+    values: dict = {}
+    for index, word in enumerate(words):
+        if word == "--set":
+            key, value = words[index + 1].split("=", 1)
+            node = values
+            *parents, leaf = key.split(".")
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[leaf] = value
+    rendered = render(chart, values, api_versions=[OPERATOR_API])
+    objs = objects(rendered)
+    kinds = {o["kind"]: o for o in objs}
+    assert kinds["ServiceMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert kinds["PrometheusRule"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    (container,) = kinds["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    pushed = readme_command("docker push").split()[-1]
+    assert container["image"] == pushed == f"registry.example.com/stepscope-exporter:{app_version}"
+    assert objects(rendered, tests=True), "helm test needs the test pod"
+    report = helm_python.lint(chart, values, strict=True, namespace="stepscope", kube_version="v1.30.0")
+    assert not [m for m in report.get("messages", []) if m.get("severity", 0) >= 2], report
+
+
+def test_the_image_names_agree() -> None:
+    """README's docker build tags = compose's image names = the Dockerfile's own comments; the
+    targets, files and the tag pushed for the chart exist."""
+    builds = [c.split() for c in readme_commands() if c.startswith("docker build")]
+    tags = {words[words.index("-t") + 1] for words in builds}
+    assert tags == {"stepscope-exporter:local", "stepscope-demo:local"}
+    dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
+    for words in builds:
+        assert (REPO_ROOT / words[words.index("-f") + 1]).is_file()
+        if "--target" in words:
+            assert f" AS {words[words.index('--target') + 1]}\n" in dockerfile
+        assert f"-t {words[words.index('-t') + 1]} ." in dockerfile  # its header says the same
+    compose = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
+    assert {service.get("image") for service in compose["services"].values()} >= tags
+    for command in (c for c in readme_commands() if c.startswith("docker compose")):
+        words = command.split()
+        for index, word in enumerate(words):
+            if word == "-f":
+                assert (REPO_ROOT / words[index + 1]).is_file()
+    tagged_from, _ = readme_command("docker tag").split()[2:4]
+    assert tagged_from in tags
+
+
+def test_the_test_command_is_what_ci_runs() -> None:
+    assert "exec bash scripts/test.sh" in (REPO_ROOT / ".ci" / "run").read_text()
+    assert (REPO_ROOT / "scripts" / "test.sh").is_file()
+
+
+def test_the_benchmark_scripts_exist_and_compile() -> None:
+    scripts = {c.split()[2] for c in readme_commands() if c.startswith("PYTHONPATH=. .venv/bin/python benchmarks/")}
+    assert len(scripts) >= 8
+    for script in scripts:
+        compile((REPO_ROOT / script).read_text(), script, "exec")
+
+
+def test_pyproject_extras_the_readme_names_exist() -> None:
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = README.read_text()
+    for extra in ("torch", "lightning", "transformers", "report"):
+        assert extra in extras and f"[{extra}]" in text
+    assert "stepscope[" not in text, "stepscope is not on PyPI: install extras from a checkout, '.[extra]'"
