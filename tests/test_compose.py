@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
+from grafana.rules import RULE_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -159,7 +160,7 @@ def test_prometheus_targets_and_alertmanager_are_services(compose: dict[str, Any
     mounts = {target: source for _, source, target in bind_mounts(compose)}
     rules_dir = mounts["/etc/prometheus/rules"]
     assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_YML.resolve()
-    assert config["rule_files"] == ["rules/stepscope.rules.yml"]
+    assert config["rule_files"] == [f"rules/{path.name}" for path in RULE_FILES]
     assert rules_dir == (GRAFANA / "rules").resolve()
 
 
