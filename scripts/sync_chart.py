@@ -1,7 +1,8 @@
 """Copy the Grafana bundle's Prometheus rules and dashboards into the Helm chart.
 
-Helm can only read files inside the chart directory, so the chart carries copies of
-`grafana/rules/stepscope.rules.yml` and `grafana/dashboards/*.json` under `helm/stepscope/files/`.
+Helm can only read files inside the chart directory, so the chart carries copies of the rule files
+(`grafana/rules/stepscope-node.rules.yml`, `stepscope-run.rules.yml`) and `grafana/dashboards/*.json`
+under `helm/stepscope/files/`.
 This script makes those copies (removing dashboards that no longer exist); `--check` only reports
 drift and exits 1, for tests and CI.
 
@@ -15,14 +16,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RULES = Path("rules/stepscope.rules.yml")
+sys.path.insert(0, str(REPO))
+
+from grafana.rules import RULE_FILES  # noqa: E402
+
+RULES = tuple(Path("rules") / path.name for path in RULE_FILES)
 DASHBOARDS = Path("dashboards")
 
 
 def planned_copies(source: Path, chart: Path) -> dict[Path, Path]:
     """Chart file -> bundle file it must equal."""
     files = chart / "files"
-    copies = {files / RULES.name: source / RULES}
+    copies = {files / rules.name: source / rules for rules in RULES}
     for dashboard in sorted((source / DASHBOARDS).glob("*.json")):
         copies[files / "dashboards" / dashboard.name] = dashboard
     return copies
@@ -67,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report drift and exit 1 instead of copying")
     args = parser.parse_args(argv)
 
-    if not (args.source / RULES).is_file():
-        print(f"sync_chart: error: {args.source / RULES} does not exist", file=sys.stderr)
-        return 2
+    for rules in RULES:
+        if not (args.source / rules).is_file():
+            print(f"sync_chart: error: {args.source / rules} does not exist", file=sys.stderr)
+            return 2
     if not (args.chart / "Chart.yaml").is_file():
         print(f"sync_chart: error: {args.chart} is not a chart (no Chart.yaml)", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
+from grafana.rules import NODE_RULES, RULE_FILES, RUN_RULES
+from grafana.rules import groups as rule_groups
 from tests.support.helm_chart import (
     CHART,
     FIXTURE_BUNDLE,
@@ -31,7 +33,7 @@ from tests.support.helm_chart import (
 )
 
 CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
-OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Prometheus"}
 # The chart's minimum (Chart.yaml kubeVersion) and the newest Kubernetes kubernetes-validate knows.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 
@@ -75,7 +77,7 @@ def test_lint_strict_is_clean(chart: Path, values_file: Path) -> None:
 def test_ci_files_cover_the_agreed_scenarios() -> None:
     names = {p.name for p in CI_FILES}
     assert {"default-values.yaml", "monitors-values.yaml", "existing-secret-hostnetwork-values.yaml",
-            "hostpid-off-values.yaml"} <= names
+            "hostpid-off-values.yaml", "sharding-values.yaml"} <= names
 
 
 def check_operator_object(obj: dict[str, Any]) -> None:
@@ -84,6 +86,13 @@ def check_operator_object(obj: dict[str, Any]) -> None:
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
     assert obj["metadata"]["namespace"] == NAMESPACE
     spec = obj["spec"]
+    if obj["kind"] == "Prometheus":
+        assert spec["ruleSelector"]["matchLabels"] and spec["serviceAccountName"]
+        for write in spec.get("remoteWrite", []):
+            assert write["url"].startswith("http")
+            for relabel in write["writeRelabelConfigs"]:
+                assert set(relabel) <= {"sourceLabels", "regex", "action"}
+        return
     if obj["kind"] == "PrometheusRule":
         assert spec["groups"], "PrometheusRule without groups"
         for group in spec["groups"]:
@@ -315,10 +324,92 @@ def test_both_monitors_forced_on_is_refused(chart: Path) -> None:
 
 # ---- rules and dashboards are the Grafana bundle's -------------------------------------------------
 
-def test_prometheus_rule_is_the_bundle_rules_file(chart: Path) -> None:
+def test_prometheus_rule_is_the_bundle_rule_files(chart: Path) -> None:
+    """One Prometheus (the default): one PrometheusRule with every group of both files, as before."""
     rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
-    source = yaml.safe_load((GRAFANA / "rules" / "stepscope.rules.yml").read_text())
-    assert rule["spec"]["groups"] == source["groups"]
+    assert rule["metadata"]["name"] == "rel-stepscope"
+    assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
+    assert not by_kind(objects(render(chart, api_versions=[OPERATOR_API])), "Prometheus")
+
+
+# ---- the sharded layout ----------------------------------------------------------------------------
+
+def sharded(chart: Path, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    base = ci_values(CHART / "ci" / "sharding-values.yaml")
+    return objects(render(chart, {**base, **(values or {})}))
+
+
+def by_name(objs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in by_kind(objs, kind)}
+
+
+def test_sharding_splits_the_rules_by_layer(chart: Path) -> None:
+    rules = by_name(sharded(chart), "PrometheusRule")
+    assert set(rules) == {"rel-stepscope-node", "rel-stepscope-run"}
+    node, run = rules["rel-stepscope-node"], rules["rel-stepscope-run"]
+    assert node["spec"]["groups"] == rule_groups((NODE_RULES,))
+    assert run["spec"]["groups"] == rule_groups((RUN_RULES,))
+    assert node["metadata"]["labels"]["stepscope.io/rules"] == "node"
+    assert run["metadata"]["labels"]["stepscope.io/rules"] == "run"
+
+
+def test_shards_scrape_the_exporters_and_load_the_node_rules(chart: Path) -> None:
+    objs = sharded(chart)
+    prometheus = by_name(objs, "Prometheus")
+    shards, top = prometheus["rel-stepscope-shards"]["spec"], prometheus["rel-stepscope-global"]["spec"]
+    assert shards["shards"] == 4 and shards["replicas"] == 1
+    monitor = one(objs, "ServiceMonitor")
+    assert shards["serviceMonitorSelector"]["matchLabels"].items() <= monitor["metadata"]["labels"].items()
+    rules = by_name(objs, "PrometheusRule")
+    assert shards["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-node"]["metadata"]["labels"].items()
+    assert not shards["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-run"]["metadata"]["labels"].items()
+    assert top["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-run"]["metadata"]["labels"].items()
+    assert "serviceMonitorSelector" not in top and top["enableRemoteWriteReceiver"] is True
+    assert shards["externalLabels"] == {"stepscope_shard": "$(SHARD)"} and shards["replicaExternalLabelNameClear"]
+    assert shards["resources"]["requests"]["memory"] == "4Gi"
+    for spec in (shards, top):
+        assert spec["alerting"]["alertmanagers"][0]["name"] == "alertmanager-operated"
+
+
+def test_shards_write_to_the_global_prometheus_what_the_run_rules_read(chart: Path) -> None:
+    objs = sharded(chart)
+    (write,) = by_name(objs, "Prometheus")["rel-stepscope-shards"]["spec"]["remoteWrite"]
+    service = by_name(objs, "Service")["rel-stepscope-global"]
+    assert service["spec"]["selector"] == {"operator.prometheus.io/name": "rel-stepscope-global"}
+    (port,) = service["spec"]["ports"]
+    assert write["url"] == f"http://rel-stepscope-global.{NAMESPACE}.svc:{port['port']}/api/v1/write"
+    relabel = {r["action"]: r["regex"] for r in write["writeRelabelConfigs"]}
+    (compose_write,) = yaml.safe_load((REPO / "docker" / "prometheus" / "sharded" / "shard.yml").read_text())[
+        "remote_write"]
+    assert relabel == {r["action"]: r["regex"] for r in compose_write["write_relabel_configs"]}
+
+
+def test_sharding_never_labels_a_prometheus_as_the_exporter(chart: Path) -> None:
+    objs = sharded(chart)
+    service = one([o for o in by_kind(objs, "Service") if "global" not in o["metadata"]["name"]], "Service")
+    selector = service["spec"]["selector"].items()
+    for obj in by_kind(objs, "Prometheus") + by_kind(objs, "Role") + [by_name(objs, "Service")["rel-stepscope-global"]]:
+        assert not selector <= obj["metadata"]["labels"].items(), obj["metadata"]["name"]
+
+
+def test_sharding_with_an_external_global_layer(chart: Path) -> None:
+    url = "http://mimir-distributor.mimir.svc:8080/api/v1/push"
+    objs = sharded(chart, {"sharding": {"enabled": True, "global": {"create": False}, "remoteWrite": {"url": url},
+                                        "serviceAccountName": "prometheus"}})
+    (prometheus,) = by_kind(objs, "Prometheus")
+    assert prometheus["spec"]["remoteWrite"][0]["url"] == url
+    assert prometheus["spec"]["serviceAccountName"] == "prometheus"
+    assert not by_kind(objs, "Role") and "rel-stepscope-global" not in by_name(objs, "Service")
+    assert len(by_kind(objs, "PrometheusRule")) == 2   # the run rules are there for Mimir's ruler
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"prometheusRule": {"enabled": False}}, "sharding.enabled needs prometheusRule.enabled"),
+    ({"sharding": {"enabled": True, "global": {"create": False}}}, "sharding.remoteWrite.url is empty"),
+])
+def test_sharding_misconfigurations_fail_clearly(chart: Path, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        sharded(chart, values)
 
 
 def test_dashboards_are_the_bundle_json(chart: Path) -> None:
@@ -338,7 +429,7 @@ def test_chart_without_synced_files_fails_clearly(tmp_path: Path) -> None:
     missing_dashboards = r"dashboards/\*\.json are missing.*sync_chart\.py"
     with pytest.raises(helm_python.HelmRenderError, match=missing_dashboards):
         render(bare)
-    missing_rules = r"stepscope\.rules\.yml is missing.*sync_chart\.py"
+    missing_rules = r"stepscope-node\.rules\.yml is missing.*sync_chart\.py"
     with pytest.raises(helm_python.HelmRenderError, match=missing_rules):
         render(bare, {"dashboards": {"enabled": False}}, api_versions=[OPERATOR_API])
 
@@ -364,6 +455,9 @@ def test_chart_copies_match_the_grafana_bundle() -> None:
     ({"serviceMonitor": {"additionalLabels": {"release": 1}}}, r"/serviceMonitor/additionalLabels/release"),
     ({"securityContext": {"runAsUser": "root"}},
      r"at '/securityContext/runAsUser': got string, want integer"),
+    ({"sharding": {"shards": {"count": 0}}}, r"at '/sharding/shards/count': minimum"),
+    ({"sharding": {"remoteWrite": {"url": "mimir:8080"}}}, r"at '/sharding/remoteWrite/url'"),
+    ({"sharding": {"enabled": "yes"}}, r"at '/sharding/enabled': got string, want boolean"),
 ])
 def test_schema_rejects_bad_values(chart: Path, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=message):
@@ -424,7 +518,7 @@ def test_sync_copies_checks_and_prunes(tmp_path: Path) -> None:
     assert run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart)).returncode == 0
     assert not stale.exists()
     assert run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check").returncode == 0
-    (chart / "files" / "stepscope.rules.yml").write_text("groups: []\n")
+    (chart / "files" / "stepscope-run.rules.yml").write_text("groups: []\n")
     edited = run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check")
     assert edited.returncode == 1 and "differs:" in edited.stdout
 
@@ -432,7 +526,7 @@ def test_sync_copies_checks_and_prunes(tmp_path: Path) -> None:
 def test_sync_refuses_a_missing_bundle(tmp_path: Path) -> None:
     result = run_sync("--source", str(tmp_path), "--chart", str(CHART))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"sync_chart: error: {tmp_path}/rules/stepscope.rules.yml does not exist"
+    assert result.stderr.strip() == f"sync_chart: error: {tmp_path}/rules/stepscope-node.rules.yml does not exist"
 
 
 def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:
