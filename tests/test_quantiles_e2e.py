@@ -33,8 +33,8 @@ PUSH_SECONDS = 5.0  # the hooks' default push interval: steps per snapshot = 5 s
 MEASURED_STEPS = 400
 TOLERANCE = 0.10
 QUANTILES = {"p50": 0.5, "p95": 0.95}
-# The run quantiles read a chain of rule groups (rank bucket rates -> shard partial sums -> run), each
-# evaluated every second: 3 s after the push is seen, every link has evaluated since.
+# The run quantiles read a chain of rule groups (shard partial sums -> run), each evaluated every
+# second: 3 s after the push is seen, both have evaluated since, with a second to spare.
 CHAINED_GROUPS = 3
 
 Draw = Callable[[random.Random], float]

@@ -11,8 +11,8 @@ import yaml
 from grafana.dashboards.metrics import EXPORTER_METRICS
 from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES
 from grafana.rules import rules as rules_of
+from tests.support.sharded import shard_write_filter
 
-SHARDED = RULES_DIR.parents[1] / "docker" / "prometheus" / "sharded"
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
 # Up/down conditions: their value is always 0, so the description states the fact instead.
@@ -99,14 +99,6 @@ def records_of(path: Path) -> set[str]:
     return {rule["record"] for rule in rules_of((path,)) if "record" in rule}
 
 
-def shard_write_filter() -> tuple[str, str]:
-    """(keep, drop) regexes of the shards' remote_write in docker/prometheus/sharded/shard.yml."""
-    config = yaml.safe_load((SHARDED / "shard.yml").read_text())
-    (write,) = config["remote_write"]
-    actions = {relabel["action"]: relabel["regex"] for relabel in write["write_relabel_configs"]}
-    return actions["keep"], actions["drop"]
-
-
 def test_node_rules_read_only_the_node_series_and_their_own_recordings() -> None:
     """A shard has its nodes' series and nothing else: no per-run recording may feed a per-node rule."""
     allowed = EXPORTER_METRICS | records_of(NODE_RULES)
@@ -133,10 +125,11 @@ def test_run_rules_read_only_what_the_shards_send() -> None:
             assert name in records_of(NODE_RULES) | EXPORTER_METRICS, name
 
 
-def test_the_write_filter_drops_the_per_rank_bucket_rates_only_among_recordings() -> None:
+def test_the_write_filter_sends_every_node_recording_and_no_raw_bucket() -> None:
     keep, drop = shard_write_filter()
     sent = {name for name in records_of(NODE_RULES) if re.fullmatch(keep, name) and not re.fullmatch(drop, name)}
-    assert records_of(NODE_RULES) - sent == {"run_rank_le:stepscope_step_seconds_bucket:rate1m"}
+    assert sent == records_of(NODE_RULES)
+    assert not re.fullmatch(keep, "stepscope_step_seconds_bucket")
 
 
 def test_readme_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:
