@@ -21,6 +21,7 @@ import pytest
 import requests
 import yaml
 
+from grafana.dashboards.queries import panel_queries
 from grafana.rules import NODE_RULES, RUN_RULES, groups
 from tests.fake_nvml.scenario import make_gpu, make_scenario, write_scenario
 from tests.support.ingest_bodies import counter, histogram, info_family, state_family
@@ -94,11 +95,13 @@ class Pushes(threading.Thread):
 
 
 def _gpu_node(path: Path) -> Path:
-    """One busy H100 whose memory this test process (both ranks' pid) holds."""
+    """A busy H100 whose memory this test process (both ranks' pid) holds, and an idle one."""
+    busy = make_gpu(0, "H100", processes=[(os.getpid(), 8 << 30)], utilization={"gpu": 95, "memory": 40},
+                    gpm={"sm_util": 90.0, "sm_occupancy": 45.0, "any_tensor_util": 60.0, "dram_bw_util": 50.0})
+    idle = make_gpu(1, "H100", utilization={"gpu": 0, "memory": 0},
+                    gpm={"sm_util": 0.0, "sm_occupancy": 0.0, "any_tensor_util": 0.0, "dram_bw_util": 0.0})
     scenario = make_scenario(gpus=0, processes_per_gpu=0)
-    scenario["gpus"] = [make_gpu(0, "H100", processes=[(os.getpid(), 8 << 30)], utilization={"gpu": 95, "memory": 40},
-                                 gpm={"sm_util": 90.0, "sm_occupancy": 45.0, "any_tensor_util": 60.0,
-                                      "dram_bw_util": 50.0})]
+    scenario["gpus"] = [busy, idle]
     return write_scenario(path, scenario)
 
 
@@ -226,3 +229,11 @@ def test_promtool_accepts_the_sharded_configs_with_the_mounted_rules(tmp_path: P
     shutil.copytree(NODE_RULES.parent, tmp_path / "rules")
     result = subprocess.run(["promtool", "check", "config", str(tmp_path / name)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cluster_dashboard_works_from_the_global_layer(layout: Layout) -> None:
+    """What the shards send serves the fleet view: every Cluster panel query returns data there
+    (each node has an idle GPU, for the Idle GPUs panel)."""
+    empty = [f"{q.panel}: {q.expr}" for q in panel_queries() if q.dashboard == "stepscope-cluster.json"
+             and not query(layout.global_url, q.expr)]
+    assert not empty, "\n".join(empty)
