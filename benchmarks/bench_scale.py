@@ -62,7 +62,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from grafana.rules import RULE_FILES  # noqa: E402
+from grafana.rules import RULE_FILES, RUN_RULES, rules  # noqa: E402
 from tests.support.node_scrape import GPUS, capture_node_scrape  # noqa: E402
 from tests.support.processes import free_port, running  # noqa: E402
 from tests.support.sharded import shard_write_filter  # noqa: E402
@@ -445,10 +445,12 @@ def findings(url: str) -> dict[str, str]:
                          for item in sorted(instant(url, f"count by ({label}) ({expr})"),
                                             key=lambda item: item["metric"][label]))
     keep, drop = shard_write_filter()
+    computed_globally = [rule["record"] for rule in rules((RUN_RULES,)) if "record" in rule]
+    not_sent = "|".join([*computed_globally, *([drop] if drop else [])])
     return {
         "series a shard would send the global layer, per node": str(round(
-            float(count(f'{{__name__=~"{keep}"}}')) - float(count(f'{{__name__=~"{drop}"}}')))
-            / len(instant(url, 'up{job="stepscope"}'))),
+            float(count(f'{{__name__=~"{keep}"}} unless {{__name__=~"{not_sent}"}}'))
+            / len(instant(url, 'up{job="stepscope"}')))),
         "runs by verdict": counts("run:stepscope_bottleneck:verdict", "verdict"),
         "ranks with a step-time p50": count("run_rank:stepscope_step_seconds:p50_rate1m"),
         "runs with a run p95": count("run:stepscope_step_seconds:p95_rate1m"),
