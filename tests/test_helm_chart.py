@@ -403,6 +403,13 @@ def test_sharding_with_an_external_global_layer(chart: Path) -> None:
     assert len(by_kind(objs, "PrometheusRule")) == 2   # the run rules are there for Mimir's ruler
 
 
+def test_notes_say_which_rules_go_where(chart: Path) -> None:
+    text = notes(render(chart, ci_values(CHART / "ci" / "sharding-values.yaml")))
+    assert "rel-stepscope-node (per-node rules) goes to the shards" in text
+    assert "rel-stepscope-run (per-run rules) to the global layer" in text
+    assert f"writing to http://rel-stepscope-global.{NAMESPACE}.svc:9090/api/v1/write" in text
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"prometheusRule": {"enabled": False}}, "sharding.enabled needs prometheusRule.enabled"),
     ({"sharding": {"enabled": True, "global": {"create": False}}}, "sharding.remoteWrite.url is empty"),
