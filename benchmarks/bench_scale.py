@@ -486,7 +486,8 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
         f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; warm-up {warmup:.0f} s, "
         f"measured {window:.0f} s per size. Rules: "
         + "; ".join(f"{label} = {', '.join(display(path) for path in files)}" for label, files in rule_sets.items())
-        + " (each in a Prometheus of its own, side by side, scraping the same nodes). Load average after "
+        + (" (each in a Prometheus of its own, side by side, scraping the same nodes)" if len(rule_sets) > 1 else "")
+        + ". Load average after "
         "each size: " + "; ".join(f"{r.nodes}: {r.load[0]:.2f}/{r.load[1]:.2f}" for r in results
                                    if r.rules == next(iter(rule_sets))) + ".",
         "",
