@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -192,13 +192,17 @@ def hooks_alone_us(tracker: th.Tracker, steps: int = 20_000) -> float:
     return (time.perf_counter_ns() - start) / steps / 1e3
 
 
-def bench_training_loop(pairs: int = 80, block: int = 25) -> str:
+def bench_training_loop(
+    pairs: int = 80, block: int = 25,
+    target: Callable[[], AbstractContextManager[str]] = pushgateway, target_name: str = "a real Pushgateway",
+) -> str:
     """Short plain/hooked blocks in pairs (order alternating); the median of per-pair ratios shrugs off
     the bursts of a shared machine better than comparing two long runs. Wall time and the training
-    thread's CPU time (which other processes' load disturbs less) are both reported."""
+    thread's CPU time (which other processes' load disturbs less) are both reported. `target` yields
+    the push URL ("" = no pushing)."""
     width, step = calibrate_width()
     data = batches(block)
-    with pushgateway() as url:
+    with target() as url:
         tracker = th.init(run="bench-loop", push_url=url, push_interval=1.0)
         model, opt = make_model(width)
         loop_plain(model, opt, data)
@@ -234,15 +238,15 @@ def bench_training_loop(pairs: int = 80, block: int = 25) -> str:
     plain_ms = statistics.median(wall["plain"])
     rows = [
         ["without hooks", f"{plain_ms:.3f}", f"{statistics.median(cpu['plain']):.3f}", "", ""],
-        ["with hooks (6 phases + step, pushing)", f"{statistics.median(wall['hooked']):.3f}",
-         f"{statistics.median(cpu['hooked']):.3f}", cell(wall), cell(cpu)],
+        [f"with hooks (6 phases + step, {'pushing' if url else 'not pushing'})",
+         f"{statistics.median(wall['hooked']):.3f}", f"{statistics.median(cpu['hooked']):.3f}", cell(wall), cell(cpu)],
         ["the hooks alone (empty phase bodies)", f"{alone / 1e3:.4f}", "",
          f"{alone / (plain_ms * 1e3) * 100:.3f} %", ""],
     ]
-    target = f"a real Pushgateway every 1 s ({pushes} successful pushes)" if url else "nowhere"
+    pushed_to = f"{target_name} every 1 s ({pushes} successful pushes)" if url else "nowhere"
     note = (f"MLP hidden width {width} (calibrated step {step * 1e3:.1f} ms), {pairs} pairs of "
             f"{block}-step blocks in alternating order, torch threads {torch.get_num_threads()}; "
-            f"pusher to {target}. Slowdown = median over pairs of (hooked - plain) / plain. The last row "
+            f"pusher to {pushed_to}. Slowdown = median over pairs of (hooked - plain) / plain. The last row "
             "times the instrumentation alone (loader wrapper, 5 phases, step) over the plain step.")
     headers = ["loop", "wall ms/step (median)", "training-thread CPU ms/step", "slowdown, wall",
                "slowdown, thread CPU"]

@@ -1,15 +1,21 @@
 """Scrape latency and CPU cost: stepscope-exporter against Debian's prometheus-node-exporter.
 
 Every target runs at once and is scraped round-robin (one scrape each per round) over keep-alive
-connections with gzip, as Prometheus does, so machine noise hits all of them alike. CPU is the
-target process's user+system time over the whole measured window, background collection included,
-per 1000 scrapes. Prints a markdown table and writes benchmarks/results/scrape.md.
+connections with gzip, as Prometheus does, so machine noise hits all of them alike. Two tables:
+
+1. Cached and cold scrapes (benchmarks/bench_ingest.py's rounds): a cold scrape follows a change of
+   the content (a push to a one-counter group), the production case where collectors publish and
+   ranks push more often than Prometheus scrapes; node_exporter reads everything on every scrape,
+   so all its scrapes are cold. Server CPU per scrape, the scrape alone.
+2. The whole process over the measured window, background collection included, per 1000 scrapes.
+Prints markdown tables and writes benchmarks/results/scrape.md.
 
     python benchmarks/bench_scrape.py [--scrapes 300]
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -23,7 +29,9 @@ import requests
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.bench_ingest import Target, scrape_rounds  # noqa: E402
 from tests.fake_nvml.scenario import make_scenario  # noqa: E402
+from tests.support.ingest_bodies import counter  # noqa: E402
 from tests.support.processes import free_port, running, running_exporter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scrape.md"
@@ -80,6 +88,22 @@ def table(rows: list[dict[str, object]], baseline: str) -> str:
     return "\n".join(lines)
 
 
+def cold_table(results: dict[str, dict[str, float]], baseline: str) -> str:
+    base = results[baseline]
+    lines = [
+        "| target | cold p50 / p90 ms | cold CPU ms | cached p50 / p90 ms | cached CPU ms | cold p50 vs node_exporter "
+        "| cold CPU vs node_exporter |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['cold_p50']:.2f} / {r['cold_p90']:.2f} | {r['cold_cpu']:.2f} | {r['cached_p50']:.2f} / "
+            f"{r['cached_p90']:.2f} | {r['cached_cpu']:.2f} | {r['cold_p50'] / base['cold_p50']:.2f}x "
+            f"| {r['cold_cpu'] / base['cold_cpu']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scrapes", type=int, default=300, help="scrapes per target (at least 200)")
@@ -106,9 +130,17 @@ def main() -> int:
         }
         time.sleep(2 * COLLECT_INTERVAL + 1)  # two cycles: GPM ratios and GPU-process series need a second one
         rows = measure(targets, args.scrapes)
+        rounds = [Target(name, process, pushes=name.startswith("stepscope"))
+                  for name, process in zip(targets, (node_exporter, default, gpus), strict=True)]
+        for target in rounds[1:]:
+            target.put("ticker", 0, counter("stepscope_steps_total", 0))
+        cold = scrape_rounds(rounds, args.scrapes // 2)
     report = (
         f"Scrape benchmark, {args.scrapes} gzip scrapes per target, round-robin, "
-        f"{psutil.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n\n"
+        f"{psutil.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}\n\n"
+        f"## Cold and cached scrapes ({args.scrapes // 2} rounds; the scrape alone)\n\n"
+        + cold_table(cold, baseline=next(iter(targets)))
+        + "\n\n## The whole process, background collection included\n\n"
         + table(rows, baseline=next(iter(targets)))
         + "\n"
     )

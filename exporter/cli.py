@@ -2,9 +2,7 @@
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from exporter import __version__, ingest
@@ -13,15 +11,17 @@ from exporter.exposition import ExpositionStore
 from exporter.flags import (
     OneLineErrorParser,
     add_flag,
+    add_switch,
     comma_list,
     fail,
     listen_address,
     positive_float,
+    positive_int,
     readable_file,
 )
 from exporter.gpu_processes import GpuProcessTable
 from exporter.scheduler import Scheduler
-from exporter.server import BasicAuth, ExporterServer, TlsContextSource
+from exporter.server import BasicAuth, ExporterServer, TlsContextSource, WebLimits
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="require HTTP basic auth with this user on /metrics (health probes stay open)")
     add_flag(web, "--basic-auth-password-file", default=None, type=readable_file,
              help="file holding the basic auth password (trailing newline ignored)")
+    add_flag(web, "--web-max-connections", default="512", type=positive_int,
+             help="most client connections open at once; more get 503 and are closed")
 
     collection = parser.add_argument_group("collection")
     add_flag(collection, "--collectors", default=",".join(COLLECTOR_NAMES), type=collector_list,
@@ -71,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "
                   "and free space to publish")
+    add_switch(collection, "--no-gpu-pcie-poll",
+               help="publish no PCIe throughput for GPUs without GPM (pre-Hopper) rather than poll "
+                    "nvmlDeviceGetPcieThroughput, which blocks 20 ms per direction, every 10 s on a "
+                    "background thread")
 
     ingest.add_flags(parser.add_argument_group("push API (training hooks)"))
 
@@ -98,7 +104,7 @@ def _build_collectors(
     if "gpu" in args.collectors:
         from exporter.collectors.gpu import GpuCollector
 
-        collectors.append(GpuCollector(gpu_processes=gpu_processes))
+        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=not args.no_gpu_pcie_poll))
     if "process" in args.collectors:
         from exporter.collectors.process import ProcessCollector
 
@@ -130,32 +136,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth = BasicAuth(args.basic_auth_user, password)
 
     store = ExpositionStore()
-    push_api = ingest.build(args, store)
+    push_api, profile_api = ingest.build(args, store)
     collectors = _build_collectors(args, push_api)
     scheduler = Scheduler(collectors, args.collect_interval, store)
     host, port = args.listen_address
+    limits = WebLimits(max_connections=args.web_max_connections,
+                       max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
     try:
         server = ExporterServer(
-            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth
+            (host, port), store, scheduler.ready, push_api, tls=tls, auth=auth, limits=limits,
+            profile_handler=profile_api,
         )
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
 
-    def shutdown(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
     scheduler.start()
     push_api.start()
     scheme = "https" if tls else "http"
     log.info("stepscope-exporter %s serving %s://%s:%d/metrics (collectors: %s)",
              __version__, scheme, host, server.server_address[1], ", ".join(args.collectors) or "none")
     try:
-        server.serve_forever()
+        server.serve()  # until SIGTERM or SIGINT; in-flight responses finish first
     finally:
-        server.server_close()
         push_api.stop()
         scheduler.stop()
     return 0

@@ -1,7 +1,9 @@
 """Runs every collector on its own timer thread and publishes rendered results.
 
 One thread per collector: a wedged NVML call stalls the GPU families only, and scrapes keep
-serving the last good snapshot of everything else.
+serving the last good snapshot of everything else. Each source re-renders only the families that
+changed since its last cycle and is published only when its text changed, so an idle node costs
+little more than the readings themselves.
 """
 
 import logging
@@ -10,11 +12,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from exporter import __version__
 from exporter.collectors import Collector
-from exporter.exposition import ExpositionStore, render
+from exporter.exposition import CachedRenderer, ExpositionStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ class Scheduler:
         self._interval = interval
         self._store = store
         self._stats = {c.name: _CollectorStats() for c in collectors}
+        self._renderers = {c.name: CachedRenderer() for c in collectors}
+        self._self_renderer = CachedRenderer()
+        self._self_lock = threading.Lock()  # collector threads publish self metrics in turn, newest last
         self._stats_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -66,13 +71,15 @@ class Scheduler:
 
     def run_once(self, collector: Collector) -> None:
         started = time.perf_counter()
+        renderer = self._renderers[collector.name]
         try:
-            body = render(list(collector.collect()))
+            body, changed = renderer.render(list(collector.collect()))
             error = ""
         except Exception as exc:
-            body, error = b"", f"{type(exc).__name__}: {exc}"
+            (body, changed), error = renderer.render([]), f"{type(exc).__name__}: {exc}"
         duration = time.perf_counter() - started
-        self._store.publish(collector.name, body)
+        if changed:
+            self._store.publish(collector.name, body)
         with self._stats_lock:
             stats = self._stats[collector.name]
             stats.duration_seconds = duration
@@ -100,6 +107,12 @@ class Scheduler:
             self._stop.wait(delay)
 
     def _publish_self(self) -> None:
+        with self._self_lock:
+            body, changed = self._self_renderer.render(self._self_families())
+            if changed:
+                self._store.publish("stepscope_exporter", body)
+
+    def _self_families(self) -> list[Metric]:
         duration = GaugeMetricFamily(
             "stepscope_exporter_collector_duration_seconds",
             "Wall time of the collector's last cycle.",
@@ -123,4 +136,4 @@ class Scheduler:
                 last_success.add_metric([name], stats.last_success)
         build = InfoMetricFamily("stepscope_exporter_build", "Exporter version and runtime.")
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
-        self._store.publish("stepscope_exporter", render([build, duration, errors, last_success]))
+        return [build, duration, errors, last_success]

@@ -1,22 +1,36 @@
 """HTTP layer: /metrics, health, the index page and the push API; knows nothing about hardware.
 
-A thread per connection, so an idle or slow client (or a slow TLS handshake) never blocks another
-scrape; connections idle longer than the timeout are closed.
+Built on aiohttp's low-level server: one asyncio loop, llhttp's C parser, no thread per connection,
+so hundreds of idle, slow or broken clients cost memory, not threads, and never delay a scrape.
+aiohttp enforces Content-Length, so a body cut short never reaches the push API, and every
+response to a request whose body was not read closes the connection: no body is ever parsed as
+the next request. What this module adds on top is bounded: a deadline for a request head
+(HEADER_TIMEOUT_SECONDS, from the connection's start or the previous response; also the idle limit
+of a kept-alive connection) and for a push body, a cap on connections and on push-body bytes in
+flight (so /metrics always gets through), the push API's access check before a body byte is read,
+405 in plain text for other methods, TLS that reloads its files, basic auth, a graceful stop. The
+profile-request API (PROFILE_PREFIX) goes through the same bounded path as a push.
 """
 
+import asyncio
 import base64
 import hmac
 import logging
 import os
+import resource
+import signal
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from exporter import __version__
 from exporter.exposition import ExpositionStore
@@ -24,7 +38,16 @@ from exporter.exposition import ExpositionStore
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
-IDLE_TIMEOUT_SECONDS = 30.0
+HEADER_TIMEOUT_SECONDS = 10.0
+BODY_TIMEOUT_SECONDS = 10.0
+TLS_HANDSHAKE_TIMEOUT_SECONDS = 10.0
+SHUTDOWN_TIMEOUT_SECONDS = 5.0  # per stage: in-flight responses finish, then the rest is cancelled
+LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
+WRITE_SLICE_BYTES = 256 * 1024  # a slow scraper holds at most this much (plus the transport's buffer)
+LARGE_BODY_BYTES = 64 * 1024  # parsed off the event loop, one at a time
+RECEIVE_BUFFER_BYTES = 64 * 1024
+READ_BUFFER_BYTES = 16 * 1024  # aiohttp stops reading a body at twice this until the handler reads it
+PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 INDEX_PAGE = """<!doctype html>
 <html><head><title>stepscope exporter</title></head>
@@ -34,6 +57,7 @@ INDEX_PAGE = """<!doctype html>
 <li><a href="metrics">/metrics</a> &mdash; node, GPU, process and training metrics</li>
 <li><a href="-/healthy">/-/healthy</a> &mdash; liveness</li>
 <li><a href="-/ready">/-/ready</a> &mdash; readiness (first collection done)</li>
+<li>/api/v1/profiles &mdash; PyTorch profiler traces of live ranks (stepscope-profile)</li>
 </ul></body></html>
 """
 
@@ -42,26 +66,47 @@ INDEX_PAGE = """<!doctype html>
 class PushResponse:
     status: int
     message: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # e.g. a profile request for the pushing rank
+    content_type: str = "text/plain"
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    method: str
+    path: str  # as sent, percent-encoding and query included
+    headers: Mapping[str, str]  # lower-case names
+    client_ip: str
+    length: int | None  # Content-Length; None when absent
 
 
 class PushHandler(Protocol):
-    """Receives the Pushgateway-style API (`/metrics/job/...`); implemented by the ingest side."""
+    """Receives the Pushgateway-style API (`/metrics/job/...`) or the profile API (`/api/v1/profiles`);
+    implemented by the ingest side."""
 
-    max_body_bytes: int
-
-    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes, client_ip: str) -> PushResponse:
+    def check(self, request: PushRequest) -> PushResponse | None:
+        """The answer decided from the request head alone (a refusal, a DELETE), or None to read the body."""
         ...
 
-    def reject_oversized(self, method: str, path: str, length: int, client_ip: str) -> PushResponse:
-        """The answer to a Content-Length over `max_body_bytes`; the body is never read."""
+    def handle(self, request: PushRequest, body: bytes) -> PushResponse:
         ...
+
+    def refuse(self, request: PushRequest, status: int, reason: str, message: str) -> PushResponse:
+        """Counts a refusal the HTTP layer decided: `server_busy` or `incomplete_body`."""
+        ...
+
+
+@dataclass(frozen=True)
+class WebLimits:
+    max_connections: int = 512
+    max_body_bytes_in_flight: int = 8 * 1024 * 1024
 
 
 class TlsContextSource:
     """Serves an SSLContext for cert/key files and rebuilds it when either file changes.
 
     Checked at most once a second on new connections; a broken replacement keeps the old context
-    and logs why, so a half-written renewal never takes the endpoint down.
+    and logs why, so a half-written renewal never takes the endpoint down. An encrypted key is
+    refused (ValueError) instead of letting OpenSSL prompt for a passphrase on the terminal.
     """
 
     def __init__(self, cert_file: str, key_file: str) -> None:
@@ -87,9 +132,23 @@ class TlsContextSource:
                         self._context = self._build()
                         self._stamp = stamp
                         log.info("reloaded TLS certificate %s", self._cert_file)
-                    except (OSError, ssl.SSLError) as exc:
+                    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                         log.error("TLS reload failed, keeping the loaded certificate: %s", exc)
         return self._context
+
+    def listening_context(self) -> ssl.SSLContext:
+        """A context for the listening socket that hands each handshake the current context.
+
+        The server-name callback runs on every ClientHello (with or without SNI), so a renewed
+        certificate serves the next connection without restarting the listener.
+        """
+        context = self._build()
+
+        def use_current(ssl_object: ssl.SSLObject, _server_name: str | None, _context: ssl.SSLContext) -> None:
+            ssl_object.context = self.context()
+
+        context.sni_callback = use_current  # type: ignore[assignment]
+        return context
 
     def _file_stamp(self) -> tuple[float, float]:
         return os.stat(self._cert_file).st_mtime, os.stat(self._key_file).st_mtime
@@ -97,25 +156,109 @@ class TlsContextSource:
     def _build(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self._cert_file, self._key_file)
+        context.load_cert_chain(self._cert_file, self._key_file, password=self._refuse_passphrase)
         return context
+
+    def _refuse_passphrase(self) -> bytes:
+        raise ValueError(f"the key in {self._key_file} is encrypted: give an unencrypted key "
+                         "(openssl pkey -in KEY -out PLAIN_KEY)")
 
 
 class BasicAuth:
-    """Checks `Authorization: Basic` against one user and a password read from a file."""
+    """Checks `Authorization: Basic` (scheme case-insensitive) against one user and a password from a file."""
 
     def __init__(self, user: str, password: str) -> None:
         self._expected = base64.b64encode(f"{user}:{password}".encode()).decode()
 
     def allows(self, header: str | None) -> bool:
-        if not header or not header.startswith("Basic "):
+        scheme, _, credentials = (header or "").strip().partition(" ")
+        if scheme.lower() != "basic":
             return False
-        return hmac.compare_digest(header[6:].strip(), self._expected)
+        return hmac.compare_digest(credentials.strip().encode(), self._expected.encode())
 
 
-class ExporterServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class _TooManyConnections(asyncio.Protocol):
+    """Answers a connection over the cap with a 503 and closes it."""
+
+    REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+             b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n")
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(self.REPLY)
+        transport.close()
+
+
+class _RequestLineGuard(web.RequestHandler):
+    """aiohttp's connection handler, closing at once a connection whose first line is no HTTP/1.x
+    request line: llhttp reads `GET /metrics` (HTTP/0.9) as a request head still to be finished,
+    which would hold the connection until the header deadline."""
+
+    __slots__ = ("_first_line",)
+    REPLY = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 30\r\n"
+             b"Connection: close\r\n\r\nnot an HTTP/1.x request line\n")
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._first_line: bytes | None = b""  # None once the first line was seen
+
+    def data_received(self, data: bytes) -> None:
+        if self._first_line is not None:
+            head = self._first_line + data[:8192]
+            end = head.find(b"\n")
+            if end >= 0:
+                self._first_line = None
+                if not head[:end].rstrip(b"\r").endswith((b" HTTP/1.1", b" HTTP/1.0")):
+                    if self.transport is not None:
+                        self.transport.write(self.REPLY)
+                    self.force_close()
+                    return
+            else:  # over 8 KiB without a newline: aiohttp's line limit answers it
+                self._first_line = head if len(head) <= 8192 else None
+        super().data_received(data)
+
+
+class _QuietBadRequests(logging.Filter):
+    """aiohttp logs every unparsable request (a port scanner, TLS on the plain port) as an error with a
+    traceback; they are the client's problem and answered with a 400, so they go to debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], HttpProcessingError):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def _listen(address: tuple[str, int]) -> socket.socket:
+    """The listening socket, bound now so that a busy port fails at start-up with a clear message."""
+    host, port = address
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted sockets inherit it: one read brings at most this much of a body nobody asked for yet
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _raise_open_files_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class ExporterServer:
+    """Serves until SIGTERM or SIGINT, then finishes in-flight responses (bounded) and returns."""
 
     def __init__(
         self,
@@ -125,129 +268,163 @@ class ExporterServer(ThreadingHTTPServer):
         push_handler: PushHandler,
         tls: TlsContextSource | None = None,
         auth: BasicAuth | None = None,
+        limits: WebLimits = WebLimits(),
+        profile_handler: PushHandler | None = None,
     ) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
+        self._socket = _listen(address)
+        self.server_address = self._socket.getsockname()
         self.store = store
         self.ready = ready
         self.tls = tls
         self.auth = auth
         self.push_handler = push_handler
-        super().__init__(address, _Handler)
+        self.profile_handler = profile_handler
+        self.limits = limits
+        self._in_flight = 0  # push-body bytes being received, by Content-Length
+        self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-parse")
+        self._warned_connections = False
+        self._stop: asyncio.Event | None = None
 
-    def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6:
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
+    def serve(self) -> None:
+        """Runs the event loop in the main thread until SIGTERM or SIGINT."""
+        asyncio.run(self._serve())
 
-    def finish_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-        # Runs in the connection's own thread, so the TLS handshake cannot stall the accept loop.
-        if self.tls is None:
-            super().finish_request(request, client_address)
-            return
-        request.settimeout(IDLE_TIMEOUT_SECONDS)
-        try:
-            tls_socket = self.tls.context().wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
-            log.debug("TLS handshake with %s failed: %s", client_address[0], exc)
-            return
-        try:
-            super().finish_request(tls_socket, client_address)
-        finally:
-            tls_socket.close()
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        logger = logging.getLogger(f"{__name__}.aiohttp")
+        logger.addFilter(_QuietBadRequests())
+        handlers = web.Server(self._dispatch)  # tracks connections for the cap and the graceful stop
+        _raise_open_files_limit(self.limits.max_connections + 256)
 
-    def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-        log.debug("connection from %s ended with an error", client_address[0], exc_info=True)
+        def protocol() -> asyncio.BaseProtocol:
+            if len(handlers.connections) < self.limits.max_connections:
+                # keepalive_timeout doubles as the header deadline: aiohttp's timer runs from the
+                # connection's start and from each response until a complete request head arrives
+                return _RequestLineGuard(handlers, loop=loop, keepalive_timeout=HEADER_TIMEOUT_SECONDS,
+                                         access_log=None, logger=logger, lingering_time=0,
+                                         read_bufsize=READ_BUFFER_BYTES)
+            if not self._warned_connections:
+                log.warning("%d connections open, the limit (--web-max-connections): refusing new ones with 503",
+                            self.limits.max_connections)
+                self._warned_connections = True
+            return _TooManyConnections()
 
-
-class _Handler(BaseHTTPRequestHandler):
-    server: ExporterServer
-    protocol_version = "HTTP/1.1"
-    server_version = f"stepscope-exporter/{__version__}"
-    timeout = IDLE_TIMEOUT_SECONDS
-    disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms delayed-ACK stall
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path in ("/-/healthy", "/-/ready"):  # probes stay open: kubelet sends no credentials
-            if path == "/-/healthy" or self.server.ready():
-                self._send(HTTPStatus.OK, b"OK\n", "text/plain; charset=utf-8")
-            else:
-                self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"first collection not done\n", "text/plain")
-            return
-        if not self._authorized():
-            return
-        if path == "/metrics":
-            compressed = "gzip" in self.headers.get("Accept-Encoding", "")
-            body = self.server.store.body(compressed=compressed)
-            extra = {"Content-Encoding": "gzip"} if compressed else {}
-            self._send(HTTPStatus.OK, body, CONTENT_TYPE_LATEST, extra)
-        elif path == "/":
-            page = INDEX_PAGE.format(version=__version__).encode()
-            self._send(HTTPStatus.OK, page, "text/html; charset=utf-8")
-        else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
-
-    def do_HEAD(self) -> None:
-        self.do_GET()
-
-    def do_PUT(self) -> None:
-        self._push("PUT")
-
-    def do_POST(self) -> None:
-        self._push("POST")
-
-    def do_DELETE(self) -> None:
-        self._push("DELETE")
-
-    def _push(self, method: str) -> None:
-        handler = self.server.push_handler
-        if not self.path.startswith("/metrics/"):
-            self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"method not allowed\n", "text/plain; charset=utf-8")
-            return
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self._reply_text(HTTPStatus.BAD_REQUEST, "invalid Content-Length")
-            return
-        if length < 0:
-            self._reply_text(HTTPStatus.BAD_REQUEST, "invalid Content-Length")
-            return
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        if length > handler.max_body_bytes or "chunked" in headers.get("transfer-encoding", ""):
-            self.close_connection = True  # the unread body must not be parsed as the next request
-        if length > handler.max_body_bytes:
-            response = handler.reject_oversized(method, self.path, length, self.client_address[0])
-            self._reply_text(response.status, response.message)
-            return
-        body = self.rfile.read(length) if length else b""
-        response = handler.handle(method, self.path, headers, body, self.client_address[0])
-        self._reply_text(response.status, response.message)
-
-    def _reply_text(self, status: int, message: str) -> None:
-        self._send(status, (message.rstrip("\n") + "\n").encode(), "text/plain; charset=utf-8")
-
-    def _authorized(self) -> bool:
-        auth = self.server.auth
-        if auth is None or auth.allows(self.headers.get("Authorization")):
-            return True
-        self._send(
-            HTTPStatus.UNAUTHORIZED,
-            b"unauthorized\n",
-            "text/plain; charset=utf-8",
-            {"WWW-Authenticate": 'Basic realm="stepscope"'},
+        server = await loop.create_server(
+            protocol, sock=self._socket, backlog=LISTEN_BACKLOG,
+            ssl=self.tls.listening_context() if self.tls else None,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_SECONDS if self.tls else None,
         )
-        return False
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()  # no new connections
+            handlers.pre_shutdown()  # idle keep-alive connections close now, busy ones after their response
+            await handlers.shutdown(SHUTDOWN_TIMEOUT_SECONDS)
+            self._parser.shutdown(wait=False, cancel_futures=True)
 
-    def _send(self, status: int, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (extra or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+    def _on_signal(self, signum: int) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        assert self._stop is not None
+        self._stop.set()
 
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("%s %s", self.client_address[0], format % args)
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.raw_path.split("?", 1)[0]
+        method = request.method
+        if self.profile_handler is not None and (path == PROFILE_PREFIX or path.startswith(PROFILE_PREFIX + "/")):
+            # the push API's access rules, not basic auth: who may push may ask for traces
+            return await self._api(request, self.profile_handler)
+        if method not in ("GET", "HEAD"):
+            if path.startswith("/metrics/"):
+                return await self._api(request, self.push_handler)
+            return _text(HTTPStatus.METHOD_NOT_ALLOWED, f"method {method} is not allowed on {path}: use GET",
+                         close=request.body_exists, headers={"Allow": "GET, HEAD"})
+        close = request.body_exists  # a body nobody reads must not become the next request
+        if path in ("/-/healthy", "/-/ready"):  # probes stay open: kubelet sends no credentials
+            if path == "/-/healthy" or self.ready():
+                return _text(HTTPStatus.OK, "OK", close=close)
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "first collection not done", close=close)
+        if self.auth is not None and not self.auth.allows(request.headers.get("Authorization")):
+            return _text(HTTPStatus.UNAUTHORIZED, "unauthorized", close=close,
+                         headers={"WWW-Authenticate": 'Basic realm="stepscope"'})
+        if path == "/metrics":
+            return await self._metrics(request, close)
+        if path == "/":
+            page = INDEX_PAGE.format(version=__version__)
+            return _response(web.Response(status=200, text=page, content_type="text/html", charset="utf-8"), close)
+        return _text(HTTPStatus.NOT_FOUND, "not found", close=close)
+
+    async def _metrics(self, request: web.BaseRequest, close: bool) -> web.StreamResponse:
+        compressed = "gzip" in request.headers.get("Accept-Encoding", "")
+        body = self.store.body(compressed=compressed)
+        response = _response(web.StreamResponse(status=200, headers={"Content-Type": CONTENT_TYPE_LATEST}), close)
+        if compressed:
+            response.headers["Content-Encoding"] = "gzip"
+        response.content_length = len(body)
+        await response.prepare(request)
+        if request.method != "HEAD":
+            view = memoryview(body)
+            for start in range(0, len(body), WRITE_SLICE_BYTES):
+                await response.write(view[start:start + WRITE_SLICE_BYTES])  # waits while the client is slow
+        await response.write_eof()
+        return response
+
+    async def _api(self, request: web.BaseRequest, handler: PushHandler) -> web.StreamResponse:
+        """check() on the request head; then the body, bounded in size, time and bytes in flight; handle()."""
+        push = PushRequest(
+            method=request.method, path=request.raw_path, client_ip=request.remote or "",
+            headers={name.lower(): value for name, value in request.headers.items()},
+            length=request.content_length,
+        )
+        answer = handler.check(push)
+        if answer is not None:
+            return _answer(answer, close=request.body_exists)
+        length = push.length or 0
+        if self._in_flight + length > self.limits.max_body_bytes_in_flight:
+            answer = handler.refuse(
+                push, 503, "server_busy",
+                f"{self._in_flight} bytes of other pushes are being received, the limit "
+                f"(--ingest-max-bytes-in-flight {self.limits.max_body_bytes_in_flight}): retry later",
+            )
+            return _answer(answer, close=True, headers={"Retry-After": "1"})
+        self._in_flight += length
+        try:
+            body = await asyncio.wait_for(request.content.readexactly(length), BODY_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            answer = handler.refuse(push, 408, "incomplete_body",
+                                    f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g}s; nothing stored")
+            return _answer(answer, close=True)
+        except (asyncio.IncompleteReadError, ConnectionError, HttpProcessingError) as exc:
+            received = len(exc.partial) if isinstance(exc, asyncio.IncompleteReadError) else "fewer"
+            answer = handler.refuse(push, 400, "incomplete_body",
+                                    f"the body ended after {received} of {length} bytes; nothing stored")
+            return _answer(answer, close=True)
+        finally:
+            self._in_flight -= length
+        if length > LARGE_BODY_BYTES:  # keeps the loop (and scrapes) responsive; one at a time bounds memory
+            answer = await asyncio.get_running_loop().run_in_executor(self._parser, handler.handle, push, body)
+        else:
+            answer = handler.handle(push, body)
+        return _answer(answer)
+
+
+def _response(response: web.StreamResponse, close: bool) -> web.StreamResponse:
+    response.headers["Server"] = f"stepscope-exporter/{__version__}"
+    if close:
+        response.force_close()
+    return response
+
+
+def _text(status: int, message: str, close: bool = False, headers: Mapping[str, str] | None = None,
+          content_type: str = "text/plain") -> web.Response:
+    response = web.Response(status=status, text=message.rstrip("\n") + "\n", content_type=content_type,
+                            charset="utf-8", headers=headers)
+    _response(response, close)
+    return response
+
+
+def _answer(answer: PushResponse, close: bool = False, headers: Mapping[str, str] | None = None) -> web.Response:
+    return _text(answer.status, answer.message, close=close, headers={**answer.headers, **(headers or {})} or None,
+                 content_type=answer.content_type)

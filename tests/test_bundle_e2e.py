@@ -6,7 +6,6 @@ must tell the run with a slow data loader from the fast one, and find the slow r
 DistributedDataParallel run (gloo on CPU) whose step times are equal on every rank.
 """
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from grafana.dashboards.metrics import EXPORTER_METRICS
-from grafana.dashboards.queries import panel_queries, variable_queries
+from grafana.dashboards.queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
 from grafana.rules import RULE_FILES, rules
-from tests.support.processes import REPO_ROOT, free_port, running_exporter, samples, scrape
+from tests.support.demos import start_ddp_demos, start_demo, stop
+from tests.support.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from tests.support.prometheus import (
     query,
     rule_groups,
@@ -26,6 +26,7 @@ from tests.support.prometheus import (
     series,
     wait_for,
 )
+from tests.support.traces import rank_tracing, step_annotations
 
 NODE = "e2e-node"
 READY_TIMEOUT_SECONDS = 120
@@ -36,9 +37,22 @@ EMPTY_BY_DESIGN = {
 # GPU index -> (NVML utilization %, GPM SM active %, run rank holding memory on it): fast's GPUs busy,
 # slow's starved, one idle.
 GPU_LAYOUT = {0: (95, 88, ("fast", 0)), 1: (95, 88, ("fast", 1)), 2: (25, 20, ("slow", 0)), 3: (0, 0, None)}
+# GPU index -> GPM interconnect readings (MiB/s): NVLink on 0-2, C2C on 2 (a Grace Hopper), none on 3,
+# whose GPM refuses both (an H100 without NVLink)
+INTERCONNECT = {
+    0: {"nvlink_total_rx_per_sec": 30_000.0, "nvlink_total_tx_per_sec": 31_000.0},
+    1: {"nvlink_total_rx_per_sec": 31_000.0, "nvlink_total_tx_per_sec": 30_000.0},
+    2: {"nvlink_total_rx_per_sec": 0.0, "nvlink_total_tx_per_sec": 0.0,  # a link that carries nothing
+        "c2c_total_rx_per_sec": 9_000.0, "c2c_total_tx_per_sec": 2_000.0},
+    3: {},
+}
+INTERCONNECT_ROW = "GPU $gpu: NVLink, step phases, host link"
 # The DDP run: rank DDP_SLOW_RANK sleeps this long in forward; the other rank waits for it in backward.
 DDP_SLOW_RANK = 1
 DDP_EXTRA_SECONDS = 0.03
+# fast and slow measure their loader and compute limits over this many batches before training
+LIMIT_BATCHES = 10
+TRACE_STEPS = 2
 
 
 pytestmark = pytest.mark.timeout(300)
@@ -66,47 +80,11 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
                 throttle=["sw_power_cap"] if index == 0 else [],
                 utilization={"gpu": utilization, "memory": utilization // 2},
                 gpm={"sm_util": sm_active, "sm_occupancy": sm_active / 2, "any_tensor_util": sm_active / 2,
-                     "dram_bw_util": sm_active / 2},
+                     "dram_bw_util": sm_active / 2, **INTERCONNECT[index]},
             )
         )
     scenario["gpus"] = gpus
     return scenario
-
-
-def _demo(
-    run: str,
-    rank: int,
-    world_size: int,
-    push_url: str,
-    log: Path,
-    *extra: str,
-    env: dict[str, str] | None = None,
-) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        **(env or {}),
-    }
-    argv = [
-        sys.executable,
-        "-m",
-        "training_hooks.demo",
-        "--run",
-        run,
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(world_size),
-        "--push-url",
-        push_url,
-        "--push-interval",
-        "1",
-        *extra,
-    ]
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def _recording_rules() -> list[str]:
@@ -122,15 +100,9 @@ def _runs(base_url: str, expr: str) -> set[str]:
 
 
 def _ddp_demos(push_url: str, tmp: Path) -> dict[tuple[str, int], subprocess.Popen]:
-    """Two ranks of one synchronous run, wired up the way torchrun does (env), without its overhead."""
-    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    slow = ("--ddp", "--slow-rank", str(DDP_SLOW_RANK), "--extra-step-seconds", str(DDP_EXTRA_SECONDS))
-    return {
-        ("ddp", rank): _demo(
-            "ddp", rank, 2, push_url, tmp / f"ddp-{rank}.log", *slow, env={**rendezvous, "RANK": str(rank)}
-        )
-        for rank in (0, 1)
-    }
+    """Two ranks of one synchronous run, one of them slow."""
+    slow = ("--slow-rank", str(DDP_SLOW_RANK), "--extra-step-seconds", str(DDP_EXTRA_SECONDS))
+    return start_ddp_demos("ddp", 2, push_url, tmp, *slow)
 
 
 def _empty_queries(base_url: str) -> list[str]:
@@ -142,6 +114,7 @@ def _empty_queries(base_url: str) -> list[str]:
             ("run:stepscope_dataloader_share:ratio_rate1m", every_run),
             ("run:stepscope_bottleneck:verdict", every_run),
             ("run:stepscope_gpu_effective_utilization:avg_ratio", {"fast", "slow"}),  # ddp holds no GPU
+            ("run:stepscope_limits:verdict", {"fast", "slow"}),  # ddp did not measure its limits
         )
         if _runs(base_url, expr) != runs
     ]
@@ -167,6 +140,16 @@ def _empty_queries(base_url: str) -> list[str]:
     return empty
 
 
+def _trace_fast_rank_0(exporter: str) -> None:
+    """A profiler trace of fast's rank 0 through stepscope-profile, once it pushes (the trace families
+    and the dashboard's trace table need one)."""
+    wait_for(lambda: rank_tracing(exporter, "fast", 0) == "ready", READY_TIMEOUT_SECONDS)
+    done = subprocess.run([sys.executable, "-m", "exporter.profile_cli", "--exporter", exporter, "--run", "fast",
+                           "--steps", str(TRACE_STEPS), "--wait", "60"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=90)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from tests.fake_nvml.scenario import write_scenario
@@ -176,19 +159,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter:
         address = exporter.url.removeprefix("http://")
         with running_prometheus(tmp, {NODE: address}, RULE_FILES) as prometheus:
+            limits = ("--measure-limits", str(LIMIT_BATCHES))
+            traces = {"STEPSCOPE_TRACE_DIR": str(tmp / "traces")}
             demos = {
-                ("fast", 0): _demo(
-                    "fast", 0, 2, exporter.url, tmp / "fast-0.log", "--extra-step-seconds", "0.02"
+                ("fast", 0): start_demo(
+                    "fast", 0, 2, exporter.url, tmp / "fast-0.log", "--extra-step-seconds", "0.02", *limits,
+                    env=traces,
                 ),
-                ("fast", 1): _demo(
-                    "fast", 1, 2, exporter.url, tmp / "fast-1.log", "--extra-step-seconds", "0.02"
+                ("fast", 1): start_demo(
+                    "fast", 1, 2, exporter.url, tmp / "fast-1.log", "--extra-step-seconds", "0.02", *limits
                 ),
-                ("slow", 0): _demo("slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05"),
+                ("slow", 0): start_demo(
+                    "slow", 0, 1, exporter.url, tmp / "slow-0.log", "--slow-loader", "0.05", *limits
+                ),
                 **_ddp_demos(exporter.url, tmp),
             }
             try:
                 # the fake NVML re-reads its scenario: now the training pids hold memory on their GPUs
                 write_scenario(scenario, _gpu_scenario({key: proc.pid for key, proc in demos.items()}))
+                _trace_fast_rank_0(exporter.url)
                 last: list[str] = []
 
                 def ready() -> bool:
@@ -202,14 +191,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     )
                 yield Stack(exporter.url, prometheus.url, last)
             finally:
-                for proc in demos.values():
-                    proc.terminate()
-                for proc in demos.values():
-                    try:
-                        proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop(demos.values())
 
 
 def _by_run(results: list[dict]) -> dict[str, float]:
@@ -335,3 +317,75 @@ def test_straggler_alert_expression_selects_the_slow_ddp_rank_only(stack: Stack)
         for item in query(stack.prometheus, _alert_expr("StepscopeStragglerRank"))
     }
     assert selected == {("ddp", str(DDP_SLOW_RANK), "local_phases")}
+
+
+def _interconnect_row_on(base_url: str, gpu: str) -> dict[str, list[dict]]:
+    """What each panel of the repeated per-GPU row shows for one GPU: {panel title: series}."""
+    model = load_dashboards(DASHBOARDS_DIR)["stepscope-node.json"]
+    start = next(i for i, p in enumerate(model["panels"]) if p.get("title") == INTERCONNECT_ROW)
+    assert model["panels"][start]["repeat"] == "gpu"
+    shown = {}
+    for panel in model["panels"][start + 1 :]:
+        if panel["type"] == "row":
+            break
+        title = panel["title"].replace("$gpu", gpu)
+        exprs = [substitute(t["expr"].replace("$gpu", gpu)) for t in panel["targets"]]
+        shown[title] = [item for expr in exprs for item in query(base_url, expr)]
+    return shown
+
+
+def test_interconnect_row_puts_each_gpus_links_next_to_its_ranks_phases(stack: Stack) -> None:
+    """The node dashboard's row for one GPU: NVLink and host-link bytes/s where the GPU reports them
+    (absent, so "no data", where not: never a made-up zero), beside the phases of the ranks on it."""
+    mib = 2**20
+
+    def by_name(series: list[dict]) -> dict[str, float]:
+        return {item["metric"]["__name__"].removeprefix("stepscope_gpu_"): float(item["value"][1])
+                for item in series}
+
+    gpu0 = _interconnect_row_on(stack.prometheus, "0")
+    assert by_name(gpu0["NVLink (GPU ↔ GPU), GPU 0"]) == {
+        "nvlink_receive_bytes_per_second": 30_000 * mib, "nvlink_transmit_bytes_per_second": 31_000 * mib}
+    phases = {(i["metric"]["run"], i["metric"]["rank"], i["metric"]["phase"])
+              for i in gpu0["Step phases of the ranks on GPU 0"]}
+    assert {(run, rank) for run, rank, _ in phases} == {("fast", "0")}, phases  # only the rank on GPU 0
+    assert {("fast", "0", "backward"), ("fast", "0", "to_device")} <= phases
+    assert set(by_name(gpu0["Host link (PCIe, C2C), GPU 0"])) == {
+        "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second"}  # no C2C on this GPU
+
+    gpu2 = _interconnect_row_on(stack.prometheus, "2")
+    assert by_name(gpu2["NVLink (GPU ↔ GPU), GPU 2"]) == {
+        "nvlink_receive_bytes_per_second": 0.0, "nvlink_transmit_bytes_per_second": 0.0}
+    host = by_name(gpu2["Host link (PCIe, C2C), GPU 2"])
+    assert host["c2c_receive_bytes_per_second"] == 9_000 * mib
+    assert host["c2c_transmit_bytes_per_second"] == 2_000 * mib
+    assert {i["metric"]["run"] for i in gpu2["Step phases of the ranks on GPU 2"]} == {"slow"}
+
+    gpu3 = _interconnect_row_on(stack.prometheus, "3")  # GPM refuses NVLink and C2C, no rank on it
+    assert gpu3["NVLink (GPU ↔ GPU), GPU 3"] == []
+    assert gpu3["Step phases of the ranks on GPU 3"] == []
+    assert set(by_name(gpu3["Host link (PCIe, C2C), GPU 3"])) == {
+        "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second"}
+
+
+def test_limits_verdict_and_alert_name_the_slow_loader(stack: Stack) -> None:
+    verdicts = {
+        item["metric"]["run"]: item["metric"]["verdict"]
+        for item in query(stack.prometheus, "run:stepscope_limits:verdict")
+    }
+    ratios = _by_run(query(stack.prometheus, 'run_rank:stepscope_loader_compute_limit:ratio{rank="0"}'))
+    print(f"limits verdicts {verdicts}, loader/compute of rank 0 {ratios}")
+    assert verdicts["slow"] == "loader_bound" and ratios["slow"] < 1  # 64 samples per 50 ms sleep: 1280/s
+    assert verdicts["fast"] != "loader_bound" and ratios["fast"] > 1  # 20 ms of compute per step, a fast loader
+    alert = query(stack.prometheus, _alert_expr("StepscopeLoaderBelowCompute"))
+    assert {(item["metric"]["run"], item["metric"]["rank"]) for item in alert} == {("slow", "0")}
+    [labels] = [item["metric"] for item in alert]
+    assert float(labels["loader_limit"]) < float(labels["compute_limit"])
+
+
+def test_the_requested_trace_is_published_with_its_file(stack: Stack) -> None:
+    text = scrape(stack.exporter)
+    [path] = {dict(labels)["path"] for name, labels in samples(text) if name == "stepscope_profile_trace_bytes"}
+    assert sample_values(text, "stepscope_profile_trace_bytes", run="fast", rank="0") == [Path(path).stat().st_size]
+    assert sample_values(text, "stepscope_profile_trace_steps", run="fast", rank="0") == [TRACE_STEPS]
+    assert len(step_annotations(path)) == TRACE_STEPS

@@ -75,6 +75,16 @@ def test_every_panel_has_a_description_and_a_unit() -> None:
                 assert panel["fieldConfig"]["defaults"].get("unit"), f"{name}: {panel['title']} has no unit"
 
 
+def test_every_panel_fits_the_24_column_grid() -> None:
+    overflowing = [
+        (name, panel.get("title"), panel["gridPos"])
+        for name, board in dashboards().items()
+        for panel in panels(board)
+        if panel["gridPos"]["x"] + panel["gridPos"]["w"] > 24
+    ]
+    assert not overflowing
+
+
 def test_panel_ids_are_unique() -> None:
     for name, model in dashboards().items():
         ids = [panel["id"] for panel in model["panels"]]

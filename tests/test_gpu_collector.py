@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collectors import gpu_events
-from exporter.collectors.gpu import CLOCK_EVENT_REASONS, VIOLATION_POLICIES, GpuCollector
+from exporter.collectors.gpu import CLOCK_EVENT_REASONS, GpuCollector
+from exporter.collectors.gpu_slow import VIOLATION_POLICIES
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
 from tests.fake_nvml.scenario import GIB, load_fake_pynvml, load_scenario, make_scenario, write_scenario
@@ -22,6 +23,9 @@ MIXED = load_scenario("mixed")
 UUIDS = [gpu["uuid"] for gpu in MIXED["gpus"]]
 GPM_FAMILIES = ("stepscope_gpu_sm_active_ratio", "stepscope_gpu_sm_occupancy_ratio",
                 "stepscope_gpu_tensor_active_ratio", "stepscope_gpu_dram_active_ratio")
+NVLINK = ("stepscope_gpu_nvlink_receive_bytes_per_second", "stepscope_gpu_nvlink_transmit_bytes_per_second")
+C2C = ("stepscope_gpu_c2c_receive_bytes_per_second", "stepscope_gpu_c2c_transmit_bytes_per_second")
+INTERCONNECT_FAMILIES = (*NVLINK, *C2C)
 PER_GPU_FAMILIES = tuple(f"stepscope_gpu_{name}" for name in (
     "up", "info", "utilization_ratio", "memory_utilization_ratio", "memory_used_bytes", "memory_free_bytes",
     "memory_total_bytes", "temperature_celsius", "power_watts", "power_limit_watts", "energy_joules_total",
@@ -92,8 +96,15 @@ def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callabl
         h.collector.close()
 
 
+def second_cycle(h: "Harness") -> str:
+    """The second cycle's text: GPM values (PCIe included on Hopper) need two samples >= 100 ms apart."""
+    h.scrape()
+    time.sleep(0.12)
+    return h.scrape()
+
+
 def test_mixed_scenario_publishes_every_family_in_base_units(harness: Callable[..., Harness]) -> None:
-    text = harness().scrape()
+    text = second_cycle(harness())
     assert one(text, "stepscope_gpu_collector_up") == 1
     for index, uuid in enumerate(UUIDS):
         gpu = str(index)
@@ -136,6 +147,50 @@ def test_gpm_ratios_only_for_the_hopper_gpu(harness: Callable[..., Harness]) -> 
         assert one(text, f"stepscope_gpu_{metric}_ratio", gpu="0", uuid=UUIDS[0]) == pytest.approx(ratio)
     for gpu in ("1", "2"):
         assert not set(GPM_FAMILIES) & names_for_gpu(text, gpu)
+
+
+def test_interconnect_throughput_from_gpm_is_absent_not_zero_where_unsupported(
+    harness: Callable[..., Harness],
+) -> None:
+    """A GH200 reads NVLink and C2C, an H100 NVLink only (its GPM refuses C2C), an A100 neither (no
+    GPM): unsupported links publish no series, while a link that carries nothing reads 0."""
+    h = harness(make_scenario(gpus=3, processes_per_gpu=0, models=("GH200", "H100", "A100")))
+    assert not set(INTERCONNECT_FAMILIES) & gpu_family_names(h.scrape()), "GPM needs two samples"
+    time.sleep(0.12)
+    text = h.scrape()
+    mib = 2**20
+    assert one(text, NVLINK[0], gpu="0") == 50_500 * mib
+    assert one(text, NVLINK[1], gpu="0") == 51_000 * mib
+    assert one(text, C2C[0], gpu="0") == 21_000 * mib
+    assert one(text, C2C[1], gpu="0") == 6_000 * mib
+    assert one(text, NVLINK[0], gpu="1") == 47_500 * mib
+    assert one(text, NVLINK[1], gpu="1") == 48_000 * mib
+    assert not set(C2C) & names_for_gpu(text, "1")
+    assert not set(INTERCONNECT_FAMILIES) & names_for_gpu(text, "2")
+    assert "stepscope_gpu_pcie_receive_bytes_per_second" in names_for_gpu(text, "2")  # polled instead
+
+    def idle_then_refused(scenario: dict[str, Any]) -> None:
+        scenario["gpus"][1]["gpm"].update(nvlink_total_rx_per_sec=0.0, nvlink_total_tx_per_sec=0.0)
+        del scenario["gpus"][0]["gpm"]["c2c_total_rx_per_sec"]  # e.g. a driver that stops giving it
+
+    h.rewrite(idle_then_refused)
+    time.sleep(0.12)
+    text = h.scrape()
+    assert one(text, NVLINK[0], gpu="1") == one(text, NVLINK[1], gpu="1") == 0  # idle link: a zero reading
+    assert C2C[0] not in names_for_gpu(text, "0"), "a refused metric goes absent, not frozen"
+    assert one(text, C2C[1], gpu="0") == 6_000 * mib
+
+
+def test_bindings_without_interconnect_ids_leave_them_out(
+    harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = harness(make_scenario(gpus=1, processes_per_gpu=0, models=("GH200",)))
+    for name in ("NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC", "NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC"):
+        monkeypatch.delattr(h.nvml, name)  # nvidia-ml-py older than the C2C ids
+    text = second_cycle(h)
+    assert not set(C2C) & names_for_gpu(text, "0")
+    assert one(text, NVLINK[0], gpu="0") == 50_500 * 2**20
+    assert one(text, "stepscope_gpu_sm_active_ratio", gpu="0") == pytest.approx(0.79)
 
 
 def test_clock_event_state_set_follows_the_reason_bits(harness: Callable[..., Harness]) -> None:
@@ -214,7 +269,9 @@ def test_gpu_lost_before_start_is_reported_and_picked_up_later(harness: Callable
     h.rewrite(lambda s: s["gpus"][1].pop("lost"))
     text = h.scrape()
     assert one(text, "stepscope_gpu_up", gpu="1", uuid=UUIDS[1]) == 1
-    assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, "1")
+    # its slow readings (energy, violation time, PCIe) come from the slow thread's next round, which
+    # the late GPU starts at once rather than after the 10 s interval
+    wait_for(h.scrape, lambda t: set(PER_GPU_FAMILIES) <= names_for_gpu(t, "1"), "GPU 1's slow readings")
 
 
 @pytest.mark.parametrize(("field", "down"),

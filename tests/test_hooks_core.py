@@ -14,7 +14,6 @@ import pytest
 import training_hooks as th
 from tests.support.processes import REPO_ROOT, sample_values, samples
 from training_hooks.config import Config
-from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
 from training_hooks.pusher import encode_label_value, group_url
 from training_hooks.timing import Histogram
 
@@ -46,9 +45,10 @@ def test_rendered_histogram_families() -> None:
     text = t.render()
     got = samples(text)
     bucket = "stepscope_step_phase_seconds_bucket"
-    assert got[(bucket, frozenset({("phase", "forward"), ("le", "0.001")}))] == 1
-    assert got[(bucket, frozenset({("phase", "forward"), ("le", "0.01")}))] == 2
-    assert got[(bucket, frozenset({("phase", "forward"), ("le", "+Inf")}))] == 3
+    forward = {("phase", "forward"), ("timing", "host")}  # no CUDA here: host wall time, and it says so
+    assert got[(bucket, frozenset({*forward, ("le", "0.001")}))] == 1
+    assert got[(bucket, frozenset({*forward, ("le", "0.01")}))] == 2
+    assert got[(bucket, frozenset({*forward, ("le", "+Inf")}))] == 3
     assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward") == [3]
     assert sample_values(text, "stepscope_step_phase_seconds_sum", phase="forward") == [pytest.approx(0.0555)]
     assert sample_values(text, "stepscope_steps_total") == [2]
@@ -112,7 +112,7 @@ def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
     assert len([r for r in caplog.records if "distinct phases" in r.message]) == 1
     text = t.render()
     assert {s[1] for s in samples(text) if s[0] == "stepscope_step_phase_seconds_count"} == {
-        frozenset({("phase", f"p{i}")}) for i in range(3)
+        frozenset({("phase", f"p{i}"), ("timing", "host")}) for i in range(3)
     }
     t.close()
 
@@ -192,79 +192,6 @@ def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
     assert encode_label_value("") == "="
 
 
-class FakeEvent:
-    """The subset of torch.cuda.Event the timer uses; `clock` says when the GPU reached it (ms)."""
-
-    gpu_now = 0.0
-
-    def __init__(self, enable_timing: bool) -> None:
-        assert enable_timing
-        self.at: float | None = None
-
-    def record(self) -> None:
-        self.at = FakeCuda.enqueue_at
-
-    def query(self) -> bool:
-        return self.at is not None and self.at <= FakeCuda.gpu_done
-
-    def synchronize(self) -> None:
-        FakeCuda.gpu_done = max(FakeCuda.gpu_done, self.at)
-
-    def elapsed_time(self, end: "FakeEvent") -> float:
-        return end.at - self.at
-
-
-class FakeCuda:
-    Event = FakeEvent
-    enqueue_at = 0.0  # GPU time (ms) at which the next recorded event will complete
-    gpu_done = 0.0  # GPU time (ms) reached so far
-    syncs = 0
-
-    @classmethod
-    def synchronize(cls) -> None:
-        cls.syncs += 1
-
-
-def test_cuda_events_resolve_lazily_without_synchronize() -> None:
-    FakeCuda.enqueue_at, FakeCuda.gpu_done, FakeCuda.syncs = 0.0, 0.0, 0
-    timer = CudaTimer(FakeCuda, max_pending=100)
-    hist = Histogram((0.001, 0.01))
-    phase = CudaPhase("forward", hist, timer)
-    for _ in range(3):  # three 5 ms kernels queued back to back
-        with phase:
-            FakeCuda.enqueue_at += 5.0
-    assert timer.pending == 3 and hist.counts == [0, 0, 0]
-    FakeCuda.gpu_done = 10.0  # the GPU finished two of them
-    assert timer.resolve() == 2
-    assert hist.counts == [0, 2, 0] and hist.sum_ns == 10_000_000
-    assert timer.resolve(block=True) == 1
-    assert hist.counts == [0, 3, 0] and timer.pending == 0
-    assert FakeCuda.syncs == 0
-    with phase:  # events are recycled, not allocated per phase
-        FakeCuda.enqueue_at += 1.0
-    assert len(timer._free) == 4
-
-
-def test_cuda_pending_queue_is_bounded() -> None:
-    FakeCuda.enqueue_at, FakeCuda.gpu_done = 0.0, 0.0
-    timer = CudaTimer(FakeCuda, max_pending=4)
-    hist = Histogram((0.001,))
-    phase = CudaPhase("backward", hist, timer)
-    for _ in range(10):
-        with phase:
-            FakeCuda.enqueue_at += 1.0
-    assert timer.pending == 4
-    assert sum(hist.counts) == 6
-
-
-def test_sync_mode_synchronizes_around_the_phase() -> None:
-    FakeCuda.syncs = 0
-    hist = Histogram((0.001,))
-    with SyncCudaPhase("forward", hist, FakeCuda):
-        pass
-    assert FakeCuda.syncs == 2 and sum(hist.counts) == 1
-
-
 def test_imports_and_works_without_torch_and_exporter() -> None:
     code = textwrap.dedent("""
         import sys
@@ -277,7 +204,7 @@ def test_imports_and_works_without_torch_and_exporter() -> None:
                 pass
             t.step(samples=2)
         text = t.render()
-        assert 'stepscope_step_phase_seconds_count{phase="forward"} 2' in text, text
+        assert 'stepscope_step_phase_seconds_count{phase="forward",timing="host"} 2' in text, text
         assert "stepscope_steps_total 2" in text
         t.close()
         assert not any(m == "torch" or m.startswith(("torch.", "exporter", "lightning", "transformers"))

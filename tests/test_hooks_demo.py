@@ -41,6 +41,8 @@ def test_demo_trains_and_pushes_a_slow_rank(tmp_path: Path) -> None:
     [
         (["--steps", "-1"], "--steps: must be >= 0"),
         (["--slow-loader", "fast"], "--slow-loader: expected a number of seconds"),
+        (["--eval-every", "-5"], "--eval-every: must be >= 0"),
+        (["--eval-seconds", "-1"], "--eval-seconds: must be >= 0"),
         (["--rank", "2", "--world-size", "2"], "rank 2 must be smaller than world_size 2"),
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),

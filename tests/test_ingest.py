@@ -2,22 +2,38 @@
 
 import base64
 import ipaddress
+import os
 
 import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.exposition import ExpositionStore, render
+from exporter.exposition import Chunk, ExpositionStore, render
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.api import PushApi, parse_group_path
 from exporter.ingest.errors import Rejected
-from exporter.ingest.render import render_group_lines, render_training
-from exporter.ingest.store import GroupStore, StoreLimits
-from exporter.ingest.validation import FAMILIES, parse_push
+from exporter.ingest.families import FAMILIES
+from exporter.ingest.parser import PushLimits
+from exporter.ingest.parser import parse_push as parse_body
+from exporter.ingest.render import last_push_line, training_chunks
+from exporter.ingest.store import GroupStore, StoredFamily, StoreLimits
 from exporter.registered import RegisteredProcess
+from exporter.server import PushRequest, PushResponse
 from tests.support.ingest_bodies import counter, full_body, info_family, phase_family
 
 LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)
+
+
+def parse_push(body: bytes, run: str, rank: str, max_label_length: int):  # type: ignore[no-untyped-def]
+    return parse_body(body, run, rank, PushLimits(max_label_length, max_series=2000, max_phases=32))
+
+
+def sample_lines(parsed) -> list[str]:  # type: ignore[no-untyped-def]
+    return [line for family in parsed.values() for line in family.lines.decode().splitlines()]
+
+
+def training_text(store: GroupStore) -> str:
+    return b"".join(chunk.plain for chunk in training_chunks(store.snapshot()[1])).decode()
 
 
 def rejected(call, *args):  # type: ignore[no-untyped-def]
@@ -122,13 +138,13 @@ def test_parse_push_canonicalises_histograms_and_drops_created() -> None:
     )
     families = parse_push(body.encode(), "r", "0", 128)
     assert list(families) == ["stepscope_step_seconds"]
-    assert [(s.name, s.labels.get("le"), s.value) for s in families["stepscope_step_seconds"]] == [
-        ("stepscope_step_seconds_bucket", "1.0", 2),
-        ("stepscope_step_seconds_bucket", "+Inf", 3),
-        ("stepscope_step_seconds_count", None, 3),
-        ("stepscope_step_seconds_sum", None, 1.5),
+    assert sample_lines(families) == [
+        'stepscope_step_seconds_bucket{le="1.0",rank="0",run="r"} 2.0',
+        'stepscope_step_seconds_bucket{le="+Inf",rank="0",run="r"} 3.0',
+        'stepscope_step_seconds_count{rank="0",run="r"} 3.0',
+        'stepscope_step_seconds_sum{rank="0",run="r"} 1.5',
     ]
-    assert all(s.labels["run"] == "r" and s.labels["rank"] == "0" for s in families["stepscope_step_seconds"])
+    assert families["stepscope_step_seconds"].series == 4
 
 
 @pytest.mark.parametrize(("body", "reason", "text"), [
@@ -172,7 +188,8 @@ def families(body: str, run: str = "r", rank: str = "0"):  # type: ignore[no-unt
 
 
 def push(store: GroupStore, rank: str, parsed: dict, replace: bool = True):  # type: ignore[no-untyped-def]
-    return store.push("r", rank, parsed, render_group_lines(parsed), replace)
+    stored = {name: StoredFamily(Chunk(f.lines), f.series, f.keys) for name, f in parsed.items()}
+    return store.push("r", rank, stored, last_push_line("r", rank), replace)
 
 
 def test_post_merges_put_replaces() -> None:
@@ -180,9 +197,9 @@ def test_post_merges_put_replaces() -> None:
     push(store, "0", families(full_body(steps=4)), True)
     push(store, "0", families(counter("stepscope_steps_total", 9)), False)
     group = store.snapshot()[1][0]
-    assert group.families["stepscope_steps_total"][0].value == 9
+    assert group.families["stepscope_steps_total"].chunk.plain == b'stepscope_steps_total{rank="0",run="r"} 9.0\n'
     assert "stepscope_step_phase_seconds" in group.families
-    text = render_training(store.snapshot()[1]).decode()
+    text = training_text(store)
     assert 'stepscope_steps_total{rank="0",run="r"} 9.0' in text
     assert 'stepscope_step_phase_seconds_count{phase="forward",rank="0",run="r"} 4.0' in text
     push(store, "0", families(counter("stepscope_steps_total", 10)), True)
@@ -245,7 +262,8 @@ def test_the_same_pid_from_two_pid_namespaces_registers_twice() -> None:
     ("1712345678.250", "1712345678.250"), ("0", "0"), ("", None),  # empty = absent, as in Prometheus
 ])
 def test_training_info_takes_an_optional_start_time(start_time: str, stored: str | None) -> None:
-    (sample,) = families(info_family(pid=7, start_time=start_time))["stepscope_training_info"]
+    lines = families(info_family(pid=7, start_time=start_time))["stepscope_training_info"].lines.decode()
+    (sample,) = [s for f in text_string_to_metric_families(lines) for s in f.samples]
     assert sample.labels.get("start_time") == stored
     assert set(sample.labels) - {"start_time"} == {"run", "rank", "local_rank", "world_size", "pid", "framework"}
 
@@ -261,8 +279,7 @@ def test_render_merges_groups_into_one_family_each() -> None:
     store = GroupStore(LIMITS)
     push(store, "10", families(full_body(), rank="10"), True)
     push(store, "2", families(full_body(), rank="2"), True)
-    groups = store.snapshot()[1]
-    text = render_training(groups).decode()
+    text = training_text(store)
     parsed = list(text_string_to_metric_families(text))
     names = [f.name for f in parsed]
     assert len(names) == len(set(names)) == 7
@@ -270,30 +287,37 @@ def test_render_merges_groups_into_one_family_each() -> None:
     assert ranks == ["2", "10"]  # numeric rank order within a family
     # the joined per-group lines equal prometheus_client rendering all samples of a family at once
     whole = []
-    for name, spec in FAMILIES.items():
-        family = Metric(name.removesuffix("_total") if spec.type == "counter" else name, spec.help, spec.type)
-        family.samples = [s for group in groups for s in group.families[name]]
-        whole.append(family)
+    for family in parsed[:6]:
+        spec = FAMILIES[family.name + "_total" if family.type == "counter" else family.name]
+        metric = Metric(family.name, spec.help, spec.type)
+        metric.samples = family.samples
+        whole.append(metric)
     assert text.startswith(render(whole).decode())
     assert text.count("# TYPE") == 7
 
 
+def push_request(method: str, path: str, length: int | None = None, **headers: str) -> PushRequest:
+    return PushRequest(method, path, headers, "127.0.0.1", length)
+
+
 def test_push_api_publishes_nothing_for_a_refused_push() -> None:
     exposition = ExpositionStore()
-    api = PushApi(exposition, GroupStore(LIMITS), AccessPolicy(), max_body_bytes=10_000, max_label_length=128)
+    api = PushApi(exposition, GroupStore(LIMITS), AccessPolicy(), max_body_bytes=10_000,
+                  limits=PushLimits(128, max_series=40, max_phases=4))
     path = "/metrics/job/stepscope/run/r/rank/0"
-    assert api.handle("PUT", path, {}, full_body().encode(), "127.0.0.1").status == 200
+    body = full_body().encode()
+    assert api.check(push_request("PUT", path, len(body))) is None
+    assert api.handle(push_request("PUT", path, len(body)), body).status == 200
     before = exposition.body()
-    response = api.handle("PUT", path, {}, b"stepscope_steps_total 1\n", "127.0.0.1")
+    response = api.handle(push_request("PUT", path, 24), b"stepscope_steps_total 1\n")
     assert response.status == 400
     training = [line for line in exposition.body().decode().splitlines() if "stepscope_step" in line]
     assert training == [line for line in before.decode().splitlines() if "stepscope_step" in line]
-    assert api.handle("PATCH", path, {}, b"", "127.0.0.1").status == 405
-    assert api.handle("PUT", path, {}, b"x" * 10_001, "127.0.0.1").status == 413
-    response = api.reject_oversized("PUT", path, 20_000, "127.0.0.1")
-    assert (response.status, response.message) == (
+    assert api.check(push_request("PATCH", path)).status == 405  # type: ignore[union-attr]
+    assert api.handle(push_request("PUT", path, 10_001), b"x" * 10_001).status == 413
+    response = api.check(push_request("PUT", path, 20_000))
+    assert response == PushResponse(
         413, "body of 20000 bytes exceeds the limit of 10000 bytes (--ingest-max-body-bytes)")
     counted = 'stepscope_exporter_ingest_rejected_total{reason="body_too_large"} 2.0'
     assert counted in exposition.body().decode()
-    assert api.registered_processes() == [RegisteredProcess(int(s.labels["pid"]), "r", "0")
-                                          for s in families(info_family())["stepscope_training_info"]]
+    assert api.registered_processes() == [RegisteredProcess(os.getpid(), "r", "0")]

@@ -190,22 +190,22 @@ REFUSALS = {
     "bad_start_time": (info_family(start_time="-3"), 400,
                        "label 'start_time' must be the process start time in Unix seconds"),
     "label_too_long": (phase_family(("p" * 33,)), 400,
-                       "value of label 'phase' has 33 characters, over the limit of 32 "
+                       "value of label 'phase' has more than 32 characters, the limit "
                        "(--ingest-max-label-value-length)"),
     "negative_counter": (STEPS + "stepscope_steps_total -1\n", 400, "a counter must be >= 0, got -1.0"),
     "info_not_one": (info_family().replace("} 1", "} 2"), 400, "an info metric must be 1, got 2.0"),
     "timestamp": (STEPS + "stepscope_steps_total 1 1700000000000\n", 400, "must not carry a timestamp"),
     "non_cumulative": (bucket_body([("0.1", 5), ("1", 3), ("+Inf", 5)], 5), 400,
                        'buckets are not cumulative: le="1.0" holds 3, less than 5 in le="0.1"'),
-    "no_inf_bucket": (bucket_body([("0.1", 5), ("1", 5)], 5), 400, 'stepscope_step_seconds{run="refuse",'
-                      'rank="0"}: no le="+Inf" bucket'),
+    "no_inf_bucket": (bucket_body([("0.1", 5), ("1", 5)], 5), 400, 'stepscope_step_seconds{rank="0",'
+                      'run="refuse"}: no le="+Inf" bucket'),
     "count_mismatch": (bucket_body([("0.1", 1), ("+Inf", 5)], 4), 400,
                        '_count 4 differs from 5 in the le="+Inf" bucket'),
     "too_many_phases": (phase_family(("a", "b", "c", "d", "e")), 400,
-                        "would hold 5 distinct phases, over the limit of 4 (--ingest-max-phases): "
+                        "the body holds more than 4 distinct phases, the limit per group (--ingest-max-phases): "
                         "a, b, c, d, e"),
     "too_many_series": (full_body(phases=("a", "b", "c", "d")), 400,
-                        "would hold 31 series, over the limit of 30 (--ingest-max-series-per-group)"),
+                        "the body holds more than 30 series, the limit per group (--ingest-max-series-per-group)"),
 }
 REASON = {
     "untyped": "wrong_type", "unparsable": "malformed", "duplicate": "malformed", "job_label": "bad_label",

@@ -1,7 +1,8 @@
 """The README's metric table is the contract: a real scrape publishes exactly the families it lists.
 
-Every collector runs (the fake NVML with an H100 for GPM, a throttled A100 with an XID, this test
-process holding GPU memory) and real training hooks push, so every documented family has data.
+Every collector runs (the fake NVML with an H100 for GPM and NVLink, a GH200 for C2C, a throttled
+A100 with an XID, this test process holding GPU memory) and real training hooks push, after measuring
+their limits and taking a profiler trace on request, so every documented family has data.
 """
 
 import os
@@ -10,11 +11,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch  # noqa: F401  (the profiler trace needs torch in the process; the hooks never import it)
 from prometheus_client.parser import text_string_to_metric_families
 
 import training_hooks
 from tests.fake_nvml.scenario import make_gpu, write_scenario
 from tests.support.processes import REPO_ROOT, running_exporter, scrape
+from tests.support.traces import rank_tracing, request_state, request_trace, wait_until
 
 GIB = 1024**3
 
@@ -51,15 +54,23 @@ def test_a_full_scrape_publishes_exactly_the_readme_families(tmp_path: Path) -> 
         "gpus": [
             make_gpu(0, "H100", processes=[(os.getpid(), 2 * GIB)]),
             make_gpu(1, "A100", throttle=["sw_power_cap"]),
+            make_gpu(2, "GH200"),
         ],
         "xid_events": [{"gpu": 1, "xid": 79}],
     }
     with running_exporter(tmp_path, fake_nvml_scenario=write_scenario(tmp_path / "nvml.json", scenario)) as exporter:
-        tracker = training_hooks.init(run="contract", rank=0, push_url=exporter.url, push_interval=0.2)
-        for batch in tracker.loader(range(3)):
+        tracker = training_hooks.init(run="contract", rank=0, push_url=exporter.url, push_interval=0.2,
+                                      trace_dir=str(tmp_path / "traces"))
+        tracker.measure_limits([[1, 2]] * 6, lambda batch: None, batches=2)
+        wait_until(lambda: rank_tracing(exporter.url, "contract", 0) == "ready", 30, "the first push")
+        trace = request_trace(exporter.url, "contract", 0, steps=1)
+        for batch in tracker.loader(range(200)):
             with tracker.phase("forward"):
                 sum(range(1000 + batch))
             tracker.step(samples=8)
+            if request_state(exporter.url, trace)["state"] in ("done", "failed"):
+                break
+            time.sleep(0.05)
         tracker.close()
         text = wait_for_every_family(exporter.url, documented)
     published = scraped_metric_names(text)

@@ -1,9 +1,11 @@
 """Process collector against real processes: a trainer-like parent with two fork()ed workers."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,3 +166,35 @@ def test_registered_pid_is_trusted_only_with_its_own_start_time(trainer: tuple[s
     labels = {"pid": str(process.pid), "run": "r1", "rank": "0"}
     assert value(same, "stepscope_process_children", **labels) == 2
     assert value(same, "stepscope_process_gpu_memory_bytes", gpu="0", **labels) == MiB
+
+
+def test_one_process_table_pass_per_cycle_and_unseen_pids_retried_slowly(
+    trainer: tuple[subprocess.Popen, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exporter.collectors import process as process_module
+
+    parent, _ = trainer
+    hidden = 4_000_000  # a GPU process in another pid namespace: NVML lists it, this exporter cannot see it
+    table = GpuProcessTable()
+    table.replace({parent.pid: {"0": 2 * MiB}, hidden: {"1": MiB}, **{os.getpid(): {"1": MiB}}})
+    collector = ProcessCollector(table, registered=lambda: [])
+    passes, lookups = [], []
+    real_map, real_process, monotonic = psutil._ppid_map, psutil.Process, time.monotonic
+    monkeypatch.setattr(psutil, "_ppid_map", lambda: (passes.append(1), real_map())[1])
+
+    class CountedProcess(real_process):
+        def __init__(self, pid: int) -> None:
+            lookups.append(pid)
+            super().__init__(pid)
+
+    monkeypatch.setattr(psutil, "Process", CountedProcess)
+    for _ in range(3):
+        text = scraped(collector)
+    assert len(passes) == 3  # once per cycle, not once per tracked process
+    assert value(text, "stepscope_process_children", pid=str(parent.pid)) == 2  # the workers, from that pass
+    assert lookups.count(hidden) == 1  # not again within MISSING_RETRY_SECONDS
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(hidden)) == [MiB]
+    monkeypatch.setattr(process_module.time, "monotonic",
+                        lambda: monotonic() + process_module.MISSING_RETRY_SECONDS + 1)
+    scraped(collector)
+    assert lookups.count(hidden) == 2

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from exporter import exposition
 from exporter.exposition import ExpositionStore
 from exporter.scheduler import Scheduler
 from tests.support.processes import sample_values
@@ -94,3 +95,72 @@ def test_gzip_body_matches_plain_and_follows_updates() -> None:
     assert gzip.decompress(store.body(compressed=True)) == store.body() == b"# one\n"
     store.publish("b", b"# two\n")
     assert gzip.decompress(store.body(compressed=True)) == b"# one\n# two\n"
+
+
+class RecordingStore(ExpositionStore):
+    """An ExpositionStore that remembers every publish, to see what the scheduler skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: list[tuple[str, bytes]] = []
+
+    def publish(self, source: str, body: bytes) -> None:
+        self.published.append((source, body))
+        super().publish(source, body)
+
+
+class SteadyCollector:
+    """An idle node: the same readings every cycle, except one gauge when told."""
+
+    name = "steady"
+
+    def __init__(self) -> None:
+        self.temperature = 40.0
+
+    def collect(self) -> Iterable[Metric]:
+        memory = GaugeMetricFamily("stepscope_test_memory_total_bytes", "Installed memory.", labels=["gpu"])
+        for gpu in range(8):
+            memory.add_metric([str(gpu)], 80 * 2**30)
+        return [memory, GaugeMetricFamily("stepscope_test_temperature_celsius", "Die temperature.",
+                                          value=self.temperature)]
+
+    def close(self) -> None:
+        pass
+
+
+def test_unchanged_readings_are_neither_re_rendered_nor_republished(monkeypatch) -> None:
+    store = RecordingStore()
+    collector = SteadyCollector()
+    scheduler = Scheduler([collector], interval=60, store=store)
+    rendered: list[str] = []
+    real_render = exposition.render
+    monkeypatch.setattr(exposition, "render", lambda families: (
+        rendered.extend(f.name for f in families), real_render(families))[1])
+    for _ in range(3):
+        scheduler.run_once(collector)
+    steady = [body for source, body in store.published if source == "steady"]
+    assert len(steady) == 1
+    assert steady[0] == real_render(collector.collect())  # byte for byte what a full render gives
+    assert rendered.count("stepscope_test_memory_total_bytes") == 1
+    collector.temperature = 41.0
+    scheduler.run_once(collector)
+    assert rendered.count("stepscope_test_memory_total_bytes") == 1  # only the family that changed
+    assert rendered.count("stepscope_test_temperature_celsius") == 2
+    assert sample_values(store.body().decode(), "stepscope_test_temperature_celsius") == [41.0]
+    # self metrics follow every cycle (the duration gauge changes); the build info, rendered when the
+    # scheduler was made, never again
+    assert rendered.count("stepscope_exporter_collector_duration_seconds") == 4
+    assert rendered.count("stepscope_exporter_build") == 0
+    assert sample_values(store.body().decode(), "stepscope_exporter_collector_errors_total",
+                         collector="steady") == [0.0]
+
+
+def test_a_failing_cycle_publishes_the_empty_text_once() -> None:
+    store = RecordingStore()
+    collector = CountingCollector("flaky")
+    scheduler = Scheduler([collector], interval=60, store=store)
+    scheduler.run_once(collector)
+    collector.fail = True
+    scheduler.run_once(collector)
+    scheduler.run_once(collector)
+    assert [body for source, body in store.published if source == "flaky"][1:] == [b""]

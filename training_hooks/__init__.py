@@ -32,21 +32,25 @@ def init(
     push_interval: float | None = None, rank: int | None = None, local_rank: int | None = None,
     world_size: int | None = None, buckets: Sequence[float] | None = None, phase_buckets: bool | None = None,
     max_phases: int | None = None, framework: str | None = None, sync: bool | None = None,
-    max_backoff: float | None = None, handle_sigterm: bool | None = None,
+    max_backoff: float | None = None, handle_sigterm: bool | None = None, trace_dir: str | None = None,
+    trace_max_bytes: int | None = None, trace_keep: int | None = None,
 ) -> Tracker:
     """A started Tracker; every argument left as None comes from the environment or its default.
 
     Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE, STEPSCOPE_PUSH_URL (default
     http://127.0.0.1:9847; empty disables pushing), STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL (5 s),
     STEPSCOPE_BUCKETS (fixed bounds instead of buckets that follow the run), STEPSCOPE_PHASE_BUCKETS
-    (per-phase buckets, off by default). handle_sigterm=False leaves SIGTERM alone (by default a
-    handler pushes the final state, then chains to the previous one). Raises ValueError with a clear
-    message on bad settings.
+    (per-phase buckets, off by default), STEPSCOPE_TRACE_DIR, STEPSCOPE_TRACE_MAX_BYTES and
+    STEPSCOPE_TRACE_KEEP (profiler traces taken on request: where, the cap per trace gzipped, and how
+    many per rank are kept). handle_sigterm=False leaves SIGTERM alone (by default a handler pushes the
+    final state, then chains to the previous one). Raises ValueError with a clear message on bad
+    settings.
     """
     config = Config.resolve(
         run=run, push_url=push_url, push_token=push_token, push_interval=push_interval, rank=rank,
         local_rank=local_rank, world_size=world_size, buckets=tuple(buckets) if buckets is not None else None,
         phase_buckets=phase_buckets, max_phases=max_phases, framework=framework, sync=sync,
-        max_backoff=max_backoff, handle_sigterm=handle_sigterm,
+        max_backoff=max_backoff, handle_sigterm=handle_sigterm, trace_dir=trace_dir,
+        trace_max_bytes=trace_max_bytes, trace_keep=trace_keep,
     )
     return Tracker(config)

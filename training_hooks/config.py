@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,12 @@ STANDARD_PHASES = (
 )
 # The fixed state set of stepscope_training_state: exactly one is 1 at any time.
 STATES = ("setup", "train", "eval", "checkpoint", "idle")
+
+# Profiler traces (training_hooks.profiling): where they go, the most one may take compressed, and how
+# many of a rank's traces are kept (older ones are deleted).
+DEFAULT_TRACE_DIR = os.path.join(tempfile.gettempdir(), "stepscope-traces")
+DEFAULT_TRACE_MAX_BYTES = 200 * 1024 * 1024
+DEFAULT_TRACE_KEEP = 5
 
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -102,6 +109,9 @@ class Config:
     framework: str = "pytorch"
     sync: bool = False
     handle_sigterm: bool = True  # push the final state on SIGTERM, then chain (training_hooks.signals)
+    trace_dir: str = DEFAULT_TRACE_DIR
+    trace_max_bytes: int = DEFAULT_TRACE_MAX_BYTES
+    trace_keep: int = DEFAULT_TRACE_KEEP
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
@@ -131,6 +141,13 @@ class Config:
             raise ValueError(f"max_phases must be an integer >= 1, got {self.max_phases!r}")
         if not self.framework or len(self.framework) > MAX_LABEL_LENGTH:
             raise ValueError(f"framework must be a short non-empty string, got {self.framework!r}")
+        if not isinstance(self.trace_dir, str) or not self.trace_dir.strip():
+            raise ValueError(f"trace_dir must be a directory path (STEPSCOPE_TRACE_DIR), got {self.trace_dir!r}")
+        object.__setattr__(self, "trace_dir", os.path.abspath(os.path.expanduser(self.trace_dir.strip())))
+        for name, minimum in (("trace_max_bytes", 1024), ("trace_keep", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **given: object) -> Config:
@@ -138,7 +155,8 @@ class Config:
 
         Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun), STEPSCOPE_PUSH_URL,
         STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds),
-        STEPSCOPE_PHASE_BUCKETS (1/true/yes/on or 0/false/no/off).
+        STEPSCOPE_PHASE_BUCKETS (1/true/yes/on or 0/false/no/off), STEPSCOPE_TRACE_DIR,
+        STEPSCOPE_TRACE_MAX_BYTES, STEPSCOPE_TRACE_KEEP.
         """
         env = os.environ if env is None else env
         values = {k: v for k, v in given.items() if v is not None}
@@ -167,4 +185,8 @@ class Config:
                 raise ValueError(f"STEPSCOPE_BUCKETS must be comma-separated seconds, got {raw!r}") from None
         if "phase_buckets" not in values and env.get("STEPSCOPE_PHASE_BUCKETS", "").strip():
             values["phase_buckets"] = _bool_env(env, "STEPSCOPE_PHASE_BUCKETS")
+        if "trace_dir" not in values and env.get("STEPSCOPE_TRACE_DIR", "").strip():
+            values["trace_dir"] = env["STEPSCOPE_TRACE_DIR"]
+        values.setdefault("trace_max_bytes", _int_env(env, "STEPSCOPE_TRACE_MAX_BYTES", DEFAULT_TRACE_MAX_BYTES, 1024))
+        values.setdefault("trace_keep", _int_env(env, "STEPSCOPE_TRACE_KEEP", DEFAULT_TRACE_KEEP, 1))
         return cls(**values)  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
 """`python -m training_hooks.demo`: a small MLP on synthetic data, instrumented, pushing to the exporter.
 
 Launch several with `--rank` and one with `--extra-step-seconds` to watch a straggler, or use
-`--slow-loader` to watch a data-bound run. `--ddp` trains synchronously with DistributedDataParallel
-(gloo, CPU) under torchrun, where every rank waits for the slowest in the gradient all-reduce:
+`--slow-loader` to watch a data-bound run (`--loader-workers` loads in parallel, the usual fix), and
+`--measure-limits` to measure the loader and compute limits before training. `--ddp` trains
+synchronously with DistributedDataParallel (gloo, CPU) under torchrun, where every rank waits for the
+slowest in the gradient all-reduce:
 `torchrun --nproc-per-node 2 -m training_hooks.demo --ddp --slow-rank 1 --extra-step-seconds 0.03`.
 Needs torch (CPU is enough).
 """
@@ -15,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import training_hooks
 
@@ -53,6 +56,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=_int_at_least(1), default=64)
     parser.add_argument("--slow-loader", type=_non_negative_float, default=0.0, metavar="SECONDS",
                         help="sleep this long per batch in the data loader (a data-bound run)")
+    parser.add_argument("--loader-workers", type=_int_at_least(0), default=0, metavar="N",
+                        help="DataLoader worker processes (default 0: load in the training process); each "
+                             "sleeps --slow-loader per batch, so N workers make a slow loader N times faster")
+    parser.add_argument("--measure-limits", type=_int_at_least(0), default=0, metavar="BATCHES",
+                        help="before training, measure the loader limit and the compute limit over BATCHES "
+                             "batches (tracker.measure_limits) and push them (default 0: do not)")
     parser.add_argument("--rank", type=_int_at_least(0), default=None,
                         help="global rank (default: RANK or 0)")
     parser.add_argument("--world-size", type=_int_at_least(1), default=None,
@@ -62,6 +71,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "--slow-rank only")
     parser.add_argument("--slow-rank", type=_int_at_least(0), default=None, metavar="RANK",
                         help="apply --extra-step-seconds only on this rank (default: on every rank)")
+    parser.add_argument("--eval-every", type=_int_at_least(0), default=0, metavar="STEPS",
+                        help="evaluate every STEPS steps in state eval (default 0: never)")
+    parser.add_argument("--eval-seconds", type=_non_negative_float, default=2.0, metavar="SECONDS",
+                        help="how long each evaluation runs forward passes (default 2)")
     parser.add_argument("--ddp", action="store_true",
                         help="synchronous data parallel: DistributedDataParallel over gloo, rank and world "
                              "size from torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT")
@@ -79,6 +92,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             if given is not None and given != env_value:
                 parser.error(f"{flag} {given} disagrees with torchrun's environment ({env_value})")
         args.rank, args.world_size = rank, world_size
+    if args.measure_limits == 1:
+        parser.error("--measure-limits needs at least 2 batches (0 turns it off)")
     if args.world_size is None and args.rank is not None and not os.environ.get("WORLD_SIZE", "").strip():
         args.world_size = args.rank + 1
     return args
@@ -98,6 +113,18 @@ def ddp_env(env: Mapping[str, str]) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK {rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE {world_size})")
     return rank, world_size
+
+
+def evaluate(model: Any, batch_size: int, seconds: float) -> None:
+    """Forward passes without gradients on fresh batches for `seconds` (the demo's validation)."""
+    import torch
+
+    deadline = time.monotonic() + seconds
+    model.eval()
+    with torch.no_grad():
+        while time.monotonic() < deadline:
+            model(torch.randn(batch_size, 64))
+    model.train()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,17 +178,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
-        loader = DataLoader(SyntheticBatches(), batch_size=None)
+        loader = DataLoader(SyntheticBatches(), batch_size=None, num_workers=args.loader_workers)
+
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(model(x), y)
+            if extra_seconds:
+                time.sleep(extra_seconds)
+            return loss
+
+        def backward(loss: torch.Tensor) -> None:
+            optimizer.zero_grad()
+            loss.backward()
+
+        def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+            backward(forward(*batch))
+            optimizer.step()
+
+        if args.measure_limits:
+            limits = tracker.measure_limits(loader, train_step, batches=args.measure_limits)
+            print(f"stepscope demo: {limits}", flush=True)
         for x, y in tracker.loader(loader):
             with tracker.phase("to_device"):
                 x, y = x.to("cpu"), y.to("cpu")
             with tracker.phase("forward", cuda=True):
-                loss = nn.functional.mse_loss(model(x), y)
-                if extra_seconds:
-                    time.sleep(extra_seconds)
+                loss = forward(x, y)
             with tracker.phase("backward", cuda=True):
-                optimizer.zero_grad()
-                loss.backward()
+                backward(loss)
             with tracker.phase("optimizer_step", cuda=True):
                 optimizer.step()
             with tracker.phase("step_lr_schedulers"):
@@ -169,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             tracker.step(samples=len(x))
             if args.steps and tracker.steps >= args.steps:
                 break
+            if args.eval_every and tracker.steps % args.eval_every == 0:
+                with tracker.state("eval"):
+                    evaluate(model, args.batch_size, args.eval_seconds)
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:  # gloo reports a dead peer or a timeout as a plain RuntimeError

@@ -4,6 +4,10 @@ Pushes are cumulative and replace the whole group (PUT), so they are idempotent:
 exporter restart or a Pushgateway that forgot everything loses resolution, never data. The pusher never
 raises into training: an unreachable endpoint (or a 5xx) is logged once and retried with exponential
 backoff up to `max_backoff`; a 4xx is a configuration problem, so the server's message is logged once.
+
+Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
+hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
+(training_hooks.profiling); a stock Pushgateway ignores the one and never sends the other.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import base64
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import requests
@@ -49,10 +53,13 @@ class PushStats:
 class Pusher:
     def __init__(
         self, url: str, body: Callable[[], str], interval: float, token: str | None = None,
-        timeout: float = 2.0, max_backoff: float = 60.0,
+        timeout: float = 2.0, max_backoff: float = 60.0, headers: Callable[[], Mapping[str, str]] | None = None,
+        on_answer: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
         self.url = url
         self._body = body
+        self._extra_headers = headers
+        self._on_answer = on_answer
         self.interval = interval
         self.timeout = timeout
         self.max_backoff = max(max_backoff, interval)
@@ -94,9 +101,8 @@ class Pusher:
         self.stats.attempts += 1
         self.stats.threads.add(threading.get_ident())
         try:
-            response = self._session.put(
-                self.url, data=self._body().encode(), headers=self._headers, timeout=self.timeout
-            )
+            headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
+            response = self._session.put(self.url, data=self._body().encode(), headers=headers, timeout=self.timeout)
         except requests.RequestException as exc:
             return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__}); "
                                 "retrying with backoff, training continues")
@@ -107,6 +113,7 @@ class Pusher:
             if self._failing:
                 log.warning("stepscope: pushing to %s works again", self.url)
                 self._failing = ""
+            self._answered(response.headers)
             return True
         message = response.text.strip()[:300] or response.reason
         kind = "rejected" if response.status_code < 500 else "server error"
@@ -114,6 +121,14 @@ class Pusher:
             f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try
             f"push to {self.url} {kind} ({response.status_code}): {message}; training continues",
         )
+
+    def _answered(self, headers: Mapping[str, str]) -> None:
+        if self._on_answer is None:
+            return
+        try:
+            self._on_answer(headers)
+        except Exception as exc:  # a bug in answer handling must not count as a failed push
+            log.warning("stepscope: could not handle the answer of %s: %r", self.url, exc)
 
     def _failed(self, key: str, message: str) -> bool:
         self.stats.failures += 1

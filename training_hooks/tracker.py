@@ -11,7 +11,8 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter_ns
 from typing import Any
 
@@ -19,6 +20,8 @@ import psutil
 
 from training_hooks.config import STATES, Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from training_hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
+from training_hooks.profiling import TraceSettings, TraceTaker
 from training_hooks.pusher import Pusher, group_url
 from training_hooks.render import Snapshot, render
 from training_hooks.signals import FinalPushOnSigterm
@@ -27,6 +30,7 @@ from training_hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
 log = logging.getLogger("training_hooks")
 
 Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
+BoundaryHook = Callable[[int], None]  # called at each step boundary with the step's duration in ns
 
 
 def _cuda_module() -> Any | None:
@@ -74,8 +78,10 @@ class Tracker:
         self.config = config
         self._pid = os.getpid()
         self._histograms: dict[str, Histogram] = {}
-        # Copy-on-write tuple: the pusher iterates it while the training thread may add a phase.
-        self._phase_order: tuple[tuple[str, Histogram], ...] = ()
+        # Copy-on-write tuple of (name, timing, histogram): the pusher iterates it while the training
+        # thread may add a phase. timing says what the histogram holds: host, cuda_event or cuda_sync.
+        self._phase_order: tuple[tuple[str, str, Histogram], ...] = ()
+        self._timing: dict[str, str] = {}
         self._host: dict[str, Phase] = {}
         self._gpu: dict[str, Phase] = {}
         self._warned_limit = False
@@ -85,12 +91,24 @@ class Tracker:
         self._boundary = perf_counter_ns()
         self._state = "setup"
         self._cuda_timer: CudaTimer | None = None
+        # The trace taker's boundary call while a profiler trace is requested or recording (profiling).
+        self._tracing: BoundaryHook | None = None
+        # What step() calls with the step's duration: the CUDA timer's step_done once GPU phases exist,
+        # the trace taker's boundary while armed, both, or None. One test on the hot path, as before
+        # on-demand traces existed (benchmarks/results/profile.md); set by _update_boundary_hook only.
+        self._at_boundary: BoundaryHook | None = None
+        self._boundary_lock = threading.Lock()  # the pusher thread arms, the training thread adds CUDA
+        self._limits: Limits | None = None
         self._closed = False
         self.pusher: Pusher | None = None
+        self.traces: TraceTaker | None = None
         if config.push_url:
+            settings = TraceSettings(config.trace_dir, config.trace_max_bytes, config.trace_keep)
+            self.traces = TraceTaker(config.run, config.rank, settings, self._arm_tracing)
             self.pusher = Pusher(
                 group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
                 token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
+                headers=self.traces.headers, on_answer=self.traces.on_answer,
             )
             self.pusher.start()
         atexit.register(self.close)
@@ -115,15 +133,17 @@ class Tracker:
         (setup time would be in it), so its time is not observed.
         """
         now = perf_counter_ns()
+        duration = now - self._boundary
         if self._state == "setup":
             self._state = "train"
         else:
-            self._step_hist.observe_ns(now - self._boundary)
+            self._step_hist.observe_ns(duration)
         self._boundary = now
         self._steps += 1
         self._samples += samples
-        if self._cuda_timer is not None and self._cuda_timer.pending:
-            self._cuda_timer.resolve()
+        at_boundary = self._at_boundary
+        if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
+            at_boundary(duration)  # ends a requested profiler trace
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -144,6 +164,45 @@ class Tracker:
             yield item
 
     # -- slow path --------------------------------------------------------------------------------
+
+    def measure_limits(
+        self, loader: Iterable[Any], train_step: Callable[[Any], object], batches: int = 50, *,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS, device: Any = None, samples_per_batch: int | None = None,
+    ) -> Limits:
+        """The loader limit and the compute limit in samples per second, pushed as gauges from now on.
+
+        Loader limit: batches drawn from a fresh iterator of `loader` and discarded. Compute limit:
+        `train_step(batch)` on its first batch again and again (moved to `device` once when given),
+        synchronized at the end when the process uses CUDA. Run it before training or at a checkpoint:
+        the step really runs, so it updates the model; time spent here is not a step. Phases timed
+        inside `train_step` count as usual, so pass a step without tracker calls. See
+        `training_hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
+        """
+        limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
+                         samples_per_batch=samples_per_batch, cuda=_cuda_module())
+        self._limits = limits
+        if self._state == "train":
+            self._boundary = perf_counter_ns()
+        log.info("stepscope: %s", limits)
+        return limits
+
+    def _arm_tracing(self, boundary: BoundaryHook | None) -> None:
+        self._tracing = boundary
+        self._update_boundary_hook()
+
+    def _update_boundary_hook(self) -> None:
+        with self._boundary_lock:
+            timer, tracing = self._cuda_timer, self._tracing
+            if tracing is None or timer is None:
+                self._at_boundary = tracing or (timer.step_done if timer is not None else None)
+                return
+            step_done = timer.step_done
+
+            def both(duration: int) -> None:
+                step_done(duration)
+                tracing(duration)
+
+            self._at_boundary = both
 
     def state(self, name: str) -> _StateScope:
         """Sets the training state (setup, train, eval, checkpoint, idle).
@@ -166,19 +225,18 @@ class Tracker:
     def steps(self) -> int:
         return self._steps
 
+    @property
+    def gpu_sample_every(self) -> int | None:
+        """k: CUDA events time about one step in k (chosen from measured costs); None without them."""
+        return self._cuda_timer.sample_every if self._cuda_timer is not None else None
+
     def _new_phase(self, name: str, cuda: bool) -> Phase:
         validate_phase_name(name)
-        hist = self._histograms.get(name)
-        if hist is None:
-            if len(self._histograms) >= self.config.max_phases:
-                if not self._warned_limit:
-                    log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
-                                self.config.max_phases, name)
-                    self._warned_limit = True
-                return NULL_PHASE
-            hist = self._histograms[name] = self._new_histogram(buckets=self.config.phase_buckets)
-            self._phase_order = (*self._phase_order, (name, hist))
         cuda_module = _cuda_module() if cuda else None
+        timing = "host" if cuda_module is None else "cuda_sync" if self.config.sync else "cuda_event"
+        hist = self._histogram(name, timing)
+        if hist is None:
+            return NULL_PHASE
         phase: Phase
         if cuda_module is None:
             phase = self._host.get(name) or HostPhase(name, hist)
@@ -187,9 +245,29 @@ class Tracker:
         else:
             if self._cuda_timer is None:
                 self._cuda_timer = CudaTimer(cuda_module)
+                self._update_boundary_hook()
             phase = CudaPhase(name, hist, self._cuda_timer)
         (self._gpu if cuda else self._host)[name] = phase
         return phase
+
+    def _histogram(self, name: str, timing: str) -> Histogram | None:
+        """The phase's histogram, made on first use; None over the phase limit (warned once)."""
+        hist = self._histograms.get(name)
+        if hist is not None:
+            if self._timing[name] != timing:
+                log.warning("stepscope: phase %r is timed as %s and as %s; its histogram (labelled %s) mixes "
+                            "both", name, self._timing[name], timing, self._timing[name])
+            return hist
+        if len(self._histograms) >= self.config.max_phases:
+            if not self._warned_limit:
+                log.warning("stepscope: more than %d distinct phases; not timing %r and further new ones",
+                            self.config.max_phases, name)
+                self._warned_limit = True
+            return None
+        hist = self._histograms[name] = self._new_histogram(buckets=self.config.phase_buckets)
+        self._timing[name] = timing
+        self._phase_order = (*self._phase_order, (name, timing, hist))
+        return hist
 
     def _new_histogram(self, buckets: bool) -> Histogram:
         """Buckets that follow the run unless the user fixed them; without buckets, _sum and _count only."""
@@ -209,12 +287,14 @@ class Tracker:
         if start_time is not None:
             info["start_time"] = start_time
         return Snapshot(
-            phases=[(name, hist.snapshot()) for name, hist in self._phase_order],
+            phases=[(name, timing, hist.snapshot()) for name, timing, hist in self._phase_order],
             step=self._step_hist.snapshot(),
             steps=self._steps,
             samples=self._samples,
             state=self._state,
             info=info,
+            limits=self._limits,
+            trace=self.traces.published() if self.traces is not None else None,
         )
 
     def render(self) -> str:
@@ -235,6 +315,8 @@ class Tracker:
                 self._cuda_timer.resolve(block=True)
             except Exception as exc:  # a dead CUDA context at exit must not hide the final push
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
+        if self.traces is not None:
+            self.traces.close()  # a trace being recorded is written with the steps it has
         self._state = "idle"
         if self.pusher is not None:
             self.pusher.stop()

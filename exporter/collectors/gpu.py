@@ -1,9 +1,11 @@
 """GPU readings from NVML (nvidia-ml-py): per-GPU gauges and counters, GPM on Hopper+, XID counts.
 
-Every NVML call runs on the collector's timer thread (plus the XID event thread), never at scrape
-time. Each field is read on its own, so an unsupported query drops one family of one GPU; a GPU that
-stops answering drops to `stepscope_gpu_up 0` while the others keep reporting. Without a driver the
-collector publishes `stepscope_gpu_collector_up 0`, logs that once and retries now and then.
+Every NVML call runs off the scrape path: the fast getters (1-15 µs each on an H100) and GPM on
+the collector's timer thread, the slow ones (energy, violation time, and PCIe throughput where GPM
+cannot give it) on their own thread every 10 s (`gpu_slow`), XIDs on an event thread. Each field is
+read on its own, so an unsupported query drops one family of one GPU; a GPU that stops answering
+drops to `stepscope_gpu_up 0` while the others keep reporting. Without a driver the collector
+publishes `stepscope_gpu_collector_up 0`, logs that once and retries now and then.
 """
 
 import contextlib
@@ -20,6 +22,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from exporter.collectors.gpu_events import XidWatcher
 from exporter.collectors.gpu_gpm import GpmSampler
+from exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings
 from exporter.gpu_processes import GpuProcessTable
 
 log = logging.getLogger(__name__)
@@ -46,8 +49,10 @@ FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
         GaugeMetricFamily, "1 for each clock-event (throttle) reason active now.", (*GPU, "reason")),
     "clock_event_seconds": (
         CounterMetricFamily, "Cumulative time clocks were held down, by policy.", (*GPU, "reason")),
-    "pcie_receive_bytes_per_second": (GaugeMetricFamily, "PCIe receive throughput (last 20 ms).", GPU),
-    "pcie_transmit_bytes_per_second": (GaugeMetricFamily, "PCIe transmit throughput (last 20 ms).", GPU),
+    "pcie_receive_bytes_per_second": (
+        GaugeMetricFamily, "PCIe receive throughput (GPM: since the last cycle; pre-Hopper: a 20 ms window).", GPU),
+    "pcie_transmit_bytes_per_second": (
+        GaugeMetricFamily, "PCIe transmit throughput (GPM: since the last cycle; pre-Hopper: a 20 ms window).", GPU),
     "ecc_errors": (CounterMetricFamily, "Aggregate ECC errors over the GPU's life.", (*GPU, "type")),
     "xid_errors": (CounterMetricFamily, "XID critical errors seen since exporter start.", (*GPU, "xid")),
     "xid_last_seen_timestamp_seconds": (GaugeMetricFamily, "Unix time that XID last fired.", (*GPU, "xid")),
@@ -55,6 +60,14 @@ FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "sm_occupancy_ratio": (GaugeMetricFamily, "GPM: resident warps over the theoretical maximum.", GPU),
     "tensor_active_ratio": (GaugeMetricFamily, "GPM: fraction of time tensor cores were busy.", GPU),
     "dram_active_ratio": (GaugeMetricFamily, "GPM: DRAM bandwidth used over the maximum.", GPU),
+    "nvlink_receive_bytes_per_second": (
+        GaugeMetricFamily, "GPM: NVLink receive throughput, all links, since the last cycle.", GPU),
+    "nvlink_transmit_bytes_per_second": (
+        GaugeMetricFamily, "GPM: NVLink transmit throughput, all links, since the last cycle.", GPU),
+    "c2c_receive_bytes_per_second": (
+        GaugeMetricFamily, "GPM: C2C (chip-to-chip, Grace Hopper) receive throughput since the last cycle.", GPU),
+    "c2c_transmit_bytes_per_second": (
+        GaugeMetricFamily, "GPM: C2C (chip-to-chip, Grace Hopper) transmit throughput since the last cycle.", GPU),
 }
 
 # Clock-event reason bits (nvml.h nvmlClocksEventReason*, same values as the older ThrottleReason*)
@@ -69,22 +82,9 @@ CLOCK_EVENT_REASONS = (
     ("hw_power_brake_slowdown", 0x80),
     ("display_clock_setting", 0x100),
 )
-VIOLATION_POLICIES = (
-    ("power", "NVML_PERF_POLICY_POWER"),
-    ("thermal", "NVML_PERF_POLICY_THERMAL"),
-    ("sync_boost", "NVML_PERF_POLICY_SYNC_BOOST"),
-    ("board_limit", "NVML_PERF_POLICY_BOARD_LIMIT"),
-    ("low_utilization", "NVML_PERF_POLICY_LOW_UTILIZATION"),
-    ("reliability", "NVML_PERF_POLICY_RELIABILITY"),
-    ("app_clocks", "NVML_PERF_POLICY_TOTAL_APP_CLOCKS"),
-    ("base_clocks", "NVML_PERF_POLICY_TOTAL_BASE_CLOCKS"),
-)
 # errors that mean the GPU itself stopped answering when the basic queries raise them
 DEVICE_DOWN_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_DriverNotLoaded",
                       "NVMLError_ResetRequired")
-
-Sample = tuple[str, tuple[str, ...], float]  # (family key, labels after gpu+uuid, value)
-Reader = Callable[[ModuleType, Any], Iterable[Sample]]
 
 
 def _utilization(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
@@ -108,11 +108,6 @@ def _clock_events(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     return [("clock_event_active", (reason,), float(bool(bits & bit))) for reason, bit in CLOCK_EVENT_REASONS]
 
 
-def _violation(reason: str, policy: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
-    spent = nvml.nvmlDeviceGetViolationStatus(handle, getattr(nvml, policy))
-    return [("clock_event_seconds", (reason,), spent.violationTime / 1e9)]
-
-
 def _scaled(key: str, scale: float, call: Callable[[ModuleType, Any], float],
             nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     return [(key, (), call(nvml, handle) * scale)]
@@ -128,20 +123,14 @@ SCALAR_FIELDS: tuple[tuple[str, float, Callable[[ModuleType, Any], float]], ...]
     ("temperature_celsius", 1, lambda n, h: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
     ("power_watts", 1e-3, lambda n, h: n.nvmlDeviceGetPowerUsage(h)),  # mW
     ("power_limit_watts", 1e-3, lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h)),  # mW
-    ("energy_joules", 1e-3, lambda n, h: n.nvmlDeviceGetTotalEnergyConsumption(h)),  # mJ
     ("sm_clock_hertz", 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
     ("memory_clock_hertz", 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
-    ("pcie_receive_bytes_per_second", 1024,  # KB/s
-     lambda n, h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES)),
-    ("pcie_transmit_bytes_per_second", 1024,
-     lambda n, h: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES)),
 )
 # Basic queries first: driver-level errors there mean the GPU is gone, elsewhere just a missing field.
 BASIC_READERS: tuple[tuple[str, Reader], ...] = (("utilization", _utilization), ("memory", _memory))
 READERS: tuple[tuple[str, Reader], ...] = (
     *((key, partial(_scaled, key, scale, call)) for key, scale, call in SCALAR_FIELDS),
     ("clock_events", _clock_events),
-    *((f"violation_{reason}", partial(_violation, reason, policy)) for reason, policy in VIOLATION_POLICIES),
     ("ecc_corrected", partial(_ecc, "corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED")),
     ("ecc_uncorrected", partial(_ecc, "uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED")),
 )
@@ -187,10 +176,15 @@ class GpuCollector:
     name = "gpu"
 
     def __init__(self, gpu_processes: GpuProcessTable, nvml: ModuleType | None = None,
-                 init_retry_seconds: float = 60.0) -> None:
+                 init_retry_seconds: float = 60.0, slow_interval: float = DEFAULT_INTERVAL_SECONDS,
+                 poll_pcie: bool = True) -> None:
+        """poll_pcie=False: GPUs without GPM publish no PCIe throughput (see `gpu_slow`)."""
         self._gpu_processes = gpu_processes
         self._nvml = nvml
         self._init_retry_seconds = init_retry_seconds
+        self._slow_interval = slow_interval
+        self._poll_pcie = poll_pcie
+        self._slow: SlowReadings | None = None
         self._next_init = 0.0
         self._unavailable_logged = False
         self._gpus: list[_Gpu] | None = None  # None until NVML initialised
@@ -219,6 +213,8 @@ class GpuCollector:
             return
         if self._events is not None:
             self._events.close()
+        if self._slow is not None:
+            self._slow.close()
         nvml = self._nvml
         assert nvml is not None
         for gpu in self._gpus:
@@ -260,6 +256,8 @@ class GpuCollector:
                 self._identify(gpu)
         identified = [(g.index, g.uuid, g.handle) for g in self._gpus if g.handle is not None]
         self._events = XidWatcher.start(nvml, identified)
+        self._slow = SlowReadings(nvml, self._slow_interval, self._poll_pcie)
+        self._slow.start(self._gpus)
         log.info("NVML initialised: driver %s, %d GPU(s) (%s)", driver, len(self._gpus), ", ".join(
             f"{g.index}: {g.name or 'not answering'}{' +GPM' if g.gpm else ''}" for g in self._gpus))
         return True
@@ -290,12 +288,13 @@ class GpuCollector:
         try:
             if gpu.handle is None:
                 self._identify(gpu)
+                self._refresh_slow()
             samples: list[Sample] = []
             for what, reader in BASIC_READERS:
                 samples += self._read(gpu, what, reader, basic=True) or ()
             for what, reader in READERS:
                 samples += self._read(gpu, what, reader) or ()
-            ratios = self._read(gpu, "gpm", lambda _n, _h: gpu.gpm.read(now)) if gpu.gpm else None
+            gpm = self._read(gpu, "gpm", lambda _n, _h: gpu.gpm.read(now)) if gpu.gpm else None
             held = self._read(gpu, "processes", lambda n, h: n.nvmlDeviceGetComputeRunningProcesses(h))
         except _GpuDown as exc:
             if gpu.up:
@@ -310,17 +309,24 @@ class GpuCollector:
         if not gpu.up:
             log.info("GPU %s (%s) answers again", gpu.index, gpu.uuid)
             gpu.up = True
+            self._refresh_slow()
         labels = (gpu.index, gpu.uuid)
         out.add("up", labels, 1)
         self._add_info(gpu, out)
+        if self._slow is not None:
+            samples += self._slow.samples(gpu.index, now)
         for key, extra, value in samples:
             out.add(key, (*labels, *extra), value)
-        for key, value in (ratios or {}).items():
+        for key, value in (gpm or {}).items():
             out.add(key, labels, value)
         for process in held or ():
             if process.usedGpuMemory is not None:
                 per_gpu = processes.setdefault(process.pid, {})
                 per_gpu[gpu.index] = per_gpu.get(gpu.index, 0) + process.usedGpuMemory
+
+    def _refresh_slow(self) -> None:
+        if self._slow is not None:
+            self._slow.refresh_soon()
 
     @staticmethod
     def _add_info(gpu: _Gpu, out: _Output) -> None:

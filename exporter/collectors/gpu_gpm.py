@@ -1,21 +1,31 @@
-"""NVML GPM (GPU Performance Monitoring, Hopper and newer): SM, tensor-core and DRAM activity.
+"""NVML GPM (GPU Performance Monitoring, Hopper and newer): SM, tensor-core, DRAM, PCIe, NVLink and C2C.
 
 GPM metrics are computed from two device samples taken some time apart, so each GPU keeps two
 allocated samples and alternates between them: the newest sample of one cycle is the baseline of
-the next.
+the next. PCIe throughput comes from the same sample pair, so a GPU with GPM never needs
+`nvmlDeviceGetPcieThroughput`, which blocks for 20 ms per direction. NVLink (all links together: the
+gradient all-reduce between GPUs) and C2C (Grace Hopper's chip-to-chip link to its CPU) come from the
+same nvmlGpmMetricsGet call; a GPU whose GPM refuses them (no NVLink, no C2C) publishes none.
 """
 
 import contextlib
 from types import ModuleType
 from typing import Any
 
-# (metric suffix published as stepscope_gpu_<suffix>, NVML GPM metric id constant); values are percent
+# (family key published as stepscope_gpu_<key>, NVML GPM metric id constant, factor to base units)
 GPM_METRICS = (
-    ("sm_active_ratio", "NVML_GPM_METRIC_SM_UTIL"),
-    ("sm_occupancy_ratio", "NVML_GPM_METRIC_SM_OCCUPANCY"),
-    ("tensor_active_ratio", "NVML_GPM_METRIC_ANY_TENSOR_UTIL"),
-    ("dram_active_ratio", "NVML_GPM_METRIC_DRAM_BW_UTIL"),
+    ("sm_active_ratio", "NVML_GPM_METRIC_SM_UTIL", 0.01),  # percent
+    ("sm_occupancy_ratio", "NVML_GPM_METRIC_SM_OCCUPANCY", 0.01),
+    ("tensor_active_ratio", "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
+    ("dram_active_ratio", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
+    ("pcie_transmit_bytes_per_second", "NVML_GPM_METRIC_PCIE_TX_PER_SEC", 2.0**20),  # MiB/s
+    ("pcie_receive_bytes_per_second", "NVML_GPM_METRIC_PCIE_RX_PER_SEC", 2.0**20),
+    ("nvlink_transmit_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", 2.0**20),
+    ("nvlink_receive_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", 2.0**20),
+    ("c2c_transmit_bytes_per_second", "NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC", 2.0**20),
+    ("c2c_receive_bytes_per_second", "NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC", 2.0**20),
 )
+PCIE_KEYS = frozenset({"pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second"})
 MIN_SAMPLE_GAP_SECONDS = 0.1  # NVML needs the two samples at least 100 ms apart
 
 
@@ -27,6 +37,10 @@ class GpmSampler:
         self._handle = handle
         self._baseline, self._spare = samples
         self._baseline_at: float | None = None
+        # metrics these bindings name; older nvidia-ml-py lacks the PCIe, NVLink or C2C ids
+        self._metrics = [(key, getattr(nvml, name), factor) for key, name, factor in GPM_METRICS
+                         if hasattr(nvml, name)]
+        self.gives_pcie: bool | None = None  # None until the first metrics read tells
 
     @classmethod
     def open(cls, nvml: ModuleType, handle: Any) -> "GpmSampler | None":
@@ -45,7 +59,7 @@ class GpmSampler:
         return cls(nvml, handle, (first, second))
 
     def read(self, now: float) -> dict[str, float]:
-        """Ratios since the baseline sample; empty on the first call or when called too soon.
+        """Values since the baseline sample; empty on the first call or when called too soon.
 
         NVML errors propagate (the caller treats them like any field error) after dropping the
         baseline, so the next cycle starts a fresh pair instead of spanning the failure.
@@ -55,13 +69,13 @@ class GpmSampler:
         nvml = self._nvml
         try:
             nvml.nvmlGpmSampleGet(self._handle, self._spare)
-            ratios = self._metrics() if self._baseline_at is not None else {}
+            values = self._values() if self._baseline_at is not None else {}
         except nvml.NVMLError:
             self._baseline_at = None
             raise
         self._baseline, self._spare = self._spare, self._baseline
         self._baseline_at = now
-        return ratios
+        return values
 
     def reset(self) -> None:
         """Forget the baseline (the GPU stopped answering)."""
@@ -72,18 +86,25 @@ class GpmSampler:
             with contextlib.suppress(self._nvml.NVMLError):  # best effort at exit (GPU may be gone)
                 self._nvml.nvmlGpmSampleFree(sample)
 
-    def _metrics(self) -> dict[str, float]:
+    def _values(self) -> dict[str, float]:
+        """One nvmlGpmMetricsGet for every metric; a metric NVML refuses is left out."""
         nvml = self._nvml
         request = nvml.c_nvmlGpmMetricsGet_t()
         request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        request.numMetrics = len(self._metrics)
         request.sample1 = self._baseline
         request.sample2 = self._spare
-        for slot, (_, metric_id) in enumerate(GPM_METRICS):
-            request.metrics[slot].metricId = getattr(nvml, metric_id)
+        for slot, (_, metric_id, _) in enumerate(self._metrics):
+            request.metrics[slot].metricId = metric_id
         nvml.nvmlGpmMetricsGet(request)
-        return {
-            suffix: min(max(request.metrics[slot].value / 100.0, 0.0), 1.0)
-            for slot, (suffix, _) in enumerate(GPM_METRICS)
-            if request.metrics[slot].nvmlReturn == nvml.NVML_SUCCESS
-        }
+        values = {}
+        for slot, (key, _, factor) in enumerate(self._metrics):
+            metric = request.metrics[slot]
+            if metric.nvmlReturn == nvml.NVML_SUCCESS:
+                value = max(metric.value * factor, 0.0)
+                values[key] = min(value, 1.0) if key.endswith("_ratio") else value
+        self.gives_pcie = values.keys() >= PCIE_KEYS
+        if not self.gives_pcie:  # half a pair: the slow thread polls both directions instead
+            for key in PCIE_KEYS:
+                values.pop(key, None)
+        return values

@@ -8,7 +8,10 @@ Path values may be base64url-encoded Pushgateway style (`/run@base64/<b64>`). Th
 exposition (format 0.0.4) of only these families: stepscope_step_phase_seconds{phase} and
 stepscope_step_seconds (histograms), stepscope_steps_total and stepscope_samples_total (counters),
 stepscope_training_info{local_rank,world_size,pid,framework[,start_time]} (1) and
-stepscope_training_state{state} (state set). `run` and `rank` come from the path; body labels
+stepscope_training_state{state} (state set), stepscope_loader_limit_samples_per_second and
+stepscope_compute_limit_samples_per_second (tracker.measure_limits), and the rank's latest profiler
+trace: stepscope_profile_trace_bytes, _steps and _timestamp_seconds, each labelled with its `path`
+(up to 4096 characters). `run` and `rank` come from the path; body labels
 `run`/`rank` must match it and `job`/`instance` are refused. `_created` samples are dropped.
 /metrics then shows every family once, samples of all groups merged, plus
 stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
@@ -16,14 +19,18 @@ stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self met
 Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below).
 
 Without a token or allow-list only loopback clients may push (403 otherwise), so an exporter
-listening on all interfaces does not let the network inject or delete series.
+listening on all interfaces does not let the network inject or delete series. The same rules guard
+the profile-request API (`exporter.ingest.profile_api`, /api/v1/profiles), whose requests reach a
+rank in the answer to its next push.
 
 Refusals answer a one-line text naming the limit or the offending item and count in
 stepscope_exporter_ingest_rejected_total{reason}: 401 unauthorized, 403 forbidden, 404/400
-bad_path, 405 bad_method, 411 length_required (chunked body), 413 body_too_large, 415
-unsupported_media_type (protobuf or compressed body), 429 too_many_groups, and 400 for malformed,
+bad_path, 405 bad_method, 408/400 incomplete_body (a body that stalls past its deadline or ends
+before its Content-Length), 411 length_required (chunked body), 413 body_too_large, 415
+unsupported_media_type (protobuf or compressed body), 429 too_many_groups and too_many_series (the
+total over all groups), 503 server_busy (too many body bytes in flight), and 400 for malformed,
 unknown_family, wrong_type, bad_label, label_too_long, bad_value, non_cumulative_buckets,
-too_many_phases, too_many_series. A refused push changes nothing stored.
+too_many_phases, too_many_series (per group). A refused push changes nothing stored.
 """
 
 import argparse
@@ -32,9 +39,11 @@ from exporter.exposition import ExpositionStore
 from exporter.flags import add_flag, cidr_list, fail, positive_float, positive_int, readable_file
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.api import PushApi
+from exporter.ingest.parser import PushLimits
+from exporter.ingest.profile_api import ProfileApi
 from exporter.ingest.store import GroupStore, StoreLimits
 
-__all__ = ["PushApi", "add_flags", "build"]
+__all__ = ["ProfileApi", "PushApi", "add_flags", "build"]
 
 
 def add_flags(group: argparse._ArgumentGroup) -> None:
@@ -56,10 +65,16 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
              help="longest label value (and run name) accepted, in characters")
     add_flag(group, "--ingest-max-phases", default="32", type=positive_int,
              help="most distinct phase names per group")
+    add_flag(group, "--ingest-max-series", default="150000", type=positive_int,
+             help="most series stored over all groups (429 above); bounds the exporter's memory")
+    add_flag(group, "--ingest-max-bytes-in-flight", default="8388608", type=positive_int,
+             help="most push-body bytes received at once, by Content-Length; a push beyond it gets 503 "
+                  "before its body is read, so pushes never crowd out scrapes")
 
 
-def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
-    """The push API for parsed flags; ends the program with one line when the token file is unusable."""
+def build(args: argparse.Namespace, store: ExpositionStore) -> tuple[PushApi, ProfileApi]:
+    """The push API and the profile-request API for parsed flags; ends the program with one line when
+    the token file is unusable."""
     token = None
     if args.ingest_token_file:
         try:
@@ -74,8 +89,14 @@ def build(args: argparse.Namespace, store: ExpositionStore) -> PushApi:
         max_series_per_group=args.ingest_max_series_per_group,
         max_phases=args.ingest_max_phases,
         ttl_seconds=args.ingest_ttl,
+        max_series=args.ingest_max_series,
     )
-    return PushApi(
-        store, GroupStore(limits), AccessPolicy(token, tuple(args.ingest_allow)),
-        max_body_bytes=args.ingest_max_body_bytes, max_label_length=args.ingest_max_label_value_length,
+    push_limits = PushLimits(
+        max_label_length=args.ingest_max_label_value_length,
+        max_series=args.ingest_max_series_per_group,
+        max_phases=args.ingest_max_phases,
     )
+    access = AccessPolicy(token, tuple(args.ingest_allow))
+    push_api = PushApi(store, GroupStore(limits), access, max_body_bytes=args.ingest_max_body_bytes,
+                       limits=push_limits)
+    return push_api, ProfileApi(push_api.profiles, access)

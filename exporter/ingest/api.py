@@ -1,7 +1,8 @@
 """The Pushgateway API subset: access check, path routing, then validate-and-swap into the store.
 
-Order matters: a client that may not push learns nothing about paths or bodies, and a body is
-checked completely before the store changes, so a refused push leaves /metrics as it was.
+Order matters: a client that may not push learns nothing about paths or bodies and sends no body
+byte the exporter reads (`check` runs on the request head alone), and a body is checked completely
+before the store changes, so a refused push leaves /metrics as it was.
 """
 
 import base64
@@ -12,14 +13,15 @@ import threading
 import time
 from urllib.parse import unquote
 
-from exporter.exposition import ExpositionStore
+from exporter.exposition import Chunk, ExpositionStore
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.errors import REASONS, Rejected, clip
-from exporter.ingest.render import render_group_lines, render_self, render_training
-from exporter.ingest.store import GroupStore
-from exporter.ingest.validation import parse_push
+from exporter.ingest.parser import PushLimits, parse_push
+from exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
+from exporter.ingest.render import SelfSource, TrainingSource, last_push_line
+from exporter.ingest.store import GroupStore, StoredFamily
 from exporter.registered import RegisteredProcess
-from exporter.server import PushResponse
+from exporter.server import PushRequest, PushResponse
 
 log = logging.getLogger(__name__)
 
@@ -82,42 +84,56 @@ def _too_large(length: int, limit: int) -> Rejected:
 
 
 class PushApi:
-    """Implements exporter.server.PushHandler; publishes the training families and self metrics."""
+    """Implements exporter.server.PushHandler; serves the training families and self metrics."""
 
     def __init__(
         self, store: ExpositionStore, groups: GroupStore, access: AccessPolicy, *,
-        max_body_bytes: int, max_label_length: int,
+        max_body_bytes: int, limits: PushLimits, profiles: ProfileRequests | None = None,
     ) -> None:
         self.max_body_bytes = max_body_bytes
-        self._store = store
         self._groups = groups
+        self.profiles = profiles if profiles is not None else ProfileRequests(groups)
         self._access = access
-        self._max_label_length = max_label_length
+        self._limits = limits
         self._stats_lock = threading.Lock()
         self._accepted = 0
         self._rejected = dict.fromkeys(REASONS, 0)
         self._logged_reasons: set[str] = set()
-        self._publish_lock = threading.Lock()
-        self._published_version = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._publish()
+        store.attach(TRAINING_SOURCE, TrainingSource(groups))
+        store.attach(SELF_SOURCE, SelfSource(self._stats_version, self._counts))
 
-    def handle(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, client_ip: str
-    ) -> PushResponse:
+    def check(self, request: PushRequest) -> PushResponse | None:
+        """Everything decided from the request line and headers, before one body byte is read."""
         try:
-            response = self._handle(method, path, headers, body, client_ip)
+            response = self._check(request)
         except Rejected as rejected:
-            return self._refuse(rejected, method, path, client_ip)
-        with self._stats_lock:
-            self._accepted += 1
-        self._publish()
+            return self._refuse(rejected, request)
+        if response is not None:
+            self._count_accepted()
         return response
 
-    def reject_oversized(self, method: str, path: str, length: int, client_ip: str) -> PushResponse:
-        """The 413 for the HTTP layer, which refuses a too-large Content-Length without reading the body."""
-        return self._refuse(_too_large(length, self.max_body_bytes), method, path, client_ip)
+    def handle(self, request: PushRequest, body: bytes) -> PushResponse:
+        """Parses and stores a body `check` admitted."""
+        try:
+            run, rank = parse_group_path(request.path, self._limits.max_label_length)
+            if len(body) > self.max_body_bytes:
+                raise _too_large(len(body), self.max_body_bytes)
+            parsed = parse_push(body, run, rank, self._limits)
+            families = {name: StoredFamily(Chunk(f.lines), f.series, f.keys) for name, f in parsed.items()}
+            group = self._groups.push(run, rank, families, last_push_line(run, rank),
+                                      replace=request.method == "PUT")
+        except Rejected as rejected:
+            return self._refuse(rejected, request)
+        self._count_accepted()
+        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()))
+        return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
+                            headers={REQUEST_HEADER: waiting} if waiting else {})
+
+    def refuse(self, request: PushRequest, status: int, reason: str, message: str) -> PushResponse:
+        """Counts and logs a refusal the HTTP layer decided (too many bodies in flight, a body cut short)."""
+        return self._refuse(Rejected(status, reason, message), request)
 
     def registered_processes(self) -> list[RegisteredProcess]:
         """The training processes whose groups are live, as their hooks reported them."""
@@ -133,37 +149,36 @@ class PushApi:
         if self._thread is not None:
             self._thread.join(timeout=2)
 
-    def _handle(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, client_ip: str
-    ) -> PushResponse:
-        self._access.check(client_ip, headers.get("authorization"))
+    def _check(self, request: PushRequest) -> PushResponse | None:
+        self._access.check(request.client_ip, request.headers.get("authorization"))
+        method = request.method
         if method not in ("PUT", "POST", "DELETE"):
-            raise Rejected(405, "bad_method", f"method {method} is not supported: use PUT, POST or DELETE")
-        run, rank = parse_group_path(path, self._max_label_length)
+            raise Rejected(405, "bad_method", f"method {clip(method)} is not supported: use PUT, POST or DELETE")
+        run, rank = parse_group_path(request.path, self._limits.max_label_length)
         if method == "DELETE":
             existed = self._groups.delete(run, rank)
+            self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])
             return PushResponse(202, f"deleted group run={run!r} rank={rank}" if existed
                                 else f"no group run={run!r} rank={rank}; nothing deleted")
+        headers = request.headers
         if "chunked" in headers.get("transfer-encoding", "").lower():
-            # the HTTP layer reads Content-Length bytes only: a chunked body would arrive empty and
-            # a PUT would wipe the group
             raise Rejected(411, "length_required", "send the body with a Content-Length header "
                                                    "(chunked transfer encoding is not supported)")
-        if len(body) > self.max_body_bytes:
-            raise _too_large(len(body), self.max_body_bytes)
+        if (request.length or 0) > self.max_body_bytes:
+            raise _too_large(request.length or 0, self.max_body_bytes)
         if "protobuf" in headers.get("content-type", ""):
             raise Rejected(415, "unsupported_media_type", "only the text exposition format 0.0.4 is accepted")
         encoding = headers.get("content-encoding", "identity")
         if encoding.lower() != "identity":
             raise Rejected(415, "unsupported_media_type",
-                           f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
-        families = parse_push(body, run, rank, self._max_label_length)
-        rendered = render_group_lines(families)  # outside the store's lock
-        group = self._groups.push(run, rank, families, rendered, replace=method == "PUT")
-        series = sum(len(samples) for samples in group.families.values())
-        return PushResponse(200, f"stored group run={run!r} rank={rank}: {series} series")
+                           f"Content-Encoding {clip(encoding)!r} is not supported: send the body uncompressed")
+        return None
 
-    def _refuse(self, rejected: Rejected, method: str, path: str, client_ip: str) -> PushResponse:
+    def _count_accepted(self) -> None:
+        with self._stats_lock:
+            self._accepted += 1
+
+    def _refuse(self, rejected: Rejected, request: PushRequest) -> PushResponse:
         with self._stats_lock:
             self._rejected[rejected.reason] += 1
             first = rejected.reason not in self._logged_reasons
@@ -171,20 +186,17 @@ class PushApi:
         # The first refusal per reason is a warning; repeats (a client pushing every few seconds) go
         # to debug, and the counter keeps the tally.
         log.log(logging.WARNING if first else logging.DEBUG, "refused %s %s from %s (%d %s): %s",
-                method, clip(path), client_ip, rejected.status, rejected.reason, rejected.message)
-        self._publish()
+                clip(request.method), clip(request.path), request.client_ip, rejected.status, rejected.reason,
+                rejected.message)
         return PushResponse(rejected.status, rejected.message)
 
-    def _publish(self) -> None:
-        """Renders the current state; a caller that finds its change already published skips the work."""
-        with self._publish_lock:
-            version, groups = self._groups.snapshot()
-            if version != self._published_version:
-                self._store.publish(TRAINING_SOURCE, render_training(groups))
-                self._published_version = version
-            with self._stats_lock:
-                accepted, rejected = self._accepted, dict(self._rejected)
-            self._store.publish(SELF_SOURCE, render_self(accepted, rejected, len(groups)))
+    def _stats_version(self) -> object:
+        return self._accepted, sum(self._rejected.values()), self._groups.version()
+
+    def _counts(self) -> tuple[int, dict[str, int], int]:
+        with self._stats_lock:
+            accepted, rejected = self._accepted, dict(self._rejected)
+        return accepted, rejected, len(self._groups.snapshot()[1])
 
     def _expire_loop(self) -> None:
         while True:
@@ -193,4 +205,4 @@ class PushApi:
             if self._stop.wait(min(delay, 1.0)):
                 return
             if self._groups.expire():
-                self._publish()
+                self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])

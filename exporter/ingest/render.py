@@ -1,56 +1,72 @@
-"""Renders the stored groups as one family per name (samples of every group merged) plus self metrics.
+"""The stored groups as /metrics text: one family per name (samples of every group merged) plus self metrics.
 
-Called after a change, never at scrape time: /metrics only concatenates the published bytes. Each
-group's sample lines are rendered once when it is pushed; re-rendering after any push then joins
-bytes, so its cost grows with the bytes stored, not with groups times series formatting.
+Nothing is formatted at scrape time: each group's lines were rendered and compressed once when it was
+pushed, and a family's HELP/TYPE lines once at import, so assembling the training part of a scrape
+is a list of chunks in order: header, then every group's chunk of that family.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.samples import Sample
 
-from exporter.exposition import render
-from exporter.ingest.store import Group
-from exporter.ingest.validation import FAMILIES, Families, FamilySpec
+from exporter.exposition import Chunk, render
+from exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
+from exporter.ingest.parser import escape_label_value
+from exporter.ingest.store import Group, GroupStore
 
 
-def _family(spec: FamilySpec, samples: Sequence[Sample] = ()) -> Metric:
-    # prometheus_client keeps counter names without `_total` and adds it when rendering
+def _header(spec: FamilySpec) -> Chunk:
+    # prometheus_client keeps counter names without `_total` and adds it when rendering; it escapes the help
     name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
-    family = Metric(name, spec.help, spec.type)
-    family.samples = list(samples)
-    return family
+    return Chunk(render([Metric(name, spec.help, spec.type)]))
 
 
-# "# HELP" and "# TYPE" of every family, rendered by prometheus_client (which escapes the help)
-_HEADERS = {name: render([_family(spec)]) for name, spec in FAMILIES.items()}
+_HEADERS = {name: _header(spec) for name, spec in FAMILIES.items()}
+_LAST_PUSH_HEADER = Chunk(render([GaugeMetricFamily(
+    LAST_PUSH_FAMILY,
+    "Unix time of the last accepted push of this run and rank (pushes without steps = stalled).",
+)]))
 
 
-def render_group_lines(families: Families) -> dict[str, bytes]:
-    """The sample lines of one group's families, without the two header lines."""
-    return {
-        name: render([_family(FAMILIES[name], samples)])[len(_HEADERS[name]):]
-        for name, samples in families.items()
-    }
+def last_push_line(run: str, rank: str) -> Callable[[float], Chunk]:
+    """The group's last-push sample for a push at the given Unix time."""
+    prefix = f'{LAST_PUSH_FAMILY}{{rank="{escape_label_value(rank)}",run="{escape_label_value(run)}"}} '
+    return lambda pushed_at: Chunk(f"{prefix}{pushed_at!r}\n".encode(), level=1)
 
 
-def render_training(groups: Sequence[Group]) -> bytes:
-    parts: list[bytes] = []
-    for name in FAMILIES:
-        lines = [group.rendered[name] for group in groups if group.rendered.get(name)]
-        if lines:
-            parts += [_HEADERS[name], *lines]
+def training_chunks(groups: Sequence[Group]) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    for name, header in _HEADERS.items():
+        parts = [group.families[name].chunk for group in groups if name in group.families]
+        if parts:
+            chunks += [header, *parts]
     if groups:
-        last_push = GaugeMetricFamily(
-            "stepscope_training_last_push_timestamp_seconds",
-            "Unix time of the last accepted push of this run and rank (pushes without steps = stalled).",
-            labels=["run", "rank"],
-        )
-        for group in groups:
-            last_push.add_metric([group.run, group.rank], group.pushed_at)
-        parts.append(render([last_push]))
-    return b"".join(parts)
+        chunks += [_LAST_PUSH_HEADER, *(group.last_push for group in groups)]
+    return chunks
+
+
+class TrainingSource:
+    """The ChunkSource of the training families: rebuilt only when the stored groups changed."""
+
+    def __init__(self, groups: GroupStore) -> None:
+        self._groups = groups
+
+    def version(self) -> object:
+        return self._groups.version()
+
+    def chunks(self) -> Sequence[Chunk]:
+        return training_chunks(self._groups.snapshot()[1])
+
+
+class SelfSource:
+    """The ingest self metrics, rendered at scrape time when a count changed since the last scrape."""
+
+    def __init__(self, version: Callable[[], object], counts: Callable[[], tuple[int, Mapping[str, int], int]]) -> None:
+        self.version = version
+        self._counts = counts
+
+    def chunks(self) -> Sequence[Chunk]:
+        return [Chunk(render_self(*self._counts()))]
 
 
 def render_self(accepted: int, rejected: Mapping[str, int], groups: int) -> bytes:

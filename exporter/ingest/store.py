@@ -1,7 +1,9 @@
 """The pushed groups (one per run and rank): Pushgateway replace/merge semantics, limits and TTL.
 
-The mapping of groups is copy-on-write under one lock (pushes are rare: one per rank every few
-seconds), so renderers and the process collector read a consistent snapshot without holding it.
+A group keeps, per family, only its canonical sample lines as a Chunk (text plus its deflate blocks)
+and the series keys the limits and the process collector need: no sample objects. The mapping of
+groups is copy-on-write under one lock, so renderers and the process collector read a consistent
+snapshot without holding it.
 """
 
 import threading
@@ -10,23 +12,33 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from prometheus_client.samples import Sample
-
+from exporter.exposition import Chunk
 from exporter.ingest.errors import Rejected
-from exporter.ingest.validation import INFO_FAMILY, PHASE_FAMILY, Families
+from exporter.ingest.families import FAMILIES, INFO_FAMILY, PHASE_FAMILY
+from exporter.ingest.parser import SeriesKey
 from exporter.registered import RegisteredProcess
 
 GroupKey = tuple[str, str]
+_INFO_PID = FAMILIES[INFO_FAMILY].body_labels.index("pid")
+_INFO_START_TIME = FAMILIES[INFO_FAMILY].body_labels.index("start_time")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class StoredFamily:
+    chunk: Chunk  # canonical sample lines, compressed once at push time
+    series: int
+    keys: tuple[SeriesKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Group:
     run: str
     rank: str
-    families: Mapping[str, tuple[Sample, ...]]
-    rendered: Mapping[str, bytes]  # per family: its sample lines, so a re-render only joins bytes
+    families: Mapping[str, StoredFamily]
+    last_push: Chunk  # the group's stepscope_training_last_push_timestamp_seconds line
     pushed_at: float  # Unix time of the last push, published for "pushes but no steps" alerts
     expires_at: float  # monotonic deadline
+    series: int
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class StoreLimits:
     max_series_per_group: int
     max_phases: int
     ttl_seconds: float
+    max_series: int = 150_000  # over all groups: what bounds the exporter's memory
 
 
 class GroupStore:
@@ -47,12 +60,17 @@ class GroupStore:
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._groups: Mapping[GroupKey, Group] = MappingProxyType({})
+        self._series = 0
         self._version = 0
 
     def push(
-        self, run: str, rank: str, families: Families, rendered: Mapping[str, bytes], replace: bool
+        self, run: str, rank: str, families: Mapping[str, StoredFamily], last_push: Callable[[float], Chunk],
+        replace: bool,
     ) -> Group:
-        """PUT (replace=True) replaces the group; POST replaces only the families it carries."""
+        """PUT (replace=True) replaces the group; POST replaces only the families it carries.
+
+        `last_push` renders the group's last-push line for the push's Unix time.
+        """
         limits = self._limits
         with self._lock:
             now = self._clock()
@@ -65,27 +83,26 @@ class GroupStore:
                     f"limit (--ingest-max-groups {limits.max_groups}); a group expires "
                     f"{limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE",
                 )
-            if replace or old is None:
-                merged, merged_rendered = dict(families), dict(rendered)
-            else:
-                merged, merged_rendered = {**old.families, **families}, {**old.rendered, **rendered}
-            phases = sorted({s.labels["phase"] for s in merged.get(PHASE_FAMILY, ())})
-            if len(phases) > limits.max_phases:
-                shown = ", ".join(phases[:8]) + (", ..." if len(phases) > 8 else "")
-                raise Rejected(
-                    400, "too_many_phases",
-                    f"group run={run!r} rank={rank} would hold {len(phases)} distinct phases, over the limit "
-                    f"of {limits.max_phases} (--ingest-max-phases): {shown}",
-                )
-            series = sum(len(samples) for samples in merged.values())
+            merged = dict(families) if replace or old is None else {**old.families, **families}
+            self._check_phases(run, rank, merged)
+            series = sum(family.series for family in merged.values())
             if series > limits.max_series_per_group:
                 raise Rejected(
                     400, "too_many_series",
                     f"group run={run!r} rank={rank} would hold {series} series, over the limit of "
                     f"{limits.max_series_per_group} (--ingest-max-series-per-group)",
                 )
-            group = Group(run, rank, MappingProxyType(merged), MappingProxyType(merged_rendered),
-                          self._wall_clock(), now + limits.ttl_seconds)
+            total = self._series - (old.series if old else 0) + series
+            if total > limits.max_series:
+                raise Rejected(
+                    429, "too_many_series",
+                    f"storing group run={run!r} rank={rank} would make {total} series on this exporter, over "
+                    f"the limit of {limits.max_series} (--ingest-max-series); groups expire "
+                    f"{limits.ttl_seconds:g}s after their last push (--ingest-ttl) or on DELETE",
+                )
+            pushed_at = self._wall_clock()
+            group = Group(run, rank, MappingProxyType(merged), last_push(pushed_at), pushed_at,
+                          now + limits.ttl_seconds, series)
             self._replace_locked({**self._groups, (run, rank): group})
             return group
 
@@ -101,8 +118,12 @@ class GroupStore:
         with self._lock:
             return self._expire_locked(self._clock())
 
+    def version(self) -> int:
+        """Grows on every change of the stored groups."""
+        return self._version
+
     def snapshot(self) -> tuple[int, tuple[Group, ...]]:
-        """(version, live groups ordered by run then numeric rank); the version grows on every change."""
+        """(version, live groups ordered by run then numeric rank)."""
         with self._lock:
             version, groups = self._version, self._groups
         now = self._clock()
@@ -116,9 +137,10 @@ class GroupStore:
         """
         processes: list[RegisteredProcess] = []
         for group in self.snapshot()[1]:
-            for sample in group.families.get(INFO_FAMILY, ()):
-                start_time = sample.labels.get("start_time")
-                processes.append(RegisteredProcess(int(sample.labels["pid"]), group.run, group.rank,
+            info = group.families.get(INFO_FAMILY)
+            for key in info.keys if info else ():
+                start_time = key[_INFO_START_TIME]
+                processes.append(RegisteredProcess(int(key[_INFO_PID]), group.run, group.rank,
                                                    float(start_time) if start_time else None))
         return processes
 
@@ -126,6 +148,17 @@ class GroupStore:
         """Monotonic time at which the next group expires, None when there are none."""
         with self._lock:
             return min((g.expires_at for g in self._groups.values()), default=None)
+
+    def _check_phases(self, run: str, rank: str, merged: Mapping[str, StoredFamily]) -> None:
+        phase_family = merged.get(PHASE_FAMILY)
+        phases = sorted({key[0] for key in phase_family.keys}) if phase_family else []
+        if len(phases) > self._limits.max_phases:
+            shown = ", ".join(phases[:8]) + (", ..." if len(phases) > 8 else "")
+            raise Rejected(
+                400, "too_many_phases",
+                f"group run={run!r} rank={rank} would hold {len(phases)} distinct phases, over the limit "
+                f"of {self._limits.max_phases} (--ingest-max-phases): {shown}",
+            )
 
     def _expire_locked(self, now: float) -> bool:
         live = {k: g for k, g in self._groups.items() if g.expires_at > now}
@@ -136,4 +169,5 @@ class GroupStore:
 
     def _replace_locked(self, groups: dict[GroupKey, Group]) -> None:
         self._groups = MappingProxyType(groups)
+        self._series = sum(group.series for group in groups.values())
         self._version += 1

@@ -50,6 +50,10 @@ EXPORTER_METRICS = frozenset(
         "stepscope_gpu_sm_occupancy_ratio",
         "stepscope_gpu_tensor_active_ratio",
         "stepscope_gpu_dram_active_ratio",
+        "stepscope_gpu_nvlink_receive_bytes_per_second",
+        "stepscope_gpu_nvlink_transmit_bytes_per_second",
+        "stepscope_gpu_c2c_receive_bytes_per_second",
+        "stepscope_gpu_c2c_transmit_bytes_per_second",
         # processes
         "stepscope_process_cpu_seconds_total",
         "stepscope_process_resident_memory_bytes",
@@ -64,6 +68,11 @@ EXPORTER_METRICS = frozenset(
         "stepscope_training_info",
         "stepscope_training_state",
         "stepscope_training_last_push_timestamp_seconds",
+        "stepscope_loader_limit_samples_per_second",
+        "stepscope_compute_limit_samples_per_second",
+        "stepscope_profile_trace_bytes",
+        "stepscope_profile_trace_steps",
+        "stepscope_profile_trace_timestamp_seconds",
         # exporter self
         "stepscope_exporter_collector_duration_seconds",
         "stepscope_exporter_collector_errors_total",

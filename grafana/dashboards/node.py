@@ -28,6 +28,75 @@ def _per_process(series: str) -> Q:
     return Q(f"sum by (pid, run, rank) ({series})", table=True)
 
 
+def _link_throughput(link: str, legend: str) -> list[Q]:
+    """Receive and transmit bytes/s of one GPU link family (pcie, nvlink, c2c)."""
+    return [
+        Q(f"stepscope_gpu_{link}_{direction}_bytes_per_second{{{GPUS}}}", f"{legend} {direction}")
+        for direction in ("receive", "transmit")
+    ]
+
+
+def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """One row per selected GPU: its NVLink traffic, the step phases of the ranks holding memory on it,
+    and its host link (PCIe, C2C) side by side, so a slow backward shows next to the all-reduce's
+    NVLink traffic and a slow to_device next to the host-to-device copy."""
+    gpu_ranks = (
+        f"group by (instance, run, rank) "
+        f"(instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{GPUS}}} > 0)"
+    )
+    board = board.with_row(row("GPU $gpu: NVLink, step phases, host link").repeat("gpu"))
+    return (
+        board.with_panel(
+            timeseries_panel(
+                "NVLink (GPU ↔ GPU), GPU $gpu",
+                "Bytes per second over all NVLink links of this GPU (GPM average since the last cycle): "
+                "the gradient all-reduce of DDP and FSDP's all-gathers and reduce-scatters between GPUs "
+                "of the node. Traffic in bursts with the backward phase alongside is the all-reduce; a "
+                "backward that grows while NVLink stays flat is a rank waiting for a slower one. Absent, "
+                "not zero, where the GPU has no GPM (before Hopper) or no NVLink.",
+                _link_throughput("nvlink", "GPU {{gpu}}"),
+                "Bps",
+                limits=(0, None),
+                no_data="No NVLink reading: no GPM (before Hopper) or no NVLink on this GPU",
+                width=8,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Step phases of the ranks on GPU $gpu",
+                "Seconds per step in each phase (1m) of every registered rank holding memory on this GPU. "
+                "backward holds DDP's gradient all-reduce (compare with NVLink on the left); to_device is "
+                "the host-to-device copy (compare with the host link on the right).",
+                [
+                    Q(
+                        f"run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m{{{NODE}}}"
+                        f" and on (instance, run, rank) {gpu_ranks}",
+                        "{{run}} rank {{rank}} {{phase}}",
+                    )
+                ],
+                "s",
+                limits=(0, None),
+                no_data="No registered rank holds memory on this GPU",
+                width=8,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Host link (PCIe, C2C), GPU $gpu",
+                "Bytes per second between host and GPU: PCIe (GPM on Hopper and newer, a 20 ms window "
+                "every 10 s before), and NVLink-C2C on Grace Hopper, where host copies travel over C2C "
+                "instead of PCIe. Receive is host to device (input batches, to_device). C2C is absent, "
+                "not zero, on GPUs without it.",
+                [*_link_throughput("pcie", "GPU {{gpu}} PCIe"), *_link_throughput("c2c", "GPU {{gpu}} C2C")],
+                "Bps",
+                limits=(0, None),
+                no_data="No PCIe or C2C reading for this GPU (--no-gpu-pcie-poll on a GPU without GPM?)",
+                width=8,
+            )
+        )
+    )
+
+
 def build() -> dashboard.Dashboard:
     board = (
         base_dashboard(
@@ -280,10 +349,7 @@ def build() -> dashboard.Dashboard:
                 "PCIe throughput",
                 "Host-device PCIe traffic per GPU: input batches in (receive) and results out (transmit). "
                 "Large steady receive with a host-bound run: copy less or overlap copies with compute.",
-                [
-                    Q(f"stepscope_gpu_pcie_receive_bytes_per_second{{{GPUS}}}", "GPU {{gpu}} receive"),
-                    Q(f"stepscope_gpu_pcie_transmit_bytes_per_second{{{GPUS}}}", "GPU {{gpu}} transmit"),
-                ],
+                _link_throughput("pcie", "GPU {{gpu}}"),
                 "Bps",
                 limits=(0, None),
             )
@@ -296,6 +362,7 @@ def build() -> dashboard.Dashboard:
                 "harmless.",
                 [Q(f"stepscope_gpu_clock_event_active{{{GPUS}}}", "GPU {{gpu}} {{reason}}")],
                 value_text({"0": ("inactive", "transparent"), "1": ("active", "red")}),
+                width=12,
             )
         )
         .with_panel(
@@ -367,6 +434,8 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+
+    board = _interconnect_row(board)
 
     board = board.with_row(row("Processes"))
     board = board.with_panel(

@@ -156,9 +156,11 @@ def timeseries_panel(
     stack: bool = False,
     limits: tuple[float | None, float | None] = (None, None),
     threshold_line: dashboard.ThresholdsConfig | None = None,
+    no_data: str = "",
     width: int = 12,
     height: int = 8,
 ) -> timeseries.Panel:
+    """`no_data`: what the panel says in place of Grafana's "No data" (why a reading can be absent)."""
     panel = _panel(timeseries.Panel(), title, description, queries, unit, width, height)
     panel = (
         panel.legend(
@@ -184,6 +186,8 @@ def timeseries_panel(
         panel = panel.min(low)
     if high is not None:
         panel = panel.max(high)
+    if no_data:
+        panel = panel.no_value(no_data)
     if threshold_line is not None:
         panel = panel.thresholds(threshold_line).thresholds_style(
             common.GraphThresholdsStyleConfig().mode(common_models.GraphThresholdsStyleMode.DASHED)

@@ -395,11 +395,107 @@ def build() -> dashboard.Dashboard:
         )
     )
 
+    board = _limits_and_traces(board)
+
     board = board.with_row(row("Alerts"))
     return board.with_panel(
         alert_list_panel(
             "Firing alerts",
             "stepscope alerts that are firing or pending now (Grafana-managed rules "
             "provisioned from the Prometheus rules file).",
+        )
+    )
+
+
+def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The loader and compute limits (tracker.measure_limits) next to the real throughput, and the
+    ranks' latest profiler traces (stepscope-profile)."""
+    limits = [
+        Q(f"run:stepscope_loader_limit_samples_per_second:sum{{{RUN}}}", "loader can deliver"),
+        Q(f"run:stepscope_compute_limit_samples_per_second:sum{{{RUN}}}", "training consumes"),
+        Q(f"run:stepscope_samples_of_measured_ranks:rate1m{{{RUN}}}", "run gets"),
+    ]
+    board = board.with_row(row("Limits and profiler traces"))
+    return (
+        board.with_panel(
+            stat_panel(
+                "Limits verdict",
+                "From tracker.measure_limits (the loader alone, the training step alone on one cached batch) "
+                "against the samples/s the measured ranks really get. loader_bound: the loader delivers fewer "
+                "samples/s than the step consumes, so the run can go no faster than its loader (more workers, "
+                "pinned memory, pre-decoded or cached data, sequential reads). compute_bound: the loader keeps up "
+                "and the run gets at least 80% of the compute limit. below_limits: the loader keeps up, yet the "
+                "run gets less than 80% of the compute limit: loading not overlapped with compute "
+                "(num_workers=0), host syncs, logging, eval or communication. Empty until a rank measures.",
+                [Q(f"run:stepscope_limits:verdict{{{RUN}}}", "{{verdict}}")],
+                "none",
+                show_name=True,
+                width=6,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Loader can deliver / training consumes / run gets",
+                "The loader limit and the compute limit summed over the ranks that measured them, and the "
+                "samples/s those ranks really get (1m rate). The loader must deliver more than training "
+                "consumes; the run gets at most the smaller of the two.",
+                limits,
+                SAMPLES_PER_SECOND,
+                show_name=True,
+                width=18,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Limits next to the real throughput",
+                "Loader limit and compute limit (summed over the ranks that measured them, stepping when a rank "
+                "measures again), the samples/s those ranks get, and the whole run's. A run line far below "
+                "both limits loses its time outside loading and the training step.",
+                [*limits, Q(f"run:stepscope_samples:rate1m{{{RUN}}}", "whole run")],
+                SAMPLES_PER_SECOND,
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            table_panel(
+                "Limits per rank",
+                "Each rank's loader and compute limits, their ratio (below 1 the loader cannot feed the step: "
+                "StepscopeLoaderBelowCompute) and the samples/s it gets.",
+                [
+                    Q(f"sum by (run, rank, instance) (stepscope_loader_limit_samples_per_second{{{RANKS}}})",
+                      table=True),
+                    Q(f"sum by (run, rank, instance) (stepscope_compute_limit_samples_per_second{{{RANKS}}})",
+                      table=True),
+                    Q(f"run_rank:stepscope_loader_compute_limit:ratio{{{RANKS}}}", table=True),
+                    Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", table=True),
+                ],
+                {
+                    "Value #A": ("loader limit", SAMPLES_PER_SECOND),
+                    "Value #B": ("compute limit", SAMPLES_PER_SECOND),
+                    "Value #C": ("loader / compute", "none"),
+                    "Value #D": ("gets", SAMPLES_PER_SECOND),
+                },
+                width=12,
+            )
+        )
+        .with_panel(
+            table_panel(
+                "Profiler traces (stepscope-profile)",
+                "Each rank's latest PyTorch profiler trace, taken on request with `stepscope-profile --run RUN "
+                "--rank K` (or --all-ranks): a gzipped Chrome trace on the rank's node at path (open it in "
+                "ui.perfetto.dev, chrome://tracing or TensorBoard), its size, the steps it holds and when it "
+                "was written.",
+                [
+                    Q(f"stepscope_profile_trace_bytes{{{RANKS}}}", table=True),
+                    Q(f"stepscope_profile_trace_steps{{{RANKS}}}", table=True),
+                    Q(f"stepscope_profile_trace_timestamp_seconds{{{RANKS}}} * 1000", table=True),
+                ],
+                {
+                    "Value #A": ("size", "bytes"),
+                    "Value #B": ("steps", "none"),
+                    "Value #C": ("written", "dateTimeAsIso"),
+                },
+                width=24,
+            )
         )
     )

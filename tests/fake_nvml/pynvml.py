@@ -33,20 +33,34 @@ GPU (every key optional; a missing field raises NVMLError_NotSupported, like a G
     "pcie_kbps": {"rx": 1200000, "tx": 800000},
     "ecc_aggregate": {"corrected": COUNTER, "uncorrected": COUNTER},
     "processes": [{"pid": 1234, "used_memory": B}],  # used_memory null = not available; missing = []
-    "gpm": {"sm_util": 80, "sm_occupancy": 40, "any_tensor_util": 55, "dram_bw_util": 60},
-                                                   # percent; missing = GPM unsupported (pre-Hopper)
+    "gpm": {"sm_util": 80, "sm_occupancy": 40, "any_tensor_util": 55, "dram_bw_util": 60,
+            "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.9,
+            "nvlink_total_tx_per_sec": 40000, "nvlink_total_rx_per_sec": 40000,
+            "c2c_total_tx_per_sec": 2000, "c2c_total_rx_per_sec": 9000},
+                                                   # percent, throughputs in MiB/s; a missing key is
+                                                   # refused per metric (no NVLink, no C2C); no "gpm"
+                                                   # = unsupported (pre-Hopper)
     "errors": {"power_usage_mw": "Unknown", ...}   # force NVMLError_<Name> for one field; fields are
                                                    # the keys above plus "memory_v2", "gpm_sample",
                                                    # "register_events"
 
 COUNTER is a number or {"start": n, "per_second": r}: it grows from when this module was imported,
 so Prometheus rates are nonzero. `tests/fake_nvml/scenario.py` builds scenarios (`make_scenario`).
+
+Cost model: every `nvml*` call is counted per calling thread (`call_counts()`, `reset_call_counts()`),
+so a test can price what one collector cycle asks of NVML. A scenario key
+`"latency_ms": {"nvmlDeviceGetPcieThroughput": 21.0, ..., "default": 0.015}` makes each call really
+take that long (`scenario.H100_LATENCY_MS` holds the figures measured on an H100): a sleep from 1 ms
+up, as NVML waits in the driver, a busy wait below (sleeps that short overshoot by ~50 µs).
 """
 
+import functools
 import json
 import os
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
@@ -97,6 +111,12 @@ NVML_GPM_METRIC_SM_UTIL = 2
 NVML_GPM_METRIC_SM_OCCUPANCY = 3
 NVML_GPM_METRIC_ANY_TENSOR_UTIL = 5
 NVML_GPM_METRIC_DRAM_BW_UTIL = 10
+NVML_GPM_METRIC_PCIE_TX_PER_SEC = 20
+NVML_GPM_METRIC_PCIE_RX_PER_SEC = 21
+NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC = 60
+NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC = 61
+NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC = 100
+NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC = 101
 NVML_GPM_METRIC_MAX = 477
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_SUPPORT_VERSION = 1
@@ -127,6 +147,12 @@ GPM_KEYS = {
     NVML_GPM_METRIC_SM_OCCUPANCY: "sm_occupancy",
     NVML_GPM_METRIC_ANY_TENSOR_UTIL: "any_tensor_util",
     NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_bw_util",
+    NVML_GPM_METRIC_PCIE_TX_PER_SEC: "pcie_tx_per_sec",
+    NVML_GPM_METRIC_PCIE_RX_PER_SEC: "pcie_rx_per_sec",
+    NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: "nvlink_total_rx_per_sec",
+    NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: "nvlink_total_tx_per_sec",
+    NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC: "c2c_total_tx_per_sec",
+    NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC: "c2c_total_rx_per_sec",
 }
 
 
@@ -235,13 +261,26 @@ class c_nvmlGpmMetric_t(_Struct):
         super().__init__(metricId=0, nvmlReturn=NVML_SUCCESS, value=0.0)
 
 
+class _MetricSlots(dict):
+    """The request's metrics array: NVML_GPM_METRIC_MAX slots, each made on first use (477 structs per
+    request would cost the fake a millisecond, which the real ctypes array does not)."""
+
+    def __missing__(self, slot: int) -> c_nvmlGpmMetric_t:
+        if not 0 <= slot < NVML_GPM_METRIC_MAX:
+            raise IndexError(slot)
+        metric = self[slot] = c_nvmlGpmMetric_t()
+        return metric
+
+
 class c_nvmlGpmMetricsGet_t(_Struct):
     def __init__(self) -> None:
-        super().__init__(version=0, numMetrics=0, sample1=None, sample2=None,
-                         metrics=[c_nvmlGpmMetric_t() for _ in range(NVML_GPM_METRIC_MAX)])
+        super().__init__(version=0, numMetrics=0, sample1=None, sample2=None, metrics=_MetricSlots())
 
 
 _STARTED = time.monotonic()
+EVENT_POLL_SECONDS = 0.1  # how often a waiting nvmlEventSetWait_v2 looks for new scenario XIDs
+SLEEP_FROM_SECONDS = 1e-3  # latencies from here up are slept, shorter ones busy-waited
+_calls: Counter[tuple[str, str]] = Counter()  # (thread name, function) -> calls
 _lock = threading.Lock()
 _cache: dict[str, Any] = {"key": None, "scenario": {}}
 _init_count = 0
@@ -310,6 +349,46 @@ def _counter(value: Any) -> float:
     if isinstance(value, dict):
         return value.get("start", 0) + value.get("per_second", 0) * (time.monotonic() - _STARTED)
     return value
+
+
+def call_counts(thread: str | None = None) -> Counter[str]:
+    """Test hook (not in pynvml): calls per nvml function since the last reset, of one thread or all."""
+    counts: Counter[str] = Counter()
+    for (name, function), count in list(_calls.items()):
+        if thread is None or name == thread:
+            counts[function] += count
+    return counts
+
+
+def reset_call_counts() -> None:
+    """Test hook (not in pynvml)."""
+    _calls.clear()
+
+
+def _spend(seconds: float) -> None:
+    if seconds >= SLEEP_FROM_SECONDS:
+        time.sleep(seconds)
+        return
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def _costed(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Counts the call and, with a scenario's latency_ms, takes that long (errors included)."""
+    name = function.__name__
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _calls[(threading.current_thread().name, name)] += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            latency_ms = _cache["scenario"].get("latency_ms")
+            if latency_ms and name != "nvmlEventSetWait_v2":  # the wait has its own timing
+                _spend(latency_ms.get(name, latency_ms.get("default", 0.0)) / 1e3)
+
+    return call
 
 
 def gpm_samples_allocated() -> int:
@@ -481,7 +560,7 @@ def nvmlGpmMetricsGet(request: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t:
             or second.taken_at <= first.taken_at):
         raise NVMLError_InvalidArgument()
     values = _field(_handles[second.device], "gpm")
-    for metric in request.metrics[: request.numMetrics]:
+    for metric in (request.metrics[slot] for slot in range(request.numMetrics)):
         name = GPM_KEYS.get(metric.metricId)
         if name in values:
             metric.value, metric.nvmlReturn = float(values[name]), NVML_SUCCESS
@@ -519,10 +598,15 @@ def nvmlEventSetWait_v2(event_set: _EventSet, timeoutms: int) -> _Struct:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NVMLError_Timeout()
-        time.sleep(min(remaining, 0.02))
+        time.sleep(min(remaining, EVENT_POLL_SECONDS))
 
 
 def nvmlEventSetFree(event_set: _EventSet) -> None:
     if event_set.freed:
         raise NVMLError_InvalidArgument()
     event_set.freed = True
+
+
+for _name, _function in list(globals().items()):
+    if _name.startswith("nvml") and callable(_function) and not isinstance(_function, type):
+        globals()[_name] = _costed(_function)

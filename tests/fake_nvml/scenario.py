@@ -28,7 +28,19 @@ MODELS: dict[str, dict[str, Any]] = {
         "memory": {"total": 80 * GIB, "used": 61 * GIB, "reserved": GIB // 2},
         "power_usage_mw": 512_000, "enforced_power_limit_mw": 700_000,
         "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 61,
-        "gpm": {"sm_util": 82.0, "sm_occupancy": 41.0, "any_tensor_util": 55.0, "dram_bw_util": 63.0},
+        "gpm": {"sm_util": 82.0, "sm_occupancy": 41.0, "any_tensor_util": 55.0, "dram_bw_util": 63.0,
+                "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.875,  # MiB/s: pcie_kbps below
+                "nvlink_total_tx_per_sec": 48_000.0, "nvlink_total_rx_per_sec": 47_500.0},  # no C2C
+    },
+    "GH200": {  # Grace Hopper: the GPU reaches its CPU over NVLink-C2C, so host copies bypass PCIe
+        "name": "NVIDIA GH200 480GB",
+        "memory": {"total": 96 * GIB, "used": 70 * GIB, "reserved": GIB // 2},
+        "power_usage_mw": 610_000, "enforced_power_limit_mw": 900_000,
+        "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 58,
+        "gpm": {"sm_util": 79.0, "sm_occupancy": 38.0, "any_tensor_util": 52.0, "dram_bw_util": 58.0,
+                "pcie_tx_per_sec": 2.0, "pcie_rx_per_sec": 3.0,
+                "nvlink_total_tx_per_sec": 51_000.0, "nvlink_total_rx_per_sec": 50_500.0,
+                "c2c_total_tx_per_sec": 6_000.0, "c2c_total_rx_per_sec": 21_000.0},
     },
     "A100": {
         "name": "NVIDIA A100-SXM4-80GB",
@@ -42,6 +54,21 @@ MODELS: dict[str, dict[str, Any]] = {
         "power_usage_mw": 63_000, "enforced_power_limit_mw": 70_000,
         "clocks_mhz": {"sm": 1590, "mem": 5001}, "temperature_c": 71,
     },
+}
+
+# Median NVML call latencies on an H100 80GB HBM3, driver 580.159 (issue 9's cProfile of a collector
+# cycle), for the fake's "latency_ms". Fast getters (utilization, memory, temperature, power, clocks,
+# processes, ECC, clock-event reasons) took 0.001-0.015 ms: "default" is the top of that range.
+# nvmlGpmMetricsGet took 1.1-4 ms for 14 metrics: the top again. nvmlGpmSampleGet was not measured
+# on its own; the 50-52 ms cycle left 1-3 ms beside the calls listed, so 0.5 ms is an assumption.
+H100_LATENCY_MS: dict[str, float] = {
+    "nvmlDeviceGetPcieThroughput": 21.0,  # NVML samples the link for 20 ms
+    "nvmlDeviceGetTotalEnergyConsumption": 3.2,
+    "nvmlDeviceGetViolationStatus": 0.5,  # per policy
+    "nvmlDeviceGetFieldValues": 4.0,  # 15 fields in one call
+    "nvmlGpmMetricsGet": 4.0,
+    "nvmlGpmSampleGet": 0.5,  # assumed, see above
+    "default": 0.015,
 }
 
 
@@ -74,14 +101,16 @@ def make_scenario(gpus: int = 8, processes_per_gpu: int = 8, *, models: Sequence
                   pids: Sequence[int] | None = None, first_pid: int = 3_000_000,
                   process_memory: int = 6 * GIB, throttle: Sequence[str] = (),
                   xid_events: Sequence[dict[str, int]] = (),
-                  driver_version: str = "550.54.15") -> dict[str, Any]:
+                  driver_version: str = "550.54.15",
+                  latency_ms: dict[str, float] | None = None) -> dict[str, Any]:
     """`gpus` GPUs (models cycled) with `processes_per_gpu` processes each.
 
     Pids come from `pids` (cycled; pass real pids when the process collector must find them) or
-    count up from `first_pid`, one distinct pid per (GPU, slot).
+    count up from `first_pid`, one distinct pid per (GPU, slot). `latency_ms` (e.g. H100_LATENCY_MS)
+    makes every NVML call take its latency.
     """
     pid_source = itertools.cycle(pids) if pids else itertools.count(first_pid)
-    return {
+    scenario = {
         "driver_version": driver_version,
         "init_error": None,
         "gpus": [
@@ -91,6 +120,9 @@ def make_scenario(gpus: int = 8, processes_per_gpu: int = 8, *, models: Sequence
         ],
         "xid_events": list(xid_events),
     }
+    if latency_ms:
+        scenario["latency_ms"] = dict(latency_ms)
+    return scenario
 
 
 def write_scenario(path: Path | str, scenario: dict[str, Any]) -> Path:

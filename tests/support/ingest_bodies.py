@@ -1,7 +1,7 @@
 """Hand-written push bodies (text exposition 0.0.4) for the ingest tests, one knob per variation."""
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 def histogram(name: str, buckets: Sequence[tuple[str, float]], count: float, total: float,
@@ -54,3 +54,52 @@ def full_body(steps: int = 4, pid: int | None = None, phases: Sequence[str] = ("
     return (phase_family(phases, steps) + step_family(steps)
             + counter("stepscope_steps_total", steps) + counter("stepscope_samples_total", 32 * steps)
             + info_family(pid) + state_family(state))
+
+
+STANDARD_PHASES = ("dataloader_next", "to_device", "forward", "backward", "optimizer_step", "train_batch",
+                   "step_lr_schedulers", "from_device", "reduce_metrics")
+
+
+def hooks_body(phases: Sequence[str] = STANDARD_PHASES, steps: int = 12_345, pid: int = 4242,
+               seed: int = 0, buckets: int = 16) -> str:
+    """What training_hooks.render pushes for a rank that ran `steps` steps: the realistic body (9 phases,
+    16 log-spaced buckets from 100 µs to 60 s: ~14 KB), with log-normal phase times over the buckets."""
+    import random
+
+    from training_hooks.config import log_buckets
+    from training_hooks.render import Snapshot, render
+    from training_hooks.timing import Histogram
+
+    rng = random.Random(seed)
+    bounds = log_buckets(1e-4, 60.0, buckets)
+
+    def observed(median: float) -> Histogram:
+        hist = Histogram(bounds)
+        for _ in range(min(steps, 2000)):
+            hist.observe_ns(int(rng.lognormvariate(0, 0.6) * median * 1e9))
+        return hist
+
+    snap = Snapshot(
+        phases=[(phase, "host", observed(0.002 * (i + 1)).snapshot()) for i, phase in enumerate(phases)],
+        step=observed(0.05).snapshot(), steps=steps, samples=32 * steps, state="train",
+        info={"local_rank": "0", "world_size": "8", "pid": str(pid), "framework": "torch",
+              "start_time": "1712345678.25"},
+    )
+    return render(snap)
+
+
+# Bodies built to be expensive for a parser, by size in bytes: prometheus_client's parser takes seconds to
+# minutes on the first and the escaped quotes; a linear parser takes about the same time per byte on all.
+HOSTILE_SHAPES: Mapping[str, Callable[[int], str]] = {
+    "comment line of blanks": lambda n: "#" + " " * n + "x\n",
+    "blank lines": lambda n: "\n" * n,
+    "comment lines": lambda n: "# x\n" * (n // 4),
+    "escaped quotes in a label value": lambda n: ('# TYPE stepscope_training_state gauge\n'
+                                                  'stepscope_training_state{state="' + '\\"' * (n // 2) + '"} 1\n'),
+    "blanks inside braces": lambda n: ('# TYPE stepscope_steps_total counter\n'
+                                       "stepscope_steps_total{" + " " * n + "} 1\n"),
+    "long label name": lambda n: '# TYPE stepscope_steps_total counter\nstepscope_steps_total{' + "a" * n + '="1"} 1\n',
+    "long number": lambda n: "# TYPE stepscope_steps_total counter\nstepscope_steps_total " + "1" * n + "\n",
+    "many small samples": lambda n: "# TYPE stepscope_training_state gauge\n" + "".join(
+        f'stepscope_training_state{{state="s{i}"}} 0\n' for i in range(n // 40)),
+}

@@ -1,0 +1,148 @@
+"""GPU readings too slow for every cycle, taken on a thread of their own.
+
+On an H100 most NVML getters return in 1-15 µs, but `nvmlDeviceGetTotalEnergyConsumption` takes
+about 3 ms, `nvmlDeviceGetViolationStatus` 0.5 ms per policy (8 policies), and
+`nvmlDeviceGetPcieThroughput` blocks 20 ms per direction while NVML samples the link. Energy and
+violation time are cumulative counters, so reading them every `interval` seconds (10 by default)
+loses nothing but resolution; PCIe throughput is read here only for GPUs whose GPM cannot give it
+(pre-Hopper), and is then one 20 ms window every interval rather than a per-cycle reading.
+
+The first round runs in `start()`, so the collector's first cycle already has every value; then
+a daemon thread repeats it every interval, and at once when the collector asks (a GPU answered
+again, or late). The collector publishes a GPU's latest values while they are at most
+`STALE_INTERVALS` intervals old, so a wedged NVML call makes them absent instead of frozen.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from types import ModuleType
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+Sample = tuple[str, tuple[str, ...], float]  # (family key, labels after gpu+uuid, value)
+Reader = Callable[[ModuleType, Any], Iterable[Sample]]
+
+DEFAULT_INTERVAL_SECONDS = 10.0
+STALE_INTERVALS = 3
+VIOLATION_POLICIES = (
+    ("power", "NVML_PERF_POLICY_POWER"),
+    ("thermal", "NVML_PERF_POLICY_THERMAL"),
+    ("sync_boost", "NVML_PERF_POLICY_SYNC_BOOST"),
+    ("board_limit", "NVML_PERF_POLICY_BOARD_LIMIT"),
+    ("low_utilization", "NVML_PERF_POLICY_LOW_UTILIZATION"),
+    ("reliability", "NVML_PERF_POLICY_RELIABILITY"),
+    ("app_clocks", "NVML_PERF_POLICY_TOTAL_APP_CLOCKS"),
+    ("base_clocks", "NVML_PERF_POLICY_TOTAL_BASE_CLOCKS"),
+)
+
+
+class GpuRef(Protocol):
+    """What this module needs of the collector's per-GPU state (read, never written, here)."""
+
+    index: str
+    handle: Any
+    gpm: Any  # GpmSampler | None; its `gives_pcie` says whether GPM covers PCIe
+
+
+def _energy(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    return [("energy_joules", (), nvml.nvmlDeviceGetTotalEnergyConsumption(handle) * 1e-3)]  # mJ
+
+
+def _violation(reason: str, policy: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    spent = nvml.nvmlDeviceGetViolationStatus(handle, getattr(nvml, policy))
+    return [("clock_event_seconds", (reason,), spent.violationTime / 1e9)]  # ns
+
+
+def _pcie(key: str, counter: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+    return [(key, (), nvml.nvmlDeviceGetPcieThroughput(handle, getattr(nvml, counter)) * 1024)]  # KB/s
+
+
+COUNTER_READERS: tuple[tuple[str, Reader], ...] = (
+    ("energy", _energy),
+    *((f"violation_{reason}", partial(_violation, reason, policy)) for reason, policy in VIOLATION_POLICIES),
+)
+PCIE_READERS: tuple[tuple[str, Reader], ...] = (
+    ("pcie_receive", partial(_pcie, "pcie_receive_bytes_per_second", "NVML_PCIE_UTIL_RX_BYTES")),
+    ("pcie_transmit", partial(_pcie, "pcie_transmit_bytes_per_second", "NVML_PCIE_UTIL_TX_BYTES")),
+)
+
+
+class SlowReadings:
+    """The latest slow readings per GPU index, refreshed every `interval` seconds on a daemon thread."""
+
+    def __init__(self, nvml: ModuleType, interval: float = DEFAULT_INTERVAL_SECONDS,
+                 poll_pcie: bool = True) -> None:
+        self._nvml = nvml
+        self._interval = interval
+        self._poll_pcie = poll_pcie
+        self._latest: dict[str, tuple[float, list[Sample]]] = {}  # index -> (monotonic read time, samples)
+        self._failed: set[tuple[str, str, str]] = set()
+        self._gpus: Sequence[GpuRef] = ()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-slow-readings", daemon=True)
+
+    def start(self, gpus: Sequence[GpuRef]) -> None:
+        """Reads every GPU once now, then every interval on the thread."""
+        self._gpus = gpus
+        self.read_all()
+        self._thread.start()
+
+    def samples(self, index: str, now: float) -> list[Sample]:
+        """The GPU's latest slow readings; empty when there are none or they are stale."""
+        latest = self._latest.get(index)
+        if latest is None or now - latest[0] > STALE_INTERVALS * self._interval:
+            return []
+        return latest[1]
+
+    def refresh_soon(self) -> None:
+        """Starts the next round now rather than at the end of the interval."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.read_all()
+
+    def read_all(self) -> None:
+        """One round: every identified GPU's slow readings, now, on the calling thread."""
+        for gpu in list(self._gpus):
+            handle = gpu.handle
+            if handle is None:  # not identified yet: the collector retries, the next round reads it
+                continue
+            readers = COUNTER_READERS
+            if self._poll_pcie and (gpu.gpm is None or gpu.gpm.gives_pcie is False):
+                readers += PCIE_READERS
+            samples = self._read_gpu(gpu.index, handle, readers)
+            if samples is None:
+                self._latest.pop(gpu.index, None)
+            else:
+                self._latest[gpu.index] = (time.monotonic(), samples)
+
+    def _read_gpu(self, index: str, handle: Any, readers: Iterable[tuple[str, Reader]]) -> list[Sample] | None:
+        """Every reading NVML gives for the GPU; None when it stopped answering."""
+        nvml = self._nvml
+        samples: list[Sample] = []
+        for what, reader in readers:
+            try:
+                samples += reader(nvml, handle)
+            except nvml.NVMLError_GpuIsLost:
+                return None
+            except nvml.NVMLError as exc:
+                if (index, what, type(exc).__name__) not in self._failed:
+                    self._failed.add((index, what, type(exc).__name__))
+                    log.debug("GPU %s: %s unavailable (%s): left out", index, what, exc)
+        return samples

@@ -1,0 +1,207 @@
+"""`stepscope-profile` (or `python -m exporter.profile_cli`): a PyTorch profiler trace of a live rank.
+
+    stepscope-profile [--exporter URL] --run RUN [--rank K ... | --all-ranks] [--steps 20] [--wait 120]
+
+Asks the node's exporter (the one the ranks push to) for a trace of the next `--steps` steps of each
+rank; the rank takes it on its next push, writes a gzipped Chrome trace into its STEPSCOPE_TRACE_DIR
+and reports it on the push after. Prints the path of each trace on stdout, one per line (open them in
+https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler plugin), and a line per rank on
+stderr. Exit 0 when every rank wrote its trace; exit 2 with the reason per rank when one did not
+(not pushing here, profiler not available, already tracing, timeout) and for bad flags or an exporter
+that cannot be reached; 130 on Ctrl-C. Requests no rank took are cancelled on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import requests
+
+from exporter.flags import positive_float
+
+PROG = "stepscope-profile"
+DEFAULT_EXPORTER = "http://127.0.0.1:9847"
+API = "/api/v1/profiles"
+MAX_STEPS = 1000
+POLL_SECONDS = 0.5
+HTTP_TIMEOUT_SECONDS = 10.0
+FINISHED = ("done", "failed", "cancelled")
+
+
+class Failure(Exception):
+    """The one-line reason the command ends with exit 2."""
+
+
+def _int_in(low: int, high: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text!r}")
+        return value
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--exporter", default=os.environ.get("STEPSCOPE_PUSH_URL", "").strip() or DEFAULT_EXPORTER,
+                        metavar="URL", help="the exporter the ranks push to (default: STEPSCOPE_PUSH_URL, else "
+                                            f"{DEFAULT_EXPORTER})")
+    parser.add_argument("--run", required=True, help="the run (label `run`)")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--rank", type=_int_in(0, 10**9), action="append", metavar="K",
+                       help="a rank to trace, repeatable (default: 0)")
+    ranks.add_argument("--all-ranks", action="store_true", help="every rank of the run pushing to this exporter")
+    parser.add_argument("--steps", type=_int_in(1, MAX_STEPS), default=20, help="training steps to record")
+    parser.add_argument("--wait", type=positive_float, default=120.0, metavar="SECONDS",
+                        help="how long to wait for the traces")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="file holding the exporter's push token (default: STEPSCOPE_PUSH_TOKEN)")
+    args = parser.parse_args(argv)
+    if not args.exporter.startswith(("http://", "https://")):
+        parser.error(f"--exporter must be an http:// or https:// URL, got {args.exporter!r}")
+    args.exporter = args.exporter.rstrip("/")
+    try:
+        args.token = _token(args.token_file)
+    except OSError as exc:
+        parser.error(f"cannot read --token-file {args.token_file!r}: {exc.strerror or exc}")
+    return args
+
+
+def _token(path: str | None) -> str:
+    if path is None:
+        return os.environ.get("STEPSCOPE_PUSH_TOKEN", "").strip()
+    with open(path, encoding="utf-8") as handle:
+        return handle.read().strip()
+
+
+class ExporterApi:
+    """The exporter's profile-request API; every problem becomes a Failure with what to do."""
+
+    def __init__(self, base_url: str, token: str) -> None:
+        self.base_url = base_url
+        self._session = requests.Session()
+        if token:
+            self._session.headers["Authorization"] = f"Bearer {token}"
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        url = self.base_url + path
+        try:
+            response = self._session.request(method, url, timeout=HTTP_TIMEOUT_SECONDS, **kwargs)
+        except requests.RequestException as exc:
+            raise Failure(f"cannot reach the exporter at {self.base_url} ({type(exc).__name__}): is stepscope-exporter "
+                          "running there? (--exporter, STEPSCOPE_PUSH_URL)") from None
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            raise Failure(f"{url} answered HTTP {response.status_code} without the profile API's JSON: point "
+                          "--exporter at a stepscope exporter (a Pushgateway cannot take profile requests)")
+        if response.status_code >= 400:
+            raise Failure(str(payload.get("error") or f"HTTP {response.status_code}"))
+        return payload
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def request_traces(api: ExporterApi, args: argparse.Namespace) -> list[dict[str, Any]]:
+    ranks: list[int] | str = "all" if args.all_ranks else (args.rank or [0])
+    return api.call("POST", API, json={"run": args.run, "ranks": ranks, "steps": args.steps})["requests"]
+
+
+def wait_for(api: ExporterApi, requests_made: list[dict[str, Any]], wait: float) -> list[dict[str, Any]]:
+    """The requests as they stand when all finished or `wait` seconds passed."""
+    deadline = time.monotonic() + wait
+    current = requests_made
+    while True:
+        current = [r if r["state"] in FINISHED else api.call("GET", f"{API}/{r['id']}") for r in current]
+        if all(r["state"] in FINISHED for r in current) or time.monotonic() >= deadline:
+            return current
+        time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+def cancel_pending(api: ExporterApi, current: list[dict[str, Any]]) -> None:
+    for request in current:
+        if request["state"] == "pending":
+            with contextlib.suppress(Failure):  # it expires on the exporter by itself
+                api.call("DELETE", f"{API}/{request['id']}")
+
+
+def explain(request: dict[str, Any], wait: float) -> str:
+    """Why a request has no trace, in one line."""
+    who = f"rank {request['rank']} of run {request['run']!r}"
+    state = request["state"]
+    if state in ("failed", "cancelled"):
+        return f"{who}: {request['reason'] or state}"
+    if state == "running":
+        return (f"{who} took the request but recorded {request['done_steps']} of {request['steps']} steps in "
+                f"{wait:g} s: training is slow, stalled or not stepping (eval, checkpoint); raise --wait")
+    age, interval = request.get("last_push_age_seconds"), request.get("push_interval_seconds")
+    waited = f"{who} did not take the request within {wait:g} s"
+    if age is None:
+        return f"{waited} and stopped pushing"
+    pushed = f"; its last push was {age:.1f} s ago"
+    if interval is not None:
+        pushed += f", pushes came every {interval:.1f} s"
+        if age <= 3 * interval + 1:
+            return f"{waited}{pushed}: raise --wait"
+    return f"{waited}{pushed}: the process is not pushing (hung, stopped or gone)"
+
+
+def report(finished: list[dict[str, Any]], wait: float) -> int:
+    failed = 0
+    for request in sorted(finished, key=lambda r: int(r["rank"])):
+        if request["state"] == "done":
+            note = f" ({request['reason']})" if request["reason"] else ""
+            print(request["path"], flush=True)
+            print(f"{PROG}: rank {request['rank']}: {request['trace_steps']} steps, {_size(request['bytes'])}{note}",
+                  file=sys.stderr)
+        else:
+            failed += 1
+            print(f"{PROG}: {explain(request, wait)}", file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _size(size: int) -> str:
+    if size < 1024:
+        return f"{size} bytes"
+    return f"{size / 1024:.1f} KiB" if size < 1024**2 else f"{size / 1024**2:.1f} MiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    api = ExporterApi(args.exporter, args.token)
+    current: list[dict[str, Any]] = []
+    try:
+        current = request_traces(api, args)
+        ranks = ", ".join(r["rank"] for r in current)
+        print(f"{PROG}: asked rank{'s' if len(current) > 1 else ''} {ranks} of run {args.run!r} for {args.steps} "
+              f"steps; waiting up to {args.wait:g} s", file=sys.stderr)
+        current = wait_for(api, current, args.wait)
+        cancel_pending(api, current)
+        return report(current, args.wait)
+    except Failure as failure:
+        print(f"{PROG}: {failure}", file=sys.stderr)
+        cancel_pending(api, current)
+        return 2
+    except KeyboardInterrupt:
+        cancel_pending(api, current)
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        api.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

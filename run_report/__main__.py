@@ -1,0 +1,5 @@
+import sys
+
+from run_report.cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""`stepscope-report`: the command line. Bad input, an unreachable Prometheus and a run or range
+without data end with one line on stderr and exit code 2; the output directory then stays as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+
+from run_report import output
+from run_report.prometheus import Prometheus, PrometheusError
+from run_report.times import iso, parse_time
+from run_report.window import (
+    SEARCH_DAYS,
+    NoData,
+    Window,
+    aligned,
+    resolution,
+    run_life,
+    run_matcher,
+    runs_seen,
+)
+
+PROG = "stepscope-report"
+IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
+
+
+class UsageError(Exception):
+    """A problem with the request; the message is one line."""
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="A training run's report from Prometheus: index.html (verdict, plots, Gantt chart of "
+                    "rank states, tables) and CSVs.",
+        epilog="Times: RFC 3339 (2024-05-01T12:00:00Z; no zone = UTC), Unix seconds, now, now-2h. "
+               f"Without --from/--to the run's whole life in the last {SEARCH_DAYS} days; without --run "
+               "the runs seen are listed (exit 2).",
+    )
+    parser.add_argument("--prometheus", default="http://localhost:9090", metavar="URL",
+                        help="Prometheus base URL (default: http://localhost:9090)")
+    parser.add_argument("--run", help="the run (label `run`) to report on")
+    parser.add_argument("--from", dest="start", metavar="T", help="window start (default: the run's first sample)")
+    parser.add_argument("--to", dest="end", metavar="T", help="window end (default: the run's end)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="directory for index.html and the CSVs (default: stepscope-report-RUN); replaced "
+                             "when it holds an earlier report")
+    parser.add_argument("--step", type=float, metavar="SECONDS",
+                        help="resolution of series over time (default: the scrape interval, coarser for long "
+                             "windows: at most 1200 points)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="per query (default: 60)")
+    args = parser.parse_args(argv)
+    for name in ("step", "timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name} must be > 0, got {value:g}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return _report(args)
+    except (UsageError, NoData, PrometheusError, output.OutputError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; nothing written", file=sys.stderr)
+        return 130
+
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        from run_report import report
+    except ImportError as exc:
+        raise UsageError(f"the report needs matplotlib ({exc.name} is missing): pip install 'stepscope[report]'") \
+            from None
+    now = time.time()
+    start, end = _requested(args, now)
+    prom = Prometheus(args.prometheus, timeout=args.timeout)
+    if args.run is None:
+        _list_runs(prom, start, end)
+    out = args.out or Path(f"stepscope-report-{_safe(args.run)}")
+    output.check(out)
+    window, nodes = _window(prom, args, now)
+    from run_report.collect import fetch
+
+    data = fetch(prom, args.run, window, nodes)
+    if data.totals["steps"] and not data.over_time["verdict"]:
+        raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
+                         "(run:stepscope_bottleneck:verdict): load the rule files of grafana/rules/ into Prometheus")
+    built = report.build(data, _without_credentials(prom.base_url))
+    with output.staged(out) as staging:
+        files = report.write(built, staging)
+    print(f"{out / 'index.html'} and {len(files) - 1} CSVs for run {args.run} from {iso(window.start)} to "
+          f"{iso(window.end)}: {built.assessment.headline}")
+    return 0
+
+
+def _requested(args: argparse.Namespace, now: float) -> tuple[float, float]:
+    try:
+        start = parse_time(args.start, now) if args.start else now - SEARCH_DAYS * 86400
+        end = parse_time(args.end, now) if args.end else now
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if start >= end:
+        raise UsageError(f"--from ({iso(start)}) must be before --to ({iso(end)})")
+    return start, end
+
+
+def _list_runs(prom: Prometheus, start: float, end: float) -> None:
+    seen = runs_seen(prom, start, end)
+    if not seen:
+        raise NoData(f"no run pushed training metrics between {iso(start)} and {iso(end)} "
+                     "(is Prometheus scraping the stepscope exporter?)")
+    listing = "; ".join(f"{s.run} ({s.ranks} rank{'s' * (s.ranks != 1)} on {', '.join(s.nodes)})" for s in seen)
+    raise UsageError(f"--run is required; runs seen between {iso(start)} and {iso(end)}: {listing}")
+
+
+def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Window, list[str]]:
+    """The report's window: --from/--to, else the run's life (its idle tail cut to a minute)."""
+    start, end = _requested(args, now)
+    try:
+        first, last, scrape_interval = run_life(prom, args.run, start, end)
+    except NoData:
+        known = [s.run for s in runs_seen(prom, now - SEARCH_DAYS * 86400, now)]
+        if args.run in known:
+            raise NoData(f"run {args.run!r} has no samples between {iso(start)} and {iso(end)}") from None
+        hint = f"runs seen in the last {SEARCH_DAYS} days: {', '.join(known)}" if known else "no run seen at all"
+        raise NoData(f"no data for run {args.run!r} ({hint})") from None
+    start = start if args.start else first
+    end = end if args.end else last
+    step = args.step or resolution(start, end, scrape_interval)
+    if not args.end:
+        end = _cut_idle_tail(prom, args.run, start, end, step)
+    window = aligned(start, max(end, start + step), step)
+    nodes = sorted({labels.get("instance", "") for labels in
+                    prom.series(f"stepscope_training_info{{{run_matcher(args.run)}}}", window.start, window.end)})
+    return window, nodes
+
+
+def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: float) -> float:
+    """A finished run's group stays on the exporter in state idle until its TTL: end the window
+    shortly after the last rank left the other states (a tenth of the run, at most a minute)."""
+    active = prom.query_range(
+        f'count(stepscope_training_state{{{run_matcher(run)},state!="idle"}} == 1)', start, end, step)
+    times = [t for series in active for t, _ in series.points]
+    if not times:
+        return end
+    last_active = max(times)
+    return min(end, last_active + max(2 * step, min(IDLE_TAIL_SECONDS, 0.1 * (last_active - start))))
+
+
+def _without_credentials(url: str) -> str:
+    """The URL as the page shows it: user and password (http://user:secret@host) left out."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=host))
+
+
+def _safe(run: str) -> str:
+    """The run name as a directory name (the default --out)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", run).strip(".") or "run"

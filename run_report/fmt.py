@@ -1,0 +1,27 @@
+"""Numbers in words for the page and the verdict: milliseconds below a second, percentages, counts."""
+
+from __future__ import annotations
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "no data"
+    return f"{value * 1000:.3g} ms" if abs(value) < 1 else f"{value:.3g} s"
+
+
+def percent(value: float | None) -> str:
+    return "no data" if value is None else f"{value:.0%}"
+
+
+def count(value: float | None) -> str:
+    return "no data" if value is None else f"{value:,.0f}"
+
+
+def score(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def duration(total_seconds: float) -> str:
+    hours, rest = divmod(round(total_seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"

@@ -1,0 +1,108 @@
+"""The Prometheus HTTP API, the only way the report reads data: instant and range queries, series.
+
+Queries go as form-encoded POSTs (long PromQL does not fit a URL) on one pooled session, so the
+report can send them from a few threads at once. Every failure becomes a `PrometheusError` with one
+line a user can act on: where Prometheus was not reachable, or what it answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+TIMEOUT_SECONDS = 60.0
+
+
+class PrometheusError(Exception):
+    """Prometheus could not be reached or refused a request; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Series:
+    """One series of a query result: its labels and (unix seconds, value) points in time order."""
+
+    labels: Mapping[str, str]
+    points: tuple[tuple[float, float], ...]
+
+    @property
+    def last(self) -> float:
+        return self.points[-1][1]
+
+
+class Prometheus:
+    def __init__(self, base_url: str, timeout: float = TIMEOUT_SECONDS) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = timeout
+        self._session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=16)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+
+    def query(self, expr: str, at: float) -> list[Series]:
+        """An instant query evaluated at `at`; a range-vector result keeps every raw sample."""
+        data = self._call("query", {"query": expr, "time": _timestamp(at)})
+        return _series(data)
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
+        data = self._call(
+            "query_range",
+            {"query": expr, "start": _timestamp(start), "end": _timestamp(end), "step": f"{step:g}"},
+        )
+        return _series(data)
+
+    def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
+        """Label sets of the series `match` selects in [start, end] (an index lookup, no samples read)."""
+        return self._call("series", {"match[]": match, "start": _timestamp(start), "end": _timestamp(end)})
+
+    def _call(self, endpoint: str, form: dict[str, str]) -> Any:
+        url = f"{self.base_url}/api/v1/{endpoint}"
+        try:
+            response = self._session.post(url, data=form, timeout=self._timeout)
+        except requests.Timeout:
+            raise PrometheusError(f"Prometheus at {self.base_url} did not answer within {self._timeout:g}s") from None
+        except requests.RequestException as exc:
+            raise PrometheusError(f"cannot reach Prometheus at {self.base_url}: {_reason(exc)}") from None
+        try:
+            body = response.json()
+        except ValueError:
+            raise PrometheusError(
+                f"{url} answered HTTP {response.status_code} without a Prometheus API response "
+                "(is --prometheus the server's base URL?)"
+            ) from None
+        if not isinstance(body, dict) or body.get("status") != "success":
+            error = body.get("error", "no error message") if isinstance(body, dict) else "unexpected body"
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else "no error message"
+            raise PrometheusError(
+                f"Prometheus refused a {endpoint} request (HTTP {response.status_code}): {first_line}"
+            )
+        return body["data"]
+
+
+def _timestamp(seconds: float) -> str:
+    return f"{seconds:.3f}"
+
+
+def _reason(exc: requests.RequestException) -> str:
+    """The innermost cause of a connection error, e.g. 'Connection refused', not urllib3's wrapping."""
+    cause: BaseException = exc
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    text = str(cause).strip() or type(cause).__name__
+    return text.rsplit("] ", 1)[-1].splitlines()[0]
+
+
+def _series(data: dict[str, Any]) -> list[Series]:
+    kind, result = data["resultType"], data["result"]
+    if kind == "vector":
+        return [Series(item["metric"], ((item["value"][0], float(item["value"][1])),)) for item in result]
+    if kind == "matrix":
+        return [
+            Series(item["metric"], tuple((t, float(v)) for t, v in item.get("values", ())))
+            for item in result
+        ]
+    if kind == "scalar":
+        return [Series({}, ((result[0], float(result[1])),))]
+    raise PrometheusError(f"unexpected {kind} result from Prometheus")

@@ -1,0 +1,125 @@
+"""A run's report from its fetched data: the numbers, the timelines, the pictures, the files."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from run_report import csvs, page, plots
+from run_report.collect import RunData
+from run_report.summary import (
+    NodeSummary,
+    RankSummary,
+    RunTotals,
+    node_summaries,
+    rank_summaries,
+    run_totals,
+)
+from run_report.timeline import (
+    Bound,
+    Interval,
+    critical_path,
+    labelled_intervals,
+    state_intervals,
+    training_times,
+)
+from run_report.times import iso
+from run_report.verdict import Assessment, assess
+
+RUN_SUMMARY_HEADER = (
+    "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "mean_step_seconds",
+    "p50_step_seconds", "p95_step_seconds", "dataloader_share", "io_samples_per_second",
+    "training_samples_per_second", "gpu_effective_utilization_ratio", "gpu_utilization_ratio", "verdict",
+    "stragglers",
+)
+
+
+@dataclass(frozen=True)
+class Report:
+    data: RunData
+    prometheus_url: str
+    generated: float
+    ranks: list[RankSummary]
+    nodes: list[NodeSummary]
+    totals: RunTotals
+    assessment: Assessment
+    intervals: list[Interval]
+    verdicts: list[tuple[str, float, float]]
+    path: list[Bound]
+
+
+def build(data: RunData, prometheus_url: str) -> Report:
+    ranks = rank_summaries(data)
+    totals = run_totals(data, ranks)
+    over = data.over_time
+    training = training_times(over["verdict"])
+    return Report(
+        data=data, prometheus_url=prometheus_url, generated=time.time(), ranks=ranks,
+        nodes=node_summaries(ranks), totals=totals, assessment=assess(data, totals, ranks),
+        intervals=state_intervals(over["state"], data.window),
+        verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
+        path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
+    )
+
+
+def write(report: Report, directory: Path) -> list[str]:
+    """Writes the CSVs and index.html into `directory` (which exists and is empty); returns the names."""
+    files = _write_csvs(report, directory)
+    html = page.render(report, _images(report), files)
+    (directory / "index.html").write_text(html, encoding="utf-8")
+    return ["index.html", *files]
+
+
+def _images(report: Report) -> dict[str, tuple[str, bytes | str]]:
+    data, window, over = report.data, report.data.window, report.data.over_time
+    images: dict[str, tuple[str, bytes | str]] = {
+        "Step time": ("Step time per rank, the run's p50 and p95, throughput and data-loading share over time",
+                      plots.step_time(window, over) if over["step_mean"] else "No step was timed in this window."),
+        "Phase breakdown": ("Seconds per step in each phase, per rank",
+                            plots.phase_breakdown(report.ranks, report.totals.phases)
+                            if any(rank.steps_timed for rank in report.ranks) else "No step was timed in this window."),
+        "States and critical path": ("Gantt chart of each rank's states, the verdict and the slowest rank over time",
+                                     plots.gantt(window, report.intervals, report.verdicts, report.path)
+                                     if report.intervals else "No training state was recorded in this window."),
+        "GPU utilization": ("Effective utilization of each GPU the run used",
+                            plots.gpu_utilization(window, over["gpu_effective"], over["gpu_nvml"])
+                            if over["gpu_effective"] else
+                            "No GPU is mapped to this run: it trains on the CPU, or the exporter on its node "
+                            "cannot see its processes (hostPID / pid: host)."),
+        "Node resources": ("CPU, memory, disk and network of the run's nodes",
+                           plots.node_resources(window, over)
+                           if any(over.get(name) for name in csvs.NODE_RESOURCE_COLUMNS.values()) else
+                           f"No node metrics for {', '.join(data.nodes) or 'the run'}: is the stepscope "
+                           "exporter scraped there?"),
+    }
+    return images
+
+
+def _write_csvs(report: Report, directory: Path) -> list[str]:
+    over = report.data.over_time
+    tables: dict[str, tuple[list[str] | tuple[str, ...], list[list[object]]]] = {
+        "run_summary.csv": (RUN_SUMMARY_HEADER, [_run_row(report)]),
+        "rank_summary.csv": csvs.rank_rows(report.ranks, report.totals.phases),
+        "node_summary.csv": (csvs.NODE_SUMMARY_HEADER, csvs.node_rows(report.nodes)),
+        "state_timeline.csv": (csvs.STATE_TIMELINE_HEADER, csvs.state_rows(report.intervals)),
+        "critical_path.csv": (csvs.CRITICAL_PATH_HEADER, csvs.critical_path_rows(report.path)),
+        "node_resource_usage.csv": csvs.over_time(over, csvs.NODE_RESOURCE_COLUMNS, {"node": "instance"}),
+        "process_resource_usage.csv": csvs.over_time(over, csvs.PROCESS_RESOURCE_COLUMNS,
+                                                     {"node": "instance", "rank": "rank", "pid": "pid"}),
+        "gpu_usage.csv": csvs.over_time(over, csvs.GPU_COLUMNS, {"node": "instance", "gpu": "gpu"},
+                                        {"source": "source"}),
+    }
+    for name, (header, rows) in tables.items():
+        csvs.write(directory / name, header, rows)
+    return list(tables)
+
+
+def _run_row(report: Report) -> list[object]:
+    window, totals, a = report.data.window, report.totals, report.assessment
+    return [
+        report.data.run, iso(window.start), iso(window.end), window.step, len({r.rank for r in report.ranks}),
+        " ".join(report.data.nodes), totals.steps, totals.samples, totals.mean, totals.p50, totals.p95,
+        totals.dataloader_share, totals.io_samples_per_second, totals.training_samples_per_second,
+        a.gpu_effective, a.gpu_nvml, a.verdict, " ".join(rank.rank for rank in a.stragglers),
+    ]

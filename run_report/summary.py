@@ -1,0 +1,234 @@
+"""The run's numbers over the window: per rank, per node and for the run, from the fetched totals.
+
+Definitions follow the recording rules, applied to the whole window instead of one minute: mean step
+time = step seconds / steps timed; a phase's share = its seconds / step seconds; the straggler scores
+= the run's median over the rank's value, of mean step time and of the seconds per step in
+`dataloader_next` + `to_device` + `forward` (1 typical, below 0.75 a straggler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from run_report.collect import RunData
+from run_report.prometheus import Series
+from run_report.queries import PHASE_LOCAL
+from run_report.timeline import rank_key
+from training_hooks.config import STANDARD_PHASES
+
+LOCAL_PHASES = tuple(PHASE_LOCAL.split("|"))
+STRAGGLER_SCORE = 0.75  # the rules' threshold (StepscopeStragglerRank)
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    rank: str
+    node: str
+    local_rank: str
+    pids: str
+    steps: float
+    samples: float
+    step_seconds: float  # sum of the timed steps' durations
+    steps_timed: float  # the step histogram's count (the first step of a process is not timed)
+    p50: float | None
+    p95: float | None
+    phase_seconds: Mapping[str, float]
+    step_time_score: float | None = None
+    local_score: float | None = None
+
+    @property
+    def mean(self) -> float | None:
+        return self.step_seconds / self.steps_timed if self.steps_timed > 0 else None
+
+    def share(self, phase: str) -> float | None:
+        return self.phase_seconds.get(phase, 0.0) / self.step_seconds if self.step_seconds > 0 else None
+
+    @property
+    def untimed_share(self) -> float | None:
+        """Step time in no phase (the loop's own code between phases)."""
+        if self.step_seconds <= 0:
+            return None
+        return max(0.0, 1 - sum(self.phase_seconds.values()) / self.step_seconds)
+
+    @property
+    def lowest_score(self) -> float | None:
+        scores = [score for score in (self.step_time_score, self.local_score) if score is not None]
+        return min(scores, default=None)
+
+    @property
+    def local_seconds(self) -> float | None:
+        """Seconds per step before the first collective; None when none of those phases is timed."""
+        if self.steps_timed <= 0 or not any(phase in self.phase_seconds for phase in LOCAL_PHASES):
+            return None
+        return sum(self.phase_seconds.get(phase, 0.0) for phase in LOCAL_PHASES) / self.steps_timed
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    node: str
+    ranks: int
+    steps: float
+    samples: float
+    mean: float | None  # mean step time over the node's ranks
+    fastest_rank_mean: float | None
+    slowest_rank_mean: float | None
+
+    @property
+    def skew(self) -> float | None:
+        """Slowest rank's mean step time over the fastest's (1 = even)."""
+        if not self.fastest_rank_mean or self.slowest_rank_mean is None:
+            return None
+        return self.slowest_rank_mean / self.fastest_rank_mean
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    steps: float
+    samples: float
+    step_seconds: float
+    steps_timed: float
+    phase_seconds: Mapping[str, float]
+    p50: float | None
+    p95: float | None
+    phases: tuple[str, ...] = field(default=())  # in the order a step runs them
+
+    @property
+    def mean(self) -> float | None:
+        return self.step_seconds / self.steps_timed if self.steps_timed > 0 else None
+
+    @property
+    def dataloader_share(self) -> float | None:
+        if "dataloader_next" not in self.phase_seconds or self.step_seconds <= 0:
+            return None
+        return min(1.0, self.phase_seconds["dataloader_next"] / self.step_seconds)
+
+    @property
+    def io_samples_per_second(self) -> float | None:
+        """Samples over the seconds spent waiting in `dataloader_next`: the rate loading keeps up with."""
+        loading = self.phase_seconds.get("dataloader_next")
+        return self.samples / loading if loading else None
+
+    @property
+    def training_samples_per_second(self) -> float | None:
+        """Samples over the rest of the step time: the rate training consumes them at."""
+        loading = self.phase_seconds.get("dataloader_next")
+        if loading is None or self.step_seconds - loading <= 0:
+            return None
+        return self.samples / (self.step_seconds - loading)
+
+
+def rank_summaries(data: RunData) -> list[RankSummary]:
+    totals = data.totals
+    info = _info(totals["info"])
+    phases: dict[tuple[str, str], dict[str, float]] = {}
+    for series in totals["phase_seconds"]:
+        phases.setdefault(_key(series), {})[series.labels.get("phase", "")] = series.last
+    values = {name: _by_rank(totals[name]) for name in ("steps", "samples", "step_seconds", "step_count",
+                                                         "p50", "p95")}
+    keys = sorted(set(values["steps"]) | set(info), key=lambda key: (rank_key(key[0]), key[1]))
+    ranks = [
+        RankSummary(
+            rank=rank, node=node,
+            local_rank=info.get((rank, node), ("", ""))[0], pids=info.get((rank, node), ("", ""))[1],
+            steps=values["steps"].get((rank, node), 0.0), samples=values["samples"].get((rank, node), 0.0),
+            step_seconds=values["step_seconds"].get((rank, node), 0.0),
+            steps_timed=values["step_count"].get((rank, node), 0.0),
+            p50=_finite(values["p50"].get((rank, node))), p95=_finite(values["p95"].get((rank, node))),
+            phase_seconds=phases.get((rank, node), {}),
+        )
+        for rank, node in keys
+    ]
+    return _with_scores(ranks)
+
+
+def run_totals(data: RunData, ranks: list[RankSummary]) -> RunTotals:
+    phase_seconds: dict[str, float] = {}
+    for rank in ranks:
+        for phase, seconds in rank.phase_seconds.items():
+            phase_seconds[phase] = phase_seconds.get(phase, 0.0) + seconds
+    return RunTotals(
+        steps=sum(rank.steps for rank in ranks),
+        samples=sum(rank.samples for rank in ranks),
+        step_seconds=sum(rank.step_seconds for rank in ranks),
+        steps_timed=sum(rank.steps_timed for rank in ranks),
+        phase_seconds=phase_seconds,
+        p50=_finite(_only(data.totals["run_p50"])),
+        p95=_finite(_only(data.totals["run_p95"])),
+        phases=phase_order(phase_seconds),
+    )
+
+
+def node_summaries(ranks: list[RankSummary]) -> list[NodeSummary]:
+    nodes = []
+    for node in sorted({rank.node for rank in ranks}):
+        on_node = [rank for rank in ranks if rank.node == node]
+        means = [rank.mean for rank in on_node if rank.mean is not None]
+        timed = sum(rank.steps_timed for rank in on_node)
+        nodes.append(NodeSummary(
+            node=node, ranks=len({rank.rank for rank in on_node}),
+            steps=sum(rank.steps for rank in on_node), samples=sum(rank.samples for rank in on_node),
+            mean=sum(rank.step_seconds for rank in on_node) / timed if timed > 0 else None,
+            fastest_rank_mean=min(means, default=None), slowest_rank_mean=max(means, default=None),
+        ))
+    return nodes
+
+
+def phase_order(phases: Iterable[str]) -> tuple[str, ...]:
+    """Standard phases in the order a step runs them, then the user's own in name order."""
+    found = set(phases)
+    standard = [phase for phase in STANDARD_PHASES if phase in found]
+    return (*standard, *sorted(found - set(standard)))
+
+
+def stragglers(ranks: list[RankSummary]) -> list[RankSummary]:
+    """Ranks with either score below the rules' threshold (runs of at least two ranks)."""
+    if len(ranks) < 2:
+        return []
+    return [rank for rank in ranks if rank.lowest_score is not None and rank.lowest_score < STRAGGLER_SCORE]
+
+
+def _with_scores(ranks: list[RankSummary]) -> list[RankSummary]:
+    """Both straggler scores: the run's median over the rank's value (as the rules, over the window)."""
+    means = [rank.mean for rank in ranks if rank.mean is not None]
+    locals_ = [rank.local_seconds for rank in ranks if rank.local_seconds]
+    median_mean = statistics.median(means) if means else None
+    median_local = statistics.median(locals_) if locals_ else None
+    return [
+        dataclasses.replace(
+            rank,
+            step_time_score=median_mean / rank.mean if median_mean is not None and rank.mean else None,
+            local_score=median_local / rank.local_seconds if median_local and rank.local_seconds else None,
+        )
+        for rank in ranks
+    ]
+
+
+def _key(series: Series) -> tuple[str, str]:
+    return series.labels.get("rank", ""), series.labels.get("instance", "")
+
+
+def _by_rank(results: list[Series]) -> dict[tuple[str, str], float]:
+    return {_key(series): series.last for series in results}
+
+
+def _info(results: list[Series]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(local rank, pids) per rank; a rank restarted under a new pid lists every pid it had."""
+    info: dict[tuple[str, str], tuple[set[str], set[str]]] = {}
+    for series in results:
+        local_ranks, pids = info.setdefault(_key(series), (set(), set()))
+        local_ranks.add(series.labels.get("local_rank", ""))
+        pids.add(series.labels.get("pid", ""))
+    return {key: (" ".join(sorted(lr)), " ".join(sorted(p, key=lambda pid: (len(pid), pid))))
+            for key, (lr, p) in info.items()}
+
+
+def _only(results: list[Series]) -> float | None:
+    return results[0].last if results else None
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

@@ -1,0 +1,108 @@
+"""Series over time turned into intervals: each rank's states (the Gantt chart), the run's verdicts,
+and the rank that bounded the run in each window (the critical path of a synchronous run).
+
+A point at time t holds what Prometheus knew at t: the last scraped sample. A state seen at t_i..t_j
+(consecutive steps) that another state follows at t_j+1 lasted [t_i, t_j+1); before a gap (the
+series went stale: exporter down, group expired) it lasted [t_i, t_j + step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from run_report.prometheus import Series
+from run_report.window import Window
+
+
+@dataclass(frozen=True)
+class Interval:
+    rank: str
+    node: str
+    state: str
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Which rank bounded the run in the window ending at `time`: the lowest straggler score."""
+
+    time: float
+    rank: str
+    node: str
+    score: float
+    kind: str  # step_time or local_phases
+    step_time_score: float | None
+    local_score: float | None
+
+
+def rank_key(rank: str) -> tuple[int, int, str]:
+    """Ranks in numeric order (rank labels are strings), anything else after them."""
+    return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
+
+
+def state_intervals(state_series: Iterable[Series], window: Window) -> list[Interval]:
+    """Per rank, the intervals of each state, in time order (ranks in numeric order)."""
+    by_rank: dict[tuple[str, str], dict[float, str]] = {}
+    for series in state_series:
+        key = (series.labels.get("rank", ""), series.labels.get("instance", ""))
+        states = by_rank.setdefault(key, {})
+        for t, _ in series.points:
+            states[t] = series.labels.get("state", "")
+    intervals = []
+    for (rank, node), states in sorted(by_rank.items(), key=lambda item: (rank_key(item[0][0]), item[0][1])):
+        intervals += [Interval(rank, node, state, start, end)
+                      for state, start, end in _runs(states, window)]
+    return intervals
+
+
+def labelled_intervals(series: Iterable[Series], label: str, window: Window) -> list[tuple[str, float, float]]:
+    """(label value, start, end) of a series set where one label's value holds at a time (the verdict)."""
+    values: dict[float, str] = {}
+    for item in series:
+        for t, _ in item.points:
+            values[t] = item.labels.get(label, "")
+    return _runs(values, window)
+
+
+def training_times(verdicts: Iterable[Series]) -> set[float]:
+    """The times some rank trained: the run's verdict is there and is not idle."""
+    return {t for series in verdicts if series.labels.get("verdict") != "idle" for t, _ in series.points}
+
+
+def critical_path(step_scores: Iterable[Series], local_scores: Iterable[Series]) -> list[Bound]:
+    """At each time both or either score exists, the rank whose lower score is the lowest."""
+    scores: dict[float, dict[tuple[str, str], dict[str, float]]] = {}
+    for kind, source in (("step_time", step_scores), ("local_phases", local_scores)):
+        for series in source:
+            key = (series.labels.get("rank", ""), series.labels.get("instance", ""))
+            for t, value in series.points:
+                if math.isfinite(value):
+                    scores.setdefault(t, {}).setdefault(key, {})[kind] = value
+    path = []
+    for t in sorted(scores):
+        (rank, node), kinds = min(scores[t].items(), key=lambda item: (min(item[1].values()), rank_key(item[0][0])))
+        kind = min(kinds, key=kinds.__getitem__)
+        path.append(Bound(t, rank, node, kinds[kind], kind, kinds.get("step_time"), kinds.get("local_phases")))
+    return path
+
+
+def _runs(values: Mapping[float, str], window: Window) -> list[tuple[str, float, float]]:
+    """Maximal runs of equal values over consecutive steps, as (value, start, end)."""
+    runs: list[tuple[str, float, float]] = []
+    times = sorted(values)
+    step = window.step
+    for index, t in enumerate(times):
+        following = times[index + 1] if index + 1 < len(times) else None
+        contiguous = following is not None and following - t <= step * 1.5
+        if runs and runs[-1][0] == values[t] and abs(runs[-1][2] - t) < 1e-6:
+            runs[-1] = (values[t], runs[-1][1], following if contiguous else min(t + step, window.end))
+        else:
+            runs.append((values[t], t, following if contiguous else min(t + step, window.end)))
+    return [(value, start, end) for value, start, end in runs if end > start]

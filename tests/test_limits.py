@@ -1,0 +1,124 @@
+"""tracker.measure_limits: the loader limit of a loader with a known cost, the compute limit on one
+cached batch, what gets pushed, and the clear errors."""
+
+import re
+import time
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import training_hooks as th
+from training_hooks.limits import measure, prefetched_batches, samples_in, to_device
+
+BATCH = 8
+LOADER_SLEEP = 0.03  # per batch: the loader delivers BATCH / LOADER_SLEEP = 267 samples/s at most
+
+
+class SleepyLoader:
+    """Each batch costs LOADER_SLEEP seconds, like reading and decoding from slow storage."""
+
+    def __init__(self, batches: int = 1000) -> None:
+        self.batches = batches
+        self.drawn = 0
+
+    def __iter__(self):
+        for _ in range(self.batches):
+            time.sleep(LOADER_SLEEP)
+            self.drawn += 1
+            x = torch.randn(BATCH, 4)
+            yield x, x.sum(dim=1)
+
+
+def test_the_loader_limit_of_a_loader_with_a_known_cost_is_within_10_percent() -> None:
+    truth = BATCH / LOADER_SLEEP
+    tracker = th.init(run="limits", push_url="", handle_sigterm=False)
+    model = torch.nn.Linear(4, 1)
+    seen: list[torch.Tensor] = []
+
+    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        seen.append(batch[0])
+        torch.nn.functional.mse_loss(model(batch[0]).squeeze(1), batch[1]).backward()
+
+    loader = SleepyLoader()
+    limits = tracker.measure_limits(loader, train_step, batches=20)
+    assert abs(limits.loader_samples_per_second - truth) / truth < 0.10, (limits, truth)
+    assert loader.drawn == 1 + 1 + 20  # the cached batch, the arrival the clock starts at, the timed ones
+    assert limits.samples_per_batch == BATCH and limits.loader_batches == 20 and limits.compute_batches == 20
+    assert len(seen) == 3 + 20 and all(x is seen[0] for x in seen)  # warm-up and timed calls, one cached batch
+    assert limits.compute_samples_per_second > limits.loader_samples_per_second and limits.loader_bound
+    assert str(limits).startswith(f"the loader can deliver {limits.loader_samples_per_second:.1f} samples/s; "
+                                  f"training consumes {limits.compute_samples_per_second:.1f} samples/s; the loader "
+                                  "is the limit")
+    text = tracker.render()
+    assert f"stepscope_loader_limit_samples_per_second {limits.loader_samples_per_second!r}" in text
+    assert f"stepscope_compute_limit_samples_per_second {limits.compute_samples_per_second!r}" in text
+    tracker.close()
+
+
+def test_the_compute_limit_synchronizes_the_gpu_and_measuring_is_no_step() -> None:
+    class Cuda:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def is_initialized(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            self.calls.append("synchronize")
+
+    cuda = Cuda()
+    measure(SleepyLoader(), lambda batch: cuda.calls.append("step"), batches=2, warmup_steps=1, cuda=cuda)
+    assert cuda.calls == ["step", "synchronize", "step", "step", "synchronize"]
+    tracker = th.init(run="limits", push_url="", handle_sigterm=False)
+    for _ in tracker.loader(range(2)):
+        tracker.step()
+        tracker.measure_limits([[0] * 4] * 10, lambda batch: time.sleep(0.05), batches=2, warmup_steps=0)
+    lines = tracker.render().splitlines()
+    assert "stepscope_step_seconds_count 2" in lines
+    step_sum = next(line for line in lines if line.startswith("stepscope_step_seconds_sum"))
+    assert float(step_sum.split()[1]) < 0.05  # the 0.1 s spent measuring after the first step is not in the second
+    tracker.close()
+
+
+def test_batches_are_counted_and_moved_whatever_their_shape() -> None:
+    x = torch.zeros(5, 3)
+    assert samples_in(x) == 5
+    assert samples_in((x, torch.zeros(5))) == 5
+    assert samples_in({"input_ids": x, "labels": torch.zeros(5)}) == 5
+    assert samples_in(["a", "b", "c"]) == 3  # a flat list of samples
+    assert samples_in(object()) is None and samples_in(torch.tensor(1.0)) is None
+    Pair = namedtuple("Pair", "x y")
+    moved = to_device({"pair": Pair(x, [x]), "n": 3}, torch.float64)  # .to() takes a dtype as well
+    assert moved["pair"].x.dtype == torch.float64 and moved["pair"].y[0].dtype == torch.float64
+    assert isinstance(moved["pair"], Pair) and moved["n"] == 3
+
+
+def test_prefetched_batches_of_a_dataloader_are_skipped_before_timing() -> None:
+    assert prefetched_batches(DataLoader(range(10), num_workers=2, prefetch_factor=3)) == 6
+    assert prefetched_batches(DataLoader(range(10), num_workers=2)) == 4
+    assert prefetched_batches(DataLoader(range(10))) == 0
+    assert prefetched_batches([1, 2]) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"batches": 1}, "batches must be an integer >= 2"),
+    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+    ({"samples_per_batch": 0}, "samples_per_batch must be an integer >= 1"),
+    ({"loader": [[1, 2]] * 3}, "the loader ran dry after 3 batches; measuring needs 2 plus"),
+    ({"loader": [object()] * 10}, "cannot tell how many samples a object batch holds: pass samples_per_batch="),
+    ({"train_step": None}, "train_step must be callable"),
+])
+def test_bad_arguments_raise_a_clear_value_error(kwargs: dict, message: str) -> None:
+    arguments = {"loader": [[1, 2]] * 10, "train_step": lambda batch: None, "batches": 2, **kwargs}
+    tracker = th.init(run="limits", push_url="", handle_sigterm=False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tracker.measure_limits(arguments.pop("loader"), arguments.pop("train_step"), **arguments)
+    assert "stepscope_loader_limit" not in tracker.render()  # nothing pushed
+    tracker.close()
+
+
+def test_samples_per_batch_overrides_the_guess() -> None:
+    limits = measure([object()] * 10, lambda batch: None, batches=2, samples_per_batch=16)
+    assert limits.samples_per_batch == 16

@@ -1,0 +1,258 @@
+"""stepscope-profile end to end: a real exporter, a real CPU training process (the demo) with the
+hooks, a process with the hooks but no torch, the console script, the traces on disk, the Lightning and
+transformers callbacks, and (marked gpu) a CUDA training loop.
+
+The demo pushes every 0.2 s, so a request reaches it within a push; the profiler records a few steps.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import training_hooks as th
+from exporter import profile_cli
+from tests.support.demos import start_demo, stop
+from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
+from tests.support.traces import (
+    API,
+    kernel_names,
+    rank_tracing,
+    request_state,
+    request_trace,
+    step_annotations,
+    wait_until,
+)
+
+RUN = "prof"
+PUSH_INTERVAL = "0.2"
+CONSOLE_SCRIPT = Path(sys.executable).parent / "stepscope-profile"
+# rank 1: the hooks in a process that never imports torch (no profiler there)
+NO_TORCH_RANK = f"""
+import time, training_hooks as th
+tracker = th.init(run={RUN!r}, rank=1, world_size=2, push_interval={PUSH_INTERVAL})
+while True:
+    tracker.step(samples=1)
+    time.sleep(0.01)
+"""
+
+
+@dataclass
+class Node:
+    exporter: str
+    traces: Path
+    demo: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    tmp = tmp_path_factory.mktemp("profile-e2e")
+    traces = tmp / "traces"
+    with running_exporter(tmp) as exporter:
+        demo = start_demo(RUN, 0, 2, exporter.url, tmp / "demo.log", "--push-interval", PUSH_INTERVAL,
+                          env={"STEPSCOPE_TRACE_DIR": str(traces)})
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "STEPSCOPE_PUSH_URL": exporter.url}
+        no_torch = subprocess.Popen([sys.executable, "-c", NO_TORCH_RANK], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=env)
+        try:
+            wait_until(lambda: rank_tracing(exporter.url, RUN, 0) == "ready"
+                       and rank_tracing(exporter.url, RUN, 1).startswith("unavailable"),
+                       60, f"both ranks pushing (demo log: {tmp / 'demo.log'})")
+            yield Node(exporter.url, traces, demo)
+        finally:
+            stop([demo, no_torch])
+
+
+def profile(node: Node, *argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """stepscope-profile in this process (the console script runs once, in the first test)."""
+    capsys.readouterr()
+    code = profile_cli.main(["--exporter", node.exporter, "--run", RUN, *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_console_script_writes_a_trace_holding_the_requested_steps(node: Node) -> None:
+    done = subprocess.run([str(CONSOLE_SCRIPT), "--exporter", node.exporter, "--run", RUN, "--rank", "0",
+                           "--steps", "3", "--wait", "60"], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    [path] = done.stdout.split()
+    trace = Path(path)
+    assert trace.parent == node.traces and trace.name.startswith(f"{RUN}-rank0-")
+    assert trace.name.endswith(".pt.trace.json.gz")
+    assert step_annotations(trace) == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    assert "rank 0: 3 steps" in done.stderr
+    # published for Prometheus: the latest trace of the rank, its real size and steps
+    text = scrape(node.exporter)
+    labels = {"run": RUN, "rank": "0", "path": path}
+    assert sample_values(text, "stepscope_profile_trace_bytes", **labels) == [trace.stat().st_size]
+    assert sample_values(text, "stepscope_profile_trace_steps", **labels) == [3]
+    [written] = sample_values(text, "stepscope_profile_trace_timestamp_seconds", **labels)
+    assert abs(written - trace.stat().st_mtime) < 5
+
+
+def test_a_second_request_while_one_runs_is_refused(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    first = request_trace(node.exporter, RUN, 0, steps=100)
+    code, out, err = profile(node, "--rank", "0", "--steps", "2", "--wait", "30", capsys=capsys)
+    assert code == 2 and out == ""
+    assert f"rank 0 of run '{RUN}' is already taking a trace (request {first}" in err
+    assert "one trace at a time per rank" in err
+    wait_until(lambda: request_state(node.exporter, first)["state"] in ("done", "failed"), 60, "the first trace")
+    finished = request_state(node.exporter, first)
+    assert finished["state"] == "done" and finished["trace_steps"] == 100, finished
+    assert len(step_annotations(finished["path"])) == 100
+
+
+def test_all_ranks_is_refused_whole_when_one_rank_has_no_profiler(node: Node,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = profile(node, "--all-ranks", "--wait", "5", capsys=capsys)
+    assert code == 2 and out == ""
+    assert f"profiler not available on rank 1 of run '{RUN}': torch is not imported in this process" in err
+    listing = requests.get(f"{node.exporter}{API}", params={"run": RUN}, timeout=10).json()
+    assert all(r["state"] in ("done", "failed") for r in listing["requests"])  # nothing asked of rank 0
+
+
+def test_a_rank_that_never_pushed_here_is_refused_at_once(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    code, _, err = profile(node, "--rank", "5", "--wait", "60", capsys=capsys)
+    assert code == 2 and time.monotonic() - started < 30
+    assert f"rank 5 of run '{RUN}' not pushing to this exporter (ranks here: 0, 1)" in err
+    code, _, err = profile(node, "--run", "nope", capsys=capsys)
+    assert code == 2 and f"run 'nope' has no rank pushing to this exporter (runs pushing here: {RUN})" in err
+
+
+def test_a_rank_that_stopped_pushing_times_out_and_its_request_is_cancelled(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.kill(node.demo.pid, signal.SIGSTOP)  # hung: its group stays, no more pushes
+    try:
+        code, out, err = profile(node, "--rank", "0", "--wait", "2.5", capsys=capsys)
+    finally:
+        os.kill(node.demo.pid, signal.SIGCONT)
+    assert code == 2 and out == ""
+    assert f"rank 0 of run '{RUN}' did not take the request within 2.5 s" in err
+    assert "the process is not pushing (hung, stopped or gone)" in err
+    listing = requests.get(f"{node.exporter}{API}", params={"run": RUN}, timeout=10).json()
+    assert listing["requests"][-1]["state"] == "cancelled"  # a later push does not start a trace nobody waits for
+
+
+def test_unreachable_exporter_and_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert profile_cli.main(["--exporter", url, "--run", RUN]) == 2
+    assert f"cannot reach the exporter at {url}" in capsys.readouterr().err
+    for argv in (["--run", RUN, "--steps", "0"], ["--run", RUN, "--rank", "0", "--all-ranks"],
+                 ["--run", RUN, "--wait", "-1"], ["--run", RUN, "--exporter", "localhost:9847"], []):
+        with pytest.raises(SystemExit) as exit_:
+            profile_cli.main(argv)
+        assert exit_.value.code == 2, argv
+
+
+class Regression(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x = torch.full((8,), index / 64)
+        return {"x": x, "labels": x.sum(dim=0, keepdim=True)}
+
+
+def lightning_fit(tracker: th.Tracker, steps: int, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from training_hooks.lightning import StepscopeCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.net(batch["x"]), batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[StepscopeCallback(tracker=tracker)])
+    trainer.fit(Module(), DataLoader(Regression(), batch_size=4))
+
+
+def transformers_train(tracker: th.Tracker, steps: int, tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from training_hooks.huggingface import StepscopeCallback
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=steps, per_device_train_batch_size=4,
+                             report_to=[], use_cpu=True, logging_strategy="no", save_strategy="no", disable_tqdm=True,
+                             dataloader_num_workers=0)
+    callback = StepscopeCallback(tracker=tracker)
+    Trainer(model=Model(), args=args, train_dataset=Regression(), callbacks=[callback]).train()
+
+
+@pytest.mark.parametrize("fit", [lightning_fit, transformers_train], ids=["lightning", "transformers"])
+def test_the_framework_callbacks_take_traces(node: Node, tmp_path: Path, fit: Callable) -> None:
+    run = f"{RUN}-{fit.__name__}"
+    tracker = th.init(run=run, push_url=node.exporter, push_interval=0.2, trace_dir=str(tmp_path),
+                      handle_sigterm=False)
+    try:
+        wait_until(lambda: rank_tracing(node.exporter, run, 0) == "ready", 30, "the first push")
+        request_id = request_trace(node.exporter, run, 0, steps=3)
+        wait_until(lambda: request_state(node.exporter, request_id)["state"] == "running", 30, "the rank armed")
+        fit(tracker, 8, tmp_path)  # the callback's tracker.step() at each batch end starts and ends the trace
+        wait_until(lambda: request_state(node.exporter, request_id)["state"] == "done", 30, "the trace written")
+        assert step_annotations(request_state(node.exporter, request_id)["path"]) == \
+            ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    finally:
+        tracker.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to torch")
+def test_a_cuda_training_loop_traces_its_kernels(node: Node, tmp_path: Path) -> None:
+    run = f"{RUN}-cuda"
+    tracker = th.init(run=run, push_url=node.exporter, push_interval=0.2, trace_dir=str(tmp_path),
+                      handle_sigterm=False)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        wait_until(lambda: rank_tracing(node.exporter, run, 0) == "ready", 30, "the first push")
+        request_id = request_trace(node.exporter, run, 0, steps=5)
+        deadline = time.monotonic() + 60
+        while request_state(node.exporter, request_id)["state"] not in ("done", "failed"):
+            assert time.monotonic() < deadline, "no trace within 60 s"
+            x = torch.randn(256, 1024, device="cuda")
+            with tracker.phase("forward", cuda=True):
+                loss = model(x).square().mean()
+            with tracker.phase("backward", cuda=True):
+                optimizer.zero_grad()
+                loss.backward()
+            with tracker.phase("optimizer_step", cuda=True):
+                optimizer.step()
+            tracker.step(samples=256)
+        state = request_state(node.exporter, request_id)
+        assert state["state"] == "done", state
+        kernels = kernel_names(state["path"])
+        print(f"\nCUDA trace: {state['bytes']} bytes gzipped, {len(kernels)} kernels, e.g. {sorted(set(kernels))[:5]}")
+        assert len(step_annotations(state["path"])) == 5
+        assert any("gemm" in name.lower() or "sgemm" in name.lower() for name in kernels), sorted(set(kernels))[:20]
+    finally:
+        tracker.close()

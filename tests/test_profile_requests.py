@@ -1,0 +1,218 @@
+"""The exporter's side of profile requests in-process: the registry on a fake clock (refusals, the
+states a rank's pushes move a request through, expiry, cancelling) and the HTTP API's checks."""
+
+import json
+
+import pytest
+
+from exporter.exposition import ExpositionStore
+from exporter.ingest.access import AccessPolicy
+from exporter.ingest.api import PushApi
+from exporter.ingest.parser import PushLimits
+from exporter.ingest.profile_api import ProfileApi
+from exporter.ingest.profiles import REQUEST_HEADER, ProfileError, ProfileRequests
+from exporter.ingest.render import last_push_line
+from exporter.ingest.store import GroupStore, StoreLimits
+from exporter.server import PushRequest
+from tests.support.ingest_bodies import full_body
+
+READY = json.dumps({"v": 1, "state": "ready"})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def groups(clock: Clock) -> GroupStore:
+    limits = StoreLimits(max_groups=16, max_series_per_group=100, max_phases=4, ttl_seconds=60)
+    return GroupStore(limits, clock=clock, wall_clock=clock)
+
+
+def push(groups: GroupStore, registry: ProfileRequests, rank: str, header: str | None, run: str = "r") -> str | None:
+    groups.push(run, rank, {}, last_push_line(run, rank), replace=True)
+    return registry.on_push(run, rank, header)
+
+
+def running(request_id: str, done: int = 0) -> str:
+    return json.dumps({"v": 1, "state": "running", "id": request_id, "steps": 5, "done_steps": done})
+
+
+def ready_after(request_id: str, ok: bool, **outcome: object) -> str:
+    return json.dumps({"v": 1, "state": "ready", "last": {"id": request_id, "ok": ok, **outcome}})
+
+
+def refusal(call, *args) -> ProfileError:  # type: ignore[no-untyped-def]
+    with pytest.raises(ProfileError) as info:
+        call(*args)
+    return info.value
+
+
+def test_a_request_moves_with_the_ranks_pushes(groups: GroupStore, clock: Clock) -> None:
+    registry = ProfileRequests(groups, clock=clock)
+    assert push(groups, registry, "0", READY) is None
+    [request] = registry.create("r", ["0"], 5)
+    assert registry.get(request.id)["state"] == "pending"
+    answer = push(groups, registry, "0", READY)  # the answer carries the request until the rank takes it
+    assert answer is not None and json.loads(answer) == {"id": request.id, "steps": 5}
+    assert push(groups, registry, "0", READY) == answer  # a lost answer is repeated
+    clock.now += 1
+    assert push(groups, registry, "0", running(request.id, done=2)) is None
+    state = registry.get(request.id)
+    assert (state["state"], state["done_steps"], state["started_at"]) == ("running", 2, clock.now)
+    push(groups, registry, "0", ready_after(request.id, True, path="/t/a.pt.trace.json.gz", size=123, steps=5))
+    state = registry.get(request.id)
+    assert (state["state"], state["path"], state["bytes"], state["trace_steps"]) == \
+        ("done", "/t/a.pt.trace.json.gz", 123, 5)
+    [request] = registry.create("r", ["0"], 5)  # the rank is free again
+    push(groups, registry, "0", ready_after(request.id, False, reason="torch.profiler could not start: x"))
+    assert registry.get(request.id)["reason"] == "torch.profiler could not start: x"
+
+
+def test_refusals_name_the_reason_and_create_nothing(groups: GroupStore, clock: Clock) -> None:
+    registry = ProfileRequests(groups, clock=clock)
+    assert refusal(registry.create, "r", ["0"], 5).status == 404
+    push(groups, registry, "0", READY)
+    push(groups, registry, "1", json.dumps({"v": 1, "state": "unavailable", "reason": "torch is not imported"}))
+    push(groups, registry, "2", None)  # a client without the header
+    push(groups, registry, "3", "{not json")
+    push(groups, registry, "4", running("from-before-a-restart"))
+    push(groups, registry, "0", READY, run="other")
+    error = refusal(registry.create, "r", ["7"], 5)
+    assert error.status == 404 and "rank 7 of run 'r' not pushing to this exporter (ranks here: 0, 1, 2, 3, 4)" in \
+        error.message
+    error = refusal(registry.create, "nope", None, 5)
+    assert error.status == 404 and "(runs pushing here: other, r)" in error.message
+    for steps in (0, 1001, "5", True):
+        assert refusal(registry.create, "r", ["0"], steps).status == 400
+    error = refusal(registry.create, "r", None, 5)  # all ranks: rank 0 could, the others cannot
+    assert error.status == 422
+    assert "profiler not available on rank 1 of run 'r': torch is not imported" in error.message
+    assert error.message.count("pushes without the Stepscope-Profile header") == 2  # ranks 2 and 3
+    assert "rank 4 of run 'r' is already taking a trace (request from-before-a-restart)" in error.message
+    assert registry.listing("r")["requests"] == []  # all or none
+    [request] = registry.create("r", ["0"], 5)
+    error = refusal(registry.create, "r", ["0"], 5)
+    assert error.status == 409 and f"(request {request.id}, pending, 5 steps)" in error.message
+
+
+def test_requests_fail_when_the_rank_stops_pushing_or_forgets_them(groups: GroupStore, clock: Clock) -> None:
+    registry = ProfileRequests(groups, clock=clock, pending_timeout=30)
+    for rank in "012":
+        push(groups, registry, rank, READY)
+    first, second, third = registry.create("r", None, 5)
+    push(groups, registry, "1", running(second.id))
+    push(groups, registry, "1", READY)  # restarted: no longer knows the request
+    assert "no longer reports request" in registry.get(second.id)["reason"]
+    clock.now += 31
+    push(groups, registry, "2", running(third.id))  # taken: no longer pending
+    assert registry.get(first.id)["reason"] == "no push of rank 0 took the request within 30 s"
+    clock.now += 61  # rank 2's group expires (ttl 60 s)
+    groups.expire()
+    assert registry.get(third.id)["reason"] == "rank 2 of run 'r' stopped pushing (its group expired or was deleted)"
+    assert registry.get(third.id)["last_push_age_seconds"] is None
+
+
+def test_cancel_and_lookups(groups: GroupStore, clock: Clock) -> None:
+    registry = ProfileRequests(groups, clock=clock, keep_finished=2)
+    push(groups, registry, "0", READY)
+    clock.now += 2
+    push(groups, registry, "0", READY)
+    [request] = registry.create("r", ["0"], 5)
+    state = registry.get(request.id)
+    assert (state["last_push_age_seconds"], state["push_interval_seconds"]) == (0, 2)
+    cancelled = registry.cancel(request.id)
+    assert cancelled["state"] == "cancelled"
+    assert push(groups, registry, "0", READY) is None  # a cancelled request is not delivered
+    [request] = registry.create("r", ["0"], 5)
+    push(groups, registry, "0", running(request.id))
+    assert refusal(registry.cancel, request.id).status == 409
+    assert refusal(registry.get, "no-such-id").status == 404
+    for _ in range(3):
+        push(groups, registry, "0", ready_after(request.id, True, path="/p", size=1, steps=5))
+        [request] = registry.create("r", ["0"], 5)
+    assert len(registry.listing(None)["requests"]) == 3  # 2 finished kept, plus the open one
+
+
+@pytest.mark.parametrize("header", [
+    '{"v": 1, "state": "ready", "last": {"id": "X", "ok": true, "path": "/p", "size": "big", "steps": 1}}',
+    '{"v": 1, "state": "ready", "last": {"id": "X", "ok": "yes"}}',
+    '{"v": 1, "state": "ready", "last": {"id": 7, "ok": false}}',
+    '{"v": 1, "state": "ready", "last": [1, 2]}',
+    '{"v": 1, "state": "running", "id": "X", "done_steps": "3"}',
+])
+def test_a_malformed_status_changes_nothing_and_fails_no_push(groups: GroupStore, clock: Clock, header: str) -> None:
+    registry = ProfileRequests(groups, clock=clock)
+    push(groups, registry, "0", READY)
+    [request] = registry.create("r", ["0"], 5)
+    header = header.replace('"X"', json.dumps(request.id))
+    assert push(groups, registry, "0", header) in (None, request.answer_header())
+    assert registry.get(request.id)["state"] in ("pending", "running")
+    assert registry.get(request.id)["done_steps"] == 0
+
+
+def test_pushes_answer_with_the_request_header(groups: GroupStore) -> None:
+    limits = PushLimits(max_label_length=128, max_series=100, max_phases=4)
+    api = PushApi(ExpositionStore(), groups, AccessPolicy(), max_body_bytes=100_000, limits=limits)
+    body = full_body().encode()
+    request = PushRequest("PUT", "/metrics/job/stepscope/run/r/rank/0", {"stepscope-profile": READY}, "127.0.0.1",
+                          len(body))
+    assert api.handle(request, body).headers == {}
+    [created] = api.profiles.create("r", ["0"], 3)
+    answer = api.handle(request, body)
+    assert answer.status == 200 and json.loads(answer.headers[REQUEST_HEADER]) == {"id": created.id, "steps": 3}
+
+
+def api_request(method: str, path: str, body: bytes = b"", client: str = "127.0.0.1",
+                **headers: str) -> PushRequest:
+    return PushRequest(method, path, {k.replace("_", "-"): v for k, v in headers.items()}, client,
+                       len(body) if method == "POST" else None)
+
+
+def answer_of(api: ProfileApi, request: PushRequest, body: bytes = b"") -> tuple[int, dict]:
+    answer = api.check(request) or api.handle(request, body)
+    assert answer.content_type == "application/json"
+    return answer.status, json.loads(answer.message)
+
+
+def test_the_api_checks_access_methods_and_bodies(groups: GroupStore, clock: Clock) -> None:
+    registry = ProfileRequests(groups, clock=clock)
+    push(groups, registry, "0", READY)
+    api = ProfileApi(registry, AccessPolicy(token="s3cret"))
+    good = json.dumps({"run": "r", "ranks": [0], "steps": 2}).encode()
+    status, payload = answer_of(api, api_request("POST", "/api/v1/profiles", good))
+    assert status == 401 and "Authorization: Bearer" in payload["error"]
+    auth = {"authorization": "Bearer s3cret"}
+    status, payload = answer_of(api, api_request("POST", "/api/v1/profiles", good, **auth), good)
+    assert status == 201 and payload["requests"][0]["rank"] == "0"
+    request_id = payload["requests"][0]["id"]
+    assert answer_of(api, api_request("GET", f"/api/v1/profiles/{request_id}", **auth))[1]["state"] == "pending"
+    assert answer_of(api, api_request("DELETE", f"/api/v1/profiles/{request_id}", **auth))[1]["state"] == "cancelled"
+    listing = answer_of(api, api_request("GET", "/api/v1/profiles?run=r", **auth))[1]
+    assert listing["ranks"] == [{"run": "r", "rank": "0", "tracing": "ready", "last_push_age_seconds": 0}]
+    for body, needle in (
+        (b"{", "not JSON"), (b"[]", "not a JSON object"), (b'{"run": ""}', "run must be"),
+        (b'{"run": "r", "ranks": [-1]}', "ranks must be"), (b'{"run": "r", "ranks": []}', "ranks must be"),
+        (b'{"run": "r", "rank": 0}', "unknown field 'rank'"), (b'{"run": "r", "steps": 0}', "steps must be"),
+    ):
+        status, payload = answer_of(api, api_request("POST", "/api/v1/profiles", body, **auth), body)
+        assert status == 400 and needle in payload["error"], body
+    assert answer_of(api, api_request("PUT", "/api/v1/profiles", **auth))[0] == 405
+    assert answer_of(api, api_request("POST", "/api/v1/profiles/x", **auth))[0] == 405
+    assert answer_of(api, api_request("GET", "/api/v1/profiles/a/b", **auth))[0] == 404
+    big = api_request("POST", "/api/v1/profiles", b"x" * 5000, **auth)
+    assert answer_of(api, big)[0] == 413
+    chunked = PushRequest("POST", "/api/v1/profiles", {**auth, "transfer-encoding": "chunked"}, "127.0.0.1", None)
+    assert answer_of(api, chunked)[0] == 411
+    status, payload = answer_of(ProfileApi(registry, AccessPolicy()), api_request("GET", "/api/v1/profiles",
+                                                                                 client="192.0.2.9"))
+    assert status == 403 and "pushes from 192.0.2.9 are not allowed" in payload["error"]

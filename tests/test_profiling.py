@@ -1,0 +1,200 @@
+"""The hooks' trace taker on its own: requests from push answers, torch.profiler at step boundaries,
+the writer's cap and pruning, and the status the pushes carry. Real torch.profiler on the CPU."""
+
+import gzip
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import training_hooks as th
+from tests.fake_cuda import FakeCuda
+from tests.support.traces import step_annotations
+from training_hooks import tracker as tracker_module
+from training_hooks.cuda import CudaTimer
+from training_hooks.profiling import (
+    REQUEST_HEADER,
+    STATUS_HEADER,
+    TraceSettings,
+    TraceTaker,
+    TraceTooLarge,
+    gzip_capped,
+    parse_request,
+    prune,
+    trace_file_prefix,
+)
+
+
+class Armed:
+    """Stands in for the tracker: holds the boundary callback the taker arms."""
+
+    def __init__(self) -> None:
+        self.boundary: Callable[[], None] | None = None
+
+    def __call__(self, boundary: Callable[[], None] | None) -> None:
+        self.boundary = boundary
+
+    def steps(self, count: int) -> None:
+        model = torch.nn.Linear(8, 1)
+        for _ in range(count):
+            model(torch.randn(4, 8)).sum().backward()
+            if self.boundary is not None:
+                self.boundary()
+
+
+def taker(tmp_path: Path, armed: Armed, **settings: int) -> TraceTaker:
+    return TraceTaker("unit/run", 3, TraceSettings(str(tmp_path / "traces"), settings.get("max_bytes", 10**8),
+                                                   settings.get("keep", 5)), armed)
+
+
+def ask(traces: TraceTaker, request_id: str, steps: int) -> None:
+    traces.on_answer({REQUEST_HEADER: json.dumps({"id": request_id, "steps": steps})})
+
+
+def status(traces: TraceTaker) -> dict:
+    return json.loads(traces.headers()[STATUS_HEADER])
+
+
+def finish(traces: TraceTaker) -> dict:
+    traces.close()  # joins the writer
+    return status(traces)["last"]
+
+
+def test_a_request_records_exactly_its_steps_from_the_next_boundary(tmp_path: Path) -> None:
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    assert status(traces) == {"v": 1, "state": "ready"} and armed.boundary is None
+    ask(traces, "r1", 4)
+    assert armed.boundary is not None and status(traces)["state"] == "running"
+    armed.steps(3)
+    assert status(traces)["done_steps"] == 1  # boundary 1 started it, 2 ended the warm-up step, 3 one step
+    armed.steps(10)
+    assert armed.boundary is None  # disarmed once the schedule ended: nothing on the hot path again
+    last = finish(traces)
+    assert last["ok"] and last["steps"] == 4 and last["requested_steps"] == 4 and last["reason"] == ""
+    path = Path(last["path"])
+    assert path.parent == tmp_path / "traces" and path.name.startswith("unit_run-rank3-")
+    assert last["size"] == path.stat().st_size
+    assert step_annotations(path) == [f"ProfilerStep#{n}" for n in range(1, 5)]
+    assert traces.published() is not None and traces.published().path == str(path)
+    assert status(traces)["state"] == "ready"
+
+
+def test_a_repeated_answer_and_a_second_request_while_tracing_are_ignored(tmp_path: Path) -> None:
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    ask(traces, "r1", 2)
+    ask(traces, "r2", 2)  # one at a time
+    armed.steps(5)
+    assert finish(traces)["id"] == "r1"
+    ask(traces, "r1", 2)  # the exporter repeats an answer the rank already took: no second trace
+    assert armed.boundary is None
+
+
+def test_close_mid_trace_writes_the_steps_it_has(tmp_path: Path) -> None:
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    ask(traces, "r1", 50)
+    armed.steps(4)
+    last = finish(traces)
+    assert last["ok"] and last["steps"] == 3 and last["reason"] == "training ended after 3 of 50 steps"
+    assert len(step_annotations(last["path"])) == 3
+
+
+def test_a_profiler_session_of_the_user_is_left_alone(tmp_path: Path) -> None:
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as users:
+        assert status(traces)["state"] == "unavailable"  # the exporter refuses requests meanwhile
+        ask(traces, "r1", 2)  # one that arrived anyway is not started
+        assert armed.boundary is None
+        armed.steps(2)
+    last = status(traces)["last"]
+    assert not last["ok"] and last["reason"].startswith("another torch.profiler session is recording")
+    assert any(event.name == "aten::linear" for event in users.events())  # the user's trace is whole
+    ask(traces, "r2", 1)  # armed before the user's session starts, started while it runs: not started
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as users:
+        armed.steps(2)
+    assert status(traces)["last"]["reason"] == "another torch.profiler session is recording in this process"
+    assert any(event.name == "aten::linear" for event in users.events())
+    assert armed.boundary is None and status(traces)["state"] == "ready"
+
+
+def test_an_unwritable_trace_directory_fails_at_once(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    armed = Armed()
+    traces = TraceTaker("r", 0, TraceSettings(str(tmp_path / "file" / "traces"), 10**8, 5), armed)
+    ask(traces, "r1", 2)
+    last = status(traces)["last"]
+    assert armed.boundary is None and not last["ok"]
+    assert last["reason"].startswith(f"cannot create the trace directory {tmp_path / 'file' / 'traces'} "
+                                     "(STEPSCOPE_TRACE_DIR)")
+
+
+def test_a_trace_over_the_cap_is_deleted_and_fails(tmp_path: Path) -> None:
+    armed = Armed()
+    traces = taker(tmp_path, armed, max_bytes=2048)
+    ask(traces, "r1", 3)
+    armed.steps(6)
+    last = finish(traces)
+    assert not last["ok"] and "over 2048 bytes gzipped" in last["reason"] and "ask for fewer steps" in last["reason"]
+    assert list((tmp_path / "traces").iterdir()) == []  # neither the trace nor its raw JSON is left
+
+
+@pytest.mark.parametrize("raw", ["not json", '{"id": "a b", "steps": 2}', '{"id": "a", "steps": 0}',
+                                 '{"id": "a", "steps": 1001}', '{"id": "a", "steps": true}', '["a", 2]'])
+def test_bad_requests_are_ignored(tmp_path: Path, raw: str) -> None:
+    with pytest.raises(ValueError):
+        parse_request(raw)
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    traces.on_answer({REQUEST_HEADER: raw})
+    assert armed.boundary is None and status(traces) == {"v": 1, "state": "ready"}
+
+
+def test_gzip_capped_writes_whole_or_nothing(tmp_path: Path) -> None:
+    source = tmp_path / "raw.json"
+    source.write_bytes(os.urandom(200_000))  # incompressible
+    target = tmp_path / "t.gz"
+    assert gzip_capped(source, target, 10**6) == target.stat().st_size
+    assert gzip.decompress(target.read_bytes()) == source.read_bytes()
+    with pytest.raises(TraceTooLarge):
+        gzip_capped(source, tmp_path / "u.gz", 100_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.json", "t.gz"]
+
+
+def test_prune_keeps_the_newest_traces_of_one_run_and_rank(tmp_path: Path) -> None:
+    mine, other = trace_file_prefix("run", 0), trace_file_prefix("run", 1)
+    paths = []
+    for index in range(4):
+        for prefix in (mine, other):
+            path = tmp_path / f"{prefix}{index}.pt.trace.json.gz"
+            path.write_text("")
+            os.utime(path, ns=(index * 10**9, index * 10**9))
+            paths.append(path)
+    deleted = prune(tmp_path, mine, keep=2)
+    assert sorted(p.name for p in deleted) == [f"{mine}0.pt.trace.json.gz", f"{mine}1.pt.trace.json.gz"]
+    assert len(list(tmp_path.glob(f"{other}*"))) == 4
+
+
+def test_the_step_boundary_hook_joins_gpu_timing_and_an_armed_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """step() makes one test, as before traces existed: a single hook serves CUDA timing, an armed
+    trace, or both, whichever thread set its part first."""
+    cuda = FakeCuda()
+    monkeypatch.setattr(tracker_module, "_cuda_module", lambda: cuda)
+    calls: list[str] = []
+    monkeypatch.setattr(CudaTimer, "step_done", lambda timer, duration: calls.append("gpu"))
+    tracker = th.init(run="hook", push_url="", handle_sigterm=False)
+    assert tracker._at_boundary is None
+    tracker._arm_tracing(lambda duration: calls.append("trace"))  # armed before any GPU phase
+    tracker.step()
+    with tracker.phase("forward", cuda=True):  # the CUDA timer joins the armed trace
+        pass
+    tracker.step()
+    tracker._arm_tracing(None)  # the trace ended
+    tracker.step()
+    assert calls == ["trace", "gpu", "trace", "gpu"]
+    tracker.close()

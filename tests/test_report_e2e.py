@@ -1,0 +1,343 @@
+"""End to end: `stepscope-report` on two real training runs that started and finished, read from a real
+Prometheus (the shipped rules, 1 s scrape) scraping the real exporter (fake NVML GPUs mapped to the
+runs' pids).
+
+`data` is one rank with a slow loader (data-bound); `ddp` is a synchronous 2-rank DistributedDataParallel
+run (gloo on CPU) whose rank 1 is slow in forward. Both evaluate in state eval from time to time and end
+by themselves, so the report finds each run's whole life, and its numbers can be held against the
+counters' final values, PromQL over the same window, and what the processes did.
+"""
+
+import csv
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from run_report import cli, csvs
+from run_report.report import RUN_SUMMARY_HEADER
+from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
+from tests.support.processes import REPO_ROOT, free_port, running_exporter
+from tests.support.prometheus import query, running_prometheus, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
+NODE = "report-node"
+BATCH = 64  # the demo's default batch size
+DATA_STEPS, DATA_EVAL_EVERY = 160, 60
+DDP_STEPS, DDP_EVAL_EVERY = 240, 90
+EVAL_SECONDS = 2.5
+DDP_SLOW_RANK = 1
+# GPU index -> (NVML utilization %, SM active %, the (run, rank) holding memory on it)
+GPU_LAYOUT = {0: (30, 22, ("data", 0)), 1: (96, 90, ("ddp", 0)), 2: (96, 86, ("ddp", 1)), 3: (0, 0, None)}
+EXPECTED_EVALS = {("data", "0"): 2, ("ddp", "0"): 2, ("ddp", "1"): 2}  # steps // eval-every, not at the end
+
+
+@dataclass
+class Runs:
+    prometheus: str
+    tmp: Path
+    exits: dict[tuple[str, str], float]  # (run, rank) -> when the test saw the process end
+    reports: dict[str, Path]
+
+
+def _report(prometheus: str, run: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "run_report", "--prometheus", prometheus, "--run", run, "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=120, cwd=out.parent,
+    )
+
+
+def _wait_exits(demos: dict[tuple[str, int], subprocess.Popen], tmp: Path) -> dict[tuple[str, str], float]:
+    exits: dict[tuple[str, str], float] = {}
+    deadline = time.monotonic() + 180
+    while len(exits) < len(demos) and time.monotonic() < deadline:
+        for (run, rank), proc in demos.items():
+            if (run, str(rank)) not in exits and proc.poll() is not None:
+                exits[(run, str(rank))] = time.time()
+                assert proc.returncode == 0, (tmp / f"{run}-{rank}.log").read_text()
+        time.sleep(0.1)
+    assert len(exits) == len(demos), f"demos still running after 180 s: {set(demos) - set(exits)}"
+    return exits
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    from tests.fake_nvml.scenario import write_scenario
+
+    tmp = tmp_path_factory.mktemp("report-e2e")
+    scenario = write_scenario(tmp / "nvml.json", gpus_for_runs(GPU_LAYOUT, {}))
+    with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter, \
+            running_prometheus(tmp, {NODE: exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
+        eval_flags = ("--eval-seconds", str(EVAL_SECONDS))
+        demos = {
+            ("data", 0): start_demo("data", 0, 1, exporter.url, tmp / "data-0.log", "--steps", str(DATA_STEPS),
+                                    "--slow-loader", "0.05", "--eval-every", str(DATA_EVAL_EVERY), *eval_flags),
+            **start_ddp_demos("ddp", 2, exporter.url, tmp, "--steps", str(DDP_STEPS), "--slow-rank",
+                              str(DDP_SLOW_RANK), "--extra-step-seconds", "0.03", "--eval-every",
+                              str(DDP_EVAL_EVERY), *eval_flags),
+        }
+        try:
+            write_scenario(scenario, gpus_for_runs(GPU_LAYOUT, {key: proc.pid for key, proc in demos.items()}))
+            exits = _wait_exits(demos, tmp)
+        finally:
+            stop(demos.values())
+        # every rank's final push (state idle) scraped, and the rules evaluated after it
+        assert wait_for(lambda: len(query(prometheus.url, 'stepscope_training_state{state="idle"} == 1')) == 3, 20)
+        time.sleep(2)
+        reports = {run: tmp / f"report-{run}" for run in ("data", "ddp")}
+        for run, out in reports.items():
+            result = _report(prometheus.url, run, out)
+            assert result.returncode == 0, result.stderr
+            assert f"{out / 'index.html'} and 8 CSVs for run {run}" in result.stdout, result.stdout
+        yield Runs(prometheus.url, tmp, exits, reports)
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
+def _header(path: Path) -> list[str]:
+    with path.open(newline="", encoding="utf-8") as file:
+        return next(csv.reader(file))
+
+
+def _window(report: Path) -> tuple[float, float, float]:
+    """(start, end, step) the report used, from run_summary.csv."""
+    from run_report.times import parse_time
+
+    row = _csv(report / "run_summary.csv")[0]
+    return parse_time(row["start"], 0), parse_time(row["end"], 0), float(row["resolution_seconds"])
+
+
+def _promql(runs: Runs, expr: str, at: float) -> dict[str, float]:
+    return {item["metric"].get("rank", ""): float(item["value"][1]) for item in query_at(runs.prometheus, expr, at)}
+
+
+def query_at(base_url: str, expr: str, at: float) -> list[dict]:
+    import requests
+
+    body = requests.get(f"{base_url}/api/v1/query", params={"query": expr, "time": at}, timeout=10).json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_page_and_every_csv_are_written_and_nothing_else(runs: Runs) -> None:
+    for out in runs.reports.values():
+        assert sorted(path.name for path in out.iterdir()) == sorted([
+            "index.html", "run_summary.csv", "rank_summary.csv", "node_summary.csv", "state_timeline.csv",
+            "critical_path.csv", "node_resource_usage.csv", "process_resource_usage.csv", "gpu_usage.csv",
+        ])
+    assert not [path.name for path in runs.tmp.iterdir() if path.name.startswith(".report-")]  # no staging left
+
+
+def test_csv_columns_are_the_documented_ones(runs: Runs) -> None:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    ddp = runs.reports["ddp"]
+    phases = ["dataloader_next", "to_device", "forward", "backward", "optimizer_step", "step_lr_schedulers"]
+    expected = {
+        "run_summary.csv": list(RUN_SUMMARY_HEADER),
+        "rank_summary.csv": [*csvs.RANK_SUMMARY_HEADER, *(f"share_{p}" for p in phases), "share_in_no_phase",
+                             "step_time_score", "local_score"],
+        "node_summary.csv": list(csvs.NODE_SUMMARY_HEADER),
+        "state_timeline.csv": list(csvs.STATE_TIMELINE_HEADER),
+        "critical_path.csv": list(csvs.CRITICAL_PATH_HEADER),
+        "node_resource_usage.csv": ["time", "node", *csvs.NODE_RESOURCE_COLUMNS],
+        "process_resource_usage.csv": ["time", "node", "rank", "pid", *csvs.PROCESS_RESOURCE_COLUMNS],
+        "gpu_usage.csv": ["time", "node", "gpu", *csvs.GPU_COLUMNS, "source"],
+    }
+    for name, columns in expected.items():
+        assert _header(ddp / name) == columns, name
+        undocumented = [c for c in columns if f"`{c}`" not in readme and not c.startswith("share_")]
+        assert not undocumented, f"{name}: columns missing from the README: {undocumented}"
+        assert _csv(ddp / name), f"{name} has no rows"
+
+
+def test_steps_and_samples_are_what_the_runs_did(runs: Runs) -> None:
+    for run, steps, ranks in (("data", DATA_STEPS, {"0"}), ("ddp", DDP_STEPS, {"0", "1"})):
+        rows = {row["rank"]: row for row in _csv(runs.reports[run] / "rank_summary.csv")}
+        assert set(rows) == ranks
+        for row in rows.values():
+            assert (int(row["steps"]), int(row["samples"])) == (steps, steps * BATCH), row
+            assert row["node"] == NODE
+        summary = _csv(runs.reports[run] / "run_summary.csv")[0]
+        assert int(summary["steps"]) == steps * len(ranks)
+
+
+def test_numbers_agree_with_promql_over_the_same_window(runs: Runs) -> None:
+    for run, out in runs.reports.items():
+        start, end, _ = _window(out)
+        d = f"{round((end - start) * 1000)}ms"
+        sel = f'run="{run}"'
+
+        def total(metric: str, extra: str = "", sel: str = sel, d: str = d) -> str:
+            """The counter's final value in the window: the run was born inside it."""
+            return f"sum by (rank) (last_over_time({metric}{{{sel}{extra}}}[{d}]))"
+
+        rows = {row["rank"]: row for row in _csv(out / "rank_summary.csv")}
+        steps = _promql(runs, total("stepscope_steps_total"), end)
+        timed = _promql(runs, total("stepscope_step_seconds_count"), end)
+        step_seconds = _promql(runs, total("stepscope_step_seconds_sum"), end)
+        local = _promql(runs, total("stepscope_step_phase_seconds_sum", ',phase=~"dataloader_next|to_device|forward"'),
+                        end)
+        means = {rank: step_seconds[rank] / timed[rank] for rank in rows}
+        locals_ = {rank: local[rank] / timed[rank] for rank in rows}
+        for rank, row in rows.items():
+            assert float(row["steps"]) == steps[rank]
+            assert math.isclose(float(row["mean_step_seconds"]), means[rank], rel_tol=1e-6)
+            for phase in ("dataloader_next", "forward", "backward"):
+                seconds = _promql(runs, total("stepscope_step_phase_seconds_sum", f',phase="{phase}"'), end)[rank]
+                assert math.isclose(float(row[f"share_{phase}"]), seconds / step_seconds[rank], rel_tol=1e-6), phase
+            for q in ("0.5", "0.95"):
+                expected = _promql(runs, f'histogram_quantile({q}, sum by (rank, le) '
+                                   f'(last_over_time(stepscope_step_seconds_bucket{{{sel}}}[{d}])))', end)[rank]
+                column = "p50_step_seconds" if q == "0.5" else "p95_step_seconds"
+                assert math.isclose(float(row[column]), expected, rel_tol=1e-6), (run, rank, q)
+            assert math.isclose(float(row["step_time_score"]), statistics.median(means.values()) / means[rank],
+                                rel_tol=1e-6)
+            assert math.isclose(float(row["local_score"]), statistics.median(locals_.values()) / locals_[rank],
+                                rel_tol=1e-6)
+
+
+def test_a_window_inside_the_run_counts_only_its_steps(runs: Runs) -> None:
+    states = _csv(runs.reports["ddp"] / "state_timeline.csv")
+    train = [row for row in states if row["state"] == "train" and row["rank"] == "0"]
+    from run_report.times import parse_time
+
+    inside_from = parse_time(train[0]["start"], 0) + 2
+    inside_to = parse_time(train[-1]["end"], 0) - 2
+    out = runs.tmp / "report-ddp-inside"
+    result = _report(runs.prometheus, "ddp", out, "--from", f"{inside_from:.3f}", "--to", f"{inside_to:.3f}",
+                     "--step", "1")
+    assert result.returncode == 0, result.stderr
+    window_start, window_end, _ = _window(out)
+    before = _promql(runs, 'stepscope_steps_total{run="ddp"}', window_start)
+    after = _promql(runs, 'stepscope_steps_total{run="ddp"}', window_end)
+    rows = {row["rank"]: row for row in _csv(out / "rank_summary.csv")}
+    for rank, row in rows.items():
+        assert float(row["steps"]) == after[rank] - before[rank] > 0, (rank, before, after)
+        assert float(row["steps"]) < DDP_STEPS
+
+
+def test_verdicts_and_the_straggler(runs: Runs) -> None:
+    data = _csv(runs.reports["data"] / "run_summary.csv")[0]
+    ddp = _csv(runs.reports["ddp"] / "run_summary.csv")[0]
+    assert data["verdict"] == "data_bound" and float(data["dataloader_share"]) > 0.5, data
+    assert float(data["io_samples_per_second"]) < float(data["training_samples_per_second"])
+    assert math.isclose(float(data["gpu_effective_utilization_ratio"]), 0.22, abs_tol=0.01), data
+    assert ddp["verdict"] == "gpu_bound" and ddp["stragglers"] == str(DDP_SLOW_RANK), ddp
+    ranks = {row["rank"]: row for row in _csv(runs.reports["ddp"] / "rank_summary.csv")}
+    slow, fast = ranks[str(DDP_SLOW_RANK)], ranks[str(1 - DDP_SLOW_RANK)]
+    assert float(slow["local_score"]) < 0.75 < 0.9 < float(fast["local_score"])
+    assert abs(float(slow["step_time_score"]) - 1) < 0.1  # DDP equalises step times: that score is blind
+    path = _csv(runs.reports["ddp"] / "critical_path.csv")
+    bounded = [row for row in path if row["rank"] == str(DDP_SLOW_RANK) and row["score_kind"] == "local_phases"]
+    assert len(bounded) >= 0.8 * len(path) > 0
+    page = (runs.reports["ddp"] / "index.html").read_text(encoding="utf-8")
+    assert "Straggler: rank 1 on report-node" in page and "GPU-bound" in page
+
+
+def test_gantt_intervals_match_the_pushed_state_changes(runs: Runs) -> None:
+    from run_report.times import parse_time
+
+    for run, out in runs.reports.items():
+        start, end, step = _window(out)
+        intervals = _csv(out / "state_timeline.csv")
+        raw = query_at(runs.prometheus, f'stepscope_training_state{{run="{run}"}}[{round(end - start + 10)}s]', end)
+        for rank in {row["rank"] for row in intervals}:
+            mine = [row for row in intervals if row["rank"] == rank]
+            # what Prometheus scraped: the state with value 1 at each sample, and where it changed
+            samples = sorted((float(t), item["metric"]["state"]) for item in raw if item["metric"]["rank"] == rank
+                             for t, v in item["values"] if v == "1")
+            changes = [(t, s) for i, (t, s) in enumerate(samples) if i == 0 or samples[i - 1][1] != s]
+            changes = [(t, s) for t, s in changes if t >= start - step]
+            assert [row["state"] for row in mine] == [s for _, s in changes], (run, rank)
+            for row, (t, _) in zip(mine[1:], changes[1:], strict=True):
+                assert 0 <= parse_time(row["start"], 0) - t <= step + 0.001, (run, rank, row, t)
+            evals = [row for row in mine if row["state"] == "eval"]
+            assert len(evals) == EXPECTED_EVALS[(run, rank)], mine
+            assert all(EVAL_SECONDS - 1.5 <= float(row["seconds"]) <= EVAL_SECONDS + 2.5 for row in evals), evals
+            assert mine[-1]["state"] == "idle" and "train" in [row["state"] for row in mine]
+            exit_time = runs.exits[(run, rank)]
+            assert exit_time - 5 <= parse_time(mine[-1]["start"], 0) <= exit_time + 3, (mine[-1], exit_time)
+
+
+def test_page_renders_in_headless_chromium(runs: Runs, tmp_path: Path) -> None:
+    from tests.support.browser import headless_chromium
+
+    with headless_chromium(tmp_path) as browser:
+        for run, out in runs.reports.items():
+            browser.get((out / "index.html").as_uri())
+            images = browser.execute_script(
+                "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.alt])")
+            assert len(images) == 5, images
+            assert all(complete and width > 0 for complete, width, _ in images), images
+            fetched = browser.execute_script(
+                "return performance.getEntriesByType('resource').map(e => e.name)")
+            assert all(name.startswith("data:") for name in fetched), fetched  # nothing from the network
+            errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+            assert not errors, errors
+            shot = browser.get_screenshot_as_png()
+            _assert_not_blank(shot, run)
+            assert browser.find_element("css selector", ".verdict h2").text.startswith(
+                {"data": "Data-bound", "ddp": "GPU-bound"}[run])
+
+
+def _assert_not_blank(png: bytes, run: str) -> None:
+    import io
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    colors = image.getcolors(maxcolors=1 << 20) or []
+    non_white = sum(count for count, rgb in colors if rgb != (255, 255, 255))
+    assert len(colors) > 50 and non_white > 0.05 * image.width * image.height, (run, len(colors), non_white)
+
+
+def test_errors_are_one_line_exit_2_and_write_nothing(runs: Runs, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    cases = {
+        "unreachable": (["--prometheus", f"http://127.0.0.1:{free_port()}", "--run", "data"],
+                        "cannot reach Prometheus"),
+        "no data": (["--prometheus", runs.prometheus, "--run", "nope"], "no data for run 'nope'"),
+        "empty range": (["--prometheus", runs.prometheus, "--run", "data", "--from", "2000-01-01T00:00:00Z",
+                         "--to", "2000-01-01T01:00:00Z"], "has no samples between"),
+        "no run": (["--prometheus", runs.prometheus], "--run is required; runs seen"),
+        "bad time": (["--prometheus", runs.prometheus, "--run", "data", "--from", "yesterday"], "cannot read time"),
+        "not a prometheus": (["--prometheus", f"{runs.prometheus}/graph", "--run", "data"],
+                             "without a Prometheus API response"),
+    }
+    for name, (argv, message) in cases.items():
+        assert cli.main([*argv, "--out", str(out)]) == 2, name
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("stepscope-report: error: ") and message in lines[0], \
+            (name, captured.err)
+        assert not out.exists() and list(tmp_path.iterdir()) == [], name
+    assert cli.main(["--prometheus", runs.prometheus]) == 2
+    listing = capsys.readouterr().err
+    assert "data (1 rank on report-node)" in listing and "ddp (2 ranks on report-node)" in listing
+
+
+def test_an_existing_directory_is_replaced_only_when_it_is_a_report(runs: Runs, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    assert cli.main(["--prometheus", runs.prometheus, "--run", "data", "--out", str(other)]) == 2
+    assert "not a stepscope report" in capsys.readouterr().err
+    assert [path.name for path in other.iterdir()] == ["todo.txt"]
+    again = tmp_path / "again"
+    for _ in range(2):  # the second run replaces the first report
+        assert cli.main(["--prometheus", runs.prometheus, "--run", "data", "--out", str(again)]) == 0
+    assert len(list(again.iterdir())) == 9
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["again", "notes"]

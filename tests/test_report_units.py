@@ -1,0 +1,202 @@
+"""stepscope-report's parts without a Prometheus: its PromQL against the metric contract and promtool,
+times, windows, the Gantt intervals and the critical path from series, CSV cells, and the output
+directory that is replaced only when a report is complete."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grafana.dashboards.metrics import EXPORTER_METRICS
+from run_report import output, queries
+from run_report.prometheus import Series
+from run_report.timeline import critical_path, labelled_intervals, state_intervals
+from run_report.times import iso, parse_time
+from run_report.window import Window, aligned, resolution
+from tests.support.processes import REPO_ROOT
+
+RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
+RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
+EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
+WINDOW = Window(1000.0, 1100.0, 10.0)
+
+
+def _all_queries() -> dict[str, str]:
+    built = queries.build('we"ird\\run', Window(1_700_000_000.0, 1_700_003_600.0, 15.0), ["node-a", "gpu.node+1"])
+    return {**{f"total {k}": v for k, v in built.totals.items()},
+            **{f"series {k}": v for k, v in built.over_time.items()}}
+
+
+def test_queries_use_only_exported_metrics_and_shipped_recording_rules() -> None:
+    rules = {rule["record"] for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+             for rule in group["rules"] if "record" in rule}
+    for name, expr in _all_queries().items():
+        for rule in RULE_NAME.findall(expr):
+            assert rule in rules, f"{name}: {rule} is not a shipped recording rule"
+        for metric in EXPORTER_NAME.findall(RULE_NAME.sub("", expr)):
+            assert metric in EXPORTER_METRICS, f"{name}: {metric} is not an exporter metric"
+
+
+def test_every_query_parses_as_promql(tmp_path: Path) -> None:
+    exprs = _all_queries().values()
+    rules = [{"record": f"report:check:expr{index}", "expr": expr} for index, expr in enumerate(exprs)]
+    path = tmp_path / "report-queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "report", "rules": rules}]}))
+    result = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_times_in_every_documented_form() -> None:
+    now = 1_714_564_800.0
+    assert parse_time("2024-05-01T12:00:00Z", now) == 1_714_564_800.0
+    assert parse_time("2024-05-01T14:00:00+02:00", now) == 1_714_564_800.0
+    assert parse_time("2024-05-01 12:00:00", now) == 1_714_564_800.0  # no zone: UTC
+    assert parse_time("1714564800.5", now) == 1_714_564_800.5
+    assert parse_time("now", now) == now and parse_time("now-90m", now) == now - 5400
+    with pytest.raises(ValueError, match="RFC 3339"):
+        parse_time("yesterday", now)
+    assert iso(1_714_564_800.25) == "2024-05-01T12:00:00.250Z"
+
+
+def test_resolution_is_the_scrape_interval_until_the_window_needs_fewer_points() -> None:
+    assert resolution(0, 600, 1.0) == 1
+    assert resolution(0, 3600, 15.0) == 15
+    assert resolution(0, 86400, 15.0) == 120  # 86400 / 1200 = 72 -> the next nice step
+    assert resolution(0, 30, 0.2) == 1
+    window = aligned(1001.5, 1093.2, 5)
+    assert (window.start, window.end, window.step) == (1000, 1095, 5)
+
+
+def _state(rank: str, state: str, times: list[float]) -> Series:
+    return Series({"rank": rank, "instance": "n", "state": state}, tuple((t, 1.0) for t in times))
+
+
+def test_state_intervals_end_where_the_next_state_is_seen_or_at_a_gap() -> None:
+    series = [
+        _state("0", "setup", [1000, 1010]),
+        _state("0", "train", [1020, 1030, 1040]),
+        _state("0", "idle", [1050, 1060]),
+        _state("1", "train", [1000, 1010, 1050]),  # a gap of 40 s: the exporter was down
+    ]
+    got = [(i.rank, i.state, i.start, i.end) for i in state_intervals(series, WINDOW)]
+    assert got == [
+        ("0", "setup", 1000, 1020), ("0", "train", 1020, 1050), ("0", "idle", 1050, 1070),
+        ("1", "train", 1000, 1020), ("1", "train", 1050, 1060),
+    ]
+
+
+def test_ranks_sort_by_number() -> None:
+    series = [_state(rank, "train", [1000]) for rank in ("10", "2", "1")]
+    assert [i.rank for i in state_intervals(series, WINDOW)] == ["1", "2", "10"]
+
+
+def test_verdict_intervals() -> None:
+    series = [Series({"verdict": "data_bound"}, ((1000, 1), (1010, 1))), Series({"verdict": "idle"}, ((1020, 1),))]
+    assert labelled_intervals(series, "verdict", WINDOW) == [("data_bound", 1000, 1020), ("idle", 1020, 1030)]
+
+
+def test_critical_path_takes_the_lowest_of_either_score() -> None:
+    step = [Series({"rank": "0", "instance": "n"}, ((1000, 1.0), (1010, 0.6))),
+            Series({"rank": "1", "instance": "n"}, ((1000, 1.0), (1010, 1.4)))]
+    local = [Series({"rank": "0", "instance": "n"}, ((1000, 1.7),)),
+             Series({"rank": "1", "instance": "n"}, ((1000, 0.3),))]
+    path = critical_path(step, local)
+    assert [(b.time, b.rank, b.kind, b.score) for b in path] == [
+        (1000, "1", "local_phases", 0.3), (1010, "0", "step_time", 0.6)]
+
+
+def _report_dir(path: Path, content: str = "old") -> Path:
+    path.mkdir()
+    (path / "index.html").write_text(f"{output.MARKER}\n{content}")
+    return path
+
+
+def test_a_failed_report_leaves_the_previous_one_and_no_partial_directory(tmp_path: Path) -> None:
+    out = _report_dir(tmp_path / "report")
+    with pytest.raises(RuntimeError), output.staged(out) as staging:
+        (staging / "index.html").write_text("half")
+        raise RuntimeError("Prometheus went away")
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]
+    assert (out / "index.html").read_text().endswith("old")
+
+
+def test_a_complete_report_replaces_the_previous_one(tmp_path: Path) -> None:
+    out = _report_dir(tmp_path / "report")
+    with output.staged(out) as staging:
+        (staging / "index.html").write_text(f"{output.MARKER}\nnew")
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]
+    assert (out / "index.html").read_text().endswith("new")
+    assert out.stat().st_mode & 0o777 != 0o700  # not mkdtemp's private mode
+
+
+def test_other_directories_and_files_are_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    for name in ("notes", "file"):
+        with pytest.raises(output.OutputError), output.staged(tmp_path / name):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "notes"]
+    (tmp_path / "empty").mkdir()
+    with output.staged(tmp_path / "empty") as staging:
+        (staging / "index.html").write_text("x")
+    assert (tmp_path / "empty" / "index.html").exists()
+
+
+def _promtool_totals(tmp_path: Path, window: Window, expected: dict[str, list[dict]]) -> None:
+    """Evaluates the report's total queries with promtool's real PromQL engine on exact samples every
+    15 s from t=0 to 300 s: rank 0 counts 50 steps before its first scrape, bucket le=0.5 appears at
+    60 s and le=0.25 at 180 s (with the counts from before, as the hooks export them); rank 1's
+    process restarts at 150 s."""
+    def series(name: str, rank: str, values: str, le: str | None = None) -> dict:
+        labels = f'run="r",rank="{rank}",instance="n"' + (f',le="{le}"' if le else "")
+        return {"series": f"{name}{{{labels}}}", "values": values}
+
+    steps0, steps1 = "50+10x20", "10+10x9 0+10x10"
+    inputs = [
+        series("stepscope_steps_total", "0", steps0), series("stepscope_steps_total", "1", steps1),
+        series("stepscope_step_seconds_bucket", "0", steps0, "+Inf"),
+        series("stepscope_step_seconds_bucket", "0", steps0, "1"),
+        series("stepscope_step_seconds_bucket", "0", "_x4 72+8x16", "0.5"),
+        series("stepscope_step_seconds_bucket", "0", "_x12 17+1x8", "0.25"),
+    ]
+    built = queries.build("r", window, []).totals
+    tests = [{"expr": built[name], "eval_time": f"{window.end:g}s", "exp_samples": samples}
+             for name, samples in expected.items()]
+    spec = {"rule_files": [], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
+    path = tmp_path / "totals.yml"
+    path.write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_totals_of_a_whole_run_count_from_zero_even_when_the_window_starts_on_its_first_sample(
+        tmp_path: Path) -> None:
+    _promtool_totals(tmp_path, Window(0, 300, 15), {
+        "steps": [{"labels": '{rank="0",instance="n"}', "value": 250},
+                  {"labels": '{rank="1",instance="n"}', "value": 190}],  # restarted: increase()
+        # 250 steps: 25 <= 0.25 s, 200 <= 0.5 s; the 125th lies 100/175 into (0.25, 0.5]
+        "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.25 + 0.25 * 100 / 175}],
+    })
+
+
+def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(tmp_path: Path) -> None:
+    # [120, 300]: rank 0 had 120 steps up to 105 s and 250 at the end; le=0.5: 96 -> 200; le=0.25
+    # appeared inside the window (its count includes earlier steps) and is left out. Rank 1 restarted
+    # inside: increase() from the window's first sample, 90 -> 100, then 0 -> 100.
+    _promtool_totals(tmp_path, Window(120, 300, 15), {
+        "steps": [{"labels": '{rank="0",instance="n"}', "value": 130},
+                  {"labels": '{rank="1",instance="n"}', "value": 110}],
+        "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.5 * 65 / 104}],
+    })
+
+
+def test_the_page_never_shows_credentials_of_the_prometheus_url() -> None:
+    from run_report.cli import _without_credentials
+
+    assert _without_credentials("https://reader:s3cret@prom.example:9090/prometheus") == \
+        "https://prom.example:9090/prometheus"
+    assert _without_credentials("http://localhost:9090") == "http://localhost:9090"
