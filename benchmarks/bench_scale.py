@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import multiprocessing
 import os
 import re
@@ -452,7 +453,7 @@ def findings(url: str) -> dict[str, str]:
             float(count(f'{{__name__=~"{keep}"}} unless {{__name__=~"{not_sent}"}}'))
             / len(instant(url, 'up{job="stepscope"}')))),
         "runs by verdict": counts("run:stepscope_bottleneck:verdict", "verdict"),
-        "ranks with a step-time p50": count("run_rank:stepscope_step_seconds:p50_rate1m"),
+        "ranks with a mean step time": count("run_rank:stepscope_step_seconds:mean_rate1m"),
         "runs with a run p95": count("run:stepscope_step_seconds:p95_rate1m"),
         "alerts pending or firing": counts('ALERTS{alertname=~"Stepscope.*"}', "alertname"),
         f"straggler alerts on local rank {STRAGGLER_LOCAL_RANK} of a run's first node": count(
@@ -518,6 +519,18 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
     return "\n".join(sections)
 
 
+def load_results(path: Path) -> list[Result]:
+    """The results an earlier run kept (--append); none when there is no such file."""
+    if not path.is_file():
+        return []
+    try:
+        return [Result(**{**item, "load": tuple(item["load"]),
+                          "costliest": [tuple(row) for row in item["costliest"]]})
+                for item in json.loads(path.read_text())]
+    except (ValueError, TypeError, KeyError) as error:
+        raise SystemExit(f"bench_scale: {path} does not hold results of this script: {error}") from None
+
+
 def display(path: Path) -> str:
     return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else str(path)
 
@@ -537,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rule files for a second Prometheus side by side, e.g. the rules before a change: "
                              "git show REV:grafana/rules/stepscope.rules.yml > before.yml")
     parser.add_argument("--out", type=Path, default=RESULTS, help="markdown file to write")
+    parser.add_argument("--append", action="store_true",
+                        help="add these sizes to the results kept next to --out (OUT.json) from earlier runs, "
+                             "so that sizes can be measured one at a time on a shared machine")
     args = parser.parse_args(argv)
     try:
         sizes = [int(n) for n in args.nodes.split(",")]
@@ -552,13 +568,17 @@ def main(argv: list[str] | None = None) -> int:
         rule_sets["baseline"] = [p.resolve() for p in args.baseline]
     with tempfile.TemporaryDirectory() as tmp:
         scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
-    results: list[Result] = []
+    kept = args.out.with_suffix(".json")
+    results = load_results(kept) if args.append else []
     for nodes in sizes:
         print(f"measuring {nodes} nodes", flush=True)
+        results = [r for r in results if r.nodes != nodes]
         results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure)
+        results.sort(key=lambda r: r.nodes)
         text = report(results, rule_sets, args.warmup, args.measure)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+        kept.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     print(text)
     return 0
 

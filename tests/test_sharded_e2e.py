@@ -216,7 +216,7 @@ def test_straggler_alert_fires_for_the_slow_rank_only(layout: Layout) -> None:
 
 def test_shards_send_recordings_not_the_raw_node_series(layout: Layout) -> None:
     top = layout.global_url
-    assert query(top, "run_rank:stepscope_step_seconds:p50_rate1m")
+    assert query(top, "run_rank:stepscope_step_seconds:mean_rate1m")
     assert query(top, 'stepscope_training_state{state="train"}')
     for raw in ("stepscope_step_seconds_bucket", "stepscope_step_phase_seconds_sum", "stepscope_gpu_utilization_ratio"):
         assert not query(top, raw), f"{raw} reached the global layer"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from grafana.rules import RULE_FILES, groups as rule_groups
+from grafana.rules import RULE_FILES
+from grafana.rules import groups as rule_groups
 
 GRAFANA_DIR = Path(__file__).resolve().parents[1]
 DATASOURCE_FILE = GRAFANA_DIR / "provisioning" / "datasources" / "stepscope.yml"
