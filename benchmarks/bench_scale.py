@@ -3,6 +3,8 @@ evaluation time of every rule group, at 100, 250, 500 and 1,000 simulated nodes.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py                  # ~30 minutes
     PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 50 --warmup 90 --measure 60
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 1000 --append  # one size, added to
+        # the results kept in benchmarks/results/scale.json (--nodes "" --append: render them again)
     git show 46cf0c3:grafana/rules/stepscope.rules.yml > /tmp/before.yml   # the rules before the split
     PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 250 --baseline /tmp/before.yml \
         --out benchmarks/results/scale-vs-before.md                          # side by side, one run
@@ -498,10 +500,10 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
         ours = [r for r in results if r.rules == label]
         groups = sorted({group for r in ours for group in r.groups})
         sections += ["", f"## Evaluation time per rule group: {label}", "", table(
-            ["group", *(f"{r.nodes} nodes: median / worst s ({len(r.groups.get(groups[0], []))} evaluations)"
-                        for r in ours)],
-            [[group, *(f"{statistics.median(r.groups[group]):.3f} / {max(r.groups[group]):.3f}"
-                       if r.groups.get(group) else "-" for r in ours)] for group in groups])]
+            ["group", *(f"{r.nodes} nodes: median / worst s (evaluations)" for r in ours)],
+            [[group, *(f"{statistics.median(r.groups[group]):.3f} / {max(r.groups[group]):.3f} "
+                       f"({len(r.groups[group])})" if r.groups.get(group) else "-" for r in ours)]
+             for group in groups])]
         largest = ours[-1]
         sections += ["", f"## Costliest rules at {largest.nodes} nodes: {label}", "", table(
             ["group", "rule", "seconds (last evaluation)"],
@@ -542,7 +544,8 @@ def prometheus_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", default="100,250,500,1000", help="comma-separated cluster sizes")
+    parser.add_argument("--nodes", default="100,250,500,1000",
+                        help="comma-separated cluster sizes (empty with --append: re-render the kept results)")
     parser.add_argument("--warmup", type=float, default=150, help="seconds after every target is up")
     parser.add_argument("--measure", type=float, default=180, help="seconds of measured evaluations")
     parser.add_argument("--rules", type=Path, nargs="+", default=list(RULE_FILES), help="rule files to load")
@@ -555,21 +558,28 @@ def main(argv: list[str] | None = None) -> int:
                              "so that sizes can be measured one at a time on a shared machine")
     args = parser.parse_args(argv)
     try:
-        sizes = [int(n) for n in args.nodes.split(",")]
+        sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
     except ValueError:
         parser.error(f"--nodes: not a comma-separated list of integers: {args.nodes!r}")
     if any(n < 1 for n in sizes):
         parser.error("--nodes: sizes must be positive")
+    if not sizes and not args.append:
+        parser.error("--nodes: no sizes (an empty list only re-renders the kept results, with --append)")
     for path in [*args.rules, *args.baseline]:
         if not path.is_file():
             parser.error(f"{path} does not exist")
     rule_sets = {"shipped": [p.resolve() for p in args.rules]}
     if args.baseline:
         rule_sets["baseline"] = [p.resolve() for p in args.baseline]
-    with tempfile.TemporaryDirectory() as tmp:
-        scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
     kept = args.out.with_suffix(".json")
     results = load_results(kept) if args.append else []
+    if not sizes:
+        if not results:
+            parser.error(f"--append: no kept results in {kept} to render")
+        args.out.write_text(report(results, rule_sets, args.warmup, args.measure))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
     for nodes in sizes:
         print(f"measuring {nodes} nodes", flush=True)
         results = [r for r in results if r.nodes != nodes]
