@@ -53,7 +53,7 @@ from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
 
 import training_hooks as th  # noqa: E402
-from tests.support.processes import FAKE_NVML_DIR, exporter_env, free_port, running  # noqa: E402
+from stepscope_testkit.processes import FAKE_NVML_DIR, exporter_env, free_port, running  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 PHASES = ("to_device", "forward", "zero_grad", "backward", "optimizer_step", "empty")
@@ -229,7 +229,7 @@ def gpu_blocks(model: GpuModel, trackers: dict[str, th.Tracker], steps: int) -> 
 
 def phase_sums_vs_sync(events: th.Tracker, synced: th.Tracker) -> str:
     """Per-phase seconds per occurrence, CUDA events (sampled, weighted) against synchronize-bracketed."""
-    from tests.support.processes import sample_values
+    from stepscope_testkit.processes import sample_values
 
     events.close()  # resolves every pending pair
     synced.close()
@@ -444,8 +444,8 @@ def baseline_tree(rev: str, into: Path) -> Path | None:
 
 
 def priced_cycles(tmp: Path) -> str:
-    from tests.fake_nvml.cost_model import price_collector
-    from tests.fake_nvml.scenario import H100_LATENCY_MS
+    from stepscope_testkit.fake_nvml.cost_model import price_collector
+    from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS
 
     os.environ["STEPSCOPE_FAKE_NVML_SCENARIO"] = str(tmp / "priced.json")
     parts = []
@@ -491,7 +491,7 @@ print(json.dumps({"cycles": cycles, "slow": slow}))
 
 def spent_cycles(tmp: Path, trees: dict[str, Path], cycles: int = 12) -> str:
     """The collector of each tree against the fake spending H100 latencies for real: wall-clock."""
-    from tests.fake_nvml.scenario import H100_LATENCY_MS
+    from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS
 
     rows = []
     for model in ("H100", "A100"):
@@ -511,7 +511,7 @@ def spent_cycles(tmp: Path, trees: dict[str, Path], cycles: int = 12) -> str:
 
 def probe_cycles(tmp: Path, tree: Path, model: str, latency_ms: dict[str, float] | None,
                  cycles: int) -> dict[str, Any]:
-    from tests.fake_nvml.scenario import make_scenario, write_scenario
+    from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
 
     scenario = write_scenario(tmp / f"probe-{model}.json", make_scenario(8, 8, models=(model,), latency_ms=latency_ms))
     env = {**os.environ, "PYTHONPATH": str(tree), "STEPSCOPE_FAKE_NVML_SCENARIO": str(scenario)}
@@ -522,7 +522,7 @@ def probe_cycles(tmp: Path, tree: Path, model: str, latency_ms: dict[str, float]
 
 def exporter_cpu(tmp: Path, trees: dict[str, Path], seconds: float) -> str:
     """Every tree's exporter at a 1 s interval, with 8 fake GPUs and with none, all running at once."""
-    from tests.fake_nvml.scenario import load_scenario, make_scenario, write_scenario
+    from stepscope_testkit.fake_nvml.scenario import load_scenario, make_scenario, write_scenario
 
     scenarios = {"8 GPUs x 8 processes": write_scenario(tmp / "cpu-8.json", make_scenario(8, 8)),
                  "no GPU (no driver)": write_scenario(tmp / "cpu-0.json", load_scenario("no_driver"))}
@@ -619,7 +619,7 @@ def fake_blocks(step: FakeStep, modes: dict[str, tuple[Any, Any]], steps: int) -
 
 def priced_hooks(baseline: Path | None, steps: int = 2000) -> str:
     """CUDA calls per step, counted on the fake with a virtual clock (exact), priced at the H100's costs."""
-    from tests.fake_cuda import COSTS_US, FakeCuda
+    from stepscope_testkit.fake_cuda import COSTS_US, FakeCuda
 
     old = old_cuda_module(baseline)
     rows = []
@@ -712,7 +712,7 @@ def per_operation_ns(cuda: Any, ops: int = 20_000) -> str:
 
 
 def hooks_cost_model(baseline: Path | None) -> str:
-    from tests.fake_cuda import FakeCuda
+    from stepscope_testkit.fake_cuda import FakeCuda
     from training_hooks import tracker as tracker_module
 
     cuda = FakeCuda(spend=True)

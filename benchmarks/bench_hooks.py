@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from torch import nn
 
 import training_hooks as th
-from tests.support.pushgateway import PUSHGATEWAY, running_pushgateway
+from stepscope_testkit.pushgateway import PUSHGATEWAY, running_pushgateway
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hooks.md"
 

@@ -4,7 +4,7 @@
 
 1. The parser alone, in this process: CPU per parse of the 9-phase body the hooks push (14 KB with
    16 buckets per histogram; also with 40), and of 1 MiB bodies of every hostile shape
-   (tests/support/ingest_bodies.py).
+   (stepscope_testkit/ingest_bodies.py).
 2. For 8, 64, 256 and 512 stored groups (9-phase bodies from training_hooks.render, added to a fresh
    exporter and a fresh Pushgateway alike), interleaved round by round:
    - push: server CPU per PUT re-pushing an existing group with new counts (200 per target, alternating);
@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from exporter.ingest.errors import Rejected  # noqa: E402
 from exporter.ingest.parser import PushLimits, parse_push  # noqa: E402
-from tests.support.ingest_bodies import HOSTILE_SHAPES, counter, hooks_body  # noqa: E402
-from tests.support.processes import Running, free_port, running, running_exporter  # noqa: E402
-from tests.support.pushgateway import running_pushgateway  # noqa: E402
+from stepscope_testkit.ingest_bodies import HOSTILE_SHAPES, counter, hooks_body  # noqa: E402
+from stepscope_testkit.processes import Running, free_port, running, running_exporter  # noqa: E402
+from stepscope_testkit.pushgateway import running_pushgateway  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "ingest.md"
 GROUP_COUNTS = (8, 64, 256, 512)

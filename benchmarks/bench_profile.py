@@ -36,8 +36,8 @@ from bench_hooks import table  # noqa: E402
 from torch import nn  # noqa: E402
 
 import training_hooks as th  # noqa: E402
-from tests.support.processes import running_exporter  # noqa: E402
-from tests.support.traces import rank_tracing, request_state, request_trace, step_annotations, wait_until  # noqa: E402
+from stepscope_testkit.processes import running_exporter  # noqa: E402
+from stepscope_testkit.traces import rank_tracing, request_state, request_trace, step_annotations, wait_until  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "profile.md"
 Op = Callable[[int], None]

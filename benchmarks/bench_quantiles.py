@@ -35,9 +35,9 @@ import numpy as np
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fake_nvml.scenario import make_scenario, write_scenario
-from tests.support.node_scrape import GPUS, trained_tracker
-from tests.support.processes import running_exporter, scrape
+from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
+from stepscope_testkit.node_scrape import GPUS, trained_tracker
+from stepscope_testkit.processes import running_exporter, scrape
 from training_hooks.config import log_buckets
 from training_hooks.timing import (
     FINE_GRID,

@@ -39,7 +39,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.processes import REPO_ROOT, free_port, wait_http_ok
+from stepscope_testkit.processes import REPO_ROOT, free_port, wait_http_ok
 from training_hooks.render import Snapshot, render
 from training_hooks.timing import Histogram
 
@@ -77,7 +77,7 @@ class Rank:
 
     def body(self) -> str:
         snapshot = Snapshot(
-            phases=[(phase, hist.snapshot()) for phase, hist in self.phases.items()], step=self.step.snapshot(),
+            phases=[(phase, "host", hist.snapshot()) for phase, hist in self.phases.items()], step=self.step.snapshot(),
             steps=self.steps, samples=self.samples, state=self.state,
             info={"local_rank": str(self.rank % GPUS_PER_NODE), "world_size": str(self.world_size),
                   "pid": str(40000 + self.rank), "framework": "torch"})

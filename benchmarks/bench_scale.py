@@ -11,7 +11,7 @@ evaluation time of every rule group, at 100, 250, 500 and 1,000 simulated nodes.
 
 One node is a REAL exporter scrape: the exporter with the fake NVML's 8 H100s (GPM on), 8 ranks of
 one run, each holding memory on its GPU (8 sleeping processes stand in for their pids), each pushing
-the body the real hooks render after 300 steps of 9 phases (tests/support/node_scrape.py). A
+the body the real hooks render after 300 steps of 9 phases (stepscope_testkit/node_scrape.py). A
 synthetic target, its own process, serves N copies of that scrape on /metrics/<instance>: runs of 8
 nodes (64 ranks), rank labels renumbered, the GPU readings of one of four run profiles, counters
 advancing from the scraped values (training families at the captured step rate, others at their
@@ -66,9 +66,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from grafana.rules import RULE_FILES, RUN_RULES, rules  # noqa: E402
-from tests.support.node_scrape import GPUS, capture_node_scrape  # noqa: E402
-from tests.support.processes import free_port, running  # noqa: E402
-from tests.support.sharded import shard_write_filter  # noqa: E402
+from stepscope_testkit.node_scrape import GPUS, capture_node_scrape  # noqa: E402
+from stepscope_testkit.processes import free_port, running  # noqa: E402
+from stepscope_testkit.sharded import shard_write_filter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.md"
 NODES_PER_RUN = 8

@@ -30,9 +30,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.bench_ingest import Target, scrape_rounds  # noqa: E402
-from tests.fake_nvml.scenario import make_scenario  # noqa: E402
-from tests.support.ingest_bodies import counter  # noqa: E402
-from tests.support.processes import free_port, running, running_exporter  # noqa: E402
+from stepscope_testkit.fake_nvml.scenario import make_scenario  # noqa: E402
+from stepscope_testkit.ingest_bodies import counter  # noqa: E402
+from stepscope_testkit.processes import free_port, running, running_exporter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scrape.md"
 COLLECT_INTERVAL = 5  # the exporter's default

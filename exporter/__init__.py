@@ -1,3 +1,5 @@
 """stepscope exporter: node, GPU and per-process metrics plus pushed training timings on /metrics."""
 
-__version__ = "0.1.0"
+from stepscope_contract import VERSION as __version__
+
+__all__ = ["__version__"]

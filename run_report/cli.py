@@ -25,6 +25,8 @@ from run_report.window import (
     run_matcher,
     runs_seen,
 )
+from stepscope_contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
+from stepscope_contract.recordings import RUN_VERDICT
 
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
@@ -95,7 +97,7 @@ def _report(args: argparse.Namespace) -> int:
     data = fetch(prom, args.run, window, nodes)
     if data.totals["steps"] and not data.over_time["verdict"]:
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
-                         "(run:stepscope_bottleneck:verdict): load the rule files of grafana/rules/ into Prometheus")
+                         f"({RUN_VERDICT}): load the rule files of grafana/rules/ into Prometheus")
     built = report.build(data, _without_credentials(prom.base_url))
     with output.staged(out) as staging:
         files = report.write(built, staging)
@@ -142,15 +144,15 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
         end = _cut_idle_tail(prom, args.run, start, end, step)
     window = aligned(start, max(end, start + step), step)
     nodes = sorted({labels.get("instance", "") for labels in
-                    prom.series(f"stepscope_training_info{{{run_matcher(args.run)}}}", window.start, window.end)})
+                    prom.series(selector(TRAINING_INFO, run_matcher(args.run)), window.start, window.end)})
     return window, nodes
 
 
 def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: float) -> float:
     """A finished run's group stays on the exporter in state idle until its TTL: end the window
     shortly after the last rank left the other states (a tenth of the run, at most a minute)."""
-    active = prom.query_range(
-        f'count(stepscope_training_state{{{run_matcher(run)},state!="idle"}} == 1)', start, end, step)
+    not_idle = f'{run_matcher(run)},state!="{IDLE_STATE}"'
+    active = prom.query_range(f"count({selector(TRAINING_STATE, not_idle)} == 1)", start, end, step)
     times = [t for series in active for t, _ in series.points]
     if not times:
         return end

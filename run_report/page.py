@@ -15,11 +15,14 @@ from run_report import fmt
 from run_report.csvs import cell
 from run_report.summary import STRAGGLER_SCORE
 from run_report.times import iso
+from stepscope_contract import LOCAL_PHASES
+from stepscope_contract.recordings import RUN_VERDICT
 
 if TYPE_CHECKING:
     from run_report.report import Report
 
 GENERATOR = "stepscope-report"
+LOCAL_PHASES_HTML = " + ".join(f"<code>{phase}</code>" for phase in LOCAL_PHASES)
 
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1120px;
@@ -61,7 +64,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         "</ul>",
         _table(("rule of thumb", "measured", "target", ""),
                [(c.rule, c.measured, c.target, _mark(c.ok)) for c in a.checks], text_columns=3),
-        f'<p class="note">Verdict over the window (rule <code>run:stepscope_bottleneck:verdict</code>): '
+        f'<p class="note">Verdict over the window (rule <code>{RUN_VERDICT}</code>): '
         f"{escape(_fractions(a.fractions))}.</p></section>",
         "<h2>Key numbers</h2>",
         _table(("", "value"), _key_numbers(report), text_columns=1),
@@ -76,9 +79,8 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
     parts += [
         "<h2>Ranks</h2>",
         '<p class="note">Over the whole window. Phase columns are shares of step time; scores are the run\'s '
-        "median over the rank's value (1 typical, below 0.75 a straggler): of mean step time, and of the local "
-        "phases before the first collective (<code>dataloader_next</code> + <code>to_device</code> + "
-        "<code>forward</code>).</p>",
+        f"median over the rank's value (1 typical, below {STRAGGLER_SCORE:g} a straggler): of mean step time, and "
+        f"of the local phases before the first collective ({LOCAL_PHASES_HTML}).</p>",
         _rank_table(report),
         "<h2>Nodes</h2>",
         _node_table(report),

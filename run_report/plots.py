@@ -19,11 +19,11 @@ from run_report.prometheus import Series
 from run_report.summary import STRAGGLER_SCORE, RankSummary
 from run_report.timeline import Bound, Interval, rank_key
 from run_report.window import Window
+from stepscope_contract import STATES, THRESHOLDS
 
 WIDTH = 11.0  # inches; at DPI that is the page's content width
 DPI = 100
-STATE_COLORS = {"setup": "#9e9e9e", "train": "#2e7d32", "eval": "#1565c0", "checkpoint": "#ef6c00",
-                "idle": "#e0e0e0"}
+STATE_COLORS = dict(zip(STATES, ("#9e9e9e", "#2e7d32", "#1565c0", "#ef6c00", "#e0e0e0"), strict=True))
 VERDICT_COLORS = {"gpu_bound": "#00897b", "data_bound": "#e53935", "gpu_busy_idle": "#8e24aa",
                   "host_bound": "#fdd835", "idle": "#eeeeee"}
 OTHER_COLOR = "#6d4c41"
@@ -69,10 +69,11 @@ def step_time(window: Window, over_time: Mapping[str, list[Series]]) -> bytes:
     middle.set_title("Run throughput")
     for rank, series in _by_rank(over_time["dataloader_share"]).items():
         _line(bottom, axis, series, color=colors.get(rank, OTHER_COLOR), linewidth=1.2)
-    bottom.axhline(0.3, color="#c62828", linestyle="--", linewidth=1)
+    data_bound = THRESHOLDS["data_loading_share"].value
+    bottom.axhline(data_bound, color="#c62828", linestyle="--", linewidth=1)
     bottom.yaxis.set_major_formatter(PercentFormatter(1.0))
     bottom.set_ylim(0, 1.05)
-    bottom.set_title("Data-loading share of step time per rank (dashed: 30%, data-bound above)")
+    bottom.set_title(f"Data-loading share of step time per rank (dashed: {data_bound:.0%}, data-bound above)")
     _time_axis(bottom, axis)
     for ax in (top, middle):
         ax.set_ylim(bottom=0)

@@ -17,10 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from run_report.window import Window, run_matcher
+from stepscope_contract import LOCAL_PHASES
+from stepscope_contract import families as fam
+from stepscope_contract import recordings as rec
+from stepscope_contract import selector as sel
 
 BEFORE = "10m"  # how far before the window a counter's previous value is looked for
 RANK = "rank, instance"  # a rank's identity; `instance` is its node
-PHASE_LOCAL = "dataloader_next|to_device|forward"  # before the first collective (rules: local score)
+PHASE_LOCAL = "|".join(LOCAL_PHASES)  # before the first collective (rules: local score)
 
 
 @dataclass(frozen=True)
@@ -65,22 +69,22 @@ def build(run: str, window: Window, nodes: list[str]) -> Queries:
 
 
 def _totals(r: str, window: Window) -> dict[str, str]:
-    steps = f"stepscope_steps_total{{{r}}}"
+    steps = sel(fam.STEPS_TOTAL, r)
 
     def inc(metric: str, by: str = RANK, per_rank: bool = False) -> str:
         return f"sum by ({by}) ({window_increase(f'{metric}{{{r}}}', window, steps, per_rank)})"
 
-    buckets = inc("stepscope_step_seconds_bucket", f"{RANK}, le", per_rank=True)
+    buckets = inc(f"{fam.STEP_SECONDS}_bucket", f"{RANK}, le", per_rank=True)
     # run quantiles over the bounds every rank exports, as the rules do (run_le:...)
     shared = f"count by (le) ({buckets}) == scalar(count(count by ({RANK}) ({buckets})))"
     return {
         "info": f"max by ({RANK}, local_rank, world_size, pid) "
-                f"(last_over_time(stepscope_training_info{{{r}}}[{window.range_ms}]))",
-        "steps": inc("stepscope_steps_total"),
-        "samples": inc("stepscope_samples_total"),
-        "step_seconds": inc("stepscope_step_seconds_sum"),
-        "step_count": inc("stepscope_step_seconds_count"),
-        "phase_seconds": inc("stepscope_step_phase_seconds_sum", f"{RANK}, phase"),
+                f"(last_over_time({sel(fam.TRAINING_INFO, r)}[{window.range_ms}]))",
+        "steps": inc(fam.STEPS_TOTAL),
+        "samples": inc(fam.SAMPLES_TOTAL),
+        "step_seconds": inc(f"{fam.STEP_SECONDS}_sum"),
+        "step_count": inc(f"{fam.STEP_SECONDS}_count"),
+        "phase_seconds": inc(f"{fam.STEP_PHASE_SECONDS}_sum", f"{RANK}, phase"),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
         "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",
@@ -90,52 +94,52 @@ def _totals(r: str, window: Window) -> dict[str, str]:
 
 def _training_over_time(r: str) -> dict[str, str]:
     return {
-        "state": f"stepscope_training_state{{{r}}} == 1",
-        "verdict": f"run:stepscope_bottleneck:verdict{{{r}}}",
-        "step_mean": f"run_rank:stepscope_step_seconds:mean_rate1m{{{r}}}",
-        "run_p50": f"run:stepscope_step_seconds:p50_rate1m{{{r}}}",
-        "run_p95": f"run:stepscope_step_seconds:p95_rate1m{{{r}}}",
-        "run_samples_rate": f"run:stepscope_samples:rate1m{{{r}}}",
-        "dataloader_share": f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{r}}}",
-        "step_score": f"run_rank:stepscope_straggler_score:ratio{{{r}}}",
-        "local_score": f"run_rank:stepscope_straggler_local_score:ratio{{{r}}}",
+        "state": f"{sel(fam.TRAINING_STATE, r)} == 1",
+        "verdict": sel(rec.RUN_VERDICT, r),
+        "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),
+        "run_p50": sel(rec.RUN_STEP_SECONDS_P50, r),
+        "run_p95": sel(rec.RUN_STEP_SECONDS_P95, r),
+        "run_samples_rate": sel(rec.RUN_SAMPLES_RATE, r),
+        "dataloader_share": sel(rec.RANK_DATALOADER_SHARE, r),
+        "step_score": sel(rec.RANK_STRAGGLER_SCORE, r),
+        "local_score": sel(rec.RANK_STRAGGLER_LOCAL_SCORE, r),
     }
 
 
 def _gpu_over_time(r: str) -> dict[str, str]:
-    run_gpus = f"(instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{r}}} > 0)"
+    run_gpus = f"({sel(rec.RANK_GPU_MEMORY, r)} > 0)"
     return {
-        "run_gpu_effective": f"run:stepscope_gpu_effective_utilization:avg_ratio{{{r}}}",
-        "run_gpu_nvml": f"run:stepscope_gpu_utilization:avg_ratio{{{r}}}",
-        "gpu_effective": f"instance_gpu_run:stepscope_gpu_effective_utilization:avg_ratio{{{r}}}",
-        "gpu_nvml": f"instance_gpu_run:stepscope_gpu_utilization:avg_ratio{{{r}}}",
-        "gpu_memory": f"sum by (instance, gpu) (stepscope_gpu_memory_used_bytes) and on (instance, gpu) {run_gpus}",
+        "run_gpu_effective": sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION, r),
+        "run_gpu_nvml": sel(rec.RUN_GPU_UTILIZATION, r),
+        "gpu_effective": sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, r),
+        "gpu_nvml": sel(rec.RUN_GPU_UTILIZATION_BY_GPU, r),
+        "gpu_memory": f"sum by (instance, gpu) ({fam.GPU_MEMORY_USED}) and on (instance, gpu) {run_gpus}",
     }
 
 
 def _process_over_time(r: str, w: str) -> dict[str, str]:
     by = f"sum by ({RANK}, pid)"
     return {
-        "process_cpu": f"{by} (rate(stepscope_process_cpu_seconds_total{{{r}}}[{w}]))",
-        "process_memory": f"{by} (stepscope_process_resident_memory_bytes{{{r}}})",
-        "process_gpu_memory": f"{by} (stepscope_process_gpu_memory_bytes{{{r}}})",
-        "process_children": f"{by} (stepscope_process_children{{{r}}})",
-        "process_read": f"{by} (rate(stepscope_process_io_read_bytes_total{{{r}}}[{w}]))",
-        "process_write": f"{by} (rate(stepscope_process_io_write_bytes_total{{{r}}}[{w}]))",
+        "process_cpu": f"{by} (rate({sel(fam.PROCESS_CPU_SECONDS, r)}[{w}]))",
+        "process_memory": f"{by} ({sel(fam.PROCESS_RESIDENT_MEMORY, r)})",
+        "process_gpu_memory": f"{by} ({sel(fam.PROCESS_GPU_MEMORY, r)})",
+        "process_children": f"{by} ({sel(fam.PROCESS_CHILDREN, r)})",
+        "process_read": f"{by} (rate({sel(fam.PROCESS_IO_READ, r)}[{w}]))",
+        "process_write": f"{by} (rate({sel(fam.PROCESS_IO_WRITE, r)}[{w}]))",
     }
 
 
 def _node_over_time(node: str, w: str) -> dict[str, str]:
     network = f'{node},device!="lo"'  # loopback traffic never leaves the node
     return {
-        "node_cpu": f"instance:stepscope_node_cpu_utilization:ratio{{{node}}}",
-        "node_memory_ratio": f"instance:stepscope_node_memory_utilization:ratio{{{node}}}",
-        "node_memory_used": f"sum by (instance) (stepscope_node_memory_total_bytes{{{node}}}"
-                            f" - stepscope_node_memory_available_bytes{{{node}}})",
-        "node_disk_read": f"sum by (instance) (rate(stepscope_node_disk_read_bytes_total{{{node}}}[{w}]))",
-        "node_disk_write": f"sum by (instance) (rate(stepscope_node_disk_written_bytes_total{{{node}}}[{w}]))",
-        "node_net_receive": f"sum by (instance) (rate(stepscope_node_network_receive_bytes_total{{{network}}}[{w}]))",
-        "node_net_transmit": f"sum by (instance) (rate(stepscope_node_network_transmit_bytes_total{{{network}}}[{w}]))",
+        "node_cpu": sel(rec.NODE_CPU_UTILIZATION, node),
+        "node_memory_ratio": sel(rec.NODE_MEMORY_UTILIZATION, node),
+        "node_memory_used": f"sum by (instance) ({sel(fam.NODE_MEMORY_TOTAL, node)}"
+                            f" - {sel(fam.NODE_MEMORY_AVAILABLE, node)})",
+        "node_disk_read": f"sum by (instance) (rate({sel(fam.NODE_DISK_READ_BYTES, node)}[{w}]))",
+        "node_disk_write": f"sum by (instance) (rate({sel(fam.NODE_DISK_WRITTEN_BYTES, node)}[{w}]))",
+        "node_net_receive": f"sum by (instance) (rate({sel(fam.NODE_NETWORK_RECEIVE, network)}[{w}]))",
+        "node_net_transmit": f"sum by (instance) (rate({sel(fam.NODE_NETWORK_TRANSMIT, network)}[{w}]))",
     }
 
 

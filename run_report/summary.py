@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 
 from run_report.collect import RunData
 from run_report.prometheus import Series
-from run_report.queries import PHASE_LOCAL
 from run_report.timeline import rank_key
-from training_hooks.config import STANDARD_PHASES
+from stepscope_contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, THRESHOLDS
 
-LOCAL_PHASES = tuple(PHASE_LOCAL.split("|"))
-STRAGGLER_SCORE = 0.75  # the rules' threshold (StepscopeStragglerRank)
+STRAGGLER_SCORE = THRESHOLDS["straggler_score"].value
 
 
 @dataclass(frozen=True)
@@ -102,20 +100,20 @@ class RunTotals:
 
     @property
     def dataloader_share(self) -> float | None:
-        if "dataloader_next" not in self.phase_seconds or self.step_seconds <= 0:
+        if DATA_LOADING_PHASE not in self.phase_seconds or self.step_seconds <= 0:
             return None
-        return min(1.0, self.phase_seconds["dataloader_next"] / self.step_seconds)
+        return min(1.0, self.phase_seconds[DATA_LOADING_PHASE] / self.step_seconds)
 
     @property
     def io_samples_per_second(self) -> float | None:
         """Samples over the seconds spent waiting in `dataloader_next`: the rate loading keeps up with."""
-        loading = self.phase_seconds.get("dataloader_next")
+        loading = self.phase_seconds.get(DATA_LOADING_PHASE)
         return self.samples / loading if loading else None
 
     @property
     def training_samples_per_second(self) -> float | None:
         """Samples over the rest of the step time: the rate training consumes them at."""
-        loading = self.phase_seconds.get("dataloader_next")
+        loading = self.phase_seconds.get(DATA_LOADING_PHASE)
         if loading is None or self.step_seconds - loading <= 0:
             return None
         return self.samples / (self.step_seconds - loading)

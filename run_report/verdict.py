@@ -16,9 +16,10 @@ from run_report import fmt
 from run_report.collect import RunData
 from run_report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
 from run_report.timeline import training_times
+from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS
 
-GPU_BOUND = 0.8  # the rules' gpu_bound threshold on effective utilization
-DATA_BOUND = 0.3  # the rules' data_bound threshold on the data-loading share
+GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
+DATA_BOUND = THRESHOLDS["data_loading_share"].value
 
 HEADLINES = {
     "data_bound": "Data-bound: the ranks wait for the next batch",
@@ -151,7 +152,7 @@ def _checks(totals: RunTotals, ranks: list[RankSummary], gpu: float | None, sour
     share, mean = totals.dataloader_share, totals.mean
     if share is None or mean is None:
         checks.append(Check("Loading time much smaller than training time",
-                            "dataloader_next not timed (iterate through tracker.loader())", "", None))
+                            f"{DATA_LOADING_PHASE} not timed (iterate through tracker.loader())", "", None))
     else:
         checks.append(Check("Loading time much smaller than training time",
                             f"{fmt.seconds(share * mean)} of a {fmt.seconds(mean)} step ({share:.0%})",

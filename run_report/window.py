@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from run_report.prometheus import Prometheus, Series
 from run_report.times import iso
+from stepscope_contract import TRAINING_INFO
 
-INFO = "stepscope_training_info"
 SEARCH_DAYS = 30  # how far back a run is looked for when --from is not given
 RESOLUTION_POINTS = 1200  # query_range points over the window, at most (finer: the scrape interval)
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
@@ -65,7 +65,7 @@ def runs_seen(prom: Prometheus, start: float, end: float) -> list[RunSeen]:
     """The runs with a training process pushing in [start, end], from the series index."""
     ranks: dict[str, set[str]] = {}
     nodes: dict[str, set[str]] = {}
-    for labels in prom.series(INFO, start, end):
+    for labels in prom.series(TRAINING_INFO, start, end):
         run = labels.get("run", "")
         ranks.setdefault(run, set()).add(labels.get("rank", ""))
         nodes.setdefault(run, set()).add(labels.get("instance", ""))
@@ -77,7 +77,7 @@ def run_life(prom: Prometheus, run: str, start: float, end: float) -> tuple[floa
 
     Raises NoData when the run has no sample there.
     """
-    selector = f"{INFO}{{{run_matcher(run)}}}"
+    selector = f"{TRAINING_INFO}{{{run_matcher(run)}}}"
     first_hour = _bucket_ends(prom, selector, start, end, 3600, from_end=False)
     last_hour = _bucket_ends(prom, selector, start, end, 3600, from_end=True)
     if not first_hour or not last_hour:

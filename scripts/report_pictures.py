@@ -13,10 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.fake_nvml.scenario import write_scenario
+from stepscope_testkit.fake_nvml.scenario import write_scenario
+from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.browser import headless_chromium
 from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
-from tests.support.processes import REPO_ROOT, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
 
 OUT = REPO_ROOT / "docs" / "report"

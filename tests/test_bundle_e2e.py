@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from grafana.dashboards.metrics import EXPORTER_METRICS
-from grafana.dashboards.queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
 from grafana.rules import RULE_FILES, rules
+from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
+from stepscope_testkit.traces import rank_tracing, step_annotations
+from tests.support.dashboard_queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
 from tests.support.demos import start_ddp_demos, start_demo, stop
-from tests.support.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from tests.support.prometheus import (
     query,
     rule_groups,
@@ -26,7 +27,6 @@ from tests.support.prometheus import (
     series,
     wait_for,
 )
-from tests.support.traces import rank_tracing, step_annotations
 
 NODE = "e2e-node"
 READY_TIMEOUT_SECONDS = 120
@@ -66,7 +66,7 @@ class Stack:
 
 
 def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
-    from tests.fake_nvml.scenario import make_gpu, make_scenario
+    from stepscope_testkit.fake_nvml.scenario import make_gpu, make_scenario
 
     scenario = make_scenario(gpus=0, processes_per_gpu=0, xid_events=[{"gpu": 3, "xid": 13}])
     gpus = []
@@ -152,7 +152,7 @@ def _trace_fast_rank_0(exporter: str) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from tests.fake_nvml.scenario import write_scenario
+    from stepscope_testkit.fake_nvml.scenario import write_scenario
 
     tmp = tmp_path_factory.mktemp("bundle-e2e")
     scenario = write_scenario(tmp / "nvml.json", _gpu_scenario({}))
@@ -209,7 +209,7 @@ def test_every_recording_rule_and_dashboard_query_returns_data(stack: Stack) -> 
 
 
 def test_dashboard_metric_list_is_what_the_exporter_publishes(stack: Stack) -> None:
-    """grafana/dashboards/metrics.py is the exporter's contract for the dashboards: with every
+    """stepscope_contract is the exporter's contract for the dashboards: with every
     collector, GPUs with GPM and an XID, and training processes pushing, a scrape holds exactly it."""
     published: set[str] = set()
 

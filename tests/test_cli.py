@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import exporter_env, free_port, running_exporter, scrape
+from stepscope_testkit.processes import exporter_env, free_port, running_exporter, scrape
 
 
 def run_exporter(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -202,7 +202,7 @@ def test_grafana_datasource_points_at_the_prometheus_service(compose: dict[str, 
 
 def test_grafana_dashboard_provider_reads_the_mounted_dashboards(compose: dict[str, Any]) -> None:
     mounts = {source: target for _, source, target in bind_mounts(compose)}
-    mounted_at = mounts[(GRAFANA / "dashboards").resolve()]
+    mounted_at = mounts[(GRAFANA / "dashboards_out").resolve()]
     paths = [p["options"]["path"] for path in provisioning_files("dashboards")
              for p in yaml.safe_load(path.read_text()).get("providers", [])]
     assert paths and all(p.rstrip("/") == mounted_at for p in paths), (paths, mounted_at)

@@ -14,7 +14,7 @@ import tomllib
 from dockerfile_parse import DockerfileParser
 
 from exporter.cli import DEFAULT_PORT
-from tests.support.processes import free_port, running_exporter
+from stepscope_testkit.processes import free_port, running_exporter
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"

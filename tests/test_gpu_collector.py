@@ -15,8 +15,8 @@ from exporter.collectors.gpu import CLOCK_EVENT_REASONS, GpuCollector
 from exporter.collectors.gpu_slow import VIOLATION_POLICIES
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
-from tests.fake_nvml.scenario import GIB, load_fake_pynvml, load_scenario, make_scenario, write_scenario
-from tests.support.processes import running_exporter, sample_values, scrape
+from stepscope_testkit.fake_nvml.scenario import GIB, load_fake_pynvml, load_scenario, make_scenario, write_scenario
+from stepscope_testkit.processes import running_exporter, sample_values, scrape
 
 SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
 MIXED = load_scenario("mixed")

@@ -17,9 +17,9 @@ from exporter.collectors.gpu import GpuCollector
 from exporter.collectors.gpu_slow import STALE_INTERVALS
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
-from tests.fake_nvml.cost_model import GPM_GAP_SECONDS, price_collector
-from tests.fake_nvml.scenario import H100_LATENCY_MS, load_fake_pynvml, make_scenario, write_scenario
-from tests.support.processes import sample_values
+from stepscope_testkit.fake_nvml.cost_model import GPM_GAP_SECONDS, price_collector
+from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, load_fake_pynvml, make_scenario, write_scenario
+from stepscope_testkit.processes import sample_values
 
 SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
 CYCLE_BUDGET_MS_PER_GPU = 5.0

@@ -22,8 +22,8 @@ import requests
 import yaml
 
 from grafana.rules import RULE_FILES, rules
-from tests.fake_nvml.scenario import load_scenario, write_scenario
-from tests.support.processes import REPO_ROOT, running_exporter
+from stepscope_testkit.fake_nvml.scenario import load_scenario, write_scenario
+from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
 
 NODE = "gpu-node"

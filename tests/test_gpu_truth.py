@@ -20,7 +20,7 @@ import pytest
 from exporter.collectors.gpu import GpuCollector
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
-from tests.support.processes import sample_values
+from stepscope_testkit.processes import sample_values
 
 torch = pytest.importorskip("torch")
 pynvml = pytest.importorskip("pynvml")

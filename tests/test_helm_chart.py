@@ -4,8 +4,7 @@ token wiring, CRD gating, values schema, and the rules/dashboards being the Graf
 import base64
 import json
 import re
-import subprocess
-import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,19 @@ import yaml
 from exporter.cli import build_parser
 from grafana.rules import NODE_RULES, RULE_FILES, RUN_RULES
 from grafana.rules import groups as rule_groups
+from stepscope_testkit.sharded import shard_write_filter
 from tests.support.helm_chart import (
     CHART,
-    FIXTURE_BUNDLE,
     GRAFANA,
     NAMESPACE,
     OPERATOR_API,
     REPO,
+    bare_copy,
     lint,
     notes,
     objects,
     render,
-    synced_copy,
 )
-from tests.support.sharded import shard_write_filter
 
 CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
 OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Prometheus"}
@@ -40,8 +38,9 @@ KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 
 
 @pytest.fixture(scope="module")
-def chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synced_copy(tmp_path_factory.mktemp("chart"), GRAFANA)
+def chart() -> Path:
+    """The chart as committed: its dashboards come through the link files/dashboards -> grafana/dashboards_out."""
+    return CHART
 
 
 def ci_values(path: Path) -> dict[str, Any]:
@@ -420,8 +419,10 @@ def test_sharding_misconfigurations_fail_clearly(chart: Path, values: dict[str, 
 
 
 def test_dashboards_are_the_bundle_json(chart: Path) -> None:
+    """The Helm SDK follows the chart's link to grafana/dashboards_out: one ConfigMap per dashboard."""
+    assert (chart / "files" / "dashboards").is_symlink()
     maps = by_kind(objects(render(chart)), "ConfigMap")
-    sources = sorted((GRAFANA / "dashboards").glob("*.json"))
+    sources = sorted((GRAFANA / "dashboards_out").glob("*.json"))
     assert len(maps) == len(sources) > 0
     shipped = {}
     for config_map in maps:
@@ -431,20 +432,24 @@ def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     assert all(json.loads(text)["title"] for text in shipped.values())
 
 
-def test_chart_without_synced_files_fails_clearly(tmp_path: Path) -> None:
-    bare = synced_copy(tmp_path, source=None)
-    missing_dashboards = r"dashboards/\*\.json are missing.*sync_chart\.py"
+def test_packaged_chart_holds_the_dashboards_as_files(chart: Path, tmp_path: Path) -> None:
+    """`helm package` stores what the link points at, so a chart from a repository needs no checkout."""
+    archive = helm_python.package(chart, destination=tmp_path)
+    with tarfile.open(archive) as tar:
+        members = {m.name: m for m in tar.getmembers() if "/files/dashboards/" in m.name}
+        assert all(m.isfile() for m in members.values()), "links in the package"
+        packaged = {Path(name).name: tar.extractfile(m).read().decode() for name, m in members.items()}
+    assert packaged == {p.name: p.read_text() for p in (GRAFANA / "dashboards_out").glob("*.json")}
+
+
+def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
+    bare = bare_copy(tmp_path)
+    missing_dashboards = r"dashboards/\*\.json are missing.*python -m grafana generate"
     with pytest.raises(helm_python.HelmRenderError, match=missing_dashboards):
         render(bare)
-    missing_rules = r"stepscope-node\.rules\.yml is missing.*sync_chart\.py"
+    missing_rules = r"stepscope-node\.rules\.yml is missing.*python -m grafana generate"
     with pytest.raises(helm_python.HelmRenderError, match=missing_rules):
         render(bare, {"dashboards": {"enabled": False}}, api_versions=[OPERATOR_API])
-
-
-def test_chart_copies_match_the_grafana_bundle() -> None:
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "sync_chart.py"), "--check"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, f"chart drifted from {GRAFANA}:\n{result.stdout}{result.stderr}"
 
 
 # ---- values schema ---------------------------------------------------------------------------------
@@ -504,36 +509,6 @@ def test_values_file_matches_schema_keys(chart: Path) -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(schema["properties"]) - {"global"} == set(defaults)
-
-
-# ---- scripts/sync_chart.py -------------------------------------------------------------------------
-
-def run_sync(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "sync_chart.py"), *args],
-                          capture_output=True, text=True)
-
-
-def test_sync_copies_checks_and_prunes(tmp_path: Path) -> None:
-    chart = synced_copy(tmp_path / "c", source=None)
-    stale = chart / "files" / "dashboards" / "gone.json"
-    stale.parent.mkdir(parents=True)
-    stale.write_text("{}")
-    check = run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check")
-    assert check.returncode == 1
-    assert "missing:" in check.stdout and "stale:" in check.stdout
-    assert "run python scripts/sync_chart.py" in check.stderr
-    assert run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart)).returncode == 0
-    assert not stale.exists()
-    assert run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check").returncode == 0
-    (chart / "files" / "stepscope-run.rules.yml").write_text("groups: []\n")
-    edited = run_sync("--source", str(FIXTURE_BUNDLE), "--chart", str(chart), "--check")
-    assert edited.returncode == 1 and "differs:" in edited.stdout
-
-
-def test_sync_refuses_a_missing_bundle(tmp_path: Path) -> None:
-    result = run_sync("--source", str(tmp_path), "--chart", str(CHART))
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"sync_chart: error: {tmp_path}/rules/stepscope-node.rules.yml does not exist"
 
 
 def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import training_hooks as th
-from tests.support.processes import REPO_ROOT, sample_values, samples
+from stepscope_testkit.processes import REPO_ROOT, sample_values, samples
 from training_hooks.config import Config
 from training_hooks.pusher import encode_label_value, group_url
 from training_hooks.timing import Histogram

@@ -10,8 +10,8 @@ import logging
 import pytest
 
 import training_hooks as th
-from tests.fake_cuda import FakeCuda
-from tests.support.processes import sample_values
+from stepscope_testkit.fake_cuda import FakeCuda
+from stepscope_testkit.processes import sample_values
 from training_hooks import tracker as tracker_module
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase, choose_sample_every
 from training_hooks.timing import Histogram

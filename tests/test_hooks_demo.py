@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import REPO_ROOT, sample_values, scrape
-from tests.support.pushgateway import running_pushgateway
+from stepscope_testkit.processes import REPO_ROOT, sample_values, scrape
+from stepscope_testkit.pushgateway import running_pushgateway
 
 
 def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

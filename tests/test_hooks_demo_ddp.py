@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import REPO_ROOT, free_port, sample_values, scrape
-from tests.support.pushgateway import running_pushgateway
+from stepscope_testkit.processes import REPO_ROOT, free_port, sample_values, scrape
+from stepscope_testkit.pushgateway import running_pushgateway
 
 STEPS = 10
 EXTRA_SECONDS = 0.02

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.support.processes import sample_values, scrape
-from tests.support.pushgateway import running_pushgateway
+from stepscope_testkit.processes import sample_values, scrape
+from stepscope_testkit.pushgateway import running_pushgateway
 
 STEPS = 6
 BATCH = 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import training_hooks as th
-from tests.support.processes import sample_values
+from stepscope_testkit.processes import sample_values
 
 pytestmark = [
     pytest.mark.gpu,

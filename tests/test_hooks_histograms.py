@@ -8,7 +8,7 @@ from bisect import bisect_left
 import pytest
 
 import training_hooks as th
-from tests.support.processes import sample_values, samples
+from stepscope_testkit.processes import sample_values, samples
 from training_hooks.config import Config
 from training_hooks.timing import (
     FINE_GRID,

@@ -1,5 +1,6 @@
 """A real torch CPU training loop with the hooks, pushing to a real Pushgateway (and the exporter)."""
 
+import importlib.metadata
 import logging
 import threading
 import time
@@ -12,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import training_hooks as th
-from tests.support.processes import free_port, running_exporter, sample_values, scrape
-from tests.support.pushgateway import running_pushgateway
+from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
+from stepscope_testkit.pushgateway import running_pushgateway
 
 ITEM_SLEEP = 0.005
 BATCH = 4
@@ -161,6 +162,7 @@ def test_token_and_content_type_reach_the_server() -> None:
     assert path == "/metrics/job/stepscope/run/auth/rank/0"
     assert headers["Authorization"] == "Bearer s3cret"
     assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert headers["User-Agent"] == f"stepscope-training-hooks/{importlib.metadata.version('stepscope')}"
     assert b'stepscope_training_state{state="idle"} 1' in body
 
 

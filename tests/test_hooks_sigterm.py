@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
+from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
 from tests.support.prometheus import wait_for
 
 pytestmark = pytest.mark.timeout(120)

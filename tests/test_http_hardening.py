@@ -28,8 +28,8 @@ import psutil
 import pytest
 import requests
 
-from tests.support.ingest_bodies import counter, full_body, hooks_body
-from tests.support.processes import REPO_ROOT, Running, exporter_env, free_port, running_exporter, samples, scrape
+from stepscope_testkit.ingest_bodies import counter, full_body, hooks_body
+from stepscope_testkit.processes import REPO_ROOT, Running, exporter_env, free_port, running_exporter, samples, scrape
 
 NO_COLLECTORS = ("--collectors", "")
 GROUP = "/metrics/job/stepscope/run/{run}/rank/{rank}"

@@ -19,7 +19,7 @@ from exporter.ingest.render import last_push_line, training_chunks
 from exporter.ingest.store import GroupStore, StoredFamily, StoreLimits
 from exporter.registered import RegisteredProcess
 from exporter.server import PushRequest, PushResponse
-from tests.support.ingest_bodies import counter, full_body, info_family, phase_family
+from stepscope_testkit.ingest_bodies import counter, full_body, info_family, phase_family
 
 LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)
 

@@ -14,8 +14,8 @@ import psutil
 import pytest
 import requests
 
-from tests.support.ingest_bodies import counter, full_body, histogram, info_family, phase_family, state_family
-from tests.support.processes import Running, exporter_env, free_port, running_exporter, samples, scrape
+from stepscope_testkit.ingest_bodies import counter, full_body, histogram, info_family, phase_family, state_family
+from stepscope_testkit.processes import Running, exporter_env, free_port, running_exporter, samples, scrape
 
 LIMIT_FLAGS = (
     "--collectors", "", "--ingest-max-body-bytes", "8192", "--ingest-max-series-per-group", "30",

@@ -1,4 +1,5 @@
-"""The README's metric table is the contract: a real scrape publishes exactly the families it lists.
+"""stepscope_contract is the metric contract (the README's table is generated from it): a real scrape
+publishes exactly its families, each with the contract's type and labels.
 
 Every collector runs (the fake NVML with an H100 for GPM and NVLink, a GH200 for C2C, a throttled
 A100 with an XID, this test process holding GPU memory) and real training hooks push, after measuring
@@ -6,7 +7,6 @@ their limits and taking a profiler trace on request, so every documented family 
 """
 
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -15,26 +15,25 @@ import torch  # noqa: F401  (the profiler trace needs torch in the process; the 
 from prometheus_client.parser import text_string_to_metric_families
 
 import training_hooks
-from tests.fake_nvml.scenario import make_gpu, write_scenario
-from tests.support.processes import REPO_ROOT, running_exporter, scrape
-from tests.support.traces import rank_tracing, request_state, request_trace, wait_until
+from stepscope_contract import FAMILIES
+from stepscope_testkit.fake_nvml.scenario import make_gpu, write_scenario
+from stepscope_testkit.processes import running_exporter, scrape
+from stepscope_testkit.traces import rank_tracing, request_state, request_trace, wait_until
 
 GIB = 1024**3
 
 
-def readme_metric_names() -> set[str]:
-    section = (REPO_ROOT / "README.md").read_text().split("<!-- section: exporter -->")[1]
-    section = section.split("<!-- /section: exporter -->")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `stepscope_")]
-    return {name for row in rows for name in re.findall(r"`(stepscope_\w+)`", row.split("|")[1])}
+def scraped_families(text: str) -> dict[str, tuple[str, set[str]]]:
+    """Family name as written in the exposition (counters with `_total`, histograms bare) -> (type, labels)."""
+    return {
+        family.name + "_total" if family.type == "counter" else family.name:
+            (family.type, {label for sample in family.samples for label in sample.labels} - {"le"})
+        for family in text_string_to_metric_families(text)
+    }
 
 
 def scraped_metric_names(text: str) -> set[str]:
-    """Family names as written in the exposition (counters with `_total`, histograms bare)."""
-    names = set()
-    for family in text_string_to_metric_families(text):
-        names.add(family.name + "_total" if family.type == "counter" else family.name)
-    return names
+    return set(scraped_families(text))
 
 
 def wait_for_every_family(url: str, wanted: set[str], timeout: float = 30.0) -> str:
@@ -46,9 +45,8 @@ def wait_for_every_family(url: str, wanted: set[str], timeout: float = 30.0) -> 
         time.sleep(0.3)
 
 
-def test_a_full_scrape_publishes_exactly_the_readme_families(tmp_path: Path) -> None:
-    documented = readme_metric_names()
-    assert len(documented) > 50, "the README table was not found or lost rows"
+def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path) -> None:
+    documented = set(FAMILIES)
     scenario = {
         "driver_version": "550.54.15",
         "gpus": [
@@ -73,8 +71,12 @@ def test_a_full_scrape_publishes_exactly_the_readme_families(tmp_path: Path) -> 
             time.sleep(0.05)
         tracker.close()
         text = wait_for_every_family(exporter.url, documented)
-    published = scraped_metric_names(text)
-    assert published - documented == set(), "published but not in the README table"
-    assert documented - published == set(), "in the README table but not published"
+    published = scraped_families(text)
+    assert set(published) - documented == set(), "published but not in stepscope_contract"
+    assert documented - set(published) == set(), "in stepscope_contract but not published"
+    for name, (type_, labels) in published.items():
+        spec = FAMILIES[name]
+        assert type_ == spec.type, name
+        assert set(spec.labels) <= labels <= set(spec.labels + spec.optional), name
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collectors.node import NodeCollector
 from exporter.exposition import render
-from tests.support.processes import REPO_ROOT, running_exporter, sample_values, scrape
+from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, scrape
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux ground truth")
 MiB = 1 << 20

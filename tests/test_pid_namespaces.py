@@ -23,8 +23,8 @@ from exporter.collectors.process import ProcessCollector
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
 from exporter.registered import RegisteredProcess
-from tests.support.ingest_bodies import counter, info_family
-from tests.support.processes import running_exporter, sample_values, samples, scrape
+from stepscope_testkit.ingest_bodies import counter, info_family
+from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 MiB = 1 << 20
 

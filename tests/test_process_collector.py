@@ -16,7 +16,7 @@ from exporter.collectors.process import ProcessCollector
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
 from exporter.registered import RegisteredProcess
-from tests.support.processes import sample_values
+from stepscope_testkit.processes import sample_values
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="uses fork() workers")

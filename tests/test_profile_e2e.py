@@ -22,9 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import training_hooks as th
 from exporter import profile_cli
-from tests.support.demos import start_demo, stop
-from tests.support.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
-from tests.support.traces import (
+from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
+from stepscope_testkit.traces import (
     API,
     kernel_names,
     rank_tracing,
@@ -33,6 +32,7 @@ from tests.support.traces import (
     step_annotations,
     wait_until,
 )
+from tests.support.demos import start_demo, stop
 
 RUN = "prof"
 PUSH_INTERVAL = "0.2"

@@ -14,7 +14,7 @@ from exporter.ingest.profiles import REQUEST_HEADER, ProfileError, ProfileReques
 from exporter.ingest.render import last_push_line
 from exporter.ingest.store import GroupStore, StoreLimits
 from exporter.server import PushRequest
-from tests.support.ingest_bodies import full_body
+from stepscope_testkit.ingest_bodies import full_body
 
 READY = json.dumps({"v": 1, "state": "ready"})
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import training_hooks as th
-from tests.fake_cuda import FakeCuda
-from tests.support.traces import step_annotations
+from stepscope_testkit.fake_cuda import FakeCuda
+from stepscope_testkit.traces import step_annotations
 from training_hooks import tracker as tracker_module
 from training_hooks.cuda import CudaTimer
 from training_hooks.profiling import (

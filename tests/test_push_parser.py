@@ -17,7 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from exporter.ingest.errors import Rejected
 from exporter.ingest.parser import PushLimits, parse_push
-from tests.support.ingest_bodies import HOSTILE_SHAPES, full_body, hooks_body
+from stepscope_testkit.ingest_bodies import HOSTILE_SHAPES, full_body, hooks_body
 
 LIMITS = PushLimits(max_label_length=128, max_series=2000, max_phases=32)
 Samples = set[tuple[str, frozenset[tuple[str, str]], str]]

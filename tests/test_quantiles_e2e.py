@@ -23,10 +23,11 @@ import pytest
 import training_hooks as th
 import training_hooks.timing
 import training_hooks.tracker
-from grafana.dashboards.queries import substitute
-from grafana.dashboards.training import rank_step_quantile
+from grafana.dashboards.training import RANKS
 from grafana.rules import RULE_FILES
-from tests.support.processes import running_exporter
+from stepscope_contract.recordings import rank_step_seconds_quantile
+from stepscope_testkit.processes import running_exporter
+from tests.support.dashboard_queries import substitute
 from tests.support.prometheus import query, running_prometheus, wait_for
 from training_hooks.pusher import Pusher, group_url
 
@@ -200,7 +201,7 @@ def _report(errors: dict[tuple[str, str], float]) -> str:
 
 def test_rank_quantiles_are_within_ten_percent_of_the_truth(measured: Measured) -> None:
     # The Training dashboard's per-rank query (not recorded), with its run and rank variables at .*
-    errors = _errors(measured, lambda _, q: substitute(rank_step_quantile(q)), by="rank")
+    errors = _errors(measured, lambda _, q: substitute(rank_step_seconds_quantile(q, RANKS)), by="rank")
     print("\nrank p50/p95 errors (dashboard query vs true quantiles of the same steps):\n" + _report(errors))
     assert len(errors) == 2 * len(measured.steps)
     assert all(abs(error) <= TOLERANCE for error in errors.values()), _report(errors)

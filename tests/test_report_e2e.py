@@ -22,8 +22,8 @@ import pytest
 
 from run_report import cli, csvs
 from run_report.report import RUN_SUMMARY_HEADER
+from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
-from tests.support.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +70,7 @@ def _wait_exits(demos: dict[tuple[str, int], subprocess.Popen], tmp: Path) -> di
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    from tests.fake_nvml.scenario import write_scenario
+    from stepscope_testkit.fake_nvml.scenario import write_scenario
 
     tmp = tmp_path_factory.mktemp("report-e2e")
     scenario = write_scenario(tmp / "nvml.json", gpus_for_runs(GPU_LAYOUT, {}))

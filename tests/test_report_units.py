@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grafana.dashboards.metrics import EXPORTER_METRICS
 from run_report import output, queries
 from run_report.prometheus import Series
 from run_report.timeline import critical_path, labelled_intervals, state_intervals
 from run_report.times import iso, parse_time
 from run_report.window import Window, aligned, resolution
-from tests.support.processes import REPO_ROOT
+from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope_testkit.processes import REPO_ROOT
 
 RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import yaml
 
-from grafana.dashboards.metrics import EXPORTER_METRICS
 from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES
 from grafana.rules import rules as rules_of
-from tests.support.sharded import shard_write_filter
+from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope_testkit.sharded import shard_write_filter
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
@@ -80,7 +80,7 @@ def test_every_alert_has_severity_and_annotations() -> None:
 
 def test_rules_read_only_published_metrics_and_recording_rules() -> None:
     """A misspelt metric passes promtool's unit tests when the test series repeat the typo; the names
-    must be the exporter's (grafana/dashboards/metrics.py, checked against a real scrape by the e2e test)."""
+    must be the exporter's (stepscope_contract, checked against a real scrape by the e2e test)."""
     records = {rule["record"] for rule in rules() if "record" in rule}
     read = set()
     for rule in rules():

@@ -10,7 +10,7 @@ from prometheus_client.metrics_core import Metric
 from exporter import exposition
 from exporter.exposition import ExpositionStore
 from exporter.scheduler import Scheduler
-from tests.support.processes import sample_values
+from stepscope_testkit.processes import sample_values
 
 
 class CountingCollector:

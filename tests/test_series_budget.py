@@ -5,7 +5,7 @@ are off by default and come back behind the documented switch."""
 
 from pathlib import Path
 
-from tests.support.node_scrape import GPUS, capture_node_scrape
+from stepscope_testkit.node_scrape import GPUS, capture_node_scrape
 
 BUDGET = 1000
 PHASES = 9

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.processes import (
+from stepscope_testkit.processes import (
     exporter_env,
     free_port,
     running,

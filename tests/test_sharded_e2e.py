@@ -21,13 +21,13 @@ import pytest
 import requests
 import yaml
 
-from grafana.dashboards.queries import panel_queries
 from grafana.rules import NODE_RULES, RUN_RULES, groups
-from tests.fake_nvml.scenario import make_gpu, make_scenario, write_scenario
-from tests.support.ingest_bodies import counter, histogram, info_family, state_family
-from tests.support.processes import free_port, running_exporter
+from stepscope_testkit.fake_nvml.scenario import make_gpu, make_scenario, write_scenario
+from stepscope_testkit.ingest_bodies import counter, histogram, info_family, state_family
+from stepscope_testkit.processes import free_port, running_exporter
+from stepscope_testkit.sharded import SHARDED_DIR, hashmod
+from tests.support.dashboard_queries import panel_queries
 from tests.support.prometheus import query, running_prometheus_config, wait_for
-from tests.support.sharded import SHARDED_DIR, hashmod
 
 RUN = "ddp"
 SLOW_RANK = "1"

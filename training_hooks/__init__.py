@@ -16,12 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from training_hooks.config import (
-    STANDARD_PHASES,
-    STATES,
-    Config,
-    log_buckets,
-)
+from stepscope_contract import STANDARD_PHASES, STATES
+from training_hooks.config import Config, log_buckets
 from training_hooks.tracker import Tracker
 
 __all__ = ["STANDARD_PHASES", "STATES", "Config", "Tracker", "init", "log_buckets"]

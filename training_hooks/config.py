@@ -17,12 +17,6 @@ DEFAULT_PUSH_INTERVAL = 5.0
 DEFAULT_MAX_PHASES = 32
 MAX_LABEL_LENGTH = 128
 
-STANDARD_PHASES = (
-    "dataloader_next", "to_device", "forward", "backward", "optimizer_step", "train_batch",
-    "step_lr_schedulers", "from_device", "reduce_metrics",
-)
-# The fixed state set of stepscope_training_state: exactly one is 1 at any time.
-STATES = ("setup", "train", "eval", "checkpoint", "idle")
 
 # Profiler traces (training_hooks.profiling): where they go, the most one may take compressed, and how
 # many of a rank's traces are kept (older ones are deleted).

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import requests
 
+from stepscope_contract import VERSION
 from training_hooks.render import CONTENT_TYPE
 
 log = logging.getLogger("training_hooks")
@@ -37,6 +38,9 @@ def group_url(base_url: str, run: str, rank: int) -> str:
     """The group's URL: `run/<run>`, or `run@base64/<b64url>` for a run name a path segment cannot carry."""
     run_part = f"run/{run}" if _PLAIN_LABEL_VALUE.match(run) else f"run@base64/{encode_label_value(run)}"
     return f"{base_url.rstrip('/')}/metrics/job/stepscope/{run_part}/rank/{rank}"
+
+
+USER_AGENT = f"stepscope-training-hooks/{VERSION}"
 
 
 @dataclass
@@ -65,7 +69,8 @@ class Pusher:
         self.max_backoff = max(max_backoff, interval)
         self.stats = PushStats()
         self._session = requests.Session()
-        self._headers = {"Content-Type": CONTENT_TYPE}
+        # The User-Agent names the hooks' version in the exporter's and a Pushgateway's access logs.
+        self._headers = {"Content-Type": CONTENT_TYPE, "User-Agent": USER_AGENT}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._stop = threading.Event()

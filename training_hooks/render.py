@@ -10,7 +10,21 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from training_hooks.config import STATES
+from stepscope_contract import (
+    COMPUTE_LIMIT,
+    FAMILIES,
+    LOADER_LIMIT,
+    SAMPLES_TOTAL,
+    STATES,
+    STEP_PHASE_SECONDS,
+    STEP_SECONDS,
+    STEPS_TOTAL,
+    TRACE_BYTES,
+    TRACE_STEPS,
+    TRACE_TIMESTAMP,
+    TRAINING_INFO,
+    TRAINING_STATE,
+)
 from training_hooks.limits import Limits
 from training_hooks.profiling import TraceOutcome
 from training_hooks.timing import HistogramSnapshot
@@ -50,34 +64,24 @@ def _histogram(
     lines.append(f"{name}_count{_labels(labels)} {hist.count}")
 
 
+def _header(lines: list[str], name: str) -> str:
+    """Appends the family's HELP and TYPE lines from the contract; returns the name for its samples."""
+    spec = FAMILIES[name]
+    lines += [f"# HELP {name} {spec.help}", f"# TYPE {name} {spec.type}"]
+    return name
+
+
 def render(snap: Snapshot) -> str:
-    lines = [
-        "# HELP stepscope_step_phase_seconds Time spent in each phase of a training step (timing: host = wall "
-        "time; cuda_event = CUDA event time of sampled steps, each counting for the untimed ones before it; "
-        "cuda_sync = wall time between synchronizes).",
-        "# TYPE stepscope_step_phase_seconds histogram",
-    ]
+    lines: list[str] = []
+    name = _header(lines, STEP_PHASE_SECONDS)
     for phase, timing, hist in snap.phases:
-        _histogram(lines, "stepscope_step_phase_seconds", hist, [("phase", phase), ("timing", timing)])
-    lines += [
-        "# HELP stepscope_step_seconds Wall time between consecutive step boundaries (the whole step).",
-        "# TYPE stepscope_step_seconds histogram",
-    ]
-    _histogram(lines, "stepscope_step_seconds", snap.step, [])
-    lines += [
-        "# HELP stepscope_steps_total Training steps completed.",
-        "# TYPE stepscope_steps_total counter",
-        f"stepscope_steps_total {snap.steps}",
-        "# HELP stepscope_samples_total Training samples processed.",
-        "# TYPE stepscope_samples_total counter",
-        f"stepscope_samples_total {snap.samples}",
-        "# HELP stepscope_training_info Identity of the training process (value 1).",
-        "# TYPE stepscope_training_info gauge",
-        f"stepscope_training_info{_labels(sorted(snap.info.items()))} 1",
-        "# HELP stepscope_training_state Current state of the training process (1 for the current state).",
-        "# TYPE stepscope_training_state gauge",
-    ]
-    lines += [f'stepscope_training_state{{state="{s}"}} {int(s == snap.state)}' for s in STATES]
+        _histogram(lines, name, hist, [("phase", phase), ("timing", timing)])
+    _histogram(lines, _header(lines, STEP_SECONDS), snap.step, [])
+    lines.append(f"{_header(lines, STEPS_TOTAL)} {snap.steps}")
+    lines.append(f"{_header(lines, SAMPLES_TOTAL)} {snap.samples}")
+    lines.append(f"{_header(lines, TRAINING_INFO)}{_labels(sorted(snap.info.items()))} 1")
+    name = _header(lines, TRAINING_STATE)
+    lines += [f'{name}{{state="{s}"}} {int(s == snap.state)}' for s in STATES]
     if snap.limits is not None:
         _limits(lines, snap.limits)
     if snap.trace is not None:
@@ -86,29 +90,15 @@ def render(snap: Snapshot) -> str:
 
 
 def _limits(lines: list[str], limits: Limits) -> None:
-    lines += [
-        "# HELP stepscope_loader_limit_samples_per_second Samples per second the training loader delivers with "
-        "training mocked out (tracker.measure_limits).",
-        "# TYPE stepscope_loader_limit_samples_per_second gauge",
-        f"stepscope_loader_limit_samples_per_second {floatToGoString(limits.loader_samples_per_second)}",
-        "# HELP stepscope_compute_limit_samples_per_second Samples per second of the training step on one cached "
-        "batch, the loader mocked out (tracker.measure_limits).",
-        "# TYPE stepscope_compute_limit_samples_per_second gauge",
-        f"stepscope_compute_limit_samples_per_second {floatToGoString(limits.compute_samples_per_second)}",
-    ]
+    loader = _header(lines, LOADER_LIMIT)
+    lines.append(f"{loader} {floatToGoString(limits.loader_samples_per_second)}")
+    compute = _header(lines, COMPUTE_LIMIT)
+    lines.append(f"{compute} {floatToGoString(limits.compute_samples_per_second)}")
 
 
 def _trace(lines: list[str], trace: TraceOutcome) -> None:
     path = _labels([("path", trace.path)])
-    lines += [
-        "# HELP stepscope_profile_trace_bytes Size of the rank's latest PyTorch profiler trace (gzipped Chrome "
-        "trace at path).",
-        "# TYPE stepscope_profile_trace_bytes gauge",
-        f"stepscope_profile_trace_bytes{path} {trace.size}",
-        "# HELP stepscope_profile_trace_steps Training steps the rank's latest profiler trace holds.",
-        "# TYPE stepscope_profile_trace_steps gauge",
-        f"stepscope_profile_trace_steps{path} {trace.steps}",
-        "# HELP stepscope_profile_trace_timestamp_seconds Unix time the rank's latest profiler trace was written.",
-        "# TYPE stepscope_profile_trace_timestamp_seconds gauge",
-        f"stepscope_profile_trace_timestamp_seconds{path} {floatToGoString(trace.time)}",
-    ]
+    lines.append(f"{_header(lines, TRACE_BYTES)}{path} {trace.size}")
+    lines.append(f"{_header(lines, TRACE_STEPS)}{path} {trace.steps}")
+    timestamp = _header(lines, TRACE_TIMESTAMP)
+    lines.append(f"{timestamp}{path} {floatToGoString(trace.time)}")

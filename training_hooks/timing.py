@@ -29,22 +29,22 @@ from itertools import accumulate
 from time import perf_counter_ns
 from typing import Protocol
 
-STEPS_PER_OCTAVE = 8
+from stepscope_contract import GRID_OCTAVES, MAX_EXPORTED_BOUNDS, SKELETON_EVERY_OCTAVES, STEPS_PER_OCTAVE
+
 # Fine grid: 1 ms * 2^(k/8) for k in [-80, 136], 0.98 µs .. 131 s, 4 significant digits (readable `le`).
-GRID_OCTAVES = (-10, 17)
 FINE_GRID = tuple(
     float(f"{1e-3 * 2 ** (k / STEPS_PER_OCTAVE):.4g}")
     for k in range(GRID_OCTAVES[0] * STEPS_PER_OCTAVE, GRID_OCTAVES[1] * STEPS_PER_OCTAVE)
 )
 _ONE_MS = -GRID_OCTAVES[0] * STEPS_PER_OCTAVE  # index of 0.001 in FINE_GRID
 # Every second octave from 15.6 µs to 65.5 s (12 bounds): what every histogram exports from the start.
-SKELETON = tuple(range(_ONE_MS - 6 * STEPS_PER_OCTAVE, len(FINE_GRID), 2 * STEPS_PER_OCTAVE))
+SKELETON = tuple(range(_ONE_MS - 6 * STEPS_PER_OCTAVE, len(FINE_GRID), SKELETON_EVERY_OCTAVES * STEPS_PER_OCTAVE))
 # p50 and p95 are what the rules show; p99 keeps the tail covered when a minute holds few steps.
 FOLLOWED_QUANTILES = (0.5, 0.95, 0.99)
 WINDOW_MARGIN = 3  # fine bins exported on each side of a followed quantile's bin (x1.3)
 WINDOW_CORE = 1  # nothing is added while the quantile's bin and one bin on each side are exported
 MIN_NEW_STEPS = 20  # observations a placement decision needs
-MAX_EXPORTED = 40  # bounds per histogram, skeleton included; then windows stop growing
+MAX_EXPORTED = MAX_EXPORTED_BOUNDS  # bounds per histogram, skeleton included; then windows stop growing
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Any
 
 import psutil
 
-from training_hooks.config import STATES, Config, validate_phase_name
+from stepscope_contract import STATES
+from training_hooks.config import Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
 from training_hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
 from training_hooks.profiling import TraceSettings, TraceTaker

@@ -13,6 +13,7 @@ from exporter.exposition import Chunk, render
 from exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
 from exporter.ingest.parser import escape_label_value
 from exporter.ingest.store import Group, GroupStore
+from stepscope_contract import family
 
 
 def _header(spec: FamilySpec) -> Chunk:
@@ -22,10 +23,7 @@ def _header(spec: FamilySpec) -> Chunk:
 
 
 _HEADERS = {name: _header(spec) for name, spec in FAMILIES.items()}
-_LAST_PUSH_HEADER = Chunk(render([GaugeMetricFamily(
-    LAST_PUSH_FAMILY,
-    "Unix time of the last accepted push of this run and rank (pushes without steps = stalled).",
-)]))
+_LAST_PUSH_HEADER = Chunk(render([GaugeMetricFamily(LAST_PUSH_FAMILY, family(LAST_PUSH_FAMILY).help)]))
 
 
 def last_push_line(run: str, rank: str) -> Callable[[float], Chunk]:

@@ -2,6 +2,7 @@
 
 from grafana_foundation_sdk.builders import dashboard
 
+import stepscope_contract as contract
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
@@ -15,31 +16,29 @@ from grafana.dashboards.panels import (
     thresholds,
     timeseries_panel,
 )
+from stepscope_contract import families as fam
+from stepscope_contract import recordings as rec
 
 UID = "stepscope-cluster"
-IDLE_GPU = (
-    "(instance_gpu:stepscope_gpu_utilization:avg_ratio < 0.05)"
-    " unless on (instance, gpu) instance_gpu:stepscope_gpu_effective_utilization_in_run:avg_ratio"
+IDLE = contract.THRESHOLDS["idle_gpu_utilization"]
+SKEW = contract.THRESHOLDS["rank_skew"]
+IDLE_GPU = f"({rec.GPU_UTILIZATION} < {IDLE.number}) unless on (instance, gpu) {rec.GPU_EFFECTIVE_UTILIZATION_IN_RUN}"
+UTILIZATION = thresholds(
+    (None, "red"),
+    (contract.THRESHOLDS["utilization_low"].value, "yellow"),
+    (contract.THRESHOLDS["gpu_bound_utilization"].value, "green"),
 )
-UTILIZATION = thresholds((None, "red"), (0.5, "yellow"), (0.8, "green"))
 
 
-def build() -> dashboard.Dashboard:
-    board = (
-        base_dashboard(
-            "stepscope / Cluster", UID, ["stepscope", "cluster"],
-            "All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.",
-            since="now-3h", refresh="1m",
-        )
-    )
-
+def _fleet_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Fleet" row."""
     board = board.with_row(row("Fleet"))
     board = (
         board.with_panel(
             stat_panel(
                 "Nodes",
                 "stepscope exporters Prometheus scrapes.",
-                [Q("count(stepscope_exporter_build_info)", "nodes")],
+                [Q(f"count({fam.BUILD_INFO})", "nodes")],
                 "none",
             )
         )
@@ -47,14 +46,14 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "GPUs",
                 "GPUs answering NVML across all nodes.",
-                [Q("sum(stepscope_gpu_up)", "GPUs")],
+                [Q(f"sum({fam.GPU_UP})", "GPUs")],
                 "none",
             )
         )
         .with_panel(
             stat_panel(
                 "Idle GPUs",
-                "GPUs below 5% utilization that no run holds memory on: capacity nobody uses.",
+                f"GPUs below {IDLE.percent} utilization that no run holds memory on: capacity nobody uses.",
                 [Q(f"count({IDLE_GPU}) or vector(0)", "idle GPUs")],
                 "none",
                 steps=thresholds((None, "green"), (1, "yellow")),
@@ -64,7 +63,7 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "Active runs",
                 "Runs that completed a step in the last minute.",
-                [Q("count(run:stepscope_steps:rate1m > 0) or vector(0)", "runs")],
+                [Q(f"count({rec.RUN_STEPS_RATE} > 0) or vector(0)", "runs")],
                 "none",
             )
         )
@@ -73,7 +72,7 @@ def build() -> dashboard.Dashboard:
                 "GPU utilization in runs",
                 "Average effective utilization of the GPUs that runs hold memory on, over the whole cluster: "
                 "SM active where GPM reads it (Hopper and newer), NVML utilization elsewhere.",
-                [Q("avg(instance_gpu:stepscope_gpu_effective_utilization_in_run:avg_ratio)", "in runs")],
+                [Q(f"avg({rec.GPU_EFFECTIVE_UTILIZATION_IN_RUN})", "in runs")],
                 "percentunit",
                 steps=UTILIZATION,
             )
@@ -82,12 +81,16 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "Cluster throughput",
                 "Samples per second over all runs.",
-                [Q("sum(run:stepscope_samples:rate1m)", "samples/s")],
+                [Q(f"sum({rec.RUN_SAMPLES_RATE})", "samples/s")],
                 SAMPLES_PER_SECOND,
             )
         )
     )
+    return board
 
+
+def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "GPUs" row."""
     board = board.with_row(row("GPUs"))
     board = (
         board.with_panel(
@@ -98,7 +101,7 @@ def build() -> dashboard.Dashboard:
                 "GPUs, a single dark row in a busy run is a sick GPU or a straggler.",
                 [
                     Q(
-                        "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio",
+                        rec.GPU_EFFECTIVE_UTILIZATION,
                         "{{instance}} GPU {{gpu}} ({{source}})",
                     )
                 ],
@@ -110,8 +113,8 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             table_panel(
                 "Idle GPUs",
-                "GPUs below 5% NVML utilization (no kernel ran) with no run on them (empty when every GPU is "
-                "in use).",
+                f"GPUs below {IDLE.percent} NVML utilization (no kernel ran) with no run on them (empty when "
+                "every GPU is in use).",
                 [Q(IDLE_GPU, table=True)],
                 {"Value": ("utilization", "percentunit")},
                 width=12,
@@ -121,13 +124,17 @@ def build() -> dashboard.Dashboard:
             bargauge_panel(
                 "GPU utilization per node",
                 "Average effective utilization of all GPUs of each node (1m).",
-                [Q("instance:stepscope_gpu_effective_utilization:avg_ratio", "{{instance}}")],
+                [Q(rec.NODE_GPU_EFFECTIVE_UTILIZATION, "{{instance}}")],
                 "percentunit",
                 steps=UTILIZATION,
             )
         )
     )
+    return board
 
+
+def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Skew across nodes and ranks" row."""
     board = board.with_row(row("Skew across nodes and ranks"))
     board = (
         board.with_panel(
@@ -135,7 +142,7 @@ def build() -> dashboard.Dashboard:
                 "GPU utilization in runs per node",
                 "Average effective utilization of the GPUs runs use, per node. Nodes of the same run should "
                 "sit together; one lower line is where the run loses time.",
-                [Q("instance:stepscope_gpu_effective_utilization_in_run:avg_ratio", "{{instance}}")],
+                [Q(rec.NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN, "{{instance}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -145,7 +152,7 @@ def build() -> dashboard.Dashboard:
                 "CPU utilization per node",
                 "Host CPU utilization per node (all but idle and iowait, 1m): a saturated node starves its "
                 "data loaders.",
-                [Q("instance:stepscope_node_cpu_utilization:ratio", "{{instance}}")],
+                [Q(rec.NODE_CPU_UTILIZATION, "{{instance}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -155,7 +162,7 @@ def build() -> dashboard.Dashboard:
                 "Samples per second per node",
                 "Throughput each node contributes over all runs: uneven bars for equal hardware mean uneven "
                 "work or a slow node.",
-                [Q("sum by (instance) (run_rank:stepscope_samples:rate1m)", "{{instance}}")],
+                [Q(f"sum by (instance) ({rec.RANK_SAMPLES_RATE})", "{{instance}}")],
                 SAMPLES_PER_SECOND,
                 limits=(0, None),
             )
@@ -163,12 +170,11 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Rank skew per run (slowest / fastest mean step)",
-                "Per run, the slowest rank's mean step time over the fastest's. 1 = balanced; above 1.3 a "
+                f"Per run, the slowest rank's mean step time over the fastest's. 1 = balanced; above {SKEW.number} a "
                 "rank or its node holds the run back (see the straggler table on the Training dashboard).",
                 [
                     Q(
-                        "max by (run) (run_rank:stepscope_step_seconds:mean_rate1m)"
-                        " / min by (run) (run_rank:stepscope_step_seconds:mean_rate1m)",
+                        f"max by (run) ({rec.RANK_STEP_SECONDS_MEAN}) / min by (run) ({rec.RANK_STEP_SECONDS_MEAN})",
                         "{{run}}",
                     )
                 ],
@@ -180,19 +186,19 @@ def build() -> dashboard.Dashboard:
             table_panel(
                 "Runs",
                 "Every run with its verdict, throughput, median step time, data-loading share, effective "
-                "utilization of its GPUs, ranks in state train and lowest straggler score (step time or local "
-                "phases, whichever is lower).",
+                f"utilization of its GPUs, ranks in state {contract.TRAIN_STATE} and lowest straggler score "
+                "(step time or local phases, whichever is lower).",
                 [
-                    Q("run:stepscope_bottleneck:verdict", table=True),
-                    Q("run:stepscope_samples:rate1m", table=True),
-                    Q("run:stepscope_step_seconds:p50_rate1m", table=True),
-                    Q("run:stepscope_dataloader_share:ratio_rate1m", table=True),
-                    Q("run:stepscope_gpu_effective_utilization:avg_ratio", table=True),
-                    Q("run:stepscope_training_ranks:count", table=True),
+                    Q(rec.RUN_VERDICT, table=True),
+                    Q(rec.RUN_SAMPLES_RATE, table=True),
+                    Q(rec.RUN_STEP_SECONDS_P50, table=True),
+                    Q(rec.RUN_DATALOADER_SHARE, table=True),
+                    Q(rec.RUN_GPU_EFFECTIVE_UTILIZATION, table=True),
+                    Q(rec.RUN_TRAINING_RANKS, table=True),
                     Q(
                         "min by (run) (\n"
-                        '  label_replace(run_rank:stepscope_straggler_score:ratio, "score", "step", "", "")\n'
-                        '  or label_replace(run_rank:stepscope_straggler_local_score:ratio, "score", "local", "", "")\n'
+                        f'  label_replace({rec.RANK_STRAGGLER_SCORE}, "score", "step", "", "")\n'
+                        f'  or label_replace({rec.RANK_STRAGGLER_LOCAL_SCORE}, "score", "local", "", "")\n'
                         ")",
                         table=True,
                     ),
@@ -213,10 +219,10 @@ def build() -> dashboard.Dashboard:
                 "Nodes",
                 "Every node with its CPU, memory and effective GPU utilization and GPU count.",
                 [
-                    Q("instance:stepscope_node_cpu_utilization:ratio", table=True),
-                    Q("instance:stepscope_node_memory_utilization:ratio", table=True),
-                    Q("instance:stepscope_gpu_effective_utilization:avg_ratio", table=True),
-                    Q("count by (instance) (stepscope_gpu_info)", table=True),
+                    Q(rec.NODE_CPU_UTILIZATION, table=True),
+                    Q(rec.NODE_MEMORY_UTILIZATION, table=True),
+                    Q(rec.NODE_GPU_EFFECTIVE_UTILIZATION, table=True),
+                    Q(f"count by (instance) ({fam.GPU_INFO})", table=True),
                 ],
                 {
                     "Value #A": ("CPU", "percentunit"),
@@ -227,11 +233,29 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _alerts_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Alerts" row."""
     board = board.with_row(row("Alerts"))
-    return board.with_panel(
+    board = board.with_panel(
         alert_list_panel(
             "Firing alerts",
             "Every stepscope alert firing or pending in the cluster.",
         )
     )
+    return board
+
+
+def build() -> dashboard.Dashboard:
+    board = (
+        base_dashboard(
+            "stepscope / Cluster", UID, ["stepscope", "cluster"],
+            "All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.",
+            since="now-3h", refresh="1m",
+        )
+    )
+    for add_row in (_fleet_row, _gpus_row, _skew_across_nodes_and_ranks_row, _alerts_row):
+        board = add_row(board)
+    return board

@@ -1,20 +1,16 @@
-"""Writes the dashboards' JSON: `python -m grafana.dashboards.generate [--out DIR]` from the repo root.
+"""The dashboards' JSON, rendered from the Python in this package (grafana-foundation-sdk).
 
-The JSON under grafana/dashboards/ is committed (Grafana provisions it as is); tests regenerate it and
-fail on any difference, so edit the Python, not the JSON.
+`python -m grafana generate` writes it to grafana/dashboards_out/; edit the Python, not the JSON.
 """
 
-import argparse
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from grafana.dashboards import cluster, node, training
 
-DASHBOARDS_DIR = Path(__file__).resolve().parent
 BUILDERS: dict[str, Callable[[], Dashboard]] = {
     f"{training.UID}.json": training.build,
     f"{node.UID}.json": node.build,
@@ -30,22 +26,6 @@ def render(build: Callable[[], Dashboard]) -> str:
     return json.dumps(model, indent=2, sort_keys=True) + "\n"
 
 
-def generate(out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, build in BUILDERS.items():
-        path = out_dir / name
-        path.write_text(render(build))
-        written.append(path)
-    return written
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DASHBOARDS_DIR, help="directory for the JSON files")
-    for path in generate(parser.parse_args(argv).out):
-        print(path)
-
-
-if __name__ == "__main__":
-    main()
+def render_all() -> dict[str, str]:
+    """File name -> JSON text of every dashboard."""
+    return {name: render(build) for name, build in BUILDERS.items()}

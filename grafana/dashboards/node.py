@@ -3,6 +3,7 @@
 from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import dashboard as dm
 
+import stepscope_contract as contract
 from grafana.dashboards.panels import (
     Q,
     bargauge_panel,
@@ -16,10 +17,23 @@ from grafana.dashboards.panels import (
     timeseries_panel,
     value_text,
 )
+from stepscope_contract import families as fam
+from stepscope_contract import recordings as rec
+from stepscope_contract import selector as sel
 
 UID = "stepscope-node"
 NODE = 'instance=~"$instance"'
 GPUS = 'instance=~"$instance",gpu=~"$gpu"'
+NOT_IDLE = NODE + ',mode!="idle"'  # CPU modes
+BACKWARD = contract.BACKWARD_PHASE
+TO_DEVICE = contract.TO_DEVICE_PHASE
+CPU_SATURATED = contract.THRESHOLDS["cpu_saturated"]
+HOST_MEMORY = contract.THRESHOLDS["host_memory_pressure"]
+SM_ACTIVE_LOW = contract.THRESHOLDS["sm_active_underutilized"]
+FILLING = contract.THRESHOLDS["filesystem_filling"]
+FULL = contract.THRESHOLDS["filesystem_full"]
+HOT = contract.THRESHOLDS["gpu_temperature_hot_celsius"]
+STALE = contract.THRESHOLDS["collector_stale_seconds"]
 
 
 def _per_process(series: str) -> Q:
@@ -28,12 +42,10 @@ def _per_process(series: str) -> Q:
     return Q(f"sum by (pid, run, rank) ({series})", table=True)
 
 
-def _link_throughput(link: str, legend: str) -> list[Q]:
-    """Receive and transmit bytes/s of one GPU link family (pcie, nvlink, c2c)."""
-    return [
-        Q(f"stepscope_gpu_{link}_{direction}_bytes_per_second{{{GPUS}}}", f"{legend} {direction}")
-        for direction in ("receive", "transmit")
-    ]
+def _link_throughput(link: tuple[str, str], legend: str) -> list[Q]:
+    """Receive and transmit bytes/s of one GPU link (fam.GPU_PCIE, GPU_NVLINK, GPU_C2C)."""
+    directions = ("receive", "transmit")
+    return [Q(sel(name, GPUS), f"{legend} {direction}") for name, direction in zip(link, directions, strict=True)]
 
 
 def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
@@ -42,7 +54,7 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     NVLink traffic and a slow to_device next to the host-to-device copy."""
     gpu_ranks = (
         f"group by (instance, run, rank) "
-        f"(instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{GPUS}}} > 0)"
+        f"({sel(rec.RANK_GPU_MEMORY, GPUS)} > 0)"
     )
     board = board.with_row(row("GPU $gpu: NVLink, step phases, host link").repeat("gpu"))
     return (
@@ -51,10 +63,10 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "NVLink (GPU ↔ GPU), GPU $gpu",
                 "Bytes per second over all NVLink links of this GPU (GPM average since the last cycle): "
                 "the gradient all-reduce of DDP and FSDP's all-gathers and reduce-scatters between GPUs "
-                "of the node. Traffic in bursts with the backward phase alongside is the all-reduce; a "
-                "backward that grows while NVLink stays flat is a rank waiting for a slower one. Absent, "
+                f"of the node. Traffic in bursts with the {BACKWARD} phase alongside is the all-reduce; a "
+                f"{BACKWARD} that grows while NVLink stays flat is a rank waiting for a slower one. Absent, "
                 "not zero, where the GPU has no GPM (before Hopper) or no NVLink.",
-                _link_throughput("nvlink", "GPU {{gpu}}"),
+                _link_throughput(fam.GPU_NVLINK, "GPU {{gpu}}"),
                 "Bps",
                 limits=(0, None),
                 no_data="No NVLink reading: no GPM (before Hopper) or no NVLink on this GPU",
@@ -65,12 +77,11 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "Step phases of the ranks on GPU $gpu",
                 "Seconds per step in each phase (1m) of every registered rank holding memory on this GPU. "
-                "backward holds DDP's gradient all-reduce (compare with NVLink on the left); to_device is "
+                f"{BACKWARD} holds DDP's gradient all-reduce (compare with NVLink on the left); {TO_DEVICE} is "
                 "the host-to-device copy (compare with the host link on the right).",
                 [
                     Q(
-                        f"run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m{{{NODE}}}"
-                        f" and on (instance, run, rank) {gpu_ranks}",
+                        f"{sel(rec.RANK_PHASE_SECONDS_PER_STEP, NODE)} and on (instance, run, rank) {gpu_ranks}",
                         "{{run}} rank {{rank}} {{phase}}",
                     )
                 ],
@@ -85,9 +96,12 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Host link (PCIe, C2C), GPU $gpu",
                 "Bytes per second between host and GPU: PCIe (GPM on Hopper and newer, a 20 ms window "
                 "every 10 s before), and NVLink-C2C on Grace Hopper, where host copies travel over C2C "
-                "instead of PCIe. Receive is host to device (input batches, to_device). C2C is absent, "
+                f"instead of PCIe. Receive is host to device (input batches, {TO_DEVICE}). C2C is absent, "
                 "not zero, on GPUs without it.",
-                [*_link_throughput("pcie", "GPU {{gpu}} PCIe"), *_link_throughput("c2c", "GPU {{gpu}} C2C")],
+                [
+                    *_link_throughput(fam.GPU_PCIE, "GPU {{gpu}} PCIe"),
+                    *_link_throughput(fam.GPU_C2C, "GPU {{gpu}} C2C"),
+                ],
                 "Bps",
                 limits=(0, None),
                 no_data="No PCIe or C2C reading for this GPU (--no-gpu-pcie-poll on a GPU without GPM?)",
@@ -97,68 +111,42 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     )
 
 
-def build() -> dashboard.Dashboard:
-    board = (
-        base_dashboard(
-            "stepscope / Node and GPU", UID, ["stepscope", "node", "gpu"],
-            "One agent: host CPU, memory, disks, network, every GPU metric, and its processes.",
-        )
-        .with_variable(
-            query_variable(
-                "instance",
-                "Node",
-                "stepscope_exporter_build_info",
-                "instance",
-                description="the exporter's scrape target (node name)",
-            )
-        )
-        .with_variable(
-            query_variable(
-                "gpu",
-                "GPU",
-                f"stepscope_gpu_info{{{NODE}}}",
-                "gpu",
-                multi=True,
-                description="GPU indices on the node",
-            )
-        )
-    )
-
+def _host_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Host" row."""
     board = board.with_row(row("Host"))
     board = (
         board.with_panel(
             timeseries_panel(
                 "CPU utilization by mode",
-                "Share of all logical CPUs per mode (1m rate); the dashed line marks 90%, where "
+                f"Share of all logical CPUs per mode (1m rate); the dashed line marks {CPU_SATURATED.percent}, where "
                 "StepscopeCpuSaturated starts counting. High user time with a data-bound run: decoding and "
                 "augmentation in data-loader workers; high iowait: storage.",
                 [
                     Q(
-                        f'sum by (mode) (rate(stepscope_node_cpu_seconds_total{{{NODE},mode!="idle"}}[1m])) '
-                        f"/ scalar(sum(stepscope_node_cpus{{{NODE}}}))",
+                        f"sum by (mode) (rate({sel(fam.NODE_CPU_SECONDS, NOT_IDLE)}[1m])) "
+                        f"/ scalar(sum({sel(fam.NODE_CPUS, NODE)}))",
                         "{{mode}}",
                     ),
                     Q(
-                        f"instance:stepscope_node_cpu_utilization:ratio{{{NODE}}}",
+                        sel(rec.NODE_CPU_UTILIZATION, NODE),
                         "busy (all but idle+iowait)",
                     ),
                 ],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "green"), (0.9, "red")),
+                threshold_line=thresholds((None, "green"), (CPU_SATURATED.value, "red")),
             )
         )
         .with_panel(
             timeseries_panel(
                 "Host memory",
-                "Total and available host memory; StepscopeHostMemoryPressure fires above 90% used. "
+                f"Total and available host memory; StepscopeHostMemoryPressure fires above {HOST_MEMORY.percent} used. "
                 "Data-loader workers each holding a copy of the data set is the usual culprit.",
                 [
-                    Q(f"stepscope_node_memory_total_bytes{{{NODE}}}", "total"),
-                    Q(f"stepscope_node_memory_available_bytes{{{NODE}}}", "available"),
+                    Q(sel(fam.NODE_MEMORY_TOTAL, NODE), "total"),
+                    Q(sel(fam.NODE_MEMORY_AVAILABLE, NODE), "available"),
                     Q(
-                        f"stepscope_node_memory_total_bytes{{{NODE}}}"
-                        f" - stepscope_node_memory_available_bytes{{{NODE}}}",
+                        f"{sel(fam.NODE_MEMORY_TOTAL, NODE)} - {sel(fam.NODE_MEMORY_AVAILABLE, NODE)}",
                         "used",
                     ),
                 ],
@@ -172,8 +160,8 @@ def build() -> dashboard.Dashboard:
                 "Completed reads and writes per second per device (1m rate). Many small reads at a "
                 "data-bound run: store data in large sequential shards.",
                 [
-                    Q(f"rate(stepscope_node_disk_reads_completed_total{{{NODE}}}[1m])", "{{device}} reads"),
-                    Q(f"rate(stepscope_node_disk_writes_completed_total{{{NODE}}}[1m])", "{{device}} writes"),
+                    Q(f"rate({sel(fam.NODE_DISK_READS, NODE)}[1m])", "{{device}} reads"),
+                    Q(f"rate({sel(fam.NODE_DISK_WRITES, NODE)}[1m])", "{{device}} writes"),
                 ],
                 "iops",
                 limits=(0, None),
@@ -185,9 +173,9 @@ def build() -> dashboard.Dashboard:
                 "Bytes read and written per second per device, and the share of time each device was busy "
                 "(near 100% = the disk is the limit: local NVMe cache or data in memory).",
                 [
-                    Q(f"rate(stepscope_node_disk_read_bytes_total{{{NODE}}}[1m])", "{{device}} read"),
-                    Q(f"rate(stepscope_node_disk_written_bytes_total{{{NODE}}}[1m])", "{{device}} written"),
-                    Q(f"rate(stepscope_node_disk_io_time_seconds_total{{{NODE}}}[1m])", "{{device}} busy"),
+                    Q(f"rate({sel(fam.NODE_DISK_READ_BYTES, NODE)}[1m])", "{{device}} read"),
+                    Q(f"rate({sel(fam.NODE_DISK_WRITTEN_BYTES, NODE)}[1m])", "{{device}} written"),
+                    Q(f"rate({sel(fam.NODE_DISK_IO_TIME, NODE)}[1m])", "{{device}} busy"),
                 ],
                 "Bps",
                 limits=(0, None),
@@ -206,11 +194,11 @@ def build() -> dashboard.Dashboard:
                 "and gradient all-reduce traffic.",
                 [
                     Q(
-                        f"rate(stepscope_node_network_receive_bytes_total{{{NODE}}}[1m])",
+                        f"rate({sel(fam.NODE_NETWORK_RECEIVE, NODE)}[1m])",
                         "{{device}} receive",
                     ),
                     Q(
-                        f"rate(stepscope_node_network_transmit_bytes_total{{{NODE}}}[1m])",
+                        f"rate({sel(fam.NODE_NETWORK_TRANSMIT, NODE)}[1m])",
                         "{{device}} transmit",
                     ),
                 ],
@@ -224,25 +212,28 @@ def build() -> dashboard.Dashboard:
                 "Used share of each filesystem given with --filesystem-paths (data set, cache, checkpoints).",
                 [
                     Q(
-                        f"1 - stepscope_node_filesystem_avail_bytes{{{NODE}}}"
-                        f" / stepscope_node_filesystem_size_bytes{{{NODE}}}",
+                        f"1 - {sel(fam.NODE_FILESYSTEM_AVAIL, NODE)}"
+                        f" / {sel(fam.NODE_FILESYSTEM_SIZE, NODE)}",
                         "{{mountpoint}}",
                     )
                 ],
                 "percentunit",
-                steps=thresholds((None, "green"), (0.8, "yellow"), (0.95, "red")),
+                steps=thresholds((None, "green"), (FILLING.value, "yellow"), (FULL.value, "red")),
             )
         )
     )
+    return board
 
-    board = board.with_row(row("GPU"))
-    board = (
+
+def _gpu_activity(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """How busy each GPU is: NVML utilization, the effective utilization the verdicts read, GPM."""
+    return (
         board.with_panel(
             timeseries_panel(
                 "GPU utilization",
                 "Share of time a kernel was running on each GPU. It says nothing about how much of the GPU a "
                 "kernel uses: see SM active and occupancy below on Hopper and newer.",
-                [Q(f"stepscope_gpu_utilization_ratio{{{GPUS}}}", "GPU {{gpu}}")],
+                [Q(sel(fam.GPU_UTILIZATION, GPUS), "GPU {{gpu}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -256,13 +247,13 @@ def build() -> dashboard.Dashboard:
                 "launch-bound loop (StepscopeGpuBusyButIdle).",
                 [
                     Q(
-                        f"instance_gpu:stepscope_gpu_effective_utilization:avg_ratio{{{GPUS}}}",
+                        sel(rec.GPU_EFFECTIVE_UTILIZATION, GPUS),
                         "GPU {{gpu}} ({{source}})",
                     )
                 ],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "red"), (0.8, "green")),
+                threshold_line=thresholds((None, "red"), (SM_ACTIVE_LOW.value, "green")),
             )
         )
         .with_panel(
@@ -272,24 +263,30 @@ def build() -> dashboard.Dashboard:
                 "busy; occupancy = warps resident; tensor = tensor-core pipes busy (low with FP32: use "
                 "BF16/FP16 autocast); DRAM = memory bandwidth in use.",
                 [
-                    Q(f"stepscope_gpu_sm_active_ratio{{{GPUS}}}", "GPU {{gpu}} SM active"),
-                    Q(f"stepscope_gpu_sm_occupancy_ratio{{{GPUS}}}", "GPU {{gpu}} SM occupancy"),
-                    Q(f"stepscope_gpu_tensor_active_ratio{{{GPUS}}}", "GPU {{gpu}} tensor active"),
-                    Q(f"stepscope_gpu_dram_active_ratio{{{GPUS}}}", "GPU {{gpu}} DRAM active"),
+                    Q(sel(fam.GPU_SM_ACTIVE, GPUS), "GPU {{gpu}} SM active"),
+                    Q(sel(fam.GPU_SM_OCCUPANCY, GPUS), "GPU {{gpu}} SM occupancy"),
+                    Q(sel(fam.GPU_TENSOR_ACTIVE, GPUS), "GPU {{gpu}} tensor active"),
+                    Q(sel(fam.GPU_DRAM_ACTIVE, GPUS), "GPU {{gpu}} DRAM active"),
                 ],
                 "percentunit",
                 limits=(0, 1),
             )
         )
-        .with_panel(
+    )
+
+
+def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """Memory, clocks, power and temperature of each GPU."""
+    return (
+        board.with_panel(
             timeseries_panel(
                 "GPU memory",
                 "Framebuffer memory used, free and total per GPU. PyTorch's caching allocator keeps freed "
                 "memory reserved, so used stays high after peaks.",
                 [
-                    Q(f"stepscope_gpu_memory_used_bytes{{{GPUS}}}", "GPU {{gpu}} used"),
-                    Q(f"stepscope_gpu_memory_free_bytes{{{GPUS}}}", "GPU {{gpu}} free"),
-                    Q(f"stepscope_gpu_memory_total_bytes{{{GPUS}}}", "GPU {{gpu}} total"),
+                    Q(sel(fam.GPU_MEMORY_USED, GPUS), "GPU {{gpu}} used"),
+                    Q(sel(fam.GPU_MEMORY_FREE, GPUS), "GPU {{gpu}} free"),
+                    Q(sel(fam.GPU_MEMORY_TOTAL, GPUS), "GPU {{gpu}} total"),
                 ],
                 "bytes",
                 limits=(0, None),
@@ -300,7 +297,7 @@ def build() -> dashboard.Dashboard:
                 "GPU memory-controller utilization",
                 "Share of time the memory controller was reading or writing device memory: high with low SM "
                 "activity means memory-bound kernels.",
-                [Q(f"stepscope_gpu_memory_utilization_ratio{{{GPUS}}}", "GPU {{gpu}}")],
+                [Q(sel(fam.GPU_MEMORY_UTILIZATION, GPUS), "GPU {{gpu}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -311,8 +308,8 @@ def build() -> dashboard.Dashboard:
                 "SM and memory clocks. SM clocks dropping under load together with throttle reasons below "
                 "mean power or thermal limits.",
                 [
-                    Q(f"stepscope_gpu_sm_clock_hertz{{{GPUS}}}", "GPU {{gpu}} SM"),
-                    Q(f"stepscope_gpu_memory_clock_hertz{{{GPUS}}}", "GPU {{gpu}} memory"),
+                    Q(sel(fam.GPU_SM_CLOCK, GPUS), "GPU {{gpu}} SM"),
+                    Q(sel(fam.GPU_MEMORY_CLOCK, GPUS), "GPU {{gpu}} memory"),
                 ],
                 "hertz",
                 limits=(0, None),
@@ -324,10 +321,10 @@ def build() -> dashboard.Dashboard:
                 "Power draw against the enforced limit, and the average draw from the energy counter (1m). "
                 "Draw pinned at the limit means power capping.",
                 [
-                    Q(f"stepscope_gpu_power_watts{{{GPUS}}}", "GPU {{gpu}} draw"),
-                    Q(f"stepscope_gpu_power_limit_watts{{{GPUS}}}", "GPU {{gpu}} limit"),
+                    Q(sel(fam.GPU_POWER, GPUS), "GPU {{gpu}} draw"),
+                    Q(sel(fam.GPU_POWER_LIMIT, GPUS), "GPU {{gpu}} limit"),
                     Q(
-                        f"rate(stepscope_gpu_energy_joules_total{{{GPUS}}}[1m])",
+                        f"rate({sel(fam.GPU_ENERGY, GPUS)}[1m])",
                         "GPU {{gpu}} average (energy)",
                     ),
                 ],
@@ -339,17 +336,23 @@ def build() -> dashboard.Dashboard:
             timeseries_panel(
                 "Temperature",
                 "GPU die temperature; thermal slowdown usually starts in the high 80s celsius.",
-                [Q(f"stepscope_gpu_temperature_celsius{{{GPUS}}}", "GPU {{gpu}}")],
+                [Q(sel(fam.GPU_TEMPERATURE, GPUS), "GPU {{gpu}}")],
                 "celsius",
-                threshold_line=thresholds((None, "green"), (85, "red")),
+                threshold_line=thresholds((None, "green"), (HOT.value, "red")),
             )
         )
-        .with_panel(
+    )
+
+
+def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """PCIe traffic, and which clock events hold the clocks down and for how long."""
+    return (
+        board.with_panel(
             timeseries_panel(
                 "PCIe throughput",
                 "Host-device PCIe traffic per GPU: input batches in (receive) and results out (transmit). "
                 "Large steady receive with a host-bound run: copy less or overlap copies with compute.",
-                _link_throughput("pcie", "GPU {{gpu}}"),
+                _link_throughput(fam.GPU_PCIE, "GPU {{gpu}}"),
                 "Bps",
                 limits=(0, None),
             )
@@ -360,7 +363,7 @@ def build() -> dashboard.Dashboard:
                 "Active clock-event reasons per GPU over time (red = active). Power and thermal reasons "
                 "slow the GPU down (StepscopeGpuThrottling); gpu_idle and applications_clocks_setting are "
                 "harmless.",
-                [Q(f"stepscope_gpu_clock_event_active{{{GPUS}}}", "GPU {{gpu}} {{reason}}")],
+                [Q(sel(fam.GPU_CLOCK_EVENT_ACTIVE, GPUS), "GPU {{gpu}} {{reason}}")],
                 value_text({"0": ("inactive", "transparent"), "1": ("active", "red")}),
                 width=12,
             )
@@ -369,17 +372,23 @@ def build() -> dashboard.Dashboard:
             timeseries_panel(
                 "Time throttled per reason",
                 "Share of time clocks were held down, per reason (1m rate of the cumulative counter).",
-                [Q(f"rate(stepscope_gpu_clock_event_seconds_total{{{GPUS}}}[1m])", "GPU {{gpu}} {{reason}}")],
+                [Q(f"rate({sel(fam.GPU_CLOCK_EVENT_SECONDS, GPUS)}[1m])", "GPU {{gpu}} {{reason}}")],
                 "percentunit",
                 limits=(0, 1),
             )
         )
-        .with_panel(
+    )
+
+
+def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """ECC and XID errors, the inventory, and whether NVML answers."""
+    return (
+        board.with_panel(
             timeseries_panel(
                 "ECC errors",
                 "Corrected and uncorrected ECC errors since driver load. Uncorrected ones crash the job; a "
                 "growing corrected count announces a failing memory.",
-                [Q(f"stepscope_gpu_ecc_errors_total{{{GPUS}}}", "GPU {{gpu}} {{type}}")],
+                [Q(sel(fam.GPU_ECC_ERRORS, GPUS), "GPU {{gpu}} {{type}}")],
                 "short",
                 limits=(0, None),
             )
@@ -390,8 +399,8 @@ def build() -> dashboard.Dashboard:
                 "XID events per GPU since the exporter started and how long ago each last fired. Empty is "
                 "good. Look the code up in NVIDIA's XID catalogue (79 = fallen off the bus, 48/94/95 = ECC).",
                 [
-                    Q(f"stepscope_gpu_xid_errors_total{{{GPUS}}}", table=True),
-                    Q(f"time() - stepscope_gpu_xid_last_seen_timestamp_seconds{{{GPUS}}}", table=True),
+                    Q(sel(fam.GPU_XID_ERRORS, GPUS), table=True),
+                    Q(f"time() - {sel(fam.GPU_XID_LAST_SEEN, GPUS)}", table=True),
                 ],
                 {"Value #A": ("events", "short"), "Value #B": ("last seen ago", "s")},
                 hide=("Time", "__name__", "job", "instance", "uuid"),
@@ -403,8 +412,8 @@ def build() -> dashboard.Dashboard:
                 "GPUs",
                 "Inventory: model, driver, PCI bus id, and whether NVML still answers (1) for each GPU.",
                 [
-                    Q(f"stepscope_gpu_info{{{GPUS}}}", table=True),
-                    Q(f"stepscope_gpu_up{{{GPUS}}}", table=True),
+                    Q(sel(fam.GPU_INFO, GPUS), table=True),
+                    Q(sel(fam.GPU_UP, GPUS), table=True),
                 ],
                 {"Value #A": ("info", "none"), "Value #B": ("up", "none")},
                 hide=("Time", "__name__", "job", "instance", "Value #A"),
@@ -416,7 +425,7 @@ def build() -> dashboard.Dashboard:
                 "NVML",
                 "1 when the exporter initialised NVML on this node; 0 without a GPU or driver (GPU panels "
                 "then stay empty).",
-                [Q(f"stepscope_gpu_collector_up{{{NODE}}}", "NVML")],
+                [Q(sel(fam.GPU_COLLECTOR_UP, NODE), "NVML")],
                 "none",
                 steps=thresholds((None, "red"), (1, "green")),
                 width=12,
@@ -427,7 +436,7 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "GPUs answering",
                 "GPUs on the node that still answer NVML queries.",
-                [Q(f"sum(stepscope_gpu_up{{{NODE}}})", "GPUs up")],
+                [Q(f"sum({sel(fam.GPU_UP, NODE)})", "GPUs up")],
                 "none",
                 width=12,
                 height=4,
@@ -435,8 +444,17 @@ def build() -> dashboard.Dashboard:
         )
     )
 
-    board = _interconnect_row(board)
 
+def _gpu_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "GPU" row, then one row per selected GPU for its interconnect."""
+    board = board.with_row(row("GPU"))
+    for add_panels in (_gpu_activity, _gpu_memory_clocks_power, _gpu_throttling, _gpu_health):
+        board = add_panels(board)
+    return _interconnect_row(board)
+
+
+def _processes_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Processes" row."""
     board = board.with_row(row("Processes"))
     board = board.with_panel(
         table_panel(
@@ -445,12 +463,12 @@ def build() -> dashboard.Dashboard:
             "data-loader workers), resident memory, worker count, storage reads and writes, GPU memory. "
             "Unregistered GPU processes have an empty run.",
             [
-                _per_process(f"rate(stepscope_process_cpu_seconds_total{{{NODE}}}[1m])"),
-                _per_process(f"stepscope_process_resident_memory_bytes{{{NODE}}}"),
-                _per_process(f"stepscope_process_children{{{NODE}}}"),
-                _per_process(f"rate(stepscope_process_io_read_bytes_total{{{NODE}}}[1m])"),
-                _per_process(f"rate(stepscope_process_io_write_bytes_total{{{NODE}}}[1m])"),
-                _per_process(f"stepscope_process_gpu_memory_bytes{{{NODE}}}"),
+                _per_process(f"rate({sel(fam.PROCESS_CPU_SECONDS, NODE)}[1m])"),
+                _per_process(sel(fam.PROCESS_RESIDENT_MEMORY, NODE)),
+                _per_process(sel(fam.PROCESS_CHILDREN, NODE)),
+                _per_process(f"rate({sel(fam.PROCESS_IO_READ, NODE)}[1m])"),
+                _per_process(f"rate({sel(fam.PROCESS_IO_WRITE, NODE)}[1m])"),
+                _per_process(sel(fam.PROCESS_GPU_MEMORY, NODE)),
             ],
             {
                 "Value #A": ("CPU cores", "none"),
@@ -463,15 +481,19 @@ def build() -> dashboard.Dashboard:
             height=9,
         )
     )
+    return board
 
+
+def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Exporter" row."""
     board = board.with_row(row("Exporter"))
-    return (
+    board = (
         board.with_panel(
             timeseries_panel(
                 "Collector cycle duration",
                 "Wall time of each collector's last cycle; near or above --collect-interval means readings "
                 "lag (a slow NVML call or filesystem).",
-                [Q(f"stepscope_exporter_collector_duration_seconds{{{NODE}}}", "{{collector}}")],
+                [Q(sel(fam.COLLECTOR_DURATION, NODE), "{{collector}}")],
                 "s",
                 limits=(0, None),
                 width=8,
@@ -481,14 +503,14 @@ def build() -> dashboard.Dashboard:
             timeseries_panel(
                 "Collector errors and staleness",
                 "Failed cycles per second per collector, and seconds since each collector last succeeded "
-                "(StepscopeExporterCollectionStale fires above 2 minutes).",
+                f"(StepscopeExporterCollectionStale fires above {STALE.value / 60:g} minutes).",
                 [
                     Q(
-                        f"rate(stepscope_exporter_collector_errors_total{{{NODE}}}[1m])",
+                        f"rate({sel(fam.COLLECTOR_ERRORS, NODE)}[1m])",
                         "{{collector}} errors/s",
                     ),
                     Q(
-                        f"time() - stepscope_exporter_collector_last_success_timestamp_seconds{{{NODE}}}",
+                        f"time() - {sel(fam.COLLECTOR_LAST_SUCCESS, NODE)}",
                         "{{collector}} since success",
                     ),
                 ],
@@ -503,12 +525,12 @@ def build() -> dashboard.Dashboard:
                 "Pushes from training hooks accepted and rejected per second (by reason), and the push "
                 "groups (one per run and rank) the exporter holds.",
                 [
-                    Q(f"rate(stepscope_exporter_ingest_accepted_total{{{NODE}}}[1m])", "accepted/s"),
+                    Q(f"rate({sel(fam.INGEST_ACCEPTED, NODE)}[1m])", "accepted/s"),
                     Q(
-                        f"sum by (reason) (rate(stepscope_exporter_ingest_rejected_total{{{NODE}}}[1m]))",
+                        f"sum by (reason) (rate({sel(fam.INGEST_REJECTED, NODE)}[1m]))",
                         "rejected/s {{reason}}",
                     ),
-                    Q(f"stepscope_exporter_ingest_groups{{{NODE}}}", "groups"),
+                    Q(sel(fam.INGEST_GROUPS, NODE), "groups"),
                 ],
                 "short",
                 limits=(0, None),
@@ -519,10 +541,42 @@ def build() -> dashboard.Dashboard:
             table_panel(
                 "Exporter build",
                 "Exporter version and Python version on this node.",
-                [Q(f"stepscope_exporter_build_info{{{NODE}}}", table=True)],
+                [Q(sel(fam.BUILD_INFO, NODE), table=True)],
                 {},
                 hide=("Time", "__name__", "job", "Value"),
                 height=4,
             )
         )
     )
+    return board
+
+
+def build() -> dashboard.Dashboard:
+    board = (
+        base_dashboard(
+            "stepscope / Node and GPU", UID, ["stepscope", "node", "gpu"],
+            "One agent: host CPU, memory, disks, network, every GPU metric, and its processes.",
+        )
+        .with_variable(
+            query_variable(
+                "instance",
+                "Node",
+                fam.BUILD_INFO,
+                "instance",
+                description="the exporter's scrape target (node name)",
+            )
+        )
+        .with_variable(
+            query_variable(
+                "gpu",
+                "GPU",
+                sel(fam.GPU_INFO, NODE),
+                "gpu",
+                multi=True,
+                description="GPU indices on the node",
+            )
+        )
+    )
+    for add_row in (_host_row, _gpu_row, _processes_row, _exporter_row):
+        board = add_row(board)
+    return board

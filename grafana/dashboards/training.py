@@ -3,6 +3,7 @@
 from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import dashboard as dm
 
+import stepscope_contract as contract
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
@@ -20,72 +21,60 @@ from grafana.dashboards.panels import (
     timeseries_panel,
     value_text,
 )
+from stepscope_contract import families as fam
+from stepscope_contract import recordings as rec
+from stepscope_contract import selector as sel
 
 UID = "stepscope-training"
 RUN = 'run=~"$run"'
 RANKS = 'run=~"$run",rank=~"$rank"'
 
-
-def rank_step_quantile(quantile: float) -> str:
-    """A step-time quantile per rank of the chosen runs, at query time: recorded for every rank of a
-    cluster it would re-read every step-time bucket each evaluation (benchmarks/results/scale.md), while
-    a dashboard reads one run's. No value for a rank without steps in the window (NaN, dropped)."""
-    buckets = f"rate(stepscope_step_seconds_bucket{{{RANKS}}}[1m])"
-    return f"histogram_quantile({quantile}, sum by (run, rank, instance, le) ({buckets})) >= 0"
-
 # State set -> one code per rank, so the state timeline shows one row per rank; state -> (code, colour).
-STATES = {"setup": (1, "blue"), "train": (2, "green"), "eval": (3, "purple"), "checkpoint": (4, "orange"),
-          "idle": (5, "text")}
+STATE_COLOURS = ("blue", "green", "purple", "orange", "text")  # in the contract's order of STATES
+STATES = {state: (code, colour)
+          for code, (state, colour) in enumerate(zip(contract.STATES, STATE_COLOURS, strict=True), start=1)}
+DATA_BOUND = contract.THRESHOLDS["data_loading_share"]
+DATA_NOTICE = contract.THRESHOLDS["data_loading_share_notice"]
+GPU_BOUND = contract.THRESHOLDS["gpu_bound_utilization"]
+GPU_LOW = contract.THRESHOLDS["utilization_low"]
+BUSY = contract.THRESHOLDS["busy_nvml_utilization"]
+BUSY_IDLE = contract.THRESHOLDS["busy_idle_sm_active"]
+STRAGGLER = contract.THRESHOLDS["straggler_score"]
+TYPICAL = contract.THRESHOLDS["straggler_score_typical"]
+SM_ACTIVE_LOW = contract.THRESHOLDS["sm_active_underutilized"]
+NVML_LOW = contract.THRESHOLDS["nvml_utilization_underutilized"]
+TENSOR_IDLE = contract.THRESHOLDS["tensor_active_idle"]
+MEMORY_FULL = contract.THRESHOLDS["gpu_memory_full"]
+COMPUTE_SHARE = contract.THRESHOLDS["compute_limit_share"]
+LOADING = contract.DATA_LOADING_PHASE
+LOCAL = " + ".join(contract.LOCAL_PHASES)
+TRAIN = contract.TRAIN_STATE
+BUCKET_STEP = 2 ** (1 / contract.STEPS_PER_OCTAVE) - 1  # neighbouring fine bounds, apart
 
 
 def _state_expr() -> str:
-    selector = f"stepscope_training_state{{{RANKS}"
+    selector = f"{contract.TRAINING_STATE}{{{RANKS}"
     known = "|".join(STATES)
     parts = [f'(({selector},state="{state}"}} == 1) * {code})' for state, (code, _) in STATES.items()]
     parts.append(f'(({selector},state!~"{known}"}} == 1) * 0)')
     return "max by (rank) (\n  " + "\n  or ".join(parts) + "\n)"
 
 
-def build() -> dashboard.Dashboard:
-    board = (
-        base_dashboard(
-            "stepscope / Training run", UID, ["stepscope", "training"],
-            "Why is this training run slow: step time, phases, data loading, ranks, GPUs.",
-        )
-        .with_variable(
-            query_variable(
-                "run",
-                "Run",
-                "stepscope_steps_total",
-                "run",
-                description="training run (the `run` label set by the hooks)",
-            )
-        )
-        .with_variable(
-            query_variable(
-                "rank",
-                "Rank",
-                f"stepscope_steps_total{{{RUN}}}",
-                "rank",
-                multi=True,
-                description="global ranks of the run",
-            )
-        )
-    )
-
+def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Overview" row."""
     board = board.with_row(row("Overview"))
     board = (
         board.with_panel(
             stat_panel(
                 "Bottleneck verdict",
-                "What limits the run now. data_bound: waiting for batches takes > 30% of step time. "
-                "gpu_bound: its GPUs' effective utilization (SM active on Hopper and newer, NVML utilization "
-                "elsewhere) is >= 80% (good: buy faster GPUs or optimise kernels). gpu_busy_idle: its GPUs run "
-                "kernels >= 80% of the time but their SMs are active < 50%: kernels too small or a "
-                "launch-bound loop (larger batch, CUDA graphs, torch.compile, fewer host syncs). host_bound: "
-                "none of these, the time goes to host work (Python, copies, communication, CPU-only compute). "
-                "idle: no step in the last minute, or no rank in state train.",
-                [Q(f"run:stepscope_bottleneck:verdict{{{RUN}}}", "{{verdict}}")],
+                f"What limits the run now. data_bound: waiting for batches takes > {DATA_BOUND.percent} of step "
+                "time. gpu_bound: its GPUs' effective utilization (SM active on Hopper and newer, NVML utilization "
+                f"elsewhere) is >= {GPU_BOUND.percent} (good: buy faster GPUs or optimise kernels). gpu_busy_idle: "
+                f"its GPUs run kernels >= {BUSY.percent} of the time but their SMs are active < {BUSY_IDLE.percent}: "
+                "kernels too small or a launch-bound loop (larger batch, CUDA graphs, torch.compile, fewer host "
+                "syncs). host_bound: none of these, the time goes to host work (Python, copies, communication, "
+                f"CPU-only compute). idle: no step in the last minute, or no rank in state {TRAIN}.",
+                [Q(sel(rec.RUN_VERDICT, RUN), "{{verdict}}")],
                 "none",
                 show_name=True,
             )
@@ -94,7 +83,7 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "Throughput",
                 "Samples per second over all ranks of the run (1m rate).",
-                [Q(f"run:stepscope_samples:rate1m{{{RUN}}}", "samples/s")],
+                [Q(sel(rec.RUN_SAMPLES_RATE, RUN), "samples/s")],
                 SAMPLES_PER_SECOND,
             )
         )
@@ -102,7 +91,7 @@ def build() -> dashboard.Dashboard:
             stat_panel(
                 "Step time p50",
                 "Median step time over all ranks (1m window, from the step histogram).",
-                [Q(f"run:stepscope_step_seconds:p50_rate1m{{{RUN}}}", "p50")],
+                [Q(sel(rec.RUN_STEP_SECONDS_P50, RUN), "p50")],
                 "s",
             )
         )
@@ -111,38 +100,42 @@ def build() -> dashboard.Dashboard:
                 "Step time p95",
                 "95th percentile step time over all ranks: far above p50 means hiccups "
                 "(data stalls, checkpoints, garbage collection).",
-                [Q(f"run:stepscope_step_seconds:p95_rate1m{{{RUN}}}", "p95")],
+                [Q(sel(rec.RUN_STEP_SECONDS_P95, RUN), "p95")],
                 "s",
             )
         )
         .with_panel(
             stat_panel(
                 "Data-loading share",
-                "Share of step time spent in dataloader_next (waiting for the next batch). Loading should be "
-                "much smaller than training time: above 30% the run is data bound.",
-                [Q(f"run:stepscope_dataloader_share:ratio_rate1m{{{RUN}}}", "data loading")],
+                f"Share of step time spent in {LOADING} (waiting for the next batch). Loading should be "
+                f"much smaller than training time: above {DATA_BOUND.percent} the run is data bound.",
+                [Q(sel(rec.RUN_DATALOADER_SHARE, RUN), "data loading")],
                 "percentunit",
-                steps=thresholds((None, "green"), (0.1, "yellow"), (0.3, "red")),
+                steps=thresholds((None, "green"), (DATA_NOTICE.value, "yellow"), (DATA_BOUND.value, "red")),
             )
         )
         .with_panel(
             stat_panel(
                 "GPU utilization (run's GPUs)",
                 "Average utilization of the GPUs the run's ranks hold memory on. effective: SM active where "
-                "GPM reads it (Hopper and newer), NVML utilization elsewhere; below 80% the GPUs wait for "
-                "the host or the data, or do little. NVML: the share of time a kernel was resident, however "
+                f"GPM reads it (Hopper and newer), NVML utilization elsewhere; below {GPU_BOUND.percent} the GPUs "
+                "wait for the host or the data, or do little. NVML: the share of time a kernel was resident, however "
                 "few SMs it used; high NVML with low effective is a GPU that looks busy but does little. "
                 "Empty for CPU-only runs.",
                 [
-                    Q(f"run:stepscope_gpu_effective_utilization:avg_ratio{{{RUN}}}", "effective"),
-                    Q(f"run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}", "NVML"),
+                    Q(sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION, RUN), "effective"),
+                    Q(sel(rec.RUN_GPU_UTILIZATION, RUN), "NVML"),
                 ],
                 "percentunit",
-                steps=thresholds((None, "red"), (0.5, "yellow"), (0.8, "green")),
+                steps=thresholds((None, "red"), (GPU_LOW.value, "yellow"), (GPU_BOUND.value, "green")),
             )
         )
     )
+    return board
 
+
+def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Step time" row."""
     board = board.with_row(row("Step time"))
     board = (
         board.with_panel(
@@ -151,8 +144,8 @@ def build() -> dashboard.Dashboard:
                 "Step time quantiles per rank from the step histogram (1m window). Ranks far above the "
                 "others are stragglers; p95 spikes are stalls.",
                 [
-                    Q(rank_step_quantile(0.5), "rank {{rank}} p50"),
-                    Q(rank_step_quantile(0.95), "rank {{rank}} p95"),
+                    Q(rec.rank_step_seconds_quantile(0.5, RANKS), "rank {{rank}} p50"),
+                    Q(rec.rank_step_seconds_quantile(0.95, RANKS), "rank {{rank}} p95"),
                 ],
                 "s",
                 limits=(0, None),
@@ -164,8 +157,8 @@ def build() -> dashboard.Dashboard:
                 "Samples per second of the run and of each rank (1m rate). Drops line up with "
                 "stalls in the step time panel.",
                 [
-                    Q(f"run:stepscope_samples:rate1m{{{RUN}}}", "run"),
-                    Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", "rank {{rank}}"),
+                    Q(sel(rec.RUN_SAMPLES_RATE, RUN), "run"),
+                    Q(sel(rec.RANK_SAMPLES_RATE, RANKS), "rank {{rank}}"),
                 ],
                 SAMPLES_PER_SECOND,
                 limits=(0, None),
@@ -175,12 +168,13 @@ def build() -> dashboard.Dashboard:
             timeseries_panel(
                 "Phase breakdown (seconds per step)",
                 "Average seconds per step in each phase over the selected ranks, stacked: what a step is "
-                "made of. A tall dataloader_next band means data loading; to_device means host-to-device "
-                "copies (use pinned memory and non_blocking); forward/backward/optimizer_step is compute.",
+                f"made of. A tall {LOADING} band means data loading; {contract.TO_DEVICE_PHASE} means "
+                "host-to-device copies (use pinned memory and non_blocking); "
+                f"{contract.FORWARD_PHASE}/{contract.BACKWARD_PHASE}/{contract.OPTIMIZER_PHASE} is compute.",
                 [
                     Q(
                         "avg by (phase) "
-                        f"(run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m{{{RANKS}}})",
+                        f"({sel(rec.RANK_PHASE_SECONDS_PER_STEP, RANKS)})",
                         "{{phase}}",
                     )
                 ],
@@ -192,23 +186,24 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Data-loading share per rank",
-                "dataloader_next seconds / step seconds per rank (1m). The dashed line is the 30% alert "
-                "threshold; the I/O-vs-compute rule of thumb wants it near 0.",
-                [Q(f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{RANKS}}}", "rank {{rank}}")],
+                f"{LOADING} seconds / step seconds per rank (1m). The dashed line is the {DATA_BOUND.percent} "
+                "alert threshold; the I/O-vs-compute rule of thumb wants it near 0.",
+                [Q(sel(rec.RANK_DATALOADER_SHARE, RANKS), "rank {{rank}}")],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "green"), (0.3, "red")),
+                threshold_line=thresholds((None, "green"), (DATA_BOUND.value, "red")),
             )
         )
         .with_panel(
             heatmap_panel(
                 "Step time distribution",
                 "Histogram of the run's step times over all its ranks, per minute: one band is steady, "
-                "several bands or a long tail mean periodic stalls. Buckets are fine (9% apart) where the "
-                "run's steps fall and coarse elsewhere; only bounds every rank exports are shown.",
+                "several bands or a long tail mean periodic stalls. "
+                f"Buckets are fine ({BUCKET_STEP:.0%} apart) where the run's steps fall and coarse elsewhere; "
+                "only bounds every rank exports are shown.",
                 [
                     Q(
-                        f"run_le:stepscope_step_seconds_bucket:rate1m{{{RUN}}}",
+                        sel(rec.RUN_STEP_SECONDS_BUCKETS, RUN),
                         "{{le}}",
                         buckets=True,
                     )
@@ -219,26 +214,30 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Ranks" row."""
     board = board.with_row(row("Ranks"))
     board = (
         board.with_panel(
             table_panel(
                 "Per-rank comparison",
                 "One line per rank: the two straggler scores (run median / the rank's; 1 typical, below "
-                "0.75 a straggler) of step time and of the local phases (dataloader_next + to_device + "
-                "forward, before the first collective), mean and p95 step time, local seconds per step, "
+                f"{STRAGGLER.number} a straggler) of step time and of the local phases ({LOCAL}, before the "
+                "first collective), mean and p95 step time, local seconds per step, "
                 "data-loading share, steps and samples per second. Under DDP/FSDP step times are equal on "
                 "every rank; under DDP the local score and local seconds still show the straggler.",
                 [
-                    Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", table=True),
-                    Q(f"run_rank:stepscope_straggler_local_score:ratio{{{RANKS}}}", table=True),
-                    Q(f"run_rank:stepscope_step_seconds:mean_rate1m{{{RANKS}}}", table=True),
-                    Q(rank_step_quantile(0.95), table=True),
-                    Q(f"run_rank:stepscope_step_local_seconds:per_step_rate1m{{{RANKS}}}", table=True),
-                    Q(f"run_rank:stepscope_dataloader_share:ratio_rate1m{{{RANKS}}}", table=True),
-                    Q(f"run_rank:stepscope_steps:rate1m{{{RANKS}}}", table=True),
-                    Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", table=True),
+                    Q(sel(rec.RANK_STRAGGLER_SCORE, RANKS), table=True),
+                    Q(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS), table=True),
+                    Q(sel(rec.RANK_STEP_SECONDS_MEAN, RANKS), table=True),
+                    Q(rec.rank_step_seconds_quantile(0.95, RANKS), table=True),
+                    Q(sel(rec.RANK_LOCAL_SECONDS_PER_STEP, RANKS), table=True),
+                    Q(sel(rec.RANK_DATALOADER_SHARE, RANKS), table=True),
+                    Q(sel(rec.RANK_STEPS_RATE, RANKS), table=True),
+                    Q(sel(rec.RANK_SAMPLES_RATE, RANKS), table=True),
                 ],
                 {
                     "Value #A": ("step-time score", "none"),
@@ -257,21 +256,22 @@ def build() -> dashboard.Dashboard:
             bargauge_panel(
                 "Straggler scores",
                 "Run median / the rank's value, of mean step time (step) and of the local phases before the "
-                "first collective (local: dataloader_next + to_device + forward). 1 = typical; below 0.75 "
+                f"first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
                 "the Node dashboard. Under DDP/FSDP all ranks wait for the slowest in the all-reduce, so "
                 "their step scores stay at 1; under DDP the local score is the one that drops (FSDP "
-                "all-gathers parameters inside forward, so the wait lands there and both stay near 1).",
+                f"all-gathers parameters inside {contract.FORWARD_PHASE}, so the wait lands there and both stay "
+                "near 1).",
                 [
-                    Q(f"run_rank:stepscope_straggler_score:ratio{{{RANKS}}}", "rank {{rank}} step ({{instance}})"),
+                    Q(sel(rec.RANK_STRAGGLER_SCORE, RANKS), "rank {{rank}} step ({{instance}})"),
                     Q(
-                        f"run_rank:stepscope_straggler_local_score:ratio{{{RANKS}}}",
+                        sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS),
                         "rank {{rank}} local ({{instance}})",
                     ),
                 ],
                 "none",
                 limits=(0, 1.5),
-                steps=thresholds((None, "red"), (0.75, "yellow"), (0.9, "green")),
+                steps=thresholds((None, "red"), (STRAGGLER.value, "yellow"), (TYPICAL.value, "green")),
                 width=10,
             )
         )
@@ -288,30 +288,35 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
+    return board
 
+
+def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "GPUs and processes of this run" row."""
     board = board.with_row(row("GPUs and processes of this run"))
     board = (
         board.with_panel(
             timeseries_panel(
                 "GPU utilization of the run's GPUs",
                 "Every GPU the run's ranks hold memory on (1m average). Effective utilization (SM active "
-                "where GPM reads it, else NVML utilization, named in the legend) below 80% SM active or 90% "
-                "NVML for 15 minutes pages StepscopeGpuUnderutilized. The NVML line is the share of time a "
-                "kernel was resident: far above the effective line, the GPU looks busy but does little "
+                f"where GPM reads it, else NVML utilization, named in the legend) below {SM_ACTIVE_LOW.percent} SM "
+                f"active or {NVML_LOW.percent} NVML for 15 minutes pages StepscopeGpuUnderutilized. "
+                "The NVML line is the share of time a kernel was resident: far above the effective line, "
+                "the GPU looks busy but does little "
                 "(StepscopeGpuBusyButIdle: larger batch, CUDA graphs, torch.compile, fewer host syncs).",
                 [
                     Q(
-                        f"instance_gpu_run:stepscope_gpu_effective_utilization:avg_ratio{{{RUN}}}",
+                        sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, RUN),
                         "{{instance}} GPU {{gpu}} effective ({{source}})",
                     ),
                     Q(
-                        f"instance_gpu_run:stepscope_gpu_utilization:avg_ratio{{{RUN}}}",
+                        sel(rec.RUN_GPU_UTILIZATION_BY_GPU, RUN),
                         "{{instance}} GPU {{gpu}} NVML",
                     ),
                 ],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "red"), (0.8, "green")),
+                threshold_line=thresholds((None, "red"), (SM_ACTIVE_LOW.value, "green")),
             )
         )
         .with_panel(
@@ -322,10 +327,10 @@ def build() -> dashboard.Dashboard:
                 "cores: BF16/FP16 autocast (torch.autocast, Lightning precision=\"bf16-mixed\", transformers "
                 "bf16=True) or TF32 (torch.set_float32_matmul_precision(\"high\")) puts them on the tensor "
                 "cores. StepscopeTensorCoresIdle (info) fires after an hour of it.",
-                [Q(f"min(instance_gpu_run:stepscope_gpu_tensor_active:avg_ratio{{{RUN}}})", "tensor cores")],
+                [Q(f"min({sel(rec.RUN_GPU_TENSOR_ACTIVE_BY_GPU, RUN)})", "tensor cores")],
                 "percentunit",
-                steps=thresholds((None, "orange"), (0.01, "green")),
-                mappings=[range_text(0, 0.01, "unused: FP32 matmuls? try BF16 or TF32", "orange")],
+                steps=thresholds((None, "orange"), (TENSOR_IDLE.value, "green")),
+                mappings=[range_text(0, TENSOR_IDLE.value, "unused: FP32 matmuls? try BF16 or TF32", "orange")],
                 width=12,
                 height=8,
             )
@@ -336,7 +341,7 @@ def build() -> dashboard.Dashboard:
                 "GPU memory each rank's process holds, per GPU (from NVML's process list).",
                 [
                     Q(
-                        f"instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{RANKS}}}",
+                        sel(rec.RANK_GPU_MEMORY, RANKS),
                         "rank {{rank}} on {{instance}} GPU {{gpu}}",
                     )
                 ],
@@ -347,13 +352,13 @@ def build() -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "GPU memory used of the run's GPUs",
-                "Used / total memory of the GPUs the run uses (all processes on them). Above 95% the next "
-                "allocation may fail with CUDA OOM.",
+                "Used / total memory of the GPUs the run uses (all processes on them). "
+                f"Above {MEMORY_FULL.percent} the next allocation may fail with CUDA OOM.",
                 [
                     Q(
-                        "instance_gpu:stepscope_gpu_memory_used:ratio * on (instance, gpu) group_left ()"
+                        f"{rec.GPU_MEMORY_USED_RATIO} * on (instance, gpu) group_left ()"
                         " group by (instance, gpu)"
-                        f" (instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum{{{RUN}}} > 0)",
+                        f" ({sel(rec.RANK_GPU_MEMORY, RUN)} > 0)",
                         "{{instance}} GPU {{gpu}}",
                     )
                 ],
@@ -368,7 +373,7 @@ def build() -> dashboard.Dashboard:
                 "workers use all their cores need more cores or cheaper decoding.",
                 [
                     Q(
-                        f"sum by (rank) (rate(stepscope_process_cpu_seconds_total{{{RANKS}}}[1m]))",
+                        f"sum by (rank) (rate({sel(fam.PROCESS_CPU_SECONDS, RANKS)}[1m]))",
                         "rank {{rank}}",
                     )
                 ],
@@ -380,7 +385,7 @@ def build() -> dashboard.Dashboard:
             timeseries_panel(
                 "Host memory of the run's processes",
                 "Resident memory of each rank's process plus its data-loader workers.",
-                [Q(f"sum by (rank) (stepscope_process_resident_memory_bytes{{{RANKS}}})", "rank {{rank}}")],
+                [Q(f"sum by (rank) ({sel(fam.PROCESS_RESIDENT_MEMORY, RANKS)})", "rank {{rank}}")],
                 "bytes",
                 limits=(0, None),
             )
@@ -391,9 +396,9 @@ def build() -> dashboard.Dashboard:
                 "Live child processes (DataLoader workers) per rank, and bytes they read from storage per "
                 "second. Few workers with a high data-loading share: raise num_workers.",
                 [
-                    Q(f"sum by (rank) (stepscope_process_children{{{RANKS}}})", "rank {{rank}} workers"),
+                    Q(f"sum by (rank) ({sel(fam.PROCESS_CHILDREN, RANKS)})", "rank {{rank}} workers"),
                     Q(
-                        f"sum by (rank) (rate(stepscope_process_io_read_bytes_total{{{RANKS}}}[1m]))",
+                        f"sum by (rank) (rate({sel(fam.PROCESS_IO_READ, RANKS)}[1m]))",
                         "rank {{rank}} read",
                     ),
                 ],
@@ -404,24 +409,58 @@ def build() -> dashboard.Dashboard:
     )
 
     board = _limits_and_traces(board)
+    return board
 
+
+def _alerts_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Alerts" row."""
     board = board.with_row(row("Alerts"))
-    return board.with_panel(
+    board = board.with_panel(
         alert_list_panel(
             "Firing alerts",
             "stepscope alerts that are firing or pending now (Grafana-managed rules "
             "provisioned from the Prometheus rules file).",
         )
     )
+    return board
 
 
+def build() -> dashboard.Dashboard:
+    board = (
+        base_dashboard(
+            "stepscope / Training run", UID, ["stepscope", "training"],
+            "Why is this training run slow: step time, phases, data loading, ranks, GPUs.",
+        )
+        .with_variable(
+            query_variable(
+                "run",
+                "Run",
+                fam.STEPS_TOTAL,
+                "run",
+                description="training run (the `run` label set by the hooks)",
+            )
+        )
+        .with_variable(
+            query_variable(
+                "rank",
+                "Rank",
+                sel(fam.STEPS_TOTAL, RUN),
+                "rank",
+                multi=True,
+                description="global ranks of the run",
+            )
+        )
+    )
+    for add_row in (_overview_row, _step_time_row, _ranks_row, _gpus_and_processes_of_this_run_row, _alerts_row):
+        board = add_row(board)
+    return board
 def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
     """The loader and compute limits (tracker.measure_limits) next to the real throughput, and the
     ranks' latest profiler traces (stepscope-profile)."""
     limits = [
-        Q(f"run:stepscope_loader_limit_samples_per_second:sum{{{RUN}}}", "loader can deliver"),
-        Q(f"run:stepscope_compute_limit_samples_per_second:sum{{{RUN}}}", "training consumes"),
-        Q(f"run:stepscope_samples_of_measured_ranks:rate1m{{{RUN}}}", "run gets"),
+        Q(sel(rec.RUN_LOADER_LIMIT, RUN), "loader can deliver"),
+        Q(sel(rec.RUN_COMPUTE_LIMIT, RUN), "training consumes"),
+        Q(sel(rec.RUN_SAMPLES_OF_MEASURED_RANKS, RUN), "run gets"),
     ]
     board = board.with_row(row("Limits and profiler traces"))
     return (
@@ -432,10 +471,11 @@ def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "against the samples/s the measured ranks really get. loader_bound: the loader delivers fewer "
                 "samples/s than the step consumes, so the run can go no faster than its loader (more workers, "
                 "pinned memory, pre-decoded or cached data, sequential reads). compute_bound: the loader keeps up "
-                "and the run gets at least 80% of the compute limit. below_limits: the loader keeps up, yet the "
-                "run gets less than 80% of the compute limit: loading not overlapped with compute "
-                "(num_workers=0), host syncs, logging, eval or communication. Empty until a rank measures.",
-                [Q(f"run:stepscope_limits:verdict{{{RUN}}}", "{{verdict}}")],
+                f"and the run gets at least {COMPUTE_SHARE.percent} of the compute limit. below_limits: the loader "
+                f"keeps up, yet the run gets less than {COMPUTE_SHARE.percent} of the compute limit: "
+                "loading not overlapped with compute (num_workers=0), host syncs, logging, eval or communication. "
+                "Empty until a rank measures.",
+                [Q(sel(rec.RUN_LIMITS_VERDICT, RUN), "{{verdict}}")],
                 "none",
                 show_name=True,
                 width=6,
@@ -459,7 +499,7 @@ def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Loader limit and compute limit (summed over the ranks that measured them, stepping when a rank "
                 "measures again), the samples/s those ranks get, and the whole run's. A run line far below "
                 "both limits loses its time outside loading and the training step.",
-                [*limits, Q(f"run:stepscope_samples:rate1m{{{RUN}}}", "whole run")],
+                [*limits, Q(sel(rec.RUN_SAMPLES_RATE, RUN), "whole run")],
                 SAMPLES_PER_SECOND,
                 limits=(0, None),
             )
@@ -470,12 +510,12 @@ def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Each rank's loader and compute limits, their ratio (below 1 the loader cannot feed the step: "
                 "StepscopeLoaderBelowCompute) and the samples/s it gets.",
                 [
-                    Q(f"sum by (run, rank, instance) (stepscope_loader_limit_samples_per_second{{{RANKS}}})",
+                    Q(f"sum by (run, rank, instance) ({sel(fam.LOADER_LIMIT, RANKS)})",
                       table=True),
-                    Q(f"sum by (run, rank, instance) (stepscope_compute_limit_samples_per_second{{{RANKS}}})",
+                    Q(f"sum by (run, rank, instance) ({sel(fam.COMPUTE_LIMIT, RANKS)})",
                       table=True),
-                    Q(f"run_rank:stepscope_loader_compute_limit:ratio{{{RANKS}}}", table=True),
-                    Q(f"run_rank:stepscope_samples:rate1m{{{RANKS}}}", table=True),
+                    Q(sel(rec.RANK_LOADER_COMPUTE_RATIO, RANKS), table=True),
+                    Q(sel(rec.RANK_SAMPLES_RATE, RANKS), table=True),
                 ],
                 {
                     "Value #A": ("loader limit", SAMPLES_PER_SECOND),
@@ -494,9 +534,9 @@ def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "ui.perfetto.dev, chrome://tracing or TensorBoard), its size, the steps it holds and when it "
                 "was written.",
                 [
-                    Q(f"stepscope_profile_trace_bytes{{{RANKS}}}", table=True),
-                    Q(f"stepscope_profile_trace_steps{{{RANKS}}}", table=True),
-                    Q(f"stepscope_profile_trace_timestamp_seconds{{{RANKS}}} * 1000", table=True),
+                    Q(sel(fam.TRACE_BYTES, RANKS), table=True),
+                    Q(sel(fam.TRACE_STEPS, RANKS), table=True),
+                    Q(f"{sel(fam.TRACE_TIMESTAMP, RANKS)} * 1000", table=True),
                 ],
                 {
                     "Value #A": ("size", "bytes"),

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from tests.support.processes import REPO_ROOT, free_port
+from stepscope_testkit.processes import REPO_ROOT, free_port
 
 
 def start_demo(
@@ -66,7 +66,7 @@ def gpus_for_runs(layout: dict[int, tuple[int, float, tuple[str, int] | None]],
                   pids: dict[tuple[str, int], int], memory: int = 4 * 1024**3) -> dict:
     """A fake-NVML scenario of H100s: GPU index -> (NVML utilization %, SM active %, the (run, rank)
     holding `memory` bytes on it); `pids` maps (run, rank) to the process's pid once it runs."""
-    from tests.fake_nvml.scenario import make_gpu, make_scenario
+    from stepscope_testkit.fake_nvml.scenario import make_gpu, make_scenario
 
     scenario = make_scenario(gpus=0, processes_per_gpu=0)
     scenario["gpus"] = [

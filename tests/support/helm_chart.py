@@ -8,8 +8,6 @@ library, so a misspelt option fails loudly instead of being ignored.
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,22 +19,15 @@ from helm_python import _native
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "stepscope"
 GRAFANA = REPO / "grafana"
-FIXTURE_BUNDLE = REPO / "tests" / "fixtures" / "grafana_bundle"
 RELEASE = "rel"
 NAMESPACE = "monitoring"
 OPERATOR_API = "monitoring.coreos.com/v1"
 
 
-def synced_copy(destination: Path, source: Path | None = None) -> Path:
-    """A copy of the chart whose files/ were filled by scripts/sync_chart.py from `source`."""
+def bare_copy(destination: Path) -> Path:
+    """A copy of the chart without its files/ (the generated rules copy and the dashboards link)."""
     chart = destination / "stepscope"
     shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("files"))
-    if source is not None:
-        subprocess.run(
-            [sys.executable, str(REPO / "scripts" / "sync_chart.py"), "--source", str(source),
-             "--chart", str(chart)],
-            check=True, capture_output=True, text=True,
-        )
     return chart
 
 

@@ -10,7 +10,7 @@ from typing import TypeVar
 import requests
 import yaml
 
-from tests.support.processes import Running, free_port, running
+from stepscope_testkit.processes import Running, free_port, running
 
 T = TypeVar("T")
 

@@ -107,7 +107,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $path := index . 1 }}
 {{- $raw := $root.Files.Get $path }}
 {{- if not $raw }}
-{{- fail (printf "%s is missing from the chart: run scripts/sync_chart.py (or set prometheusRule.enabled=false)" $path) }}
+{{- fail (printf "%s is missing from the chart: run python -m grafana generate (or set prometheusRule.enabled=false)" $path) }}
 {{- end }}
 {{- $rules := fromYaml $raw }}
 {{- if hasKey $rules "Error" }}

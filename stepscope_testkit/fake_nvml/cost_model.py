@@ -16,7 +16,7 @@ from pathlib import Path
 
 from exporter.collectors.gpu import GpuCollector
 from exporter.gpu_processes import GpuProcessTable
-from tests.fake_nvml.scenario import load_fake_pynvml, make_scenario, write_scenario
+from stepscope_testkit.fake_nvml.scenario import load_fake_pynvml, make_scenario, write_scenario
 
 GPM_GAP_SECONDS = 0.11  # GPM reads only when its two samples are >= 100 ms apart
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import requests
 
 import training_hooks as th
-from tests.fake_nvml.scenario import make_scenario, write_scenario
-from tests.support.processes import running_exporter, scrape
-from training_hooks.config import STANDARD_PHASES
+from stepscope_contract import STANDARD_PHASES
+from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
+from stepscope_testkit.processes import running_exporter, scrape
 from training_hooks.render import render
 
 GPUS = 8  # one rank per GPU

@@ -1,4 +1,4 @@
-"""Every PromQL query of the committed dashboards, with template variables filled in as `.*`.
+"""Every PromQL query of the generated dashboards (grafana/dashboards_out), with template variables filled in as `.*`.
 
 The end-to-end test runs these against a real Prometheus; the dashboard tests parse them with
 promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects everything.
@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DASHBOARDS_DIR = Path(__file__).resolve().parent
+DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards_out"
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 LABEL_VALUES = re.compile(r"^label_values\((?:(.*),\s*)?(\w+)\)$", re.DOTALL)
 # Grafana's built-in interval variables, for a query run outside Grafana.

@@ -1,9 +1,9 @@
 """Builds, writes and loads scenarios for the fake pynvml (format: the docstring of pynvml.py here).
 
-    from tests.fake_nvml.scenario import make_scenario, write_scenario
+    from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
     write_scenario(tmp_path / "nvml.json", make_scenario(gpus=8, processes_per_gpu=8))
 
-or from a shell: `python tests/fake_nvml/scenario.py --gpus 8 --processes-per-gpu 8 out.json`.
+or from a shell: `python stepscope_testkit/fake_nvml/scenario.py --gpus 8 --processes-per-gpu 8 out.json`.
 """
 
 import argparse
@@ -135,7 +135,7 @@ def write_scenario(path: Path | str, scenario: dict[str, Any]) -> Path:
 
 
 def load_scenario(name: str) -> dict[str, Any]:
-    """One of the example scenarios in tests/fake_nvml/scenarios (without .json)."""
+    """One of the example scenarios in stepscope_testkit/fake_nvml/scenarios (without .json)."""
     return json.loads((HERE / "scenarios" / f"{name}.json").read_text(encoding="utf-8"))
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-FAKE_NVML_DIR = REPO_ROOT / "tests" / "fake_nvml"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FAKE_NVML_DIR = REPO_ROOT / "stepscope_testkit" / "fake_nvml"
 
 
 def free_port() -> int:

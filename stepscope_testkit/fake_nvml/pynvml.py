@@ -1,6 +1,6 @@
 """Scripted stand-in for nvidia-ml-py's `pynvml`, for tests only (never shipped).
 
-Tests select it by putting `tests/fake_nvml` first on PYTHONPATH (`exporter_env(scenario)` does) or
+Tests select it by putting `stepscope_testkit/fake_nvml` first on PYTHONPATH (`exporter_env(scenario)` does) or
 by passing it to `GpuCollector(nvml=...)` (`scenario.load_fake_pynvml()` gives a fresh copy). It
 implements the subset of pynvml the GPU collector calls, with the same names, constants, exception
 classes and attribute names on returned objects.
@@ -45,7 +45,7 @@ GPU (every key optional; a missing field raises NVMLError_NotSupported, like a G
                                                    # "register_events"
 
 COUNTER is a number or {"start": n, "per_second": r}: it grows from when this module was imported,
-so Prometheus rates are nonzero. `tests/fake_nvml/scenario.py` builds scenarios (`make_scenario`).
+so Prometheus rates are nonzero. `stepscope_testkit/fake_nvml/scenario.py` builds scenarios (`make_scenario`).
 
 Cost model: every `nvml*` call is counted per calling thread (`call_counts()`, `reset_call_counts()`),
 so a test can price what one collector cycle asks of NVML. A scenario key

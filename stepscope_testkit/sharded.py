@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-SHARDED_DIR = Path(__file__).resolve().parents[2] / "docker" / "prometheus" / "sharded"
+SHARDED_DIR = Path(__file__).resolve().parents[1] / "docker" / "prometheus" / "sharded"
 
 
 def shard_write_filter() -> tuple[str, str]:

@@ -1,0 +1,30 @@
+"""`python -m grafana generate [--check]`: the one command that writes every generated file (see
+grafana/generate.py for the list)."""
+
+import argparse
+import sys
+
+from grafana import generate
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grafana", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("generate", help="write the dashboards, alert provisioning, chart files and "
+                                               "README metric table from their sources")
+    run.add_argument("--check", action="store_true", help="write nothing; list stale outputs and exit 1")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = generate.stale(generate.REPO)
+        for line in problems:
+            print(line)
+        if problems:
+            print("generated files are out of date: run python -m grafana generate", file=sys.stderr)
+        return 1 if problems else 0
+    for path in generate.write(generate.REPO):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Every metric family stepscope publishes: name, type, labels, meaning, and for the pushed families the
+help text and value rules both the hooks and the exporter's ingest use.
+
+The order is the README table's ("What it publishes"): `python -m grafana generate` writes that table
+from FAMILIES, merging neighbours that share type, labels and meaning into one row.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+GPU = ("gpu", "uuid")
+PROCESS = ("pid", "run", "rank")
+RUN_RANK = ("run", "rank")
+# Every family by role: the exporter, the hooks' renderer, the ingest, the dashboards and the report name
+# them through these, so a rename is an edit here.
+NODE_INFO = "stepscope_node_info"
+NODE_CPU_SECONDS = "stepscope_node_cpu_seconds_total"
+NODE_CPUS = "stepscope_node_cpus"
+NODE_MEMORY_TOTAL = "stepscope_node_memory_total_bytes"
+NODE_MEMORY_AVAILABLE = "stepscope_node_memory_available_bytes"
+NODE_DISK_READ_BYTES = "stepscope_node_disk_read_bytes_total"
+NODE_DISK_WRITTEN_BYTES = "stepscope_node_disk_written_bytes_total"
+NODE_DISK_READS = "stepscope_node_disk_reads_completed_total"
+NODE_DISK_WRITES = "stepscope_node_disk_writes_completed_total"
+NODE_DISK_IO_TIME = "stepscope_node_disk_io_time_seconds_total"
+NODE_NETWORK_RECEIVE = "stepscope_node_network_receive_bytes_total"
+NODE_NETWORK_TRANSMIT = "stepscope_node_network_transmit_bytes_total"
+NODE_FILESYSTEM_SIZE = "stepscope_node_filesystem_size_bytes"
+NODE_FILESYSTEM_AVAIL = "stepscope_node_filesystem_avail_bytes"
+
+GPU_COLLECTOR_UP = "stepscope_gpu_collector_up"
+GPU_UP = "stepscope_gpu_up"
+GPU_INFO = "stepscope_gpu_info"
+GPU_UTILIZATION = "stepscope_gpu_utilization_ratio"
+GPU_MEMORY_UTILIZATION = "stepscope_gpu_memory_utilization_ratio"
+GPU_MEMORY_USED = "stepscope_gpu_memory_used_bytes"
+GPU_MEMORY_FREE = "stepscope_gpu_memory_free_bytes"
+GPU_MEMORY_TOTAL = "stepscope_gpu_memory_total_bytes"
+GPU_TEMPERATURE = "stepscope_gpu_temperature_celsius"
+GPU_POWER = "stepscope_gpu_power_watts"
+GPU_POWER_LIMIT = "stepscope_gpu_power_limit_watts"
+GPU_ENERGY = "stepscope_gpu_energy_joules_total"
+GPU_SM_CLOCK = "stepscope_gpu_sm_clock_hertz"
+GPU_MEMORY_CLOCK = "stepscope_gpu_memory_clock_hertz"
+GPU_CLOCK_EVENT_ACTIVE = "stepscope_gpu_clock_event_active"
+GPU_CLOCK_EVENT_SECONDS = "stepscope_gpu_clock_event_seconds_total"
+GPU_PCIE = ("stepscope_gpu_pcie_receive_bytes_per_second", "stepscope_gpu_pcie_transmit_bytes_per_second")
+GPU_ECC_ERRORS = "stepscope_gpu_ecc_errors_total"
+GPU_XID_ERRORS = "stepscope_gpu_xid_errors_total"
+GPU_XID_LAST_SEEN = "stepscope_gpu_xid_last_seen_timestamp_seconds"
+GPU_SM_ACTIVE = "stepscope_gpu_sm_active_ratio"
+GPU_SM_OCCUPANCY = "stepscope_gpu_sm_occupancy_ratio"
+GPU_TENSOR_ACTIVE = "stepscope_gpu_tensor_active_ratio"
+GPU_DRAM_ACTIVE = "stepscope_gpu_dram_active_ratio"
+GPU_NVLINK = ("stepscope_gpu_nvlink_receive_bytes_per_second", "stepscope_gpu_nvlink_transmit_bytes_per_second")
+GPU_C2C = ("stepscope_gpu_c2c_receive_bytes_per_second", "stepscope_gpu_c2c_transmit_bytes_per_second")
+
+PROCESS_CPU_SECONDS = "stepscope_process_cpu_seconds_total"
+PROCESS_RESIDENT_MEMORY = "stepscope_process_resident_memory_bytes"
+PROCESS_IO_READ = "stepscope_process_io_read_bytes_total"
+PROCESS_IO_WRITE = "stepscope_process_io_write_bytes_total"
+PROCESS_CHILDREN = "stepscope_process_children"
+PROCESS_GPU_MEMORY = "stepscope_process_gpu_memory_bytes"
+
+COLLECTOR_DURATION = "stepscope_exporter_collector_duration_seconds"
+COLLECTOR_ERRORS = "stepscope_exporter_collector_errors_total"
+COLLECTOR_LAST_SUCCESS = "stepscope_exporter_collector_last_success_timestamp_seconds"
+BUILD_INFO = "stepscope_exporter_build_info"
+INGEST_ACCEPTED = "stepscope_exporter_ingest_accepted_total"
+INGEST_REJECTED = "stepscope_exporter_ingest_rejected_total"
+INGEST_GROUPS = "stepscope_exporter_ingest_groups"
+
+STEP_PHASE_SECONDS = "stepscope_step_phase_seconds"
+STEP_SECONDS = "stepscope_step_seconds"
+STEPS_TOTAL = "stepscope_steps_total"
+SAMPLES_TOTAL = "stepscope_samples_total"
+TRAINING_INFO = "stepscope_training_info"
+TRAINING_STATE = "stepscope_training_state"
+TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
+LOADER_LIMIT = "stepscope_loader_limit_samples_per_second"
+COMPUTE_LIMIT = "stepscope_compute_limit_samples_per_second"
+TRACE_BYTES = "stepscope_profile_trace_bytes"
+TRACE_STEPS = "stepscope_profile_trace_steps"
+TRACE_TIMESTAMP = "stepscope_profile_trace_timestamp_seconds"
+# The labels a push's URL carries (/metrics/job/stepscope/run/<run>/rank/<rank>), never its body.
+PATH_LABELS = RUN_RANK
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family as a scrape shows it: counters named with `_total`, histograms by their base name.
+
+    `labels` are on every series (without `le`, `job` and `instance`); `optional` ones may be left out
+    (older clients do). `kind` "info" means value 1 with identity labels, "state set" one series per
+    state, 1 for the current one. `doc` is the README's meaning; `help` is the exposed HELP where this
+    table is the renderer's source (the pushed families and what the exporter adds to them).
+    """
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    doc: str
+    kind: str = ""
+    optional: tuple[str, ...] = ()
+    label_notes: Mapping[str, str] = field(default_factory=dict)  # label -> its values, for the README
+    help: str = ""
+    pushed: bool = False  # sent by the training hooks through the push API
+
+
+def _gpu(name: str, type_: str, doc: str, *extra: str, **kwargs: object) -> Family:
+    return Family(name, type_, (*GPU, *extra), doc, **kwargs)  # type: ignore[arg-type]
+
+
+_CLOCK_EVENT_REASONS = (
+    "1 for each active clock-event (throttle) reason: `gpu_idle`, `applications_clocks_setting`, `sw_power_cap`, "
+    "`hw_slowdown`, `sync_boost`, `sw_thermal_slowdown`, `hw_thermal_slowdown`, `hw_power_brake_slowdown`, "
+    "`display_clock_setting`")
+_THROTTLE_POLICIES = (
+    "cumulative time clocks were held down, per NVML policy: `power`, `thermal`, `sync_boost`, `board_limit`, "
+    "`low_utilization`, `reliability`, `app_clocks`, `base_clocks` (read every 10 s)")
+_PCIE = ("PCIe throughput: GPM average since the last cycle on Hopper+; older GPUs a 20 ms window every 10 s "
+         "(none with `--no-gpu-pcie-poll`)")
+_NVLINK = ("NVLink throughput, all links together (GPM average since the last cycle; absent without GPM or where "
+           "GPM refuses it)")
+_C2C = "NVLink-C2C throughput between a Grace Hopper GPU and its CPU (GPM; absent on GPUs without C2C)"
+_GPM = "NVML GPM (Hopper and newer only; absent elsewhere)"
+_PHASE_DOC = (
+    "pushed by the hooks: time per step phase (only `le=\"+Inf\"` unless phase buckets are on); `timing` says "
+    "what it holds: `host` (wall time), `cuda_event` (CUDA event time of sampled steps, each counting for the "
+    "untimed ones), `cuda_sync` (`sync=True`); older clients omit it")
+_LIMITS_DOC = (
+    "pushed after `tracker.measure_limits`: samples/s of the loader alone and of the training step alone "
+    "([limits](#loader-and-compute-limits))")
+_TRACE_DOC = (
+    "pushed: the rank's latest profiler trace (gzipped, on the rank's node at `path`), its steps, when written; "
+    "one series each per rank ([traces](#profiler-traces-on-demand))")
+
+_NODE = (
+    Family(NODE_INFO, "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),
+    Family(NODE_CPU_SECONDS, "counter", ("mode",), "CPU time summed over all CPUs"),
+    Family(NODE_CPUS, "gauge", (),
+           'logical CPUs: `rate(cpu_seconds_total{mode!~"idle\\|iowait"})/cpus` is utilization'),
+    *(Family(n, "gauge", (), "host memory") for n in (NODE_MEMORY_TOTAL, NODE_MEMORY_AVAILABLE)),
+    *(Family(n, "counter", ("device",), "disk throughput") for n in (NODE_DISK_READ_BYTES, NODE_DISK_WRITTEN_BYTES)),
+    *(Family(n, "counter", ("device",), "disk IOPS") for n in (NODE_DISK_READS, NODE_DISK_WRITES)),
+    Family(NODE_DISK_IO_TIME, "counter", ("device",), "time the disk was busy"),
+    *(Family(n, "counter", ("device",), "network throughput") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
+    *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`")
+      for n in (NODE_FILESYSTEM_SIZE, NODE_FILESYSTEM_AVAIL)),
+)
+_GPUS = (
+    Family(GPU_COLLECTOR_UP, "gauge", (), "1 when NVML initialised, 0 otherwise (no GPU, no driver)"),
+    _gpu(GPU_UP, "gauge", "1 while the GPU answers, 0 once lost (its readings are then absent; `_info` and XID "
+                          "counts stay)"),
+    _gpu(GPU_INFO, "gauge", "GPU identity", "name", "driver_version", "pci_bus_id", kind="info"),
+    _gpu(GPU_UTILIZATION, "gauge", "kernel-active time fraction"),
+    _gpu(GPU_MEMORY_UTILIZATION, "gauge", "memory-controller busy fraction"),
+    *(_gpu(n, "gauge", "framebuffer memory") for n in (GPU_MEMORY_USED, GPU_MEMORY_FREE, GPU_MEMORY_TOTAL)),
+    _gpu(GPU_TEMPERATURE, "gauge", "die temperature"),
+    *(_gpu(n, "gauge", "draw and enforced limit") for n in (GPU_POWER, GPU_POWER_LIMIT)),
+    _gpu(GPU_ENERGY, "counter", "energy since driver load (read every 10 s)"),
+    *(_gpu(n, "gauge", "clocks") for n in (GPU_SM_CLOCK, GPU_MEMORY_CLOCK)),
+    _gpu(GPU_CLOCK_EVENT_ACTIVE, "gauge", _CLOCK_EVENT_REASONS, "reason", kind="state set"),
+    _gpu(GPU_CLOCK_EVENT_SECONDS, "counter", _THROTTLE_POLICIES, "reason"),
+    *(_gpu(n, "gauge", _PCIE) for n in GPU_PCIE),
+    _gpu(GPU_ECC_ERRORS, "counter", "ECC errors", "type", label_notes={"type": "corrected, uncorrected"}),
+    _gpu(GPU_XID_ERRORS, "counter", "XID events seen since exporter start", "xid"),
+    _gpu(GPU_XID_LAST_SEEN, "gauge", "when that XID last fired", "xid"),
+    *(_gpu(n, "gauge", _GPM) for n in (GPU_SM_ACTIVE, GPU_SM_OCCUPANCY, GPU_TENSOR_ACTIVE, GPU_DRAM_ACTIVE)),
+    *(_gpu(n, "gauge", _NVLINK) for n in GPU_NVLINK),
+    *(_gpu(n, "gauge", _C2C) for n in GPU_C2C),
+)
+_PROCESSES = (
+    Family(PROCESS_CPU_SECONDS, "counter", PROCESS, "CPU of the process plus its children (data-loader workers)"),
+    Family(PROCESS_RESIDENT_MEMORY, "gauge", PROCESS, "RSS of the process plus its children"),
+    *(Family(n, "counter", PROCESS, "storage I/O of the process plus its children")
+      for n in (PROCESS_IO_READ, PROCESS_IO_WRITE)),
+    Family(PROCESS_CHILDREN, "gauge", PROCESS, "live descendant processes (data-loader workers)"),
+    Family(PROCESS_GPU_MEMORY, "gauge", (*PROCESS, "gpu"), "GPU memory the process holds"),
+)
+_SELF = (
+    Family(COLLECTOR_DURATION, "gauge", ("collector",), "last cycle's wall time"),
+    Family(COLLECTOR_ERRORS, "counter", ("collector",), "failed cycles"),
+    Family(COLLECTOR_LAST_SUCCESS, "gauge", ("collector",), "last good cycle"),
+    Family(BUILD_INFO, "gauge", ("version", "python_version"), "build", kind="info"),
+    Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
+    Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),
+    Family(INGEST_GROUPS, "gauge", (), "(run, rank) groups stored"),
+)
+_TRAINING = (
+    Family(STEP_PHASE_SECONDS, "histogram", (*RUN_RANK, "phase"), _PHASE_DOC, optional=("timing",),
+           help="Time spent in each phase of a training step (timing: host = wall time; cuda_event = CUDA event "
+                "time of sampled steps, each counting for the untimed ones before it; cuda_sync = wall time "
+                "between synchronizes).", pushed=True),
+    Family(STEP_SECONDS, "histogram", RUN_RANK,
+           "pushed: whole step time (buckets follow the run: each rank's `le` set grows, never shrinks)",
+           help="Wall time between consecutive step boundaries (the whole step).", pushed=True),
+    Family(STEPS_TOTAL, "counter", RUN_RANK, "pushed: steps and samples done",
+           help="Training steps completed.", pushed=True),
+    Family(SAMPLES_TOTAL, "counter", RUN_RANK, "pushed: steps and samples done",
+           help="Training samples processed.", pushed=True),
+    Family(TRAINING_INFO, "gauge", (*RUN_RANK, "local_rank", "world_size", "pid", "framework"),
+           "pushed: rank identity; `pid` as the process sees it, `start_time` its creation time (Unix seconds)",
+           kind="info", optional=("start_time",), help="Identity of the training process (value 1).", pushed=True),
+    Family(TRAINING_STATE, "gauge", (*RUN_RANK, "state"), "pushed: 1 for the rank's current state",
+           kind="state set", help="Current state of the training process (1 for the current state).",
+           pushed=True),
+    Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
+           "when the rank last pushed (groups expire `--ingest-ttl` after it)",
+           help="Unix time of the last accepted push of this run and rank (pushes without steps = stalled)."),
+    Family(LOADER_LIMIT, "gauge", RUN_RANK, _LIMITS_DOC, pushed=True,
+           help="Samples per second the training loader delivers with training mocked out "
+                "(tracker.measure_limits)."),
+    Family(COMPUTE_LIMIT, "gauge", RUN_RANK, _LIMITS_DOC, pushed=True,
+           help="Samples per second of the training step on one cached batch, the loader mocked out "
+                "(tracker.measure_limits)."),
+    Family(TRACE_BYTES, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
+           help="Size of the rank's latest PyTorch profiler trace (gzipped Chrome trace at path)."),
+    Family(TRACE_STEPS, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
+           help="Training steps the rank's latest profiler trace holds."),
+    Family(TRACE_TIMESTAMP, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
+           help="Unix time the rank's latest profiler trace was written."),
+)
+
+FAMILIES: Mapping[str, Family] = {f.name: f for f in (*_NODE, *_GPUS, *_PROCESSES, *_SELF, *_TRAINING)}
+
+
+def family(name: str) -> Family:
+    """The family of that name; a KeyError names it, so a consumer of a renamed family fails at import."""
+    return FAMILIES[name]
+
+
+def selector(name: str, matchers: str) -> str:
+    """The PromQL selector of a family or recorded series with `matchers` (`run=~"$run"`)."""
+    return f"{name}{{{matchers}}}"
+
+
+def sample_names(families: Mapping[str, Family] = FAMILIES) -> frozenset[str]:
+    """The names PromQL can select: a histogram's `_bucket`, `_sum` and `_count`, every other family's own."""
+    names: set[str] = set()
+    for spec in families.values():
+        if spec.type == "histogram":
+            names |= {f"{spec.name}{suffix}" for suffix in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(spec.name)
+    return frozenset(names)
+
+
+SAMPLE_NAMES = sample_names()

@@ -1,0 +1,56 @@
+"""The recorded series the dashboards, the report and the alerts read, one constant each.
+
+The rules files (grafana/rules/*.rules.yml) must produce every name here with a `record:` rule;
+tests/test_contract.py fails while one is missing, and tests/test_dashboards.py while a recorded series
+goes unread. A rename is an edit here plus the same edit to the `record:` line.
+"""
+
+from stepscope_contract import families
+from stepscope_contract.families import selector
+
+NODE_CPU_UTILIZATION = "instance:stepscope_node_cpu_utilization:ratio"
+NODE_MEMORY_UTILIZATION = "instance:stepscope_node_memory_utilization:ratio"
+
+GPU_UTILIZATION = "instance_gpu:stepscope_gpu_utilization:avg_ratio"  # NVML, 1m average
+GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio"  # label `source`
+NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"
+GPU_MEMORY_USED_RATIO = "instance_gpu:stepscope_gpu_memory_used:ratio"
+RANK_GPU_MEMORY = "instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum"  # the GPU <-> rank mapping
+RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU = "instance_gpu_run:stepscope_gpu_effective_utilization:avg_ratio"
+RUN_GPU_UTILIZATION_BY_GPU = "instance_gpu_run:stepscope_gpu_utilization:avg_ratio"
+RUN_GPU_TENSOR_ACTIVE_BY_GPU = "instance_gpu_run:stepscope_gpu_tensor_active:avg_ratio"
+GPU_EFFECTIVE_UTILIZATION_IN_RUN = "instance_gpu:stepscope_gpu_effective_utilization_in_run:avg_ratio"
+NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN = "instance:stepscope_gpu_effective_utilization_in_run:avg_ratio"
+RUN_GPU_EFFECTIVE_UTILIZATION = "run:stepscope_gpu_effective_utilization:avg_ratio"
+RUN_GPU_UTILIZATION = "run:stepscope_gpu_utilization:avg_ratio"
+
+RANK_STEPS_RATE = "run_rank:stepscope_steps:rate1m"
+RUN_STEPS_RATE = "run:stepscope_steps:rate1m"
+RANK_SAMPLES_RATE = "run_rank:stepscope_samples:rate1m"
+RUN_SAMPLES_RATE = "run:stepscope_samples:rate1m"
+RUN_STEP_SECONDS_BUCKETS = "run_le:stepscope_step_seconds_bucket:rate1m"  # bounds every rank exports
+RUN_STEP_SECONDS_P50 = "run:stepscope_step_seconds:p50_rate1m"
+RUN_STEP_SECONDS_P95 = "run:stepscope_step_seconds:p95_rate1m"
+RANK_STEP_SECONDS_MEAN = "run_rank:stepscope_step_seconds:mean_rate1m"
+RANK_PHASE_SECONDS_PER_STEP = "run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m"
+RANK_DATALOADER_SHARE = "run_rank:stepscope_dataloader_share:ratio_rate1m"
+RUN_DATALOADER_SHARE = "run:stepscope_dataloader_share:ratio_rate1m"
+RANK_STRAGGLER_SCORE = "run_rank:stepscope_straggler_score:ratio"
+RANK_LOCAL_SECONDS_PER_STEP = "run_rank:stepscope_step_local_seconds:per_step_rate1m"
+RANK_STRAGGLER_LOCAL_SCORE = "run_rank:stepscope_straggler_local_score:ratio"
+RUN_TRAINING_RANKS = "run:stepscope_training_ranks:count"
+RUN_VERDICT = "run:stepscope_bottleneck:verdict"  # value 1, label `verdict`
+
+RUN_LOADER_LIMIT = "run:stepscope_loader_limit_samples_per_second:sum"
+RUN_COMPUTE_LIMIT = "run:stepscope_compute_limit_samples_per_second:sum"
+RUN_SAMPLES_OF_MEASURED_RANKS = "run:stepscope_samples_of_measured_ranks:rate1m"
+RANK_LOADER_COMPUTE_RATIO = "run_rank:stepscope_loader_compute_limit:ratio"
+RUN_LIMITS_VERDICT = "run:stepscope_limits:verdict"  # value 1, label `verdict`
+
+
+def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:
+    """Each selected rank's step-time quantile (1m window), at query time: recorded for every rank of a
+    cluster it would re-read every step-time bucket each evaluation (benchmarks/results/scale.md), while a
+    dashboard reads one run's. `>= 0` drops a rank without steps in the window (NaN) rather than plot it."""
+    buckets = f"rate({selector(families.STEP_SECONDS + '_bucket', matchers)}[1m])"
+    return f"histogram_quantile({quantile}, sum by (run, rank, instance, le) ({buckets})) >= 0"

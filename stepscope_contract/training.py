@@ -1,0 +1,36 @@
+"""What a training step is made of: phase names, the state set, the `timing` values and the bucket grid.
+
+The hooks time and push these; the ingest validator, the rules, the dashboards and the report read
+them back, so they live here once.
+"""
+
+# The standard phases by role: the dashboards and the report explain a step through these.
+DATA_LOADING_PHASE = "dataloader_next"  # waiting for the next batch: the numerator of the data-loading share
+TO_DEVICE_PHASE = "to_device"  # the host-to-device copy of the batch
+FORWARD_PHASE = "forward"
+BACKWARD_PHASE = "backward"  # holds DDP's gradient all-reduce
+OPTIMIZER_PHASE = "optimizer_step"
+# Standard phase names (the seeds' vocabulary); users may add their own, bounded in count.
+STANDARD_PHASES = (
+    DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, "train_batch",
+    "step_lr_schedulers", "from_device", "reduce_metrics",
+)
+# The phases before a step's first collective: the local straggler score compares their sum across ranks,
+# because synchronous data parallelism equalises whole step times and hides the slow rank.
+LOCAL_PHASES = (DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE)
+
+# The fixed state set of stepscope_training_state: exactly one is 1 at any time.
+STATES = ("setup", "train", "eval", "checkpoint", "idle")
+TRAIN_STATE = "train"  # the state the verdict, the alerts and the report count as training
+IDLE_STATE = "idle"  # what close() and SIGTERM push
+
+# Values of stepscope_step_phase_seconds{timing}: what a phase histogram holds.
+TIMINGS = ("host", "cuda_event", "cuda_sync")
+
+# The hooks' bucket grid: every observation is counted on a fine log grid, 2^(1/8) apart (1 ms * 2^(k/8),
+# from 2^-10 ms to 2^17 ms), and a histogram exports a skeleton (every second octave) plus windows around
+# its quantiles, at most MAX_EXPORTED_BOUNDS bounds (+Inf, _sum and _count on top).
+STEPS_PER_OCTAVE = 8
+GRID_OCTAVES = (-10, 17)
+SKELETON_EVERY_OCTAVES = 2
+MAX_EXPORTED_BOUNDS = 40

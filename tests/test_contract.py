@@ -1,0 +1,244 @@
+"""stepscope_contract is the one source of the metric contract: every consumer agrees with it, and a rename
+there is followed by every consumer that reads it (proved on a copy of the repository).
+
+The rules are hand-written for now, so they are checked against the contract (names, phases, states,
+thresholds, the recorded series the dashboards and the report read) rather than generated from it.
+"""
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+import stepscope_contract as contract
+from exporter.ingest.families import FAMILIES as INGESTED
+from exporter.ingest.parser import PushLimits, parse_push
+from stepscope_contract import recordings
+from tests.support.dashboard_queries import panel_queries
+from training_hooks.limits import Limits
+from training_hooks.profiling import TraceOutcome
+from training_hooks.render import Snapshot, render
+from training_hooks.timing import HistogramSnapshot
+
+REPO = Path(__file__).resolve().parents[1]
+# Sources that must spell no metric name, recorded series or phase: they read them from the contract.
+CONTRACT_READERS = sorted([*(REPO / "grafana" / "dashboards").glob("*.py"), *(REPO / "run_report").glob("*.py")])
+SPELLED = re.compile(r"\bstepscope_(?!contract\b)\w+|\b\w+:stepscope_\w+:\w+\b|\b(?:"
+                     + "|".join(phase for phase in contract.STANDARD_PHASES if "_" in phase) + r")\b")
+RULE_FILES = sorted((REPO / "grafana" / "rules").glob("*.rules.yml"))
+RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
+METRIC_NAME = re.compile(r"\bstepscope_\w+")
+PHASE_SELECTOR = re.compile(r'\bphase=~?"([^"$]*)"')
+STATE_SELECTOR = re.compile(r'\bstate=~?"([^"$]*)"')
+PUSHED = {name: spec for name, spec in contract.FAMILIES.items() if spec.pushed}
+LIMITS = PushLimits(max_label_length=128, max_series=2000, max_phases=32)
+
+
+def full_push() -> str:
+    """What the hooks push when every optional part is there: phases, limits and a trace."""
+    hist = HistogramSnapshot((0.1, 1.0), (1, 2, 3), 1.5)
+    phases = [(phase, "host", hist) for phase in contract.STANDARD_PHASES]
+    info = {"local_rank": "0", "world_size": "8", "pid": "42", "framework": "torch", "start_time": "1712345678.25"}
+    return render(Snapshot(phases, hist, 3, 24, "train", info, Limits(10.0, 20.0, 8, 2, 2),
+                           TraceOutcome("t", True, 1, 1, "/tmp/trace.json.gz", 5, 1.5)))
+
+
+def exposed_name(name: str, type_: str) -> str:
+    return name + "_total" if type_ == "counter" else name
+
+
+def test_the_hooks_push_every_pushed_family_as_the_contract_says() -> None:
+    seen = set()
+    for parsed in text_string_to_metric_families(full_push()):
+        name = exposed_name(parsed.name, parsed.type)
+        spec = PUSHED[name]
+        assert (parsed.type, parsed.documentation) == (spec.type, spec.help), name
+        labels = {k for sample in parsed.samples for k in sample.labels} - {"le"}
+        body = set(spec.labels + spec.optional) - set(contract.PATH_LABELS)
+        assert labels == body, name
+        seen.add(name)
+    assert seen == set(PUSHED)
+
+
+def test_the_hooks_state_set_is_the_contract_states() -> None:
+    states = re.findall(r'stepscope_training_state\{state="(\w+)"\} ([01])', full_push())
+    assert [state for state, _ in states] == list(contract.STATES)
+    assert [state for state, value in states if value == "1"] == ["train"]
+
+
+def test_the_ingest_accepts_exactly_the_pushed_families_and_what_the_hooks_send() -> None:
+    assert set(INGESTED) == set(PUSHED)
+    for name, spec in INGESTED.items():
+        assert (spec.type, spec.help) == (PUSHED[name].type, PUSHED[name].help)
+    assert set(parse_push(full_push().encode(), "run", "0", LIMITS)) == set(PUSHED)
+
+
+def rules() -> list[dict]:
+    assert RULE_FILES, "no grafana/rules/*.rules.yml"
+    return [rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def test_rules_use_only_contract_names_phases_and_states() -> None:
+    records = {rule["record"] for rule in rules() if "record" in rule}
+    for rule in rules():
+        where = rule.get("record") or rule["alert"]
+        raw = METRIC_NAME.findall(RULE_NAME.sub("", rule["expr"]))
+        assert set(raw) <= contract.SAMPLE_NAMES, f"{where}: {sorted(set(raw) - contract.SAMPLE_NAMES)}"
+        assert set(RULE_NAME.findall(rule["expr"])) <= records, where
+        for phases in PHASE_SELECTOR.findall(rule["expr"]):
+            assert set(phases.split("|")) <= set(contract.STANDARD_PHASES), f"{where}: phase {phases}"
+        for states in STATE_SELECTOR.findall(rule["expr"]):
+            assert set(states.split("|")) <= set(contract.STATES), f"{where}: state {states}"
+
+
+def recording_names() -> set[str]:
+    return {value for name, value in vars(recordings).items() if name.isupper() and isinstance(value, str)}
+
+
+def test_every_recorded_series_the_contract_names_is_recorded_by_the_rules() -> None:
+    """Whatever files the rules live in: each name in stepscope_contract.recordings has a `record:`."""
+    records = {rule["record"] for rule in rules() if "record" in rule}
+    assert recording_names() - records == set(), "recordings without a record: rule in grafana/rules/*.rules.yml"
+
+
+def test_the_per_rank_step_quantiles_come_from_one_helper() -> None:
+    """Dashboards ask rank_step_seconds_quantile, so moving them to query time is one edit."""
+    queries = {q.raw_expr for q in panel_queries()}
+    for quantile in (0.5, 0.95):
+        query = recordings.rank_step_seconds_quantile(quantile, 'run=~"$run",rank=~"$rank"')
+        assert contract.STEP_SECONDS in query and query in queries
+
+
+def string_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string constant and f-string part of a module, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+@pytest.mark.parametrize("path", CONTRACT_READERS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_dashboards_and_report_spell_no_metric_recording_or_phase_name(path: Path) -> None:
+    spelled = [f"{path.name}:{line}: {match}" for line, text in string_literals(path)
+               for match in SPELLED.findall(text)]
+    assert spelled == [], "use stepscope_contract (families, recordings, phases) instead"
+
+
+@pytest.mark.parametrize("name", contract.THRESHOLDS)
+def test_rules_compare_with_the_contract_thresholds(name: str) -> None:
+    threshold = contract.THRESHOLDS[name]
+    number = re.compile(rf"(?<![\w.]){re.escape(threshold.number)}(?![\w.])")
+    by_name = {rule.get("record") or rule["alert"]: rule for rule in rules()}
+    for user in threshold.used_by:
+        assert number.search(by_name[user]["expr"]), f"{user} does not compare with {name} = {threshold.number}"
+
+
+def test_dashboards_select_only_contract_phases_and_states() -> None:
+    for query in panel_queries():
+        for phases in PHASE_SELECTOR.findall(query.raw_expr):
+            assert set(phases.split("|")) <= set(contract.STANDARD_PHASES), f"{query.panel}: {phases}"
+        for states in STATE_SELECTOR.findall(query.raw_expr):
+            assert set(states.split("|")) <= set(contract.STATES), f"{query.panel}: {states}"
+
+
+# ---- a rename is one edit plus `python -m grafana generate` --------------------------------------------
+
+COPIED = ("stepscope_contract", "training_hooks", "exporter", "run_report", "grafana", "helm", "tests", "README.md")
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    for part in COPIED:
+        source = REPO / part
+        if source.is_dir():
+            shutil.copytree(source, root / part, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, root / part)
+    return root
+
+
+def run_in(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A Python of the venv whose imports resolve to the copy (its directory comes first on sys.path)."""
+    return subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new))
+
+
+FOLLOWS = """
+from tests.test_contract import full_push
+from exporter.ingest.parser import parse_push
+from tests.test_contract import LIMITS
+import training_hooks
+body = full_push()
+print("phase" if 'phase="fetch_batch"' in body and "dataloader_next" not in body else "no phase")
+print("family" if "stepscope_profile_trace_step_count" in body and "trace_steps " not in body else "no family")
+print(sorted(parse_push(body.encode(), "r", "0", LIMITS)))
+print(training_hooks.STANDARD_PHASES[0])
+"""
+
+
+def rename_in_contract(root: Path) -> None:
+    """One family, one phase and one threshold changed where the contract says them, and nowhere else."""
+    contract_dir = root / "stepscope_contract"
+    edit(contract_dir / "families.py", '"stepscope_profile_trace_steps"', '"stepscope_profile_trace_step_count"')
+    edit(contract_dir / "training.py", '"dataloader_next"', '"fetch_batch"')
+    edit(contract_dir / "thresholds.py", "0.3, \"share of step time", "0.35, \"share of step time")
+
+
+def generated_dashboards(root: Path) -> str:
+    return "".join(path.read_text() for path in sorted((root / "grafana" / "dashboards_out").glob("*.json")))
+
+
+def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_and_readme(copy: Path) -> None:
+    """Renames one family and one phase in a copy: the renderer, the ingest, the report's queries and
+    (after the one generate command) the dashboards and the README all use the new names."""
+    rename_in_contract(copy)
+    follows = run_in(copy, "-c", FOLLOWS)
+    assert follows.returncode == 0, follows.stderr
+    lines = follows.stdout.splitlines()
+    assert lines[:2] == ["phase", "family"]
+    assert "stepscope_profile_trace_step_count" in lines[2] and "stepscope_profile_trace_steps'" not in lines[2]
+    assert lines[3] == "fetch_batch"
+    check = run_in(copy, "-m", "grafana", "generate", "--check")
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert check.stdout.splitlines() == ["differs: grafana/dashboards_out/stepscope-training.json",
+                                         "differs: README.md"], check.stdout
+    assert run_in(copy, "-m", "grafana", "generate").returncode == 0
+    readme = (copy / "README.md").read_text()
+    assert "`stepscope_profile_trace_step_count`" in readme and "`stepscope_profile_trace_steps`" not in readme
+    dashboards = generated_dashboards(copy)
+    assert "stepscope_profile_trace_step_count{" in dashboards and "stepscope_profile_trace_steps" not in dashboards
+    assert "fetch_batch" in dashboards and "dataloader_next" not in dashboards
+    assert "above 35% the run is data bound" in dashboards and "30%" not in dashboards
+    report = run_in(copy, "-c", "from run_report.queries import PHASE_LOCAL; print(PHASE_LOCAL)")
+    assert report.stdout == "fetch_batch|to_device|forward\n", report.stderr
+
+
+def test_a_family_only_the_rules_still_spell_fails_the_consistency_tests(copy: Path) -> None:
+    """The rules spell names in PromQL: a rename the dashboards follow after generate is still caught there,
+    not silently emptied."""
+    edit(copy / "stepscope_contract" / "families.py", '"stepscope_node_cpus"', '"stepscope_node_logical_cpus"')
+    assert run_in(copy, "-m", "grafana", "generate").returncode == 0
+    assert "stepscope_node_logical_cpus{" in generated_dashboards(copy)
+    result = run_in(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                    "tests/test_contract.py::test_rules_use_only_contract_names_phases_and_states",
+                    "tests/test_dashboards.py::test_queries_use_known_metrics_and_recording_rules")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed, 1 passed" in result.stdout
+    assert "test_rules_use_only_contract_names_phases_and_states" in result.stdout
+    assert "stepscope_node_cpus" in result.stdout

@@ -1,0 +1,83 @@
+"""One command writes every generated file, and the committed files are exactly its output."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grafana import __main__ as cli
+from grafana import generate
+from tests.support.helm_chart import objects, render
+
+REPO = generate.REPO
+
+
+def test_committed_outputs_are_what_generate_writes() -> None:
+    """Regenerate and diff, for every output: a source edited without `python -m grafana generate` fails."""
+    assert generate.stale() == [], "generated files are out of date: run python -m grafana generate"
+
+
+def test_check_command_passes_on_the_repository() -> None:
+    result = subprocess.run([sys.executable, "-m", "grafana", "generate", "--check"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """The generated files and their non-Python sources, copied with the chart's link kept a link."""
+    root = tmp_path / "repo"
+    for part in ("grafana/rules", "grafana/provisioning", "grafana/dashboards_out", "grafana/alerting_out",
+                 "helm/stepscope"):
+        shutil.copytree(REPO / part, root / part, symlinks=True)
+    shutil.copy(REPO / "README.md", root / "README.md")
+    assert generate.stale(root) == []
+    return root
+
+
+def test_generate_mends_hand_edits_stale_files_and_the_chart_link(checkout: Path) -> None:
+    (checkout / generate.DASHBOARDS_OUT / "stepscope-node.json").write_text("{}\n")
+    (checkout / generate.DASHBOARDS_OUT / "stepscope-old.json").write_text("{}\n")
+    readme = checkout / generate.README
+    readme.write_text(readme.read_text().replace("| `stepscope_node_cpus` |", "| `stepscope_node_cores` |"))
+    (checkout / generate.CHART_FILES / "stepscope-node.rules.yml").unlink()
+    (checkout / generate.CHART_DASHBOARDS).unlink()
+    assert generate.stale(checkout) == [
+        "differs: grafana/dashboards_out/stepscope-node.json",
+        "missing: helm/stepscope/files/stepscope-node.rules.yml",
+        "differs: README.md",
+        "stale: grafana/dashboards_out/stepscope-old.json (no dashboard builds it)",
+        "not a link to ../../../grafana/dashboards_out: helm/stepscope/files/dashboards",
+    ]
+    changed = generate.write(checkout)
+    assert set(map(str, changed)) == {
+        "grafana/dashboards_out/stepscope-node.json", "grafana/dashboards_out/stepscope-old.json",
+        "README.md", "helm/stepscope/files/stepscope-node.rules.yml", "helm/stepscope/files/dashboards",
+    }
+    assert generate.stale(checkout) == [] and generate.write(checkout) == []
+    assert readme.read_text() == (REPO / "README.md").read_text()
+    dashboards = [o for o in objects(render(checkout / "helm" / "stepscope")) if o["kind"] == "ConfigMap"]
+    assert {name for o in dashboards for name in o["data"]} == set(generate.dashboards.BUILDERS)
+
+
+def test_check_lists_what_is_stale_and_exits_1(checkout: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (checkout / generate.ALERTS_OUT).write_text("groups: []\n")
+    monkeypatch.setattr(generate, "REPO", checkout)
+    assert cli.main(["generate", "--check"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "differs: grafana/alerting_out/stepscope-alerts.yml\n"
+    assert err == "generated files are out of date: run python -m grafana generate\n"
+    assert cli.main(["generate"]) == 0
+    assert capsys.readouterr().out == "grafana/alerting_out/stepscope-alerts.yml\n"
+    assert cli.main(["generate", "--check"]) == 0
+
+
+def test_a_directory_where_the_chart_link_belongs_is_refused(checkout: Path) -> None:
+    link = checkout / generate.CHART_DASHBOARDS
+    link.unlink()
+    link.mkdir()
+    with pytest.raises(SystemExit, match="is a directory: remove it"):
+        generate.write(checkout)
