@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import stepscope_contract as contract
 from exporter.ingest.families import FAMILIES as INGESTED
 from exporter.ingest.parser import PushLimits, parse_push
+from grafana.rules import RULE_FILES
 from stepscope_contract import recordings
 from tests.support.dashboard_queries import panel_queries
 from training_hooks.limits import Limits
@@ -31,7 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONTRACT_READERS = sorted([*(REPO / "grafana" / "dashboards").glob("*.py"), *(REPO / "run_report").glob("*.py")])
 SPELLED = re.compile(r"\bstepscope_(?!contract\b)\w+|\b\w+:stepscope_\w+:\w+\b|\b(?:"
                      + "|".join(phase for phase in contract.STANDARD_PHASES if "_" in phase) + r")\b")
-RULE_FILES = sorted((REPO / "grafana" / "rules").glob("*.rules.yml"))
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
 METRIC_NAME = re.compile(r"\bstepscope_\w+")
 PHASE_SELECTOR = re.compile(r'\bphase=~?"([^"$]*)"')
@@ -80,7 +80,7 @@ def test_the_ingest_accepts_exactly_the_pushed_families_and_what_the_hooks_send(
 
 
 def rules() -> list[dict]:
-    assert RULE_FILES, "no grafana/rules/*.rules.yml"
+    assert RULE_FILES, "no grafana/rules_out/*.rules.yml: run python -m grafana generate"
     return [rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
             for rule in group["rules"]]
 
@@ -105,7 +105,7 @@ def recording_names() -> set[str]:
 def test_every_recorded_series_the_contract_names_is_recorded_by_the_rules() -> None:
     """Whatever files the rules live in: each name in stepscope_contract.recordings has a `record:`."""
     records = {rule["record"] for rule in rules() if "record" in rule}
-    assert recording_names() - records == set(), "recordings without a record: rule in grafana/rules/*.rules.yml"
+    assert recording_names() - records == set(), "recordings without a record: rule in grafana/rules/src/*.rules.yml"
 
 
 def test_the_per_rank_step_quantiles_come_from_one_helper() -> None:

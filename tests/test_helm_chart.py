@@ -325,7 +325,9 @@ def test_both_monitors_forced_on_is_refused(chart: Path) -> None:
 # ---- rules and dashboards are the Grafana bundle's -------------------------------------------------
 
 def test_prometheus_rule_is_the_bundle_rule_files(chart: Path) -> None:
-    """One Prometheus (the default): one PrometheusRule with every group of both files, as before."""
+    """One Prometheus (the default): one PrometheusRule with every group of both generated files, read
+    through the link files/rules -> grafana/rules_out."""
+    assert (chart / "files" / "rules").resolve() == (GRAFANA / "rules_out").resolve()
     rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
     assert rule["metadata"]["name"] == "rel-stepscope"
     assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
@@ -432,14 +434,32 @@ def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     assert all(json.loads(text)["title"] for text in shipped.values())
 
 
-def test_packaged_chart_holds_the_dashboards_as_files(chart: Path, tmp_path: Path) -> None:
-    """`helm package` stores what the link points at, so a chart from a repository needs no checkout."""
+@pytest.mark.parametrize(("linked", "output", "pattern"), [("dashboards", "dashboards_out", "*.json"),
+                                                        ("rules", "rules_out", "*.rules.yml")])
+def test_packaged_chart_holds_the_linked_outputs_as_files(chart: Path, tmp_path: Path, linked: str, output: str,
+                                                          pattern: str) -> None:
+    """`helm package` stores what the links point at, so a chart from a repository needs no checkout."""
+    assert (chart / "files" / linked).is_symlink()
     archive = helm_python.package(chart, destination=tmp_path)
     with tarfile.open(archive) as tar:
-        members = {m.name: m for m in tar.getmembers() if "/files/dashboards/" in m.name}
+        members = {m.name: m for m in tar.getmembers() if f"/files/{linked}/" in m.name}
         assert all(m.isfile() for m in members.values()), "links in the package"
         packaged = {Path(name).name: tar.extractfile(m).read().decode() for name, m in members.items()}
-    assert packaged == {p.name: p.read_text() for p in (GRAFANA / "dashboards_out").glob("*.json")}
+    assert packaged == {p.name: p.read_text() for p in (GRAFANA / output).glob(pattern)}
+    assert packaged, f"nothing under files/{linked} in the package"
+
+
+def test_packaged_chart_renders_the_rules_without_the_checkout(tmp_path: Path) -> None:
+    """The packaged chart, unpacked away from the repository, renders the same PrometheusRules."""
+    archive = helm_python.package(CHART, destination=tmp_path)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    unpacked = tmp_path / "unpacked" / "stepscope"
+    rule = one(objects(render(unpacked, api_versions=[OPERATOR_API])), "PrometheusRule")
+    assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
+    layers = by_name(sharded(unpacked), "PrometheusRule")
+    assert layers["rel-stepscope-node"]["spec"]["groups"] == rule_groups((NODE_RULES,))
+    assert layers["rel-stepscope-run"]["spec"]["groups"] == rule_groups((RUN_RULES,))
 
 
 def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """The bundle's Prometheus rule files, for the tools and tests that load them.
 
-NODE_RULES run where a node is scraped (a single Prometheus, or each shard); RUN_RULES need every node
-of a run (the same single Prometheus, or the global layer the shards remote_write to). A single
-Prometheus loads RULE_FILES, both, in this order.
+Sources (grafana/rules/src/*.rules.yml) spell contract names as placeholders (grafana/rules/render.py);
+`python -m grafana generate` writes the rule files Prometheus loads to grafana/rules_out/. Everything
+that loads rules reads the outputs. NODE_RULES run where a node is scraped (a single Prometheus, or
+each shard); RUN_RULES need every node of a run (the same single Prometheus, or the global layer the
+shards remote_write to). A single Prometheus loads RULE_FILES, both, in this order.
 """
 
 from pathlib import Path
@@ -10,8 +12,10 @@ from pathlib import Path
 import yaml
 
 RULES_DIR = Path(__file__).resolve().parent
-NODE_RULES = RULES_DIR / "stepscope-node.rules.yml"
-RUN_RULES = RULES_DIR / "stepscope-run.rules.yml"
+SOURCES_DIR = RULES_DIR / "src"
+OUT_DIR = RULES_DIR.parent / "rules_out"
+NODE_RULES = OUT_DIR / "stepscope-node.rules.yml"
+RUN_RULES = OUT_DIR / "stepscope-run.rules.yml"
 RULE_FILES = (NODE_RULES, RUN_RULES)
 
 

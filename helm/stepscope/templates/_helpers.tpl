@@ -101,11 +101,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The groups of a rule file in files/, as YAML; fails clearly when the file is missing or broken. (list $ path) */}}
+{{/* The groups of one of the rule files (a .Files.Glob), as YAML; fails clearly when the file is missing
+or broken. (list $files path) */}}
 {{- define "stepscope.ruleGroups" -}}
-{{- $root := index . 0 }}
+{{- $files := index . 0 }}
 {{- $path := index . 1 }}
-{{- $raw := $root.Files.Get $path }}
+{{- $raw := $files.Get $path }}
 {{- if not $raw }}
 {{- fail (printf "%s is missing from the chart: run python -m grafana generate (or set prometheusRule.enabled=false)" $path) }}
 {{- end }}
