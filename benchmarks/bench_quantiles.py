@@ -35,9 +35,8 @@ import numpy as np
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-import training_hooks as th
-from stepscope_contract import STANDARD_PHASES
 from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
+from stepscope_testkit.node_scrape import GPUS, trained_tracker
 from stepscope_testkit.processes import running_exporter, scrape
 from training_hooks.config import log_buckets
 from training_hooks.timing import (
@@ -195,33 +194,13 @@ CASES: list[tuple[str, Distribution, float]] = [
 ]
 
 
-# Seconds per phase of a ~60 ms step (dataloader_next: prefetched, now and then a stall).
-PHASE_SECONDS = {"dataloader_next": 5e-5, "to_device": 0.002, "forward": 0.018, "backward": 0.03,
-                 "optimizer_step": 0.006, "train_batch": 0.054, "step_lr_schedulers": 2e-5,
-                 "from_device": 3e-4, "reduce_metrics": 1e-3}
-RANKS = 8
+RANKS = GPUS
 SERIES_CONFIGS = {
     "today: 16 fixed buckets, phases with buckets": {"buckets": log_buckets(1e-4, 60.0, 16), "phase_buckets": True},
     "shipped default: buckets follow the run, phases without buckets": {},
     "shipped, STEPSCOPE_PHASE_BUCKETS=1": {"phase_buckets": True},
 }
 PER_RANK_EXPORTER_SERIES = 7  # last push timestamp + 6 process families of the rank's process
-
-
-def _trained_tracker(rank: int, rng: random.Random, **settings: object) -> th.Tracker:
-    tracker = th.init(run="budget", rank=rank, world_size=RANKS, push_url="", handle_sigterm=False,
-                      **settings)  # type: ignore[arg-type]
-    tracker.state("train")
-    hists = [tracker.phase(name)._hist for name in STANDARD_PHASES]  # type: ignore[union-attr]
-    for _ in range(6):  # six pushes of 50 steps
-        for _ in range(50):
-            stall = rng.random() < 0.05
-            for name, hist in zip(STANDARD_PHASES, hists, strict=True):
-                seconds = PHASE_SECONDS[name] * (100 if stall and name == "dataloader_next" else 1)
-                hist.observe_ns(round(seconds * rng.lognormvariate(0, 0.05) * 1e9))
-            tracker._step_hist.observe_ns(round(0.06 * rng.lognormvariate(0, 0.05) * 1e9))
-        tracker.render()
-    return tracker
 
 
 def series_budget() -> str:
@@ -233,7 +212,7 @@ def series_budget() -> str:
             with running_exporter(Path(tmp), fake_nvml_scenario=scenario) as exporter:
                 rng = random.Random(1)
                 for rank in range(RANKS):
-                    tracker = _trained_tracker(rank, rng, **settings)
+                    tracker = trained_tracker(rank, rng, **settings)
                     response = requests.put(f"{exporter.url}/metrics/job/stepscope/run/budget/rank/{rank}",
                                             data=tracker.render().encode(), timeout=10)
                     response.raise_for_status()

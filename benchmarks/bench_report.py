@@ -39,12 +39,12 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from stepscope_testkit.processes import REPO_ROOT, free_port, wait_http_ok
+from grafana.rules import RULE_FILES
+from stepscope_testkit.processes import free_port, wait_http_ok
 from training_hooks.render import Snapshot, render
 from training_hooks.timing import Histogram
 
 RESULTS = Path(__file__).resolve().parent / "results" / "report.md"
-RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
 RUNS = {"bench-8": 8, "bench-64": 64}  # run -> ranks, 8 per node (one per GPU)
 GPUS_PER_NODE = 8
 SCRAPE, HOUR = 15, 3600

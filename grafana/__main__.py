@@ -14,13 +14,23 @@ def main(argv: list[str] | None = None) -> int:
                                                "README metric table from their sources")
     run.add_argument("--check", action="store_true", help="write nothing; list stale outputs and exit 1")
     args = parser.parse_args(argv)
-    if args.check:
-        problems = generate.stale(generate.REPO)
-        for line in problems:
-            print(line)
-        if problems:
-            print("generated files are out of date: run python -m grafana generate", file=sys.stderr)
-        return 1 if problems else 0
+    try:
+        return _check() if args.check else _write()
+    except generate.GenerateError as error:
+        print(f"generate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _check() -> int:
+    problems = generate.stale(generate.REPO)
+    for line in problems:
+        print(line)
+    if problems:
+        print("generated files are out of date: run python -m grafana generate", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _write() -> int:
     for path in generate.write(generate.REPO):
         print(path)
     return 0

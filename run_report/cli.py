@@ -97,7 +97,7 @@ def _report(args: argparse.Namespace) -> int:
     data = fetch(prom, args.run, window, nodes)
     if data.totals["steps"] and not data.over_time["verdict"]:
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
-                         f"({RUN_VERDICT}): load the rule files of grafana/rules/ into Prometheus")
+                         f"({RUN_VERDICT}): load the rule files of grafana/rules_out/ into Prometheus")
     built = report.build(data, _without_credentials(prom.base_url))
     with output.staged(out) as staging:
         files = report.write(built, staging)

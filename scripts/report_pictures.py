@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from grafana.rules import RULE_FILES
 from stepscope_testkit.fake_nvml.scenario import write_scenario
 from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.browser import headless_chromium
@@ -35,10 +36,9 @@ PICTURES = {  # file -> CSS selector of the element photographed, in the ddp or 
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="stepscope-pictures-"))
-    rules = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
     nvml = write_scenario(tmp / "nvml.json", gpus_for_runs(LAYOUT, {}, GIB_30))
     with running_exporter(tmp, fake_nvml_scenario=nvml) as exporter, \
-            running_prometheus(tmp, {NODE: exporter.url.removeprefix("http://")}, rules) as prometheus:
+            running_prometheus(tmp, {NODE: exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
         demos = {
             ("data", 0): start_demo("data", 0, 1, exporter.url, tmp / "data-0.log", "--steps", "3600",
                                     "--slow-loader", "0.05", "--eval-every", "1200", "--eval-seconds", "12"),

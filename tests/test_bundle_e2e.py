@@ -1,5 +1,5 @@
 """End to end: a real exporter (fake NVML), real torch training loops pushing through the hooks, and a
-real Prometheus loading grafana/rules/stepscope.rules.yml with a 1 s scrape.
+real Prometheus loading the shipped rule files (grafana/rules/) with a 1 s scrape.
 
 Every dashboard query, every variable query and every recording rule must return data, and the bundle
 must tell the run with a slow data loader from the fast one, and find the slow rank of a synchronous
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
+from grafana.rules import RULE_FILES, rules
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from stepscope_testkit.traces import rank_tracing, step_annotations
@@ -28,7 +28,6 @@ from tests.support.prometheus import (
     wait_for,
 )
 
-RULES_FILE = REPO_ROOT / "grafana" / "rules" / "stepscope.rules.yml"
 NODE = "e2e-node"
 READY_TIMEOUT_SECONDS = 120
 # Panels whose queries may return nothing in a healthy cluster; everything else must show data.
@@ -89,13 +88,11 @@ def _gpu_scenario(pids: dict[tuple[str, int], int]) -> dict:
 
 
 def _recording_rules() -> list[str]:
-    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
-    return sorted({rule["record"] for group in groups for rule in group["rules"] if "record" in rule})
+    return sorted({rule["record"] for rule in rules() if "record" in rule})
 
 
 def _alert_expr(name: str) -> str:
-    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
-    return next(rule["expr"] for group in groups for rule in group["rules"] if rule.get("alert") == name)
+    return next(rule["expr"] for rule in rules() if rule.get("alert") == name)
 
 
 def _runs(base_url: str, expr: str) -> set[str]:
@@ -161,7 +158,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     scenario = write_scenario(tmp / "nvml.json", _gpu_scenario({}))
     with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter:
         address = exporter.url.removeprefix("http://")
-        with running_prometheus(tmp, {NODE: address}, [RULES_FILE]) as prometheus:
+        with running_prometheus(tmp, {NODE: address}, RULE_FILES) as prometheus:
             limits = ("--measure-limits", str(LIMIT_BATCHES))
             traces = {"STEPSCOPE_TRACE_DIR": str(tmp / "traces")}
             demos = {

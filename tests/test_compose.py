@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
+from grafana.rules import RULE_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -159,8 +160,8 @@ def test_prometheus_targets_and_alertmanager_are_services(compose: dict[str, Any
     mounts = {target: source for _, source, target in bind_mounts(compose)}
     rules_dir = mounts["/etc/prometheus/rules"]
     assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_YML.resolve()
-    assert config["rule_files"] == ["rules/stepscope.rules.yml"]
-    assert rules_dir == (GRAFANA / "rules").resolve()
+    assert config["rule_files"] == [f"rules/{path.name}" for path in RULE_FILES]
+    assert rules_dir == RULE_FILES[0].parent.resolve()
 
 
 def test_alertmanager_routes_to_a_defined_receiver() -> None:
@@ -181,7 +182,7 @@ def test_promtool_accepts_the_config_syntax() -> None:
 def test_promtool_accepts_config_with_the_mounted_rules(tmp_path: Path) -> None:
     # Lay the files out as the container sees them: the config, with rules/ next to it.
     shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
-    shutil.copytree(GRAFANA / "rules", tmp_path / "rules")
+    shutil.copytree(RULE_FILES[0].parent, tmp_path / "rules")
     result = promtool("check", "config", str(tmp_path / "prometheus.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
 

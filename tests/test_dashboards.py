@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from grafana.dashboards import generate
+from grafana.rules import rules
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
 from tests.support.dashboard_queries import (
     DASHBOARDS_DIR,
@@ -17,7 +18,6 @@ from tests.support.dashboard_queries import (
     variable_queries,
 )
 
-RULES_FILE = Path(__file__).resolve().parents[1] / "grafana" / "rules" / "stepscope.rules.yml"
 RECORDING_RULE = re.compile(r"\b[a-z_]+:stepscope_\w+:\w+\b")
 ANY_RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
 EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
@@ -27,8 +27,7 @@ PANEL_UNIT_TYPES = {"timeseries", "stat", "bargauge"}
 
 
 def recording_rules() -> set[str]:
-    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
-    return {rule["record"] for group in groups for rule in group["rules"] if "record" in rule}
+    return {rule["record"] for rule in rules() if "record" in rule}
 
 
 def dashboards() -> dict[str, dict]:
@@ -113,12 +112,14 @@ def test_variables_are_defined_and_matched_as_regex() -> None:
 
 
 def test_recording_rules_are_used_by_the_dashboards() -> None:
-    """Dashboards prefer the recording rules; one no panel shows is dead weight. Whole names count:
+    """Dashboards prefer the recording rules; one no panel shows and no other rule reads (an
+    intermediate computed once for several rules) is dead weight. Whole names count:
     run:stepscope_gpu_utilization:avg_ratio is a substring of instance_gpu_run:stepscope_gpu_..."""
     used = {name for q in panel_queries() for name in ANY_RULE_NAME.findall(q.raw_expr)}
     assert used
-    unused = {rule for rule in recording_rules() if rule not in used}
-    assert not unused, f"recording rules no dashboard shows: {sorted(unused)}"
+    read_by_rules = {name for rule in rules() for name in ANY_RULE_NAME.findall(rule["expr"])}
+    unused = {rule for rule in recording_rules() if rule not in used | read_by_rules}
+    assert not unused, f"recording rules nothing reads: {sorted(unused)}"
 
 
 def test_every_query_parses_as_promql(tmp_path: Path) -> None:

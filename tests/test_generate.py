@@ -29,37 +29,59 @@ def test_check_command_passes_on_the_repository() -> None:
 def checkout(tmp_path: Path) -> Path:
     """The generated files and their non-Python sources, copied with the chart's link kept a link."""
     root = tmp_path / "repo"
-    for part in ("grafana/rules", "grafana/provisioning", "grafana/dashboards_out", "grafana/alerting_out",
-                 "helm/stepscope"):
+    for part in ("grafana/rules/src", "grafana/rules_out", "grafana/provisioning", "grafana/dashboards_out",
+                 "grafana/alerting_out", "helm/stepscope"):
         shutil.copytree(REPO / part, root / part, symlinks=True)
     shutil.copy(REPO / "README.md", root / "README.md")
     assert generate.stale(root) == []
     return root
 
 
-def test_generate_mends_hand_edits_stale_files_and_the_chart_link(checkout: Path) -> None:
+def test_generate_mends_hand_edits_stale_files_and_the_chart_links(checkout: Path) -> None:
     (checkout / generate.DASHBOARDS_OUT / "stepscope-node.json").write_text("{}\n")
     (checkout / generate.DASHBOARDS_OUT / "stepscope-old.json").write_text("{}\n")
     readme = checkout / generate.README
     readme.write_text(readme.read_text().replace("| `stepscope_node_cpus` |", "| `stepscope_node_cores` |"))
-    (checkout / generate.CHART_RULES).unlink()
+    (checkout / generate.RULES_OUT / "stepscope-node.rules.yml").unlink()
+    (checkout / generate.RULES_OUT / "stepscope-old.rules.yml").write_text("groups: []\n")
     (checkout / generate.CHART_DASHBOARDS).unlink()
+    (checkout / generate.CHART_RULES).unlink()
+    (checkout / generate.CHART_RULES).symlink_to("../../../grafana/rules", target_is_directory=True)
     assert generate.stale(checkout) == [
         "differs: grafana/dashboards_out/stepscope-node.json",
-        "missing: helm/stepscope/files/stepscope.rules.yml",
+        "missing: grafana/rules_out/stepscope-node.rules.yml",
         "differs: README.md",
-        "stale: grafana/dashboards_out/stepscope-old.json (no dashboard builds it)",
+        "stale: grafana/dashboards_out/stepscope-old.json (no source builds it)",
+        "stale: grafana/rules_out/stepscope-old.rules.yml (no source builds it)",
         "not a link to ../../../grafana/dashboards_out: helm/stepscope/files/dashboards",
+        "not a link to ../../../grafana/rules_out: helm/stepscope/files/rules",
     ]
     changed = generate.write(checkout)
     assert set(map(str, changed)) == {
         "grafana/dashboards_out/stepscope-node.json", "grafana/dashboards_out/stepscope-old.json",
-        "README.md", "helm/stepscope/files/stepscope.rules.yml", "helm/stepscope/files/dashboards",
+        "grafana/rules_out/stepscope-node.rules.yml", "grafana/rules_out/stepscope-old.rules.yml",
+        "README.md", "helm/stepscope/files/dashboards", "helm/stepscope/files/rules",
     }
     assert generate.stale(checkout) == [] and generate.write(checkout) == []
     assert readme.read_text() == (REPO / "README.md").read_text()
     dashboards = [o for o in objects(render(checkout / "helm" / "stepscope")) if o["kind"] == "ConfigMap"]
     assert {name for o in dashboards for name in o["data"]} == set(generate.dashboards.BUILDERS)
+    rules = render(checkout / "helm" / "stepscope", api_versions=["monitoring.coreos.com/v1"])
+    assert "StepscopeStragglerRank" in "".join(rules.values())
+
+
+def test_an_unknown_placeholder_is_a_one_line_error(checkout: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    source = checkout / generate.RULES_SRC / "stepscope-run.rules.yml"
+    source.write_text(source.read_text() + "# <<family:NO_SUCH_FAMILY>>\n")
+    monkeypatch.setattr(generate, "REPO", checkout)
+    for args in (["generate"], ["generate", "--check"]):
+        assert cli.main(args) == 2
+        out, err = capsys.readouterr()
+        line = len(source.read_text().splitlines())
+        assert (out, err.count("\n")) == ("", 1)
+        assert err.startswith(f"generate: error: grafana/rules/src/stepscope-run.rules.yml:{line}: unknown "
+                              "placeholder <<family:NO_SUCH_FAMILY>>"), err
 
 
 def test_check_lists_what_is_stale_and_exits_1(checkout: Path, monkeypatch: pytest.MonkeyPatch,
@@ -79,5 +101,5 @@ def test_a_directory_where_the_chart_link_belongs_is_refused(checkout: Path) -> 
     link = checkout / generate.CHART_DASHBOARDS
     link.unlink()
     link.mkdir()
-    with pytest.raises(SystemExit, match="is a directory: remove it"):
+    with pytest.raises(generate.GenerateError, match="dashboards is a directory: remove it"):
         generate.write(checkout)

@@ -21,11 +21,11 @@ import pytest
 import requests
 import yaml
 
+from grafana.rules import RULE_FILES, rules
 from stepscope_testkit.fake_nvml.scenario import load_scenario, write_scenario
 from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
 
-RULES_FILE = REPO_ROOT / "grafana" / "rules" / "stepscope.rules.yml"
 NODE = "gpu-node"
 RUNS = {"tiny": 0, "bf16": 1, "old": 2}  # run -> the GPU its one rank holds memory on
 TRAINER = """
@@ -47,12 +47,10 @@ class Stack:
 
 
 def _alerts_without_for(tmp: Path) -> Path:
-    """The shipped alert group with every `for` set to 0s, under another group name."""
-    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
-    alerts = next(group for group in groups if group["name"] == "stepscope-alerts")
-    rules = [{**rule, "for": "0s"} for rule in alerts["rules"]]
+    """The shipped alerts with every `for` set to 0s, in a group of their own."""
+    alerts = [{**rule, "for": "0s"} for rule in rules() if "alert" in rule]
     path = tmp / "alerts-now.yml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "stepscope-alerts-now", "rules": rules}]}))
+    path.write_text(yaml.safe_dump({"groups": [{"name": "stepscope-alerts-now", "rules": alerts}]}))
     return path
 
 
@@ -79,7 +77,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     path = write_scenario(tmp / "nvml.json", scenario)
     with running_exporter(tmp, fake_nvml_scenario=path) as exporter:
         address = exporter.url.removeprefix("http://")
-        rule_files = [RULES_FILE, _alerts_without_for(tmp)]
+        rule_files = [*RULE_FILES, _alerts_without_for(tmp)]
         with running_prometheus(tmp, {NODE: address}, rule_files) as prometheus:
             trainers = {
                 run: subprocess.Popen(

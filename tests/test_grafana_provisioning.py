@@ -7,6 +7,7 @@ import yaml
 
 from grafana import generate
 from grafana.alerting import generate as alerting
+from grafana.rules import rules
 from tests.support.dashboard_queries import DASHBOARDS_DIR, load_dashboards, panels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,8 +20,7 @@ def load(relative: str) -> dict:
 
 
 def prometheus_alerts() -> dict[str, dict]:
-    groups = yaml.safe_load(alerting.RULES_FILE.read_text())["groups"]
-    return {rule["alert"]: rule for group in groups for rule in group["rules"] if "alert" in rule}
+    return {rule["alert"]: rule for rule in rules() if "alert" in rule}
 
 
 def grafana_rules() -> dict[str, dict]:

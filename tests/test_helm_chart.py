@@ -17,7 +17,10 @@ import pytest
 import yaml
 
 from exporter.cli import build_parser
+from grafana.rules import NODE_RULES, RULE_FILES, RUN_RULES
+from grafana.rules import groups as rule_groups
 from stepscope_testkit.processes import exporter_env, free_port, running
+from stepscope_testkit.sharded import shard_write_filter
 from tests.support.helm_chart import (
     CHART,
     GRAFANA,
@@ -32,7 +35,7 @@ from tests.support.helm_chart import (
 )
 
 CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
-OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Prometheus"}
 # The chart's minimum (Chart.yaml kubeVersion) and the newest Kubernetes kubernetes-validate knows.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 
@@ -77,7 +80,7 @@ def test_lint_strict_is_clean(chart: Path, values_file: Path) -> None:
 def test_ci_files_cover_the_agreed_scenarios() -> None:
     names = {p.name for p in CI_FILES}
     assert {"default-values.yaml", "monitors-values.yaml", "existing-secret-hostnetwork-values.yaml",
-            "hostpid-off-values.yaml"} <= names
+            "hostpid-off-values.yaml", "sharding-values.yaml"} <= names
 
 
 def check_operator_object(obj: dict[str, Any]) -> None:
@@ -86,6 +89,13 @@ def check_operator_object(obj: dict[str, Any]) -> None:
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
     assert obj["metadata"]["namespace"] == NAMESPACE
     spec = obj["spec"]
+    if obj["kind"] == "Prometheus":
+        assert spec["ruleSelector"]["matchLabels"] and spec["serviceAccountName"]
+        for write in spec.get("remoteWrite", []):
+            assert write["url"].startswith("http")
+            for relabel in write["writeRelabelConfigs"]:
+                assert set(relabel) <= {"sourceLabels", "regex", "action"}
+        return
     if obj["kind"] == "PrometheusRule":
         assert spec["groups"], "PrometheusRule without groups"
         for group in spec["groups"]:
@@ -317,10 +327,100 @@ def test_both_monitors_forced_on_is_refused(chart: Path) -> None:
 
 # ---- rules and dashboards are the Grafana bundle's -------------------------------------------------
 
-def test_prometheus_rule_is_the_bundle_rules_file(chart: Path) -> None:
+def test_prometheus_rule_is_the_bundle_rule_files(chart: Path) -> None:
+    """One Prometheus (the default): one PrometheusRule with every group of both generated files, read
+    through the link files/rules -> grafana/rules_out."""
+    assert (chart / "files" / "rules").resolve() == (GRAFANA / "rules_out").resolve()
     rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
-    source = yaml.safe_load((GRAFANA / "rules" / "stepscope.rules.yml").read_text())
-    assert rule["spec"]["groups"] == source["groups"]
+    assert rule["metadata"]["name"] == "rel-stepscope"
+    assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
+    assert not by_kind(objects(render(chart, api_versions=[OPERATOR_API])), "Prometheus")
+
+
+# ---- the sharded layout ----------------------------------------------------------------------------
+
+def sharded(chart: Path, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    base = ci_values(CHART / "ci" / "sharding-values.yaml")
+    return objects(render(chart, {**base, **(values or {})}))
+
+
+def by_name(objs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in by_kind(objs, kind)}
+
+
+def test_sharding_splits_the_rules_by_layer(chart: Path) -> None:
+    rules = by_name(sharded(chart), "PrometheusRule")
+    assert set(rules) == {"rel-stepscope-node", "rel-stepscope-run"}
+    node, run = rules["rel-stepscope-node"], rules["rel-stepscope-run"]
+    assert node["spec"]["groups"] == rule_groups((NODE_RULES,))
+    assert run["spec"]["groups"] == rule_groups((RUN_RULES,))
+    assert node["metadata"]["labels"]["stepscope.io/rules"] == "node"
+    assert run["metadata"]["labels"]["stepscope.io/rules"] == "run"
+
+
+def test_shards_scrape_the_exporters_and_load_the_node_rules(chart: Path) -> None:
+    objs = sharded(chart)
+    prometheus = by_name(objs, "Prometheus")
+    shards, top = prometheus["rel-stepscope-shards"]["spec"], prometheus["rel-stepscope-global"]["spec"]
+    assert shards["shards"] == 4 and shards["replicas"] == 1
+    monitor = one(objs, "ServiceMonitor")
+    assert shards["serviceMonitorSelector"]["matchLabels"].items() <= monitor["metadata"]["labels"].items()
+    rules = by_name(objs, "PrometheusRule")
+    assert shards["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-node"]["metadata"]["labels"].items()
+    assert not shards["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-run"]["metadata"]["labels"].items()
+    assert top["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-run"]["metadata"]["labels"].items()
+    assert "serviceMonitorSelector" not in top and top["enableRemoteWriteReceiver"] is True
+    assert shards["externalLabels"] == {"stepscope_shard": "$(SHARD)"} and shards["replicaExternalLabelNameClear"]
+    assert shards["resources"]["requests"]["memory"] == "4Gi"
+    for spec in (shards, top):
+        assert spec["alerting"]["alertmanagers"][0]["name"] == "alertmanager-operated"
+
+
+def test_shards_write_to_the_global_prometheus_what_the_run_rules_read(chart: Path) -> None:
+    objs = sharded(chart)
+    (write,) = by_name(objs, "Prometheus")["rel-stepscope-shards"]["spec"]["remoteWrite"]
+    service = by_name(objs, "Service")["rel-stepscope-global"]
+    assert service["spec"]["selector"] == {"operator.prometheus.io/name": "rel-stepscope-global"}
+    (port,) = service["spec"]["ports"]
+    assert write["url"] == f"http://rel-stepscope-global.{NAMESPACE}.svc:{port['port']}/api/v1/write"
+    relabel = {r["action"]: r["regex"] for r in write["writeRelabelConfigs"]}
+    keep, drop = shard_write_filter()  # the filter tests/test_rules.py holds the run rules to
+    assert relabel == {"keep": keep, **({"drop": drop} if drop else {})}
+
+
+def test_sharding_never_labels_a_prometheus_as_the_exporter(chart: Path) -> None:
+    objs = sharded(chart)
+    service = one([o for o in by_kind(objs, "Service") if "global" not in o["metadata"]["name"]], "Service")
+    selector = service["spec"]["selector"].items()
+    for obj in by_kind(objs, "Prometheus") + by_kind(objs, "Role") + [by_name(objs, "Service")["rel-stepscope-global"]]:
+        assert not selector <= obj["metadata"]["labels"].items(), obj["metadata"]["name"]
+
+
+def test_sharding_with_an_external_global_layer(chart: Path) -> None:
+    url = "http://mimir-distributor.mimir.svc:8080/api/v1/push"
+    objs = sharded(chart, {"sharding": {"enabled": True, "global": {"create": False}, "remoteWrite": {"url": url},
+                                        "serviceAccountName": "prometheus"}})
+    (prometheus,) = by_kind(objs, "Prometheus")
+    assert prometheus["spec"]["remoteWrite"][0]["url"] == url
+    assert prometheus["spec"]["serviceAccountName"] == "prometheus"
+    assert not by_kind(objs, "Role") and "rel-stepscope-global" not in by_name(objs, "Service")
+    assert len(by_kind(objs, "PrometheusRule")) == 2   # the run rules are there for Mimir's ruler
+
+
+def test_notes_say_which_rules_go_where(chart: Path) -> None:
+    text = notes(render(chart, ci_values(CHART / "ci" / "sharding-values.yaml")))
+    assert "rel-stepscope-node (per-node rules) goes to the shards" in text
+    assert "rel-stepscope-run (per-run rules) to the global layer" in text
+    assert f"writing to http://rel-stepscope-global.{NAMESPACE}.svc:9090/api/v1/write" in text
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"prometheusRule": {"enabled": False}}, "sharding.enabled needs prometheusRule.enabled"),
+    ({"sharding": {"enabled": True, "global": {"create": False}}}, "sharding.remoteWrite.url is empty"),
+])
+def test_sharding_misconfigurations_fail_clearly(chart: Path, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        sharded(chart, values)
 
 
 def test_dashboards_are_the_bundle_json(chart: Path) -> None:
@@ -337,14 +437,32 @@ def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     assert all(json.loads(text)["title"] for text in shipped.values())
 
 
-def test_packaged_chart_holds_the_dashboards_as_files(chart: Path, tmp_path: Path) -> None:
-    """`helm package` stores what the link points at, so a chart from a repository needs no checkout."""
+@pytest.mark.parametrize(("linked", "output", "pattern"), [("dashboards", "dashboards_out", "*.json"),
+                                                        ("rules", "rules_out", "*.rules.yml")])
+def test_packaged_chart_holds_the_linked_outputs_as_files(chart: Path, tmp_path: Path, linked: str, output: str,
+                                                          pattern: str) -> None:
+    """`helm package` stores what the links point at, so a chart from a repository needs no checkout."""
+    assert (chart / "files" / linked).is_symlink()
     archive = helm_python.package(chart, destination=tmp_path)
     with tarfile.open(archive) as tar:
-        members = {m.name: m for m in tar.getmembers() if "/files/dashboards/" in m.name}
+        members = {m.name: m for m in tar.getmembers() if f"/files/{linked}/" in m.name}
         assert all(m.isfile() for m in members.values()), "links in the package"
         packaged = {Path(name).name: tar.extractfile(m).read().decode() for name, m in members.items()}
-    assert packaged == {p.name: p.read_text() for p in (GRAFANA / "dashboards_out").glob("*.json")}
+    assert packaged == {p.name: p.read_text() for p in (GRAFANA / output).glob(pattern)}
+    assert packaged, f"nothing under files/{linked} in the package"
+
+
+def test_packaged_chart_renders_the_rules_without_the_checkout(tmp_path: Path) -> None:
+    """The packaged chart, unpacked away from the repository, renders the same PrometheusRules."""
+    archive = helm_python.package(CHART, destination=tmp_path)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    unpacked = tmp_path / "unpacked" / "stepscope"
+    rule = one(objects(render(unpacked, api_versions=[OPERATOR_API])), "PrometheusRule")
+    assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
+    layers = by_name(sharded(unpacked), "PrometheusRule")
+    assert layers["rel-stepscope-node"]["spec"]["groups"] == rule_groups((NODE_RULES,))
+    assert layers["rel-stepscope-run"]["spec"]["groups"] == rule_groups((RUN_RULES,))
 
 
 def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
@@ -352,7 +470,8 @@ def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
     missing_dashboards = r"dashboards/\*\.json are missing.*python -m grafana generate"
     with pytest.raises(helm_python.HelmRenderError, match=missing_dashboards):
         render(bare)
-    with pytest.raises(helm_python.HelmRenderError, match=r"stepscope\.rules\.yml is missing"):
+    missing_rules = r"stepscope-node\.rules\.yml is missing.*python -m grafana generate"
+    with pytest.raises(helm_python.HelmRenderError, match=missing_rules):
         render(bare, {"dashboards": {"enabled": False}}, api_versions=[OPERATOR_API])
 
 
@@ -371,6 +490,9 @@ def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
     ({"serviceMonitor": {"additionalLabels": {"release": 1}}}, r"/serviceMonitor/additionalLabels/release"),
     ({"securityContext": {"runAsUser": "root"}},
      r"at '/securityContext/runAsUser': got string, want integer"),
+    ({"sharding": {"shards": {"count": 0}}}, r"at '/sharding/shards/count': minimum"),
+    ({"sharding": {"remoteWrite": {"url": "mimir:8080"}}}, r"at '/sharding/remoteWrite/url'"),
+    ({"sharding": {"enabled": "yes"}}, r"at '/sharding/enabled': got string, want boolean"),
 ])
 def test_schema_rejects_bad_values(chart: Path, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=message):

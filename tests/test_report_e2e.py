@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from grafana.rules import RULE_FILES
 from run_report import cli, csvs
 from run_report.report import RUN_SUMMARY_HEADER
 from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter
@@ -29,7 +30,6 @@ from tests.support.readme import readme_command, shell_env
 
 pytestmark = pytest.mark.timeout(300)
 
-RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
 NODE = "report-node"
 BATCH = 64  # the demo's default batch size
 DATA_STEPS, DATA_EVAL_EVERY = 160, 60

@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grafana.rules import RULE_FILES
 from run_report import output, queries
 from run_report.prometheus import Series
 from run_report.timeline import critical_path, labelled_intervals, state_intervals
 from run_report.times import iso, parse_time
 from run_report.window import Window, aligned, resolution
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope_testkit.processes import REPO_ROOT
 
-RULE_FILES = sorted((REPO_ROOT / "grafana" / "rules").glob("*.rules.yml"))
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
 EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
 WINDOW = Window(1000.0, 1100.0, 10.0)

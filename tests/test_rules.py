@@ -1,4 +1,5 @@
-"""The Prometheus rules file passes promtool, and every alert is tested both firing and silent."""
+"""The Prometheus rule files pass promtool, every alert is tested both firing and silent, and the split
+into per-node and per-run rules holds: each file reads only what its layer has."""
 
 import re
 import shutil
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import yaml
 
+from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES
+from grafana.rules import rules as rules_of
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope_testkit.sharded import shard_write_filter
 
-RULES_DIR = Path(__file__).resolve().parents[1] / "grafana" / "rules"
-RULES_FILE = RULES_DIR / "stepscope.rules.yml"
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
 # Up/down conditions: their value is always 0, so the description states the fact instead.
@@ -22,7 +24,7 @@ promtool = shutil.which("promtool") or "promtool"  # scripts/test.sh installs it
 
 
 def rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES_FILE.read_text())["groups"] for rule in group["rules"]]
+    return rules_of(RULE_FILES)
 
 
 def alerts() -> list[dict]:
@@ -40,7 +42,7 @@ def alert_cases() -> list[tuple[str, bool]]:
 
 
 def test_promtool_check_rules() -> None:
-    result = subprocess.run([promtool, "check", "rules", str(RULES_FILE)], capture_output=True, text=True)
+    result = subprocess.run([promtool, "check", "rules", *map(str, RULE_FILES)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -86,6 +88,48 @@ def test_rules_read_only_published_metrics_and_recording_rules() -> None:
         read |= set(METRIC_NAME.findall(RULE_NAME.sub("", rule["expr"])))
     assert "stepscope_steps_total" in read
     assert read <= EXPORTER_METRICS, f"neither published nor recorded: {sorted(read - EXPORTER_METRICS)}"
+
+
+def names_read(expr: str) -> set[str]:
+    """Recording rules and exporter metrics an expression reads."""
+    return set(RULE_NAME.findall(expr)) | set(METRIC_NAME.findall(RULE_NAME.sub("", expr)))
+
+
+def records_of(path: Path) -> set[str]:
+    return {rule["record"] for rule in rules_of((path,)) if "record" in rule}
+
+
+def test_node_rules_read_only_the_node_series_and_their_own_recordings() -> None:
+    """A shard has its nodes' series and nothing else: no per-run recording may feed a per-node rule."""
+    allowed = EXPORTER_METRICS | records_of(NODE_RULES)
+    for rule in rules_of((NODE_RULES,)):
+        assert names_read(rule["expr"]) <= allowed, f"{rule.get('record') or rule['alert']} reads a run rule"
+
+
+def test_node_recordings_keep_the_node_or_are_shard_partials() -> None:
+    """Per-node outputs keep `instance` (their level names it, or run_rank, which a node carries); the
+    shard_* partial sums are the only ones the run file adds up across shards."""
+    for record in records_of(NODE_RULES):
+        level = record.split(":")[0]
+        assert level.startswith(("instance", "run_rank", "shard_run")), record
+
+
+def test_run_rules_read_only_what_the_shards_send() -> None:
+    """The global layer gets what the shards' write filter keeps: every name a per-run rule reads
+    (other than its own recordings) must pass that filter and be recorded or published by a node."""
+    keep, drop = shard_write_filter()
+    run_records = records_of(RUN_RULES)
+    for rule in rules_of((RUN_RULES,)):
+        for name in names_read(rule["expr"]) - run_records:
+            assert re.fullmatch(keep, name) and not re.fullmatch(drop, name), f"shards do not send {name}"
+            assert name in records_of(NODE_RULES) | EXPORTER_METRICS, name
+
+
+def test_the_write_filter_sends_every_node_recording_and_no_raw_bucket() -> None:
+    keep, drop = shard_write_filter()
+    sent = {name for name in records_of(NODE_RULES) if re.fullmatch(keep, name) and not re.fullmatch(drop, name)}
+    assert sent == records_of(NODE_RULES)
+    assert not re.fullmatch(keep, "stepscope_step_seconds_bucket")
 
 
 def test_readme_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:

@@ -21,9 +21,6 @@ def running_prometheus(
 ) -> Iterator[Running]:
     """Prometheus scraping `targets` ({instance label: host:port}) as job stepscope every second and
     evaluating `rule_files` every second."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(path) for path in rule_files],
@@ -37,6 +34,17 @@ def running_prometheus(
             }
         ],
     }
+    with running_prometheus_config(tmp_path, config) as proc:
+        yield proc
+
+
+@contextmanager
+def running_prometheus_config(tmp_path: Path, config: dict, *flags: str) -> Iterator[Running]:
+    """Prometheus with `config` (a prometheus.yml as a dict) and extra command-line `flags`, its
+    config, data and log under `tmp_path` (one directory per server)."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -46,6 +54,7 @@ def running_prometheus(
         f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
         f"--web.listen-address=127.0.0.1:{port}",
         "--log.level=warn",
+        *flags,
     ]
     with running(
         argv,

@@ -100,3 +100,75 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* The groups of one of the rule files (a .Files.Glob), as YAML; fails clearly when the file is missing
+or broken. (list $files path) */}}
+{{- define "stepscope.ruleGroups" -}}
+{{- $files := index . 0 }}
+{{- $path := index . 1 }}
+{{- $raw := $files.Get $path }}
+{{- if not $raw }}
+{{- fail (printf "%s is missing from the chart: run python -m grafana generate (or set prometheusRule.enabled=false)" $path) }}
+{{- end }}
+{{- $rules := fromYaml $raw }}
+{{- if hasKey $rules "Error" }}
+{{- fail (printf "%s is not valid YAML: %s" $path (get $rules "Error")) }}
+{{- end }}
+{{- toYaml (get $rules "groups") }}
+{{- end }}
+
+{{/* One PrometheusRule: (list $ name extraLabels groups). */}}
+{{- define "stepscope.prometheusRule" -}}
+{{- $root := index . 0 }}
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: {{ index . 1 }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "stepscope.labels" $root | nindent 4 }}
+    {{- with $root.Values.prometheusRule.additionalLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- with index . 2 }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  groups:
+    {{- toYaml (index . 3) | nindent 4 }}
+{{- end }}
+
+{{/* Prometheus objects of the sharded layout: names and the global layer's write URL. */}}
+{{- define "stepscope.shardsName" -}}
+{{- printf "%s-shards" (include "stepscope.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stepscope.globalName" -}}
+{{- printf "%s-global" (include "stepscope.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stepscope.prometheusServiceAccountName" -}}
+{{- default (printf "%s-prometheus" (include "stepscope.fullname" .)) .Values.sharding.serviceAccountName }}
+{{- end }}
+
+{{- define "stepscope.remoteWriteURL" -}}
+{{- if .Values.sharding.remoteWrite.url }}
+{{- .Values.sharding.remoteWrite.url }}
+{{- else if .Values.sharding.global.create }}
+{{- printf "http://%s.%s.svc:9090/api/v1/write" (include "stepscope.globalName" .) .Release.Namespace }}
+{{- else }}
+{{- fail "sharding.remoteWrite.url is empty and sharding.global.create is false: say where the shards write" }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of the sharded layout's objects: not the exporter's selector labels, so that this chart's
+Service and monitors never select a Prometheus. */}}
+{{- define "stepscope.prometheusLabels" -}}
+helm.sh/chart: {{ include "stepscope.chart" . }}
+app.kubernetes.io/name: {{ include "stepscope.name" . }}-prometheus
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: prometheus
+app.kubernetes.io/part-of: stepscope
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}

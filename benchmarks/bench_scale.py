@@ -1,0 +1,597 @@
+"""How many nodes one Prometheus with the shipped rules carries: head series, memory, CPU and the
+evaluation time of every rule group, at 100, 250, 500 and 1,000 simulated nodes.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py                  # ~30 minutes
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 50 --warmup 90 --measure 60
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 1000 --append  # one size, added to
+        # the results kept in benchmarks/results/scale.json (--nodes "" --append: render them again)
+    git show 46cf0c3:grafana/rules/stepscope.rules.yml > /tmp/before.yml   # the rules before the split
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 250 --baseline /tmp/before.yml \
+        --out benchmarks/results/scale-vs-before.md                          # side by side, one run
+
+One node is a REAL exporter scrape: the exporter with the fake NVML's 8 H100s (GPM on), 8 ranks of
+one run, each holding memory on its GPU (8 sleeping processes stand in for their pids), each pushing
+the body the real hooks render after 300 steps of 9 phases (stepscope_testkit/node_scrape.py). A
+synthetic target, its own process, serves N copies of that scrape on /metrics/<instance>: runs of 8
+nodes (64 ranks), rank labels renumbered, the GPU readings of one of four run profiles, counters
+advancing from the scraped values (training families at the captured step rate, others at their
+average rate since boot), timestamps at now. Bodies are pre-parsed; a scrape formats only the
+counters, and the table reports the target's own CPU so it is seen not to be the bottleneck.
+
+A real Prometheus (Debian's 2.42) scrapes every target and evaluates the rule files every 15 s (as
+in production). After a warm-up (rate windows full, recordings present) the measured window
+collects, from Prometheus' own /metrics, every evaluation of every group
+(prometheus_rule_group_last_duration_seconds, deduplicated by the group's last evaluation time) and
+the missed iterations; head series, RSS and CPU of the Prometheus process; and at the end the
+costliest rules (/api/v1/rules evaluationTime) and what the rules found (verdicts, alerts).
+
+Run profiles (one in four runs each): gpu_bound (NVML 97%, SM active 90%); data_bound (40% of the
+step in dataloader_next, SM active 40%); busy_idle (NVML 95%, SM active 30%); host_bound (SM active
+60%). Rank 3 of each run's first node is a straggler (forward 3x). Three runs in four keep a GPU
+alert pending on all their GPUs: the bookkeeping of a bad day, not of an idle cluster.
+
+The machine's other load is reported (cores busy outside Prometheus and the target): evaluation
+times grow with it, so compare runs made under similar load. --baseline runs a second Prometheus
+with other rule files side by side, against the same nodes, in the same run: its ratios survive a
+busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+import psutil
+import requests
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from grafana.rules import RULE_FILES, RUN_RULES, rules  # noqa: E402
+from stepscope_testkit.node_scrape import GPUS, capture_node_scrape  # noqa: E402
+from stepscope_testkit.processes import free_port, running  # noqa: E402
+from stepscope_testkit.sharded import shard_write_filter  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.md"
+NODES_PER_RUN = 8
+INTERVAL_SECONDS = 15
+CAPTURE_RUN = "capture"
+STRAGGLER_LOCAL_RANK = 3
+STRAGGLER_FORWARD = 3.0
+PROFILES = {  # run profile -> (NVML utilization, SM active, tensor active, data-loading share or None)
+    "gpu_bound": (0.97, 0.90, 0.60, None),
+    "data_bound": (0.50, 0.40, 0.20, 0.40),
+    "busy_idle": (0.95, 0.30, 0.10, None),
+    "host_bound": (0.70, 0.60, 0.30, None),
+}
+CPU_MODE_SHARES = {"idle": 0.5, "user": 0.4, "system": 0.1}  # node CPUs half busy
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{.*\})? (?P<value>\S+)$")
+TRAINING_PREFIXES = ("stepscope_step_", "stepscope_steps_", "stepscope_samples_")
+
+
+# ---- the synthetic cluster -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class NodeBody:
+    """One node's exposition: static text between the values that move, and how they move."""
+
+    segments: list[str]  # text before each moving value (segments[-1] is the tail)
+    base: np.ndarray
+    rate: np.ndarray
+    integer: list[bool]
+
+    def render(self, now: float) -> bytes:
+        values = (self.base + self.rate * now).tolist()
+        out = []
+        for segment, value, integer in zip(self.segments, values, self.integer, strict=False):
+            out.append(segment)
+            out.append(str(int(value)) if integer else repr(value))
+        out.append(self.segments[-1])
+        return "".join(out).encode()
+
+
+def _kinds(text: str) -> dict[str, str]:
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
+
+
+def _kind(kinds: dict[str, str], name: str) -> str:
+    for suffix in ("_bucket", "_sum", "_count", "_total", ""):
+        if name.endswith(suffix) and name.removesuffix(suffix) in kinds:
+            return kinds[name.removesuffix(suffix)]
+    return kinds.get(name, "untyped")
+
+
+def _uptime() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def run_of(node: int) -> tuple[str, str, int]:
+    """(run name, profile, position of the node in the run)."""
+    index, position = divmod(node, NODES_PER_RUN)
+    return f"run-{index:04d}", list(PROFILES)[index % len(PROFILES)], position
+
+
+class ClusterTemplate:
+    """Builds the N node bodies from one real scrape."""
+
+    def __init__(self, scrape_text: str, started: float) -> None:
+        self.lines = scrape_text.splitlines()
+        self.kinds = _kinds(scrape_text)
+        self.started = started
+        self.uptime = _uptime()
+        sums = [float(m.group("value")) for m in map(SAMPLE.match, self.lines)
+                if m and m.group("name") == "stepscope_step_seconds_sum"]
+        self.trained_seconds = statistics.fmean(sums)  # each rank's counters grew over this time
+        cpus = [float(m.group("value")) for m in map(SAMPLE.match, self.lines)
+                if m and m.group("name") == "stepscope_node_cpus"]
+        self.cpus = cpus[0]
+        self.dataloader_per_step_share = self._captured_share()
+
+    def _captured_share(self) -> float:
+        values = defaultdict(float)
+        for match in map(SAMPLE.match, self.lines):
+            if match and match.group("name") == "stepscope_step_phase_seconds_sum" \
+                    and 'phase="dataloader_next"' in (match.group("labels") or ""):
+                values["dataloader"] += float(match.group("value"))
+            elif match and match.group("name") == "stepscope_step_seconds_sum":
+                values["step"] += float(match.group("value"))
+        return values["dataloader"] / values["step"]
+
+    def node(self, node: int) -> NodeBody:
+        run, profile, position = run_of(node)
+        utilization, sm_active, tensor_active, dataloader_share = PROFILES[profile]
+        gauges = {"stepscope_gpu_utilization_ratio": utilization, "stepscope_gpu_sm_active_ratio": sm_active,
+                  "stepscope_gpu_tensor_active_ratio": tensor_active}
+        segments, base, rate, integer = [], [], [], []
+        pending = []
+        for line in self.lines:
+            match = SAMPLE.match(line)
+            if not match:
+                pending.append(line + "\n")
+                continue
+            name, labels, value = match.group("name"), match.group("labels") or "", float(match.group("value"))
+            local_rank = None
+            if f'run="{CAPTURE_RUN}"' in labels:
+                local_rank = int(re.search(r'rank="(\d+)"', labels).group(1))
+                labels = labels.replace(f'run="{CAPTURE_RUN}"', f'run="{run}"').replace(
+                    f'rank="{local_rank}"', f'rank="{position * GPUS + local_rank}"')
+            moving = self._movement(name, labels, value, local_rank, node, dataloader_share)
+            if moving is None:
+                value = gauges.get(name, value)
+                pending.append(f"{name}{labels} {value!r}\n")
+                continue
+            pending.append(f"{name}{labels} ")
+            segments.append("".join(pending))
+            pending = ["\n"]
+            base.append(moving[0])
+            rate.append(moving[1])
+            integer.append(value.is_integer() and name.endswith(("_bucket", "_count", "steps_total", "samples_total")))
+        segments.append("".join(pending))
+        return NodeBody(segments, np.array(base), np.array(rate), integer)
+
+    def _movement(self, name: str, labels: str, value: float, local_rank: int | None, node: int,
+                  dataloader_share: float | None) -> tuple[float, float] | None:
+        """(value at `started`, per second) for a moving value; None for a static gauge."""
+        if name.endswith("_timestamp_seconds") and "xid" not in name:
+            return self.started, 1.0  # now
+        if _kind(self.kinds, name) not in ("counter", "histogram"):
+            return None
+        if name.startswith(TRAINING_PREFIXES):
+            factor = 1.0
+            if name == "stepscope_step_phase_seconds_sum":
+                if dataloader_share is not None and 'phase="dataloader_next"' in labels:
+                    factor = dataloader_share / self.dataloader_per_step_share
+                straggler = node % NODES_PER_RUN == 0 and local_rank == STRAGGLER_LOCAL_RANK
+                if straggler and 'phase="forward"' in labels:
+                    factor = STRAGGLER_FORWARD
+            return value, value / self.trained_seconds * factor
+        if name == "stepscope_node_cpu_seconds_total":
+            mode = re.search(r'mode="(\w+)"', labels).group(1)
+            return value, self.cpus * CPU_MODE_SHARES.get(mode, 0.0)
+        return value, value / self.uptime
+
+
+def serve_cluster(scrape_text: str, nodes: int, port: int, started: float) -> None:
+    """The synthetic target (a process of its own): GET /metrics/<instance> -> that node's body."""
+    template = ClusterTemplate(scrape_text, started)
+    bodies = {instance_name(node): template.node(node) for node in range(nodes)}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1].decode()
+                body = bodies.get(path.rsplit("/", 1)[-1])
+                if body is None:
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                else:
+                    payload = body.render(time.time() - started)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def instance_name(node: int) -> str:
+    return f"node-{node:04d}"
+
+
+# ---- Prometheus and its own metrics ----------------------------------------------------------------
+
+@contextmanager
+def running_cluster(scrape_text: str, nodes: int) -> Iterator[tuple[int, multiprocessing.Process]]:
+    port = free_port()
+    process = multiprocessing.Process(target=serve_cluster, args=(scrape_text, nodes, port, time.time()),
+                                      daemon=True)
+    process.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                requests.get(f"http://127.0.0.1:{port}/metrics/{instance_name(0)}", timeout=5).raise_for_status()
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline or not process.is_alive():
+                    raise RuntimeError("the synthetic target did not start") from None
+                time.sleep(0.5)
+        yield port, process
+    finally:
+        process.terminate()
+        process.join(10)
+
+
+@contextmanager
+def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequence[Path]) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise SystemExit("bench_scale: prometheus is not installed (apt-get install prometheus)")
+    config = {
+        "global": {"scrape_interval": f"{INTERVAL_SECONDS}s", "evaluation_interval": f"{INTERVAL_SECONDS}s",
+                   "scrape_timeout": "10s"},
+        "rule_files": [str(path) for path in rule_files],
+        "scrape_configs": [{
+            "job_name": "stepscope",
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"instance": instance_name(node)}}
+                               for node in range(nodes)],
+            "relabel_configs": [{"source_labels": ["instance"], "target_label": "__metrics_path__",
+                                 "replacement": "/metrics/$1"}],
+        }],
+    }
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    web = free_port()
+    argv = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{web}", "--log.level=warn"]
+    with running(argv, f"http://127.0.0.1:{web}/-/ready", workdir / "prometheus.log", timeout=120,
+                 base_url=f"http://127.0.0.1:{web}") as proc:
+        yield proc.url, proc.process.pid
+
+
+def self_metrics(url: str) -> dict[tuple[str, frozenset], float]:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def by_group(metrics: dict[tuple[str, frozenset], float], name: str) -> dict[str, float]:
+    return {dict(labels)["rule_group"].split(";", 1)[1]: value
+            for (sample, labels), value in metrics.items() if sample == name}
+
+
+def one(metrics: dict[tuple[str, frozenset], float], name: str) -> float:
+    return next(value for (sample, _), value in metrics.items() if sample == name)
+
+
+def instant(url: str, expr: str) -> list[dict]:
+    body = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=60).json()
+    if body.get("status") != "success":
+        raise RuntimeError(f"{expr}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def machine_busy_seconds() -> float:
+    fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+# ---- one measurement -------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+    rules: str  # which rule set: "shipped" or "baseline"
+    nodes: int
+    scrape_series: int
+    head_series: float
+    recorded_series: float
+    rss_bytes: float
+    prometheus_cores: float
+    other_cores: float  # the machine's busy cores outside every Prometheus, the target and this script
+    target_cores: float
+    load: tuple[float, float]
+    groups: dict[str, list[float]]  # group -> seconds of each evaluation seen
+    missed: float
+    failures: float
+    costliest: list[tuple[str, str, float]]  # (group, rule, seconds) of the last evaluation
+    findings: dict[str, str]
+
+    def cycle_seconds(self) -> float:
+        """Median evaluation seconds of all groups added up: the work of one evaluation cycle."""
+        return sum(statistics.median(times) for times in self.groups.values())
+
+
+@dataclasses.dataclass
+class Watched:
+    """One Prometheus during the measured window."""
+
+    url: str
+    pid: int
+    before: dict[tuple[str, frozenset], float]
+    cpu_before: float
+    evaluations: dict[str, dict[float, float]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+    peak_rss: float = 0.0
+
+    def sample(self) -> None:
+        metrics = self_metrics(self.url)
+        last = by_group(metrics, "prometheus_rule_group_last_evaluation_timestamp_seconds")
+        for group, duration in by_group(metrics, "prometheus_rule_group_last_duration_seconds").items():
+            if last.get(group, 0) > 0:
+                self.evaluations[group][last[group]] = duration
+        self.peak_rss = max(self.peak_rss, one(metrics, "process_resident_memory_bytes"))
+
+
+def wait_until_scraped(url: str, nodes: int) -> None:
+    deadline = time.monotonic() + 3 * INTERVAL_SECONDS + 120
+    while time.monotonic() < deadline:
+        up = instant(url, 'count(up{job="stepscope"} == 1)')
+        if up and int(float(up[0]["value"][1])) == nodes:
+            return
+        time.sleep(5)
+    raise RuntimeError(f"not every target of {url} is up")
+
+
+def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warmup: float,
+            window: float) -> list[Result]:
+    """Every rule set in a Prometheus of its own, side by side, scraping the same synthetic nodes."""
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        port, target = stack.enter_context(running_cluster(scrape_text, nodes))
+        servers = {}
+        for label, files in rule_sets.items():
+            (Path(tmp) / label).mkdir()
+            servers[label] = stack.enter_context(running_prometheus(Path(tmp) / label, port, nodes, files))
+        for url, _ in servers.values():
+            wait_until_scraped(url, nodes)
+        print(f"  {nodes} nodes up; warming up {warmup:.0f} s", flush=True)
+        time.sleep(warmup)
+        watched = {label: Watched(url, pid, self_metrics(url), cpu_seconds(pid))
+                   for label, (url, pid) in servers.items()}
+        machine_before, target_before = machine_busy_seconds(), cpu_seconds(target.pid)
+        own_before = cpu_seconds(os.getpid())
+        started = time.monotonic()
+        while time.monotonic() - started < window:
+            for server in watched.values():
+                server.sample()
+            time.sleep(3)
+        elapsed = time.monotonic() - started
+        cores = {label: (cpu_seconds(w.pid) - w.cpu_before) / elapsed for label, w in watched.items()}
+        target_cores = (cpu_seconds(target.pid) - target_before) / elapsed
+        other = (machine_busy_seconds() - machine_before - (cpu_seconds(os.getpid()) - own_before)) / elapsed \
+            - target_cores - sum(cores.values())
+        return [result(label, nodes, scrape_text, w, cores[label], other, target_cores) for label, w in watched.items()]
+
+
+def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: float, other: float,
+           target_cores: float) -> Result:
+    url, after = watched.url, self_metrics(watched.url)
+
+    def delta(name: str) -> float:
+        return sum(v for (s, _), v in after.items() if s == name) - sum(
+            v for (s, _), v in watched.before.items() if s == name)
+
+    costliest = sorted(((group["name"], rule.get("name", ""), rule["evaluationTime"])
+                        for group in requests.get(f"{url}/api/v1/rules", timeout=120).json()["data"]["groups"]
+                        for rule in group["rules"]), key=lambda r: -r[2])[:12]
+    return Result(
+        rules=label, nodes=nodes,
+        scrape_series=sum(1 for line in scrape_text.splitlines() if line and not line.startswith("#")),
+        head_series=one(after, "prometheus_tsdb_head_series"),
+        recorded_series=float(instant(url, 'count({__name__=~".+:.+"})')[0]["value"][1]),
+        rss_bytes=watched.peak_rss, prometheus_cores=cores, other_cores=other, target_cores=target_cores,
+        load=os.getloadavg()[:2],
+        groups={group: sorted(times.values()) for group, times in watched.evaluations.items()},
+        missed=delta("prometheus_rule_group_iterations_missed_total"),
+        failures=delta("prometheus_rule_evaluation_failures_total"),
+        costliest=costliest, findings=findings(url),
+    )
+
+
+def findings(url: str) -> dict[str, str]:
+    """What the rules computed at this scale: they must still be right, not only fast."""
+    def count(expr: str) -> str:
+        found = instant(url, f"count({expr})")
+        return str(int(float(found[0]["value"][1]))) if found else "0"
+
+    def counts(expr: str, label: str) -> str:
+        return ", ".join(f"{item['metric'][label]}: {int(float(item['value'][1]))}"
+                         for item in sorted(instant(url, f"count by ({label}) ({expr})"),
+                                            key=lambda item: item["metric"][label]))
+    keep, drop = shard_write_filter()
+    computed_globally = [rule["record"] for rule in rules((RUN_RULES,)) if "record" in rule]
+    not_sent = "|".join([*computed_globally, *([drop] if drop else [])])
+    return {
+        "series a shard would send the global layer, per node": str(round(
+            float(count(f'{{__name__=~"{keep}"}} unless {{__name__=~"{not_sent}"}}'))
+            / len(instant(url, 'up{job="stepscope"}')))),
+        "runs by verdict": counts("run:stepscope_bottleneck:verdict", "verdict"),
+        "ranks with a mean step time": count("run_rank:stepscope_step_seconds:mean_rate1m"),
+        "runs with a run p95": count("run:stepscope_step_seconds:p95_rate1m"),
+        "alerts pending or firing": counts('ALERTS{alertname=~"Stepscope.*"}', "alertname"),
+        f"straggler alerts on local rank {STRAGGLER_LOCAL_RANK} of a run's first node": count(
+            f'ALERTS{{alertname="StepscopeStragglerRank",rank="{STRAGGLER_LOCAL_RANK}"}}'),
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: float, window: float) -> str:
+    sizes = sorted({r.nodes for r in results})
+    summary = table(
+        ["nodes", "rules", "series per node scrape", "head series", "recorded series", "Prometheus RSS (peak)",
+         "Prometheus CPU (cores)", "slowest group: worst evaluation", "all groups, one cycle (sum of medians)",
+         "missed iterations", "rule failures", "target CPU (cores)", "other load (cores)"],
+        [[str(r.nodes), r.rules, str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
+          f"{r.recorded_series / 1000:.1f}k", f"{r.rss_bytes / 2**30:.2f} GiB", f"{r.prometheus_cores:.2f}",
+          "{} {:.2f} s".format(*max(((g, max(v)) for g, v in r.groups.items()), key=lambda gv: gv[1])),
+          f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}", f"{r.failures:.0f}", f"{r.target_cores:.2f}",
+          f"{r.other_cores:.2f}"]
+         for r in results])
+    sections = [
+        "# Scale: one Prometheus with the stepscope rules",
+        "",
+        f"Prometheus {prometheus_version()}, scrape and evaluation every {INTERVAL_SECONDS} s; "
+        f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; warm-up {warmup:.0f} s, "
+        f"measured {window:.0f} s per size. Rules: "
+        + "; ".join(f"{label} = {', '.join(display(path) for path in files)}" for label, files in rule_sets.items())
+        + (" (each in a Prometheus of its own, side by side, scraping the same nodes)" if len(rule_sets) > 1 else "")
+        + ". Load average after "
+        "each size: " + "; ".join(f"{r.nodes}: {r.load[0]:.2f}/{r.load[1]:.2f}" for r in results
+                                   if r.rules == next(iter(rule_sets))) + ".",
+        "",
+        summary,
+    ]
+    for label in rule_sets:
+        ours = [r for r in results if r.rules == label]
+        groups = sorted({group for r in ours for group in r.groups})
+        sections += ["", f"## Evaluation time per rule group: {label}", "", table(
+            ["group", *(f"{r.nodes} nodes: median / worst s (evaluations)" for r in ours)],
+            [[group, *(f"{statistics.median(r.groups[group]):.3f} / {max(r.groups[group]):.3f} "
+                       f"({len(r.groups[group])})" if r.groups.get(group) else "-" for r in ours)]
+             for group in groups])]
+        largest = ours[-1]
+        sections += ["", f"## Costliest rules at {largest.nodes} nodes: {label}", "", table(
+            ["group", "rule", "seconds (last evaluation)"],
+            [[group, f"`{rule}`", f"{seconds:.3f}"] for group, rule, seconds in largest.costliest])]
+    sections += ["", "## What the rules found", "",
+                 table(["nodes", "rules", *results[0].findings],
+                       [[str(r.nodes), r.rules, *r.findings.values()] for r in results]),
+                 "",
+                 f"Sizes: {', '.join(map(str, sizes))} nodes. Runs of {NODES_PER_RUN} nodes "
+                 f"({NODES_PER_RUN * GPUS} ranks), profiles in turn: {', '.join(PROFILES)}; the straggler "
+                 "alert waits 10 minutes (`for`), so it shows as pending. Other load is the machine's busy "
+                 "CPU minus the Prometheus servers, the target and this script: other work on the machine "
+                 "slows evaluation, so read wall times with it, and compare rule sets within a size.",
+                 ""]
+    return "\n".join(sections)
+
+
+def load_results(path: Path) -> list[Result]:
+    """The results an earlier run kept (--append); none when there is no such file."""
+    if not path.is_file():
+        return []
+    try:
+        return [Result(**{**item, "load": tuple(item["load"]),
+                          "costliest": [tuple(row) for row in item["costliest"]]})
+                for item in json.loads(path.read_text())]
+    except (ValueError, TypeError, KeyError) as error:
+        raise SystemExit(f"bench_scale: {path} does not hold results of this script: {error}") from None
+
+
+def display(path: Path) -> str:
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def prometheus_version() -> str:
+    out = subprocess.run(["prometheus", "--version"], capture_output=True, text=True).stdout
+    return out.split()[2] if out else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="100,250,500,1000",
+                        help="comma-separated cluster sizes (empty with --append: re-render the kept results)")
+    parser.add_argument("--warmup", type=float, default=150, help="seconds after every target is up")
+    parser.add_argument("--measure", type=float, default=180, help="seconds of measured evaluations")
+    parser.add_argument("--rules", type=Path, nargs="+", default=list(RULE_FILES), help="rule files to load")
+    parser.add_argument("--baseline", type=Path, nargs="+", default=[],
+                        help="rule files for a second Prometheus side by side, e.g. the rules before a change: "
+                             "git show REV:grafana/rules/stepscope.rules.yml > before.yml")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="markdown file to write")
+    parser.add_argument("--append", action="store_true",
+                        help="add these sizes to the results kept next to --out (OUT.json) from earlier runs, "
+                             "so that sizes can be measured one at a time on a shared machine")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--nodes: not a comma-separated list of integers: {args.nodes!r}")
+    if any(n < 1 for n in sizes):
+        parser.error("--nodes: sizes must be positive")
+    if not sizes and not args.append:
+        parser.error("--nodes: no sizes (an empty list only re-renders the kept results, with --append)")
+    for path in [*args.rules, *args.baseline]:
+        if not path.is_file():
+            parser.error(f"{path} does not exist")
+    rule_sets = {"shipped": [p.resolve() for p in args.rules]}
+    if args.baseline:
+        rule_sets["baseline"] = [p.resolve() for p in args.baseline]
+    kept = args.out.with_suffix(".json")
+    results = load_results(kept) if args.append else []
+    if not sizes:
+        if not results:
+            parser.error(f"--append: no kept results in {kept} to render")
+        args.out.write_text(report(results, rule_sets, args.warmup, args.measure))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
+    for nodes in sizes:
+        print(f"measuring {nodes} nodes", flush=True)
+        results = [r for r in results if r.nodes != nodes]
+        results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure)
+        results.sort(key=lambda r: r.nodes)
+        text = report(results, rule_sets, args.warmup, args.measure)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        kept.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

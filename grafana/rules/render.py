@@ -1,0 +1,59 @@
+"""A rules source -> the rule file Prometheus loads: contract names filled in where the source says
+`<<kind:NAME>>`, so a rename in stepscope_contract reaches the rules with `python -m grafana generate`.
+
+    <<family:STEPS_TOTAL>>             stepscope_contract.families.STEPS_TOTAL (add _bucket etc. after it)
+    <<record:RUN_VERDICT>>             stepscope_contract.recordings.RUN_VERDICT
+    <<threshold:data_loading_share>>   THRESHOLDS["data_loading_share"] as a number (0.3)
+    <<percent:data_loading_share>>     the same as a share (30%), for annotations
+    <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope_contract.training
+    <<phases:LOCAL_PHASES>>            a tuple of phases as a regex alternation (a|b|c)
+    <<state:TRAIN_STATE>>              a state constant of stepscope_contract.training
+
+The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
+"""
+
+import re
+from collections.abc import Callable
+
+from stepscope_contract import THRESHOLDS, families, recordings, training
+
+PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
+
+
+class UnknownPlaceholder(ValueError):
+    """A placeholder whose kind or name the contract does not have: one line, with file and line."""
+
+
+def _named(module: object, suffix: str = "", kind: type = str) -> Callable[[str], str]:
+    """An upper-case constant of `module` ending in `suffix`: a string as it is, a tuple as a|b|c."""
+    def value(name: str) -> str:
+        found = getattr(module, name, None)
+        if not (name.isupper() and name.endswith(suffix) and isinstance(found, kind)):
+            raise KeyError(name)
+        return found if isinstance(found, str) else "|".join(found)
+    return value
+
+
+KINDS: dict[str, Callable[[str], str]] = {
+    "family": _named(families),
+    "record": _named(recordings),
+    "threshold": lambda name: THRESHOLDS[name].number,
+    "percent": lambda name: THRESHOLDS[name].percent,
+    "phase": _named(training, "_PHASE"),
+    "phases": _named(training, "PHASES", tuple),
+    "state": _named(training, "_STATE"),
+}
+
+
+def render(source: str, where: str) -> str:
+    """`source` with every placeholder filled; UnknownPlaceholder names `where` and the line."""
+    def fill(match: re.Match[str], line: int) -> str:
+        kind, name = match.groups()
+        try:
+            return KINDS[kind](name)
+        except KeyError:
+            known = ", ".join(KINDS)
+            raise UnknownPlaceholder(f"{where}:{line}: unknown placeholder {match.group(0)} "
+                                     f"(kinds: {known}; names from stepscope_contract)") from None
+    return "".join(PLACEHOLDER.sub(lambda m, n=number: fill(m, n), text)
+                   for number, text in enumerate(source.splitlines(keepends=True), start=1))

@@ -1,0 +1,239 @@
+"""The sharded layout end to end: two shard Prometheus servers and a global one, all real.
+
+Each shard runs docker/prometheus/sharded/shard.yml: it scrapes its hashmod share of two real
+exporters (fake NVML, one H100 each), evaluates the per-node rules and remote_writes what its write
+filter keeps to the global Prometheus (global.yml, --web.enable-remote-write-receiver), which
+evaluates the per-run rules. One DDP-like run has a rank on each node, so each shard sees one rank:
+only the global layer sees the run. Its ranks step alike (DDP equalises step times); rank 1 spends
+longer in forward, rank 0 waits for it in backward. Pushes are synthetic, cumulative bodies every
+half second.
+"""
+
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from grafana.rules import NODE_RULES, RUN_RULES, groups
+from stepscope_testkit.fake_nvml.scenario import make_gpu, make_scenario, write_scenario
+from stepscope_testkit.ingest_bodies import counter, histogram, info_family, state_family
+from stepscope_testkit.processes import free_port, running_exporter
+from stepscope_testkit.sharded import SHARDED_DIR, hashmod
+from tests.support.dashboard_queries import panel_queries
+from tests.support.prometheus import query, running_prometheus_config, wait_for
+
+RUN = "ddp"
+SLOW_RANK = "1"
+STEPS_PER_SECOND = 10
+STEP_SECONDS = 0.1
+# seconds per step by phase, per rank: the slow rank's forward is long, the fast rank waits in backward
+PHASES = {
+    "0": {"dataloader_next": 0.005, "to_device": 0.005, "forward": 0.02, "backward": 0.065},
+    "1": {"dataloader_next": 0.005, "to_device": 0.005, "forward": 0.06, "backward": 0.025},
+}
+READY_SECONDS = 120
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass
+class Layout:
+    shards: list[str]  # shard URLs, by shard number
+    addresses: dict[str, str]  # node (instance) -> its exporter's host:port
+    scraped_by: dict[str, int]  # node -> the shard that scrapes it
+    global_url: str
+
+
+def _ports_on_both_shards() -> tuple[int, int]:
+    """Two free ports whose 127.0.0.1 addresses hash to different shards."""
+    first = free_port()
+    while True:
+        second = free_port()
+        if second != first and hashmod(f"127.0.0.1:{first}", 2) != hashmod(f"127.0.0.1:{second}", 2):
+            return first, second
+
+
+def _body(rank: str, steps: int) -> str:
+    """What a rank of RUN pushes after `steps` steps of STEP_SECONDS (cumulative)."""
+    phases = "# TYPE stepscope_step_phase_seconds histogram\n" + "".join(
+        histogram("stepscope_step_phase_seconds", [("+Inf", steps)], steps, seconds * steps, f'phase="{phase}"')
+        for phase, seconds in PHASES[rank].items())
+    step = "# TYPE stepscope_step_seconds histogram\n" + histogram(
+        "stepscope_step_seconds", [("0.05", 0), ("0.1", steps), ("0.2", steps), ("+Inf", steps)],
+        steps, STEP_SECONDS * steps)
+    return (phases + step + counter("stepscope_steps_total", steps)
+            + counter("stepscope_samples_total", 32 * steps) + info_family(os.getpid()) + state_family("train"))
+
+
+class Pushes(threading.Thread):
+    """Pushes both ranks' cumulative bodies every half second until stopped."""
+
+    def __init__(self, exporters: dict[str, str]) -> None:  # rank -> exporter URL
+        super().__init__(daemon=True)
+        self.exporters = exporters
+        self.stopped = threading.Event()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        steps = 0
+        while not self.stopped.wait(0.5):
+            steps += STEPS_PER_SECOND // 2
+            for rank, url in self.exporters.items():
+                try:
+                    response = requests.put(f"{url}/metrics/job/stepscope/run/{RUN}/rank/{rank}",
+                                            data=_body(rank, steps), timeout=5)
+                    response.raise_for_status()
+                except requests.RequestException as exc:
+                    self.errors.append(repr(exc))
+
+
+def _gpu_node(path: Path) -> Path:
+    """A busy H100 whose memory this test process (both ranks' pid) holds, and an idle one."""
+    busy = make_gpu(0, "H100", processes=[(os.getpid(), 8 << 30)], utilization={"gpu": 95, "memory": 40},
+                    gpm={"sm_util": 90.0, "sm_occupancy": 45.0, "any_tensor_util": 60.0, "dram_bw_util": 50.0})
+    idle = make_gpu(1, "H100", utilization={"gpu": 0, "memory": 0},
+                    gpm={"sm_util": 0.0, "sm_occupancy": 0.0, "any_tensor_util": 0.0, "dram_bw_util": 0.0})
+    scenario = make_scenario(gpus=0, processes_per_gpu=0)
+    scenario["gpus"] = [busy, idle]
+    return write_scenario(path, scenario)
+
+
+def _run_alerts_without_for(tmp: Path) -> Path:
+    """The run file's alert group with `for: 0s`, under another name: what fires after the `for`."""
+    (alerts,) = [group for group in groups((RUN_RULES,)) if any("alert" in rule for rule in group["rules"])]
+    path = tmp / "run-alerts-now.yml"
+    path.write_text(yaml.safe_dump({"groups": [
+        {"name": f"{alerts['name']}-now", "rules": [{**rule, "for": "0s"} for rule in alerts["rules"]]}]}))
+    return path
+
+
+def _shard_config(shard: int, nodes: dict[str, str], global_url: str) -> dict:
+    """docker/prometheus/sharded/shard.yml for this test: 1 s intervals, the two exporters, this shard."""
+    config = yaml.safe_load((SHARDED_DIR / "shard.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["global"]["external_labels"]["stepscope_shard"] = str(shard)
+    config["rule_files"] = [str(NODE_RULES)]
+    del config["alerting"]
+    (job,) = config["scrape_configs"]
+    job["static_configs"] = [{"targets": [address], "labels": {"instance": node}} for node, address in nodes.items()]
+    job["relabel_configs"][1]["regex"] = str(shard)
+    config["remote_write"][0]["url"] = f"{global_url}/api/v1/write"
+    return config
+
+
+def _global_config(tmp: Path) -> dict:
+    config = yaml.safe_load((SHARDED_DIR / "global.yml").read_text())
+    config["global"]["evaluation_interval"] = "1s"
+    config["rule_files"] = [str(RUN_RULES), str(_run_alerts_without_for(tmp))]
+    del config["alerting"]
+    return config
+
+
+def _firing(url: str, name: str) -> dict[str, dict]:
+    """Firing alerts called `name`, by rank."""
+    alerts = requests.get(f"{url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return {alert["labels"].get("rank", ""): alert for alert in alerts
+            if alert["labels"]["alertname"] == name and alert["state"] == "firing"}
+
+
+def _verdict(url: str) -> str:
+    found = query(url, f'run:stepscope_bottleneck:verdict{{run="{RUN}"}}')
+    return found[0]["metric"]["verdict"] if found else ""
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layout]:
+    tmp = tmp_path_factory.mktemp("sharded")
+    ports = _ports_on_both_shards()
+    nodes = {f"node-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
+    dirs = {name: tmp / name for name in ("global", "shard-0", "shard-1", "node-0", "node-1")}
+    for path in dirs.values():
+        path.mkdir()
+    receiver = "--web.enable-remote-write-receiver"
+    with running_exporter(dirs["node-0"], fake_nvml_scenario=_gpu_node(tmp / "nvml-0.json"), port=ports[0]) as e0, \
+            running_exporter(dirs["node-1"], fake_nvml_scenario=_gpu_node(tmp / "nvml-1.json"), port=ports[1]) as e1, \
+            running_prometheus_config(dirs["global"], _global_config(tmp), receiver) as top, \
+            running_prometheus_config(dirs["shard-0"], _shard_config(0, nodes, top.url)) as s0, \
+            running_prometheus_config(dirs["shard-1"], _shard_config(1, nodes, top.url)) as s1:
+        pushes = Pushes({"0": e0.url, "1": e1.url})
+        pushes.start()
+        try:
+            ready = wait_for(lambda: _verdict(top.url) and _firing(top.url, "StepscopeStragglerRank"),
+                             READY_SECONDS, interval=2.0)
+            assert ready, f"no verdict or straggler alert in the global layer: {_verdict(top.url)!r}\n{top.log()}"
+            assert not pushes.errors, pushes.errors[:3]
+            scraped_by = {item["metric"]["instance"]: shard for shard, url in enumerate((s0.url, s1.url))
+                          for item in query(url, 'up{job="stepscope"}')}
+            yield Layout([s0.url, s1.url], nodes, scraped_by, top.url)
+        finally:
+            pushes.stopped.set()
+            pushes.join(10)
+
+
+def test_each_shard_scrapes_its_hashmod_share(layout: Layout) -> None:
+    assert layout.scraped_by == {node: hashmod(address, 2) for node, address in layout.addresses.items()}
+    assert sorted(layout.scraped_by.values()) == [0, 1]
+
+
+def test_no_shard_alone_sees_the_run(layout: Layout) -> None:
+    for url in layout.shards:
+        assert len(query(url, f'run_rank:stepscope_steps:rate1m{{run="{RUN}"}}')) == 1
+        assert not query(url, "run:stepscope_bottleneck:verdict")
+
+
+def test_global_layer_names_the_verdict_of_the_whole_run(layout: Layout) -> None:
+    assert _verdict(layout.global_url) == "gpu_bound"
+    # the run's step rate is both ranks', each sent by its own shard (within a cycle or two of lag
+    # while the young series' rates still grow; one rank alone would be half)
+    both = "run:stepscope_steps:rate1m / on (run) sum by (run) (run_rank:stepscope_steps:rate1m)"
+    (ratio,) = query(layout.global_url, both)
+    assert float(ratio["value"][1]) == pytest.approx(1, abs=0.2)
+    (ranks,) = query(layout.global_url, f'run:stepscope_training_ranks:count{{run="{RUN}"}}')
+    assert ranks["value"][1] == "2"
+
+
+def test_global_run_quantile_adds_up_the_shards_partial_buckets(layout: Layout) -> None:
+    partial = query(layout.global_url, f'shard_run_le:stepscope_step_seconds_bucket:ranks{{run="{RUN}",le="+Inf"}}')
+    assert sorted(item["metric"]["stepscope_shard"] for item in partial) == ["0", "1"]
+    (p50,) = query(layout.global_url, f'run:stepscope_step_seconds:p50_rate1m{{run="{RUN}"}}')
+    assert float(p50["value"][1]) == pytest.approx(0.075)  # halfway through (0.05, 0.1]
+
+
+def test_straggler_alert_fires_for_the_slow_rank_only(layout: Layout) -> None:
+    firing = _firing(layout.global_url, "StepscopeStragglerRank")
+    assert set(firing) == {SLOW_RANK}
+    alert = firing[SLOW_RANK]
+    assert alert["labels"]["score"] == "local_phases"
+    assert alert["labels"]["instance"] == f"node-{SLOW_RANK}"
+
+
+def test_shards_send_recordings_not_the_raw_node_series(layout: Layout) -> None:
+    top = layout.global_url
+    assert query(top, "run_rank:stepscope_step_seconds:mean_rate1m")
+    assert query(top, 'stepscope_training_state{state="train"}')
+    for raw in ("stepscope_step_seconds_bucket", "stepscope_step_phase_seconds_sum", "stepscope_gpu_utilization_ratio"):
+        assert not query(top, raw), f"{raw} reached the global layer"
+
+
+@pytest.mark.parametrize("name", ["shard.yml", "global.yml"])
+def test_promtool_accepts_the_sharded_configs_with_the_mounted_rules(tmp_path: Path, name: str) -> None:
+    # Laid out as for the single Prometheus: the config, with grafana/rules/ as rules/ next to it.
+    shutil.copy(SHARDED_DIR / name, tmp_path / name)
+    shutil.copytree(NODE_RULES.parent, tmp_path / "rules")
+    result = subprocess.run(["promtool", "check", "config", str(tmp_path / name)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cluster_dashboard_works_from_the_global_layer(layout: Layout) -> None:
+    """What the shards send serves the fleet view: every Cluster panel query returns data there
+    (each node has an idle GPU, for the Idle GPUs panel)."""
+    empty = [f"{q.panel}: {q.expr}" for q in panel_queries() if q.dashboard == "stepscope-cluster.json"
+             and not query(layout.global_url, q.expr)]
+    assert not empty, "\n".join(empty)
