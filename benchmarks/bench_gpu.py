@@ -31,7 +31,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
 
 import training_hooks as th  # noqa: E402
+from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.processes import FAKE_NVML_DIR, exporter_env, free_port, running  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -818,8 +818,7 @@ def push_target(tmp: Path) -> Iterator[str]:
 
 
 def machine() -> str:
-    return (f"Python {platform.python_version()}, {psutil.cpu_count()} CPUs ({platform.machine()}), "
-            f"load average {os.getloadavg()[0]:.1f} at the end, {time.strftime('%Y-%m-%d')}")
+    return f"{results.machine()}, {results.load_average()} at the end, {time.strftime('%Y-%m-%d')}"
 
 
 def gpu_benchmark(args: argparse.Namespace) -> str:
@@ -840,7 +839,7 @@ def gpu_benchmark(args: argparse.Namespace) -> str:
                     ("Hooks: off / CUDA events / host / sync, six phases per step",
                      hooks_on_gpu(push_url, args.rounds))]
     return (f"# GPU benchmark on {device}\n\n{machine()}; total {time.perf_counter() - started:.0f} s.\n"
-            + "".join(f"\n## {title}\n\n{body}\n" for title, body in sections))
+            + results.sections(sections))
 
 
 def cost_model(args: argparse.Namespace) -> str:
@@ -861,7 +860,7 @@ def cost_model(args: argparse.Namespace) -> str:
     return ("# GPU cost model (no GPU: fake NVML and fake torch.cuda at H100 costs)\n\n"
             f"Modeled, not measured on a GPU: the real-GPU run (`python benchmarks/bench_gpu.py`, results/gpu.md) is "
             f"pending. {machine()}; total {time.perf_counter() - started:.0f} s.\n"
-            + "".join(f"\n## {title}\n\n{body}\n" for title, body in sections))
+            + results.sections(sections))
 
 
 def main() -> int:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from torch import nn
 
 import training_hooks as th
+from stepscope_testkit import results
 from stepscope_testkit.pushgateway import PUSHGATEWAY, running_pushgateway
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hooks.md"
@@ -338,14 +337,9 @@ def main() -> int:
         ("CPU training loop, ~5 ms steps", bench_training_loop()),
         ("Lightning: StepscopeCallback vs SimpleProfiler", bench_lightning()),
     ]
-    header = (f"# Training hooks benchmark\n\nPython {platform.python_version()}, torch {torch.__version__}, "
-              f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-              f"load average {os.getloadavg()[0]:.1f} at the end; "
-              f"total {time.perf_counter() - started:.0f} s.\n")
-    text = header + "".join(f"\n## {title}\n\n{body}\n" for title, body in sections)
-    print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    header = (f"# Training hooks benchmark\n\n{results.machine(f'torch {torch.__version__}')}, "
+              f"{results.load_average()} at the end; total {time.perf_counter() - started:.0f} s.\n")
+    results.publish(RESULTS, header + results.sections(sections))
     return 0
 
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,6 +42,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from exporter.ingest.errors import Rejected  # noqa: E402
 from exporter.ingest.parser import PushLimits, parse_push  # noqa: E402
+from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.ingest_bodies import HOSTILE_SHAPES, counter, hooks_body  # noqa: E402
 from stepscope_testkit.processes import Running, free_port, running, running_exporter  # noqa: E402
 from stepscope_testkit.pushgateway import running_pushgateway  # noqa: E402
@@ -307,13 +306,10 @@ def main() -> int:
     if not args.skip_loop:
         sections.append("## The hooks' pusher: CPU training loop, hooks vs none, pushing every 1 s\n\n"
                         + bench_pusher(pairs=100))
-    load = os.getloadavg()[0]
-    report = (f"# Ingest benchmark\n\nPython {platform.python_version()}, {psutil.cpu_count()} CPUs, load average "
-              f"{load:.1f} at the end; total {time.monotonic() - started:.0f} s; {args.rounds} rounds at 64 groups. "
+    report = (f"# Ingest benchmark\n\n{results.machine()}, {results.load_average()} at the end; total "
+              f"{time.monotonic() - started:.0f} s; {args.rounds} rounds at 64 groups. "
               f"{time.strftime('%Y-%m-%d')}.\n\n" + "\n\n".join(sections) + "\n")
-    print(report)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(report)
+    results.publish(RESULTS, report)
     return 0
 
 

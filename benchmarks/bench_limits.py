@@ -9,8 +9,6 @@ benchmarks/results/limits.md.
 
 from __future__ import annotations
 
-import os
-import platform
 import sys
 import time
 import warnings
@@ -23,6 +21,7 @@ import torch  # noqa: E402
 from bench_hooks import table  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
+from stepscope_testkit import results  # noqa: E402
 from training_hooks.limits import measure  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "limits.md"
@@ -54,8 +53,8 @@ def main() -> int:
                 errors.append(100 * (limits.loader_samples_per_second - truth) / truth)
             rows.append([f"{seconds * 1000:g}", str(workers), f"{truth:.0f}",
                          " / ".join(f"{error:+.1f} %" for error in errors)])
-    text = (f"# Loader limit accuracy\n\nPython {platform.python_version()}, torch {torch.__version__}, "
-            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (shared machine); total "
+    text = (f"# Loader limit accuracy\n\n{results.machine(f'torch {torch.__version__}')}, "
+            f"{results.load_average()} at the end (shared machine); total "
             f"{time.perf_counter() - started:.0f} s.\n\n"
             + table(["sleep per batch, ms", "DataLoader workers", "true loader limit, samples/s",
                      f"error of {REPEATS} measurements (batches=50)"], rows)
@@ -63,8 +62,7 @@ def main() -> int:
               "measure_limits skips the batches the workers prefetch, then times 50 arrivals. Errors below 0 "
               "are mostly cost the sleep does not count and a real loader pays as well: the sleep's own "
               "overshoot and, with workers, handing each batch across processes.\n")
-    print(text)
-    RESULTS.write_text(text)
+    results.publish(RESULTS, text)
     return 0
 
 

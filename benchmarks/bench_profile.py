@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,7 @@ from bench_hooks import table  # noqa: E402
 from torch import nn  # noqa: E402
 
 import training_hooks as th  # noqa: E402
+from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.processes import running_exporter  # noqa: E402
 from stepscope_testkit.traces import rank_tracing, request_state, request_trace, step_annotations, wait_until  # noqa: E402
 
@@ -199,13 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                  bench_idle(exporter.url, old, before, args.rounds, args.calls)),
                 ("Taking a trace", bench_trace(exporter.url, (5, 20, 50), tmp)),
             ]
-    header = (f"# On-demand profiler traces benchmark\n\nPython {platform.python_version()}, "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-              f"load average {os.getloadavg()[0]:.1f} at the end (the machine is shared with other test runs); total "
+    header = (f"# On-demand profiler traces benchmark\n\n{results.machine(f'torch {torch.__version__}')}, "
+              f"{results.load_average()} at the end (the machine is shared with other test runs); total "
               f"{time.perf_counter() - started:.0f} s.\n")
-    text = header + "".join(f"\n## {title}\n\n{body}\n" for title, body in sections)
-    print(text)
-    RESULTS.write_text(text)
+    results.publish(RESULTS, header + results.sections(sections))
     return 0
 
 
