@@ -346,6 +346,7 @@ class Result:
     failures: float
     costliest: list[tuple[str, str, float]]  # (group, rule, seconds) of the last evaluation
     findings: dict[str, str]
+    commit: str = ""  # the checkout measured: short hash, "+changes" when the tree differed from it
 
     def cycle_seconds(self) -> float:
         """Median evaluation seconds of all groups added up: the work of one evaluation cycle."""
@@ -433,8 +434,16 @@ def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: fl
         groups={group: sorted(times.values()) for group, times in watched.evaluations.items()},
         missed=delta("prometheus_rule_group_iterations_missed_total"),
         failures=delta("prometheus_rule_evaluation_failures_total"),
-        costliest=costliest, findings=findings(url),
+        costliest=costliest, findings=findings(url), commit=checkout(),
     )
+
+
+def checkout() -> str:
+    """Which rules a row measured: the commit, marked when the working tree had changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def findings(url: str) -> dict[str, str]:
@@ -473,10 +482,11 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: float, window: float) -> str:
     sizes = sorted({r.nodes for r in results})
     summary = table(
-        ["nodes", "rules", "series per node scrape", "head series", "recorded series", "Prometheus RSS (peak)",
-         "Prometheus CPU (cores)", "slowest group: worst evaluation", "all groups, one cycle (sum of medians)",
-         "missed iterations", "rule failures", "target CPU (cores)", "other load (cores)"],
-        [[str(r.nodes), r.rules, str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
+        ["nodes", "rules", "commit", "series per node scrape", "head series", "recorded series",
+         "Prometheus RSS (peak)", "Prometheus CPU (cores)", "slowest group: worst evaluation",
+         "all groups, one cycle (sum of medians)", "missed iterations", "rule failures", "target CPU (cores)",
+         "other load (cores)"],
+        [[str(r.nodes), r.rules, r.commit or "?", str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
           f"{r.recorded_series / 1000:.1f}k", f"{r.rss_bytes / 2**30:.2f} GiB", f"{r.prometheus_cores:.2f}",
           "{} {:.2f} s".format(*max(((g, max(v)) for g, v in r.groups.items()), key=lambda gv: gv[1])),
           f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}", f"{r.failures:.0f}", f"{r.target_cores:.2f}",

@@ -111,8 +111,8 @@ def test_effective_utilization_reads_sm_active_where_gpm_is_and_nvml_elsewhere(s
 
 def test_busy_but_idle_alert_fires_for_the_gpu_with_high_utilization_and_low_sm_active(stack: Stack) -> None:
     firing = wait_for(lambda: _firing(stack.prometheus, "StepscopeGpuBusyButIdle"), 30)
-    assert set(firing) == {("0", "tiny", "")}
-    alert = firing[("0", "tiny", "")]
+    assert set(firing) == {("", "tiny", "")}  # per node and run: no gpu label
+    alert = firing[("", "tiny", "")]
     assert alert["labels"]["instance"] == NODE and alert["labels"]["severity"] == "warning"
     assert "SMs were active only 6% of it" in alert["annotations"]["description"]
     assert "CUDA graphs" in alert["annotations"]["runbook"] and "torch.compile" in alert["annotations"]["runbook"]
@@ -121,8 +121,8 @@ def test_busy_but_idle_alert_fires_for_the_gpu_with_high_utilization_and_low_sm_
 def test_underutilized_alert_uses_effective_utilization_and_leaves_busy_but_idle_out(stack: Stack) -> None:
     """bf16 (SM active 94%) is fine; the A100 at 85% NVML is under 90%; tiny has its own alert."""
     firing = wait_for(lambda: _firing(stack.prometheus, "StepscopeGpuUnderutilized"), 30)
-    assert set(firing) == {("2", "old", "utilization")}
-    assert "85% effective utilization (utilization)" in firing[("2", "old", "utilization")]["annotations"][
+    assert set(firing) == {("", "old", "utilization")}  # per node and run: no gpu label
+    assert "85% effective utilization (utilization)" in firing[("", "old", "utilization")]["annotations"][
         "description"]
 
 
