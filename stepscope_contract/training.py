@@ -10,10 +10,12 @@ TO_DEVICE_PHASE = "to_device"  # the host-to-device copy of the batch
 FORWARD_PHASE = "forward"
 BACKWARD_PHASE = "backward"  # holds DDP's gradient all-reduce
 OPTIMIZER_PHASE = "optimizer_step"
+TRAIN_BATCH_PHASE = "train_batch"  # forward, backward and optimizer together, where a trainer does not split them
+LR_SCHEDULER_PHASE = "step_lr_schedulers"
 # Standard phase names (the seeds' vocabulary); users may add their own, bounded in count.
 STANDARD_PHASES = (
-    DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, "train_batch",
-    "step_lr_schedulers", "from_device", "reduce_metrics",
+    DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE,
+    LR_SCHEDULER_PHASE, "from_device", "reduce_metrics",
 )
 # The phases before a step's first collective: the local straggler score compares their sum across ranks,
 # because synchronous data parallelism equalises whole step times and hides the slow rank.

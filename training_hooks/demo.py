@@ -20,6 +20,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import training_hooks
+from stepscope_contract.training import (
+    BACKWARD_PHASE,
+    FORWARD_PHASE,
+    LR_SCHEDULER_PHASE,
+    OPTIMIZER_PHASE,
+    TO_DEVICE_PHASE,
+)
 from training_hooks.config import Config
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -211,15 +218,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits = tracker.measure_limits(loader, train_step, batches=args.measure_limits)
             print(f"stepscope demo: {limits}", flush=True)
         for x, y in tracker.loader(loader):
-            with tracker.phase("to_device"):
+            with tracker.phase(TO_DEVICE_PHASE):
                 x, y = x.to("cpu"), y.to("cpu")
-            with tracker.phase("forward", cuda=True):
+            with tracker.phase(FORWARD_PHASE, cuda=True):
                 loss = forward(x, y)
-            with tracker.phase("backward", cuda=True):
+            with tracker.phase(BACKWARD_PHASE, cuda=True):
                 backward(loss)
-            with tracker.phase("optimizer_step", cuda=True):
+            with tracker.phase(OPTIMIZER_PHASE, cuda=True):
                 optimizer.step()
-            with tracker.phase("step_lr_schedulers"):
+            with tracker.phase(LR_SCHEDULER_PHASE):
                 scheduler.step()
             tracker.step(samples=len(x))
             if args.steps and tracker.steps >= args.steps:

@@ -18,9 +18,10 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import training_hooks
+from stepscope_contract.training import DATA_LOADING_PHASE, LR_SCHEDULER_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE
 from training_hooks.tracker import Tracker
 
-_GPU_PHASES = ("train_batch", "optimizer_step", "step_lr_schedulers")
+_GPU_PHASES = (TRAIN_BATCH_PHASE, OPTIMIZER_PHASE, LR_SCHEDULER_PHASE)
 
 
 class StepscopeCallback(TrainerCallback):
@@ -42,7 +43,7 @@ class StepscopeCallback(TrainerCallback):
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
 
     def _start_loading(self) -> None:
-        self._phase("dataloader_next").start()
+        self._phase(DATA_LOADING_PHASE).start()
         self._loading = True
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -65,27 +66,27 @@ class StepscopeCallback(TrainerCallback):
             self.tracker.state("train")  # restarts the step clock: eval/save time is not a step
             self._loading = False
         if self._loading:
-            self._phase("dataloader_next").end()
+            self._phase(DATA_LOADING_PHASE).end()
             self._loading = False
-        self._phase("train_batch").start()
+        self._phase(TRAIN_BATCH_PHASE).start()
         self._in_step = True
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
-        self._phase("optimizer_step").start()
+        self._phase(OPTIMIZER_PHASE).start()
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
-        self._phase("optimizer_step").end()
-        self._phase("step_lr_schedulers").start()
+        self._phase(OPTIMIZER_PHASE).end()
+        self._phase(LR_SCHEDULER_PHASE).start()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         if not self._in_step:
             return
         self._in_step = False
-        self._phase("step_lr_schedulers").end()
-        self._phase("train_batch").end()
+        self._phase(LR_SCHEDULER_PHASE).end()
+        self._phase(TRAIN_BATCH_PHASE).end()
         self.tracker.step(samples=self._samples_per_step)
         self._enter_eval_or_save(control)
         self._start_loading()

@@ -19,9 +19,17 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 
 import training_hooks
+from stepscope_contract.training import (
+    BACKWARD_PHASE,
+    DATA_LOADING_PHASE,
+    FORWARD_PHASE,
+    OPTIMIZER_PHASE,
+    TO_DEVICE_PHASE,
+    TRAIN_BATCH_PHASE,
+)
 from training_hooks.tracker import Tracker
 
-_GPU_PHASES = ("forward", "backward", "optimizer_step", "train_batch")
+_GPU_PHASES = (FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE)
 
 
 class StepscopeCallback(Callback):
@@ -81,7 +89,7 @@ class StepscopeCallback(Callback):
             if not trainer.training or self.tracker is None:
                 return original(batch, *args, **kwargs)
             self._end_loading()
-            with self._phase("to_device"):
+            with self._phase(TO_DEVICE_PHASE):
                 return original(batch, *args, **kwargs)
 
         strategy.batch_to_device = batch_to_device  # instance attribute; removed at teardown
@@ -93,13 +101,13 @@ class StepscopeCallback(Callback):
             self._wrapped = None
 
     def _start_loading(self) -> None:
-        self._phase("dataloader_next").start()
+        self._phase(DATA_LOADING_PHASE).start()
         self._loading = True
 
     def _end_loading(self) -> None:
         """Closes the loading gap; a gap that contained eval or checkpointing is dropped, not recorded."""
         if self._loading and self.tracker is not None and self.tracker.current_state == "train":
-            self._phase("dataloader_next").end()
+            self._phase(DATA_LOADING_PHASE).end()
         self._loading = False
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -113,31 +121,31 @@ class StepscopeCallback(Callback):
         if self.tracker.current_state != "train":  # back from a checkpoint: its time is not a step
             self.tracker.state("train")
         self._in_optimizer = False
-        self._phase("train_batch").start()
-        self._phase("forward").start()
+        self._phase(TRAIN_BATCH_PHASE).start()
+        self._phase(FORWARD_PHASE).start()
         self._in_forward = True
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         if self._in_forward:  # a second backward in one step (manual optimization) ends no forward
-            self._phase("forward").end()
+            self._phase(FORWARD_PHASE).end()
             self._in_forward = False
-        self._phase("backward").start()
+        self._phase(BACKWARD_PHASE).start()
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._phase("backward").end()
+        self._phase(BACKWARD_PHASE).end()
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if not self._in_optimizer:  # several optimizers: one span from the first to the batch end
-            self._phase("optimizer_step").start()
+            self._phase(OPTIMIZER_PHASE).start()
             self._in_optimizer = True
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._in_optimizer:
-            self._phase("optimizer_step").end()
+            self._phase(OPTIMIZER_PHASE).end()
             self._in_optimizer = False
-        self._phase("train_batch").end()
+        self._phase(TRAIN_BATCH_PHASE).end()
         self.tracker.step(samples=_batch_size(batch))
         self._start_loading()
 
