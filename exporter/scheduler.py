@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from exporter import __version__
 from exporter.collectors import Collector
 from exporter.exposition import CachedRenderer, ExpositionStore
+from stepscope_contract import families
 
 log = logging.getLogger(__name__)
 
@@ -114,17 +115,17 @@ class Scheduler:
 
     def _self_families(self) -> list[Metric]:
         duration = GaugeMetricFamily(
-            "stepscope_exporter_collector_duration_seconds",
+            families.COLLECTOR_DURATION,
             "Wall time of the collector's last cycle.",
             labels=["collector"],
         )
         errors = CounterMetricFamily(
-            "stepscope_exporter_collector_errors",
+            families.COLLECTOR_ERRORS,  # CounterMetricFamily drops the _total suffix
             "Collector cycles that failed as a whole.",
             labels=["collector"],
         )
         last_success = GaugeMetricFamily(
-            "stepscope_exporter_collector_last_success_timestamp_seconds",
+            families.COLLECTOR_LAST_SUCCESS,
             "Unix time of the collector's last successful cycle (0 = never).",
             labels=["collector"],
         )
@@ -134,6 +135,6 @@ class Scheduler:
                 duration.add_metric([name], stats.duration_seconds)
                 errors.add_metric([name], stats.errors)
                 last_success.add_metric([name], stats.last_success)
-        build = InfoMetricFamily("stepscope_exporter_build", "Exporter version and runtime.")
+        build = InfoMetricFamily(families.BUILD_INFO.removesuffix("_info"), "Exporter version and runtime.")
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
         return [build, duration, errors, last_success]

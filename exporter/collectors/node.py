@@ -15,6 +15,8 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from stepscope_contract import families
+
 log = logging.getLogger(__name__)
 
 # node_exporter's default: partitions (their disk is already counted) and loop/ram devices.
@@ -45,35 +47,35 @@ class NodeCollector:
         """Nothing to release: psutil holds no handles between calls."""
 
     def _info(self) -> Metric:
-        info = GaugeMetricFamily("stepscope_node_info", "Node identity, for joins (value is always 1).",
+        info = GaugeMetricFamily(families.NODE_INFO, "Node identity, for joins (value is always 1).",
                                  labels=["hostname", "kernel", "os"])
         info.add_metric([socket.gethostname(), platform.release(), platform.system()], 1)
         return info
 
     def _cpu(self) -> Iterable[Metric]:
-        seconds = CounterMetricFamily("stepscope_node_cpu_seconds_total",
+        seconds = CounterMetricFamily(families.NODE_CPU_SECONDS,
                                       "CPU time spent in each mode, summed over all CPUs.", labels=["mode"])
         for mode, value in psutil.cpu_times()._asdict().items():
             if mode not in _OVERLAPPING_CPU_MODES:
                 seconds.add_metric([mode], value)
         yield seconds
-        yield GaugeMetricFamily("stepscope_node_cpus", "Logical CPUs.", value=psutil.cpu_count() or 0)
+        yield GaugeMetricFamily(families.NODE_CPUS, "Logical CPUs.", value=psutil.cpu_count() or 0)
 
     def _memory(self) -> Iterable[Metric]:
         memory = psutil.virtual_memory()
-        yield GaugeMetricFamily("stepscope_node_memory_total_bytes", "Total host memory.", value=memory.total)
-        yield GaugeMetricFamily("stepscope_node_memory_available_bytes",
+        yield GaugeMetricFamily(families.NODE_MEMORY_TOTAL, "Total host memory.", value=memory.total)
+        yield GaugeMetricFamily(families.NODE_MEMORY_AVAILABLE,
                                 "Host memory available to new work without swapping.", value=memory.available)
 
     def _disks(self) -> Iterable[Metric]:
         disks = {name: io for name, io in (psutil.disk_io_counters(perdisk=True) or {}).items()
                  if not _IGNORED_DISKS.match(name)}
         fields = [
-            ("read_bytes", "stepscope_node_disk_read_bytes_total", "Bytes read from the disk.", 1),
-            ("write_bytes", "stepscope_node_disk_written_bytes_total", "Bytes written to the disk.", 1),
-            ("read_count", "stepscope_node_disk_reads_completed_total", "Reads completed.", 1),
-            ("write_count", "stepscope_node_disk_writes_completed_total", "Writes completed.", 1),
-            ("busy_time", "stepscope_node_disk_io_time_seconds_total",
+            ("read_bytes", families.NODE_DISK_READ_BYTES, "Bytes read from the disk.", 1),
+            ("write_bytes", families.NODE_DISK_WRITTEN_BYTES, "Bytes written to the disk.", 1),
+            ("read_count", families.NODE_DISK_READS, "Reads completed.", 1),
+            ("write_count", families.NODE_DISK_WRITES, "Writes completed.", 1),
+            ("busy_time", families.NODE_DISK_IO_TIME,
              "Time the disk was busy doing I/O.", 0.001),  # psutil reports milliseconds
         ]
         for attribute, metric, documentation, scale in fields:
@@ -87,9 +89,9 @@ class NodeCollector:
 
     def _network(self) -> Iterable[Metric]:
         nics = psutil.net_io_counters(pernic=True)
-        receive = CounterMetricFamily("stepscope_node_network_receive_bytes_total",
+        receive = CounterMetricFamily(families.NODE_NETWORK_RECEIVE,
                                       "Bytes received on the interface.", labels=["device"])
-        transmit = CounterMetricFamily("stepscope_node_network_transmit_bytes_total",
+        transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
                                        "Bytes transmitted on the interface.", labels=["device"])
         for device in sorted(nics):
             receive.add_metric([device], nics[device].bytes_recv)
@@ -98,9 +100,9 @@ class NodeCollector:
         yield transmit
 
     def _filesystems(self) -> Iterable[Metric]:
-        size = GaugeMetricFamily("stepscope_node_filesystem_size_bytes",
+        size = GaugeMetricFamily(families.NODE_FILESYSTEM_SIZE,
                                  "Size of the filesystem holding the path.", labels=["path", "mountpoint"])
-        avail = GaugeMetricFamily("stepscope_node_filesystem_avail_bytes",
+        avail = GaugeMetricFamily(families.NODE_FILESYSTEM_AVAIL,
                                   "Bytes available to unprivileged users on the filesystem holding the path.",
                                   labels=["path", "mountpoint"])
         mountpoints = [p.mountpoint for p in psutil.disk_partitions(all=True)]

@@ -27,6 +27,7 @@ from prometheus_client.metrics_core import Metric
 from exporter.collectors.pid_namespaces import PidResolver
 from exporter.gpu_processes import GpuProcessTable
 from exporter.registered import RegisteredProcess
+from stepscope_contract import families
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +83,21 @@ class ProcessCollector:
         for pid in set(self._missing) - set(pids):
             del self._missing[pid]
 
-        cpu = CounterMetricFamily("stepscope_process_cpu_seconds_total",
+        cpu = CounterMetricFamily(families.PROCESS_CPU_SECONDS,
                                   "User+system CPU time of the process and its descendants, reaped ones "
                                   "included.", labels=_LABELS)
-        rss = GaugeMetricFamily("stepscope_process_resident_memory_bytes",
+        rss = GaugeMetricFamily(families.PROCESS_RESIDENT_MEMORY,
                                 "Resident memory of the process plus its live descendants (shared pages "
                                 "counted once per process).", labels=_LABELS)
-        io_read = CounterMetricFamily("stepscope_process_io_read_bytes_total",
+        io_read = CounterMetricFamily(families.PROCESS_IO_READ,
                                       "Storage bytes read by the process and its descendants.",
                                       labels=_LABELS)
-        io_write = CounterMetricFamily("stepscope_process_io_write_bytes_total",
+        io_write = CounterMetricFamily(families.PROCESS_IO_WRITE,
                                        "Storage bytes written by the process and its descendants.",
                                        labels=_LABELS)
-        children = GaugeMetricFamily("stepscope_process_children",
+        children = GaugeMetricFamily(families.PROCESS_CHILDREN,
                                      "Live descendant processes (data-loader workers).", labels=_LABELS)
-        gpu_memory = GaugeMetricFamily("stepscope_process_gpu_memory_bytes",
+        gpu_memory = GaugeMetricFamily(families.PROCESS_GPU_MEMORY,
                                        "GPU memory the process holds on the GPU.", labels=[*_LABELS, "gpu"])
 
         children_of: dict[int, list[int]] | None = None  # read once per cycle, when first needed
