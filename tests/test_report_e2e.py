@@ -240,8 +240,13 @@ def test_verdicts_and_the_straggler(runs: Runs) -> None:
     assert float(slow["local_score"]) < 0.75 < 0.9 < float(fast["local_score"])
     assert abs(float(slow["step_time_score"]) - 1) < 0.1  # DDP equalises step times: that score is blind
     path = _csv(runs.reports["ddp"] / "critical_path.csv")
-    bounded = [row for row in path if row["rank"] == str(DDP_SLOW_RANK) and row["score_kind"] == "local_phases"]
-    assert len(bounded) >= 0.8 * len(path) > 0
+    # the first windows of a run may have only the step-time score, which DDP makes blind (the local one
+    # is recorded from the phase recordings, an evaluation later); once the local score is there it is the
+    # lower and names the slow rank
+    scored = [row for row in path if row["local_score"]]
+    by_slow = [row for row in scored if row["rank"] == str(DDP_SLOW_RANK) and row["score_kind"] == "local_phases"
+               and float(row["score"]) < 0.75]
+    assert len(by_slow) >= 0.8 * len(scored) >= 0.4 * len(path) > 0, path
     page = (runs.reports["ddp"] / "index.html").read_text(encoding="utf-8")
     assert "Straggler: rank 1 on report-node" in page and "GPU-bound" in page
 
