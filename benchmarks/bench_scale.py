@@ -19,7 +19,7 @@ average rate since boot), timestamps at now. Bodies are pre-parsed; a scrape for
 counters, and the table reports the target's own CPU so it is seen not to be the bottleneck.
 
 A real Prometheus (Debian's 2.42) scrapes every target and evaluates the rule files every 15 s (as
-in production). After a warm-up (rate windows full, recordings present) the measured window
+in production), with GOGC=200 as the compose file and the chart run it (--gogc; column GOGC). After a warm-up (rate windows full, recordings present) the measured window
 collects, from Prometheus' own /metrics, every evaluation of every group
 (prometheus_rule_group_last_duration_seconds, deduplicated by the group's last evaluation time) and
 the missed iterations; head series, RSS and CPU of the Prometheus process; and at the end the
@@ -73,6 +73,11 @@ from stepscope_testkit.sharded import shard_write_filter  # noqa: E402
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.md"
 NODES_PER_RUN = 8
 INTERVAL_SECONDS = 15
+# The Go GC target the compose file and the chart give Prometheus (README "Scaling"): at Go's default of
+# 100 (75 from Prometheus 2.53) a 1,000-node server collects every ~10 s, and its mark assists stall
+# whichever groups evaluate meanwhile (single evaluations of 2.5-3.7 s against medians under 0.8 s).
+PROMETHEUS_GOGC = 200
+GO_DEFAULT_GOGC = 100  # what the rows measured before --gogc existed ran with (Debian's 2.42, no GOGC set)
 CAPTURE_RUN = "capture"
 STRAGGLER_LOCAL_RANK = 3
 STRAGGLER_FORWARD = 3.0
@@ -269,7 +274,8 @@ def running_cluster(scrape_text: str, nodes: int) -> Iterator[tuple[int, multipr
 
 
 @contextmanager
-def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequence[Path]) -> Iterator[str]:
+def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequence[Path],
+                       gogc: int = PROMETHEUS_GOGC) -> Iterator[str]:
     binary = shutil.which("prometheus")
     if binary is None:
         raise SystemExit("bench_scale: prometheus is not installed (apt-get install prometheus)")
@@ -290,7 +296,7 @@ def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequenc
     argv = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{web}", "--log.level=warn"]
     with running(argv, f"http://127.0.0.1:{web}/-/ready", workdir / "prometheus.log", timeout=120,
-                 base_url=f"http://127.0.0.1:{web}") as proc:
+                 base_url=f"http://127.0.0.1:{web}", env={"GOGC": str(gogc)}) as proc:
         yield proc.url, proc.process.pid
 
 
@@ -347,6 +353,7 @@ class Result:
     costliest: list[tuple[str, str, float]]  # (group, rule, seconds) of the last evaluation
     findings: dict[str, str]
     commit: str = ""  # the checkout measured: short hash, "+changes" when the tree differed from it
+    gogc: int = GO_DEFAULT_GOGC  # the GOGC the Prometheus servers ran with
 
     def cycle_seconds(self) -> float:
         """Median evaluation seconds of all groups added up: the work of one evaluation cycle."""
@@ -384,14 +391,14 @@ def wait_until_scraped(url: str, nodes: int) -> None:
 
 
 def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warmup: float,
-            window: float) -> list[Result]:
+            window: float, gogc: int) -> list[Result]:
     """Every rule set in a Prometheus of its own, side by side, scraping the same synthetic nodes."""
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         port, target = stack.enter_context(running_cluster(scrape_text, nodes))
         servers = {}
         for label, files in rule_sets.items():
             (Path(tmp) / label).mkdir()
-            servers[label] = stack.enter_context(running_prometheus(Path(tmp) / label, port, nodes, files))
+            servers[label] = stack.enter_context(running_prometheus(Path(tmp) / label, port, nodes, files, gogc))
         for url, _ in servers.values():
             wait_until_scraped(url, nodes)
         print(f"  {nodes} nodes up; warming up {warmup:.0f} s", flush=True)
@@ -410,11 +417,12 @@ def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warm
         target_cores = (cpu_seconds(target.pid) - target_before) / elapsed
         other = (machine_busy_seconds() - machine_before - (cpu_seconds(os.getpid()) - own_before)) / elapsed \
             - target_cores - sum(cores.values())
-        return [result(label, nodes, scrape_text, w, cores[label], other, target_cores) for label, w in watched.items()]
+        return [result(label, nodes, scrape_text, w, cores[label], other, target_cores, gogc)
+                for label, w in watched.items()]
 
 
 def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: float, other: float,
-           target_cores: float) -> Result:
+           target_cores: float, gogc: int) -> Result:
     url, after = watched.url, self_metrics(watched.url)
 
     def delta(name: str) -> float:
@@ -434,7 +442,7 @@ def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: fl
         groups={group: sorted(times.values()) for group, times in watched.evaluations.items()},
         missed=delta("prometheus_rule_group_iterations_missed_total"),
         failures=delta("prometheus_rule_evaluation_failures_total"),
-        costliest=costliest, findings=findings(url), commit=checkout(),
+        costliest=costliest, findings=findings(url), commit=checkout(), gogc=gogc,
     )
 
 
@@ -482,11 +490,11 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: float, window: float) -> str:
     sizes = sorted({r.nodes for r in results})
     summary = table(
-        ["nodes", "rules", "commit", "series per node scrape", "head series", "recorded series",
+        ["nodes", "rules", "GOGC", "commit", "series per node scrape", "head series", "recorded series",
          "Prometheus RSS (peak)", "Prometheus CPU (cores)", "slowest group: worst evaluation",
          "all groups, one cycle (sum of medians)", "missed iterations", "rule failures", "target CPU (cores)",
          "other load (cores)"],
-        [[str(r.nodes), r.rules, r.commit or "?", str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
+        [[str(r.nodes), r.rules, str(r.gogc), r.commit or "?", str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
           f"{r.recorded_series / 1000:.1f}k", f"{r.rss_bytes / 2**30:.2f} GiB", f"{r.prometheus_cores:.2f}",
           "{} {:.2f} s".format(*max(((g, max(v)) for g, v in r.groups.items()), key=lambda gv: gv[1])),
           f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}", f"{r.failures:.0f}", f"{r.target_cores:.2f}",
@@ -510,17 +518,18 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
         ours = [r for r in results if r.rules == label]
         groups = sorted({group for r in ours for group in r.groups})
         sections += ["", f"## Evaluation time per rule group: {label}", "", table(
-            ["group", *(f"{r.nodes} nodes: median / worst s (evaluations)" for r in ours)],
+            ["group", *(f"{size_name(r, ours)}: median / worst s (evaluations)" for r in ours)],
             [[group, *(f"{statistics.median(r.groups[group]):.3f} / {max(r.groups[group]):.3f} "
                        f"({len(r.groups[group])})" if r.groups.get(group) else "-" for r in ours)]
              for group in groups])]
         largest = ours[-1]
-        sections += ["", f"## Costliest rules at {largest.nodes} nodes: {label}", "", table(
+        sections += ["", f"## Costliest rules at {size_name(largest, ours)}: {label}", "", table(
             ["group", "rule", "seconds (last evaluation)"],
             [[group, f"`{rule}`", f"{seconds:.3f}"] for group, rule, seconds in largest.costliest])]
     sections += ["", "## What the rules found", "",
                  table(["nodes", "rules", *results[0].findings],
-                       [[str(r.nodes), r.rules, *r.findings.values()] for r in results]),
+                       [[str(r.nodes), r.rules + (f", GOGC {r.gogc}" if len({x.gogc for x in results}) > 1 else ""),
+                         *r.findings.values()] for r in results]),
                  "",
                  f"Sizes: {', '.join(map(str, sizes))} nodes. Runs of {NODES_PER_RUN} nodes "
                  f"({NODES_PER_RUN * GPUS} ranks), profiles in turn: {', '.join(PROFILES)}; the straggler "
@@ -529,6 +538,12 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
                  "slows evaluation, so read wall times with it, and compare rule sets within a size.",
                  ""]
     return "\n".join(sections)
+
+
+def size_name(result: Result, results: list[Result]) -> str:
+    """A row's size, with its GOGC where rows of the same size differ in it."""
+    same_size = {r.gogc for r in results if r.nodes == result.nodes}
+    return f"{result.nodes} nodes" + (f", GOGC {result.gogc}" if len(same_size) > 1 else "")
 
 
 def load_results(path: Path) -> list[Result]:
@@ -563,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rule files for a second Prometheus side by side, e.g. the rules before a change: "
                              "git show REV:grafana/rules/stepscope.rules.yml > before.yml")
     parser.add_argument("--out", type=Path, default=RESULTS, help="markdown file to write")
+    parser.add_argument("--gogc", type=int, default=PROMETHEUS_GOGC,
+                        help=f"GOGC of the Prometheus servers (default {PROMETHEUS_GOGC}, what the compose file and "
+                             f"the chart set; Go's own default is {GO_DEFAULT_GOGC}, Prometheus 2.53+ use 75)")
     parser.add_argument("--append", action="store_true",
                         help="add these sizes to the results kept next to --out (OUT.json) from earlier runs, "
                              "so that sizes can be measured one at a time on a shared machine")
@@ -573,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nodes: not a comma-separated list of integers: {args.nodes!r}")
     if any(n < 1 for n in sizes):
         parser.error("--nodes: sizes must be positive")
+    if args.gogc < 1:
+        parser.error("--gogc: must be a positive percentage")
     if not sizes and not args.append:
         parser.error("--nodes: no sizes (an empty list only re-renders the kept results, with --append)")
     for path in [*args.rules, *args.baseline]:
@@ -592,9 +612,9 @@ def main(argv: list[str] | None = None) -> int:
         scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
     for nodes in sizes:
         print(f"measuring {nodes} nodes", flush=True)
-        results = [r for r in results if r.nodes != nodes]
-        results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure)
-        results.sort(key=lambda r: r.nodes)
+        results = [r for r in results if (r.nodes, r.gogc) != (nodes, args.gogc)]
+        results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure, args.gogc)
+        results.sort(key=lambda r: (r.nodes, r.gogc))
         text = report(results, rule_sets, args.warmup, args.measure)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
