@@ -19,11 +19,12 @@ average rate since boot), timestamps at now. Bodies are pre-parsed; a scrape for
 counters, and the table reports the target's own CPU so it is seen not to be the bottleneck.
 
 A real Prometheus (Debian's 2.42) scrapes every target and evaluates the rule files every 15 s (as
-in production), with GOGC=200 as the compose file and the chart run it (--gogc; column GOGC). After a warm-up (rate windows full, recordings present) the measured window
-collects, from Prometheus' own /metrics, every evaluation of every group
-(prometheus_rule_group_last_duration_seconds, deduplicated by the group's last evaluation time) and
-the missed iterations; head series, RSS and CPU of the Prometheus process; and at the end the
-costliest rules (/api/v1/rules evaluationTime) and what the rules found (verdicts, alerts).
+in production), with the GOGC the compose file and the chart give it (--gogc; column GOGC). After
+a warm-up (rate windows full, recordings present) the measured window collects, from Prometheus'
+own /metrics, every evaluation of every group (prometheus_rule_group_last_duration_seconds,
+deduplicated by the group's last evaluation time) and the missed iterations; head series, RSS and
+CPU of the Prometheus process; and at the end the costliest rules (/api/v1/rules evaluationTime) and
+what the rules found (verdicts, alerts).
 
 Run profiles (one in four runs each): gpu_bound (NVML 97%, SM active 90%); data_bound (40% of the
 step in dataloader_next, SM active 40%); busy_idle (NVML 95%, SM active 30%); host_bound (SM active
@@ -68,6 +69,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from grafana.rules import RULE_FILES, RUN_RULES, rules  # noqa: E402
 from stepscope_testkit.node_scrape import GPUS, capture_node_scrape  # noqa: E402
 from stepscope_testkit.processes import free_port, running  # noqa: E402
+from stepscope_testkit.prometheus_runtime import compose_prometheus_gogc  # noqa: E402
 from stepscope_testkit.sharded import shard_write_filter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.md"
@@ -76,7 +78,7 @@ INTERVAL_SECONDS = 15
 # The Go GC target the compose file and the chart give Prometheus (README "Scaling"): at Go's default of
 # 100 (75 from Prometheus 2.53) a 1,000-node server collects every ~10 s, and its mark assists stall
 # whichever groups evaluate meanwhile (single evaluations of 2.5-3.7 s against medians under 0.8 s).
-PROMETHEUS_GOGC = 200
+PROMETHEUS_GOGC = compose_prometheus_gogc()
 GO_DEFAULT_GOGC = 100  # what the rows measured before --gogc existed ran with (Debian's 2.42, no GOGC set)
 CAPTURE_RUN = "capture"
 STRAGGLER_LOCAL_RANK = 3
@@ -354,6 +356,7 @@ class Result:
     findings: dict[str, str]
     commit: str = ""  # the checkout measured: short hash, "+changes" when the tree differed from it
     gogc: int = GO_DEFAULT_GOGC  # the GOGC the Prometheus servers ran with
+    gc_cycles: float | None = None  # Go garbage collections in the measured window (None: not counted)
 
     def cycle_seconds(self) -> float:
         """Median evaluation seconds of all groups added up: the work of one evaluation cycle."""
@@ -442,16 +445,19 @@ def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: fl
         groups={group: sorted(times.values()) for group, times in watched.evaluations.items()},
         missed=delta("prometheus_rule_group_iterations_missed_total"),
         failures=delta("prometheus_rule_evaluation_failures_total"),
+        gc_cycles=delta("go_gc_duration_seconds_count"),
         costliest=costliest, findings=findings(url), commit=checkout(), gogc=gogc,
     )
 
 
 def checkout() -> str:
-    """Which rules a row measured: the commit, marked when the working tree had changes."""
+    """Which rules a row measured: the commit, marked when the working tree had changes (other than
+    the results this script writes, which an earlier size of the same run has already changed)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "?"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{display(RESULTS.parent)}")
+    return head + ("+changes" if changed else "")
 
 
 def findings(url: str) -> dict[str, str]:
@@ -492,12 +498,14 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
     summary = table(
         ["nodes", "rules", "GOGC", "commit", "series per node scrape", "head series", "recorded series",
          "Prometheus RSS (peak)", "Prometheus CPU (cores)", "slowest group: worst evaluation",
-         "all groups, one cycle (sum of medians)", "missed iterations", "rule failures", "target CPU (cores)",
+         "all groups, one cycle (sum of medians)", "missed iterations", "rule failures", "GC cycles",
+         "target CPU (cores)",
          "other load (cores)"],
         [[str(r.nodes), r.rules, str(r.gogc), r.commit or "?", str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
           f"{r.recorded_series / 1000:.1f}k", f"{r.rss_bytes / 2**30:.2f} GiB", f"{r.prometheus_cores:.2f}",
           "{} {:.2f} s".format(*max(((g, max(v)) for g, v in r.groups.items()), key=lambda gv: gv[1])),
-          f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}", f"{r.failures:.0f}", f"{r.target_cores:.2f}",
+          f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}", f"{r.failures:.0f}",
+          "-" if r.gc_cycles is None else f"{r.gc_cycles:.0f}", f"{r.target_cores:.2f}",
           f"{r.other_cores:.2f}"]
          for r in results])
     sections = [
