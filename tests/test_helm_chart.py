@@ -20,7 +20,6 @@ from exporter.cli import build_parser
 from grafana.rules import NODE_RULES, RULE_FILES, RUN_RULES
 from grafana.rules import groups as rule_groups
 from stepscope_testkit.processes import exporter_env, free_port, running
-from stepscope_testkit.prometheus_runtime import compose_prometheus_gogc
 from stepscope_testkit.sharded import shard_write_filter
 from tests.support.helm_chart import (
     CHART,
@@ -92,9 +91,6 @@ def check_operator_object(obj: dict[str, Any]) -> None:
     spec = obj["spec"]
     if obj["kind"] == "Prometheus":
         assert spec["ruleSelector"]["matchLabels"] and spec["serviceAccountName"]
-        for container in spec.get("containers", []):  # merged by name into the operator's own containers
-            assert container["name"] in {"prometheus", "config-reloader"}
-            assert all(set(env) == {"name", "value"} and isinstance(env["value"], str) for env in container["env"])
         for write in spec.get("remoteWrite", []):
             assert write["url"].startswith("http")
             for relabel in write["writeRelabelConfigs"]:
@@ -375,18 +371,9 @@ def test_shards_scrape_the_exporters_and_load_the_node_rules(chart: Path) -> Non
     assert top["ruleSelector"]["matchLabels"].items() <= rules["rel-stepscope-run"]["metadata"]["labels"].items()
     assert "serviceMonitorSelector" not in top and top["enableRemoteWriteReceiver"] is True
     assert shards["externalLabels"] == {"stepscope_shard": "$(SHARD)"} and shards["replicaExternalLabelNameClear"]
-    assert shards["resources"]["requests"]["memory"] == "7Gi"
+    assert shards["resources"]["requests"]["memory"] == "4Gi"
     for spec in (shards, top):
         assert spec["alerting"]["alertmanagers"][0]["name"] == "alertmanager-operated"
-        # the GC target the compose stack gives its Prometheus, merged into the operator's container
-        assert spec["containers"] == [{"name": "prometheus",
-                                       "env": [{"name": "GOGC", "value": str(compose_prometheus_gogc())}]}]
-
-
-def test_sharding_go_gc_is_a_value(chart: Path) -> None:
-    sharding = {**ci_values(CHART / "ci" / "sharding-values.yaml")["sharding"], "goGC": 150}
-    for prometheus in by_kind(sharded(chart, {"sharding": sharding}), "Prometheus"):
-        assert prometheus["spec"]["containers"][0]["env"] == [{"name": "GOGC", "value": "150"}]
 
 
 def test_shards_write_to_the_global_prometheus_what_the_run_rules_read(chart: Path) -> None:
@@ -504,7 +491,6 @@ def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
     ({"securityContext": {"runAsUser": "root"}},
      r"at '/securityContext/runAsUser': got string, want integer"),
     ({"sharding": {"shards": {"count": 0}}}, r"at '/sharding/shards/count': minimum"),
-    ({"sharding": {"goGC": 0}}, r"at '/sharding/goGC': minimum"),
     ({"sharding": {"remoteWrite": {"url": "mimir:8080"}}}, r"at '/sharding/remoteWrite/url'"),
     ({"sharding": {"enabled": "yes"}}, r"at '/sharding/enabled': got string, want boolean"),
 ])

@@ -172,14 +172,3 @@ app.kubernetes.io/component: prometheus
 app.kubernetes.io/part-of: stepscope
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
-
-{{/* GOGC of a sharded-layout Prometheus (the values' sharding block): the operator merges a container
-named `prometheus` into the one it generates. An environment variable, not the config's runtime.gogc,
-because every Prometheus version reads it (2.53+ take it as the default of runtime.gogc). */}}
-{{- define "stepscope.prometheusGoGC" }}
-  containers:
-    - name: prometheus
-      env:
-        - name: GOGC
-          value: {{ .goGC | quote }}
-{{- end }}
