@@ -19,7 +19,7 @@ average rate since boot), timestamps at now. Bodies are pre-parsed; a scrape for
 counters, and the table reports the target's own CPU so it is seen not to be the bottleneck.
 
 A real Prometheus (Debian's 2.42) scrapes every target and evaluates the rule files every 15 s (as
-in production), with the GOGC the compose file and the chart give it (--gogc; column GOGC). After
+in production), with Go's default GC target unless --gogc sets one (column GOGC). After
 a warm-up (rate windows full, recordings present) the measured window collects, from Prometheus'
 own /metrics, every evaluation of every group (prometheus_rule_group_last_duration_seconds,
 deduplicated by the group's last evaluation time) and the missed iterations; head series, RSS and
@@ -69,17 +69,15 @@ sys.path.insert(0, str(REPO_ROOT))
 from grafana.rules import RULE_FILES, RUN_RULES, rules  # noqa: E402
 from stepscope_testkit.node_scrape import GPUS, capture_node_scrape  # noqa: E402
 from stepscope_testkit.processes import free_port, running  # noqa: E402
-from stepscope_testkit.prometheus_runtime import compose_prometheus_gogc  # noqa: E402
 from stepscope_testkit.sharded import shard_write_filter  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.md"
 NODES_PER_RUN = 8
 INTERVAL_SECONDS = 15
-# The Go GC target the compose file and the chart give Prometheus (README "Scaling"): at Go's default of
-# 100 (75 from Prometheus 2.53) a 1,000-node server collects every ~10 s, and its mark assists stall
-# whichever groups evaluate meanwhile (single evaluations of 2.5-3.7 s against medians under 0.8 s).
-PROMETHEUS_GOGC = compose_prometheus_gogc()
-GO_DEFAULT_GOGC = 100  # what the rows measured before --gogc existed ran with (Debian's 2.42, no GOGC set)
+# Go's GC target when GOGC is not set, which Debian's Prometheus 2.42 keeps (2.53 and newer default to
+# 75); --gogc tries others: at 1,000 nodes the worst single evaluations come from the Go runtime
+# (collections, and page faults while the heap grows back), README "Scaling".
+GO_DEFAULT_GOGC = 100
 CAPTURE_RUN = "capture"
 STRAGGLER_LOCAL_RANK = 3
 STRAGGLER_FORWARD = 3.0
@@ -277,7 +275,7 @@ def running_cluster(scrape_text: str, nodes: int) -> Iterator[tuple[int, multipr
 
 @contextmanager
 def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequence[Path],
-                       gogc: int = PROMETHEUS_GOGC) -> Iterator[str]:
+                       gogc: int | None = None) -> Iterator[str]:
     binary = shutil.which("prometheus")
     if binary is None:
         raise SystemExit("bench_scale: prometheus is not installed (apt-get install prometheus)")
@@ -298,7 +296,7 @@ def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequenc
     argv = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{web}", "--log.level=warn"]
     with running(argv, f"http://127.0.0.1:{web}/-/ready", workdir / "prometheus.log", timeout=120,
-                 base_url=f"http://127.0.0.1:{web}", env={"GOGC": str(gogc)}) as proc:
+                 base_url=f"http://127.0.0.1:{web}", env={"GOGC": str(gogc)} if gogc else None) as proc:
         yield proc.url, proc.process.pid
 
 
@@ -394,7 +392,7 @@ def wait_until_scraped(url: str, nodes: int) -> None:
 
 
 def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warmup: float,
-            window: float, gogc: int) -> list[Result]:
+            window: float, gogc: int | None) -> list[Result]:
     """Every rule set in a Prometheus of its own, side by side, scraping the same synthetic nodes."""
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         port, target = stack.enter_context(running_cluster(scrape_text, nodes))
@@ -425,7 +423,7 @@ def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warm
 
 
 def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: float, other: float,
-           target_cores: float, gogc: int) -> Result:
+           target_cores: float, gogc: int | None) -> Result:
     url, after = watched.url, self_metrics(watched.url)
 
     def delta(name: str) -> float:
@@ -446,7 +444,7 @@ def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: fl
         missed=delta("prometheus_rule_group_iterations_missed_total"),
         failures=delta("prometheus_rule_evaluation_failures_total"),
         gc_cycles=delta("go_gc_duration_seconds_count"),
-        costliest=costliest, findings=findings(url), commit=checkout(), gogc=gogc,
+        costliest=costliest, findings=findings(url), commit=checkout(), gogc=gogc or GO_DEFAULT_GOGC,
     )
 
 
@@ -586,9 +584,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rule files for a second Prometheus side by side, e.g. the rules before a change: "
                              "git show REV:grafana/rules/stepscope.rules.yml > before.yml")
     parser.add_argument("--out", type=Path, default=RESULTS, help="markdown file to write")
-    parser.add_argument("--gogc", type=int, default=PROMETHEUS_GOGC,
-                        help=f"GOGC of the Prometheus servers (default {PROMETHEUS_GOGC}, what the compose file and "
-                             f"the chart set; Go's own default is {GO_DEFAULT_GOGC}, Prometheus 2.53+ use 75)")
+    parser.add_argument("--gogc", type=int, default=None,
+                        help=f"GOGC of the Prometheus servers (default: not set, Go's {GO_DEFAULT_GOGC}; "
+                             "Prometheus 2.53+ default to 75)")
     parser.add_argument("--append", action="store_true",
                         help="add these sizes to the results kept next to --out (OUT.json) from earlier runs, "
                              "so that sizes can be measured one at a time on a shared machine")
@@ -599,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nodes: not a comma-separated list of integers: {args.nodes!r}")
     if any(n < 1 for n in sizes):
         parser.error("--nodes: sizes must be positive")
-    if args.gogc < 1:
+    if args.gogc is not None and args.gogc < 1:
         parser.error("--gogc: must be a positive percentage")
     if not sizes and not args.append:
         parser.error("--nodes: no sizes (an empty list only re-renders the kept results, with --append)")
@@ -620,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
     for nodes in sizes:
         print(f"measuring {nodes} nodes", flush=True)
-        results = [r for r in results if (r.nodes, r.gogc) != (nodes, args.gogc)]
+        results = [r for r in results if (r.nodes, r.gogc) != (nodes, args.gogc or GO_DEFAULT_GOGC)]
         results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure, args.gogc)
         results.sort(key=lambda r: (r.nodes, r.gogc))
         text = report(results, rule_sets, args.warmup, args.measure)
