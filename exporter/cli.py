@@ -24,8 +24,9 @@ from exporter.flags import (
 from exporter.gpu_processes import GpuProcessTable
 from exporter.scheduler import Scheduler
 from exporter.server import PROFILE_PREFIX, ExporterServer, WebLimits, WebOptions
-from exporter.web_auth import Authenticator, BcryptUsers, PasswordFileUser
+from exporter.web_auth import Authenticator, PasswordFileUser
 from exporter.web_config import TlsSettings, WebConfig, WebConfigError, load
+from exporter.web_reload import ReloadingUsers, WebConfigSource
 from exporter.web_tls import TlsContextSource
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="path of the metrics endpoint (the push API stays at /metrics/job/...)")
     add_flag(web, "--web.config.file", default=None, type=readable_file, dest="web_config_file",
              help="exporter-toolkit web config YAML: tls_server_config, basic_auth_users (bcrypt), "
-                  "http_server_config.headers; the TLS files in it are reloaded when they change")
+                  "http_server_config.headers; users and headers are re-read when the file changes, "
+                  "the certificate files when they do (tls_server_config itself at start)")
     add_flag(web, "--web.max-connections", aliases=["--web-max-connections"], default="512", type=positive_int,
              dest="web_max_connections", help="most client connections open at once; more get 503 and are closed")
     legacy = parser.add_argument_group(
@@ -133,7 +135,7 @@ def _web_options(args: argparse.Namespace) -> WebOptions:
     """TLS, basic auth and headers from --web.config.file or the older flags; one line on conflict."""
     legacy = [flag for flag in ("--tls-cert-file", "--tls-key-file", "--basic-auth-user", "--basic-auth-password-file")
               if getattr(args, flag[2:].replace("-", "_"))]
-    config = WebConfig()
+    config, source = WebConfig(), None
     if args.web_config_file:
         if legacy:
             fail(f"{legacy[0]} and --web.config.file both configure the web server: put it in the web config file")
@@ -141,6 +143,7 @@ def _web_options(args: argparse.Namespace) -> WebOptions:
             config = load(args.web_config_file)
         except WebConfigError as exc:
             fail(f"--web.config.file {args.web_config_file}: {exc}")
+        source = WebConfigSource(args.web_config_file, config)
     elif bool(args.tls_cert_file) != bool(args.tls_key_file):
         fail("--tls-cert-file and --tls-key-file must be given together")
     elif bool(args.basic_auth_user) != bool(args.basic_auth_password_file):
@@ -152,7 +155,7 @@ def _web_options(args: argparse.Namespace) -> WebOptions:
             tls = TlsContextSource(tls_settings)
         except (OSError, ValueError) as exc:
             fail(f"cannot load TLS certificate/key: {exc}")
-    auth: Authenticator | None = BcryptUsers(config.users) if config.users else None
+    auth: Authenticator | None = ReloadingUsers(source) if source is not None else None
     if args.basic_auth_user:
         with open(args.basic_auth_password_file, encoding="utf-8") as handle:
             password = handle.read().rstrip("\r\n")
@@ -161,7 +164,8 @@ def _web_options(args: argparse.Namespace) -> WebOptions:
         auth = PasswordFileUser(args.basic_auth_user, password)
     limits = WebLimits(max_connections=args.web_max_connections,
                        max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
-    return WebOptions(telemetry_path=args.telemetry_path, tls=tls, auth=auth, headers=config.headers, limits=limits)
+    headers = source.headers if source is not None else dict
+    return WebOptions(telemetry_path=args.telemetry_path, tls=tls, auth=auth, headers=headers, limits=limits)
 
 
 def _build_collectors(

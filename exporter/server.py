@@ -105,7 +105,7 @@ class WebOptions:
     telemetry_path: str = "/metrics"
     tls: TlsContextSource | None = None
     auth: Authenticator | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)  # added to every response
+    headers: Callable[[], Mapping[str, str]] = dict  # the headers to add to every response now
     limits: WebLimits = WebLimits()
 
 
@@ -264,7 +264,7 @@ class ExporterServer:
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         response = await self._route(request)
         if not response.prepared:  # /metrics streams, and adds them itself
-            response.headers.update(self.options.headers)
+            response.headers.update(self.options.headers())
         return response
 
     async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -297,7 +297,7 @@ class ExporterServer:
     async def _metrics(self, request: web.BaseRequest, close: bool) -> web.StreamResponse:
         compressed = "gzip" in request.headers.get("Accept-Encoding", "")
         body = self.store.body(compressed=compressed)
-        headers = {**self.options.headers, "Content-Type": CONTENT_TYPE_LATEST}
+        headers = {**self.options.headers(), "Content-Type": CONTENT_TYPE_LATEST}
         response = _response(web.StreamResponse(status=200, headers=headers), close)
         if compressed:
             response.headers["Content-Encoding"] = "gzip"

@@ -65,6 +65,11 @@ class BcryptUsers:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
         self.bcrypt_calls = 0
 
+    def replace_users(self, users: Mapping[str, str]) -> None:
+        """The users of a reloaded web config. Cached outcomes stay valid: each is keyed by the hash
+        it was checked against, so a changed or removed user's old outcome no longer matches."""
+        self._users = {user: hashed.encode() for user, hashed in users.items()}
+
     async def allows(self, header: str | None) -> bool:
         credentials = _basic_credentials(header)
         if credentials is None:

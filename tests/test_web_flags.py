@@ -5,6 +5,7 @@ older flags kept as aliases."""
 import asyncio
 import base64
 import sys
+import time
 from pathlib import Path
 
 import bcrypt
@@ -158,6 +159,45 @@ def test_bcrypt_runs_once_per_credential() -> None:
 
     assert asyncio.run(scrapes()) == [True] * 5 + [False] * 6
     assert users.bcrypt_calls == 3  # the right password, the wrong one, the unknown user: once each
+    users.replace_users({})  # a reload that removed the user: its cached outcome must not let it in
+    assert asyncio.run(users.allows(header("prometheus", PASSWORD))) is False
+
+
+def test_users_and_headers_follow_the_edited_web_config(tmp_path: Path) -> None:
+    """exporter-toolkit re-reads its web config per request: a rotated password, a changed header and
+    removed users apply without a restart; a broken edit keeps what was loaded."""
+    new_password = "n3w-s3cret"
+    new_hash = bcrypt.hashpw(new_password.encode(), bcrypt.gensalt(4)).decode()
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users: {{prometheus: '{HASH}'}}\n"
+                      "http_server_config: {headers: {X-Frame-Options: deny}}\n")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = _exporter_argv(port, "--web.config.file", str(config), "--no-collector.gpu", "--no-collector.process")
+
+    def status(auth: tuple[str, str] | None) -> tuple[int, str]:
+        answer = requests.get(f"{base}/metrics", auth=auth, timeout=5)
+        return answer.status_code, answer.headers.get("X-Frame-Options", "")
+
+    def eventually(auth: tuple[str, str] | None, expected: tuple[int, str]) -> None:
+        deadline = time.monotonic() + 10
+        while status(auth) != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status(auth) == expected
+
+    with running(argv, f"{base}/-/ready", tmp_path / "exporter.log", env=exporter_env()):
+        assert status(("prometheus", PASSWORD)) == (200, "deny") and status(None) == (401, "deny")
+        config.write_text(f"basic_auth_users: {{prometheus: '{new_hash}'}}\n"
+                          "http_server_config: {headers: {X-Frame-Options: sameorigin}}\n")
+        eventually(("prometheus", new_password), (200, "sameorigin"))
+        assert status(("prometheus", PASSWORD)) == (401, "sameorigin")
+        config.write_text("basic_auth_users: {prometheus: plaintext}\n")  # does not load: nothing changes
+        time.sleep(1.5)
+        assert status(("prometheus", new_password)) == (200, "sameorigin") and status(None)[0] == 401
+        config.write_text("# no users, no headers\n")
+        eventually(None, (200, ""))
+    log = (tmp_path / "exporter.log").read_text()
+    assert "basic_auth_users.prometheus: not a bcrypt hash" in log and "keeping the loaded users" in log
 
 
 def test_a_collector_switch_on_the_command_line_beats_the_environment(tmp_path: Path) -> None:

@@ -1,0 +1,82 @@
+"""The web config file's basic-auth users and response headers, re-read when the file changes.
+
+exporter-toolkit reads its web config on every request, so Prometheus users rotate a password or add
+a header by editing the file, without a restart; the exporter does the same, looking at the file's
+modification time at most once a second (a scrape with cached credentials still costs no bcrypt). An
+edit that does not load (half-saved, a wrong key, a bad hash) keeps what was loaded and logs why: a
+broken file must neither lock Prometheus out nor open the endpoint. `tls_server_config` is read at
+start (a listener cannot switch between HTTP and HTTPS); its certificate files reload (web_tls).
+"""
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+
+from exporter.web_auth import BcryptUsers
+from exporter.web_config import WebConfig, WebConfigError, load
+
+log = logging.getLogger(__name__)
+CHECK_SECONDS = 1.0
+
+
+class WebConfigSource:
+    """The latest web config that loaded from `path`."""
+
+    def __init__(self, path: str, loaded: WebConfig) -> None:
+        self._path = path
+        self._config = loaded
+        self._stamp = self._file_stamp()
+        self._checked_at = time.monotonic()
+
+    def current(self) -> WebConfig:
+        now = time.monotonic()
+        if now - self._checked_at >= CHECK_SECONDS:
+            self._checked_at = now
+            stamp = self._file_stamp()
+            if stamp is not None and stamp != self._stamp:
+                self._stamp = stamp
+                self._reload()
+        return self._config
+
+    def headers(self) -> Mapping[str, str]:
+        """The response headers of `http_server_config.headers` now."""
+        return self.current().headers
+
+    def _reload(self) -> None:
+        try:
+            config = load(self._path)
+        except WebConfigError as exc:
+            log.error("--web.config.file %s: %s; keeping the loaded users and headers", self._path, exc)
+            return
+        if config.tls != self._config.tls:
+            log.warning("--web.config.file %s: tls_server_config changed; restart the exporter to apply it "
+                        "(its certificate files reload by themselves)", self._path)
+        self._config = WebConfig(tls=self._config.tls, users=config.users, headers=config.headers)
+        log.info("reloaded --web.config.file %s: %d users, %d headers", self._path, len(config.users),
+                 len(config.headers))
+
+    def _file_stamp(self) -> tuple[float, int] | None:
+        try:
+            stat = os.stat(self._path)
+        except OSError as exc:
+            log.error("--web.config.file %s: %s; keeping the loaded users and headers", self._path, exc.strerror)
+            return None
+        return stat.st_mtime, stat.st_size
+
+
+class ReloadingUsers:
+    """Basic auth by the users the web config file lists now; open while it lists none (as
+    exporter-toolkit: no `basic_auth_users`, no authentication)."""
+
+    def __init__(self, source: WebConfigSource) -> None:
+        self._source = source
+        self._users = source.current().users
+        self._bcrypt = BcryptUsers(self._users)
+
+    async def allows(self, header: str | None) -> bool:
+        users = self._source.current().users
+        if users is not self._users:
+            self._users = users
+            self._bcrypt.replace_users(users)
+        return not users or await self._bcrypt.allows(header)
