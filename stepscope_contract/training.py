@@ -22,9 +22,12 @@ STANDARD_PHASES = (
 LOCAL_PHASES = (DATA_LOADING_PHASE, TO_DEVICE_PHASE, FORWARD_PHASE)
 
 # The fixed state set of stepscope_training_state: exactly one is 1 at any time.
-STATES = ("setup", "train", "eval", "checkpoint", "idle")
+SETUP_STATE = "setup"  # from the Tracker's start until its first step
 TRAIN_STATE = "train"  # the state the verdict, the alerts and the report count as training
+EVAL_STATE = "eval"
+CHECKPOINT_STATE = "checkpoint"
 IDLE_STATE = "idle"  # what close() and SIGTERM push
+STATES = (SETUP_STATE, TRAIN_STATE, EVAL_STATE, CHECKPOINT_STATE, IDLE_STATE)
 
 # Values of stepscope_step_phase_seconds{timing}: what a phase histogram holds.
 TIMINGS = ("host", "cuda_event", "cuda_sync")

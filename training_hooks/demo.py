@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import training_hooks
 from stepscope_contract.training import (
     BACKWARD_PHASE,
+    EVAL_STATE,
     FORWARD_PHASE,
     LR_SCHEDULER_PHASE,
     OPTIMIZER_PHASE,
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.steps and tracker.steps >= args.steps:
                 break
             if args.eval_every and tracker.steps % args.eval_every == 0:
-                with tracker.state("eval"):
+                with tracker.state(EVAL_STATE):
                     evaluate(model, args.batch_size, args.eval_seconds)
     except KeyboardInterrupt:
         pass

@@ -18,7 +18,16 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import training_hooks
-from stepscope_contract.training import DATA_LOADING_PHASE, LR_SCHEDULER_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE
+from stepscope_contract.training import (
+    CHECKPOINT_STATE,
+    DATA_LOADING_PHASE,
+    EVAL_STATE,
+    IDLE_STATE,
+    LR_SCHEDULER_PHASE,
+    OPTIMIZER_PHASE,
+    TRAIN_BATCH_PHASE,
+    TRAIN_STATE,
+)
 from training_hooks.tracker import Tracker
 
 _GPU_PHASES = (TRAIN_BATCH_PHASE, OPTIMIZER_PHASE, LR_SCHEDULER_PHASE)
@@ -54,7 +63,7 @@ class StepscopeCallback(TrainerCallback):
                     **self._init_kwargs}
             self.tracker = training_hooks.init(**init)
         self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps
-        self.tracker.state("train")
+        self.tracker.state(TRAIN_STATE)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -62,8 +71,8 @@ class StepscopeCallback(TrainerCallback):
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
-        if self.tracker.current_state != "train":
-            self.tracker.state("train")  # restarts the step clock: eval/save time is not a step
+        if self.tracker.current_state != TRAIN_STATE:
+            self.tracker.state(TRAIN_STATE)  # restarts the step clock: eval/save time is not a step
             self._loading = False
         if self._loading:
             self._phase(DATA_LOADING_PHASE).end()
@@ -98,14 +107,14 @@ class StepscopeCallback(TrainerCallback):
     def _enter_eval_or_save(self, control: TrainerControl) -> None:
         """DefaultFlowCallback (always first) has already decided whether the Trainer evaluates or saves."""
         if control.should_evaluate:
-            self.tracker.state("eval")
+            self.tracker.state(EVAL_STATE)
         elif control.should_save:
-            self.tracker.state("checkpoint")
+            self.tracker.state(CHECKPOINT_STATE)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         if control.should_save:
-            self.tracker.state("checkpoint")
+            self.tracker.state(CHECKPOINT_STATE)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -114,4 +123,4 @@ class StepscopeCallback(TrainerCallback):
             self.tracker.close()
             self.tracker = None
         else:
-            self.tracker.state("idle")
+            self.tracker.state(IDLE_STATE)

@@ -21,11 +21,16 @@ from lightning.pytorch.utilities.data import extract_batch_size
 import training_hooks
 from stepscope_contract.training import (
     BACKWARD_PHASE,
+    CHECKPOINT_STATE,
     DATA_LOADING_PHASE,
+    EVAL_STATE,
     FORWARD_PHASE,
+    IDLE_STATE,
     OPTIMIZER_PHASE,
+    SETUP_STATE,
     TO_DEVICE_PHASE,
     TRAIN_BATCH_PHASE,
+    TRAIN_STATE,
 )
 from training_hooks.tracker import Tracker
 
@@ -73,7 +78,7 @@ class StepscopeCallback(Callback):
             self.tracker.close()
             self.tracker = None
         else:
-            self.tracker.state("idle")
+            self.tracker.state(IDLE_STATE)
 
     # -- phases -----------------------------------------------------------------------------------
 
@@ -106,20 +111,20 @@ class StepscopeCallback(Callback):
 
     def _end_loading(self) -> None:
         """Closes the loading gap; a gap that contained eval or checkpointing is dropped, not recorded."""
-        if self._loading and self.tracker is not None and self.tracker.current_state == "train":
+        if self._loading and self.tracker is not None and self.tracker.current_state == TRAIN_STATE:
             self._phase(DATA_LOADING_PHASE).end()
         self._loading = False
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.tracker.state("train")
+        self.tracker.state(TRAIN_STATE)
         self._start_loading()
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._end_loading()
-        if self.tracker.current_state != "train":  # back from a checkpoint: its time is not a step
-            self.tracker.state("train")
+        if self.tracker.current_state != TRAIN_STATE:  # back from a checkpoint: its time is not a step
+            self.tracker.state(TRAIN_STATE)
         self._in_optimizer = False
         self._phase(TRAIN_BATCH_PHASE).start()
         self._phase(FORWARD_PHASE).start()
@@ -152,21 +157,21 @@ class StepscopeCallback(Callback):
     # -- states -----------------------------------------------------------------------------------
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.tracker.state("eval")
+        self.tracker.state(EVAL_STATE)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self.tracker.state("train")
+            self.tracker.state(TRAIN_STATE)
             self._start_loading()
         else:
-            self.tracker.state("setup" if trainer.sanity_checking else "idle")
+            self.tracker.state(SETUP_STATE if trainer.sanity_checking else IDLE_STATE)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        self.tracker.state("checkpoint")
+        self.tracker.state(CHECKPOINT_STATE)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._loading = False
-        self.tracker.state("idle")
+        self.tracker.state(IDLE_STATE)
 
 
 def _batch_size(batch: Any) -> int:

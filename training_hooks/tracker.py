@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from stepscope_contract import STATES
+from stepscope_contract.training import IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
 from training_hooks.config import Config, validate_phase_name
 from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
 from training_hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
@@ -90,7 +90,7 @@ class Tracker:
         self._steps = 0
         self._samples = 0
         self._boundary = perf_counter_ns()
-        self._state = "setup"
+        self._state = SETUP_STATE
         self._cuda_timer: CudaTimer | None = None
         # The trace taker's boundary call while a profiler trace is requested or recording (profiling).
         self._tracing: BoundaryHook | None = None
@@ -135,8 +135,8 @@ class Tracker:
         """
         now = perf_counter_ns()
         duration = now - self._boundary
-        if self._state == "setup":
-            self._state = "train"
+        if self._state == SETUP_STATE:
+            self._state = TRAIN_STATE
         else:
             self._step_hist.observe_ns(duration)
         self._boundary = now
@@ -153,7 +153,7 @@ class Tracker:
         """
         phase = self.phase("dataloader_next")
         iterator = iter(iterable)
-        self.state("train")
+        self.state(TRAIN_STATE)
         self._boundary = perf_counter_ns()
         while True:
             phase.start()
@@ -182,7 +182,7 @@ class Tracker:
         limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
                          samples_per_batch=samples_per_batch, cuda=_cuda_module())
         self._limits = limits
-        if self._state == "train":
+        if self._state == TRAIN_STATE:
             self._boundary = perf_counter_ns()
         log.info("stepscope: %s", limits)
         return limits
@@ -213,7 +213,7 @@ class Tracker:
         if name not in STATES:
             raise ValueError(f"unknown training state {name!r}; known: {', '.join(STATES)}")
         previous = self._state
-        if name == "train" and previous != "train":
+        if name == TRAIN_STATE and previous != TRAIN_STATE:
             self._boundary = perf_counter_ns()
         self._state = name
         return _StateScope(self, previous)
@@ -318,7 +318,7 @@ class Tracker:
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
         if self.traces is not None:
             self.traces.close()  # a trace being recorded is written with the steps it has
-        self._state = "idle"
+        self._state = IDLE_STATE
         if self.pusher is not None:
             self.pusher.stop()
 
