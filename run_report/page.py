@@ -15,7 +15,7 @@ from run_report import fmt
 from run_report.csvs import cell
 from run_report.summary import STRAGGLER_SCORE
 from run_report.times import iso
-from stepscope_contract import LOCAL_PHASES
+from stepscope_contract import LOCAL_PHASES, verdicts
 from stepscope_contract.recordings import RUN_VERDICT
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 GENERATOR = "stepscope-report"
 LOCAL_PHASES_HTML = " + ".join(f"<code>{phase}</code>" for phase in LOCAL_PHASES)
 
+VERDICT_BORDERS = {verdicts.DATA_BOUND: "#c62828", verdicts.GPU_BOUND: "#2e7d32", verdicts.GPU_BUSY_IDLE: "#ef6c00",
+                   verdicts.HOST_BOUND: "#f9a825", verdicts.IDLE: "#9e9e9e"}
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1120px;
 padding:0 16px 48px;color:#212121}
@@ -31,8 +33,6 @@ h1{margin:24px 0 4px}h2{margin:28px 0 8px;border-bottom:1px solid #e0e0e0;paddin
 .meta{color:#616161;margin:0}
 .verdict{border-left:6px solid #9e9e9e;background:#fafafa;padding:4px 18px 12px;margin-top:18px}
 .verdict h2{border:0;margin-top:12px}
-.v-data_bound{border-color:#c62828}.v-gpu_bound{border-color:#2e7d32}.v-gpu_busy_idle{border-color:#ef6c00}
-.v-host_bound{border-color:#f9a825}.v-idle{border-color:#9e9e9e}
 table{border-collapse:collapse;margin:8px 0;font-size:13px}
 th,td{border:1px solid #e0e0e0;padding:3px 8px;text-align:right}
 th{background:#f5f5f5}td.text,th.text{text-align:left}
@@ -41,7 +41,7 @@ th{background:#f5f5f5}td.text,th.text{text-align:left}
 img{display:block;max-width:100%;height:auto;margin:8px 0}
 .note{color:#616161;font-size:13px}
 code{background:#f5f5f5;padding:0 3px}
-"""
+""" + "".join(f".v-{verdict}{{border-color:{color}}}" for verdict, color in VERDICT_BORDERS.items())
 
 
 def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files: Sequence[str]) -> str:

@@ -20,12 +20,14 @@ from run_report.summary import STRAGGLER_SCORE, RankSummary
 from run_report.timeline import Bound, Interval, rank_key
 from run_report.window import Window
 from stepscope_contract import STATES, THRESHOLDS
+from stepscope_contract import verdicts as verdict_names
 
 WIDTH = 11.0  # inches; at DPI that is the page's content width
 DPI = 100
 STATE_COLORS = dict(zip(STATES, ("#9e9e9e", "#2e7d32", "#1565c0", "#ef6c00", "#e0e0e0"), strict=True))
-VERDICT_COLORS = {"gpu_bound": "#00897b", "data_bound": "#e53935", "gpu_busy_idle": "#8e24aa",
-                  "host_bound": "#fdd835", "idle": "#eeeeee"}
+VERDICT_COLORS = {verdict_names.GPU_BOUND: "#00897b", verdict_names.DATA_BOUND: "#e53935",
+                  verdict_names.GPU_BUSY_IDLE: "#8e24aa", verdict_names.HOST_BOUND: "#fdd835",
+                  verdict_names.IDLE: "#eeeeee"}
 OTHER_COLOR = "#6d4c41"
 UNTIMED_COLOR = "#cfd8dc"
 
@@ -133,7 +135,7 @@ def gantt(window: Window, intervals: Sequence[Interval], verdicts: Sequence[tupl
                  f"(solid: straggler score < {STRAGGLER_SCORE})")
     states = [Patch(color=color, label=state) for state, color in STATE_COLORS.items()]
     verdict_patches = [Patch(color=VERDICT_COLORS[v], label=f"verdict {v}")
-                       for v in sorted({v for v, _, _ in verdicts}) if v in VERDICT_COLORS and v != "idle"]
+                       for v in sorted({v for v, _, _ in verdicts}) if v in VERDICT_COLORS and v != verdict_names.IDLE]
     fig.legend(handles=states + verdict_patches, loc="outside lower center", ncols=5, frameon=False,
                fontsize="small")
     _time_axis(ax, axis)

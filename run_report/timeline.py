@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from run_report.prometheus import Series
 from run_report.window import Window
+from stepscope_contract.verdicts import IDLE as IDLE_VERDICT
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def labelled_intervals(series: Iterable[Series], label: str, window: Window) -> 
 
 def training_times(verdicts: Iterable[Series]) -> set[float]:
     """The times some rank trained: the run's verdict is there and is not idle."""
-    return {t for series in verdicts if series.labels.get("verdict") != "idle" for t, _ in series.points}
+    return {t for series in verdicts if series.labels.get("verdict") != IDLE_VERDICT for t, _ in series.points}
 
 
 def critical_path(step_scores: Iterable[Series], local_scores: Iterable[Series]) -> list[Bound]:

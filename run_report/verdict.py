@@ -16,42 +16,42 @@ from run_report import fmt
 from run_report.collect import RunData
 from run_report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
 from run_report.timeline import training_times
-from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS
+from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS, verdicts
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 DATA_BOUND = THRESHOLDS["data_loading_share"].value
 
 HEADLINES = {
-    "data_bound": "Data-bound: the ranks wait for the next batch",
-    "gpu_bound": "GPU-bound: the GPUs are busy, the healthy state",
-    "gpu_busy_idle": "GPUs busy but idle: kernels run all the time yet the SMs do little",
-    "host_bound": "Host-bound: the time goes to work on the host",
-    "idle": "Idle: no rank trained in this range",
+    verdicts.DATA_BOUND: "Data-bound: the ranks wait for the next batch",
+    verdicts.GPU_BOUND: "GPU-bound: the GPUs are busy, the healthy state",
+    verdicts.GPU_BUSY_IDLE: "GPUs busy but idle: kernels run all the time yet the SMs do little",
+    verdicts.HOST_BOUND: "Host-bound: the time goes to work on the host",
+    verdicts.IDLE: "Idle: no rank trained in this range",
 }
 
 FIXES = {
-    "data_bound": [
+    verdicts.DATA_BOUND: [
         "Raise the DataLoader's num_workers (watch node CPU below), set pin_memory=True, "
         "persistent_workers=True and a higher prefetch_factor.",
         "Store data pre-decoded and pre-augmented, read it sequentially in large shards (WebDataset, "
         "TFRecord) from NVMe or a local cache, or keep the data set in memory when it fits.",
     ],
-    "gpu_bound": [
+    verdicts.GPU_BOUND: [
         "Make each step cheaper: BF16/FP16 autocast for the tensor cores (or TF32 for FP32 matmuls), "
         "torch.compile to fuse kernels, a larger batch where memory allows.",
     ],
-    "gpu_busy_idle": [
+    verdicts.GPU_BUSY_IDLE: [
         "Give each kernel more work: a larger batch or fewer gradient-accumulation steps.",
         "Remove launch overhead: CUDA graphs (torch.compile(mode=\"reduce-overhead\")), torch.compile to fuse "
         "small kernels, fewer host syncs per step (.item(), .cpu(), printing tensors).",
     ],
-    "host_bound": [
+    verdicts.HOST_BOUND: [
         "Overlap host-to-device copies with compute (pinned memory and .to(device, non_blocking=True)), "
         "move augmentation to the GPU, cut Python work and host syncs per step.",
         "Under DDP or FSDP compare the phase breakdown per rank: a long backward on the fast ranks is "
         "time spent waiting for a slow one in the all-reduce.",
     ],
-    "idle": [
+    verdicts.IDLE: [
         "Read the state timeline: setup, eval or checkpointing filled the range, or a rank stalled "
         "(py-spy dump, NCCL_DEBUG=INFO).",
     ],
@@ -82,8 +82,8 @@ class Assessment:
 
 def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assessment:
     fractions = _verdict_fractions(data)
-    busy = {verdict: share for verdict, share in fractions.items() if verdict != "idle"}
-    verdict = max(busy, key=busy.__getitem__) if busy else "idle"
+    busy = {verdict: share for verdict, share in fractions.items() if verdict != verdicts.IDLE}
+    verdict = max(busy, key=busy.__getitem__) if busy else verdicts.IDLE
     training = training_times(data.over_time["verdict"])
     gpu_effective = _mean_while(data.over_time["run_gpu_effective"], training)
     gpu_nvml = _mean_while(data.over_time["run_gpu_nvml"], training)
@@ -93,7 +93,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
     headline = HEADLINES[verdict]
-    if busy and verdict != "idle":
+    if busy and verdict != verdicts.IDLE:
         headline += f" ({busy[verdict] / sum(busy.values()):.0%} of the training time)"
     return Assessment(
         verdict=verdict, fractions=fractions, headline=headline,
@@ -119,19 +119,19 @@ def _because(verdict: str, totals: RunTotals, gpu: float | None, nvml: float | N
     loading = f"data loading took {share:.0%} of step time" if share is not None else "data loading is not timed"
     gpus = (f"the run's GPUs averaged {gpu:.0%} effective utilization ({source}) while training"
             if gpu is not None else "no GPU is mapped to the run (CPU-only, or the exporter cannot see its processes)")
-    if verdict == "data_bound":
+    if verdict == verdicts.DATA_BOUND:
         rates = ""
         if totals.io_samples_per_second and totals.training_samples_per_second:
             rates = (f"; loading delivers {totals.io_samples_per_second:,.0f} samples per second of waiting, "
                      f"training consumes {totals.training_samples_per_second:,.0f} per second of the rest")
         return f"Over the whole window {loading} (threshold {DATA_BOUND:.0%}){rates}; {gpus}."
-    if verdict == "gpu_bound":
+    if verdict == verdicts.GPU_BOUND:
         return f"Over the window {gpus} (threshold {GPU_BOUND:.0%}) and {loading}."
-    if verdict == "gpu_busy_idle":
+    if verdict == verdicts.GPU_BUSY_IDLE:
         busy = f"{nvml:.0%}" if nvml is not None else "most"
         return (f"The GPUs ran kernels {busy} of the time (NVML) but {gpus}: kernels too small to fill "
                 "the GPU, or a loop bound by kernel launches.")
-    if verdict == "host_bound":
+    if verdict == verdicts.HOST_BOUND:
         return f"Over the window {loading} and {gpus}: neither limits the run, its steps wait on the host."
     return "No step was made in state train in this range."
 

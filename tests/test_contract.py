@@ -21,7 +21,10 @@ import stepscope_contract as contract
 from exporter.ingest.families import FAMILIES as INGESTED
 from exporter.ingest.parser import PushLimits, parse_push
 from grafana.rules import RULE_FILES
-from stepscope_contract import recordings
+from run_report.page import VERDICT_BORDERS
+from run_report.plots import VERDICT_COLORS
+from run_report.verdict import FIXES, HEADLINES
+from stepscope_contract import recordings, verdicts
 from tests.support.dashboard_queries import panel_queries
 from training_hooks.limits import Limits
 from training_hooks.profiling import TraceOutcome
@@ -107,6 +110,15 @@ def test_every_recorded_series_the_contract_names_is_recorded_by_the_rules() -> 
     """Whatever files the rules live in: each name in stepscope_contract.recordings has a `record:`."""
     records = {rule["record"] for rule in rules() if "record" in rule}
     assert recording_names() - records == set(), "recordings without a record: rule in grafana/rules/src/*.rules.yml"
+
+
+def test_the_rules_conclude_the_contract_verdicts_and_the_report_explains_each() -> None:
+    concluded = {rule["record"]: set(re.findall(r'"verdict", "(\w+)"', rule["expr"]))
+                 for rule in rules() if rule.get("record") in (recordings.RUN_VERDICT, recordings.RUN_LIMITS_VERDICT)}
+    assert concluded == {recordings.RUN_VERDICT: set(verdicts.BOTTLENECK_VERDICTS),
+                         recordings.RUN_LIMITS_VERDICT: set(verdicts.LIMITS_VERDICTS)}
+    for explained in (HEADLINES, FIXES, VERDICT_COLORS, VERDICT_BORDERS):
+        assert set(explained) == set(verdicts.BOTTLENECK_VERDICTS)
 
 
 def test_the_per_rank_step_quantiles_come_from_one_helper() -> None:

@@ -24,6 +24,7 @@ from grafana.dashboards.panels import (
 from stepscope_contract import families as fam
 from stepscope_contract import recordings as rec
 from stepscope_contract import selector as sel
+from stepscope_contract import verdicts as verdict
 
 UID = "stepscope-training"
 RUN = 'run=~"$run"'
@@ -67,13 +68,15 @@ def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         board.with_panel(
             stat_panel(
                 "Bottleneck verdict",
-                f"What limits the run now. data_bound: waiting for batches takes > {DATA_BOUND.percent} of step "
-                "time. gpu_bound: its GPUs' effective utilization (SM active on Hopper and newer, NVML utilization "
-                f"elsewhere) is >= {GPU_BOUND.percent} (good: buy faster GPUs or optimise kernels). gpu_busy_idle: "
+                f"What limits the run now. {verdict.DATA_BOUND}: waiting for batches takes > {DATA_BOUND.percent} of "
+                f"step time. {verdict.GPU_BOUND}: its GPUs' effective utilization (SM active on Hopper and newer, NVML "
+                f"utilization elsewhere) is >= {GPU_BOUND.percent} (good: buy faster GPUs or optimise kernels). "
+                f"{verdict.GPU_BUSY_IDLE}: "
                 f"its GPUs run kernels >= {BUSY.percent} of the time but their SMs are active < {BUSY_IDLE.percent}: "
                 "kernels too small or a launch-bound loop (larger batch, CUDA graphs, torch.compile, fewer host "
-                "syncs). host_bound: none of these, the time goes to host work (Python, copies, communication, "
-                f"CPU-only compute). idle: no step in the last minute, or no rank in state {TRAIN}.",
+                f"syncs). {verdict.HOST_BOUND}: none of these, the time goes to host work (Python, copies, "
+                f"communication, CPU-only compute). {verdict.IDLE}: no step in the last minute, or no rank in state "
+                f"{TRAIN}.",
                 [Q(sel(rec.RUN_VERDICT, RUN), "{{verdict}}")],
                 "none",
                 show_name=True,
@@ -468,10 +471,11 @@ def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
             stat_panel(
                 "Limits verdict",
                 "From tracker.measure_limits (the loader alone, the training step alone on one cached batch) "
-                "against the samples/s the measured ranks really get. loader_bound: the loader delivers fewer "
-                "samples/s than the step consumes, so the run can go no faster than its loader (more workers, "
-                "pinned memory, pre-decoded or cached data, sequential reads). compute_bound: the loader keeps up "
-                f"and the run gets at least {COMPUTE_SHARE.percent} of the compute limit. below_limits: the loader "
+                f"against the samples/s the measured ranks really get. {verdict.LOADER_BOUND}: the loader delivers "
+                "fewer samples/s than the step consumes, so the run can go no faster than its loader (more workers, "
+                f"pinned memory, pre-decoded or cached data, sequential reads). {verdict.COMPUTE_BOUND}: the loader "
+                f"keeps up and the run gets at least {COMPUTE_SHARE.percent} of the compute limit. "
+                f"{verdict.BELOW_LIMITS}: the loader "
                 f"keeps up, yet the run gets less than {COMPUTE_SHARE.percent} of the compute limit: "
                 "loading not overlapped with compute (num_workers=0), host syncs, logging, eval or communication. "
                 "Empty until a rank measures.",

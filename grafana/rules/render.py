@@ -8,6 +8,7 @@
     <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope_contract.training
     <<phases:LOCAL_PHASES>>            a tuple of phases as a regex alternation (a|b|c)
     <<state:TRAIN_STATE>>              a state constant of stepscope_contract.training
+    <<verdict:DATA_BOUND>>             a verdict of stepscope_contract.verdicts
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
 """
@@ -15,7 +16,7 @@ The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert an
 import re
 from collections.abc import Callable
 
-from stepscope_contract import THRESHOLDS, families, recordings, training
+from stepscope_contract import THRESHOLDS, families, recordings, training, verdicts
 
 PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
 
@@ -42,6 +43,7 @@ KINDS: dict[str, Callable[[str], str]] = {
     "phase": _named(training, "_PHASE"),
     "phases": _named(training, "PHASES", tuple),
     "state": _named(training, "_STATE"),
+    "verdict": _named(verdicts),
 }
 
 
