@@ -24,49 +24,50 @@ from exporter.collectors.gpu_events import XidWatcher
 from exporter.collectors.gpu_gpm import GpmSampler
 from exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings
 from exporter.gpu_processes import GpuProcessTable
+from stepscope_contract import families as fam
 
 log = logging.getLogger(__name__)
 
 GPU = ("gpu", "uuid")
-# stepscope_gpu_<key>: (family class, help, labels); counters get `_total` when rendered
+# family name (stepscope_contract.families): (family class, help, labels)
 FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
-    "collector_up": (GaugeMetricFamily, "1 when NVML initialised, 0 otherwise (no GPU, no driver).", ()),
-    "up": (GaugeMetricFamily, "1 while the GPU answers NVML queries, 0 once it stopped answering.", GPU),
-    "info": (GaugeMetricFamily, "GPU identity (value 1).", (*GPU, "name", "driver_version", "pci_bus_id")),
-    "utilization_ratio": (GaugeMetricFamily, "Fraction of the last sample period a kernel was running.", GPU),
-    "memory_utilization_ratio": (
+    fam.GPU_COLLECTOR_UP: (GaugeMetricFamily, "1 when NVML initialised, 0 otherwise (no GPU, no driver).", ()),
+    fam.GPU_UP: (GaugeMetricFamily, "1 while the GPU answers NVML queries, 0 once it stopped answering.", GPU),
+    fam.GPU_INFO: (GaugeMetricFamily, "GPU identity (value 1).", (*GPU, "name", "driver_version", "pci_bus_id")),
+    fam.GPU_UTILIZATION: (GaugeMetricFamily, "Fraction of the last sample period a kernel was running.", GPU),
+    fam.GPU_MEMORY_UTILIZATION: (
         GaugeMetricFamily, "Fraction of the last sample period device memory was read or written.", GPU),
-    "memory_used_bytes": (GaugeMetricFamily, "Framebuffer memory in use.", GPU),
-    "memory_free_bytes": (GaugeMetricFamily, "Framebuffer memory free.", GPU),
-    "memory_total_bytes": (GaugeMetricFamily, "Framebuffer memory installed.", GPU),
-    "temperature_celsius": (GaugeMetricFamily, "GPU die temperature.", GPU),
-    "power_watts": (GaugeMetricFamily, "Power draw of the board.", GPU),
-    "power_limit_watts": (GaugeMetricFamily, "Enforced power limit.", GPU),
-    "energy_joules": (CounterMetricFamily, "Energy used since the driver was loaded.", GPU),
-    "sm_clock_hertz": (GaugeMetricFamily, "Current SM clock.", GPU),
-    "memory_clock_hertz": (GaugeMetricFamily, "Current memory clock.", GPU),
-    "clock_event_active": (
+    fam.GPU_MEMORY_USED: (GaugeMetricFamily, "Framebuffer memory in use.", GPU),
+    fam.GPU_MEMORY_FREE: (GaugeMetricFamily, "Framebuffer memory free.", GPU),
+    fam.GPU_MEMORY_TOTAL: (GaugeMetricFamily, "Framebuffer memory installed.", GPU),
+    fam.GPU_TEMPERATURE: (GaugeMetricFamily, "GPU die temperature.", GPU),
+    fam.GPU_POWER: (GaugeMetricFamily, "Power draw of the board.", GPU),
+    fam.GPU_POWER_LIMIT: (GaugeMetricFamily, "Enforced power limit.", GPU),
+    fam.GPU_ENERGY: (CounterMetricFamily, "Energy used since the driver was loaded.", GPU),
+    fam.GPU_SM_CLOCK: (GaugeMetricFamily, "Current SM clock.", GPU),
+    fam.GPU_MEMORY_CLOCK: (GaugeMetricFamily, "Current memory clock.", GPU),
+    fam.GPU_CLOCK_EVENT_ACTIVE: (
         GaugeMetricFamily, "1 for each clock-event (throttle) reason active now.", (*GPU, "reason")),
-    "clock_event_seconds": (
+    fam.GPU_CLOCK_EVENT_SECONDS: (
         CounterMetricFamily, "Cumulative time clocks were held down, by policy.", (*GPU, "reason")),
-    "pcie_receive_bytes_per_second": (
+    fam.GPU_PCIE_RECEIVE: (
         GaugeMetricFamily, "PCIe receive throughput (GPM: since the last cycle; pre-Hopper: a 20 ms window).", GPU),
-    "pcie_transmit_bytes_per_second": (
+    fam.GPU_PCIE_TRANSMIT: (
         GaugeMetricFamily, "PCIe transmit throughput (GPM: since the last cycle; pre-Hopper: a 20 ms window).", GPU),
-    "ecc_errors": (CounterMetricFamily, "Aggregate ECC errors over the GPU's life.", (*GPU, "type")),
-    "xid_errors": (CounterMetricFamily, "XID critical errors seen since exporter start.", (*GPU, "xid")),
-    "xid_last_seen_timestamp_seconds": (GaugeMetricFamily, "Unix time that XID last fired.", (*GPU, "xid")),
-    "sm_active_ratio": (GaugeMetricFamily, "GPM: fraction of SMs busy (Hopper and newer).", GPU),
-    "sm_occupancy_ratio": (GaugeMetricFamily, "GPM: resident warps over the theoretical maximum.", GPU),
-    "tensor_active_ratio": (GaugeMetricFamily, "GPM: fraction of time tensor cores were busy.", GPU),
-    "dram_active_ratio": (GaugeMetricFamily, "GPM: DRAM bandwidth used over the maximum.", GPU),
-    "nvlink_receive_bytes_per_second": (
+    fam.GPU_ECC_ERRORS: (CounterMetricFamily, "Aggregate ECC errors over the GPU's life.", (*GPU, "type")),
+    fam.GPU_XID_ERRORS: (CounterMetricFamily, "XID critical errors seen since exporter start.", (*GPU, "xid")),
+    fam.GPU_XID_LAST_SEEN: (GaugeMetricFamily, "Unix time that XID last fired.", (*GPU, "xid")),
+    fam.GPU_SM_ACTIVE: (GaugeMetricFamily, "GPM: fraction of SMs busy (Hopper and newer).", GPU),
+    fam.GPU_SM_OCCUPANCY: (GaugeMetricFamily, "GPM: resident warps over the theoretical maximum.", GPU),
+    fam.GPU_TENSOR_ACTIVE: (GaugeMetricFamily, "GPM: fraction of time tensor cores were busy.", GPU),
+    fam.GPU_DRAM_ACTIVE: (GaugeMetricFamily, "GPM: DRAM bandwidth used over the maximum.", GPU),
+    fam.GPU_NVLINK_RECEIVE: (
         GaugeMetricFamily, "GPM: NVLink receive throughput, all links, since the last cycle.", GPU),
-    "nvlink_transmit_bytes_per_second": (
+    fam.GPU_NVLINK_TRANSMIT: (
         GaugeMetricFamily, "GPM: NVLink transmit throughput, all links, since the last cycle.", GPU),
-    "c2c_receive_bytes_per_second": (
+    fam.GPU_C2C_RECEIVE: (
         GaugeMetricFamily, "GPM: C2C (chip-to-chip, Grace Hopper) receive throughput since the last cycle.", GPU),
-    "c2c_transmit_bytes_per_second": (
+    fam.GPU_C2C_TRANSMIT: (
         GaugeMetricFamily, "GPM: C2C (chip-to-chip, Grace Hopper) transmit throughput since the last cycle.", GPU),
 }
 
@@ -89,7 +90,7 @@ DEVICE_DOWN_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_Dri
 
 def _utilization(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     rates = nvml.nvmlDeviceGetUtilizationRates(handle)
-    return [("utilization_ratio", (), rates.gpu / 100), ("memory_utilization_ratio", (), rates.memory / 100)]
+    return [(fam.GPU_UTILIZATION, (), rates.gpu / 100), (fam.GPU_MEMORY_UTILIZATION, (), rates.memory / 100)]
 
 
 def _memory(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
@@ -98,14 +99,14 @@ def _memory(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
         memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
     except (AttributeError, nvml.NVMLError_FunctionNotFound):  # bindings or driver older than v2
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-    return [("memory_used_bytes", (), memory.used), ("memory_free_bytes", (), memory.free),
-            ("memory_total_bytes", (), memory.total)]
+    return [(fam.GPU_MEMORY_USED, (), memory.used), (fam.GPU_MEMORY_FREE, (), memory.free),
+            (fam.GPU_MEMORY_TOTAL, (), memory.total)]
 
 
 def _clock_events(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
     bits = (read or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(handle)
-    return [("clock_event_active", (reason,), float(bool(bits & bit))) for reason, bit in CLOCK_EVENT_REASONS]
+    return [(fam.GPU_CLOCK_EVENT_ACTIVE, (reason,), float(bool(bits & bit))) for reason, bit in CLOCK_EVENT_REASONS]
 
 
 def _scaled(key: str, scale: float, call: Callable[[ModuleType, Any], float],
@@ -115,16 +116,16 @@ def _scaled(key: str, scale: float, call: Callable[[ModuleType, Any], float],
 
 def _ecc(kind: str, error_type: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     count = nvml.nvmlDeviceGetTotalEccErrors(handle, getattr(nvml, error_type), nvml.NVML_AGGREGATE_ECC)
-    return [("ecc_errors", (kind,), count)]
+    return [(fam.GPU_ECC_ERRORS, (kind,), count)]
 
 
 # (family key, factor to base units, NVML call) for fields that are one number
 SCALAR_FIELDS: tuple[tuple[str, float, Callable[[ModuleType, Any], float]], ...] = (
-    ("temperature_celsius", 1, lambda n, h: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
-    ("power_watts", 1e-3, lambda n, h: n.nvmlDeviceGetPowerUsage(h)),  # mW
-    ("power_limit_watts", 1e-3, lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h)),  # mW
-    ("sm_clock_hertz", 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
-    ("memory_clock_hertz", 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
+    (fam.GPU_TEMPERATURE, 1, lambda n, h: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
+    (fam.GPU_POWER, 1e-3, lambda n, h: n.nvmlDeviceGetPowerUsage(h)),  # mW
+    (fam.GPU_POWER_LIMIT, 1e-3, lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h)),  # mW
+    (fam.GPU_SM_CLOCK, 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
+    (fam.GPU_MEMORY_CLOCK, 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
 )
 # Basic queries first: driver-level errors there mean the GPU is gone, elsewhere just a missing field.
 BASIC_READERS: tuple[tuple[str, Reader], ...] = (("utilization", _utilization), ("memory", _memory))
@@ -163,7 +164,7 @@ class _Output:
         family = self._families.get(key)
         if family is None:
             kind, doc, label_names = FAMILIES[key]
-            family = self._families[key] = kind(f"stepscope_gpu_{key}", doc, labels=list(label_names))
+            family = self._families[key] = kind(key, doc, labels=list(label_names))
         family.add_metric(list(labels), value)
 
     def families(self) -> list[Metric]:
@@ -194,17 +195,17 @@ class GpuCollector:
     def collect(self) -> list[Metric]:
         out = _Output()
         if self._gpus is None and not self._init():
-            out.add("collector_up", (), 0)
+            out.add(fam.GPU_COLLECTOR_UP, (), 0)
             self._gpu_processes.replace({})
             return out.families()
-        out.add("collector_up", (), 1)
+        out.add(fam.GPU_COLLECTOR_UP, (), 1)
         processes: dict[int, dict[str, int]] = {}
         now = time.monotonic()
         for gpu in self._gpus or ():
             self._collect_gpu(gpu, now, out, processes)
         for (index, uuid, xid), count, last_seen in self._events.seen() if self._events else ():
-            out.add("xid_errors", (index, uuid, xid), count)
-            out.add("xid_last_seen_timestamp_seconds", (index, uuid, xid), last_seen)
+            out.add(fam.GPU_XID_ERRORS, (index, uuid, xid), count)
+            out.add(fam.GPU_XID_LAST_SEEN, (index, uuid, xid), last_seen)
         self._gpu_processes.replace(processes)
         return out.families()
 
@@ -302,7 +303,7 @@ class GpuCollector:
             gpu.up = False
             if gpu.gpm:
                 gpu.gpm.reset()
-            out.add("up", (gpu.index, gpu.uuid), 0)
+            out.add(fam.GPU_UP, (gpu.index, gpu.uuid), 0)
             if gpu.handle is not None:
                 self._add_info(gpu, out)
             return
@@ -311,7 +312,7 @@ class GpuCollector:
             gpu.up = True
             self._refresh_slow()
         labels = (gpu.index, gpu.uuid)
-        out.add("up", labels, 1)
+        out.add(fam.GPU_UP, labels, 1)
         self._add_info(gpu, out)
         if self._slow is not None:
             samples += self._slow.samples(gpu.index, now)
@@ -330,7 +331,7 @@ class GpuCollector:
 
     @staticmethod
     def _add_info(gpu: _Gpu, out: _Output) -> None:
-        out.add("info", (gpu.index, gpu.uuid, gpu.name, gpu.driver_version, gpu.pci_bus_id), 1)
+        out.add(fam.GPU_INFO, (gpu.index, gpu.uuid, gpu.name, gpu.driver_version, gpu.pci_bus_id), 1)
 
     def _read(self, gpu: _Gpu, what: str, reader: Callable[[ModuleType, Any], Any],
               basic: bool = False) -> Any:

@@ -12,20 +12,22 @@ import contextlib
 from types import ModuleType
 from typing import Any
 
-# (family key published as stepscope_gpu_<key>, NVML GPM metric id constant, factor to base units)
+from stepscope_contract import families as fam
+
+# (family name, NVML GPM metric id constant, factor to base units)
 GPM_METRICS = (
-    ("sm_active_ratio", "NVML_GPM_METRIC_SM_UTIL", 0.01),  # percent
-    ("sm_occupancy_ratio", "NVML_GPM_METRIC_SM_OCCUPANCY", 0.01),
-    ("tensor_active_ratio", "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
-    ("dram_active_ratio", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
-    ("pcie_transmit_bytes_per_second", "NVML_GPM_METRIC_PCIE_TX_PER_SEC", 2.0**20),  # MiB/s
-    ("pcie_receive_bytes_per_second", "NVML_GPM_METRIC_PCIE_RX_PER_SEC", 2.0**20),
-    ("nvlink_transmit_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", 2.0**20),
-    ("nvlink_receive_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", 2.0**20),
-    ("c2c_transmit_bytes_per_second", "NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC", 2.0**20),
-    ("c2c_receive_bytes_per_second", "NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC", 2.0**20),
+    (fam.GPU_SM_ACTIVE, "NVML_GPM_METRIC_SM_UTIL", 0.01),  # percent
+    (fam.GPU_SM_OCCUPANCY, "NVML_GPM_METRIC_SM_OCCUPANCY", 0.01),
+    (fam.GPU_TENSOR_ACTIVE, "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
+    (fam.GPU_DRAM_ACTIVE, "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
+    (fam.GPU_PCIE_TRANSMIT, "NVML_GPM_METRIC_PCIE_TX_PER_SEC", 2.0**20),  # MiB/s
+    (fam.GPU_PCIE_RECEIVE, "NVML_GPM_METRIC_PCIE_RX_PER_SEC", 2.0**20),
+    (fam.GPU_NVLINK_TRANSMIT, "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", 2.0**20),
+    (fam.GPU_NVLINK_RECEIVE, "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", 2.0**20),
+    (fam.GPU_C2C_TRANSMIT, "NVML_GPM_METRIC_C2C_TOTAL_TX_PER_SEC", 2.0**20),
+    (fam.GPU_C2C_RECEIVE, "NVML_GPM_METRIC_C2C_TOTAL_RX_PER_SEC", 2.0**20),
 )
-PCIE_KEYS = frozenset({"pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second"})
+PCIE_KEYS = frozenset({fam.GPU_PCIE_TRANSMIT, fam.GPU_PCIE_RECEIVE})
 MIN_SAMPLE_GAP_SECONDS = 0.1  # NVML needs the two samples at least 100 ms apart
 
 

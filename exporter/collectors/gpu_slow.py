@@ -21,6 +21,8 @@ from functools import partial
 from types import ModuleType
 from typing import Any, Protocol
 
+from stepscope_contract import families as fam
+
 log = logging.getLogger(__name__)
 
 Sample = tuple[str, tuple[str, ...], float]  # (family key, labels after gpu+uuid, value)
@@ -49,12 +51,12 @@ class GpuRef(Protocol):
 
 
 def _energy(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
-    return [("energy_joules", (), nvml.nvmlDeviceGetTotalEnergyConsumption(handle) * 1e-3)]  # mJ
+    return [(fam.GPU_ENERGY, (), nvml.nvmlDeviceGetTotalEnergyConsumption(handle) * 1e-3)]  # mJ
 
 
 def _violation(reason: str, policy: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     spent = nvml.nvmlDeviceGetViolationStatus(handle, getattr(nvml, policy))
-    return [("clock_event_seconds", (reason,), spent.violationTime / 1e9)]  # ns
+    return [(fam.GPU_CLOCK_EVENT_SECONDS, (reason,), spent.violationTime / 1e9)]  # ns
 
 
 def _pcie(key: str, counter: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
@@ -66,8 +68,8 @@ COUNTER_READERS: tuple[tuple[str, Reader], ...] = (
     *((f"violation_{reason}", partial(_violation, reason, policy)) for reason, policy in VIOLATION_POLICIES),
 )
 PCIE_READERS: tuple[tuple[str, Reader], ...] = (
-    ("pcie_receive", partial(_pcie, "pcie_receive_bytes_per_second", "NVML_PCIE_UTIL_RX_BYTES")),
-    ("pcie_transmit", partial(_pcie, "pcie_transmit_bytes_per_second", "NVML_PCIE_UTIL_TX_BYTES")),
+    ("pcie_receive", partial(_pcie, fam.GPU_PCIE_RECEIVE, "NVML_PCIE_UTIL_RX_BYTES")),
+    ("pcie_transmit", partial(_pcie, fam.GPU_PCIE_TRANSMIT, "NVML_PCIE_UTIL_TX_BYTES")),
 )
 
 
