@@ -34,9 +34,11 @@ class WebConfigSource:
         if now - self._checked_at >= CHECK_SECONDS:
             self._checked_at = now
             stamp = self._file_stamp()
-            if stamp is not None and stamp != self._stamp:
-                self._stamp = stamp
+            if stamp is None and self._stamp is not None:  # said once, not every second until it is back
+                log.error("--web.config.file %s is gone; keeping the loaded users and headers", self._path)
+            elif stamp is not None and stamp != self._stamp:
                 self._reload()
+            self._stamp = stamp
         return self._config
 
     def headers(self) -> Mapping[str, str]:
@@ -57,10 +59,10 @@ class WebConfigSource:
                  len(config.headers))
 
     def _file_stamp(self) -> tuple[float, int] | None:
+        """(mtime, size), or None while the file cannot be read (mid-replace, deleted)."""
         try:
             stat = os.stat(self._path)
-        except OSError as exc:
-            log.error("--web.config.file %s: %s; keeping the loaded users and headers", self._path, exc.strerror)
+        except OSError:
             return None
         return stat.st_mtime, stat.st_size
 

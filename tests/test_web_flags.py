@@ -194,10 +194,14 @@ def test_users_and_headers_follow_the_edited_web_config(tmp_path: Path) -> None:
         config.write_text("basic_auth_users: {prometheus: plaintext}\n")  # does not load: nothing changes
         time.sleep(1.5)
         assert status(("prometheus", new_password)) == (200, "sameorigin") and status(None)[0] == 401
+        config.unlink()  # a file being replaced: said once, the loaded users stay
+        time.sleep(2.5)
+        assert status(("prometheus", new_password)) == (200, "sameorigin") and status(None)[0] == 401
         config.write_text("# no users, no headers\n")
         eventually(None, (200, ""))
     log = (tmp_path / "exporter.log").read_text()
     assert "basic_auth_users.prometheus: not a bcrypt hash" in log and "keeping the loaded users" in log
+    assert log.count("is gone; keeping the loaded users") == 1
 
 
 def test_a_collector_switch_on_the_command_line_beats_the_environment(tmp_path: Path) -> None:
