@@ -12,10 +12,14 @@ class RegisteredProcess:
 
     `pid` is os.getpid() in the training process's own pid namespace, which in a container is not the
     pid the exporter sees; `start_time` (Unix seconds, None from clients that do not send it) lets the
-    process collector tell the two apart and find the process the exporter sees.
+    process collector tell the two apart and find the process the exporter sees. `pushed_at` (Unix
+    seconds of the group's last push) picks the run a process works for now when it appears in several
+    live groups: a notebook or an in-process sweep that closed one run and opened the next keeps its
+    pid, and the closed run's group lives on until its TTL.
     """
 
     pid: int
     run: str
     rank: str
     start_time: float | None = None
+    pushed_at: float = 0.0

@@ -187,9 +187,9 @@ def families(body: str, run: str = "r", rank: str = "0"):  # type: ignore[no-unt
     return parse_push(body.encode(), run, rank, 128)
 
 
-def push(store: GroupStore, rank: str, parsed: dict, replace: bool = True):  # type: ignore[no-untyped-def]
+def push(store: GroupStore, rank: str, parsed: dict, replace: bool = True, run: str = "r"):  # type: ignore[no-untyped-def]
     stored = {name: StoredFamily(Chunk(f.lines), f.series, f.keys) for name, f in parsed.items()}
-    return store.push("r", rank, stored, last_push_line("r", rank), replace)
+    return store.push(run, rank, stored, last_push_line(run, rank), replace)
 
 
 def test_post_merges_put_replaces() -> None:
@@ -236,14 +236,14 @@ def test_group_limit_counts_only_new_groups_and_expired_ones_free_room() -> None
 
 def test_ttl_expiry_and_registered_processes() -> None:
     clock = FakeClock()
-    store = GroupStore(LIMITS, clock=clock)
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
     push(store, "0", families(info_family(pid=111)), True)
     clock.now += 5
     push(store, "1", families(info_family(pid=222, start_time="1712345678.25"), rank="1"), True)
-    assert store.registered_processes() == [RegisteredProcess(111, "r", "0"),
-                                            RegisteredProcess(222, "r", "1", 1712345678.25)]
+    assert store.registered_processes() == [RegisteredProcess(111, "r", "0", None, 1000.0),
+                                            RegisteredProcess(222, "r", "1", 1712345678.25, 1005.0)]
     clock.now += 6  # rank 0 is now 11 s old, rank 1 is 6 s old
-    assert store.registered_processes() == [RegisteredProcess(222, "r", "1", 1712345678.25)]
+    assert store.registered_processes() == [RegisteredProcess(222, "r", "1", 1712345678.25, 1005.0)]
     assert store.expire() is True
     assert [g.rank for g in store.snapshot()[1]] == ["1"]
     assert store.expire() is False
@@ -251,11 +251,22 @@ def test_ttl_expiry_and_registered_processes() -> None:
 
 
 def test_the_same_pid_from_two_pid_namespaces_registers_twice() -> None:
-    store = GroupStore(LIMITS)
+    store = GroupStore(LIMITS, wall_clock=lambda: 1000.0)
     push(store, "0", families(info_family(pid=1, start_time="100.5")), True)
     push(store, "1", families(info_family(pid=1, start_time="200.5"), rank="1"), True)
-    assert store.registered_processes() == [RegisteredProcess(1, "r", "0", 100.5),
-                                            RegisteredProcess(1, "r", "1", 200.5)]
+    assert store.registered_processes() == [RegisteredProcess(1, "r", "0", 100.5, 1000.0),
+                                            RegisteredProcess(1, "r", "1", 200.5, 1000.0)]
+
+
+def test_a_process_in_two_runs_registers_each_with_its_last_push_time() -> None:
+    """A notebook closed run "b" and opened run "a": both groups live, the later push tells them apart."""
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    push(store, "0", families(info_family(pid=7, start_time="100.5"), run="b"), run="b")
+    clock.now += 2
+    push(store, "0", families(info_family(pid=7, start_time="100.5"), run="a"), run="a")
+    assert store.registered_processes() == [RegisteredProcess(7, "a", "0", 100.5, 1002.0),
+                                            RegisteredProcess(7, "b", "0", 100.5, 1000.0)]
 
 
 @pytest.mark.parametrize(("start_time", "stored"), [
@@ -302,7 +313,7 @@ def push_request(method: str, path: str, length: int | None = None, **headers: s
 
 def test_push_api_publishes_nothing_for_a_refused_push() -> None:
     exposition = ExpositionStore()
-    api = PushApi(exposition, GroupStore(LIMITS), AccessPolicy(), max_body_bytes=10_000,
+    api = PushApi(exposition, GroupStore(LIMITS, wall_clock=lambda: 1000.0), AccessPolicy(), max_body_bytes=10_000,
                   limits=PushLimits(128, max_series=40, max_phases=4))
     path = "/metrics/job/stepscope/run/r/rank/0"
     body = full_body().encode()
@@ -320,4 +331,4 @@ def test_push_api_publishes_nothing_for_a_refused_push() -> None:
         413, "body of 20000 bytes exceeds the limit of 10000 bytes (--ingest-max-body-bytes)")
     counted = 'stepscope_exporter_ingest_rejected_total{reason="body_too_large"} 2.0'
     assert counted in exposition.body().decode()
-    assert api.registered_processes() == [RegisteredProcess(os.getpid(), "r", "0")]
+    assert api.registered_processes() == [RegisteredProcess(os.getpid(), "r", "0", None, 1000.0)]

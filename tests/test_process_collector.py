@@ -142,6 +142,22 @@ def test_vanished_and_unknown_pids_are_dropped_quietly() -> None:
     assert "# TYPE stepscope_process_cpu_seconds_total counter" in after
 
 
+@pytest.mark.parametrize("closed_listed_first", [True, False])
+def test_a_process_in_two_runs_is_published_under_the_run_it_pushed_to_last(closed_listed_first: bool) -> None:
+    """A notebook closed run "first" and started "second": the closed group lives on until its TTL."""
+    pid = os.getpid()
+    closed = RegisteredProcess(pid, "first", "0", pushed_at=100.0)
+    current = RegisteredProcess(pid, "second", "1", pushed_at=160.0)
+    registered = [closed, current] if closed_listed_first else [current, closed]
+    table = GpuProcessTable()
+    table.replace({pid: {"0": 3 * MiB}})
+    text = scraped(ProcessCollector(table, lambda: registered))
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(pid)) == [3 * MiB]
+    assert value(text, "stepscope_process_gpu_memory_bytes", pid=str(pid), run="second", rank="1") == 3 * MiB
+    assert sample_values(text, "stepscope_process_cpu_seconds_total", run="first") == []
+    assert len(sample_values(text, "stepscope_process_cpu_seconds_total", run="second", rank="1")) == 1
+
+
 def test_promtool_accepts_process_families(trainer: tuple[subprocess.Popen, float]) -> None:
     promtool = shutil.which("promtool") or "promtool"
     process, _ = trainer

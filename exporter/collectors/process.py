@@ -129,15 +129,20 @@ class ProcessCollector:
         self._tracked.clear()
 
     def _identities(self) -> dict[int, tuple[str, str]]:
-        """{pid as seen here: (run, rank)} of the registered processes that could be found here."""
+        """{pid as seen here: (run, rank)} of the registered processes that could be found here.
+
+        A pid in several live groups takes the run and rank of the group it pushed to last: a process
+        that closed one run and started another (a notebook, an in-process sweep) works for the new
+        one, while the closed run's group lingers until its TTL.
+        """
         registered = self._registered()
         found = self._resolver.resolve((p.pid, p.start_time) for p in registered)
-        identities: dict[int, tuple[str, str]] = {}
+        latest: dict[int, RegisteredProcess] = {}
         for process in registered:
             pid = found.get((process.pid, process.start_time))
-            if pid is not None:
-                identities.setdefault(pid, (process.run, process.rank))
-        return identities
+            if pid is not None and (pid not in latest or process.pushed_at > latest[pid].pushed_at):
+                latest[pid] = process
+        return {pid: (process.run, process.rank) for pid, process in latest.items()}
 
     def _track(self, pid: int) -> _Tracked | None:
         """The cached handle for pid, replaced when the pid now names a different process."""

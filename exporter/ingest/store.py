@@ -133,7 +133,9 @@ class GroupStore:
     def registered_processes(self) -> list[RegisteredProcess]:
         """The `pid` and `start_time` labels of live groups' stepscope_training_info, by run and rank.
 
-        A list, not a mapping by pid: processes in different pid namespaces may report the same pid.
+        A list, not a mapping by pid: processes in different pid namespaces may report the same pid, and
+        one process may sit in several groups (one run closed, the next opened); each entry carries its
+        group's last push time so the process collector can tell which run the process works for now.
         """
         processes: list[RegisteredProcess] = []
         for group in self.snapshot()[1]:
@@ -141,7 +143,7 @@ class GroupStore:
             for key in info.keys if info else ():
                 start_time = key[_INFO_START_TIME]
                 processes.append(RegisteredProcess(int(key[_INFO_PID]), group.run, group.rank,
-                                                   float(start_time) if start_time else None))
+                                                   float(start_time) if start_time else None, group.pushed_at))
         return processes
 
     def next_expiry(self) -> float | None:
