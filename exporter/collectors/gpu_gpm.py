@@ -6,6 +6,10 @@ the next. PCIe throughput comes from the same sample pair, so a GPU with GPM nev
 `nvmlDeviceGetPcieThroughput`, which blocks for 20 ms per direction. NVLink (all links together: the
 gradient all-reduce between GPUs) and C2C (Grace Hopper's chip-to-chip link to its CPU) come from the
 same nvmlGpmMetricsGet call; a GPU whose GPM refuses them (no NVLink, no C2C) publishes none.
+
+A cycle that comes before the next pair is due (a --collect-interval under 100 ms, a caller that
+collects twice in a row) publishes the last pair's values again rather than nothing, so a GPM family
+never blinks out between cycles; only a failed read drops them until a new pair.
 """
 
 import contextlib
@@ -39,6 +43,7 @@ class GpmSampler:
         self._handle = handle
         self._baseline, self._spare = samples
         self._baseline_at: float | None = None
+        self._last: dict[str, float] = {}  # the latest pair's values, published until the next pair
         # metrics these bindings name; older nvidia-ml-py lacks the PCIe, NVLink or C2C ids
         self._metrics = [(key, getattr(nvml, name), factor) for key, name, factor in GPM_METRICS
                          if hasattr(nvml, name)]
@@ -61,27 +66,31 @@ class GpmSampler:
         return cls(nvml, handle, (first, second))
 
     def read(self, now: float) -> dict[str, float]:
-        """Values since the baseline sample; empty on the first call or when called too soon.
+        """Values since the baseline sample; empty on the first call.
 
-        NVML errors propagate (the caller treats them like any field error) after dropping the
-        baseline, so the next cycle starts a fresh pair instead of spanning the failure.
+        Called before a new pair is due (MIN_SAMPLE_GAP_SECONDS after the baseline), it takes no
+        sample and returns the last pair's values, which are still the newest there are. NVML errors
+        propagate (the caller treats them like any field error) after dropping the baseline and those
+        values, so the next cycle starts a fresh pair instead of spanning the failure.
         """
         if self._baseline_at is not None and now - self._baseline_at < MIN_SAMPLE_GAP_SECONDS:
-            return {}
+            return dict(self._last)
         nvml = self._nvml
         try:
             nvml.nvmlGpmSampleGet(self._handle, self._spare)
             values = self._values() if self._baseline_at is not None else {}
         except nvml.NVMLError:
-            self._baseline_at = None
+            self.reset()
             raise
         self._baseline, self._spare = self._spare, self._baseline
         self._baseline_at = now
-        return values
+        self._last = values
+        return dict(values)
 
     def reset(self) -> None:
-        """Forget the baseline (the GPU stopped answering)."""
+        """Forget the baseline and the values it gave (a failed read, or the GPU stopped answering)."""
         self._baseline_at = None
+        self._last = {}
 
     def close(self) -> None:
         for sample in (self._baseline, self._spare):
