@@ -9,6 +9,7 @@ from typing import Any
 import requests
 
 API = "/api/v1/profiles"
+GPU_ANNOTATION = "gpu_user_annotation"  # Kineto's category for annotations on the GPU timeline
 
 
 def request_trace(exporter: str, run: str, rank: int, steps: int) -> str:
@@ -39,13 +40,19 @@ def wait_until(condition: Any, timeout: float, what: str, interval: float = 0.1)
 
 
 def step_annotations(path: str | Path) -> list[str]:
-    """The `ProfilerStep#N` names of a gzipped Chrome trace (which must parse as one)."""
+    """The `ProfilerStep#N` names of a gzipped Chrome trace (which must parse as one), one per step.
+
+    A trace with CUDA activity holds each step twice: the CPU-side annotation (category
+    `user_annotation`) and its projection on the GPU timeline (`gpu_user_annotation`). Only the CPU
+    side counts: every recorded step has it, while a step without GPU work has no GPU-side one.
+    """
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         trace = json.load(handle)
     assert isinstance(trace["traceEvents"], list)
     return sorted(
         (event["name"] for event in trace["traceEvents"]
-         if event.get("ph") == "X" and str(event.get("name", "")).startswith("ProfilerStep#")),
+         if event.get("ph") == "X" and event.get("cat") != GPU_ANNOTATION
+         and str(event.get("name", "")).startswith("ProfilerStep#")),
         key=lambda name: int(name.split("#")[1]),
     )
 

@@ -252,7 +252,9 @@ def test_a_cuda_training_loop_traces_its_kernels(node: Node, tmp_path: Path) -> 
         assert state["state"] == "done", state
         kernels = kernel_names(state["path"])
         print(f"\nCUDA trace: {state['bytes']} bytes gzipped, {len(kernels)} kernels, e.g. {sorted(set(kernels))[:5]}")
-        assert len(step_annotations(state["path"])) == 5
+        # the 5 steps after the warm-up step (#0) that followed the request, each once: on the CPU timeline
+        assert step_annotations(state["path"]) == [f"ProfilerStep#{n}" for n in range(1, 6)]
+        assert state["trace_steps"] == 5, state
         assert any("gemm" in name.lower() or "sgemm" in name.lower() for name in kernels), sorted(set(kernels))[:20]
     finally:
         tracker.close()
