@@ -41,6 +41,7 @@ GPU_POWER = "stepscope_gpu_power_watts"
 GPU_POWER_LIMIT = "stepscope_gpu_power_limit_watts"
 GPU_ENERGY = "stepscope_gpu_energy_joules_total"
 GPU_SM_CLOCK = "stepscope_gpu_sm_clock_hertz"
+GPU_SM_CLOCK_MAX = "stepscope_gpu_sm_clock_max_hertz"
 GPU_MEMORY_CLOCK = "stepscope_gpu_memory_clock_hertz"
 GPU_CLOCK_EVENT_ACTIVE = "stepscope_gpu_clock_event_active"
 GPU_CLOCK_EVENT_SECONDS = "stepscope_gpu_clock_event_seconds_total"
@@ -166,6 +167,7 @@ _GPUS = (
     *(_gpu(n, "gauge", "draw and enforced limit") for n in (GPU_POWER, GPU_POWER_LIMIT)),
     _gpu(GPU_ENERGY, "counter", "energy since driver load (read every 10 s)"),
     *(_gpu(n, "gauge", "clocks") for n in (GPU_SM_CLOCK, GPU_MEMORY_CLOCK)),
+    _gpu(GPU_SM_CLOCK_MAX, "gauge", "the SM clock's maximum: capping or throttling costs the clock below it"),
     _gpu(GPU_CLOCK_EVENT_ACTIVE, "gauge", _CLOCK_EVENT_REASONS, "reason", kind="state set"),
     _gpu(GPU_CLOCK_EVENT_SECONDS, "counter", _THROTTLE_POLICIES, "reason"),
     *(_gpu(n, "gauge", _PCIE) for n in GPU_PCIE),

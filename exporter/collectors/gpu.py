@@ -45,6 +45,7 @@ FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     fam.GPU_POWER_LIMIT: (GaugeMetricFamily, "Enforced power limit.", GPU),
     fam.GPU_ENERGY: (CounterMetricFamily, "Energy used since the driver was loaded.", GPU),
     fam.GPU_SM_CLOCK: (GaugeMetricFamily, "Current SM clock.", GPU),
+    fam.GPU_SM_CLOCK_MAX: (GaugeMetricFamily, "Maximum SM clock.", GPU),
     fam.GPU_MEMORY_CLOCK: (GaugeMetricFamily, "Current memory clock.", GPU),
     fam.GPU_CLOCK_EVENT_ACTIVE: (
         GaugeMetricFamily, "1 for each clock-event (throttle) reason active now.", (*GPU, "reason")),
@@ -125,6 +126,7 @@ SCALAR_FIELDS: tuple[tuple[str, float, Callable[[ModuleType, Any], float]], ...]
     (fam.GPU_POWER, 1e-3, lambda n, h: n.nvmlDeviceGetPowerUsage(h)),  # mW
     (fam.GPU_POWER_LIMIT, 1e-3, lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h)),  # mW
     (fam.GPU_SM_CLOCK, 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
+    (fam.GPU_SM_CLOCK_MAX, 1e6, lambda n, h: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
     (fam.GPU_MEMORY_CLOCK, 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
 )
 # Basic queries first: driver-level errors there mean the GPU is gone, elsewhere just a missing field.

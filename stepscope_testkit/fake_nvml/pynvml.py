@@ -28,6 +28,7 @@ GPU (every key optional; a missing field raises NVMLError_NotSupported, like a G
     "power_usage_mw": 512000, "enforced_power_limit_mw": 700000,
     "total_energy_mj": COUNTER,
     "clocks_mhz": {"sm": 1980, "mem": 2619},
+    "max_clocks_mhz": {"sm": 1980, "mem": 2619},
     "clocks_event_reasons": ["sw_power_cap", "hw_thermal_slowdown"],   # names (see REASON_BITS) or int
     "violation_ns": {"power": COUNTER, "thermal": COUNTER, ...},  # keys: see POLICIES
     "pcie_kbps": {"rx": 1200000, "tx": 800000},
@@ -476,11 +477,19 @@ def nvmlDeviceGetTotalEnergyConsumption(handle: _Device) -> int:
     return int(_counter(_field(handle, "total_energy_mj")))
 
 
-def nvmlDeviceGetClockInfo(handle: _Device, clock_type: int) -> int:
+def _clock(handle: _Device, field: str, clock_type: int) -> int:
     names = {NVML_CLOCK_SM: "sm", NVML_CLOCK_MEM: "mem"}
     if clock_type not in names:
         raise NVMLError_InvalidArgument()
-    return _key(_field(handle, "clocks_mhz"), names[clock_type])
+    return _key(_field(handle, field), names[clock_type])
+
+
+def nvmlDeviceGetClockInfo(handle: _Device, clock_type: int) -> int:
+    return _clock(handle, "clocks_mhz", clock_type)
+
+
+def nvmlDeviceGetMaxClockInfo(handle: _Device, clock_type: int) -> int:
+    return _clock(handle, "max_clocks_mhz", clock_type)
 
 
 def nvmlDeviceGetCurrentClocksEventReasons(handle: _Device) -> int:
