@@ -26,10 +26,12 @@ deduplicated by the group's last evaluation time) and the missed iterations; hea
 CPU of the Prometheus process; and at the end the costliest rules (/api/v1/rules evaluationTime) and
 what the rules found (verdicts, alerts).
 
-Run profiles (one in four runs each): gpu_bound (NVML 97%, SM active 90%); data_bound (40% of the
-step in dataloader_next, SM active 40%); busy_idle (NVML 95%, SM active 30%); host_bound (SM active
-60%). Rank 3 of each run's first node is a straggler (forward 3x). Three runs in four keep a GPU
-alert pending on all their GPUs: the bookkeeping of a bad day, not of an idle cluster.
+Run profiles (one in four runs each), the readings of the H100 recordings in benchmarks/corpus
+(steady medians): gpu_bound (NVML 98%, SM active 73%, tensor 58%); data_bound (93% of the step in
+dataloader_next, NVML 0%, SM active 0.04%); busy_idle (NVML 100%, SM active 0.8%); host_bound
+(launch-bound: NVML 14%, SM active 0.09%). Rank 3 of each run's first node is a straggler (forward
+3x). Three runs in four keep a GPU alert pending on all their GPUs: the bookkeeping of a bad day,
+not of an idle cluster.
 
 The machine's other load is reported (cores busy outside Prometheus and the target): evaluation
 times grow with it, so compare runs made under similar load. --baseline runs a second Prometheus
@@ -82,10 +84,11 @@ CAPTURE_RUN = "capture"
 STRAGGLER_LOCAL_RANK = 3
 STRAGGLER_FORWARD = 3.0
 PROFILES = {  # run profile -> (NVML utilization, SM active, tensor active, data-loading share or None)
-    "gpu_bound": (0.97, 0.90, 0.60, None),
-    "data_bound": (0.50, 0.40, 0.20, 0.40),
-    "busy_idle": (0.95, 0.30, 0.10, None),
-    "host_bound": (0.70, 0.60, 0.30, None),
+    # benchmarks/corpus/h100-2026-11-24: mlp_bf16, data_bound, busy_idle, host_launch_bound
+    "gpu_bound": (0.98, 0.725, 0.575, None),
+    "data_bound": (0.00, 0.0004, 0.0001, 0.93),
+    "busy_idle": (1.00, 0.0076, 0.0, None),
+    "host_bound": (0.14, 0.0009, 0.0, None),
 }
 CPU_MODE_SHARES = {"idle": 0.5, "user": 0.4, "system": 0.1}  # node CPUs half busy
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{.*\})? (?P<value>\S+)$")

@@ -15,7 +15,14 @@ from exporter.collectors.gpu import CLOCK_EVENT_REASONS, GpuCollector
 from exporter.collectors.gpu_slow import VIOLATION_POLICIES
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
-from stepscope_testkit.fake_nvml.scenario import GIB, load_fake_pynvml, load_scenario, make_scenario, write_scenario
+from stepscope_testkit.fake_nvml.scenario import (
+    GIB,
+    MODELS,
+    load_fake_pynvml,
+    load_scenario,
+    make_scenario,
+    write_scenario,
+)
 from stepscope_testkit.processes import running_exporter, sample_values, scrape
 
 SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
@@ -29,9 +36,18 @@ INTERCONNECT_FAMILIES = (*NVLINK, *C2C)
 PER_GPU_FAMILIES = tuple(f"stepscope_gpu_{name}" for name in (
     "up", "info", "utilization_ratio", "memory_utilization_ratio", "memory_used_bytes", "memory_free_bytes",
     "memory_total_bytes", "temperature_celsius", "power_watts", "power_limit_watts", "energy_joules_total",
-    "sm_clock_hertz", "memory_clock_hertz", "clock_event_active", "clock_event_seconds_total",
+    "sm_clock_hertz", "sm_clock_max_hertz", "memory_clock_hertz", "clock_event_active", "clock_event_seconds_total",
     "pcie_receive_bytes_per_second", "pcie_transmit_bytes_per_second",
 ))
+
+
+def gpm_ratios(gpu: dict[str, Any]) -> dict[str, float]:
+    """The GPM ratio families a scenario GPU should publish: its GPM percentages as 0..1."""
+    gpm = gpu["gpm"]
+    return {"stepscope_gpu_sm_active_ratio": gpm["sm_util"] / 100,
+            "stepscope_gpu_sm_occupancy_ratio": gpm["sm_occupancy"] / 100,
+            "stepscope_gpu_tensor_active_ratio": gpm["any_tensor_util"] / 100,
+            "stepscope_gpu_dram_active_ratio": gpm["dram_bw_util"] / 100}
 
 
 def wait_for(read: Callable[[], str], ok: Callable[[str], bool], what: str, timeout: float = 20.0) -> str:
@@ -106,22 +122,31 @@ def second_cycle(h: "Harness") -> str:
 def test_mixed_scenario_publishes_every_family_in_base_units(harness: Callable[..., Harness]) -> None:
     text = second_cycle(harness())
     assert one(text, "stepscope_gpu_collector_up") == 1
-    for index, uuid in enumerate(UUIDS):
+    for index, (uuid, reading) in enumerate(zip(UUIDS, MIXED["gpus"], strict=True)):
         gpu = str(index)
         assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, gpu)
         assert one(text, "stepscope_gpu_up", gpu=gpu, uuid=uuid) == 1
-        assert one(text, "stepscope_gpu_utilization_ratio", gpu=gpu, uuid=uuid) == pytest.approx(0.87)
-        assert one(text, "stepscope_gpu_memory_utilization_ratio", gpu=gpu) == pytest.approx(0.41)
+        assert one(text, "stepscope_gpu_utilization_ratio", gpu=gpu, uuid=uuid) == pytest.approx(
+            reading["utilization"]["gpu"] / 100)
+        assert one(text, "stepscope_gpu_memory_utilization_ratio", gpu=gpu) == pytest.approx(
+            reading["utilization"]["memory"] / 100)
+        assert one(text, "stepscope_gpu_sm_clock_max_hertz", gpu=gpu, uuid=uuid) == pytest.approx(
+            reading["max_clocks_mhz"]["sm"] * 1e6)
     h100 = {"gpu": "0", "uuid": UUIDS[0]}
+    reading = MIXED["gpus"][0]
     assert one(text, "stepscope_gpu_info", **h100, name="NVIDIA H100 80GB HBM3", driver_version="550.54.15",
                pci_bus_id="00000000:18:00.0") == 1
-    assert one(text, "stepscope_gpu_power_watts", **h100) == pytest.approx(512.0)
+    assert one(text, "stepscope_gpu_power_watts", **h100) == pytest.approx(reading["power_usage_mw"] / 1000)
     assert one(text, "stepscope_gpu_power_limit_watts", **h100) == pytest.approx(700.0)
-    assert one(text, "stepscope_gpu_sm_clock_hertz", **h100) == pytest.approx(1.98e9)
+    assert one(text, "stepscope_gpu_sm_clock_hertz", **h100) == pytest.approx(reading["clocks_mhz"]["sm"] * 1e6)
+    # the H100's maximum SM clock (nvmlDeviceGetMaxClockInfo): 1.98 GHz, above the 1.695 GHz it ran at
+    assert one(text, "stepscope_gpu_sm_clock_max_hertz", **h100) == pytest.approx(1.98e9)
+    assert one(text, "stepscope_gpu_sm_clock_hertz", **h100) < one(text, "stepscope_gpu_sm_clock_max_hertz", **h100)
     assert one(text, "stepscope_gpu_memory_clock_hertz", **h100) == pytest.approx(2.619e9)
     assert one(text, "stepscope_gpu_temperature_celsius", **h100) == 61
-    assert one(text, "stepscope_gpu_pcie_receive_bytes_per_second", **h100) == 1_200_000 * 1024
-    assert one(text, "stepscope_gpu_pcie_transmit_bytes_per_second", **h100) == 800_000 * 1024
+    # KB/s from the scenario, read through GPM on the H100 (MiB/s): the same bytes/s either way
+    assert one(text, "stepscope_gpu_pcie_receive_bytes_per_second", **h100) == reading["pcie_kbps"]["rx"] * 1024
+    assert one(text, "stepscope_gpu_pcie_transmit_bytes_per_second", **h100) == reading["pcie_kbps"]["tx"] * 1024
     assert one(text, "stepscope_gpu_energy_joules_total", **h100) >= 5_000_000
     assert one(text, "stepscope_gpu_clock_event_seconds_total", **h100, reason="power") >= 12.0
     assert one(text, "stepscope_gpu_clock_event_seconds_total", **h100, reason="low_utilization") == 3.0
@@ -142,9 +167,8 @@ def test_gpm_ratios_only_for_the_hopper_gpu(harness: Callable[..., Harness]) -> 
     assert not set(GPM_FAMILIES) & gpu_family_names(first), "GPM needs two samples: absent on the first cycle"
     time.sleep(0.12)  # GPM samples must be at least 100 ms apart
     text = h.scrape()
-    expected = {"sm_active": 0.82, "sm_occupancy": 0.41, "tensor_active": 0.55, "dram_active": 0.63}
-    for metric, ratio in expected.items():
-        assert one(text, f"stepscope_gpu_{metric}_ratio", gpu="0", uuid=UUIDS[0]) == pytest.approx(ratio)
+    for family, ratio in gpm_ratios(MIXED["gpus"][0]).items():
+        assert one(text, family, gpu="0", uuid=UUIDS[0]) == pytest.approx(ratio)
     for gpu in ("1", "2"):
         assert not set(GPM_FAMILIES) & names_for_gpu(text, gpu)
 
@@ -190,7 +214,7 @@ def test_bindings_without_interconnect_ids_leave_them_out(
     text = second_cycle(h)
     assert not set(C2C) & names_for_gpu(text, "0")
     assert one(text, NVLINK[0], gpu="0") == 50_500 * 2**20
-    assert one(text, "stepscope_gpu_sm_active_ratio", gpu="0") == pytest.approx(0.79)
+    assert one(text, "stepscope_gpu_sm_active_ratio", gpu="0") == pytest.approx(MODELS["GH200"]["gpm"]["sm_util"] / 100)
 
 
 def test_clock_event_state_set_follows_the_reason_bits(harness: Callable[..., Harness]) -> None:
@@ -216,7 +240,8 @@ def test_unsupported_or_failing_field_is_left_out_for_that_gpu_only(harness: Cal
     assert sample_values(text, "stepscope_gpu_power_watts", gpu="1") == []
     assert one(text, "stepscope_gpu_up", gpu="1") == 1
     assert one(text, "stepscope_gpu_power_limit_watts", gpu="1") == 400
-    assert [one(text, "stepscope_gpu_power_watts", gpu=g) for g in ("0", "2")] == [512, 63]
+    assert [one(text, "stepscope_gpu_power_watts", gpu=g) for g in ("0", "2")] == pytest.approx(
+        [MIXED["gpus"][g]["power_usage_mw"] / 1000 for g in (0, 2)])
 
 
 def test_older_bindings_without_event_reasons_or_memory_v2(

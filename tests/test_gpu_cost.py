@@ -18,7 +18,14 @@ from exporter.collectors.gpu_slow import STALE_INTERVALS
 from exporter.exposition import render
 from exporter.gpu_processes import GpuProcessTable
 from stepscope_testkit.fake_nvml.cost_model import GPM_GAP_SECONDS, price_collector
-from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, load_fake_pynvml, make_scenario, write_scenario
+from stepscope_testkit.fake_nvml.scenario import (
+    H100_LATENCY_MS,
+    MODELS,
+    PCIE_KBPS,
+    load_fake_pynvml,
+    make_scenario,
+    write_scenario,
+)
 from stepscope_testkit.processes import sample_values
 
 SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
@@ -27,6 +34,8 @@ BLOCKING_MS = 1.0  # no single call on the cycle path may take this long per GPU
 SLOW_CALLS = {"nvmlDeviceGetPcieThroughput", "nvmlDeviceGetTotalEnergyConsumption",
               "nvmlDeviceGetViolationStatus", "nvmlDeviceGetFieldValues"}
 PCIE = ("stepscope_gpu_pcie_receive_bytes_per_second", "stepscope_gpu_pcie_transmit_bytes_per_second")
+# The scenarios' PCIe throughput in bytes/s: KB/s when polled, the same in MiB/s from GPM on Hopper
+PCIE_RX, PCIE_TX = PCIE_KBPS["rx"] * 1024, PCIE_KBPS["tx"] * 1024
 
 
 @pytest.fixture
@@ -109,9 +118,9 @@ def collectors(scenario_path: Path):
 def test_hopper_pcie_comes_from_gpm_and_never_blocks(collectors) -> None:
     c = collectors(make_scenario(gpus=2, processes_per_gpu=0, models=("H100", "A100")))
     text = c.second_cycle()
-    for gpu in ("0", "1"):  # same bytes/s either way: 1_200_000 KB/s = 1171.875 MiB/s
-        assert sample_values(text, PCIE[0], gpu=gpu) == [1_200_000 * 1024]
-        assert sample_values(text, PCIE[1], gpu=gpu) == [800_000 * 1024]
+    for gpu in ("0", "1"):  # same bytes/s either way: 11_704_627 KB/s polled = 11_430.3 MiB/s from GPM
+        assert sample_values(text, PCIE[0], gpu=gpu) == [PCIE_RX]
+        assert sample_values(text, PCIE[1], gpu=gpu) == [PCIE_TX]
     polled = c.nvml.call_counts()["nvmlDeviceGetPcieThroughput"]
     assert polled == 2  # the A100's TX and RX, in the first slow round; never the H100's
     c.rewrite(lambda s: s["gpus"][0]["gpm"].update(pcie_rx_per_sec=50_000.0))  # an H2D copy
@@ -125,19 +134,20 @@ def test_gpm_without_pcie_metrics_falls_back_to_polling(collectors, monkeypatch:
     c = collectors(scenario)
     monkeypatch.delattr(c.nvml, "NVML_GPM_METRIC_PCIE_TX_PER_SEC")  # bindings too old for GPU 0
     text = c.second_cycle()
-    assert sample_values(text, "stepscope_gpu_sm_active_ratio", gpu="0") == [pytest.approx(0.82)]
+    assert sample_values(text, "stepscope_gpu_sm_active_ratio", gpu="0") == [
+        pytest.approx(MODELS["H100"]["gpm"]["sm_util"] / 100)]
     assert sample_values(text, PCIE[0]) == []  # GPM gave no PCIe; the first slow round did not poll
     assert c.nvml.call_counts()["nvmlDeviceGetPcieThroughput"] == 0
     c.collector._slow.read_all()  # the next round polls both
     text = c.scrape()
-    assert sample_values(text, PCIE[0]) == [1_200_000 * 1024] * 2
+    assert sample_values(text, PCIE[0]) == [PCIE_RX] * 2
     assert c.nvml.call_counts()["nvmlDeviceGetPcieThroughput"] == 4
 
 
 def test_pre_hopper_without_pcie_poll_publishes_no_pcie(collectors) -> None:
     c = collectors(make_scenario(gpus=2, processes_per_gpu=0, models=("H100", "T4")), poll_pcie=False)
     text = c.second_cycle()
-    assert sample_values(text, PCIE[0], gpu="0") == [1_200_000 * 1024]
+    assert sample_values(text, PCIE[0], gpu="0") == [PCIE_RX]
     assert sample_values(text, PCIE[0], gpu="1") == []
     assert sample_values(text, "stepscope_gpu_energy_joules_total", gpu="1") != []
 

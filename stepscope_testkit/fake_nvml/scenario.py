@@ -21,23 +21,32 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3
 
-# Per-model templates: realistic identity and limits; readings are a busy training GPU.
+# Per-model templates: identity and limits of the real models; readings are a saturated training GPU as
+# an H100 80GB HBM3 reported it (benchmarks/corpus/h100-2026-11-24, mlp_bf16: 4 x Linear(8192) in bf16
+# at its 700 W cap): NVML utilization 98%, memory-controller 38%, SM active 73%, SM occupancy 18%,
+# tensor 57%, DRAM 30%, 688 W, SM clock 1.695-1.77 of 1.98 GHz, 61 C. No other model has been recorded:
+# the GH200 (the same Hopper SMs) takes the H100's GPM readings, and every model the same NVML
+# utilization (a saturated GPU reads 98-100% on any of them); power, clocks and temperatures keep each
+# model's own limits.
+BUSY_UTILIZATION = {"gpu": 98, "memory": 38}
+PCIE_KBPS = {"rx": 11_704_627, "tx": 703_386}  # 12.0 and 0.72 GB/s: the batches copied in from pinned memory
+HOPPER_GPM = {"sm_util": 72.5, "sm_occupancy": 17.6, "any_tensor_util": 57.5, "dram_bw_util": 29.9}
 MODELS: dict[str, dict[str, Any]] = {
     "H100": {
         "name": "NVIDIA H100 80GB HBM3",
         "memory": {"total": 80 * GIB, "used": 61 * GIB, "reserved": GIB // 2},
-        "power_usage_mw": 512_000, "enforced_power_limit_mw": 700_000,
-        "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 61,
-        "gpm": {"sm_util": 82.0, "sm_occupancy": 41.0, "any_tensor_util": 55.0, "dram_bw_util": 63.0,
-                "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.875,  # MiB/s: pcie_kbps below
+        "power_usage_mw": 688_456, "enforced_power_limit_mw": 700_000,
+        "clocks_mhz": {"sm": 1695, "mem": 2619}, "max_clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 61,
+        "gpm": {**HOPPER_GPM,
+                "pcie_tx_per_sec": PCIE_KBPS["tx"] / 1024, "pcie_rx_per_sec": PCIE_KBPS["rx"] / 1024,  # MiB/s
                 "nvlink_total_tx_per_sec": 48_000.0, "nvlink_total_rx_per_sec": 47_500.0},  # no C2C
     },
     "GH200": {  # Grace Hopper: the GPU reaches its CPU over NVLink-C2C, so host copies bypass PCIe
         "name": "NVIDIA GH200 480GB",
         "memory": {"total": 96 * GIB, "used": 70 * GIB, "reserved": GIB // 2},
         "power_usage_mw": 610_000, "enforced_power_limit_mw": 900_000,
-        "clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 58,
-        "gpm": {"sm_util": 79.0, "sm_occupancy": 38.0, "any_tensor_util": 52.0, "dram_bw_util": 58.0,
+        "clocks_mhz": {"sm": 1980, "mem": 2619}, "max_clocks_mhz": {"sm": 1980, "mem": 2619}, "temperature_c": 58,
+        "gpm": {**HOPPER_GPM,
                 "pcie_tx_per_sec": 2.0, "pcie_rx_per_sec": 3.0,
                 "nvlink_total_tx_per_sec": 51_000.0, "nvlink_total_rx_per_sec": 50_500.0,
                 "c2c_total_tx_per_sec": 6_000.0, "c2c_total_rx_per_sec": 21_000.0},
@@ -46,13 +55,13 @@ MODELS: dict[str, dict[str, Any]] = {
         "name": "NVIDIA A100-SXM4-80GB",
         "memory": {"total": 80 * GIB, "used": 52 * GIB, "reserved": GIB // 2},
         "power_usage_mw": 301_000, "enforced_power_limit_mw": 400_000,
-        "clocks_mhz": {"sm": 1410, "mem": 1593}, "temperature_c": 55,
+        "clocks_mhz": {"sm": 1410, "mem": 1593}, "max_clocks_mhz": {"sm": 1410, "mem": 1593}, "temperature_c": 55,
     },
     "T4": {
         "name": "Tesla T4",
         "memory": {"total": 15 * GIB, "used": 9 * GIB, "reserved": GIB // 4},
         "power_usage_mw": 63_000, "enforced_power_limit_mw": 70_000,
-        "clocks_mhz": {"sm": 1590, "mem": 5001}, "temperature_c": 71,
+        "clocks_mhz": {"sm": 1590, "mem": 5001}, "max_clocks_mhz": {"sm": 1590, "mem": 5001}, "temperature_c": 71,
     },
 }
 
@@ -79,7 +88,7 @@ def make_gpu(index: int, model: str = "H100", *, processes: Iterable[tuple[int, 
     gpu = {
         "uuid": f"GPU-{index:08x}-5eed-4e1d-9a7e-{model.lower():0>12}",
         "pci_bus_id": f"00000000:{0x18 + index * 0x10:02X}:00.0",
-        "utilization": {"gpu": 87, "memory": 41},
+        "utilization": dict(BUSY_UTILIZATION),
         **copy.deepcopy(MODELS[model]),
         "total_energy_mj": {"start": 5_000_000_000, "per_second": power_mw},  # energy rate = power
         "clocks_event_reasons": list(throttle),
@@ -89,7 +98,7 @@ def make_gpu(index: int, model: str = "H100", *, processes: Iterable[tuple[int, 
             "sync_boost": 0, "board_limit": 0, "low_utilization": 3_000_000_000, "reliability": 0,
             "app_clocks": 0, "base_clocks": 0,
         },
-        "pcie_kbps": {"rx": 1_200_000, "tx": 800_000},
+        "pcie_kbps": dict(PCIE_KBPS),
         "ecc_aggregate": {"corrected": 3, "uncorrected": 0},
         "processes": [{"pid": pid, "used_memory": used} for pid, used in processes],
     }
