@@ -26,7 +26,7 @@ from run_report.window import (
     runs_seen,
 )
 from stepscope_contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
-from stepscope_contract.recordings import RUN_VERDICT
+from stepscope_contract.recordings import RUN_SAMPLES_RATE
 
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
@@ -95,9 +95,10 @@ def _report(args: argparse.Namespace) -> int:
     from run_report.collect import fetch
 
     data = fetch(prom, args.run, window, nodes)
-    if data.totals["steps"] and not data.over_time["verdict"]:
+    # the samples rate, not the verdict: the rules give no verdict in a run's first seconds of training
+    if data.totals["steps"] and not data.over_time["run_samples_rate"]:
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
-                         f"({RUN_VERDICT}): load the rule files of grafana/rules_out/ into Prometheus")
+                         f"({RUN_SAMPLES_RATE}): load the rule files of grafana/rules_out/ into Prometheus")
     built = report.build(data, _without_credentials(prom.base_url))
     with output.staged(out) as staging:
         files = report.write(built, staging)

@@ -17,6 +17,14 @@ def count(value: float | None) -> str:
     return "no data" if value is None else f"{value:,.0f}"
 
 
+def activity(value: float | None) -> str:
+    """A 0-1 activity (SM active, tensor cores) in two decimals; below 0.01 one significant digit, since a
+    GPU whose SMs are active 0.0009 of the time is not 0."""
+    if value is None:
+        return "not read"
+    return f"{value:.2f}" if value >= 0.01 else f"{value:.1g}"
+
+
 def score(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 

@@ -25,7 +25,7 @@ GENERATOR = "stepscope-report"
 LOCAL_PHASES_HTML = " + ".join(f"<code>{phase}</code>" for phase in LOCAL_PHASES)
 
 VERDICT_BORDERS = {verdicts.DATA_BOUND: "#c62828", verdicts.GPU_BOUND: "#2e7d32", verdicts.GPU_BUSY_IDLE: "#ef6c00",
-                   verdicts.HOST_BOUND: "#f9a825", verdicts.IDLE: "#9e9e9e"}
+                   verdicts.HOST_BOUND: "#f9a825", verdicts.UNDETERMINED: "#5c6bc0", verdicts.IDLE: "#9e9e9e"}
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1120px;
 padding:0 16px 48px;color:#212121}
@@ -59,6 +59,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         f'<p class="meta">{escape(_window_words(report))}</p>',
         f'<section class="verdict v-{escape(a.verdict)}"><h2>{escape(a.headline)}</h2>',
         f"<p>{escape(a.because)}</p>",
+        *([f'<p class="note">Rule for <code>{escape(a.verdict)}</code>: {escape(a.rule)}.</p>'] if a.rule else []),
         "<p><strong>What to try</strong></p><ul>",
         *(f"<li>{escape(fix)}</li>" for fix in a.fixes),
         "</ul>",
@@ -103,18 +104,19 @@ def _window_words(report: Report) -> str:
 
 
 def _key_numbers(report: Report) -> list[tuple[str, str]]:
-    totals, a = report.totals, report.assessment
-    rows = [
+    totals, gpus = report.totals, report.assessment.gpus
+    return [
         ("steps (all ranks)", fmt.count(totals.steps)),
         ("samples (all ranks)", fmt.count(totals.samples)),
         ("mean step time", fmt.seconds(totals.mean)),
         ("step time p50 / p95 (run)", f"{fmt.seconds(totals.p50)} / {fmt.seconds(totals.p95)}"),
         ("data-loading share of step time", fmt.percent(totals.dataloader_share)),
-        ("effective GPU utilization while training", fmt.percent(a.gpu_effective)
-         + (f" ({a.gpu_source})" if a.gpu_source else "")),
-        ("NVML GPU utilization while training", fmt.percent(a.gpu_nvml)),
+        ("NVML GPU utilization while training (busy or waiting)", fmt.percent(gpus.nvml)),
+        ("SM active while training (GPM: how well busy GPUs are used)", fmt.activity(gpus.sm_active)),
+        ("tensor-core activity while training (GPM)", fmt.activity(gpus.tensor_active)),
+        ("effective GPU utilization while training", fmt.percent(gpus.effective)
+         + (f" ({gpus.source})" if gpus.source else "")),
     ]
-    return rows
 
 
 class Markup(str):

@@ -27,7 +27,7 @@ DPI = 100
 STATE_COLORS = dict(zip(STATES, ("#9e9e9e", "#2e7d32", "#1565c0", "#ef6c00", "#e0e0e0"), strict=True))
 VERDICT_COLORS = {verdict_names.GPU_BOUND: "#00897b", verdict_names.DATA_BOUND: "#e53935",
                   verdict_names.GPU_BUSY_IDLE: "#8e24aa", verdict_names.HOST_BOUND: "#fdd835",
-                  verdict_names.IDLE: "#eeeeee"}
+                  verdict_names.UNDETERMINED: "#7986cb", verdict_names.IDLE: "#eeeeee"}
 OTHER_COLOR = "#6d4c41"
 UNTIMED_COLOR = "#cfd8dc"
 
@@ -200,7 +200,8 @@ def node_resources(window: Window, over_time: Mapping[str, list[Series]]) -> byt
 def _bound_ends(path: Sequence[Bound], window: Window) -> list[tuple[Bound, float]]:
     """Each window's bound with the time it lasts until: the next point, or one step (at a gap)."""
     ends = []
-    for bound, following in zip(path, [*path[1:], None], strict=True):
+    for index, bound in enumerate(path):
+        following = path[index + 1] if index + 1 < len(path) else None
         contiguous = following is not None and following.time - bound.time <= 1.5 * window.step
         ends.append((bound, following.time if contiguous else min(bound.time + window.step, window.end)))
     return ends

@@ -107,10 +107,14 @@ def _training_over_time(r: str) -> dict[str, str]:
 
 
 def _gpu_over_time(r: str) -> dict[str, str]:
+    """The run's GPUs, recorded by the rules only while its ranks train: NVML utilization says busy or
+    waiting, SM active and tensor activity (GPM) grade a busy GPU; per GPU for the plot and the CSV."""
     run_gpus = f"({sel(rec.RANK_GPU_MEMORY, r)} > 0)"
     return {
         "run_gpu_effective": sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION, r),
         "run_gpu_nvml": sel(rec.RUN_GPU_UTILIZATION, r),
+        "run_gpu_sm_active": sel(rec.RUN_GPU_SM_ACTIVE, r),  # GPM only: grades a busy GPU
+        "run_gpu_tensor_active": sel(rec.RUN_GPU_TENSOR_ACTIVE, r),
         "gpu_effective": sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, r),
         "gpu_nvml": sel(rec.RUN_GPU_UTILIZATION_BY_GPU, r),
         "gpu_memory": f"sum by (instance, gpu) ({fam.GPU_MEMORY_USED}) and on (instance, gpu) {run_gpus}",

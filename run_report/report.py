@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from run_report import csvs, page, plots
 from run_report.collect import RunData
+from run_report.prometheus import Series
 from run_report.summary import (
     NodeSummary,
     RankSummary,
@@ -22,10 +24,11 @@ from run_report.timeline import (
     critical_path,
     labelled_intervals,
     state_intervals,
-    training_times,
+    times_in_state,
 )
 from run_report.times import iso
-from run_report.verdict import Assessment, assess
+from run_report.verdict import SETTLE_SECONDS, Assessment, assess
+from stepscope_contract import TRAIN_STATE
 
 RUN_SUMMARY_HEADER = (
     "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "mean_step_seconds",
@@ -53,7 +56,9 @@ def build(data: RunData, prometheus_url: str) -> Report:
     ranks = rank_summaries(data)
     totals = run_totals(data, ranks)
     over = data.over_time
-    training = training_times(over["verdict"])
+    # the pushed state, not the verdict: the rules judge a run only once a rank has trained a while, and
+    # the straggler scores hold from its first steps
+    training = times_in_state(over["state"], TRAIN_STATE)
     return Report(
         data=data, prometheus_url=prometheus_url, generated=time.time(), ranks=ranks,
         nodes=node_summaries(ranks), totals=totals, assessment=assess(data, totals, ranks),
@@ -84,9 +89,7 @@ def _images(report: Report) -> dict[str, tuple[str, bytes | str]]:
                                      if report.intervals else "No training state was recorded in this window."),
         "GPU utilization": ("Effective utilization of each GPU the run used",
                             plots.gpu_utilization(window, over["gpu_effective"], over["gpu_nvml"])
-                            if over["gpu_effective"] else
-                            "No GPU is mapped to this run: it trains on the CPU, or the exporter on its node "
-                            "cannot see its processes (hostPID / pid: host)."),
+                            if over["gpu_effective"] else _no_gpu_words(over)),
         "Node resources": ("CPU, memory, disk and network of the run's nodes",
                            plots.node_resources(window, over)
                            if any(over.get(name) for name in csvs.NODE_RESOURCE_COLUMNS.values()) else
@@ -94,6 +97,16 @@ def _images(report: Report) -> dict[str, tuple[str, bytes | str]]:
                            "exporter scraped there?"),
     }
     return images
+
+
+def _no_gpu_words(over: Mapping[str, list[Series]]) -> str:
+    """Why the GPU plot is empty: the rules record a GPU's readings for a run only once a rank on it has
+    trained a while, so a mapped GPU of a short run has none."""
+    if over["gpu_memory"]:
+        return (f"The run held memory on {len(over['gpu_memory'])} GPUs, but no rank trained {SETTLE_SECONDS} s "
+                "without a break, so no GPU reading was recorded for it.")
+    return ("No GPU is mapped to this run: it trains on the CPU, or the exporter on its node cannot see its "
+            "processes (hostPID / pid: host).")
 
 
 def _write_csvs(report: Report, directory: Path) -> list[str]:
@@ -121,5 +134,5 @@ def _run_row(report: Report) -> list[object]:
         report.data.run, iso(window.start), iso(window.end), window.step, len({r.rank for r in report.ranks}),
         " ".join(report.data.nodes), totals.steps, totals.samples, totals.mean, totals.p50, totals.p95,
         totals.dataloader_share, totals.io_samples_per_second, totals.training_samples_per_second,
-        a.gpu_effective, a.gpu_nvml, a.verdict, " ".join(rank.rank for rank in a.stragglers),
+        a.gpus.effective, a.gpus.nvml, a.verdict, " ".join(rank.rank for rank in a.stragglers),
     ]

@@ -72,8 +72,14 @@ def labelled_intervals(series: Iterable[Series], label: str, window: Window) -> 
     return _runs(values, window)
 
 
+def times_in_state(state_series: Iterable[Series], state: str) -> set[float]:
+    """The times some rank was in `state` (the pushed state, which the verdict follows only once settled)."""
+    return {t for series in state_series if series.labels.get("state") == state for t, _ in series.points}
+
+
 def training_times(verdicts: Iterable[Series]) -> set[float]:
-    """The times some rank trained: the run's verdict is there and is not idle."""
+    """The times the rules judged the run training: its verdict is there (a rank has trained long enough
+    to be judged) and is not idle."""
     return {t for series in verdicts if series.labels.get("verdict") != IDLE_VERDICT for t, _ in series.points}
 
 

@@ -1,7 +1,11 @@
 """The verdict in words: what limited the run over the window, the numbers behind it, and the fix.
 
-The verdict is the recording rule `run:stepscope_bottleneck:verdict` (data_bound, gpu_bound,
-gpu_busy_idle, host_bound, idle) counted over the window: the one that held longest while training.
+The verdict is the recording rule `run:stepscope_bottleneck:verdict` counted over the window: the one
+that held longest while training. Its rule is stepscope_contract.verdicts.MEANINGS, so the page says
+what the dashboards say. NVML utilization decides whether the GPUs are busy or wait; SM active and
+tensor-core activity (GPM, Hopper and newer) only grade how well busy GPUs are used, because a
+saturated H100 training in bf16 reads NVML 0.98 with SM active 0.73. The rules judge a rank only once
+it has trained `verdict_settle_seconds` without a break, so a window can hold training and no verdict.
 The checks are the seeds' rules of thumb, measured over the whole window: GPU utilization close to
 100%, loading time much smaller than training time, I/O sample rate above training sample rate, and
 no straggler rank.
@@ -10,22 +14,28 @@ no straggler rank.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from run_report import fmt
 from run_report.collect import RunData
+from run_report.prometheus import Series
 from run_report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
-from run_report.timeline import training_times
-from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS, verdicts
+from run_report.timeline import times_in_state, training_times
+from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS, TRAIN_STATE, verdicts
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
+BUSY_IDLE_SM_ACTIVE = THRESHOLDS["busy_idle_sm_active"].value
 DATA_BOUND = THRESHOLDS["data_loading_share"].value
+SETTLE_SECONDS = THRESHOLDS["verdict_settle_seconds"].number
+NO_VERDICT = ""  # ranks trained in the window, but none long enough for the rules to judge the run
 
 HEADLINES = {
     verdicts.DATA_BOUND: "Data-bound: the ranks wait for the next batch",
-    verdicts.GPU_BOUND: "GPU-bound: the GPUs are busy, the healthy state",
+    verdicts.GPU_BOUND: "GPU-bound: the GPUs are busy",
     verdicts.GPU_BUSY_IDLE: "GPUs busy but idle: kernels run all the time yet the SMs do little",
     verdicts.HOST_BOUND: "Host-bound: the time goes to work on the host",
+    verdicts.UNDETERMINED: "Undetermined: the run steps, but nothing measured says what limits it",
     verdicts.IDLE: "Idle: no rank trained in this range",
 }
 
@@ -51,11 +61,23 @@ FIXES = {
         "Under DDP or FSDP compare the phase breakdown per rank: a long backward on the fast ranks is "
         "time spent waiting for a slow one in the all-reduce.",
     ],
+    verdicts.UNDETERMINED: [
+        f"Iterate the training data through tracker.loader(): it times {DATA_LOADING_PHASE}, so a slow loader "
+        "can be told apart from GPUs that wait on the host.",
+        "Time the step's phases: tracker.phase(name, cuda=True) around forward, backward and the optimizer "
+        "step puts the GPU's clock (CUDA events) beside the host's.",
+        "Let the exporter map the run's pids to their GPUs: it needs the host's pid namespace (hostPID=true "
+        "in the chart, pid: host in compose) to count a GPU's readings for the run.",
+    ],
     verdicts.IDLE: [
         "Read the state timeline: setup, eval or checkpointing filled the range, or a rank stalled "
         "(py-spy dump, NCCL_DEBUG=INFO).",
     ],
 }
+NO_VERDICT_FIXES = [
+    f"Report a range with a longer stretch of training: the rules judge a run once a rank has trained "
+    f"{SETTLE_SECONDS} s without eval or checkpoints between, when the GPU readings and the 1m rates are in.",
+]
 
 
 @dataclass(frozen=True)
@@ -67,39 +89,62 @@ class Check:
 
 
 @dataclass(frozen=True)
+class GpuReadings:
+    """What the run's GPUs read, averaged over the window's training times (None: never read)."""
+
+    nvml: float | None  # share of time a kernel ran (NVML utilization): busy or waiting, decides the verdict
+    sm_active: float | None  # GPM: how much of the GPU the kernels use, grades a busy GPU
+    tensor_active: float | None  # GPM: tensor-core activity, near 0 for FP32 matmuls
+    effective: float | None  # SM active where GPM reads it, NVML elsewhere: what the dashboards colour
+    source: str  # which reading `effective` is, per GPU (sm_active, utilization)
+
+    @property
+    def grade(self) -> str:
+        """How well busy GPUs are used, e.g. "SM active 0.73, tensor cores 0.58"; "" without GPM."""
+        named = (("SM active", self.sm_active), ("tensor cores", self.tensor_active))
+        return ", ".join(f"{name} {fmt.activity(value)}" for name, value in named if value is not None)
+
+
+@dataclass(frozen=True)
 class Assessment:
-    verdict: str
+    verdict: str  # a verdicts.BOTTLENECK_VERDICTS value, or NO_VERDICT
     fractions: dict[str, float]  # share of the window's points with each verdict
     headline: str
-    because: str
+    because: str  # what this run measured
+    rule: str  # the verdict's rule (verdicts.MEANINGS), "" without a verdict
     fixes: list[str]
     checks: list[Check]
     stragglers: list[RankSummary]
-    gpu_effective: float | None
-    gpu_nvml: float | None
-    gpu_source: str
+    gpus: GpuReadings
 
 
 def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assessment:
     fractions = _verdict_fractions(data)
-    busy = {verdict: share for verdict, share in fractions.items() if verdict != verdicts.IDLE}
-    verdict = max(busy, key=busy.__getitem__) if busy else verdicts.IDLE
-    training = training_times(data.over_time["verdict"])
-    gpu_effective = _mean_while(data.over_time["run_gpu_effective"], training)
-    gpu_nvml = _mean_while(data.over_time["run_gpu_nvml"], training)
-    source = ", ".join(sorted({s.labels.get("source", "") for s in data.over_time["gpu_effective"]} - {""}))
+    verdict = _verdict(fractions, data)
+    gpus = _gpu_readings(data)
     slow = stragglers(ranks)
-    fixes = list(FIXES[verdict])
+    fixes = list(FIXES.get(verdict, NO_VERDICT_FIXES))
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
-    headline = HEADLINES[verdict]
-    if busy and verdict != verdicts.IDLE:
-        headline += f" ({busy[verdict] / sum(busy.values()):.0%} of the training time)"
     return Assessment(
-        verdict=verdict, fractions=fractions, headline=headline,
-        because=_because(verdict, totals, gpu_effective, gpu_nvml, source) + _straggler_words(slow),
-        fixes=fixes, checks=_checks(totals, ranks, gpu_effective, source), stragglers=slow,
-        gpu_effective=gpu_effective, gpu_nvml=gpu_nvml, gpu_source=source,
+        verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus),
+        because=BECAUSE[verdict](totals, gpus) + _grade_words(gpus) + _straggler_words(slow),
+        rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus),
+        stragglers=slow, gpus=gpus,
+    )
+
+
+def _gpu_readings(data: RunData) -> GpuReadings:
+    """The run's GPU recordings averaged over the times the rules judged it training: the rules record
+    them only for settled training ranks, so setup and warm-up never dilute them."""
+    training = training_times(data.over_time["verdict"])
+    over = data.over_time
+    return GpuReadings(
+        nvml=_mean_while(over["run_gpu_nvml"], training),
+        sm_active=_mean_while(over["run_gpu_sm_active"], training),
+        tensor_active=_mean_while(over["run_gpu_tensor_active"], training),
+        effective=_mean_while(over["run_gpu_effective"], training),
+        source=", ".join(sorted({s.labels.get("source", "") for s in over["gpu_effective"]} - {""})),
     )
 
 
@@ -109,31 +154,112 @@ def _verdict_fractions(data: RunData) -> dict[str, float]:
     return {verdict: count / total for verdict, count in counts.most_common()} if total else {}
 
 
-def _mean_while(series: list, times: set[float]) -> float | None:
+def _verdict(fractions: dict[str, float], data: RunData) -> str:
+    """The verdict that held longest while training. Without one, a window in which ranks trained while
+    the run had no verdict has NO_VERDICT (they never trained long enough to be judged), not idle; ranks
+    in state train under the idle verdict stalled."""
+    judged = {verdict: share for verdict, share in fractions.items() if verdict in verdicts.BOTTLENECK_VERDICTS
+              and verdict != verdicts.IDLE}
+    if judged:
+        return max(judged, key=judged.__getitem__)
+    return NO_VERDICT if _trained_unjudged(data) else verdicts.IDLE
+
+
+def _trained_unjudged(data: RunData) -> bool:
+    """Whether a rank was in state train at a time the run had no verdict (range queries share times)."""
+    judged = {t for s in data.over_time["verdict"] for t, _ in s.points}
+    return bool(times_in_state(data.over_time["state"], TRAIN_STATE) - judged)
+
+
+def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings) -> str:
+    """The verdict, the grade of busy GPUs (GPM), and how much of the judged training time it held."""
+    if verdict == NO_VERDICT:
+        return verdicts.NO_VERDICT_YET[:1].upper() + verdicts.NO_VERDICT_YET[1:]
+    details = [gpus.grade] if verdict in (verdicts.GPU_BOUND, verdicts.GPU_BUSY_IDLE) and gpus.grade else []
+    judged = sum(share for name, share in fractions.items() if name != verdicts.IDLE)
+    if verdict != verdicts.IDLE and judged:
+        details.append(f"{fractions[verdict] / judged:.0%} of the training time")
+    return HEADLINES[verdict] + (f" ({'; '.join(details)})" if details else "")
+
+
+def _mean_while(series: list[Series], times: set[float]) -> float | None:
     values = [value for s in series for t, value in s.points if t in times]
     return sum(values) / len(values) if values else None
 
 
-def _because(verdict: str, totals: RunTotals, gpu: float | None, nvml: float | None, source: str) -> str:
+def _loading_words(totals: RunTotals) -> str:
     share = totals.dataloader_share
-    loading = f"data loading took {share:.0%} of step time" if share is not None else "data loading is not timed"
-    gpus = (f"the run's GPUs averaged {gpu:.0%} effective utilization ({source}) while training"
-            if gpu is not None else "no GPU is mapped to the run (CPU-only, or the exporter cannot see its processes)")
-    if verdict == verdicts.DATA_BOUND:
-        rates = ""
-        if totals.io_samples_per_second and totals.training_samples_per_second:
-            rates = (f"; loading delivers {totals.io_samples_per_second:,.0f} samples per second of waiting, "
-                     f"training consumes {totals.training_samples_per_second:,.0f} per second of the rest")
-        return f"Over the whole window {loading} (threshold {DATA_BOUND:.0%}){rates}; {gpus}."
-    if verdict == verdicts.GPU_BOUND:
-        return f"Over the window {gpus} (threshold {GPU_BOUND:.0%}) and {loading}."
-    if verdict == verdicts.GPU_BUSY_IDLE:
-        busy = f"{nvml:.0%}" if nvml is not None else "most"
-        return (f"The GPUs ran kernels {busy} of the time (NVML) but {gpus}: kernels too small to fill "
-                "the GPU, or a loop bound by kernel launches.")
-    if verdict == verdicts.HOST_BOUND:
-        return f"Over the window {loading} and {gpus}: neither limits the run, its steps wait on the host."
+    return f"data loading took {share:.0%} of step time" if share is not None else "data loading is not timed"
+
+
+def _gpu_words(gpus: GpuReadings) -> str:
+    """NVML utilization says whether the GPUs are busy or wait; SM active and tensor activity grade them."""
+    if gpus.nvml is None:
+        return "no GPU is mapped to the run (CPU-only, or the exporter cannot see its processes)"
+    state = "busy" if gpus.nvml >= GPU_BOUND else "waiting"
+    return f"the run's GPUs ran kernels {gpus.nvml:.0%} of the time while training (NVML utilization: {state})"
+
+
+def _grade_words(gpus: GpuReadings) -> str:
+    """SM active and tensor activity after the verdict's reasons: they grade the GPUs, they decide nothing."""
+    return f" GPM grades how well the kernels use the GPUs: {gpus.grade}." if gpus.grade else ""
+
+
+def _data_bound(totals: RunTotals, gpus: GpuReadings) -> str:
+    rates = ""
+    if totals.io_samples_per_second and totals.training_samples_per_second:
+        rates = (f"; loading delivers {totals.io_samples_per_second:,.0f} samples per second of waiting, "
+                 f"training consumes {totals.training_samples_per_second:,.0f} per second of the rest")
+    return f"Over the whole window {_loading_words(totals)}{rates}; {_gpu_words(gpus)}."
+
+
+def _gpu_bound(totals: RunTotals, gpus: GpuReadings) -> str:
+    return (f"Over the window {_loading_words(totals)} and {_gpu_words(gpus)}: the step's time is GPU work, "
+            "the healthy state.")
+
+
+def _busy_idle(totals: RunTotals, gpus: GpuReadings) -> str:
+    return (f"Over the window {_gpu_words(gpus)}: kernels too small to fill the GPU, or a loop bound by "
+            "kernel launches.")
+
+
+def _host_bound(totals: RunTotals, gpus: GpuReadings) -> str:
+    if gpus.nvml is None:
+        return (f"Over the window {_loading_words(totals)} and {_gpu_words(gpus)}; its phases are host time: "
+                "it trains on the CPU.")
+    return (f"Over the window {_gpu_words(gpus)} and {_loading_words(totals)}: the loader is not why they wait, "
+            "the steps wait on the host (launches, syncs, copies, Python).")
+
+
+def _undetermined(totals: RunTotals, gpus: GpuReadings) -> str:
+    """Names the evidence this run lacks, which the fixes then add."""
+    missing = []
+    if totals.dataloader_share is None:
+        missing.append(f"{DATA_LOADING_PHASE} is not timed")
+    if gpus.nvml is None:
+        missing.append("no GPU is mapped to the run")
+    elif gpus.nvml < GPU_BOUND:
+        missing.append(f"its GPUs ran kernels only {gpus.nvml:.0%} of the time (NVML utilization: waiting)")
+    if not totals.phase_seconds:
+        missing.append("no phase is timed")
+    found = "; ".join(missing) or "the 1m readings the rules judged by decided nothing"
+    return f"Over the window the run stepped, but {found}: nothing tells the GPU, the loader and the host apart."
+
+
+def _idle(totals: RunTotals, gpus: GpuReadings) -> str:
     return "No step was made in state train in this range."
+
+
+def _no_verdict(totals: RunTotals, gpus: GpuReadings) -> str:
+    return (f"The ranks trained in this range, but none for {SETTLE_SECONDS} s without a break (setup, eval, "
+            "checkpoints or the run's end came first), so the rules gave no verdict; the numbers below hold.")
+
+
+BECAUSE: dict[str, Callable[[RunTotals, GpuReadings], str]] = {
+    verdicts.DATA_BOUND: _data_bound, verdicts.GPU_BOUND: _gpu_bound, verdicts.GPU_BUSY_IDLE: _busy_idle,
+    verdicts.HOST_BOUND: _host_bound, verdicts.UNDETERMINED: _undetermined, verdicts.IDLE: _idle,
+    NO_VERDICT: _no_verdict,
+}
 
 
 def _straggler_words(slow: list[RankSummary]) -> str:
@@ -143,12 +269,22 @@ def _straggler_words(slow: list[RankSummary]) -> str:
     return f" Straggler: {named}; every synchronised step waits for it."
 
 
-def _checks(totals: RunTotals, ranks: list[RankSummary], gpu: float | None, source: str) -> list[Check]:
-    checks = [
-        Check("GPU utilization close to 100%",
-              f"{gpu:.0%} effective ({source}) while training" if gpu is not None else "no GPU mapped to the run",
-              f">= {GPU_BOUND:.0%}", None if gpu is None else gpu >= GPU_BOUND),
-    ]
+def _gpu_check(gpus: GpuReadings) -> Check:
+    """NVML utilization while training against the verdict's threshold: a saturated GPU reads 0.98 whatever
+    its SM activity (0.73 on an H100 at full bf16 load), which only grades it. SMs active below the
+    busy-but-idle threshold fail it, as the rules' gpu_busy_idle does."""
+    rule, target = "GPU utilization close to 100%", (f">= {GPU_BOUND:.0%} (NVML); SM active >= "
+                                                     f"{BUSY_IDLE_SM_ACTIVE:g} where GPM reads it")
+    if gpus.nvml is None:
+        return Check(rule, "no GPU reading while training", target, None)
+    measured = f"kernels ran {gpus.nvml:.0%} of the time (NVML) while training"
+    measured += f"; grade: {gpus.grade}" if gpus.grade else "; no GPM grade (SM active not read)"
+    idle_sms = gpus.sm_active is not None and gpus.sm_active < BUSY_IDLE_SM_ACTIVE
+    return Check(rule, measured, target, gpus.nvml >= GPU_BOUND and not idle_sms)
+
+
+def _checks(totals: RunTotals, ranks: list[RankSummary], gpus: GpuReadings) -> list[Check]:
+    checks = [_gpu_check(gpus)]
     share, mean = totals.dataloader_share, totals.mean
     if share is None or mean is None:
         checks.append(Check("Loading time much smaller than training time",

@@ -19,10 +19,18 @@ RANK_GPU_MEMORY = "instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum"
 RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU = "instance_gpu_run:stepscope_gpu_effective_utilization:avg_ratio"
 RUN_GPU_UTILIZATION_BY_GPU = "instance_gpu_run:stepscope_gpu_utilization:avg_ratio"
 RUN_GPU_TENSOR_ACTIVE_BY_GPU = "instance_gpu_run:stepscope_gpu_tensor_active:avg_ratio"
+RUN_GPU_SM_ACTIVE_BY_GPU = "instance_gpu_run:stepscope_gpu_sm_active:avg_ratio"
+# The readings of each GPU a settled training rank holds memory on, sampled at every evaluation: the
+# 1m averages above (NVML, SM active, tensor) read only these, so setup and warm-up never dilute them.
+RUN_GPU_UTILIZATION_TRAINING = "instance_gpu_run:stepscope_gpu_utilization:training_ratio"
+RUN_GPU_SM_ACTIVE_TRAINING = "instance_gpu_run:stepscope_gpu_sm_active:training_ratio"
+RUN_GPU_TENSOR_ACTIVE_TRAINING = "instance_gpu_run:stepscope_gpu_tensor_active:training_ratio"
 GPU_EFFECTIVE_UTILIZATION_IN_RUN = "instance_gpu:stepscope_gpu_effective_utilization_in_run:avg_ratio"
 NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN = "instance:stepscope_gpu_effective_utilization_in_run:avg_ratio"
 RUN_GPU_EFFECTIVE_UTILIZATION = "run:stepscope_gpu_effective_utilization:avg_ratio"
 RUN_GPU_UTILIZATION = "run:stepscope_gpu_utilization:avg_ratio"
+RUN_GPU_SM_ACTIVE = "run:stepscope_gpu_sm_active:avg_ratio"
+RUN_GPU_TENSOR_ACTIVE = "run:stepscope_gpu_tensor_active:avg_ratio"
 
 RANK_STEPS_RATE = "run_rank:stepscope_steps:rate1m"
 RUN_STEPS_RATE = "run:stepscope_steps:rate1m"
@@ -32,13 +40,19 @@ RUN_STEP_SECONDS_BUCKETS = "run_le:stepscope_step_seconds_bucket:rate1m"  # boun
 RUN_STEP_SECONDS_P50 = "run:stepscope_step_seconds:p50_rate1m"
 RUN_STEP_SECONDS_P95 = "run:stepscope_step_seconds:p95_rate1m"
 RANK_STEP_SECONDS_MEAN = "run_rank:stepscope_step_seconds:mean_rate1m"
-RANK_PHASE_SECONDS_PER_STEP = "run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m"
+RANK_PHASE_SECONDS_PER_STEP = "run_rank_phase:stepscope_step_phase_seconds:per_step_rate1m"  # and `timing`
+RANK_PHASE_SHARE_BY_TIMING = "run_rank_timing:stepscope_step_phase_seconds:share_rate1m"  # loader left out
+RUN_PHASE_SHARE_BY_TIMING = "run_timing:stepscope_step_phase_seconds:share_rate1m"
 RANK_DATALOADER_SHARE = "run_rank:stepscope_dataloader_share:ratio_rate1m"
 RUN_DATALOADER_SHARE = "run:stepscope_dataloader_share:ratio_rate1m"
 RANK_STRAGGLER_SCORE = "run_rank:stepscope_straggler_score:ratio"
 RANK_LOCAL_SECONDS_PER_STEP = "run_rank:stepscope_step_local_seconds:per_step_rate1m"
 RANK_STRAGGLER_LOCAL_SCORE = "run_rank:stepscope_straggler_local_score:ratio"
 RUN_TRAINING_RANKS = "run:stepscope_training_ranks:count"
+RANK_TRAINING_SETTLED = "run_rank:stepscope_training_settled:bool"  # in train now and 30 s-5.5 min ago
+RUN_SETTLED_RANKS = "run:stepscope_training_settled_ranks:count"
+RUN_GPUS = "run:stepscope_gpus:count"  # GPUs the run's ranks hold memory on
+RANK_TRAINING_GPU_READINGS = "run_rank:stepscope_training_gpu_readings:bool"  # settled, no break for 10 s
 RUN_VERDICT = "run:stepscope_bottleneck:verdict"  # value 1, label `verdict`
 
 RUN_LOADER_LIMIT = "run:stepscope_loader_limit_samples_per_second:sum"

@@ -9,7 +9,12 @@ no rule uses (`used_by` empty) only colours the dashboards and the report.
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from stepscope_contract.recordings import RUN_LIMITS_VERDICT, RUN_VERDICT
+from stepscope_contract.recordings import (
+    RANK_TRAINING_GPU_READINGS,
+    RANK_TRAINING_SETTLED,
+    RUN_LIMITS_VERDICT,
+    RUN_VERDICT,
+)
 
 
 @dataclass(frozen=True)
@@ -33,18 +38,29 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "data_loading_share": Threshold(
         0.3, "share of step time spent in dataloader_next above which a run is data bound",
         (RUN_VERDICT, "StepscopeDataLoadingBottleneck")),
+    # Set from the H100 recordings in ../shared/corpus (h100-2026-11-24, medians of steady training):
+    # GPU-bound bf16 work read NVML utilization 0.98-1.00 with SM active 0.65-0.90 (0.73 at the 700 W
+    # power cap); a data-bound loop 0.00; a launch-bound loop 0.14 (SM active 0.0009); one single-SM
+    # kernel per step 1.00 with SM active 0.008. tests/test_corpus_verdicts.py holds the thresholds to
+    # those readings and replays them through the rules.
     "gpu_bound_utilization": Threshold(
-        0.8, "run effective GPU utilization at or above which a run is GPU bound",
-        (RUN_VERDICT,)),
-    "sm_active_underutilized": Threshold(
-        0.8, "SM active below which a GPU a run uses is underutilized (GPM)", ("StepscopeGpuUnderutilized",)),
-    "nvml_utilization_underutilized": Threshold(
-        0.9, "NVML utilization below which a GPU a run uses is underutilized (no GPM)",
-        ("StepscopeGpuUnderutilized",)),
-    "busy_nvml_utilization": Threshold(
-        0.8, "NVML utilization at or above which a GPU looks busy", ("StepscopeGpuBusyButIdle",)),
+        0.8, "NVML utilization of a run's GPUs, averaged while it trains, at or above which they are busy "
+        "(gpu_bound, or gpu_busy_idle when their SMs are idle) and below which they wait "
+        "(H100: busy 0.98-1.00, data-bound 0.00, launch-bound 0.14)",
+        (RUN_VERDICT, "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle")),
     "busy_idle_sm_active": Threshold(
-        0.5, "SM active below which a busy-looking GPU does little", ("StepscopeGpuBusyButIdle",)),
+        0.2, "SM active (GPM) below which a busy GPU does little: kernels too small for it "
+        "(H100: one-SM kernel 0.008, GPU-bound bf16 0.65-0.90)",
+        (RUN_VERDICT, "StepscopeGpuBusyButIdle")),
+    "verdict_settle_seconds": Threshold(
+        30, "seconds since a rank started training (in state train now, and already that long ago) before the "
+        "verdict and the GPU judgements read it: longer than the GPU readings lag behind the state (6-8 s on "
+        "the H100); an eval or checkpoint break later does not start it again",
+        (RANK_TRAINING_SETTLED,)),
+    "gpu_reading_lag_seconds": Threshold(
+        10, "seconds a settled rank must have trained without a break before the GPU readings count as its "
+        "training's: they lag the state by a collector cycle or two (6-8 s on the H100)",
+        (RANK_TRAINING_GPU_READINGS,)),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),
@@ -61,7 +77,11 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "cpu_saturated": Threshold(
         0.9, "node CPU utilization above which the node is saturated", ("StepscopeCpuSaturated",)),
     "throttled_share": Threshold(
-        0.2, "share of time a power or thermal clock event is active above which a GPU is throttled",
+        0.2, "share of time a thermal or hardware clock event (or a power cap that costs too much clock) is "
+        "active above which a GPU is throttled", ("StepscopeGpuThrottling",)),
+    "power_cap_clock_ratio": Threshold(
+        0.75, "SM clock over the GPU's maximum below which power capping costs more than a GPU at its power "
+        "limit does (H100 at its 700 W cap on bf16 matmuls: 1.74-1.77 of 1.98 GHz, 0.88-0.89)",
         ("StepscopeGpuThrottling",)),
     "collector_stale_seconds": Threshold(
         120, "age of a collector's last success above which its readings are stale",

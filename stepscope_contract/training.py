@@ -30,7 +30,11 @@ IDLE_STATE = "idle"  # what close() and SIGTERM push
 STATES = (SETUP_STATE, TRAIN_STATE, EVAL_STATE, CHECKPOINT_STATE, IDLE_STATE)
 
 # Values of stepscope_step_phase_seconds{timing}: what a phase histogram holds.
-TIMINGS = ("host", "cuda_event", "cuda_sync")
+HOST_TIMING = "host"  # wall time on the host (perf_counter): CPU work, or launches of async GPU work
+CUDA_EVENT_TIMING = "cuda_event"  # CUDA events on the stream: the GPU's own clock, idle gaps included
+CUDA_SYNC_TIMING = "cuda_sync"  # wall time with a synchronize at each boundary (the hooks' debug mode)
+TIMINGS = (HOST_TIMING, CUDA_EVENT_TIMING, CUDA_SYNC_TIMING)
+GPU_TIMINGS = (CUDA_EVENT_TIMING, CUDA_SYNC_TIMING)  # a run that times these runs on a GPU
 
 # The hooks' bucket grid: every observation is counted on a fine log grid, 2^(1/8) apart (1 ms * 2^(k/8),
 # from 2^-10 ms to 2^17 ms), and a histogram exports a skeleton (every second octave) plus windows around

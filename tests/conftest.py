@@ -9,7 +9,9 @@ the gaps. The order changes only the wall time, never what runs.
 import pytest
 
 LONGEST_FIRST = (  # seconds on a 2-core machine: set up + tests, roughly
-    "test_report_e2e.py",        # ~70: two training runs, Prometheus, reports
+    "test_gpu_signals_e2e.py",   # ~165: 1m GPU averages turning over twice after a scenario change
+    "test_corpus_verdicts.py",   # ~85: the H100 recordings replayed at their pace
+    "test_report_e2e.py",        # ~80: two training runs of 45 s (the verdict waits 30 s), reports
     "test_readme_install.py",    # ~30: a fresh venv (pip, mostly waiting)
     "test_http_hardening.py",    # ~45: 512 groups, shutdown deadlines
     "test_bundle_e2e.py",        # ~30: training runs, Prometheus, every rule and panel query

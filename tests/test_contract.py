@@ -149,7 +149,7 @@ def test_dashboards_and_report_spell_no_metric_recording_or_phase_name(path: Pat
 @pytest.mark.parametrize("name", contract.THRESHOLDS)
 def test_rules_compare_with_the_contract_thresholds(name: str) -> None:
     threshold = contract.THRESHOLDS[name]
-    number = re.compile(rf"(?<![\w.]){re.escape(threshold.number)}(?![\w.])")
+    number = re.compile(rf"(?<![\w.]){re.escape(threshold.number)}(?:s\b|(?![\w.]))")  # 30, or 30s in a range
     by_name = {rule.get("record") or rule["alert"]: rule for rule in rules()}
     for user in threshold.used_by:
         assert number.search(by_name[user]["expr"]), f"{user} does not compare with {name} = {threshold.number}"

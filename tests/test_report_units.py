@@ -1,20 +1,26 @@
 """stepscope-report's parts without a Prometheus: its PromQL against the metric contract and promtool,
-times, windows, the Gantt intervals and the critical path from series, CSV cells, and the output
-directory that is replaced only when a report is complete."""
+times, windows, the Gantt intervals and the critical path from series, CSV cells, the output
+directory that is replaced only when a report is complete, and the verdict in words for the readings
+of a real H100 (saturated bf16: NVML 0.98, SM active 0.73, tensor cores 0.58)."""
 
 import re
 import subprocess
+from html import escape
 from pathlib import Path
 
 import pytest
 import yaml
 
 from grafana.rules import RULE_FILES
-from run_report import output, queries
+from run_report import output, page, plots, queries, report
+from run_report.collect import RunData
 from run_report.prometheus import Series
+from run_report.summary import RunTotals
 from run_report.timeline import critical_path, labelled_intervals, state_intervals
 from run_report.times import iso, parse_time
+from run_report.verdict import FIXES, HEADLINES, NO_VERDICT, Assessment, Check, assess
 from run_report.window import Window, aligned, resolution
+from stepscope_contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
 
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
@@ -199,3 +205,112 @@ def test_the_page_never_shows_credentials_of_the_prometheus_url() -> None:
     assert _without_credentials("https://reader:s3cret@prom.example:9090/prometheus") == \
         "https://prom.example:9090/prometheus"
     assert _without_credentials("http://localhost:9090") == "http://localhost:9090"
+
+
+TIMES = tuple(1000.0 + 10 * i for i in range(10))  # the points of WINDOW
+
+
+def _over_time(verdict: str | None, trained: bool = True, **gpu: float) -> dict[str, list[Series]]:
+    """Every series the report reads, empty but for the run's verdict at every point of WINDOW (None: no
+    verdict, as before a rank has trained long enough), rank 0 in state train and the run's GPU readings
+    (keys of the queries: run_gpu_nvml, run_gpu_sm_active, ...) while it trained."""
+    over: dict[str, list[Series]] = {name: [] for name in queries.build("r", WINDOW, []).over_time}
+    if verdict is not None:
+        over["verdict"] = [Series({"verdict": verdict}, tuple((t, 1.0) for t in TIMES))]
+    if trained:
+        over["state"] = [_state("0", "train", list(TIMES))]
+    for name, value in gpu.items():
+        over[name] = [Series({}, tuple((t, value) for t in TIMES))]
+    return over
+
+
+def _assess(over: dict[str, list[Series]], phases: dict[str, float] | None = None) -> Assessment:
+    """The assessment of one rank that made 100 timed steps of 0.1 s with `phases` (seconds in each)."""
+    data = RunData("r", WINDOW, ("n",), {}, over)
+    totals = RunTotals(steps=100, samples=6400, step_seconds=10.0, steps_timed=100,
+                       phase_seconds=phases or {}, p50=0.1, p95=0.12)
+    return assess(data, totals, [])
+
+
+def _gpu_check(assessment: Assessment) -> Check:
+    return next(check for check in assessment.checks if check.rule == "GPU utilization close to 100%")
+
+
+def test_a_saturated_gpu_with_sm_active_073_is_gpu_bound_healthy_and_graded() -> None:
+    # an H100 at full bf16 load: NVML 0.98, SM active 0.73, tensor cores 0.58
+    a = _assess(_over_time(verdicts.GPU_BOUND, run_gpu_nvml=0.98, run_gpu_sm_active=0.73,
+                           run_gpu_tensor_active=0.58, run_gpu_effective=0.73),
+                {DATA_LOADING_PHASE: 0.2, FORWARD_PHASE: 3.0})
+    assert a.verdict == verdicts.GPU_BOUND
+    assert a.headline == "GPU-bound: the GPUs are busy (SM active 0.73, tensor cores 0.58; 100% of the training time)"
+    assert "kernels 98% of the time" in a.because and "(NVML utilization: busy)" in a.because
+    assert "SM active 0.73" in a.because and "healthy" in a.because
+    assert a.rule == verdicts.MEANINGS[verdicts.GPU_BOUND]
+    check = _gpu_check(a)
+    assert check.ok is True and "98%" in check.measured and "SM active 0.73" in check.measured
+
+
+def test_a_busy_gpu_whose_sms_idle_fails_the_utilization_check() -> None:
+    # one single-SM kernel per step on an H100: NVML 1.00, SM active 0.008
+    a = _assess(_over_time(verdicts.GPU_BUSY_IDLE, run_gpu_nvml=1.0, run_gpu_sm_active=0.008))
+    assert a.headline == ("GPUs busy but idle: kernels run all the time yet the SMs do little "
+                          "(SM active 0.008; 100% of the training time)")
+    assert "(NVML utilization: busy)" in a.because and a.rule == verdicts.MEANINGS[verdicts.GPU_BUSY_IDLE]
+    assert _gpu_check(a).ok is False
+
+
+def test_waiting_gpus_of_a_host_bound_run_say_so() -> None:
+    # a launch-bound loop on an H100: NVML 0.14, SM active 0.0009, the loader timed and short
+    a = _assess(_over_time(verdicts.HOST_BOUND, run_gpu_nvml=0.14, run_gpu_sm_active=0.0009),
+                {DATA_LOADING_PHASE: 0.1, FORWARD_PHASE: 8.0})
+    assert a.headline.startswith("Host-bound")
+    assert "kernels 14% of the time" in a.because and "(NVML utilization: waiting)" in a.because
+    assert "the loader is not why" in a.because
+    assert _gpu_check(a).ok is False
+
+
+def test_a_cpu_run_is_host_bound_without_gpu_numbers() -> None:
+    a = _assess(_over_time(verdicts.HOST_BOUND), {DATA_LOADING_PHASE: 0.1, FORWARD_PHASE: 8.0})
+    assert "no GPU is mapped" in a.because and "trains on the CPU" in a.because
+    assert _gpu_check(a).ok is None
+
+
+def test_an_undetermined_run_names_what_to_instrument() -> None:
+    a = _assess(_over_time(verdicts.UNDETERMINED))  # no loader, no phase, no GPU reading
+    assert a.verdict == verdicts.UNDETERMINED
+    assert a.headline == ("Undetermined: the run steps, but nothing measured says what limits it "
+                          "(100% of the training time)")
+    assert f"{DATA_LOADING_PHASE} is not timed" in a.because and "no GPU is mapped" in a.because
+    assert "no phase is timed" in a.because
+    assert a.rule == verdicts.MEANINGS[verdicts.UNDETERMINED]
+    fixes = " ".join(a.fixes)
+    assert "tracker.loader()" in fixes and "tracker.phase(" in fixes and "hostPID" in fixes
+
+
+def test_a_run_that_never_trained_long_enough_has_no_verdict_yet_not_idle() -> None:
+    a = _assess(_over_time(None))  # in state train, but the rules gave no verdict (not settled)
+    assert a.verdict == NO_VERDICT and a.rule == ""
+    settle = THRESHOLDS["verdict_settle_seconds"].number
+    assert a.headline == f"No verdict yet: a rank must have started training {settle} s ago"
+    assert a.gpus.nvml is None and "the rules gave no verdict" in a.because
+    assert _assess(_over_time(None, trained=False)).verdict == verdicts.IDLE
+    assert _assess(_over_time(verdicts.IDLE)).verdict == verdicts.IDLE  # in state train but stalled
+
+
+def test_every_verdict_has_a_colour_headline_and_fix() -> None:
+    for explained in (plots.VERDICT_COLORS, page.VERDICT_BORDERS, HEADLINES, FIXES):
+        assert set(explained) == set(verdicts.BOTTLENECK_VERDICTS)
+
+
+def test_the_page_states_the_verdict_its_rule_and_the_gpm_grade() -> None:
+    over = _over_time(verdicts.GPU_BOUND, run_gpu_nvml=0.98, run_gpu_sm_active=0.73, run_gpu_tensor_active=0.58)
+    data = RunData("r", WINDOW, ("n",), {name: [] for name in queries.build("r", WINDOW, []).totals}, over)
+    html = page.render(report.build(data, "http://prometheus"), {}, [])
+    assert 'class="verdict v-gpu_bound"' in html and "GPU-bound: the GPUs are busy (SM active 0.73" in html
+    assert escape(verdicts.MEANINGS[verdicts.GPU_BOUND]) in html
+    assert "<td>0.73</td>" in html and "<td>0.58</td>" in html and "<td>98%</td>" in html
+
+
+def test_the_gantt_chart_draws_a_run_without_a_critical_path() -> None:
+    intervals = state_intervals([_state("0", "train", list(TIMES))], WINDOW)
+    assert plots.gantt(WINDOW, intervals, [], []).startswith(b"\x89PNG")

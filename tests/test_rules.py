@@ -11,6 +11,7 @@ import yaml
 from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES
 from grafana.rules import rules as rules_of
 from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope_contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
@@ -62,6 +63,25 @@ def test_every_alert_has_a_firing_and_a_silent_case() -> None:
         if (rule["alert"], fires) not in cases
     ]
     assert not missing, f"alerts without a promtool case: {missing}"
+
+
+def verdicts_asserted(record: str) -> set[str]:
+    """Values of `verdict` that some promql_expr_test expects of the recording `record`."""
+    return {
+        match
+        for path in TEST_FILES
+        for group in yaml.safe_load(path.read_text())["tests"]
+        for case in group.get("promql_expr_test", [])
+        if record in case["expr"]
+        for sample in case.get("exp_samples") or []
+        for match in re.findall(r'verdict="(\w+)"', sample["labels"])
+    }
+
+
+def test_every_bottleneck_verdict_has_a_case() -> None:
+    """Each value the verdict rule can conclude is expected somewhere (a branch no input reaches is
+    a branch no test checks)."""
+    assert verdicts_asserted(recordings.RUN_VERDICT) >= set(verdicts.BOTTLENECK_VERDICTS)
 
 
 def test_test_cases_name_existing_alerts() -> None:

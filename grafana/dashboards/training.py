@@ -38,12 +38,9 @@ DATA_BOUND = contract.THRESHOLDS["data_loading_share"]
 DATA_NOTICE = contract.THRESHOLDS["data_loading_share_notice"]
 GPU_BOUND = contract.THRESHOLDS["gpu_bound_utilization"]
 GPU_LOW = contract.THRESHOLDS["utilization_low"]
-BUSY = contract.THRESHOLDS["busy_nvml_utilization"]
 BUSY_IDLE = contract.THRESHOLDS["busy_idle_sm_active"]
 STRAGGLER = contract.THRESHOLDS["straggler_score"]
 TYPICAL = contract.THRESHOLDS["straggler_score_typical"]
-SM_ACTIVE_LOW = contract.THRESHOLDS["sm_active_underutilized"]
-NVML_LOW = contract.THRESHOLDS["nvml_utilization_underutilized"]
 TENSOR_IDLE = contract.THRESHOLDS["tensor_active_idle"]
 MEMORY_FULL = contract.THRESHOLDS["gpu_memory_full"]
 COMPUTE_SHARE = contract.THRESHOLDS["compute_limit_share"]
@@ -68,15 +65,9 @@ def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         board.with_panel(
             stat_panel(
                 "Bottleneck verdict",
-                f"What limits the run now. {verdict.DATA_BOUND}: waiting for batches takes > {DATA_BOUND.percent} of "
-                f"step time. {verdict.GPU_BOUND}: its GPUs' effective utilization (SM active on Hopper and newer, NVML "
-                f"utilization elsewhere) is >= {GPU_BOUND.percent} (good: buy faster GPUs or optimise kernels). "
-                f"{verdict.GPU_BUSY_IDLE}: "
-                f"its GPUs run kernels >= {BUSY.percent} of the time but their SMs are active < {BUSY_IDLE.percent}: "
-                "kernels too small or a launch-bound loop (larger batch, CUDA graphs, torch.compile, fewer host "
-                f"syncs). {verdict.HOST_BOUND}: none of these, the time goes to host work (Python, copies, "
-                f"communication, CPU-only compute). {verdict.IDLE}: no step in the last minute, or no rank in state "
-                f"{TRAIN}.",
+                "What limits the run now, from evidence (first that holds). "
+                + " ".join(f"{name}: {meaning}." for name, meaning in verdict.MEANINGS.items())
+                + f" Empty: {verdict.NO_VERDICT_YET}.",
                 [Q(sel(rec.RUN_VERDICT, RUN), "{{verdict}}")],
                 "none",
                 show_name=True,
@@ -120,14 +111,15 @@ def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "GPU utilization (run's GPUs)",
-                "Average utilization of the GPUs the run's ranks hold memory on. effective: SM active where "
-                f"GPM reads it (Hopper and newer), NVML utilization elsewhere; below {GPU_BOUND.percent} the GPUs "
-                "wait for the host or the data, or do little. NVML: the share of time a kernel was resident, however "
-                "few SMs it used; high NVML with low effective is a GPU that looks busy but does little. "
-                "Empty for CPU-only runs.",
+                "The GPUs the run's ranks hold memory on, averaged over the last minute of training. NVML: the "
+                f"share of time a kernel was resident; at or above {GPU_BOUND.percent} the GPUs are busy (the "
+                "healthy state), below it they wait for the data or the host. SM active (GPM, Hopper and newer) "
+                "and tensor cores grade how well busy GPUs are used: saturated bf16 training on an H100 read "
+                f"SM active 0.65-0.90; below {BUSY_IDLE.percent} the busy GPUs do little. Empty for CPU-only runs.",
                 [
-                    Q(sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION, RUN), "effective"),
                     Q(sel(rec.RUN_GPU_UTILIZATION, RUN), "NVML"),
+                    Q(sel(rec.RUN_GPU_SM_ACTIVE, RUN), "SM active"),
+                    Q(sel(rec.RUN_GPU_TENSOR_ACTIVE, RUN), "tensor cores"),
                 ],
                 "percentunit",
                 steps=thresholds((None, "red"), (GPU_LOW.value, "yellow"), (GPU_BOUND.value, "green")),
@@ -301,12 +293,11 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         board.with_panel(
             timeseries_panel(
                 "GPU utilization of the run's GPUs",
-                "Every GPU the run's ranks hold memory on (1m average). Effective utilization (SM active "
-                f"where GPM reads it, else NVML utilization, named in the legend) below {SM_ACTIVE_LOW.percent} SM "
-                f"active or {NVML_LOW.percent} NVML for 15 minutes pages StepscopeGpuUnderutilized. "
-                "The NVML line is the share of time a kernel was resident: far above the effective line, "
-                "the GPU looks busy but does little "
-                "(StepscopeGpuBusyButIdle: larger batch, CUDA graphs, torch.compile, fewer host syncs).",
+                "Every GPU the run's ranks hold memory on (average over the last minute of training). NVML "
+                f"utilization (the share of time a kernel was resident) below {GPU_BOUND.percent} for 15 minutes "
+                "pages StepscopeGpuUnderutilized: the GPU waits. Effective utilization (SM active where GPM reads "
+                f"it, else NVML, named in the legend) grades a busy GPU; below {BUSY_IDLE.percent} SM active on a "
+                "busy GPU pages StepscopeGpuBusyButIdle (larger batch, CUDA graphs, torch.compile, fewer host syncs).",
                 [
                     Q(
                         sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, RUN),
@@ -319,7 +310,7 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
                 ],
                 "percentunit",
                 limits=(0, 1),
-                threshold_line=thresholds((None, "red"), (SM_ACTIVE_LOW.value, "green")),
+                threshold_line=thresholds((None, "red"), (GPU_BOUND.value, "green")),
             )
         )
         .with_panel(

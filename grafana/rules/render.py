@@ -8,6 +8,8 @@
     <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope_contract.training
     <<phases:LOCAL_PHASES>>            a tuple of phases as a regex alternation (a|b|c)
     <<state:TRAIN_STATE>>              a state constant of stepscope_contract.training
+    <<timing:HOST_TIMING>>             a `timing` value of stepscope_contract.training
+    <<timings:GPU_TIMINGS>>            a tuple of `timing` values as a regex alternation
     <<verdict:DATA_BOUND>>             a verdict of stepscope_contract.verdicts
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
@@ -43,6 +45,8 @@ KINDS: dict[str, Callable[[str], str]] = {
     "phase": _named(training, "_PHASE"),
     "phases": _named(training, "PHASES", tuple),
     "state": _named(training, "_STATE"),
+    "timing": _named(training, "_TIMING"),
+    "timings": _named(training, "TIMINGS", tuple),
     "verdict": _named(verdicts),
 }
 
