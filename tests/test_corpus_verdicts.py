@@ -1,0 +1,130 @@
+"""Verdicts and alerts on real GPU readings: exporter scrapes recorded on an NVIDIA H100 while known
+workloads trained (benchmarks/corpus/, with the truth each loop measured) are replayed at their recorded
+pace to a real Prometheus running the shipped rules (tests/support/replay_judge.py).
+
+Each workload must get its verdict and no other, none before a rank has trained the settle time, and
+exactly the alerts that are true of it while the verdict speaks: a saturated bf16 GPU (NVML 0.98, SM
+active 0.73, at its 700 W power cap) is GPU-bound and pages nobody. The thresholds themselves are
+checked against the recorded readings they were set from.
+"""
+
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stepscope_contract import THRESHOLDS, families, verdicts
+from stepscope_testkit.replay import Recording, Workload, recordings
+from tests.support.replay_judge import Judged, judge
+
+pytestmark = pytest.mark.timeout(300)
+
+RECORDINGS = recordings()
+SETTLE_S = THRESHOLDS["verdict_settle_seconds"].value
+# The alerts that are true of a workload with this verdict while it trains (the `for: 0s` copies).
+TRUE_ALERTS = {
+    verdicts.GPU_BOUND: set(),
+    verdicts.DATA_BOUND: {"StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized"},
+    verdicts.HOST_BOUND: {"StepscopeGpuUnderutilized"},
+    verdicts.GPU_BUSY_IDLE: {"StepscopeGpuBusyButIdle"},
+}
+WORKLOADS = [(recording, name) for recording in RECORDINGS for name in recording.workloads]
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Judged]]]:
+    """Every recording judged once (each replays its workloads side by side, ~80 s)."""
+    yield {recording.name: judge(recording, tmp_path_factory.mktemp(recording.name)) for recording in RECORDINGS}
+
+
+def _id(case: tuple[Recording, str]) -> str:
+    return f"{case[0].name}-{case[1]}"
+
+
+def test_the_corpus_holds_every_verdict_a_gpu_run_can_get() -> None:
+    expected = {workload.expected_verdict for recording in RECORDINGS for workload in recording.workloads.values()}
+    assert expected >= set(TRUE_ALERTS), expected
+
+
+@pytest.mark.parametrize("case", WORKLOADS, ids=map(_id, WORKLOADS))
+def test_each_workload_gets_its_verdict_and_no_other(judged: dict, case: tuple[Recording, str]) -> None:
+    recording, name = case
+    result = judged[recording.name][name]
+    expected = result.workload.expected_verdict
+    seen = {reading.verdict for reading in result.training()} - {None, verdicts.IDLE}
+    assert seen == {expected}, f"{name}: {dict(result.shares())}"
+    last = [reading.verdict for reading in result.training()][-10:]
+    assert last == [expected] * 10, f"{name}: the last 10 s of training read {last}"
+
+
+@pytest.mark.parametrize("case", WORKLOADS, ids=map(_id, WORKLOADS))
+def test_the_verdict_waits_until_a_rank_has_trained_the_settle_time(judged: dict, case: tuple) -> None:
+    recording, name = case
+    waited = judged[recording.name][name].seconds_to_first_verdict()
+    assert waited is not None and SETTLE_S <= waited <= SETTLE_S + 8, f"{name}: first verdict after {waited} s"
+
+
+@pytest.mark.parametrize("case", WORKLOADS, ids=map(_id, WORKLOADS))
+def test_exactly_the_true_alerts_fire_while_the_verdict_speaks(judged: dict, case: tuple) -> None:
+    recording, name = case
+    result = judged[recording.name][name]
+    spoken = [reading for reading in result.training() if reading.verdict == result.workload.expected_verdict]
+    fired = {alert for reading in spoken for alert in reading.alerts}
+    assert fired == TRUE_ALERTS[result.workload.expected_verdict], f"{name}: {sorted(fired)}"
+    assert all(reading.alerts == spoken[-1].alerts for reading in spoken[3:]), f"{name}: alerts blink"
+
+
+def _steady(workload: Workload, name: str) -> list[float]:
+    """`name`'s value in every scrape of the workload's second half of training (GPU readings lag)."""
+    first, last = workload.training_offsets()
+    values = []
+    for offset, body in zip(workload.offsets, workload.bodies, strict=True):
+        if (first + last) / 2 <= offset <= last:
+            values += [sample.value for family in text_string_to_metric_families(body)
+                       for sample in family.samples if sample.name == name]
+    return values
+
+
+def _median(expected: str, name: str) -> list[float]:
+    """The median of `name` over the steady training of each workload with the `expected` verdict."""
+    return [statistics.median(_steady(workload, name)) for recording in RECORDINGS
+            for workload in recording.workloads.values() if workload.expected_verdict == expected]
+
+
+def test_the_thresholds_separate_the_recorded_readings() -> None:
+    busy = THRESHOLDS["gpu_bound_utilization"].value
+    idle_sms = THRESHOLDS["busy_idle_sm_active"].value
+    util, sm = families.GPU_UTILIZATION, families.GPU_SM_ACTIVE
+    assert min(_median(verdicts.GPU_BOUND, util) + _median(verdicts.GPU_BUSY_IDLE, util)) >= busy + 0.1
+    assert max(_median(verdicts.DATA_BOUND, util) + _median(verdicts.HOST_BOUND, util)) <= busy - 0.3
+    assert min(_median(verdicts.GPU_BOUND, sm)) >= 2 * idle_sms
+    assert max(_median(verdicts.GPU_BUSY_IDLE, sm)) <= idle_sms / 10
+
+
+def test_power_capping_at_full_load_keeps_the_clock_above_the_warning() -> None:
+    """The saturated bf16 workload ran at its power cap (sw_power_cap active): its SM clock over the
+    GPU's highest recorded clock (its maximum, reached when not capped) stays above the ratio that warns."""
+    for recording in RECORDINGS:
+        workloads = recording.workloads.values()
+        highest = max(max(_steady(workload, families.GPU_SM_CLOCK)) for workload in workloads)
+        capped = [workload for workload in workloads
+                  if statistics.median(_steady(workload, families.GPU_POWER))
+                  >= 0.95 * statistics.median(_steady(workload, families.GPU_POWER_LIMIT))]
+        assert capped, f"{recording.name}: no workload at its power cap"
+        for workload in capped:
+            ratio = min(_steady(workload, families.GPU_SM_CLOCK)) / highest
+            assert ratio >= THRESHOLDS["power_cap_clock_ratio"].value + 0.05, (workload.name, ratio)
+
+
+def test_the_corpus_is_the_shared_one_copied_unchanged() -> None:
+    shared = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    if not shared.is_dir():
+        pytest.skip("no ../shared/corpus beside this checkout")
+    for recording in RECORDINGS:
+        source = shared / recording.name
+        if source.is_dir():
+            for name in ("scrapes.jsonl.gz", "truth.json"):
+                assert (source / name).read_bytes() == (Path(__file__).resolve().parents[1] / "benchmarks" / "corpus"
+                                                        / recording.name / name).read_bytes()
