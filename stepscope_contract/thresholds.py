@@ -81,7 +81,7 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "active above which a GPU is throttled", ("StepscopeGpuThrottling",)),
     "power_cap_clock_ratio": Threshold(
         0.75, "SM clock over the GPU's maximum below which power capping costs more than a GPU at its power "
-        "limit does (H100 at its 700 W cap on bf16 matmuls: 1.74-1.77 of 1.98 GHz, 0.88-0.89)",
+        "limit does (H100 at its 700 W cap on bf16 matmuls: 1.695-1.77 of 1.98 GHz, 0.86-0.89)",
         ("StepscopeGpuThrottling",)),
     "collector_stale_seconds": Threshold(
         120, "age of a collector's last success above which its readings are stale",

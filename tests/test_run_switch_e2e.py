@@ -8,8 +8,7 @@ run has no GPU utilization, no GPU verdict and no GPU alert.
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
 from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, scrape
+from tests.support.prometheus import wait_for
 
 GIB = 1 << 30
 pytestmark = pytest.mark.timeout(120)
@@ -61,26 +61,19 @@ def _gpu_memory_runs(base_url: str, pid: int) -> list[str]:
                   if s.name == "stepscope_process_gpu_memory_bytes" and s.labels["pid"] == str(pid))
 
 
-def _wait(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_process_that_starts_a_second_run_maps_its_gpu_to_the_second_run(
     trainer_and_exporter: tuple[subprocess.Popen, str],
 ) -> None:
     trainer, url = trainer_and_exporter
     assert trainer.stdout.readline() == "first closed\n"
-    assert _wait(lambda: _gpu_memory_runs(url, trainer.pid) == ["first"]), _gpu_memory_runs(url, trainer.pid)
+    mapped = wait_for(lambda: _gpu_memory_runs(url, trainer.pid) == ["first"], 20, interval=0.1)
+    assert mapped, _gpu_memory_runs(url, trainer.pid)
 
     trainer.stdin.write("go\n")
     trainer.stdin.flush()
     assert trainer.stdout.readline() == "second started\n"
-    assert _wait(lambda: _gpu_memory_runs(url, trainer.pid) == ["second"]), _gpu_memory_runs(url, trainer.pid)
+    mapped = wait_for(lambda: _gpu_memory_runs(url, trainer.pid) == ["second"], 20, interval=0.1)
+    assert mapped, _gpu_memory_runs(url, trainer.pid)
     text = scrape(url)
     assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(trainer.pid), run="second",
                          rank="0", gpu="0") == [8 * GIB]
