@@ -81,6 +81,8 @@ STEP_PHASE_SECONDS = "stepscope_step_phase_seconds"
 STEP_SECONDS = "stepscope_step_seconds"
 STEPS_TOTAL = "stepscope_steps_total"
 SAMPLES_TOTAL = "stepscope_samples_total"
+MICRO_BATCHES_TOTAL = "stepscope_micro_batches_total"
+STATE_SECONDS = "stepscope_state_seconds_total"
 TRAINING_INFO = "stepscope_training_info"
 TRAINING_STATE = "stepscope_training_state"
 TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
@@ -203,16 +205,23 @@ _TRAINING = (
     Family(STEP_SECONDS, "histogram", RUN_RANK,
            "pushed: whole step time (buckets follow the run: each rank's `le` set grows, never shrinks)",
            help="Wall time between consecutive step boundaries (the whole step).", pushed=True),
-    Family(STEPS_TOTAL, "counter", RUN_RANK, "pushed: steps and samples done",
-           help="Training steps completed.", pushed=True),
-    Family(SAMPLES_TOTAL, "counter", RUN_RANK, "pushed: steps and samples done",
+    Family(STEPS_TOTAL, "counter", RUN_RANK, "pushed: steps (optimizer steps) and samples done",
+           help="Training steps completed: optimizer steps, whatever the gradient accumulation.", pushed=True),
+    Family(SAMPLES_TOTAL, "counter", RUN_RANK, "pushed: steps (optimizer steps) and samples done",
            help="Training samples processed.", pushed=True),
+    Family(MICRO_BATCHES_TOTAL, "counter", RUN_RANK,
+           "pushed: batches fed to the model; more than steps where gradients accumulate over several",
+           help="Training batches fed to the model (micro-batches: several per step under gradient "
+                "accumulation).", pushed=True),
     Family(TRAINING_INFO, "gauge", (*RUN_RANK, "local_rank", "world_size", "pid", "framework"),
            "pushed: rank identity; `pid` as the process sees it, `start_time` its creation time (Unix seconds)",
            kind="info", optional=("start_time",), help="Identity of the training process (value 1).", pushed=True),
     Family(TRAINING_STATE, "gauge", (*RUN_RANK, "state"), "pushed: 1 for the rank's current state",
            kind="state set", help="Current state of the training process (1 for the current state).",
            pushed=True),
+    Family(STATE_SECONDS, "counter", (*RUN_RANK, "state"),
+           "pushed: seconds spent in each state, so a state shorter than a push interval still counts",
+           help="Seconds the training process spent in each state (every state from the start).", pushed=True),
     Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
            "when the rank last pushed (groups expire `--ingest-ttl` after it)",
            help="Unix time of the last accepted push of this run and rank (pushes without steps = stalled)."),

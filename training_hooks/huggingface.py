@@ -1,21 +1,30 @@
 """Hugging Face integration: `Trainer(..., callbacks=[StepscopeCallback()])` times every optimizer step.
 
-Phases (from `transformers.TrainerCallback` hooks; one step = one optimizer step):
-  dataloader_next     previous step end -> on_step_begin (fetching the step's batches; eval/save gaps dropped)
+A step is an optimizer step (what `state.global_step` counts): with `gradient_accumulation_steps=4` one
+step feeds four batches, counted beside it in micro_batches_total. Samples are the sizes of the batches
+really fed (a partial last batch or a short last accumulation counts what it holds). Phases (from
+`transformers.TrainerCallback` hooks, and the Trainer's `get_batch_samples` wrapped while training):
+  dataloader_next     each `next()` on the epoch's batch iterator, nothing else (the Trainer fetches a
+                      step's batches before on_step_begin)
   train_batch         on_step_begin -> on_step_end (forward, backward, optimizer: not split by the Trainer)
   optimizer_step      on_pre_optimizer_step -> on_optimizer_step
   step_lr_schedulers  on_optimizer_step -> on_step_end (scheduler step and zero_grad)
-samples_total counts train_batch_size (per device x GPUs in this process) x gradient_accumulation_steps
-per step (the Trainer does not show the batch to callbacks). States: train, eval and checkpoint (entered
-when the Trainer decides to evaluate or save at a step end, left when it reports done), idle after training.
-Requires `transformers`; importing this module imports it.
+What is in a step but in no phase: logging (its loss gather across ranks), the other callbacks, counting
+the step's label tokens (`num_items_in_batch`, gathered across ranks when averaged).
+States: train, eval and checkpoint (entered when the Trainer decides to evaluate or save at a step end,
+left when the next batch is fetched), idle after training. Requires `transformers`; importing this
+module imports it.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import training_hooks
 from stepscope_contract.training import (
@@ -30,7 +39,11 @@ from stepscope_contract.training import (
 )
 from training_hooks.tracker import Tracker
 
+log = logging.getLogger("training_hooks")
+
 _GPU_PHASES = (TRAIN_BATCH_PHASE, OPTIMIZER_PHASE, LR_SCHEDULER_PHASE)
+_FETCH = "get_batch_samples"  # Trainer method that draws a step's batches from the epoch iterator
+_TRAINER_SEARCH_DEPTH = 8  # frames between on_train_begin and the Trainer's training loop
 
 
 class StepscopeCallback(TrainerCallback):
@@ -44,16 +57,13 @@ class StepscopeCallback(TrainerCallback):
         self.tracker = tracker
         self._owns_tracker = tracker is None
         self._init_kwargs = init_kwargs
-        self._loading = False
         self._in_step = False
-        self._samples_per_step = 0
+        self._fed: deque[int] = deque()  # sizes of the batches fetched and not yet fed, in order
+        self._default_batch = 0  # samples per batch where the fetch is not seen
+        self._trainer: Trainer | None = None
 
     def _phase(self, name: str) -> Any:
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
-
-    def _start_loading(self) -> None:
-        self._phase(DATA_LOADING_PHASE).start()
-        self._loading = True
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -62,23 +72,56 @@ class StepscopeCallback(TrainerCallback):
                     "local_rank": args.local_process_index, "world_size": args.world_size,
                     **self._init_kwargs}
             self.tracker = training_hooks.init(**init)
-        self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps
+        self._default_batch = args.train_batch_size
+        self._wrap_fetch(_find_trainer())
         self.tracker.state(TRAIN_STATE)
+
+    def _wrap_fetch(self, trainer: Trainer | None) -> None:
+        """Hands `get_batch_samples` an iterator that times each fetch and notes each batch's size."""
+        if trainer is None or not callable(getattr(trainer, _FETCH, None)):
+            log.warning("stepscope: no Trainer with %s found from on_train_begin; %s is not timed and samples "
+                        "are counted as train_batch_size per batch", _FETCH, DATA_LOADING_PHASE)
+            return
+        original = getattr(trainer, _FETCH)
+
+        def get_batch_samples(epoch_iterator: Iterator[Any], *args: Any, **kwargs: Any) -> Any:
+            return original(self._timed(epoch_iterator), *args, **kwargs)
+
+        setattr(trainer, _FETCH, get_batch_samples)  # an instance attribute: popped at on_train_end
+        self._trainer = trainer
+
+    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Yields from `batches`, timing each `next()` as dataloader_next (the epoch's end is no fetch)."""
+        phase = self._phase(DATA_LOADING_PHASE)
+        while True:
+            if self.tracker.current_state != TRAIN_STATE:  # back from eval or a save: not a step's time
+                self.tracker.state(TRAIN_STATE)
+            phase.start()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            phase.end()
+            self._fed.append(_batch_size(batch))
+            yield batch
+
+    def _next_fed(self) -> int:
+        return self._fed.popleft() if self._fed else self._default_batch
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        self._start_loading()
+        self._fed.clear()  # batches fetched but never fed (training stopped inside a step)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         if self.tracker.current_state != TRAIN_STATE:
             self.tracker.state(TRAIN_STATE)  # restarts the step clock: eval/save time is not a step
-            self._loading = False
-        if self._loading:
-            self._phase(DATA_LOADING_PHASE).end()
-            self._loading = False
         self._phase(TRAIN_BATCH_PHASE).start()
         self._in_step = True
+
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self.tracker.micro_batch(self._next_fed())  # a batch of an accumulation that goes on
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
@@ -96,9 +139,8 @@ class StepscopeCallback(TrainerCallback):
         self._in_step = False
         self._phase(LR_SCHEDULER_PHASE).end()
         self._phase(TRAIN_BATCH_PHASE).end()
-        self.tracker.step(samples=self._samples_per_step)
+        self.tracker.step(samples=self._next_fed())
         self._enter_eval_or_save(control)
-        self._start_loading()
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -118,9 +160,34 @@ class StepscopeCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._loading = False
+        if self._trainer is not None:
+            vars(self._trainer).pop(_FETCH, None)
+            self._trainer = None
         if self._owns_tracker:
             self.tracker.close()
             self.tracker = None
         else:
             self.tracker.state(IDLE_STATE)
+
+
+def _find_trainer() -> Trainer | None:
+    """The Trainer whose training loop called on_train_begin: callbacks are not handed it."""
+    frame = sys._getframe(1)
+    for _ in range(_TRAINER_SEARCH_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _batch_size(batch: Any) -> int:
+    """Rows of the batch's first tensor: a dict of tensors (the Trainer's usual batch), a list or a tuple."""
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, list | tuple) else (batch,)
+    for value in values:
+        shape = getattr(value, "shape", None)
+        if shape:
+            return int(shape[0])
+    return 0

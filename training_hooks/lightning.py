@@ -1,18 +1,25 @@
 """Lightning integration: `Trainer(callbacks=[StepscopeCallback()])` times every training step.
 
-Phases (from Lightning 2.x hooks; GPU phases use CUDA events when the model is on a GPU):
-  dataloader_next  previous batch end -> batch transfer start (the fetch; checkpoint/eval gaps dropped)
+A step is an optimizer step (what `trainer.global_step` counts): with `accumulate_grad_batches=4` one
+step is four batches, counted beside it in micro_batches_total; samples are the batches' real sizes.
+Phases (from Lightning 2.x hooks; GPU phases use CUDA events when the model is on a GPU), summed per step:
+  dataloader_next  the training data fetcher's `next()` on the loader, nothing else (wrapped while fitting)
   to_device        the strategy's `batch_to_device` (wrapped while fitting)
   forward          on_train_batch_start -> on_before_backward (training_step, zero_grad)
   backward         on_before_backward -> on_after_backward
-  optimizer_step   on_before_optimizer_step -> on_train_batch_end
-  train_batch      on_train_batch_start -> on_train_batch_end
-States: train, eval (validation and sanity check), checkpoint (on_save_checkpoint until the next
-batch), idle after fit. Requires the `lightning` package; importing this module imports it.
+  optimizer_step   on_before_optimizer_step -> on_train_batch_end (only the batch that steps)
+  train_batch      on_train_batch_start -> on_train_batch_end (each batch)
+What is in a step but in no phase: the other callbacks' batch hooks (the `Timer` of `max_time` with
+its broadcast under DDP), Lightning's per-batch SIGTERM broadcast under DDP, logging, LR schedulers.
+States: train, eval (validation and sanity check), checkpoint (on_save_checkpoint until training or
+validation goes on), idle after fit. Requires the `lightning` package; importing this module imports it.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -34,7 +41,12 @@ from stepscope_contract.training import (
 )
 from training_hooks.tracker import Tracker
 
+log = logging.getLogger("training_hooks")
+
 _GPU_PHASES = (FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE)
+# The training epoch loop's callbacks around the fetcher's `next(iterator)` (Lightning 2.x sets them as the
+# fetcher's profiler start and stop at each epoch's start): an instance attribute on the loop wraps them.
+_FETCH_HOOKS = ("_on_before_fetch", "_on_after_fetch")
 
 
 class StepscopeCallback(Callback):
@@ -48,10 +60,10 @@ class StepscopeCallback(Callback):
         self.tracker = tracker
         self._owns_tracker = tracker is None
         self._init_kwargs = init_kwargs
-        self._loading = False
         self._in_optimizer = False
         self._in_forward = False
-        self._wrapped: Any = None
+        self._global_step = 0  # trainer.global_step at the last step boundary
+        self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) set on instances while fitting
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -62,13 +74,14 @@ class StepscopeCallback(Callback):
             self.tracker = training_hooks.init(**kwargs)
         if stage == "fit":
             self._wrap_batch_to_device(trainer)
+            self._wrap_fetch(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._unwrap_batch_to_device()
+        self._unwrap()
         self._finish()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._unwrap_batch_to_device()
+        self._unwrap()
         self._finish()
 
     def _finish(self) -> None:
@@ -86,44 +99,64 @@ class StepscopeCallback(Callback):
         assert self.tracker is not None, "StepscopeCallback used before Trainer setup"
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
 
+    def _wrap(self, owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
+        setattr(owner, attribute, wrapper)  # an instance attribute over the class's method: popped at teardown
+        self._wrapped.append((owner, attribute))
+
+    def _unwrap(self) -> None:
+        for owner, attribute in self._wrapped:
+            vars(owner).pop(attribute, None)
+        self._wrapped = []
+
     def _wrap_batch_to_device(self, trainer: Trainer) -> None:
-        strategy = trainer.strategy
-        original = strategy.batch_to_device
+        original = trainer.strategy.batch_to_device
 
         def batch_to_device(batch: Any, *args: Any, **kwargs: Any) -> Any:
             if not trainer.training or self.tracker is None:
                 return original(batch, *args, **kwargs)
-            self._end_loading()
             with self._phase(TO_DEVICE_PHASE):
                 return original(batch, *args, **kwargs)
 
-        strategy.batch_to_device = batch_to_device  # instance attribute; removed at teardown
-        self._wrapped = strategy
+        self._wrap(trainer.strategy, "batch_to_device", batch_to_device)
 
-    def _unwrap_batch_to_device(self) -> None:
-        if self._wrapped is not None:
-            self._wrapped.__dict__.pop("batch_to_device", None)
-            self._wrapped = None
+    def _wrap_fetch(self, trainer: Trainer) -> None:
+        """Times exactly the training fetcher's `next()` on the loader as dataloader_next.
 
-    def _start_loading(self) -> None:
-        self._phase(DATA_LOADING_PHASE).start()
-        self._loading = True
+        The fetcher calls the loop's `_on_before_fetch` right before `next(iterator)` and `_on_after_fetch`
+        in a `finally` right after; a fetch that ends the epoch (StopIteration) is no batch and is dropped.
+        """
+        loop = trainer.fit_loop.epoch_loop
+        if not all(callable(getattr(loop, name, None)) for name in _FETCH_HOOKS):
+            log.warning("stepscope: this Lightning has no %s on its training epoch loop; %s is not timed",
+                        " or ".join(_FETCH_HOOKS), DATA_LOADING_PHASE)
+            return
+        before, after = (getattr(loop, name) for name in _FETCH_HOOKS)
 
-    def _end_loading(self) -> None:
-        """Closes the loading gap; a gap that contained eval or checkpointing is dropped, not recorded."""
-        if self._loading and self.tracker is not None and self.tracker.current_state == TRAIN_STATE:
-            self._phase(DATA_LOADING_PHASE).end()
-        self._loading = False
+        def on_before_fetch() -> None:
+            before()
+            if self.tracker is not None:
+                if self.tracker.current_state != TRAIN_STATE:  # back from a checkpoint: its time is not a step
+                    self.tracker.state(TRAIN_STATE)
+                self._phase(DATA_LOADING_PHASE).start()
+
+        def on_after_fetch() -> None:
+            if self.tracker is not None and sys.exc_info()[0] is None:
+                self._phase(DATA_LOADING_PHASE).end()
+            after()
+
+        self._wrap(loop, _FETCH_HOOKS[0], on_before_fetch)
+        self._wrap(loop, _FETCH_HOOKS[1], on_after_fetch)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._global_step = trainer.global_step  # a resumed fit starts at its checkpoint's step
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.tracker.state(TRAIN_STATE)
-        self._start_loading()
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._end_loading()
-        if self.tracker.current_state != TRAIN_STATE:  # back from a checkpoint: its time is not a step
+        if self.tracker.current_state != TRAIN_STATE:
             self.tracker.state(TRAIN_STATE)
         self._in_optimizer = False
         self._phase(TRAIN_BATCH_PHASE).start()
@@ -147,12 +180,17 @@ class StepscopeCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Counts the batch; a step boundary only where the optimizer stepped (global_step moved on)."""
         if self._in_optimizer:
             self._phase(OPTIMIZER_PHASE).end()
             self._in_optimizer = False
         self._phase(TRAIN_BATCH_PHASE).end()
-        self.tracker.step(samples=_batch_size(batch))
-        self._start_loading()
+        samples = _batch_size(batch)
+        if trainer.global_step == self._global_step:  # accumulating: the step goes on
+            self.tracker.micro_batch(samples)
+            return
+        self._global_step = trainer.global_step  # manual optimization with 2 optimizers moves it by 2: 1 step
+        self.tracker.step(samples=samples)
 
     # -- states -----------------------------------------------------------------------------------
 
@@ -162,7 +200,6 @@ class StepscopeCallback(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self.tracker.state(TRAIN_STATE)
-            self._start_loading()
         else:
             self.tracker.state(SETUP_STATE if trainer.sanity_checking else IDLE_STATE)
 
@@ -170,7 +207,6 @@ class StepscopeCallback(Callback):
         self.tracker.state(CHECKPOINT_STATE)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._loading = False
         self.tracker.state(IDLE_STATE)
 
 

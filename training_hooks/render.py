@@ -6,7 +6,7 @@ The body carries no run/rank/job labels: the push URL's grouping key supplies th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
 
@@ -14,7 +14,9 @@ from stepscope_contract import (
     COMPUTE_LIMIT,
     FAMILIES,
     LOADER_LIMIT,
+    MICRO_BATCHES_TOTAL,
     SAMPLES_TOTAL,
+    STATE_SECONDS,
     STATES,
     STEP_PHASE_SECONDS,
     STEP_SECONDS,
@@ -36,12 +38,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Snapshot:
     phases: Sequence[tuple[str, str, HistogramSnapshot]]  # (phase, timing, histogram)
     step: HistogramSnapshot
-    steps: int
+    steps: int  # optimizer steps
     samples: int
     state: str
     info: Mapping[str, str]  # local_rank, world_size, pid, framework, start_time where known
     limits: Limits | None = None  # from tracker.measure_limits
     trace: TraceOutcome | None = None  # the latest profiler trace written
+    micro_batches: int = 0  # batches fed to the model: steps x gradient accumulation
+    state_seconds: Mapping[str, float] = field(default_factory=dict)  # seconds per state so far (0 if absent)
 
 
 def _escape(value: str) -> str:
@@ -82,6 +86,9 @@ def render(snap: Snapshot) -> str:
     lines.append(f"{_header(lines, TRAINING_INFO)}{_labels(sorted(snap.info.items()))} 1")
     name = _header(lines, TRAINING_STATE)
     lines += [f'{name}{{state="{s}"}} {int(s == snap.state)}' for s in STATES]
+    lines.append(f"{_header(lines, MICRO_BATCHES_TOTAL)} {snap.micro_batches}")
+    name = _header(lines, STATE_SECONDS)
+    lines += [f'{name}{{state="{s}"}} {floatToGoString(snap.state_seconds.get(s, 0.0))}' for s in STATES]
     if snap.limits is not None:
         _limits(lines, snap.limits)
     if snap.trace is not None:

@@ -89,8 +89,14 @@ class Tracker:
         self._step_hist = self._new_histogram(buckets=True)
         self._steps = 0
         self._samples = 0
+        self._micro_batches = 0
         self._boundary = perf_counter_ns()
         self._state = SETUP_STATE
+        # Time per state: nanoseconds of the states left, and when the current one began. The pusher reads
+        # them under the lock, so each state's total only grows from push to push (a counter).
+        self._state_ns = dict.fromkeys(STATES, 0)
+        self._state_since = self._boundary
+        self._state_lock = threading.Lock()
         self._cuda_timer: CudaTimer | None = None
         # The trace taker's boundary call while a profiler trace is requested or recording (profiling).
         self._tracing: BoundaryHook | None = None
@@ -127,24 +133,33 @@ class Tracker:
         found = (self._gpu if cuda else self._host).get(name)
         return found if found is not None else self._new_phase(name, cuda)
 
-    def step(self, samples: int = 0) -> None:
+    def step(self, samples: int = 0, micro_batches: int = 1) -> None:
         """Marks a step boundary: observes the whole step's wall time, counts the step and its samples.
 
-        The first step in state setup means the loop trains (state train); when it began is unknown
-        (setup time would be in it), so its time is not observed.
+        A step is one optimizer step. `micro_batches` is how many batches it fed the model (more than 1
+        under gradient accumulation; `micro_batch()` counts them one by one instead). The first step in
+        state setup means the loop trains (state train); when it began is unknown (setup time would be
+        in it), so its time is not observed.
         """
         now = perf_counter_ns()
         duration = now - self._boundary
         if self._state == SETUP_STATE:
-            self._state = TRAIN_STATE
+            self._switch_state(TRAIN_STATE, now)
         else:
             self._step_hist.observe_ns(duration)
         self._boundary = now
         self._steps += 1
         self._samples += samples
+        self._micro_batches += micro_batches
         at_boundary = self._at_boundary
         if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
             at_boundary(duration)  # ends a requested profiler trace
+
+    def micro_batch(self, samples: int = 0) -> None:
+        """Counts one batch fed to the model and its samples, inside a step that goes on (gradient
+        accumulation): the step itself is counted by the `step()` that ends it."""
+        self._micro_batches += 1
+        self._samples += samples
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -213,10 +228,26 @@ class Tracker:
         if name not in STATES:
             raise ValueError(f"unknown training state {name!r}; known: {', '.join(STATES)}")
         previous = self._state
-        if name == TRAIN_STATE and previous != TRAIN_STATE:
-            self._boundary = perf_counter_ns()
-        self._state = name
+        if name != previous:
+            now = perf_counter_ns()
+            if name == TRAIN_STATE:
+                self._boundary = now
+            self._switch_state(name, now)
         return _StateScope(self, previous)
+
+    def _switch_state(self, name: str, now: int) -> None:
+        """Adds the time since the current state began to its total, then enters `name`."""
+        with self._state_lock:
+            self._state_ns[self._state] += now - self._state_since
+            self._state_since = now
+            self._state = name
+
+    def _state_seconds(self) -> dict[str, float]:
+        """Seconds per state so far, the current state's running span included."""
+        with self._state_lock:
+            totals = dict(self._state_ns)
+            totals[self._state] += perf_counter_ns() - self._state_since
+        return {state: ns / 1e9 for state, ns in totals.items()}
 
     @property
     def current_state(self) -> str:
@@ -292,7 +323,9 @@ class Tracker:
             step=self._step_hist.snapshot(),
             steps=self._steps,
             samples=self._samples,
+            micro_batches=self._micro_batches,
             state=self._state,
+            state_seconds=self._state_seconds(),
             info=info,
             limits=self._limits,
             trace=self.traces.published() if self.traces is not None else None,
@@ -318,7 +351,7 @@ class Tracker:
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
         if self.traces is not None:
             self.traces.close()  # a trace being recorded is written with the steps it has
-        self._state = IDLE_STATE
+        self._switch_state(IDLE_STATE, perf_counter_ns())
         if self.pusher is not None:
             self.pusher.stop()
 
