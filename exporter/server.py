@@ -29,7 +29,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from exporter import __version__
 from exporter.exposition import ExpositionStore
-from exporter.web_auth import Authenticator
+from exporter.web_auth import AuthBusy, Authenticator, Client
 from exporter.web_tls import TlsContextSource
 
 log = logging.getLogger(__name__)
@@ -283,9 +283,15 @@ class ExporterServer:
             if path == "/-/healthy" or self.ready():
                 return _text(HTTPStatus.OK, "OK", close=close)
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, "first collection not done", close=close)
-        if self.auth is not None and not await self.auth.allows(request.headers.get("Authorization")):
-            return _text(HTTPStatus.UNAUTHORIZED, "unauthorized", close=close,
-                         headers={"WWW-Authenticate": 'Basic realm="stepscope"'})
+        if self.auth is not None:
+            client = Client(request.remote or "", lambda: request.transport is not None)  # None once it left
+            try:
+                allowed = await self.auth.allows(request.headers.get("Authorization"), client)
+            except AuthBusy as busy:
+                return _text(HTTPStatus.TOO_MANY_REQUESTS, str(busy), close=close, headers={"Retry-After": "1"})
+            if not allowed:
+                return _text(HTTPStatus.UNAUTHORIZED, "unauthorized", close=close,
+                             headers={"WWW-Authenticate": 'Basic realm="stepscope"'})
         if path == self.options.telemetry_path:
             return await self._metrics(request, close)
         if path == "/":

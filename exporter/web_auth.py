@@ -1,44 +1,71 @@
 """HTTP basic auth for /metrics and the index page: bcrypt users (`--web.config.file`) or one user with
 a plain password file (the older `--basic-auth-user`).
 
-bcrypt is deliberately slow (tens of milliseconds at cost 10), so as exporter-toolkit does, the
-outcome of each (user, hash, password) is cached and a scrape every 15 s costs a dictionary lookup,
-not a bcrypt; only a new or wrong password pays. Hashing runs on one worker thread, off the event
-loop, one at a time: a client guessing passwords slows its own answers, never a scrape with cached
-credentials. An unknown user is checked against a fixed hash so timing does not reveal which users
-exist.
+bcrypt is deliberately slow (~70 ms of CPU at cost 10), so a client sending a new wrong password per
+request could otherwise make the exporter hash for minutes while the legitimate scraper and its
+connections wait. What keeps the legitimate scraper in under such a flood:
+
+- outcomes are cached, granted and denied apart: only a right password enters the granted cache, so
+  no number of wrong passwords evicts the scraper's entry, and a scrape with known credentials costs a
+  lookup, never a hash. Entries are keyed by an HMAC-SHA256 under a random per-process key, never by
+  the password;
+- at most HASH_WORKERS hashes run at once and HASH_WAITING more wait; a check beyond that, or a second
+  one from a client address that already has one waiting or running, is refused at once (AuthBusy, a
+  429 with Retry-After) instead of holding its connection;
+- a waiting check whose client has gone by the time its turn comes is dropped without hashing.
+
+An unknown user is checked against a fixed hash so timing does not reveal which users exist.
 """
 
 import asyncio
 import base64
-import binascii
 import hashlib
 import hmac
-from collections import OrderedDict
-from collections.abc import Mapping
+import os
+import secrets
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import bcrypt
 
-CACHE_SIZE = 100  # exporter-toolkit keeps 100 outcomes too
+GRANTED_CACHE_SIZE = 64  # right passwords only: as many as users and their rotations need
+DENIED_CACHE_SIZE = 1024  # a repeated wrong password (a stale secret) costs a lookup too
+HASH_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # never more than half the CPUs hashing
+HASH_WAITING = 4
+BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no further; bcrypt>=5 refuses longer ones
 # a cost-10 bcrypt of a password nobody sends: an unknown user costs what a known one does
 DECOY_HASH = b"$2b$10$5NGai4efUngPzjijLv27ReZVXW6bHPBHlS4fU2I/4h1OMWqGLSFU2"
 
 
+class AuthBusy(Exception):
+    """New credentials cannot be checked now: too many checks are waiting. Answered with 429."""
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who asks: its address (one uncached check per address at a time) and whether it is still there."""
+
+    address: str
+    connected: Callable[[], bool] = lambda: True
+
+
 class Authenticator(Protocol):
-    async def allows(self, header: str | None) -> bool:
-        """Whether an `Authorization` header value grants access."""
+    async def allows(self, header: str | None, client: Client) -> bool:
+        """Whether an `Authorization` header value grants access; AuthBusy when it cannot be told now."""
         ...
 
 
 def _basic_credentials(header: str | None) -> tuple[str, str] | None:
+    """(user, password) of a Basic header; None for anything else, raw non-ASCII bytes included."""
     scheme, _, encoded = (header or "").strip().partition(" ")
     if scheme.lower() != "basic":
         return None
     try:
         user, sep, password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8").partition(":")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # binascii.Error, UnicodeDecodeError, and non-ASCII text b64decode refuses
         return None
     return (user, password) if sep else None
 
@@ -49,11 +76,59 @@ class PasswordFileUser:
     def __init__(self, user: str, password: str) -> None:
         self._expected = f"{user}:{password}".encode()
 
-    async def allows(self, header: str | None) -> bool:
+    async def allows(self, header: str | None, client: Client) -> bool:
         credentials = _basic_credentials(header)
         if credentials is None:
             return False
         return hmac.compare_digest(":".join(credentials).encode(), self._expected)
+
+
+class _LruSet:
+    """Keys most recently used, at most `size` of them."""
+
+    def __init__(self, size: int) -> None:
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._size = size
+
+    def hit(self, key: bytes) -> bool:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._size:
+            self._keys.popitem(last=False)
+
+
+class _BoundedHasher:
+    """bcrypt on worker threads (it releases the GIL), with a bound on checks waiting or running."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="bcrypt")
+        self._by_address: Counter[str] = Counter()
+        self.calls = 0  # hashes actually computed
+
+    async def matches(self, password: bytes, hashed: bytes, client: Client) -> bool | None:
+        """Whether the password matches; None when the client left before its turn (nothing hashed)."""
+        if self._by_address[client.address] or sum(self._by_address.values()) >= HASH_WORKERS + HASH_WAITING:
+            raise AuthBusy("too many new credentials are being checked; retry in a second")
+        self._by_address[client.address] += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._check, password, hashed,
+                                                                    client.connected)
+        finally:
+            self._by_address[client.address] -= 1
+            if not self._by_address[client.address]:
+                del self._by_address[client.address]
+
+    def _check(self, password: bytes, hashed: bytes, connected: Callable[[], bool]) -> bool | None:
+        if not connected():  # read from this thread: at worst one hash for a client leaving right now
+            return None
+        self.calls += 1
+        return bcrypt.checkpw(password, hashed)
 
 
 class BcryptUsers:
@@ -61,29 +136,36 @@ class BcryptUsers:
 
     def __init__(self, users: Mapping[str, str]) -> None:
         self._users = {user: hashed.encode() for user, hashed in users.items()}
-        self._outcomes: OrderedDict[bytes, bool] = OrderedDict()
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
-        self.bcrypt_calls = 0
+        self._key = secrets.token_bytes(32)  # cache keys mean nothing outside this process
+        self._granted = _LruSet(GRANTED_CACHE_SIZE)
+        self._denied = _LruSet(DENIED_CACHE_SIZE)
+        self._hasher = _BoundedHasher()
+
+    @property
+    def bcrypt_calls(self) -> int:
+        return self._hasher.calls
 
     def replace_users(self, users: Mapping[str, str]) -> None:
         """The users of a reloaded web config. Cached outcomes stay valid: each is keyed by the hash
         it was checked against, so a changed or removed user's old outcome no longer matches."""
         self._users = {user: hashed.encode() for user, hashed in users.items()}
 
-    async def allows(self, header: str | None) -> bool:
+    async def allows(self, header: str | None, client: Client) -> bool:
         credentials = _basic_credentials(header)
         if credentials is None:
             return False
-        user, password = credentials
+        user, password = credentials[0], credentials[1].encode()
+        if len(password) > BCRYPT_MAX_PASSWORD_BYTES:  # no bcrypt hash was made from it
+            return False
         hashed = self._users.get(user, DECOY_HASH)
-        key = hashlib.sha256(b"\0".join((user.encode(), hashed, password.encode()))).digest()
-        outcome = self._outcomes.get(key)
-        if outcome is None:
-            loop = asyncio.get_running_loop()
-            matches = await loop.run_in_executor(self._hasher, bcrypt.checkpw, password.encode(), hashed)
-            self.bcrypt_calls += 1
-            outcome = matches and user in self._users
-            self._outcomes[key] = outcome
-            while len(self._outcomes) > CACHE_SIZE:
-                self._outcomes.popitem(last=False)
-        return outcome
+        key = hmac.new(self._key, b"\0".join((user.encode(), hashed, password)), hashlib.sha256).digest()
+        if self._granted.hit(key):
+            return True
+        if self._denied.hit(key):
+            return False
+        matches = await self._hasher.matches(password, hashed, client)
+        if matches is None:
+            return False
+        granted = matches and user in self._users
+        (self._granted if granted else self._denied).add(key)
+        return granted

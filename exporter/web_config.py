@@ -10,7 +10,7 @@ names, inline PEM, SAN allow-lists, rate limits) are refused by name rather than
 import re
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +75,13 @@ class TlsSettings:
 
 @dataclass(frozen=True)
 class WebConfig:
+    """What the file says. `users` and `headers` are None where the file names none (the key absent,
+    or with nothing after it) and {} only where it says so (`basic_auth_users: {}`, `headers: {}`): a
+    reload tells a half-written file from one that turns basic auth or the headers off on purpose."""
+
     tls: TlsSettings | None = None
-    users: Mapping[str, str] = field(default_factory=dict)  # user -> bcrypt hash
-    headers: Mapping[str, str] = field(default_factory=dict)
+    users: Mapping[str, str] | None = None  # user -> bcrypt hash
+    headers: Mapping[str, str] | None = None
 
 
 def load(path: str) -> WebConfig:
@@ -164,9 +168,13 @@ def _version(section: dict[str, Any], name: str, default: str) -> ssl.TLSVersion
     return TLS_VERSIONS[value]
 
 
-def _users(section: dict[str, Any] | None) -> dict[str, str]:
+def _users(section: dict[str, Any] | None) -> dict[str, str] | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise WebConfigError("basic_auth_users must be a mapping of user names to bcrypt hashes")
     users = {}
-    for user, hashed in (section or {}).items():
+    for user, hashed in section.items():
         if not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed):
             raise WebConfigError(f"basic_auth_users.{user}: not a bcrypt hash (make one with "
                                  "htpasswd -nBC 10 '' | tr -d ':\\n')")
@@ -174,18 +182,22 @@ def _users(section: dict[str, Any] | None) -> dict[str, str]:
     return users
 
 
-def _headers(section: dict[str, Any] | None) -> dict[str, str]:
+def _headers(section: dict[str, Any] | None) -> dict[str, str] | None:
     http = section or {}
     if not isinstance(http.get("http2", True), bool):
         raise WebConfigError("http_server_config.http2 must be true or false")
-    headers = http.get("headers") or {}
+    headers = http.get("headers")
+    if headers is None:
+        return None
     if not isinstance(headers, dict):
         raise WebConfigError("http_server_config.headers must be a mapping of header names to values")
     for name, value in headers.items():
         if name not in HEADER_VALUES:
             raise WebConfigError(f"http_server_config.headers: {name!r} can not be configured (only "
                                  f"{', '.join(HEADER_VALUES)})")
+        if value is None:  # `Name:` and nothing after it, as a file cut short mid-write reads
+            raise WebConfigError(f"http_server_config.headers.{name}: no value")
         allowed = HEADER_VALUES[name]
         if allowed and value not in allowed:
             raise WebConfigError(f"http_server_config.headers.{name}: {value!r} is not one of {', '.join(allowed)}")
-    return {str(name): str(value) for name, value in headers.items() if value not in (None, "")}
+    return {str(name): str(value) for name, value in headers.items() if value != ""}

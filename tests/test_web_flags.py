@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from exporter.cli import build_parser, enabled_collectors
-from exporter.web_auth import BcryptUsers
+from exporter.web_auth import BcryptUsers, Client
 from exporter.web_config import WebConfigError, load
 from stepscope_testkit.processes import exporter_env, free_port, running, running_exporter, sample_values, scrape
 from tests.support.certs import make_cert, make_client_cert
@@ -21,6 +21,7 @@ from tests.test_cli import assert_clean_failure, run_exporter
 
 PASSWORD = "s3cret"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()  # cost 4: quick, same code path
+CLIENT = Client("127.0.0.1")
 
 
 def _exporter_argv(port: int, *args: str) -> list[str]:
@@ -151,16 +152,16 @@ def test_bcrypt_runs_once_per_credential() -> None:
         return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
     async def scrapes() -> list[bool]:
-        answers = [await users.allows(header("prometheus", PASSWORD)) for _ in range(5)]
-        answers += [await users.allows(header("prometheus", "wrong")) for _ in range(3)]
-        answers += [await users.allows(header("nobody", PASSWORD)), await users.allows("Bearer x"),
-                    await users.allows("Basic !!!")]
+        answers = [await users.allows(header("prometheus", PASSWORD), CLIENT) for _ in range(5)]
+        answers += [await users.allows(header("prometheus", "wrong"), CLIENT) for _ in range(3)]
+        answers += [await users.allows(header("nobody", PASSWORD), CLIENT), await users.allows("Bearer x", CLIENT),
+                    await users.allows("Basic !!!", CLIENT)]
         return answers
 
     assert asyncio.run(scrapes()) == [True] * 5 + [False] * 6
     assert users.bcrypt_calls == 3  # the right password, the wrong one, the unknown user: once each
     users.replace_users({})  # a reload that removed the user: its cached outcome must not let it in
-    assert asyncio.run(users.allows(header("prometheus", PASSWORD))) is False
+    assert asyncio.run(users.allows(header("prometheus", PASSWORD), CLIENT)) is False
 
 
 def test_users_and_headers_follow_the_edited_web_config(tmp_path: Path) -> None:
@@ -197,7 +198,7 @@ def test_users_and_headers_follow_the_edited_web_config(tmp_path: Path) -> None:
         config.unlink()  # a file being replaced: said once, the loaded users stay
         time.sleep(2.5)
         assert status(("prometheus", new_password)) == (200, "sameorigin") and status(None)[0] == 401
-        config.write_text("# no users, no headers\n")
+        config.write_text("basic_auth_users: {}\nhttp_server_config: {headers: {}}\n")  # explicitly off
         eventually(None, (200, ""))
     log = (tmp_path / "exporter.log").read_text()
     assert "basic_auth_users.prometheus: not a bcrypt hash" in log and "keeping the loaded users" in log
