@@ -190,9 +190,10 @@ def test_no_shard_alone_sees_the_run(layout: Layout) -> None:
 
 def test_global_layer_names_the_verdict_of_the_whole_run(layout: Layout) -> None:
     assert _verdict(layout.global_url) == "gpu_bound"
-    # the run's step rate is both ranks', each sent by its own shard (within a cycle or two of lag
-    # while the young series' rates still grow; one rank alone would be half)
-    both = "run:stepscope_steps:rate1m / on (run) sum by (run) (run_rank:stepscope_steps:rate1m)"
+    # the run's step rate is its slowest rank's, each rank sent by its own shard (within a cycle or two
+    # of lag while the young series' rates still grow); its samples/s is both ranks'
+    both = ("run:stepscope_steps:rate1m / on (run) min by (run) (run_rank:stepscope_steps:rate1m)"
+            " * run:stepscope_samples:rate1m / on (run) sum by (run) (run_rank:stepscope_samples:rate1m)")
     (ratio,) = query(layout.global_url, both)
     assert float(ratio["value"][1]) == pytest.approx(1, abs=0.2)
     (ranks,) = query(layout.global_url, f'run:stepscope_training_ranks:count{{run="{RUN}"}}')
