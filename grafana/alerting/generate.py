@@ -47,8 +47,38 @@ def rule_uid(alert: str) -> str:
     return "-".join(["stepscope", *(word.lower() for word in words)])[:40]
 
 
+INSIDE = r"(?:(?!\}\}).)*?"  # an action's text: anything up to its closing braces (a query has `{...}`)
+QUERY_BLOCK = re.compile(r"\{\{-?\s*(?:with|range)\b" + INSIDE + r"\|\s*query\s*\}\}", re.DOTALL)
+ACTION = re.compile(r"\{\{-?\s*(with|range|if|else|end)\b" + INSIDE + r"\}\}", re.DOTALL)
+# Prometheus' external label with Grafana's address; a Grafana-managed alert links relative to Grafana.
+GRAFANA_URL = "{{ $externalLabels.grafana_url }}"
+
+
+def _without_queries(text: str) -> str:
+    """Grafana's templates have no `query`: each `{{ with/range ... | query }}...{{ end }}` block gives
+    way to its `{{ else }}` text (or nothing), so the annotation still reads as a sentence."""
+    while match := QUERY_BLOCK.search(text):
+        depth, otherwise, position = 1, None, match.end()
+        while depth:
+            action = ACTION.search(text, position)
+            if action is None:
+                raise ValueError(f"unclosed query block in: {text}")
+            kind, position = action.group(1), action.end()
+            depth += {"with": 1, "range": 1, "if": 1, "end": -1}.get(kind, 0)
+            if kind == "else" and depth == 1:
+                otherwise = action.end()
+        replacement = text[otherwise:action.start()] if otherwise is not None else ""
+        before = text[:match.start()]
+        if match.group().startswith("{{-"):
+            before = before.rstrip()
+        text = before + replacement + text[position:]
+    return text
+
+
 def grafana_template(text: str) -> str:
-    """Prometheus templates -> Grafana's: the alert's value is $values.B.Value (reduce of A)."""
+    """Prometheus templates -> Grafana's: the alert's value is $values.B.Value (reduce of A); no
+    queries, no external labels (see _without_queries, GRAFANA_URL)."""
+    text = _without_queries(text.replace(GRAFANA_URL, ""))
     return re.sub(r"\$value\b", "$values.B.Value", text)
 
 
