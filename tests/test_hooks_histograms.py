@@ -8,9 +8,12 @@ from bisect import bisect_left
 import pytest
 
 import training_hooks as th
+import training_hooks.timing
 from stepscope_testkit.processes import sample_values, samples
 from training_hooks.config import Config
 from training_hooks.timing import (
+    BLOCK,
+    EVICT_IDLE_SECONDS,
     FINE_GRID,
     MAX_EXPORTED,
     MIN_NEW_STEPS,
@@ -50,12 +53,17 @@ def test_fine_grid_is_2_to_the_eighth_apart_from_a_microsecond_to_two_minutes() 
     assert all(SKELETON[i + 1] - SKELETON[i] == 16 for i in range(len(SKELETON) - 1))  # every 2nd octave
 
 
-def test_a_new_histogram_exports_the_skeleton_and_the_first_steps_place_no_window() -> None:
+def test_a_histogram_is_held_back_until_its_first_step_then_all_its_buckets_start_together() -> None:
+    """Every bucket series of a histogram starts in one push: rates over a window add up from then on."""
     hist = Histogram.following()
-    observe(hist, [30.0] * 3)  # compilation: the first snapshot with observations is the baseline
-    assert hist.snapshot().bounds == tuple(FINE_GRID[i] for i in SKELETON)
-    observe(hist, around(random.Random(1), 0.024, MIN_NEW_STEPS - 1))
-    assert not fine_bounds(hist.snapshot()), "a decision needs MIN_NEW_STEPS observations"
+    assert hist.snapshot().held_back, "nothing to export before the first observation"
+    observe(hist, around(random.Random(1), 0.024, 3))
+    first = hist.snapshot()
+    assert not first.held_back
+    assert {FINE_GRID[i] for i in SKELETON} < set(first.bounds)
+    assert min(fine_bounds(first)) < 0.024 < max(fine_bounds(first)), "the first steps already have fine buckets"
+    observe(hist, around(random.Random(2), 0.1, MIN_NEW_STEPS - 1))
+    assert hist.snapshot().bounds == first.bounds, "a later decision waits for MIN_NEW_STEPS observations"
 
 
 def test_fine_windows_follow_the_steps_with_exact_cumulative_counts() -> None:
@@ -69,11 +77,11 @@ def test_fine_windows_follow_the_steps_with_exact_cumulative_counts() -> None:
         observe(hist, batch)
         seen += batch
         snap = hist.snapshot()
-    fine = sorted(fine_bounds(snap))
+    fine = sorted(b for b in fine_bounds(snap) if b < 1)  # the compilation steps' block is above
     assert fine, "no fine window around 24 ms"
     assert fine[0] < 0.024 * 0.95 and fine[-1] > 0.024 * 1.05  # the steps sit inside fine coverage
     assert all(b / a < 1.092 for a, b in itertools.pairwise(fine))  # one contiguous fine window
-    assert len(snap.bounds) <= 22
+    assert len(snap.bounds) <= 12 + 4 * BLOCK
     for bound, cumulative in zip(snap.bounds, snap.cumulative, strict=False):
         assert cumulative == exact_cumulative(seen, bound), bound
     assert snap.count == len(seen)
@@ -91,22 +99,53 @@ def test_a_second_mode_far_above_the_median_gets_its_own_window() -> None:
     for mode in (0.1, 0.25):  # the fine bin holding each mode is a bucket of its own
         below, above = FINE_GRID[bisect_left(FINE_GRID, mode) - 1], FINE_GRID[bisect_left(FINE_GRID, mode)]
         assert {below, above} <= set(snap.bounds), mode
-    assert len(fine_bounds(snap) & {b for b in FINE_GRID if 0.15 < b < 0.2}) < 3  # not one wide window
+    assert len(snap.bounds) <= len(SKELETON) + 6 * BLOCK  # a few blocks, not every bound
 
 
-def test_bounds_are_never_removed_and_stop_growing_at_the_cap() -> None:
+def test_bounds_stay_within_the_cap_and_leave_only_after_a_rate_window_unused(monkeypatch) -> None:
+    clock = [0]
+    monkeypatch.setattr(training_hooks.timing, "perf_counter_ns", lambda: clock[0])
     rng = random.Random(4)
     hist = Histogram.following()
-    observe(hist, [0.01])
-    hist.snapshot()
+    last_used: dict[float, int] = {}
     exported: set[float] = set()
-    for centre in (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 0.002, 0.02):  # a run all over the place
-        observe(hist, around(rng, centre, 40))
+    for centre in (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 0.002, 0.02) * 3:  # a run all over the place
+        batch = around(rng, centre, 40)
+        observe(hist, batch)
+        clock[0] += 5 * 10**9  # a push every 5 s
         snap = hist.snapshot()
-        assert exported <= set(snap.bounds), "a bound disappeared: its series would churn"
-        exported = set(snap.bounds)
         assert len(snap.bounds) <= MAX_EXPORTED
-    assert len(exported) == MAX_EXPORTED
+        for bound in set(snap.bounds):
+            below = FINE_GRID[max(FINE_GRID.index(bound) - BLOCK, 0)]
+            if any(below < value <= bound for value in batch):
+                last_used[bound] = clock[0]
+        for gone in exported - set(snap.bounds):
+            assert clock[0] - last_used.get(gone, 0) >= EVICT_IDLE_SECONDS * 10**9, f"{gone} left while in use"
+        exported = set(snap.bounds)
+    assert len(exported) > MAX_EXPORTED - BLOCK, "the cap was reached"
+
+
+def test_a_run_that_speeds_up_after_a_slow_start_gets_fine_buckets_at_its_new_pace(monkeypatch) -> None:
+    """The issue's reproduction: steps fall from 1 s to 80 ms over 50 s, then hold at ~21 ms."""
+    clock = [0]
+    monkeypatch.setattr(training_hooks.timing, "perf_counter_ns", lambda: clock[0])
+    rng = random.Random(5)
+    hist = Histogram.following()
+    for second in range(0, 50, 5):
+        centre = 1.0 * 0.08 ** (second / 50)
+        observe(hist, around(rng, centre, max(1, round(5 / centre))))
+        clock[0] += 5 * 10**9
+        hist.snapshot()
+    steady = []
+    for _ in range(24):  # two minutes at the new pace
+        batch = around(rng, 0.021, 240)
+        observe(hist, batch)
+        steady += batch
+        clock[0] += 5 * 10**9
+        snap = hist.snapshot()
+    fine = sorted(b for b in fine_bounds(snap) if b < 0.05)
+    assert fine and fine[0] < min(steady) and max(steady) < fine[-1], fine
+    assert all(b / a < 1.092 for a, b in itertools.pairwise(fine))
 
 
 def test_fixed_buckets_export_exactly_what_the_user_chose() -> None:
@@ -132,7 +171,10 @@ def test_phase_buckets_are_off_by_default_and_on_behind_the_switch(phase_buckets
     les = {float(dict(labels)["le"]) for name, labels in samples(text)
            if name == "stepscope_step_phase_seconds_bucket"}
     skeleton = {FINE_GRID[i] for i in SKELETON}
-    assert les == (skeleton | {float("inf")} if on else {float("inf")})
+    if on:  # the skeleton and fine buckets around the one observation
+        assert skeleton | {float("inf")} < les
+    else:
+        assert les == {float("inf")}
     assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward") == [1]
     assert len(sample_values(text, "stepscope_step_phase_seconds_sum", phase="forward")) == 1
     t.close()

@@ -59,15 +59,35 @@ def stalls(centre: float) -> Draw:
     return lambda rng: centre * (1 + 0.02 * rng.gauss(0, 1)) * (rng.uniform(3, 10) if rng.random() < 0.1 else 1)
 
 
+def every_rank(draw: Draw) -> Callable[[int], Draw]:
+    return lambda rank: draw
+
+
+def per_rank(centre: float, spread: float) -> Callable[[int], Draw]:
+    """Ranks that step alike but not exactly: rank r's steps sit up to `spread` from the centre."""
+    return lambda rank: jitter(centre * (1 + spread * ((rank * 7919) % 101 / 50 - 1)), 0.03)
+
+
 # run -> (ranks, typical step seconds, step-time distribution): the issue's 24 ms steps that read
 # +39..+50% with 16 buckets, a lognormal spread, gradient accumulation (p95 in the second mode), data
-# stalls, 1 ms and 9 s steps.
-CASES: dict[str, tuple[int, float, Draw]] = {
-    "narrow-24ms": (4, 0.024, jitter(0.024, 0.01)),
-    "lognormal-180ms": (2, 0.18, lognormal(0.18, 0.2)),
-    "accumulation-7ms": (1, 0.007, two_modes(0.007, 0.25, 2.5)),
-    "stalls-1ms": (1, 0.0012, stalls(0.0012)),
-    "slow-9s": (1, 9.0, jitter(9.0, 0.02)),
+# stalls, 1 ms and 9 s steps, one eval-like step in ten 5x longer, and 64 ranks a few per cent apart.
+CASES: dict[str, tuple[int, float, Callable[[int], Draw]]] = {
+    "narrow-24ms": (4, 0.024, every_rank(jitter(0.024, 0.01))),
+    "lognormal-180ms": (2, 0.18, every_rank(lognormal(0.18, 0.2))),
+    "accumulation-7ms": (1, 0.007, every_rank(two_modes(0.007, 0.25, 2.5))),
+    "stalls-1ms": (1, 0.0012, every_rank(stalls(0.0012))),
+    "slow-9s": (1, 9.0, every_rank(jitter(9.0, 0.02))),
+    "slow-start-21ms": (2, 0.021, every_rank(jitter(0.021, 0.04))),
+    "shift-30ms": (1, 0.03, every_rank(jitter(0.03, 0.03))),
+    "bimodal-40ms": (1, 0.04, every_rank(two_modes(0.04, 0.1, 5))),
+    "ranks-64-50ms": (64, 0.05, per_rank(0.05, 0.04)),
+}
+# What a run did before the measured minute, in (seconds, step seconds at the segment's start, at its
+# end) segments: the issue's slow start (x50 for 20 s, falling to 80 ms over 50 s, then steady for 90 s)
+# and a shift (x3 slower for two minutes, then back for 30 s). The standard warm-up follows.
+PRELUDES: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "slow-start-21ms": ((20, 1.05, 1.05), (50, 1.0, 0.08), (90, 0.021, 0.021)),
+    "shift-30ms": ((60, 0.03, 0.03), (120, 0.09, 0.09), (30, 0.03, 0.03)),
 }
 PHASE_RUN, PHASE = "lognormal-180ms", "forward"  # this run also pushes phase buckets (the switch on)
 
@@ -114,6 +134,16 @@ def _run_steps(rank: Rank, clock: ScriptedClock, draw: Draw, rng: random.Random,
             rank.phase_times.append(forward)
 
 
+def _prelude(rank: Rank, clock: ScriptedClock, rng: random.Random,
+             segments: tuple[tuple[float, float, float], ...]) -> None:
+    """Steps through the segments in snapshots PUSH_SECONDS apart, the step time moving geometrically."""
+    for seconds, start, end in segments:
+        for index in range(round(seconds / PUSH_SECONDS)):
+            centre = start * (end / start) ** (index * PUSH_SECONDS / seconds)
+            _run_steps(rank, clock, jitter(centre, 0.02), rng, max(1, round(PUSH_SECONDS / centre)), keep=False)
+            rank.tracker.render()
+
+
 def _pushed_steps(prometheus: str) -> dict[tuple[str, str], float]:
     return {(item["metric"]["run"], item["metric"]["rank"]): float(item["value"][1])
             for item in query(prometheus, "stepscope_steps_total")}
@@ -149,20 +179,22 @@ def _measure(exporter: str, prometheus: str, clock: ScriptedClock) -> Measured:
                               phase_buckets=run == PHASE_RUN)
             pusher = Pusher(group_url(exporter, run, rank), tracker.render, interval=60)
             ranks[(run, str(rank))] = Rank(tracker, pusher, [], [])
-    for (run, _), rank in ranks.items():
-        _, typical, draw = CASES[run]
-        per_push = min(max(round(PUSH_SECONDS / typical), 20), 2000)
+    draws = {(run, rank): CASES[run][2](int(rank)) for run, rank in ranks}
+    for key, rank in ranks.items():
+        run, draw = key[0], draws[key]
+        per_push = min(max(round(PUSH_SECONDS / CASES[run][1]), 20), 2000)
         rank.tracker.state("train")
         _run_steps(rank, clock, lambda r, draw=draw: 20 * draw(r), rng, 3, keep=False)  # compilation
-        rank.tracker.render()  # the first snapshot with steps: the layout's baseline
+        rank.tracker.render()  # the first snapshot with steps
+        _prelude(rank, clock, rng, PRELUDES.get(run, ()))
         for _ in range(WARMUP_SNAPSHOTS - 1):  # pushes that left the 1m window long ago
             _run_steps(rank, clock, draw, rng, per_push, keep=False)
             rank.tracker.render()
         _run_steps(rank, clock, draw, rng, per_push, keep=False)
         assert rank.pusher.push_once(), rank.pusher.stats.last_error  # the window's first sample
     assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)  # the window's start
-    for (run, _), rank in ranks.items():
-        _run_steps(rank, clock, CASES[run][2], rng, MEASURED_STEPS, keep=True)
+    for key, rank in ranks.items():
+        _run_steps(rank, clock, draws[key], rng, MEASURED_STEPS, keep=True)
         assert rank.pusher.push_once(), rank.pusher.stats.last_error
     assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)
     seen_at = time.time()

@@ -201,7 +201,7 @@ def test_global_layer_names_the_verdict_of_the_whole_run(layout: Layout) -> None
 
 
 def test_global_run_quantile_adds_up_the_shards_partial_buckets(layout: Layout) -> None:
-    partial = query(layout.global_url, f'shard_run_le:stepscope_step_seconds_bucket:ranks{{run="{RUN}",le="+Inf"}}')
+    partial = query(layout.global_url, f'shard_run_le:stepscope_step_seconds_bucket:rate1m{{run="{RUN}",le="+Inf"}}')
     assert sorted(item["metric"]["stepscope_shard"] for item in partial) == ["0", "1"]
     (p50,) = query(layout.global_url, f'run:stepscope_step_seconds:p50_rate1m{{run="{RUN}"}}')
     assert float(p50["value"][1]) == pytest.approx(0.075)  # halfway through (0.05, 0.1]

@@ -61,6 +61,8 @@ def _labels(pairs: Sequence[tuple[str, str]]) -> str:
 def _histogram(
     lines: list[str], name: str, hist: HistogramSnapshot, labels: Sequence[tuple[str, str]]
 ) -> None:
+    if hist.held_back:
+        return
     les = [floatToGoString(b) for b in hist.bounds] + ["+Inf"]
     for le, value in zip(les, hist.cumulative, strict=True):
         lines.append(f"{name}_bucket{_labels([*labels, ('le', le)])} {value}")

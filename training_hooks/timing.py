@@ -13,17 +13,20 @@ the quantile, so its error is up to about (r - 1) / 2 at p50 and 0.95 (r - 1) at
 apart when the steps sit close together (the common case: steps jitter by a few per cent). Within
 10% needs r <= 1.1, about 107 buckets from 1 ms to 10 s: too many series. So the hooks count every
 observation on a fine grid (2^(1/8) = 1.09 apart, 1 µs to 131 s) and export only part of it: a
-coarse skeleton every second octave, plus fine windows where the recent observations' p50, p95 and
-p99 fall (benchmarks/results/quantiles.md compares layouts). Exported counts are exact cumulative
-counts at grid bounds, so a window that appears later starts with correct values. Bounds are added,
-never removed (no series churn), up to a cap.
+coarse skeleton every second octave, plus aligned blocks of fine bounds where the recent
+observations' p50, p95 and p99 fall (benchmarks/results/quantiles.md compares layouts). Exported
+counts are exact cumulative counts at grid bounds, so a block that appears later starts with correct
+values; but Prometheus has no history for it, and `rate()` over a window that began before it
+under-counts it, so quantiles that read it are off until it is one rate window old. Blocks therefore
+appear early (from the first push that has steps) and stay while in use; one unused for a rate
+window may make room when the run's pace moves (a slow start, a shift) and the cap is reached.
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from time import perf_counter_ns
@@ -41,10 +44,13 @@ _ONE_MS = -GRID_OCTAVES[0] * STEPS_PER_OCTAVE  # index of 0.001 in FINE_GRID
 SKELETON = tuple(range(_ONE_MS - 6 * STEPS_PER_OCTAVE, len(FINE_GRID), SKELETON_EVERY_OCTAVES * STEPS_PER_OCTAVE))
 # p50 and p95 are what the rules show; p99 keeps the tail covered when a minute holds few steps.
 FOLLOWED_QUANTILES = (0.5, 0.95, 0.99)
-WINDOW_MARGIN = 3  # fine bins exported on each side of a followed quantile's bin (x1.3)
+BLOCK = 4  # fine bounds are exported in aligned blocks of half an octave
+WINDOW_MARGIN = 1  # fine bins covered on each side of a followed quantile's bin; blocks add ~1.5 on average
 WINDOW_CORE = 1  # nothing is added while the quantile's bin and one bin on each side are exported
-MIN_NEW_STEPS = 20  # observations a placement decision needs
-MAX_EXPORTED = MAX_EXPORTED_BOUNDS  # bounds per histogram, skeleton included; then windows stop growing
+MIN_NEW_STEPS = 20  # observations a placement decision waits for ...
+DECIDE_AFTER_SECONDS = 30  # ... unless this long passed (slow steps) with at least one
+EVICT_IDLE_SECONDS = 60  # a block unused this long (one rate window) may make room for one in use
+MAX_EXPORTED = MAX_EXPORTED_BOUNDS  # bounds per histogram, skeleton included
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class HistogramSnapshot:
     bounds: tuple[float, ...]  # seconds, without +Inf
     cumulative: tuple[int, ...]  # one per bound, then +Inf
     sum_seconds: float
+    held_back: bool = False  # its buckets are not decided yet: render none of it
 
     @property
     def count(self) -> int:
@@ -59,8 +66,9 @@ class HistogramSnapshot:
 
 
 class Layout(Protocol):
-    def export(self, cumulative: Sequence[int]) -> Sequence[int]:
-        """The indices of the histogram's bounds to export, given its cumulative counts per bound."""
+    def export(self, cumulative: Sequence[int]) -> Sequence[int] | None:
+        """The indices of the histogram's bounds to export, given its cumulative counts per bound;
+        None: export nothing of the histogram yet."""
 
 
 class FixedLayout:
@@ -74,22 +82,32 @@ class FixedLayout:
 
 
 class FollowingLayout:
-    """Exports the SKELETON of FINE_GRID plus fine windows that follow where the observations fall.
+    """Exports the SKELETON of FINE_GRID plus fine blocks that follow where the observations fall.
 
     Decisions are made when a snapshot is taken (in the pusher thread, never on the hot path), from
-    the observations since the previous decision: once MIN_NEW_STEPS arrived, each followed quantile
-    of them must sit in an exported fine bin with an exported neighbour on each side (WINDOW_CORE);
-    otherwise the bins WINDOW_MARGIN around it are added (only the core when the whole window would
-    pass MAX_EXPORTED). Observations made before the first snapshot that has any are left out: they
-    are the run's first steps (compilation, cache warm-up).
+    the observations since the previous decision: the first as soon as there is one observation, then
+    once MIN_NEW_STEPS arrived or DECIDE_AFTER_SECONDS passed with at least one. Each followed
+    quantile of them must sit in an exported fine bin with an exported neighbour on each side
+    (WINDOW_CORE); otherwise the aligned blocks of BLOCK bounds covering WINDOW_MARGIN bins around it
+    are added. Nothing is exported before the first decision (`None`): every bucket series of a
+    histogram then starts in the same push, so their rates add up from the first rate window.
+
+    Aligned blocks make ranks with similar steps export the same bounds (a user's
+    `sum by (le) (rate(...))` over ranks needs that). When a block would pass MAX_EXPORTED, blocks
+    whose bins got no observation for EVICT_IDLE_SECONDS (one rate window: no current quantile
+    reads them) are dropped, least recently used first, so a run whose pace changed (a slow start,
+    a shift) gets fine buckets where it is now. A bound leaves only after a minute unused, so `le`
+    series change only when the pace does.
     """
 
     def __init__(self) -> None:
-        self._exported: tuple[int, ...] = SKELETON
+        self._blocks: dict[int, int] = {}  # block -> perf_counter_ns when its bins last had observations
+        self._exported: tuple[int, ...] | None = None
         self._base: Sequence[int] | None = None
+        self._decided_ns = 0
         self._lock = threading.Lock()
 
-    def export(self, cumulative: Sequence[int]) -> Sequence[int]:
+    def export(self, cumulative: Sequence[int]) -> Sequence[int] | None:
         if self._lock.acquire(blocking=False):  # a concurrent final push just exports what is decided
             try:
                 self._follow(cumulative)
@@ -98,28 +116,55 @@ class FollowingLayout:
         return self._exported
 
     def _follow(self, cumulative: Sequence[int]) -> None:
-        if self._base is None:
-            if cumulative[-1] > 0:
-                self._base = cumulative
+        base = self._base if self._base is not None else [0] * len(cumulative)
+        new = cumulative[-1] - base[-1]
+        now = perf_counter_ns()
+        due = self._exported is None or new >= MIN_NEW_STEPS or now - self._decided_ns >= DECIDE_AFTER_SECONDS * 1e9
+        if new < 1 or not due:
             return
-        new = cumulative[-1] - self._base[-1]
-        if new < MIN_NEW_STEPS:
-            return
-        recent = [now - before for now, before in zip(cumulative, self._base, strict=True)]
+        recent = [after - before for after, before in zip(cumulative, base, strict=True)]
+        self._mark_used(recent, now)
         for quantile in FOLLOWED_QUANTILES:
-            self._cover(bisect_left(recent, quantile * new))
-        self._base = cumulative
+            self._cover(bisect_left(recent, quantile * new), now)
+        self._exported = _bounds_of(self._blocks)
+        self._base, self._decided_ns = cumulative, now
 
-    def _cover(self, fine_bin: int) -> None:
+    def _mark_used(self, recent: Sequence[int], now: int) -> None:
+        """Stamps every exported block whose bins received observations since the last decision."""
+        for block in self._blocks:
+            first, last = block * BLOCK, min((block + 1) * BLOCK, len(recent)) - 1
+            if recent[last] - (recent[first - 1] if first > 0 else 0) > 0:
+                self._blocks[block] = now
+
+    def _cover(self, fine_bin: int, now: int) -> None:
         """Makes the fine bin (FINE_GRID[fine_bin - 1], FINE_GRID[fine_bin]] an exported bucket."""
-        exported = set(self._exported)
-        core, whole = _window(fine_bin, WINDOW_CORE), _window(fine_bin, WINDOW_MARGIN)
-        if exported.issuperset(core):
+        exported = set(_bounds_of(self._blocks))
+        if exported.issuperset(_window(fine_bin, WINDOW_CORE)):
             return
-        for window in (whole, core):
-            if len(exported.union(window)) <= MAX_EXPORTED:
-                self._exported = tuple(sorted(exported.union(window)))
+        for window in (_window(fine_bin, WINDOW_MARGIN), _window(fine_bin, 0)):
+            wanted = {bound // BLOCK for bound in window}
+            if self._make_room(wanted, now):
+                self._blocks.update(dict.fromkeys(wanted - self._blocks.keys(), now))
                 return
+
+    def _make_room(self, wanted: set[int], now: int) -> bool:
+        """Drops idle blocks (least recently used first) until `wanted` fits; False when it cannot."""
+        idle = sorted((used, block) for block, used in self._blocks.items()
+                      if block not in wanted and now - used >= EVICT_IDLE_SECONDS * 1e9)
+        blocks = set(self._blocks)
+        while len(_bounds_of(blocks | wanted)) > MAX_EXPORTED:
+            if not idle:
+                return False
+            blocks.discard(idle.pop(0)[1])
+        for block in set(self._blocks) - blocks:
+            del self._blocks[block]
+        return True
+
+
+def _bounds_of(blocks: Iterable[int]) -> tuple[int, ...]:
+    """The SKELETON and every bound of the given blocks, sorted."""
+    fine = (bound for block in blocks for bound in range(block * BLOCK, (block + 1) * BLOCK))
+    return tuple(sorted(set(SKELETON).union(bound for bound in fine if bound < len(FINE_GRID))))
 
 
 def _window(fine_bin: int, margin: int) -> range:
@@ -158,9 +203,10 @@ class Histogram:
         cumulative = list(accumulate(counts))
         exported = self.layout.export(cumulative)
         return HistogramSnapshot(
-            tuple(self.bounds[i] for i in exported),
-            (*(cumulative[i] for i in exported), cumulative[-1]),
+            tuple(self.bounds[i] for i in exported or ()),
+            (*(cumulative[i] for i in exported or ()), cumulative[-1]),
             self.sum_ns / 1e9,
+            held_back=exported is None,
         )
 
 
