@@ -50,12 +50,12 @@ def test_compose_file_follows_the_compose_spec(tmp_path: Path) -> None:
     assert check_compose_schema(tmp_path / "compose.yaml").returncode == 1
 
 
-def bind_mounts(compose: dict[str, Any]) -> list[tuple[str, Path, str]]:
-    """(service, source on this machine, target) for every bind mount (short syntax)."""
+def bind_mounts(compose: dict[str, Any], env: dict[str, str] | None = None) -> list[tuple[str, Path, str]]:
+    """(service, source on this machine, target) for every bind mount (short syntax), with `env`."""
     mounts = []
     for name, service in compose["services"].items():
         for volume in service.get("volumes", []):
-            source, target = volume.split(":")[:2]
+            source, target = interpolate(volume, env).split(":")[:2]
             if source.startswith((".", "/")):
                 mounts.append((name, (DOCKER / source).resolve(), target))
     return mounts
@@ -154,14 +154,46 @@ def test_prometheus_targets_and_alertmanager_are_services(compose: dict[str, Any
         for target in group["targets"]:
             host, port = target.split(":")
             assert host in services and port == "9847"
-    (alertmanagers,) = config["alerting"]["alertmanagers"]
-    host = alertmanagers["static_configs"][0]["targets"][0].split(":")[0]
-    assert host in services
     mounts = {target: source for _, source, target in bind_mounts(compose)}
+    (alertmanagers,) = config["alerting"]["alertmanagers"]
+    (sd_file,) = alertmanagers["file_sd_configs"][0]["files"]
+    (group,) = yaml.safe_load(mounts[sd_file].read_text())
+    host = group["targets"][0].split(":")[0]
+    assert host in services
     rules_dir = mounts["/etc/prometheus/rules"]
     assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_YML.resolve()
     assert config["rule_files"] == [f"rules/{path.name}" for path in RULE_FILES]
     assert rules_dir == RULE_FILES[0].parent.resolve()
+
+
+@pytest.mark.parametrize(("setting", "alertmanagers", "grafana_paused"),
+                         [("alertmanager", ["alertmanager:9093"], "true"), ("grafana", [], "false")])
+def test_one_alerting_path_per_setting(
+    compose: dict[str, Any], setting: str, alertmanagers: list[str], grafana_paused: str
+) -> None:
+    """STEPSCOPE_ALERTING picks what Prometheus sends alerts to and whether Grafana's rules are paused;
+    unset, it is alertmanager. Both paths at once sent every alert twice (issue 28)."""
+    env = {"STEPSCOPE_ALERTING": setting} if setting != "alertmanager" else {}
+    mounts = {target: source for _, source, target in bind_mounts(compose, env)}
+    groups = yaml.safe_load(mounts["/etc/prometheus/alertmanagers.yml"].read_text())
+    assert [target for group in groups for target in group["targets"]] == alertmanagers
+    env_file = DOCKER / interpolate(compose["services"]["grafana"]["env_file"], env)
+    assert f"STEPSCOPE_GRAFANA_ALERTS_PAUSED={grafana_paused}" in env_file.read_text().splitlines()
+    provisioned = yaml.safe_load((GRAFANA / "alerting_out" / "stepscope-alerts.yml").read_text())
+    assert {rule["isPaused"] for group in provisioned["groups"] for rule in group["rules"]} == \
+        {"${STEPSCOPE_GRAFANA_ALERTS_PAUSED}"}
+
+
+def test_links_in_notifications_point_at_the_published_ports(compose: dict[str, Any]) -> None:
+    """Alertmanager's and Prometheus' links and the alerts' Grafana links are URLs a person's browser
+    reaches, not container names."""
+    commands = {name: [interpolate(arg) for arg in compose["services"][name]["command"]]
+                for name in ("prometheus", "alertmanager")}
+    assert "--web.external-url=http://127.0.0.1:9090" in commands["prometheus"]
+    assert "--web.external-url=http://127.0.0.1:9093" in commands["alertmanager"]
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    assert config["global"]["external_labels"]["grafana_url"] == "http://127.0.0.1:3000"
+    assert {"action": "labeldrop", "regex": "grafana_url"} in config["alerting"]["alert_relabel_configs"]
 
 
 def test_alertmanager_routes_to_a_defined_receiver() -> None:
