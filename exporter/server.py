@@ -15,7 +15,6 @@ through the same bounded path as a push.
 
 import asyncio
 import logging
-import resource
 import signal
 import socket
 from collections.abc import Callable, Mapping
@@ -24,11 +23,12 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Protocol
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from exporter import __version__
 from exporter.exposition import ExpositionStore
+from exporter.server_limits import MIN_BODY_RATE, AcceptErrorLog, BodyBudget, ConnectionSlots, fit_connections
 from exporter.web_auth import AuthBusy, Authenticator, Client
 from exporter.web_tls import TlsContextSource
 
@@ -110,7 +110,7 @@ class WebOptions:
 
 
 class _TooManyConnections(asyncio.Protocol):
-    """Answers a connection over the cap with a 503 and closes it."""
+    """Answers a connection over the cap (every slot serving a request) with a 503 and closes it."""
 
     REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
              b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n")
@@ -124,15 +124,48 @@ class _TooManyConnections(asyncio.Protocol):
 class _RequestLineGuard(web.RequestHandler):
     """aiohttp's connection handler, closing at once a connection whose first line is no HTTP/1.x
     request line: llhttp reads `GET /metrics` (HTTP/0.9) as a request head still to be finished,
-    which would hold the connection until the header deadline."""
+    which would hold the connection until the header deadline. It also holds a connection slot
+    (server_limits.ConnectionSlots) and answers a client that half-closes after its request."""
 
-    __slots__ = ("_first_line",)
+    __slots__ = ("_body", "_first_line", "_peer_closed", "_slots")
     REPLY = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 30\r\n"
              b"Connection: close\r\n\r\nnot an HTTP/1.x request line\n")
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, slots: ConnectionSlots, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._first_line: bytes | None = b""  # None once the first line was seen
+        self._slots = slots
+        self._peer_closed = False  # the client half-closed: no byte comes after what arrived
+        self._body: StreamReader | None = None  # the push body being read
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._slots.opened(self)
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._slots.closed(self)
+        super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        """The client half-closed (`nc -N`, HTTP/1.0-style clients). aiohttp closes the connection then,
+        dropping a complete request unanswered; here a request is still served and answered (a body it
+        cut short fails at once, see reading_body), and the connection closes after the response. An
+        idle connection (aiohttp's `_waiter` pending: no request head complete) closes as before."""
+        waiter = getattr(self, "_waiter", None)
+        if waiter is not None and not waiter.done():
+            return None
+        self._peer_closed = True
+        if self._body is not None:
+            self.reading_body(self._body)
+        self.close()  # no further request; the transport closes after the response
+        return True
+
+    def reading_body(self, body: StreamReader) -> None:
+        """The push body about to be read: one the client will not finish (it half-closed before the
+        end) fails its read at once instead of at the body deadline."""
+        self._body = body
+        if self._peer_closed and not body.is_eof():
+            body.set_exception(ConnectionResetError("the client closed its side before the body ended"))
 
     def data_received(self, data: bytes) -> None:
         if self._first_line is not None:
@@ -182,11 +215,8 @@ def _listen(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
-def _raise_open_files_limit(needed: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+class _BodyEvicted(Exception):
+    """A body's read ended because it fell behind the pace while other pushes needed its room."""
 
 
 class ExporterServer:
@@ -211,9 +241,10 @@ class ExporterServer:
         self.push_handler = push_handler
         self.profile_handler = profile_handler
         self.limits = options.limits
-        self._in_flight = 0  # push-body bytes being received, by Content-Length
+        self._bodies = BodyBudget(self.limits.max_body_bytes_in_flight)
         self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-parse")
         self._warned_connections = False
+        self._slots = ConnectionSlots(self.limits.max_connections)  # fitted to the open-files limit in _serve
         self._stop: asyncio.Event | None = None
 
     def serve(self) -> None:
@@ -225,19 +256,20 @@ class ExporterServer:
         self._stop = asyncio.Event()
         logger = logging.getLogger(f"{__name__}.aiohttp")
         logger.addFilter(_QuietBadRequests())
-        handlers = web.Server(self._dispatch)  # tracks connections for the cap and the graceful stop
-        _raise_open_files_limit(self.limits.max_connections + 256)
+        loop.set_exception_handler(AcceptErrorLog())
+        handlers = web.Server(self._dispatch)  # tracks connections for the graceful stop
+        slots = self._slots = ConnectionSlots(fit_connections(self.limits.max_connections))
 
         def protocol() -> asyncio.BaseProtocol:
-            if len(handlers.connections) < self.limits.max_connections:
+            if slots.admit():
                 # keepalive_timeout doubles as the header deadline: aiohttp's timer runs from the
                 # connection's start and from each response until a complete request head arrives
                 return _RequestLineGuard(handlers, loop=loop, keepalive_timeout=HEADER_TIMEOUT_SECONDS,
                                          access_log=None, logger=logger, lingering_time=0,
-                                         read_bufsize=READ_BUFFER_BYTES)
+                                         read_bufsize=READ_BUFFER_BYTES, slots=slots)
             if not self._warned_connections:
-                log.warning("%d connections open, the limit (--web-max-connections): refusing new ones with 503",
-                            self.limits.max_connections)
+                log.warning("%d connections open, each serving a request, the limit (--web-max-connections): "
+                            "refusing new ones with 503", slots.limit)
                 self._warned_connections = True
             return _TooManyConnections()
 
@@ -262,7 +294,12 @@ class ExporterServer:
         self._stop.set()
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
-        response = await self._route(request)
+        connection = request.protocol
+        self._slots.busy(connection)  # a connection serving a request keeps its slot
+        try:
+            response = await self._route(request)
+        finally:
+            self._slots.idle(connection)
         if not response.prepared:  # /metrics streams, and adds them itself
             response.headers.update(self.options.headers())
         return response
@@ -327,19 +364,30 @@ class ExporterServer:
         if answer is not None:
             return _answer(answer, close=request.body_exists)
         length = push.length or 0
-        if self._in_flight + length > self.limits.max_body_bytes_in_flight:
-            answer = handler.refuse(
-                push, 503, "server_busy",
-                f"{self._in_flight} bytes of other pushes are being received, the limit "
-                f"(--ingest-max-bytes-in-flight {self.limits.max_body_bytes_in_flight}): retry later",
-            )
-            return _answer(answer, close=True, headers={"Retry-After": "1"})
-        self._in_flight += length
+        content = request.content
+        lease = None
+        if not content.is_eof():  # a body that came whole with its head is read already: it needs no room
+            lease = self._bodies.admit(length, lambda: content.total_bytes,
+                                       lambda: content.set_exception(_BodyEvicted()))
+            if lease is None:
+                answer = handler.refuse(
+                    push, 503, "server_busy",
+                    f"{self._bodies.used} bytes of other pushes are being received at pace, the limit "
+                    f"(--ingest-max-bytes-in-flight {self.limits.max_body_bytes_in_flight}): retry later",
+                )
+                return _answer(answer, close=True, headers={"Retry-After": "1"})
+        if isinstance(request.protocol, _RequestLineGuard):
+            request.protocol.reading_body(content)
         try:
-            body = await asyncio.wait_for(request.content.readexactly(length), BODY_TIMEOUT_SECONDS)
+            body = await asyncio.wait_for(content.readexactly(length), BODY_TIMEOUT_SECONDS)
         except asyncio.TimeoutError:
             answer = handler.refuse(push, 408, "incomplete_body",
                                     f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g}s; nothing stored")
+            return _answer(answer, close=True)
+        except _BodyEvicted:
+            answer = handler.refuse(push, 408, "incomplete_body",
+                                    f"the body came slower than {MIN_BODY_RATE // 1024} KiB/s while other pushes "
+                                    "needed its room; nothing stored")
             return _answer(answer, close=True)
         except (asyncio.IncompleteReadError, ConnectionError, HttpProcessingError) as exc:
             received = len(exc.partial) if isinstance(exc, asyncio.IncompleteReadError) else "fewer"
@@ -347,7 +395,8 @@ class ExporterServer:
                                     f"the body ended after {received} of {length} bytes; nothing stored")
             return _answer(answer, close=True)
         finally:
-            self._in_flight -= length
+            if lease is not None:
+                self._bodies.release(lease)
         if length > LARGE_BODY_BYTES:  # keeps the loop (and scrapes) responsive; one at a time bounds memory
             answer = await asyncio.get_running_loop().run_in_executor(self._parser, handler.handle, push, body)
         else:

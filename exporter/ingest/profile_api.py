@@ -104,7 +104,7 @@ def _parse_body(body: bytes) -> tuple[str, list[str] | None, int]:
     usage = 'send {"run": "<run>", "ranks": [0, 1] or "all", "steps": 20}'
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the interpreter's stack
         raise ProfileError(400, f"the body is not JSON: {usage}") from None
     if not isinstance(data, dict):
         raise ProfileError(400, f"the body is not a JSON object: {usage}")

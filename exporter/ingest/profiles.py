@@ -53,7 +53,7 @@ def parse_status(raw: str) -> RankStatus | None:
     """The header's content; None when it is not what current hooks send (treated as no header)."""
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # a header of nested brackets is not what hooks send either
         return None
     if not isinstance(data, dict) or data.get("state") not in ("ready", "running", "unavailable"):
         return None
