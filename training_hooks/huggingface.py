@@ -61,6 +61,7 @@ class StepscopeCallback(TrainerCallback):
         self._fed: deque[int] = deque()  # sizes of the batches fetched and not yet fed, in order
         self._default_batch = 0  # samples per batch where the fetch is not seen
         self._trainer: Trainer | None = None
+        self._break_after_log = False  # an eval or save decided at a step end waits for the logging before it
 
     def _phase(self, name: str) -> Any:
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
@@ -146,8 +147,21 @@ class StepscopeCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         self._enter_eval_or_save(control)
 
-    def _enter_eval_or_save(self, control: TrainerControl) -> None:
-        """DefaultFlowCallback (always first) has already decided whether the Trainer evaluates or saves."""
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               **kwargs: Any) -> None:
+        if self._break_after_log:
+            self._break_after_log = False
+            self._enter_eval_or_save(control, logged=True)
+
+    def _enter_eval_or_save(self, control: TrainerControl, logged: bool = False) -> None:
+        """DefaultFlowCallback (always first) has already decided whether the Trainer evaluates or saves.
+
+        The Trainer logs first when it logs too: the state changes once that is done (on_log), so the
+        logging stays in train.
+        """
+        if control.should_log and not logged and (control.should_evaluate or control.should_save):
+            self._break_after_log = True
+            return
         if control.should_evaluate:
             self.tracker.state(EVAL_STATE)
         elif control.should_save:
