@@ -198,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     options = _web_options(args)
     store = ExpositionStore()
+    if options.tls is not None:
+        options.tls.publish_expiry(lambda body: store.publish("stepscope_exporter_tls", body))
     push_api, profile_api = ingest.build(args, store)
     collectors = _build_collectors(args, push_api)
     scheduler = Scheduler(collectors, args.collect_interval, store)

@@ -1,7 +1,10 @@
 """TLS for the exporter's port: an SSLContext built from `TlsSettings`, rebuilt when its files change.
 
 Certificates are renewed in place (cert-manager, a cron'd certbot); the exporter keeps serving
-through a renewal without a restart, and never through a half-written one.
+through a renewal without a restart, and never through a half-written one. OpenSSL loads an expired
+certificate without a word and clients that verify it then fail with nothing in the exporter's log,
+so its expiry is logged at start and on every reload (an error once it has passed) and published as
+`stepscope_exporter_tls_certificate_expiry_timestamp_seconds`, for an alert before it passes.
 """
 
 import logging
@@ -9,10 +12,18 @@ import os
 import ssl
 import threading
 import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
 
+from prometheus_client.core import GaugeMetricFamily
+
+from exporter.exposition import render
 from exporter.web_config import TlsSettings
+from stepscope_contract import families
 
 log = logging.getLogger(__name__)
+PEM_BEGIN, PEM_END = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
 
 
 class TlsContextSource:
@@ -29,6 +40,13 @@ class TlsContextSource:
         self._checked_at = 0.0
         self._stamp = self._file_stamp()
         self._context = self._build()
+        self._expiry = self._note_expiry()
+        self._publish: Callable[[bytes], None] | None = None
+
+    def publish_expiry(self, publish: Callable[[bytes], None]) -> None:
+        """Publishes the certificate's expiry through `publish` now and after each reload."""
+        self._publish = publish
+        self._publish_expiry()
 
     def context(self) -> ssl.SSLContext:
         now = time.monotonic()
@@ -45,6 +63,8 @@ class TlsContextSource:
                         self._context = self._build()
                         self._stamp = stamp
                         log.info("reloaded TLS certificate %s", self._settings.cert_file)
+                        self._expiry = self._note_expiry()
+                        self._publish_expiry()
                     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                         log.error("TLS reload failed, keeping the loaded certificate: %s", exc)
         return self._context
@@ -83,6 +103,72 @@ class TlsContextSource:
         context.verify_mode = settings.client_auth
         return context
 
+    def _note_expiry(self) -> float | None:
+        """The certificate's notAfter (Unix seconds), logged: an error once passed, info before."""
+        path = self._settings.cert_file
+        try:
+            expiry = certificate_expiry(path)
+        except (OSError, ValueError, IndexError) as exc:
+            log.warning("cannot read the expiry of TLS certificate %s: %s", path, exc)
+            return None
+        when = datetime.fromtimestamp(expiry, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        if expiry <= time.time():
+            log.error("TLS certificate %s expired at %s: clients that verify it refuse to connect; renew it "
+                      "(it reloads without a restart)", path, when)
+        else:
+            log.info("TLS certificate %s is valid until %s", path, when)
+        return expiry
+
+    def _publish_expiry(self) -> None:
+        if self._publish is None:
+            return
+        gauge = GaugeMetricFamily(families.TLS_CERTIFICATE_EXPIRY,
+                                  "When the served TLS certificate expires (its notAfter), in Unix seconds.")
+        if self._expiry is not None:
+            gauge.add_metric([], self._expiry)
+        self._publish(render([gauge]))
+
     def _refuse_passphrase(self) -> bytes:
         raise ValueError(f"the key in {self._settings.key_file} is encrypted: give an unencrypted key "
                          "(openssl pkey -in KEY -out PLAIN_KEY)")
+
+
+def certificate_expiry(path: str) -> float:
+    """The notAfter of the first certificate in a PEM file, in Unix seconds (the leaf, which is served).
+
+    Python's ssl has no public way to read a certificate it has not received from a peer, so this
+    walks the DER: Certificate > TBSCertificate > [version], serial, signature, issuer, validity.
+    """
+    text = Path(path).read_text(encoding="ascii", errors="replace")
+    start = text.index(PEM_BEGIN)
+    der = ssl.PEM_cert_to_DER_cert(text[start:text.index(PEM_END, start) + len(PEM_END)])
+    _, certificate, _ = _der_element(der, 0)
+    _, tbs, _ = _der_element(der, certificate)
+    tag, _, offset = _der_element(der, tbs)
+    if tag == 0xA0:  # the explicit version; absent in v1 certificates
+        tbs = offset
+    for _ in range(3):  # serial, signature algorithm, issuer
+        tbs = _der_element(der, tbs)[2]
+    _, validity, _ = _der_element(der, tbs)
+    not_after = _der_element(der, _der_element(der, validity)[2])
+    return _der_time(not_after[0], der[not_after[1]:not_after[2]])
+
+
+def _der_element(der: bytes, offset: int) -> tuple[int, int, int]:
+    """(tag, where its content starts, where it ends) of the DER element at `offset`."""
+    tag, length = der[offset], der[offset + 1]
+    start = offset + 2
+    if length & 0x80:
+        size = length & 0x7F
+        length, start = int.from_bytes(der[start:start + size], "big"), start + size
+    return tag, start, start + length
+
+
+def _der_time(tag: int, value: bytes) -> float:
+    """UTCTime (0x17, YYMMDDHHMMSSZ; years 50-99 are 19xx) or GeneralizedTime (0x18, YYYYMMDDHHMMSSZ)."""
+    text = value.decode("ascii")
+    if tag == 0x17:
+        text = ("19" if int(text[:2]) >= 50 else "20") + text
+    elif tag != 0x18:
+        raise ValueError(f"validity is not a time (DER tag {tag:#x})")
+    return datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=timezone.utc).timestamp()

@@ -76,6 +76,7 @@ BUILD_INFO = "stepscope_exporter_build_info"
 INGEST_ACCEPTED = "stepscope_exporter_ingest_accepted_total"
 INGEST_REJECTED = "stepscope_exporter_ingest_rejected_total"
 INGEST_GROUPS = "stepscope_exporter_ingest_groups"
+TLS_CERTIFICATE_EXPIRY = "stepscope_exporter_tls_certificate_expiry_timestamp_seconds"
 
 STEP_PHASE_SECONDS = "stepscope_step_phase_seconds"
 STEP_SECONDS = "stepscope_step_seconds"
@@ -196,6 +197,8 @@ _SELF = (
     Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
     Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),
     Family(INGEST_GROUPS, "gauge", (), "(run, rank) groups stored"),
+    Family(TLS_CERTIFICATE_EXPIRY, "gauge", (),
+           "when the served TLS certificate expires (notAfter; only with TLS): alert well before it"),
 )
 _TRAINING = (
     Family(STEP_PHASE_SECONDS, "histogram", (*RUN_RANK, "phase"), _PHASE_DOC, optional=("timing",),
