@@ -14,6 +14,7 @@ from run_report.prometheus import Series
 from run_report.summary import NodeSummary, RankSummary
 from run_report.timeline import Bound, Interval, rank_key
 from run_report.times import iso
+from stepscope_contract import STATES
 
 NODE_RESOURCE_COLUMNS = {  # column -> over-time query name (run_report.queries)
     "cpu_utilization_ratio": "node_cpu",
@@ -42,6 +43,8 @@ NODE_SUMMARY_HEADER = ("node", "ranks", "steps", "samples", "mean_step_seconds",
 RANK_SUMMARY_HEADER = ("rank", "node", "local_rank", "pid", "steps", "samples", "mean_step_seconds",
                        "p50_step_seconds", "p95_step_seconds")  # then share_<phase>..., the scores
 STATE_TIMELINE_HEADER = ("rank", "node", "state", "start", "end", "seconds")
+# rank_summary.csv's last columns: seconds per state over the window (counted by the hooks), the train share
+STATE_SECONDS_HEADER = (*(f"{state}_seconds" for state in STATES), "train_time_share")
 CRITICAL_PATH_HEADER = ("time", "rank", "node", "score", "score_kind", "step_time_score", "local_score")
 
 
@@ -88,10 +91,11 @@ def over_time(over: Mapping[str, list[Series]], columns: Mapping[str, str], keys
 
 def rank_rows(ranks: Sequence[RankSummary], phases: Sequence[str]) -> tuple[list[str], list[list[object]]]:
     header = [*RANK_SUMMARY_HEADER, *(f"share_{phase}" for phase in phases), "share_in_no_phase",
-              "step_time_score", "local_score"]
+              "step_time_score", "local_score", *STATE_SECONDS_HEADER]
     rows = [
         [rank.rank, rank.node, rank.local_rank, rank.pids, rank.steps, rank.samples, rank.mean, rank.p50, rank.p95,
-         *(rank.share(phase) for phase in phases), rank.untimed_share, rank.step_time_score, rank.local_score]
+         *(rank.share(phase) for phase in phases), rank.untimed_share, rank.step_time_score, rank.local_score,
+         *(rank.state_seconds.get(state) for state in STATES), rank.train_time_share]
         for rank in ranks
     ]
     return header, rows

@@ -15,7 +15,7 @@ from run_report import fmt
 from run_report.csvs import cell
 from run_report.summary import STRAGGLER_SCORE
 from run_report.times import iso
-from stepscope_contract import LOCAL_PHASES, verdicts
+from stepscope_contract import LOCAL_PHASES, STATES, TRAIN_STATE, verdicts
 from stepscope_contract.recordings import RUN_VERDICT
 
 if TYPE_CHECKING:
@@ -83,6 +83,11 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         f"median over the rank's value (1 typical, below {STRAGGLER_SCORE:g} a straggler): of mean step time, and "
         f"of the local phases before the first collective ({LOCAL_PHASES_HTML}).</p>",
         _rank_table(report),
+        "<h2>Time per state</h2>",
+        '<p class="note">Seconds each rank spent in each state over the window, as its hooks count them: every '
+        "eval and checkpoint is in, however short (the Gantt chart above samples the state at each scrape). "
+        f"The {TRAIN_STATE} share is the rank's time spent training.</p>",
+        _state_table(report),
         "<h2>Nodes</h2>",
         _node_table(report),
         "<h2>Files</h2><ul>",
@@ -144,6 +149,16 @@ def _rank_table(report: Report) -> str:
         [rank.rank, rank.node, fmt.count(rank.steps), fmt.count(rank.samples), fmt.seconds(rank.mean),
          fmt.seconds(rank.p50), fmt.seconds(rank.p95), *(fmt.percent(rank.share(phase)) for phase in phases),
          fmt.percent(rank.untimed_share), _score(rank.step_time_score), _score(rank.local_score)]
+        for rank in report.ranks
+    ]
+    return _table(header, rows, text_columns=2)
+
+
+def _state_table(report: Report) -> str:
+    header = ["rank", "node", *STATES, f"{TRAIN_STATE} share"]
+    rows = [
+        [rank.rank, rank.node, *(fmt.seconds(rank.state_seconds.get(state)) for state in STATES),
+         fmt.percent(rank.train_time_share)]
         for rank in report.ranks
     ]
     return _table(header, rows, text_columns=2)

@@ -85,6 +85,7 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "step_seconds": inc(f"{fam.STEP_SECONDS}_sum"),
         "step_count": inc(f"{fam.STEP_SECONDS}_count"),
         "phase_seconds": inc(f"{fam.STEP_PHASE_SECONDS}_sum", f"{RANK}, phase"),
+        "state_seconds": inc(fam.STATE_SECONDS, f"{RANK}, state"),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
         "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from run_report.collect import RunData
 from run_report.prometheus import Series
 from run_report.timeline import rank_key
-from stepscope_contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, THRESHOLDS
+from stepscope_contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, THRESHOLDS, TRAIN_STATE
 
 STRAGGLER_SCORE = THRESHOLDS["straggler_score"].value
 
@@ -37,10 +37,19 @@ class RankSummary:
     phase_seconds: Mapping[str, float]
     step_time_score: float | None = None
     local_score: float | None = None
+    # Seconds in each state over the window, as the hooks count them (stepscope_state_seconds_total): every
+    # eval and checkpoint is in, however short; the state timeline only samples the state at each push.
+    state_seconds: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def mean(self) -> float | None:
         return self.step_seconds / self.steps_timed if self.steps_timed > 0 else None
+
+    @property
+    def train_time_share(self) -> float | None:
+        """The share of the rank's time in the window spent training (not setup, eval, checkpoint, idle)."""
+        total = sum(self.state_seconds.values())
+        return self.state_seconds.get(TRAIN_STATE, 0.0) / total if total > 0 else None
 
     def share(self, phase: str) -> float | None:
         return self.phase_seconds.get(phase, 0.0) / self.step_seconds if self.step_seconds > 0 else None
@@ -125,6 +134,9 @@ def rank_summaries(data: RunData) -> list[RankSummary]:
     phases: dict[tuple[str, str], dict[str, float]] = {}
     for series in totals["phase_seconds"]:
         phases.setdefault(_key(series), {})[series.labels.get("phase", "")] = series.last
+    states: dict[tuple[str, str], dict[str, float]] = {}
+    for series in totals["state_seconds"]:
+        states.setdefault(_key(series), {})[series.labels.get("state", "")] = series.last
     values = {name: _by_rank(totals[name]) for name in ("steps", "samples", "step_seconds", "step_count",
                                                          "p50", "p95")}
     keys = sorted(set(values["steps"]) | set(info), key=lambda key: (rank_key(key[0]), key[1]))
@@ -136,7 +148,7 @@ def rank_summaries(data: RunData) -> list[RankSummary]:
             step_seconds=values["step_seconds"].get((rank, node), 0.0),
             steps_timed=values["step_count"].get((rank, node), 0.0),
             p50=_finite(values["p50"].get((rank, node))), p95=_finite(values["p95"].get((rank, node))),
-            phase_seconds=phases.get((rank, node), {}),
+            phase_seconds=phases.get((rank, node), {}), state_seconds=states.get((rank, node), {}),
         )
         for rank, node in keys
     ]

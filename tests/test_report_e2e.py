@@ -147,7 +147,8 @@ def test_csv_columns_are_the_documented_ones(runs: Runs) -> None:
     expected = {
         "run_summary.csv": list(RUN_SUMMARY_HEADER),
         "rank_summary.csv": [*csvs.RANK_SUMMARY_HEADER, *(f"share_{p}" for p in phases), "share_in_no_phase",
-                             "step_time_score", "local_score"],
+                             "step_time_score", "local_score", "setup_seconds", "train_seconds", "eval_seconds",
+                             "checkpoint_seconds", "idle_seconds", "train_time_share"],
         "node_summary.csv": list(csvs.NODE_SUMMARY_HEADER),
         "state_timeline.csv": list(csvs.STATE_TIMELINE_HEADER),
         "critical_path.csv": list(csvs.CRITICAL_PATH_HEADER),
@@ -271,6 +272,11 @@ def test_gantt_intervals_match_the_pushed_state_changes(runs: Runs) -> None:
             evals = [row for row in mine if row["state"] == "eval"]
             assert len(evals) == EXPECTED_EVALS[(run, rank)], mine
             assert all(EVAL_SECONDS - 1.5 <= float(row["seconds"]) <= EVAL_SECONDS + 2.5 for row in evals), evals
+            # the hooks count each eval's seconds themselves: exact, where the timeline is as coarse as a scrape
+            [summary] = [row for row in _csv(out / "rank_summary.csv") if row["rank"] == rank]
+            counted = EXPECTED_EVALS[(run, rank)] * EVAL_SECONDS
+            assert counted <= float(summary["eval_seconds"]) <= counted + 0.5, summary
+            assert 0 < float(summary["train_time_share"]) < 1, summary
             assert mine[-1]["state"] == "idle" and "train" in [row["state"] for row in mine]
             exit_time = runs.exits[(run, rank)]
             assert exit_time - 5 <= parse_time(mine[-1]["start"], 0) <= exit_time + 3, (mine[-1], exit_time)

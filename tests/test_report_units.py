@@ -166,6 +166,10 @@ def _promtool_totals(tmp_path: Path, window: Window, expected: dict[str, list[di
         series("stepscope_step_seconds_bucket", "0", steps0, "1"),
         series("stepscope_step_seconds_bucket", "0", "_x4 72+8x16", "0.5"),
         series("stepscope_step_seconds_bucket", "0", "_x12 17+1x8", "0.25"),
+        # 3 s in eval and 1 s in checkpoint every 15 s from t=0, both pushed as counters (hooks' state seconds)
+        {"series": 'stepscope_state_seconds_total{run="r",rank="0",instance="n",state="eval"}', "values": "0+3x20"},
+        {"series": 'stepscope_state_seconds_total{run="r",rank="0",instance="n",state="checkpoint"}',
+         "values": "0+1x20"},
     ]
     built = queries.build("r", window, []).totals
     tests = [{"expr": built[name], "eval_time": f"{window.end:g}s", "exp_samples": samples}
@@ -185,6 +189,8 @@ def test_totals_of_a_whole_run_count_from_zero_even_when_the_window_starts_on_it
                   {"labels": '{rank="1",instance="n"}', "value": 190}],  # restarted: increase()
         # 250 steps: 25 <= 0.25 s, 200 <= 0.5 s; the 125th lies 100/175 into (0.25, 0.5]
         "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.25 + 0.25 * 100 / 175}],
+        "state_seconds": [{"labels": '{rank="0",instance="n",state="checkpoint"}', "value": 20},
+                          {"labels": '{rank="0",instance="n",state="eval"}', "value": 60}],
     })
 
 
@@ -196,6 +202,9 @@ def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(
         "steps": [{"labels": '{rank="0",instance="n"}', "value": 130},
                   {"labels": '{rank="1",instance="n"}', "value": 110}],
         "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.5 * 65 / 104}],
+        # [120, 300]: the eval seconds went from 21 (at 105 s) to 60
+        "state_seconds": [{"labels": '{rank="0",instance="n",state="checkpoint"}', "value": 13},
+                          {"labels": '{rank="0",instance="n",state="eval"}', "value": 39}],
     })
 
 

@@ -274,12 +274,27 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             state_timeline_panel(
                 "Training state per rank",
                 "What each rank reports doing (setup, train, eval, checkpoint, idle): long checkpoint or "
-                "eval bands explain throughput dips; a rank stuck in a state while others train is hung.",
+                "eval bands explain throughput dips; a rank stuck in a state while others train is hung. "
+                "Sampled at each push: a state shorter than the push interval may not show here; the time per "
+                "state beside counts it.",
                 [Q(_state_expr(), "rank {{rank}}")],
                 value_text(
                     {str(code): (state, color) for state, (code, color) in STATES.items()}
                     | {"0": ("other", "text")}
                 ),
+                width=16,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Time per state",
+                "Seconds the selected ranks spent in each state over the dashboard's time range, all ranks "
+                "added up (rank-seconds), from the seconds per state the hooks count: every eval and checkpoint "
+                f"is in, however short. The {TRAIN} share of the whole is the time the ranks trained.",
+                [Q(f"sum by (state) (increase({sel(fam.STATE_SECONDS, RANKS)}[$__range]))", "{{state}}")],
+                "s",
+                width=8,
+                height=8,
             )
         )
     )
