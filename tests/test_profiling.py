@@ -4,6 +4,8 @@ the writer's cap and pruning, and the status the pushes carry. Real torch.profil
 import gzip
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,6 +144,41 @@ def test_a_trace_over_the_cap_is_deleted_and_fails(tmp_path: Path) -> None:
     last = finish(traces)
     assert not last["ok"] and "over 2048 bytes gzipped" in last["reason"] and "ask for fewer steps" in last["reason"]
     assert list((tmp_path / "traces").iterdir()) == []  # neither the trace nor its raw JSON is left
+
+
+FULL_DIRECTORY_SCRIPT = """
+import json, os, resource, signal, sys
+import torch
+from training_hooks.profiling import REQUEST_HEADER, TraceSettings, TraceTaker
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+armed = []
+traces = TraceTaker("r", 0, TraceSettings(sys.argv[1], 10**8, 5), armed.append)
+traces.on_answer({REQUEST_HEADER: json.dumps({"id": "full1", "steps": 3})})
+model = torch.nn.Linear(8, 1)
+for _ in range(8):
+    model(torch.randn(4, 8)).sum().backward()
+    if armed and armed[-1] is not None:
+        armed[-1]()
+traces.close()
+print(json.dumps({"last": traces.status()["last"], "files": os.listdir(sys.argv[1])}))
+"""
+
+
+def test_a_trace_the_disk_cannot_hold_fails_with_the_reason_and_leaves_no_file(tmp_path: Path) -> None:
+    """A write that fails for want of room (EFBIG under RLIMIT_FSIZE stands in for ENOSPC: Kineto sees a
+    failed write either way) is reported as such, not as 'No such file', and leaves no temporary file."""
+    directory = tmp_path / "traces"
+    run = subprocess.run([sys.executable, "-c", FULL_DIRECTORY_SCRIPT, str(directory)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not outcome["last"]["ok"]
+    reason = outcome["last"]["reason"]
+    assert reason.startswith(f"could not write the trace to {directory}: torch.profiler could not write the trace "
+                             "file ("), reason
+    assert "is the disk full?" in reason and "No such file" not in reason
+    assert outcome["files"] == []
 
 
 @pytest.mark.parametrize("raw", ["not json", '{"id": "a b", "steps": 2}', '{"id": "a", "steps": 0}',

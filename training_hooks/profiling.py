@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -173,6 +174,15 @@ def _mtime(path: Path) -> int:
         return path.stat().st_mtime_ns
     except OSError:
         return 0
+
+
+def _free_space(directory: Path) -> str:
+    """'12 KiB free there', for a reason that has to guess why a write failed."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "its free space unknown"
+    return f"{free // 1024} KiB free there"
 
 
 def _uses_cuda(torch: Any) -> bool:
@@ -376,6 +386,9 @@ class TraceTaker:
         failed = TraceOutcome(request.id, False, request.steps, steps=steps, time=time.time())
         try:
             profiler.export_chrome_trace(str(raw))
+            if not raw.exists():  # Kineto logs its write error and returns without raising
+                raise OSError(f"torch.profiler could not write the trace file ({_free_space(directory)}: is the disk "
+                              "full?)")
             size = gzip_capped(raw, target, self._settings.max_bytes)
         except TraceTooLarge as exc:
             return replace(failed, reason=f"the trace of {steps} steps is {exc}, the cap (STEPSCOPE_TRACE_MAX_BYTES): "
@@ -384,6 +397,7 @@ class TraceTaker:
             return replace(failed, reason=f"could not write the trace to {directory}: {exc}")
         finally:
             raw.unlink(missing_ok=True)
+            raw.with_name(raw.name + ".tmp").unlink(missing_ok=True)  # Kineto writes there first
         prune(directory, prefix, self._settings.keep)
         return TraceOutcome(request.id, True, request.steps, steps=steps, path=str(target), size=size,
                             time=time.time(), reason=note)
