@@ -35,7 +35,7 @@ from tests.support.helm_chart import (
 )
 
 CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
-OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Prometheus"}
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Prometheus", "AlertmanagerConfig"}
 # The chart's minimum (Chart.yaml kubeVersion) and the newest Kubernetes kubernetes-validate knows.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 
@@ -85,6 +85,12 @@ def test_ci_files_cover_the_agreed_scenarios() -> None:
 
 def check_operator_object(obj: dict[str, Any]) -> None:
     """kubernetes-validate has no schema for the Prometheus Operator CRDs: check their shape here."""
+    if obj["kind"] == "AlertmanagerConfig":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1alpha1" and obj["metadata"]["namespace"] == NAMESPACE
+        names = {receiver["name"] for receiver in obj["spec"]["receivers"]}
+        assert obj["spec"]["route"]["receiver"] in names
+        assert {route["receiver"] for route in obj["spec"]["route"]["routes"]} <= names
+        return
     assert obj["apiVersion"] == OPERATOR_API
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
     assert obj["metadata"]["namespace"] == NAMESPACE
@@ -333,8 +339,82 @@ def test_prometheus_rule_is_the_bundle_rule_files(chart: Path) -> None:
     assert (chart / "files" / "rules").resolve() == (GRAFANA / "rules_out").resolve()
     rule = one(objects(render(chart, api_versions=[OPERATOR_API])), "PrometheusRule")
     assert rule["metadata"]["name"] == "rel-stepscope"
-    assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
+    assert rule["spec"]["groups"] == with_namespace(rule_groups(RULE_FILES))
     assert not by_kind(objects(render(chart, api_versions=[OPERATOR_API])), "Prometheus")
+
+
+def with_namespace(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`groups` with the release namespace added to every alert's labels, as the chart does."""
+    def labelled(rule: dict[str, Any]) -> dict[str, Any]:
+        return {**rule, "labels": {**rule["labels"], "namespace": NAMESPACE}} if "alert" in rule else rule
+    return [{**group, "rules": [labelled(rule) for rule in group["rules"]]} for group in groups]
+
+
+# ---- alerting --------------------------------------------------------------------------------------
+
+def alerts(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [rule for obj in by_kind(objs, "PrometheusRule") for group in obj["spec"]["groups"]
+            for rule in group["rules"] if "alert" in rule]
+
+
+def test_alerts_carry_the_namespace_and_grafana_links(chart: Path) -> None:
+    """kube-prometheus-stack groups by namespace and an AlertmanagerConfig only sees alerts of its
+    namespace: before issue 28 most alerts had none (aggregations drop it). The links start with
+    alerting.grafanaUrl."""
+    values = {"alerting": {"grafanaUrl": "https://grafana.example.com"}}
+    found = alerts(objects(render(chart, values, api_versions=[OPERATOR_API])))
+    assert found and all(rule["labels"]["namespace"] == NAMESPACE for rule in found)
+    links = {rule["alert"]: rule["annotations"]["dashboard_url"] for rule in found}
+    assert links["StepscopeDataLoadingBottleneck"] == (
+        "https://grafana.example.com/d/stepscope-training?var-run={{ $labels.run | urlquery }}"
+        "&var-rank={{ $labels.rank | urlquery }}")
+    assert all(link.startswith("https://grafana.example.com/d/") for link in links.values())
+    plain = alerts(objects(render(chart, {"alerting": {"namespaceLabel": False}}, api_versions=[OPERATOR_API])))
+    assert not any("namespace" in rule["labels"] for rule in plain)
+    prometheus_side = "{{ $externalLabels.grafana_url }}/d/"   # Prometheus' external label, where it has one
+    assert all(rule["annotations"]["dashboard_url"].startswith(prometheus_side) for rule in plain)
+
+
+def matchers(items: list[dict[str, str]]) -> set[str]:
+    """Operator matchers as Alertmanager's strings: name=~"value"."""
+    return {f'{m["name"]}{m["matchType"]}"{m["value"]}"' for m in items}
+
+
+def test_alertmanager_config_routes_and_inhibits_as_the_shipped_config(chart: Path) -> None:
+    """The chart's AlertmanagerConfig and docker/alertmanager/alertmanager.yml (proven end to end by
+    tests/test_alertmanager_e2e.py) route and inhibit alike."""
+    shipped = yaml.safe_load((REPO / "docker" / "alertmanager" / "alertmanager.yml").read_text())
+    values = {"alerting": {"alertmanagerConfig": {"enabled": True}}}
+    spec = one(objects(render(chart, values, api_versions=[OPERATOR_API])), "AlertmanagerConfig")["spec"]
+    route, top = spec["route"], shipped["route"]
+    assert (route["groupBy"], route["groupWait"], route["groupInterval"], route["repeatInterval"]) == \
+        (top["group_by"], top["group_wait"], top["group_interval"], top["repeat_interval"])
+    assert [(matchers(r["matchers"]), r["groupBy"], r.get("groupInterval"), r.get("repeatInterval"))
+            for r in route["routes"]] == \
+        [(set(r["matchers"]), r["group_by"], r.get("group_interval"), r.get("repeat_interval")) for r in top["routes"]]
+    assert [(matchers(r["sourceMatch"]), matchers(r["targetMatch"]), r["equal"]) for r in spec["inhibitRules"]] == \
+        [(set(r["source_matchers"]), set(r["target_matchers"]), r["equal"]) for r in shipped["inhibit_rules"]]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"alerting": {"alertmanagerConfig": {"enabled": True, "receiver": "slack"}}},
+     'receiver "slack" is not among alerting.alertmanagerConfig.receivers'),
+    ({"alerting": {"namespaceLabel": False, "alertmanagerConfig": {"enabled": True}}},
+     "alerting.alertmanagerConfig needs alerting.namespaceLabel"),
+    ({"alerting": {"alertmanagerConfig": {"enabled": True}}, "sharding": {"enabled": True}},
+     "set sharding.alertmanagers"),
+])
+def test_alerting_misconfigurations_fail_clearly(chart: Path, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        render(chart, values, api_versions=[OPERATOR_API])
+
+
+def test_notes_warn_when_sharded_alerts_reach_no_alertmanager(chart: Path) -> None:
+    """Sharded Prometheus servers without sharding.alertmanagers alerted nowhere without a word."""
+    base = ci_values(CHART / "ci" / "sharding-values.yaml")
+    silent = notes(render(chart, {**base, "sharding": {**base["sharding"], "alertmanagers": []}}))
+    assert "WARNING: sharding.alertmanagers is empty" in silent and "nobody is notified" in silent
+    assert "WARNING" not in notes(render(chart, base))
 
 
 # ---- the sharded layout ----------------------------------------------------------------------------
@@ -352,8 +432,8 @@ def test_sharding_splits_the_rules_by_layer(chart: Path) -> None:
     rules = by_name(sharded(chart), "PrometheusRule")
     assert set(rules) == {"rel-stepscope-node", "rel-stepscope-run"}
     node, run = rules["rel-stepscope-node"], rules["rel-stepscope-run"]
-    assert node["spec"]["groups"] == rule_groups((NODE_RULES,))
-    assert run["spec"]["groups"] == rule_groups((RUN_RULES,))
+    assert node["spec"]["groups"] == with_namespace(rule_groups((NODE_RULES,)))
+    assert run["spec"]["groups"] == with_namespace(rule_groups((RUN_RULES,)))
     assert node["metadata"]["labels"]["stepscope.io/rules"] == "node"
     assert run["metadata"]["labels"]["stepscope.io/rules"] == "run"
 
@@ -459,10 +539,10 @@ def test_packaged_chart_renders_the_rules_without_the_checkout(tmp_path: Path) -
         tar.extractall(tmp_path / "unpacked", filter="data")
     unpacked = tmp_path / "unpacked" / "stepscope"
     rule = one(objects(render(unpacked, api_versions=[OPERATOR_API])), "PrometheusRule")
-    assert rule["spec"]["groups"] == rule_groups(RULE_FILES)
+    assert rule["spec"]["groups"] == with_namespace(rule_groups(RULE_FILES))
     layers = by_name(sharded(unpacked), "PrometheusRule")
-    assert layers["rel-stepscope-node"]["spec"]["groups"] == rule_groups((NODE_RULES,))
-    assert layers["rel-stepscope-run"]["spec"]["groups"] == rule_groups((RUN_RULES,))
+    assert layers["rel-stepscope-node"]["spec"]["groups"] == with_namespace(rule_groups((NODE_RULES,)))
+    assert layers["rel-stepscope-run"]["spec"]["groups"] == with_namespace(rule_groups((RUN_RULES,)))
 
 
 def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
@@ -493,6 +573,9 @@ def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
     ({"sharding": {"shards": {"count": 0}}}, r"at '/sharding/shards/count': minimum"),
     ({"sharding": {"remoteWrite": {"url": "mimir:8080"}}}, r"at '/sharding/remoteWrite/url'"),
     ({"sharding": {"enabled": "yes"}}, r"at '/sharding/enabled': got string, want boolean"),
+    ({"alerting": {"grafanaUrl": "https://grafana.example.com/"}}, r"at '/alerting/grafanaUrl'"),
+    ({"alerting": {"alertmanagerConfig": {"groupInterval": "1 minute"}}},
+     r"at '/alerting/alertmanagerConfig/groupInterval'"),
 ])
 def test_schema_rejects_bad_values(chart: Path, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=message):
@@ -524,6 +607,7 @@ def test_schema_closes_every_object() -> None:
         ".extraEnv[].valueFrom", ".podSecurityContext.seLinuxOptions", ".podSecurityContext.appArmorProfile",
         ".securityContext.seLinuxOptions", ".securityContext.appArmorProfile",
         ".affinity.nodeAffinity", ".affinity.podAffinity", ".affinity.podAntiAffinity", ".global",
+        ".alerting.alertmanagerConfig.receivers[]",   # the operator's receivers, validated by its CRD
     ])
 
 

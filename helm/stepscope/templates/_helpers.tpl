@@ -135,7 +135,29 @@ metadata:
     {{- end }}
 spec:
   groups:
-    {{- toYaml (index . 3) | nindent 4 }}
+    {{- toYaml (include "stepscope.alertRouting" (list $root (index . 3)) | fromYamlArray) | nindent 4 }}
+{{- end }}
+
+{{/* (list $ groups) -> the groups, their alerts labelled with the release namespace
+(alerting.namespaceLabel: what kube-prometheus-stack and AlertmanagerConfig route on) and their
+dashboard links starting with alerting.grafanaUrl where it is set. */}}
+{{- define "stepscope.alertRouting" -}}
+{{- $alerting := (index . 0).Values.alerting }}
+{{- $namespace := (index . 0).Release.Namespace }}
+{{- $groups := index . 1 }}
+{{- range $group := $groups }}
+{{- range $rule := $group.rules }}
+{{- if hasKey $rule "alert" }}
+{{- if $alerting.namespaceLabel }}
+{{- $_ := set $rule "labels" (merge (dict "namespace" $namespace) ($rule.labels | default dict)) }}
+{{- end }}
+{{- if and $alerting.grafanaUrl (hasKey ($rule.annotations | default dict) "dashboard_url") }}
+{{- $_ := set $rule.annotations "dashboard_url" (replace "{{ $externalLabels.grafana_url }}" $alerting.grafanaUrl $rule.annotations.dashboard_url) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toYaml $groups }}
 {{- end }}
 
 {{/* Prometheus objects of the sharded layout: names and the global layer's write URL. */}}
