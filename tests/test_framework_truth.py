@@ -1,109 +1,37 @@
-"""The Lightning and Hugging Face callbacks against truth measured in the same process, used as users do.
-
-Each run accumulates gradients over 4 batches, ends every epoch on a partial batch and a short
-accumulation, validates, saves checkpoints and has a neighbour callback that spends time at every batch
-end (as `max_time`'s Timer does with its broadcast under DDP). The truth comes from the frameworks'
-own objects, not from stepscope: optimizer steps from an optimizer step post-hook, micro-batches and
-samples from the model's training forwards, loading time from the Dataset and the collate function,
-evaluation and checkpoint spans from the trainers' own methods. The tracker pushes to a real exporter.
+"""The Lightning and Hugging Face callbacks against truth measured in the same process, used as users do:
+gradient accumulation 4, a partial last batch and a short last accumulation every epoch, validation,
+checkpoints, `max_time`, a neighbour callback busy at every batch end, and Lightning DDP with 2 ranks over
+gloo (tests/support/framework_truth.py says how the truth is measured). The ranks push to a real exporter.
 """
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from time import perf_counter
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
 
-from stepscope_testkit.processes import running_exporter, sample_values, scrape
+from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, scrape
+from tests.support.framework_truth import (
+    ACCUMULATE,
+    BATCH,
+    EPOCHS,
+    ITEMS,
+    NEIGHBOUR_SECONDS,
+    Items,
+    Truth,
+    lightning_fit,
+    net,
+)
 
-BATCH = 4
-ITEMS = 70  # 18 batches an epoch, the last of 2: 5 optimizer steps (4, 4, 4, 4, 2 batches) with accumulation 4
-ACCUMULATE = 4
-EPOCHS = 2
-STEPS = EPOCHS * 5
+STEPS = EPOCHS * 5  # 18 batches an epoch: 4 + 4 + 4 + 4 + 2
 MICRO_BATCHES = EPOCHS * 18
-ITEM_SECONDS = 0.001  # loading: 4 ms a batch
-COMPUTE_SECONDS = 0.02  # a training forward: steps long enough that the loader's own overhead (~0.3 ms a
-# batch on top of the Dataset and the collate here) stays well inside the share's tolerance
-NEIGHBOUR_SECONDS = 0.003  # another callback's work at each batch end: in the step, in no phase
-EVAL_ITEM_SECONDS = 0.01
-SAVE_SECONDS = 0.05
 SHARE_TOLERANCE = 0.02
-
-
-@dataclass
-class Truth:
-    """What the job really did, measured without stepscope."""
-
-    loading: float = 0.0
-    optimizer_steps: int = 0
-    forwards: int = 0
-    samples: int = 0
-    spans: dict[str, list[float]] = field(default_factory=lambda: {"eval": [], "checkpoint": []})
-
-    def count_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training:
-            inputs = args[0] if args else kwargs["x"]
-            self.forwards += 1
-            self.samples += inputs.shape[0]
-
-    def count_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self.optimizer_steps += 1
-
-    def timed(self, kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.spans[kind].append(perf_counter() - start)
-        return wrapper
-
-    def collate(self, batch: list) -> Any:
-        start = perf_counter()
-        result = default_collate(batch)
-        self.loading += perf_counter() - start
-        return result
-
-
-class Items(Dataset):
-    """Regression items; each load sleeps and is timed into the truth (training) or only sleeps (eval)."""
-
-    def __init__(self, items: int, truth: Truth | None, as_dict: bool = False) -> None:
-        self.items, self.truth, self.as_dict = items, truth, as_dict
-
-    def __len__(self) -> int:
-        return self.items
-
-    def __getitem__(self, index: int) -> Any:
-        start = perf_counter()
-        time.sleep(ITEM_SECONDS if self.truth is not None else EVAL_ITEM_SECONDS)
-        x = torch.full((8,), index / self.items)
-        item = {"x": x, "labels": x.sum(dim=0, keepdim=True)} if self.as_dict else (x, x.sum(dim=0, keepdim=True))
-        if self.truth is not None:
-            self.truth.loading += perf_counter() - start
-        return item
-
-
-class Compute(nn.Module):
-    """Stands for a training forward's GPU time."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            time.sleep(COMPUTE_SECONDS)
-        return x
-
-
-def net(truth: Truth) -> nn.Module:
-    module = nn.Sequential(Compute(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    module.register_forward_pre_hook(truth.count_forward, with_kwargs=True)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +40,19 @@ def exporter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield running
 
 
-def pushed(text: str, run: str) -> Callable[..., float]:
+def pushed(text: str, run: str, rank: str = "0") -> Callable[..., float]:
     def value(name: str, **labels: str) -> float:
-        [found] = sample_values(text, name, run=run, rank="0", **labels)
+        [found] = sample_values(text, name, run=run, rank=rank, **labels)
         return found
     return value
 
 
 def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
     """Steps, micro-batches and samples exact; loading share within 0.02; every eval and save in its state."""
-    assert truth.optimizer_steps == STEPS and truth.forwards == MICRO_BATCHES
     assert value("stepscope_steps_total") == truth.optimizer_steps
     assert value("stepscope_micro_batches_total") == truth.forwards
-    assert value("stepscope_samples_total") == truth.samples == EPOCHS * ITEMS
+    assert value("stepscope_samples_total") == truth.samples
+    assert value("stepscope_step_phase_seconds_count", phase="optimizer_step") == truth.optimizer_steps
     step_seconds = value("stepscope_step_seconds_sum")
     share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / step_seconds
     assert share == pytest.approx(truth.loading / step_seconds, abs=SHARE_TOLERANCE)
@@ -135,57 +63,35 @@ def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
 
 
 def test_lightning_with_accumulation_validation_checkpoints_and_max_time(tmp_path: Path, exporter: Any) -> None:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from training_hooks.lightning import StepscopeCallback
 
     truth = Truth()
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net(truth)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
-
-        def on_save_checkpoint(self, checkpoint: dict) -> None:
-            time.sleep(SAVE_SECONDS)
-
-        def configure_optimizers(self):
-            optimizer = torch.optim.SGD(self.parameters(), lr=1e-3)
-            optimizer.register_step_post_hook(truth.count_step)
-            return optimizer
-
-    class Neighbour(pl.Callback):
-        def on_train_batch_end(self, *args: Any) -> None:
-            time.sleep(NEIGHBOUR_SECONDS)
-
-    trainer = pl.Trainer(
-        max_epochs=EPOCHS, max_time="00:00:10:00", accumulate_grad_batches=ACCUMULATE, accelerator="cpu",
-        devices=1, enable_progress_bar=False, logger=False, enable_model_summary=False, val_check_interval=8,
-        limit_val_batches=2, default_root_dir=tmp_path,
-        callbacks=[StepscopeCallback(run="pl-truth", push_url=exporter.url, push_interval=1.0), Neighbour(),
-                   ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)],
-    )
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    val_loop.run = truth.timed("eval", val_loop.run)  # the sanity check and every validation
-    trainer.save_checkpoint = truth.timed("checkpoint", trainer.save_checkpoint)
-    loader = torch.utils.data.DataLoader(Items(ITEMS, truth), batch_size=BATCH, collate_fn=truth.collate)
-    trainer.fit(Module(), loader, torch.utils.data.DataLoader(Items(8, None), batch_size=BATCH))
+    callback = StepscopeCallback(run="pl-truth", push_url=exporter.url, push_interval=1.0)
+    trainer = lightning_fit(truth, tmp_path, callback, devices=1)
 
     value = pushed(scrape(exporter.url), "pl-truth")
-    assert trainer.global_step == STEPS
+    assert trainer.global_step == truth.optimizer_steps == STEPS
+    assert (truth.forwards, truth.samples) == (MICRO_BATCHES, EPOCHS * ITEMS)
     check_against_truth(value, truth)
-    assert value("stepscope_step_phase_seconds_count", phase="optimizer_step") == STEPS
     assert value("stepscope_step_phase_seconds_count", phase="forward") == MICRO_BATCHES
     assert value("stepscope_step_seconds_count") == STEPS
+
+
+def test_lightning_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> None:
+    """Two ranks (Lightning's DDP launcher, gloo): the Timer's broadcast and Lightning's SIGTERM broadcast
+    at every batch are collectives outside dataloader_next, so each rank's share stays its loading."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.lightning_ddp", str(tmp_path), exporter.url, "pl-ddp"],
+        capture_output=True, text=True, timeout=180, env=env, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = scrape(exporter.url)
+    for rank in ("0", "1"):
+        truth = Truth.load(tmp_path / f"truth-{rank}.json")
+        assert truth.samples == ITEMS and truth.optimizer_steps == EPOCHS * 3  # 35 items a rank: 4 + 4 + 1 batches
+        check_against_truth(pushed(text, "pl-ddp", rank), truth)
+        assert sample_values(text, "stepscope_training_info", run="pl-ddp", rank=rank, world_size="2")
 
 
 def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: Path, exporter: Any) -> None:
@@ -227,8 +133,8 @@ def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: 
     trainer.train()
 
     value = pushed(scrape(exporter.url), "hf-truth")
-    assert trainer.state.global_step == STEPS
+    assert trainer.state.global_step == truth.optimizer_steps == STEPS
+    assert (truth.forwards, truth.samples) == (MICRO_BATCHES, EPOCHS * ITEMS)
     check_against_truth(value, truth)
-    assert value("stepscope_step_phase_seconds_count", phase="optimizer_step") == STEPS
     assert value("stepscope_step_phase_seconds_count", phase="dataloader_next") == MICRO_BATCHES
     assert "get_batch_samples" not in vars(trainer)  # the wrapper is gone after training
