@@ -62,6 +62,28 @@ def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
         assert 0.9 * sum(spans) <= seconds <= sum(spans) + 0.02 * len(spans), (state, seconds, spans)
 
 
+def test_plain_loop_counts_its_batches_and_a_state_shorter_than_a_push() -> None:
+    """Accumulating by hand: micro_batch() for each batch but the last of a step, step() for that one."""
+    import training_hooks
+
+    tracker = training_hooks.init(run="plain", push_url="", handle_sigterm=False)
+    for _ in range(3):
+        for _ in range(ACCUMULATE - 1):
+            tracker.micro_batch(samples=BATCH)
+        tracker.step(samples=BATCH - 1)  # a short last batch
+    with tracker.state("checkpoint"):
+        time.sleep(0.2)  # shorter than the default 5 s push interval: the state gauge would likely miss it
+    tracker.close()
+    text = tracker.render()
+    assert sample_values(text, "stepscope_steps_total") == [3]
+    assert sample_values(text, "stepscope_micro_batches_total") == [3 * ACCUMULATE]
+    assert sample_values(text, "stepscope_samples_total") == [3 * (ACCUMULATE * BATCH - 1)]
+    [checkpoint] = sample_values(text, "stepscope_state_seconds_total", state="checkpoint")
+    [eval_seconds] = sample_values(text, "stepscope_state_seconds_total", state="eval")
+    assert checkpoint >= 0.2 and eval_seconds == 0
+    assert sample_values(text, "stepscope_training_state", state="idle") == [1]
+
+
 def test_lightning_with_accumulation_validation_checkpoints_and_max_time(tmp_path: Path, exporter: Any) -> None:
     from training_hooks.lightning import StepscopeCallback
 
