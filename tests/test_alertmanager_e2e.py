@@ -1,0 +1,373 @@
+"""End to end: alerts reach a person through a real Alertmanager (Debian's prometheus-alertmanager 0.25).
+
+Two real exporters (node-a, node-b; fake NVML), training-hook processes pushing to them, a real
+Prometheus loading the generated rule files (a copy with every `for` a sixtieth: minutes become
+seconds, so the alerts keep their order) and the shipped prometheus.yml's external label and alert
+relabelling, and a real Alertmanager with the shipped docker/alertmanager/alertmanager.yml and
+templates. Only the receiver (a webhook and a Slack receiver from receivers.example.yml, both pointed
+at a server this test runs) and the group timings (the same ratio, shorter) are rewritten.
+
+Runs: `databound` (its loader holds the step; its GPU waits), `gpubound` (busy GPU, quick loader),
+`stalled` (in state train, never steps; critical) on node-a, and `spread`, data-bound with rank 0 on
+node-a and rank 1 on node-b. Before issue 28 one run's critical muted every warning of its node, and
+every alert paged once per node and again for each symptom of one cause.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from grafana.rules import RULE_FILES, rules
+from stepscope_testkit.fake_nvml.scenario import write_scenario
+from stepscope_testkit.processes import REPO_ROOT, free_port, running, running_exporter
+from tests.support.demos import gpus_for_runs
+from tests.support.prometheus import running_prometheus_config, wait_for
+
+DOCKER = REPO_ROOT / "docker"
+ALERTMANAGER_DIR = DOCKER / "alertmanager"
+SHIPPED_PROMETHEUS = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+GRAFANA_URL = "http://grafana.example:3000"
+# The shipped group_wait 30s / group_interval 1m, scaled down alike for the test.
+GROUP_WAIT_SECONDS = 2
+GROUP_INTERVAL_SECONDS = 4
+# resolved after close(): one scrape (1 s) and one evaluation (1 s) until Prometheus sends it, then at
+# most one group_interval in Alertmanager; 4 s of slack for a busy 2-core machine.
+RESOLVED_BOUND_SECONDS = 1 + 1 + GROUP_INTERVAL_SECONDS + 4
+def seconds(duration: str) -> int:
+    return int(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]
+
+
+# A first page: Prometheus sends at the evaluation that fires it, Alertmanager waits group_wait; 3 s slack.
+PAGE_BOUND_SECONDS = 1 + GROUP_WAIT_SECONDS + 3
+FOR_SECONDS = {rule["alert"]: seconds(rule["for"]) // 60 for rule in rules() if "for" in rule and "alert" in rule}
+TRAINER = """
+import sys, time, training_hooks as th
+run, rank, world, url, loader_s, compute_s = sys.argv[1:7]
+tracker = th.init(run=run, rank=int(rank), world_size=int(world), push_url=url, push_interval=0.5)
+if float(loader_s) < 0:  # stalled: in state train, alive and pushing, never a step
+    with tracker.state("train"):
+        time.sleep(3600)
+def batches():
+    while True:
+        time.sleep(float(loader_s))
+        yield 8
+for batch in tracker.loader(batches()):
+    with tracker.phase("forward"):
+        time.sleep(float(compute_s))
+    tracker.step(samples=batch)
+"""
+# (run, rank) -> (node, loader seconds, compute seconds); loader < 0: stalled
+RANKS = {
+    ("databound", 0): ("node-a", 0.06, 0.01),
+    ("gpubound", 0): ("node-a", 0.0, 0.05),
+    ("stalled", 0): ("node-a", -1, 0),
+    ("spread", 0): ("node-a", 0.06, 0.01),
+    ("spread", 1): ("node-b", 0.06, 0.01),
+}
+# node -> GPU index -> (NVML utilization %, SM active %, the (run, rank) holding memory on it)
+GPUS = {
+    "node-a": {0: (25, 10, ("databound", 0)), 1: (98, 73, ("gpubound", 0)), 2: (0, 0, ("stalled", 0)),
+               3: (25, 10, ("spread", 0))},
+    "node-b": {0: (25, 10, ("spread", 1))},
+}
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@dataclass
+class Notification:
+    """One POST Alertmanager made: which receiver, when, and its JSON body."""
+    path: str
+    at: float  # time.monotonic()
+    wall: float  # time.time(), to compare with Prometheus' timestamps
+    body: dict
+
+
+@dataclass
+class Inbox:
+    """What the test's webhook server received, in order."""
+    received: list[Notification] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, path: str, body: dict) -> None:
+        with self.lock:
+            self.received.append(Notification(path, time.monotonic(), time.time(), body))
+
+    def webhooks(self, run: str, status: str | None = None) -> list[Notification]:
+        """Notifications of the webhook receiver for `run`'s groups (any status unless given)."""
+        with self.lock:
+            return [n for n in self.received if n.path == "/webhook"
+                    and n.body["commonLabels"].get("run") == run and status in (None, n.body["status"])]
+
+    def slack(self, run: str) -> list[dict]:
+        with self.lock:
+            return [n.body for n in self.received if n.path == "/slack" and f"run {run}" in json.dumps(n.body)]
+
+
+@dataclass
+class Stack:
+    prometheus: str
+    alertmanager: str
+    inbox: Inbox
+    trainers: dict[tuple[str, int], subprocess.Popen]
+
+
+@pytest.fixture(scope="module")
+def webhook() -> Iterator[tuple[str, Inbox]]:
+    inbox = Inbox()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers["Content-Length"])
+            inbox.add(self.path, json.loads(self.rfile.read(length)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", inbox
+    finally:
+        server.shutdown()
+
+
+def alertmanager_binary() -> str:
+    found = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if found is None:
+        raise RuntimeError("Alertmanager is not installed (apt-get install prometheus-alertmanager)")
+    return found
+
+
+def example_receivers() -> list[dict]:
+    return yaml.safe_load((ALERTMANAGER_DIR / "receivers.example.yml").read_text())["receivers"]
+
+
+def amtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["amtool", *args], capture_output=True, text=True)
+
+
+def receivers(url: str) -> list[dict]:
+    """The shipped example receivers' Slack and webhook configs, pointed at `url`."""
+    examples = {r["name"]: r for r in example_receivers()}
+    slack = {**examples["default"]["slack_configs"][0], "api_url": f"{url}/slack"}
+    hook = {**examples["webhook"]["webhook_configs"][0], "url": f"{url}/webhook"}
+    return [{"name": "default", "slack_configs": [slack], "webhook_configs": [hook]}]
+
+
+def alertmanager_config(tmp: Path, url: str) -> Path:
+    """The shipped config with the test's receiver and shorter group timings, next to the templates."""
+    config = yaml.safe_load((ALERTMANAGER_DIR / "alertmanager.yml").read_text())
+    config["receivers"] = receivers(url) + [r for r in config["receivers"] if r["name"] != "default"]
+    config["route"].update(group_wait=f"{GROUP_WAIT_SECONDS}s", group_interval=f"{GROUP_INTERVAL_SECONDS}s")
+    directory = tmp / "alertmanager"
+    shutil.copytree(ALERTMANAGER_DIR / "templates", directory / "templates")
+    (directory / "alertmanager.yml").write_text(yaml.safe_dump(config))
+    return directory / "alertmanager.yml"
+
+
+@pytest.fixture(scope="module")
+def alertmanager(tmp_path_factory: pytest.TempPathFactory, webhook: tuple[str, Inbox]) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("alertmanager")
+    port = free_port()
+    argv = [alertmanager_binary(), f"--config.file={alertmanager_config(tmp, webhook[0])}",
+            f"--storage.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=", f"--web.external-url=http://alertmanager.example:{port}"]
+    base = f"http://127.0.0.1:{port}"
+    with running(argv, f"{base}/-/ready", tmp / "alertmanager.log", base_url=base):
+        yield base
+
+
+def shorter_for(tmp: Path) -> list[Path]:
+    """The generated rule files with every alert's `for` a sixtieth (10m -> 10s): same order, seconds."""
+    paths = []
+    for source in RULE_FILES:
+        document = yaml.safe_load(source.read_text())
+        for group in document["groups"]:
+            for rule in group["rules"]:
+                if "for" in rule:
+                    rule["for"] = f"{seconds(rule['for']) // 60}s"
+        paths.append(tmp / source.name)
+        paths[-1].write_text(yaml.safe_dump(document))
+    return paths
+
+
+def prometheus_config(tmp: Path, exporters: dict[str, str], alertmanager: str) -> dict:
+    """Scrapes and evaluates every second, alerts to `alertmanager`, with the shipped alerting
+    relabelling and the grafana_url external label (set to GRAFANA_URL)."""
+    shipped_alerting = SHIPPED_PROMETHEUS["alerting"]
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s",
+                   "external_labels": {**SHIPPED_PROMETHEUS["global"]["external_labels"], "grafana_url": GRAFANA_URL}},
+        "rule_files": [str(path) for path in shorter_for(tmp)],
+        "alerting": {"alert_relabel_configs": shipped_alerting["alert_relabel_configs"],
+                     "alertmanagers": [{"static_configs": [{"targets": [alertmanager.removeprefix("http://")]}]}]},
+        "scrape_configs": [{"job_name": "stepscope", "static_configs": [
+            {"targets": [address], "labels": {"instance": node}} for node, address in exporters.items()]}],
+    }
+
+
+def start_trainer(run: str, rank: int, url: str, loader: float, compute: float) -> subprocess.Popen:
+    world = sum(1 for other, _ in RANKS if other == run)
+    argv = [sys.executable, "-c", textwrap.dedent(TRAINER), run, str(rank), str(world), url, str(loader), str(compute)]
+    return subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, alertmanager: str, webhook: tuple[str, Inbox]) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("alerting")
+    # the GPUs from the start (the fake's device count is read once), their processes once the trainers run
+    scenarios = {node: write_scenario(tmp / f"{node}.json", gpus_for_runs(layout, {})) for node, layout in GPUS.items()}
+    with running_exporter(tmp, fake_nvml_scenario=scenarios["node-a"]) as node_a, \
+            running_exporter(tmp, fake_nvml_scenario=scenarios["node-b"]) as node_b:
+        urls = {"node-a": node_a.url, "node-b": node_b.url}
+        exporters = {node: url.removeprefix("http://") for node, url in urls.items()}
+        with running_prometheus_config(tmp, prometheus_config(tmp, exporters, alertmanager)) as prometheus:
+            trainers = {key: start_trainer(*key, urls[node], loader, compute)
+                        for key, (node, loader, compute) in RANKS.items()}
+            try:
+                pids = {key: proc.pid for key, proc in trainers.items()}
+                for node, layout in GPUS.items():  # now the trainers hold memory on their GPUs
+                    write_scenario(scenarios[node], gpus_for_runs(layout, pids))
+                yield Stack(prometheus.url, alertmanager, webhook[1], trainers)
+            finally:
+                for proc in trainers.values():
+                    proc.kill()
+                    proc.wait()
+
+
+def firing_in_prometheus(base_url: str, name: str, run: str) -> list[dict]:
+    response = requests.get(f"{base_url}/api/v1/alerts", timeout=10)
+    response.raise_for_status()
+    return [a for a in response.json()["data"]["alerts"]
+            if a["labels"]["alertname"] == name and a["labels"].get("run") == run and a["state"] == "firing"]
+
+
+def alertnames(notifications: list[Notification]) -> list[str]:
+    return [n.body["commonLabels"].get("alertname", "?") for n in notifications]
+
+
+def test_shipped_configs_pass_amtool(tmp_path: Path) -> None:
+    """The shipped config, and the shipped config with each example receiver (as the README says to
+    add one), load in Alertmanager's own checker, templates included."""
+    check = amtool("check-config", str(ALERTMANAGER_DIR / "alertmanager.yml"))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "1 templates" in check.stdout
+    shutil.copytree(ALERTMANAGER_DIR / "templates", tmp_path / "templates")
+    config = yaml.safe_load((ALERTMANAGER_DIR / "alertmanager.yml").read_text())
+    for example in example_receivers():
+        route = {**config["route"], "receiver": example["name"]}
+        (tmp_path / "alertmanager.yml").write_text(
+            yaml.safe_dump({**config, "receivers": [example, {"name": "info"}], "route": route}))
+        check = amtool("check-config", str(tmp_path / "alertmanager.yml"))
+        assert check.returncode == 0, f"{example['name']}: {check.stdout}{check.stderr}"
+
+
+def test_email_template_renders_every_field(tmp_path: Path) -> None:
+    """amtool renders the e-mail templates from an alert as Prometheus sends one: title, description,
+    links and what to try, without Go's `<no value>`."""
+    alert = {"status": "firing", "labels": {"alertname": "StepscopeDataLoadingBottleneck", "run": "r1", "rank": "0",
+                                            "instance": "n1", "severity": "warning"},
+             "annotations": {"summary": "Run r1 rank 0 waits for data", "description": "Rank 0 waits 75%.",
+                             "runbook": "Raise num_workers.", "runbook_url": "https://runbook.example/x",
+                             "dashboard_url": "https://grafana.example/d/stepscope-training?var-run=r1"}}
+    data = {"receiver": "email", "status": "firing", "alerts": [alert],
+            "groupLabels": {"alertname": alert["labels"]["alertname"], "run": "r1"},
+            "commonLabels": alert["labels"], "commonAnnotations": alert["annotations"], "externalURL": "https://am.example"}
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    rendered = {}
+    for name in ("stepscope.email.subject", "stepscope.email.html"):
+        result = amtool("template", "render", f"--template.glob={ALERTMANAGER_DIR / 'templates' / '*.tmpl'}",
+                        f"--template.text={{{{ template \"{name}\" . }}}}", f"--template.data={tmp_path / 'data.json'}")
+        assert result.returncode == 0, result.stderr
+        rendered[name] = result.stdout
+    assert rendered["stepscope.email.subject"].strip() == "[FIRING:1] Run r1 rank 0 waits for data"
+    html = rendered["stepscope.email.html"]
+    for text in ("Rank 0 waits 75%.", 'href="https://runbook.example/x"', "var-run=r1", "Raise num_workers.",
+                 "run r1 rank 0 on n1"):
+        assert text in html
+    assert "<no value>" not in html
+
+
+def test_a_data_bound_run_pages_once_with_its_cause_and_a_link(stack: Stack) -> None:
+    """One notification for the run, its cause (the data loading) and not the GPU symptom that
+    Prometheus fires too; the Slack message carries summary, description, links and what to try."""
+    got = wait_for(lambda: stack.inbox.webhooks("databound"), 90, interval=0.5)
+    assert got, "no notification for the data-bound run"
+    assert wait_for(lambda: firing_in_prometheus(stack.prometheus, "StepscopeGpuUnderutilized", "databound"), 75)
+    time.sleep(GROUP_INTERVAL_SECONDS + 2)  # time for a second notification, were there one
+    (notification,) = stack.inbox.webhooks("databound")
+    assert notification.body["commonLabels"]["alertname"] == "StepscopeDataLoadingBottleneck"
+    (alert,) = notification.body["alerts"]
+    assert alert["annotations"]["dashboard_url"] == f"{GRAFANA_URL}/d/stepscope-training?var-run=databound&var-rank=0"
+    assert "grafana_url" not in alert["labels"]
+    (slack,) = stack.inbox.slack("databound")
+    attachment = slack["attachments"][0]
+    assert attachment["title"] == "[FIRING:1] Run databound rank 0 waits for data"
+    assert attachment["title_link"] == alert["annotations"]["dashboard_url"]
+    for text in ("run databound rank 0 on node-a (warning): Rank 0 of run databound on node-a spends",
+                 f"Dashboard: {alert['annotations']['dashboard_url']}",
+                 "Runbook: https://github.com/stepscope/stepscope/blob/main/README.md#stepscopedataloadingbottleneck",
+                 "What to try: Raise DataLoader num_workers"):
+        assert text in attachment["text"], attachment["text"]
+    assert "<no value>" not in json.dumps(slack)
+
+
+def test_a_gpu_bound_run_pages_nobody(stack: Stack) -> None:
+    wait_for(lambda: stack.inbox.webhooks("databound"), 90, interval=0.5)  # as long as a page takes
+    assert stack.inbox.webhooks("gpubound") == []
+
+
+def test_a_run_on_two_nodes_is_one_notification_per_alert(stack: Stack) -> None:
+    got = wait_for(lambda: [n for n in stack.inbox.webhooks("spread") if len(n.body["alerts"]) == 2], 90, interval=0.5)
+    assert got, alertnames(stack.inbox.webhooks("spread"))
+    (notification,) = stack.inbox.webhooks("spread")
+    assert notification.body["groupLabels"] == {"alertname": "StepscopeDataLoadingBottleneck", "run": "spread"}
+    assert sorted(a["labels"]["instance"] for a in notification.body["alerts"]) == ["node-a", "node-b"]
+
+
+def test_a_stalled_run_pages_for_itself_and_holds_back_nobody(stack: Stack) -> None:
+    """The stalled run's critical mutes its own GPU symptom, not the data-bound run's page on the
+    same node (it arrives within group_wait of Prometheus firing it) nor, once that run closes, its
+    resolved (within RESOLVED_BOUND_SECONDS)."""
+    stalled = wait_for(lambda: stack.inbox.webhooks("stalled"), 90, interval=0.5)
+    assert alertnames(stalled) == ["StepscopeTrainingStalled"], alertnames(stalled)
+    assert "pid" in stalled[0].body["alerts"][0]["annotations"]["description"]
+    assert wait_for(lambda: firing_in_prometheus(stack.prometheus, "StepscopeGpuUnderutilized", "stalled"), 75)
+    first = wait_for(lambda: stack.inbox.webhooks("databound", "firing"), 90, interval=0.5)
+    assert first
+    (fired,) = firing_in_prometheus(stack.prometheus, "StepscopeDataLoadingBottleneck", "databound")
+    active_at = datetime.fromisoformat(fired["activeAt"].replace("Z", "+00:00")).timestamp()
+    fired_at = active_at + FOR_SECONDS["StepscopeDataLoadingBottleneck"]
+    print(f"first page {first[0].wall - fired_at:.1f} s after Prometheus fired it (bound {PAGE_BOUND_SECONDS} s)")
+    assert first[0].wall - fired_at <= PAGE_BOUND_SECONDS
+    trainer = stack.trainers[("databound", 0)]
+    closed = time.monotonic()
+    trainer.send_signal(signal.SIGTERM)  # the hooks push state idle, then the process exits
+    trainer.wait(timeout=20)
+    resolved = wait_for(lambda: stack.inbox.webhooks("databound", "resolved"), RESOLVED_BOUND_SECONDS + 20, 0.2)
+    assert resolved, "no resolved notification for the closed run"
+    delay = resolved[0].at - closed
+    print(f"resolved {delay:.1f} s after the run closed (bound {RESOLVED_BOUND_SECONDS} s)")
+    assert delay <= RESOLVED_BOUND_SECONDS
+    assert firing_in_prometheus(stack.prometheus, "StepscopeTrainingStalled", "stalled"), "the critical still fires"
+    assert stack.inbox.webhooks("stalled", "resolved") == []
+    assert "StepscopeGpuUnderutilized" not in alertnames(stack.inbox.webhooks("stalled"))
