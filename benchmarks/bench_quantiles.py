@@ -17,7 +17,7 @@ realistic times) to a real exporter whose fake NVML has 8 H100s; one scrape is c
 
 Layouts: today's 16 fixed log buckets; fixed 2^(1/4) and 2^(1/8) grids; the lead's sketch (skeleton +
 one 3-octave fine window around the median, octave-aligned, a second one when the median leaves its
-middle octave); and the shipped FollowingLayout (skeleton + fine windows around the recent p50 and
+middle octave); and the shipped FollowingLayout (skeleton + aligned blocks around the recent p50 and
 p95). Writes benchmarks/results/quantiles.md.
 """
 
@@ -35,6 +35,7 @@ import numpy as np
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+import training_hooks.timing
 from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
 from stepscope_testkit.node_scrape import GPUS, trained_tracker
 from stepscope_testkit.processes import running_exporter, scrape
@@ -46,6 +47,7 @@ from training_hooks.timing import (
     STEPS_PER_OCTAVE,
     FixedLayout,
     Histogram,
+    HistogramSnapshot,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantiles.md"
@@ -128,7 +130,7 @@ LAYOUTS: dict[str, Callable[[], Histogram]] = {
     "fixed 2^(1/4), 100 µs..60 s": lambda: Histogram(FINE_GRID, _grid_range(1e-4, 60.0, 2)),
     "fixed 2^(1/8), 100 µs..60 s": lambda: Histogram(FINE_GRID, _grid_range(1e-4, 60.0, 1)),
     "lead: skeleton + 3-octave window": lambda: Histogram(FINE_GRID, LeadWindowLayout()),
-    "shipped: skeleton + windows at p50, p95, p99": Histogram.following,
+    "shipped: skeleton + aligned blocks at p50, p95, p99": Histogram.following,
 }
 
 
@@ -154,6 +156,23 @@ def _observe(hist: Histogram, seconds: np.ndarray) -> None:
         # sum_ns is not used by histogram_quantile
 
 
+class Clock:
+    """perf_counter_ns for the layouts: a push every PUSH_SECONDS of simulated time."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def push(self, hist: Histogram) -> HistogramSnapshot:
+        self.ns += round(PUSH_SECONDS * 1e9)
+        return hist.snapshot()
+
+
+CLOCK = Clock()
+
+
 def simulate(
     make: Callable[[], Histogram], draw: Distribution, centre: float, seed: int, shift: float = 1.0
 ) -> dict:
@@ -164,18 +183,18 @@ def simulate(
     rng = np.random.default_rng(seed)
     hist = make()
     _observe(hist, np.full(3, 20 * centre))  # compilation / warm-up steps
-    hist.snapshot()
+    CLOCK.push(hist)
     for stretch in sorted({1.0, shift}, key=lambda factor: factor != 1.0):
         per_push = min(max(1, round(PUSH_SECONDS / (stretch * centre))), MAX_STEPS_PER_PUSH)
         for _ in range(max(WARMUP_PUSHES, math.ceil(WARMUP_STEPS / per_push))):
             _observe(hist, draw(rng, stretch * centre, per_push))
-            hist.snapshot()
+            CLOCK.push(hist)
     centre *= shift
     before = hist.snapshot()
     steps = draw(rng, centre, max(6, min(round(WINDOW_SECONDS / centre), 12 * MAX_STEPS_PER_PUSH)))
     for chunk in np.array_split(steps, max(1, len(steps) // per_push)):
         _observe(hist, chunk)
-        after = hist.snapshot()
+        after = CLOCK.push(hist)
     kept = [i for i, b in enumerate(after.bounds) if b in set(before.bounds)]
     start = dict(zip(before.bounds, before.cumulative, strict=False))
     bounds = [after.bounds[i] for i in kept]
@@ -234,6 +253,7 @@ def series_budget() -> str:
 
 def main() -> None:
     started = time.monotonic()
+    training_hooks.timing.perf_counter_ns = CLOCK  # the layouts decide on the simulated pushes' clock
     budget = series_budget()
     centres = np.exp(np.random.default_rng(7).uniform(math.log(1e-3), math.log(10.0), CENTRES))
     rows = []

@@ -44,12 +44,10 @@ _ONE_MS = -GRID_OCTAVES[0] * STEPS_PER_OCTAVE  # index of 0.001 in FINE_GRID
 SKELETON = tuple(range(_ONE_MS - 6 * STEPS_PER_OCTAVE, len(FINE_GRID), SKELETON_EVERY_OCTAVES * STEPS_PER_OCTAVE))
 # p50 and p95 are what the rules show; p99 keeps the tail covered when a minute holds few steps.
 FOLLOWED_QUANTILES = (0.5, 0.95, 0.99)
-BLOCK = 4  # fine bounds are exported in aligned blocks of half an octave
-WINDOW_MARGIN = 1  # fine bins covered on each side of a followed quantile's bin; blocks add ~1.5 on average
+BLOCK = 2  # fine bounds are exported in aligned blocks of a quarter octave
+WINDOW_MARGIN = 1  # fine bins covered on each side of a followed quantile's bin; blocks add ~0.5 on average
 WINDOW_CORE = 1  # nothing is added while the quantile's bin and one bin on each side are exported
-MIN_NEW_STEPS = 20  # observations a placement decision waits for ...
-DECIDE_AFTER_SECONDS = 30  # ... unless this long passed (slow steps) with at least one
-EVICT_IDLE_SECONDS = 60  # a block unused this long (one rate window) may make room for one in use
+EVICT_IDLE_SECONDS = 30  # a block unused this long may make room for one in use
 MAX_EXPORTED = MAX_EXPORTED_BOUNDS  # bounds per histogram, skeleton included
 
 
@@ -85,26 +83,27 @@ class FollowingLayout:
     """Exports the SKELETON of FINE_GRID plus fine blocks that follow where the observations fall.
 
     Decisions are made when a snapshot is taken (in the pusher thread, never on the hot path), from
-    the observations since the previous decision: the first as soon as there is one observation, then
-    once MIN_NEW_STEPS arrived or DECIDE_AFTER_SECONDS passed with at least one. Each followed
-    quantile of them must sit in an exported fine bin with an exported neighbour on each side
-    (WINDOW_CORE); otherwise the aligned blocks of BLOCK bounds covering WINDOW_MARGIN bins around it
-    are added. Nothing is exported before the first decision (`None`): every bucket series of a
-    histogram then starts in the same push, so their rates add up from the first rate window.
+    the observations since the previous snapshot, at every snapshot that has any: waiting for more
+    (slow steps, a rare slow mode) would place the block later, and a block's quantiles are off
+    until it is a rate window old. Each followed quantile of them must sit in an exported fine bin
+    with an exported neighbour on each side (WINDOW_CORE); otherwise the aligned blocks of BLOCK
+    bounds covering WINDOW_MARGIN bins around it are added. Nothing is exported before the first
+    decision (`None`): every bucket series of a histogram then starts in the same push, so their
+    rates add up from the first rate window.
 
     Aligned blocks make ranks with similar steps export the same bounds (a user's
     `sum by (le) (rate(...))` over ranks needs that). When a block would pass MAX_EXPORTED, blocks
-    whose bins got no observation for EVICT_IDLE_SECONDS (one rate window: no current quantile
-    reads them) are dropped, least recently used first, so a run whose pace changed (a slow start,
-    a shift) gets fine buckets where it is now. A bound leaves only after a minute unused, so `le`
-    series change only when the pace does.
+    whose bins got no observation for EVICT_IDLE_SECONDS are dropped, least recently used first, so
+    a run whose pace changed (a slow start, a shift) gets fine buckets where it is now within a push
+    or two (benchmarks/results/quantiles-pace.md: 60 s left the slow start's new pace without fine
+    buckets for another 30 s). A bound leaves only after being unused that long and only for one in
+    use, so `le` series change only when the pace does.
     """
 
     def __init__(self) -> None:
         self._blocks: dict[int, int] = {}  # block -> perf_counter_ns when its bins last had observations
         self._exported: tuple[int, ...] | None = None
         self._base: Sequence[int] | None = None
-        self._decided_ns = 0
         self._lock = threading.Lock()
 
     def export(self, cumulative: Sequence[int]) -> Sequence[int] | None:
@@ -118,16 +117,15 @@ class FollowingLayout:
     def _follow(self, cumulative: Sequence[int]) -> None:
         base = self._base if self._base is not None else [0] * len(cumulative)
         new = cumulative[-1] - base[-1]
-        now = perf_counter_ns()
-        due = self._exported is None or new >= MIN_NEW_STEPS or now - self._decided_ns >= DECIDE_AFTER_SECONDS * 1e9
-        if new < 1 or not due:
+        if new < 1:
             return
+        now = perf_counter_ns()
         recent = [after - before for after, before in zip(cumulative, base, strict=True)]
         self._mark_used(recent, now)
         for quantile in FOLLOWED_QUANTILES:
             self._cover(bisect_left(recent, quantile * new), now)
         self._exported = _bounds_of(self._blocks)
-        self._base, self._decided_ns = cumulative, now
+        self._base = cumulative
 
     def _mark_used(self, recent: Sequence[int], now: int) -> None:
         """Stamps every exported block whose bins received observations since the last decision."""
