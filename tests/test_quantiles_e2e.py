@@ -6,10 +6,12 @@ the shipped recording rules; the rules' p50 and p95, per rank and per run, must 
 quantiles of the steps in the rule's 1m window, at several spreads and step times from 1 ms to 10 s.
 The simulated comparison of bucket layouts is benchmarks/bench_quantiles.py.
 
-Each rank: 3 compilation steps at 20x (the first snapshot: the layout's baseline, left out), five
-snapshots of 5 s of steps (20 to 2000) that place the fine buckets (the earlier pushes of a run a
-minute in; the last one is the first push Prometheus sees), then the measured steps (the second
-push). The 1m window then holds exactly the measured steps: every series starts at the first push.
+Each rank: 3 compilation steps at 20x (the first snapshot with steps), then what the run did before
+(a slow start falling from x50, or a x3 shift and back, in snapshots 5 s apart on the hooks' clock),
+five snapshots of 5 s of steps (20 to 2000; the last one is the first push Prometheus sees), then the
+measured steps (the second push). The 1m window then holds exactly the measured steps: every series
+starts at the first push. What the first minutes after a change read through `rate()` (a bucket that
+appears mid-window) is benchmarks/bench_pace.py's subject.
 """
 
 import random
@@ -254,3 +256,16 @@ def test_phase_quantiles_behind_the_switch_are_within_ten_percent(measured: Meas
         error = float(result["value"][1]) / _truth(measured.phase_times, q) - 1
         print(f"\nphase {PHASE} {name}: {100 * error:+.2f}%")
         assert abs(error) <= TOLERANCE, (name, error)
+
+
+def test_a_users_own_promql_over_the_exported_buckets_reads_what_the_rules_record(measured: Measured) -> None:
+    """No intersection or repair in the rules: summing every rank's buckets per `le` is the run's histogram."""
+    for name, q in QUANTILES.items():
+        own = {item["metric"]["run"]: float(item["value"][1]) for item in query(
+            measured.prometheus,
+            f"histogram_quantile({q}, sum by (run, le) (rate(stepscope_step_seconds_bucket[5m])))")}
+        recorded = {item["metric"]["run"]: float(item["value"][1])
+                    for item in query(measured.prometheus, f"run:stepscope_step_seconds:{name}_rate1m")}
+        assert own.keys() == recorded.keys() == set(CASES)
+        for run, value in own.items():
+            assert value == pytest.approx(recorded[run], rel=0.01), (run, name, value, recorded[run])
