@@ -42,6 +42,7 @@ DOCKER = REPO_ROOT / "docker"
 ALERTMANAGER_DIR = DOCKER / "alertmanager"
 SHIPPED_PROMETHEUS = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
 GRAFANA_URL = "http://grafana.example:3000"
+README_URL = "https://github.com/stepscope/stepscope/blob/main/README.md"
 # The shipped group_wait 30s / group_interval 1m, scaled down alike for the test.
 GROUP_WAIT_SECONDS = 2
 GROUP_INTERVAL_SECONDS = 4
@@ -371,3 +372,13 @@ def test_a_stalled_run_pages_for_itself_and_holds_back_nobody(stack: Stack) -> N
     assert firing_in_prometheus(stack.prometheus, "StepscopeTrainingStalled", "stalled"), "the critical still fires"
     assert stack.inbox.webhooks("stalled", "resolved") == []
     assert "StepscopeGpuUnderutilized" not in alertnames(stack.inbox.webhooks("stalled"))
+
+
+def test_every_runbook_url_opens_its_row_in_the_readme() -> None:
+    """runbook_url points at the alert's row of the README's alert table (an anchor there)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    for rule in rules():
+        if "alert" in rule:
+            url = rule["annotations"]["runbook_url"]
+            assert url == f"{README_URL}#{rule['alert'].lower()}", url
+            assert f'<a id="{rule["alert"].lower()}"></a>`{rule["alert"]}`' in readme, rule["alert"]
