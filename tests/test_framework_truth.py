@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, scrape
 from tests.support.framework_truth import (
@@ -22,11 +20,9 @@ from tests.support.framework_truth import (
     BATCH,
     EPOCHS,
     ITEMS,
-    NEIGHBOUR_SECONDS,
-    Items,
     Truth,
+    huggingface_train,
     lightning_fit,
-    net,
 )
 
 STEPS = EPOCHS * 5  # 18 batches an epoch: 4 + 4 + 4 + 4 + 2
@@ -117,42 +113,11 @@ def test_lightning_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> Non
 
 
 def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: Path, exporter: Any) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
     from training_hooks.huggingface import StepscopeCallback
 
     truth = Truth()
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net(truth)
-
-        def forward(self, x, labels=None):
-            out = self.net(x)
-            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
-
-    class Neighbour(TrainerCallback):
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            time.sleep(NEIGHBOUR_SECONDS * ACCUMULATE)
-
-    model = Model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    optimizer.register_step_post_hook(truth.count_step)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "hf"), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUMULATE, per_device_eval_batch_size=BATCH, report_to=[], use_cpu=True,
-        logging_strategy="steps", logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="steps",
-        save_steps=4, disable_tqdm=True, dataloader_num_workers=0,
-    )
-    trainer = Trainer(
-        model=model, args=args, train_dataset=Items(ITEMS, truth, as_dict=True), data_collator=truth.collate,
-        eval_dataset=Items(8, None, as_dict=True), optimizers=(optimizer, None),
-        callbacks=[StepscopeCallback(run="hf-truth", push_url=exporter.url, push_interval=1.0), Neighbour()],
-    )
-    trainer._evaluate = truth.timed("eval", trainer._evaluate)
-    trainer._save_checkpoint = truth.timed("checkpoint", trainer._save_checkpoint)
-    trainer.train()
+    callback = StepscopeCallback(run="hf-truth", push_url=exporter.url, push_interval=1.0)
+    trainer = huggingface_train(truth, tmp_path, callback)
 
     value = pushed(scrape(exporter.url), "hf-truth")
     assert trainer.state.global_step == truth.optimizer_steps == STEPS

@@ -152,3 +152,39 @@ def lightning_fit(truth: Truth, root: Path, callback: Any, **trainer_args: Any) 
     trainer.fit(Module(), DataLoader(Items(ITEMS, truth), batch_size=BATCH, collate_fn=truth.collate),
                 DataLoader(Items(8, None), batch_size=BATCH))
     return trainer
+
+
+def huggingface_train(truth: Truth, root: Path, callback: Any) -> Any:
+    """Trains with the transformers Trainer as a user would, the truth measured beside; returns the Trainer."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net(truth)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+            out = self.net(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    class Neighbour(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(NEIGHBOUR_SECONDS * ACCUMULATE)
+
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer.register_step_post_hook(truth.count_step)
+    args = TrainingArguments(
+        output_dir=str(root / "hf"), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE, per_device_eval_batch_size=BATCH, report_to=[], use_cpu=True,
+        logging_strategy="steps", logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="steps",
+        save_steps=4, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Items(ITEMS, truth, as_dict=True), data_collator=truth.collate,
+        eval_dataset=Items(8, None, as_dict=True), optimizers=(optimizer, None), callbacks=[callback, Neighbour()],
+    )
+    trainer._evaluate = truth.timed("eval", trainer._evaluate)
+    trainer._save_checkpoint = truth.timed("checkpoint", trainer._save_checkpoint)
+    trainer.train()
+    return trainer
