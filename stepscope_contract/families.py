@@ -206,7 +206,8 @@ _TRAINING = (
                 "time of sampled steps, each counting for the untimed ones before it; cuda_sync = wall time "
                 "between synchronizes).", pushed=True),
     Family(STEP_SECONDS, "histogram", RUN_RANK,
-           "pushed: whole step time (buckets follow the run: each rank's `le` set grows, never shrinks)",
+           "pushed: whole step time (buckets follow the run: fine blocks where the rank's steps fall, a block "
+           "unused 30 s may leave for one in use; the histogram appears with the first step)",
            help="Wall time between consecutive step boundaries (the whole step).", pushed=True),
     Family(STEPS_TOTAL, "counter", RUN_RANK, "pushed: steps (optimizer steps) and samples done",
            help="Training steps completed: optimizer steps, whatever the gradient accumulation.", pushed=True),
