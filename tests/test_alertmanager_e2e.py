@@ -382,3 +382,57 @@ def test_every_runbook_url_opens_its_row_in_the_readme() -> None:
             url = rule["annotations"]["runbook_url"]
             assert url == f"{README_URL}#{rule['alert'].lower()}", url
             assert f'<a id="{rule["alert"].lower()}"></a>`{rule["alert"]}`' in readme, rule["alert"]
+
+
+# (alert labels, inhibited?) posted together to the real Alertmanager: each source mutes only what it
+# explains, in its own GPU, node or run (runs and nodes named apart from the stack's).
+def case(name: str, severity: str, instance: str, **labels: str) -> dict[str, str]:
+    return {"alertname": f"Stepscope{name}", "severity": severity, "instance": instance, **labels}
+
+
+INHIBITION_CASES = [
+    (case("GpuDown", "critical", "i1", gpu="0"), False),
+    (case("GpuMemoryNearFull", "warning", "i1", gpu="0"), True),
+    (case("TensorCoresIdle", "info", "i1", gpu="0", run="i-a"), True),
+    (case("GpuMemoryNearFull", "warning", "i1", gpu="1"), False),
+    (case("ExporterDown", "critical", "i2"), False),
+    (case("CpuSaturated", "warning", "i2"), True),
+    (case("DataLoadingBottleneck", "warning", "i2", run="i-b", rank="0"), False),
+    (case("TrainingStalled", "critical", "i3", run="i-c", rank="0"), False),
+    (case("GpuUnderutilized", "warning", "i3", run="i-c"), True),
+    (case("GpuUnderutilized", "warning", "i3", run="i-d"), False),
+    (case("StragglerRank", "warning", "i3", run="i-d", rank="1"), False),
+    (case("LoaderBelowCompute", "warning", "i4", run="i-e", rank="0"), False),
+    (case("DataLoadingBottleneck", "warning", "i4", run="i-e", rank="0"), True),
+    (case("GpuUnderutilized", "warning", "i4", run="i-e"), True),
+]
+
+
+def test_inhibition_mutes_only_what_its_source_explains(alertmanager: str) -> None:
+    """Every shipped inhibit rule, through the real Alertmanager: a GPU's critical mutes that GPU, a
+    lost node its own warnings, a stalled run and a run's cause that run's symptoms; nothing else."""
+    alerts = [{"labels": labels, "annotations": {"summary": "inhibition case"}} for labels, _ in INHIBITION_CASES]
+    requests.post(f"{alertmanager}/api/v2/alerts", json=alerts, timeout=10).raise_for_status()
+
+    def inhibited() -> dict[tuple[str, str], bool]:
+        response = requests.get(f"{alertmanager}/api/v2/alerts", timeout=10)
+        response.raise_for_status()
+        return {(a["labels"]["alertname"], a["labels"].get("instance", "") + a["labels"].get("gpu", "")
+                 + a["labels"].get("run", "")): bool(a["status"]["inhibitedBy"])
+                for a in response.json() if a["annotations"].get("summary") == "inhibition case"}
+
+    found = wait_for(lambda: len(inhibited()) == len(INHIBITION_CASES) and inhibited(), 10, 0.2)
+    expected = {(labels["alertname"], labels["instance"] + labels.get("gpu", "") + labels.get("run", "")): muted
+                for labels, muted in INHIBITION_CASES}
+    assert found == expected
+
+
+def test_hints_take_their_own_route() -> None:
+    """amtool's route test on the shipped config: info to `info`, run and node alerts to `default`."""
+    config = str(ALERTMANAGER_DIR / "alertmanager.yml")
+    for receiver, labels in (("info", ["alertname=StepscopeTensorCoresIdle", "severity=info", "run=r", "gpu=0"]),
+                             ("default", ["alertname=StepscopeDataLoadingBottleneck", "severity=warning", "run=r"]),
+                             ("default", ["alertname=StepscopeGpuDown", "severity=critical", "instance=n"])):
+        result = amtool("config", "routes", "test", f"--config.file={config}", f"--verify.receivers={receiver}",
+                        *labels)
+        assert result.returncode == 0, result.stdout + result.stderr
