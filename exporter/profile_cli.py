@@ -7,8 +7,10 @@ rank; the rank takes it on its next push, writes a gzipped Chrome trace into its
 and reports it on the push after. Prints the path of each trace on stdout, one per line (open them in
 https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler plugin), and a line per rank on
 stderr. Exit 0 when every rank wrote its trace; exit 2 with the reason per rank when one did not
-(not pushing here, profiler not available, already tracing, timeout) and for bad flags or an exporter
-that cannot be reached; 130 on Ctrl-C. Requests no rank took are cancelled on the way out.
+(not pushing here, profiler not available, already tracing, idle, timeout) and for bad flags or an
+exporter that cannot be reached; 130 on Ctrl-C. It stops waiting early when every rank still to take
+its request stopped pushing (nothing for 3 of its push intervals and a second). Requests no rank took
+are cancelled on the way out.
 """
 
 from __future__ import annotations
@@ -120,13 +122,21 @@ def request_traces(api: ExporterApi, args: argparse.Namespace) -> list[dict[str,
     return api.call("POST", API, json={"run": args.run, "ranks": ranks, "steps": args.steps})["requests"]
 
 
+def stopped_pushing(request: dict[str, Any]) -> bool:
+    """Whether a request no rank took yet waits for a rank that stopped pushing: its last push is older
+    than 3 of its push intervals and a second (a rank that never pushed twice cannot tell)."""
+    age, interval = request.get("last_push_age_seconds"), request.get("push_interval_seconds")
+    return request["state"] == "pending" and age is not None and interval is not None and age > 3 * interval + 1
+
+
 def wait_for(api: ExporterApi, requests_made: list[dict[str, Any]], wait: float) -> list[dict[str, Any]]:
-    """The requests as they stand when all finished or `wait` seconds passed."""
+    """The requests as they stand when all finished, when those left wait for ranks that stopped pushing,
+    or when `wait` seconds passed."""
     deadline = time.monotonic() + wait
     current = requests_made
     while True:
         current = [r if r["state"] in FINISHED else api.call("GET", f"{API}/{r['id']}") for r in current]
-        if all(r["state"] in FINISHED for r in current) or time.monotonic() >= deadline:
+        if all(r["state"] in FINISHED or stopped_pushing(r) for r in current) or time.monotonic() >= deadline:
             return current
         time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
@@ -148,15 +158,18 @@ def explain(request: dict[str, Any], wait: float) -> str:
         return (f"{who} took the request but recorded {request['done_steps']} of {request['steps']} steps in "
                 f"{wait:g} s: training is slow, stalled or not stepping (eval, checkpoint); raise --wait")
     age, interval = request.get("last_push_age_seconds"), request.get("push_interval_seconds")
-    waited = f"{who} did not take the request within {wait:g} s"
     if age is None:
-        return f"{waited} and stopped pushing"
-    pushed = f"; its last push was {age:.1f} s ago"
+        return f"{who} did not take the request within {wait:g} s and stopped pushing"
+    pushed = f"its last push was {age:.1f} s ago"
     if interval is not None:
         pushed += f", pushes came every {interval:.1f} s"
-        if age <= 3 * interval + 1:
-            return f"{waited}{pushed}: raise --wait"
-    return f"{waited}{pushed}: the process is not pushing (hung, stopped or gone)"
+    if request.get("training_state") == "idle":
+        pushed += ", and it said the rank is idle (its training ended)"
+    if stopped_pushing(request):
+        return f"{who} stopped pushing before it took the request ({pushed}): the process is not pushing (hung, " \
+               "stopped or gone)"
+    waited = f"{who} did not take the request within {wait:g} s; {pushed}"
+    return f"{waited}: raise --wait" if interval is not None else f"{waited}: it may have stopped pushing"
 
 
 def report(finished: list[dict[str, Any]], wait: float) -> int:

@@ -134,15 +134,37 @@ def test_a_rank_that_stopped_pushing_times_out_and_its_request_is_cancelled(
     node: Node, capsys: pytest.CaptureFixture[str]
 ) -> None:
     os.kill(node.demo.pid, signal.SIGSTOP)  # hung: its group stays, no more pushes
+    started = time.monotonic()
     try:
-        code, out, err = profile(node, "--rank", "0", "--wait", "2.5", capsys=capsys)
+        code, out, err = profile(node, "--rank", "0", "--wait", "60", capsys=capsys)
     finally:
         os.kill(node.demo.pid, signal.SIGCONT)
     assert code == 2 and out == ""
-    assert f"rank 0 of run '{RUN}' did not take the request within 2.5 s" in err
-    assert "the process is not pushing (hung, stopped or gone)" in err
+    assert time.monotonic() - started < 30  # 3 push intervals and a second without a push, not --wait
+    assert f"rank 0 of run '{RUN}' stopped pushing before it took the request (its last push was " in err
+    assert ", pushes came every 0.2 s): the process is not pushing (hung, stopped or gone)" in err
     listing = requests.get(f"{node.exporter}{API}", params={"run": RUN}, timeout=10).json()
     assert listing["requests"][-1]["state"] == "cancelled"  # a later push does not start a trace nobody waits for
+
+
+def test_a_rank_that_ended_its_training_is_refused_at_once(node: Node, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """close() pushes state idle one last time; the group lives on until its TTL, but no step will take a
+    request: stepscope-profile says so at once instead of waiting out --wait."""
+    run = "ended"
+    tracker = th.init(run=run, push_url=node.exporter, push_interval=0.2, trace_dir=str(tmp_path),
+                      handle_sigterm=False)
+    for _ in range(5):
+        tracker.step(samples=1)
+    wait_until(lambda: rank_tracing(node.exporter, run, 0) == "ready", 30, "the first push")
+    tracker.close()
+    started = time.monotonic()
+    capsys.readouterr()
+    code = profile_cli.main(["--exporter", node.exporter, "--run", run, "--wait", "60"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 30
+    assert f"rank 0 of run '{run}' is idle (its last push, " in err
+    assert "a trace records training steps; ask while it trains" in err
 
 
 def test_unreachable_exporter_and_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

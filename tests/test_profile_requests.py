@@ -216,3 +216,29 @@ def test_the_api_checks_access_methods_and_bodies(groups: GroupStore, clock: Clo
     status, payload = answer_of(ProfileApi(registry, AccessPolicy()), api_request("GET", "/api/v1/profiles",
                                                                                  client="192.0.2.9"))
     assert status == 403 and "pushes from 192.0.2.9 are not allowed" in payload["error"]
+
+
+def test_a_rank_whose_last_push_said_idle_is_refused_and_a_final_push_does_not_set_the_pace(
+        groups: GroupStore, clock: Clock) -> None:
+    """What close() pushes (state idle, a moment after the last periodic push) ends the rank's tracing:
+    a request is refused at once, and the pace a waiting client judges by stays the periodic one."""
+    registry = ProfileRequests(groups, clock=clock)
+    for _ in range(4):
+        groups.push("r", "0", {}, last_push_line("r", "0"), replace=True)
+        registry.on_push("r", "0", READY, "train")
+        clock.now += 5
+    [request] = registry.create("r", ["0"], 5)
+    clock.now -= 4.9
+    groups.push("r", "0", {}, last_push_line("r", "0"), replace=True)
+    registry.on_push("r", "0", READY, "idle")  # the final push, 0.1 s after the last periodic one
+    state = registry.get(request.id)
+    assert (state["push_interval_seconds"], state["training_state"]) == (5.0, "idle")
+    registry.cancel(request.id)
+    error = refusal(registry.create, "r", ["0"], 5)
+    assert error.status == 409
+    assert error.message == ("rank 0 of run 'r' is idle (its last push, 0.0 s ago, said so: its training ended or "
+                             "has not started): a trace records training steps; ask while it trains")
+    registry.on_push("r", "0", READY, None)  # a POST without the state family: the last state stands
+    assert refusal(registry.create, "r", ["0"], 5).status == 409
+    registry.on_push("r", "0", READY, "train")
+    assert registry.create("r", ["0"], 5)

@@ -11,17 +11,19 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Mapping
 from urllib.parse import unquote
 
 from exporter.exposition import Chunk, ExpositionStore
 from exporter.ingest.access import AccessPolicy
 from exporter.ingest.errors import REASONS, Rejected, clip
-from exporter.ingest.parser import PushLimits, parse_push
+from exporter.ingest.parser import ParsedFamily, PushLimits, parse_push
 from exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
 from exporter.ingest.render import SelfSource, TrainingSource, last_push_line
 from exporter.ingest.store import GroupStore, StoredFamily
 from exporter.registered import RegisteredProcess
 from exporter.server import PushRequest, PushResponse
+from stepscope_contract import TRAINING_STATE
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,18 @@ def _b64decode(name: str, value: str) -> str:
         ) from None
 
 
+def _current_state(parsed: Mapping[str, ParsedFamily]) -> str | None:
+    """The state whose stepscope_training_state sample is 1 in this push ("" for none); None when the
+    push carries no state (a POST may leave it out: the last one stands)."""
+    family = parsed.get(TRAINING_STATE)
+    if family is None:
+        return None
+    for key, line in zip(family.keys, family.lines.splitlines(), strict=True):  # one line per key, in order
+        if float(line.rsplit(b" ", 1)[1]) == 1:
+            return key[0]
+    return ""
+
+
 def _too_large(length: int, limit: int) -> Rejected:
     return Rejected(
         413, "body_too_large",
@@ -127,7 +141,7 @@ class PushApi:
         except Rejected as rejected:
             return self._refuse(rejected, request)
         self._count_accepted()
-        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()))
+        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), _current_state(parsed))
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
                             headers={REQUEST_HEADER: waiting} if waiting else {})
 

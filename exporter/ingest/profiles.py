@@ -6,20 +6,23 @@ tracing state and its last outcome (`Stepscope-Profile`, see training_hooks.prof
 the request from pending to running to done or failed. Both sides repeat themselves on every push, so
 a lost push or answer only delays things. Refused at once, with the reason: a rank that is not
 pushing here, one whose hooks cannot take traces (no torch, a stock Pushgateway client), and a second
-request for a rank that is taking one.
+request for a rank that is taking one, and one for a rank whose last push said it is idle (what the
+hooks push when training ends: no step would ever take it).
 """
 
 import json
 import secrets
+import statistics
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from exporter.ingest.errors import clip
 from exporter.ingest.store import GroupKey, GroupStore
+from stepscope_contract.training import IDLE_STATE
 
 STATUS_HEADER = "Stepscope-Profile"  # training_hooks.profiling.STATUS_HEADER
 REQUEST_HEADER = "Stepscope-Profile-Request"  # training_hooks.profiling.REQUEST_HEADER
@@ -27,6 +30,8 @@ MAX_STEPS = 1000  # training_hooks.profiling.MAX_TRACE_STEPS
 PENDING_TIMEOUT_SECONDS = 600.0  # a request no push took within this long fails
 KEEP_FINISHED = 256  # finished requests kept for stepscope-profile to read, the oldest dropped first
 ACTIVE = ("pending", "running")
+INTERVALS_KEPT = 8  # a rank's push interval is the median of its last intervals: a final push right after
+                    # a periodic one (what close() does) must not read as the rank's pace
 
 
 class ProfileError(Exception):
@@ -100,9 +105,11 @@ class ProfileRequest:
     def answer_header(self) -> str:
         return json.dumps({"id": self.id, "steps": self.steps}, separators=(",", ":"))
 
-    def as_json(self, last_push_age: float | None, push_interval: float | None = None) -> dict[str, Any]:
-        """`last_push_age_seconds` and `push_interval_seconds` (between the rank's last two pushes) let
-        a waiting client tell a rank that pushes rarely from one that stopped."""
+    def as_json(self, last_push_age: float | None, push_interval: float | None = None,
+                training_state: str | None = None) -> dict[str, Any]:
+        """`last_push_age_seconds` and `push_interval_seconds` (the median of the rank's last intervals)
+        let a waiting client tell a rank that pushes rarely from one that stopped; `training_state` is
+        what the rank's last push said it does (train, idle, ...; None when it did not say)."""
         return {
             "id": self.id, "run": self.run, "rank": self.rank, "steps": self.steps, "state": self.state,
             "reason": self.reason, "requested_at": self.requested_at, "started_at": self.started_at,
@@ -110,6 +117,7 @@ class ProfileRequest:
             "trace_steps": self.trace_steps,
             "last_push_age_seconds": None if last_push_age is None else round(last_push_age, 3),
             "push_interval_seconds": None if push_interval is None else round(push_interval, 3),
+            "training_state": training_state,
         }
 
 
@@ -124,7 +132,8 @@ class ProfileRequests:
         self._keep_finished = keep_finished
         self._lock = threading.Lock()
         self._status: dict[GroupKey, RankStatus | None] = {}  # None: pushes without the header
-        self._pushes: dict[GroupKey, tuple[float, float | None]] = {}  # last push, interval before it
+        self._pushes: dict[GroupKey, tuple[float, deque[float]]] = {}  # last push, the intervals before it
+        self._states: dict[GroupKey, str] = {}  # the training state the rank's last push reported
         self._active: dict[GroupKey, ProfileRequest] = {}
         self._finished: OrderedDict[str, ProfileRequest] = OrderedDict()
 
@@ -152,14 +161,19 @@ class ProfileRequests:
                 self._active[(run, request.rank)] = request
             return created
 
-    def on_push(self, run: str, rank: str, header: str | None) -> str | None:
-        """Records what an accepted push said; the request header to answer it with, if one waits."""
+    def on_push(self, run: str, rank: str, header: str | None, training_state: str | None = None) -> str | None:
+        """Records what an accepted push said (`training_state`: None when it carried no state); the
+        request header to answer it with, if one waits."""
         status = parse_status(header) if header else None
         now = self._clock()
         with self._lock:
             self._status[(run, rank)] = status
-            previous = self._pushes.get((run, rank))
-            self._pushes[(run, rank)] = (now, now - previous[0] if previous else None)
+            if training_state is not None:
+                self._states[(run, rank)] = training_state
+            last, intervals = self._pushes.get((run, rank), (None, deque(maxlen=INTERVALS_KEPT)))
+            if last is not None:
+                intervals.append(now - last)
+            self._pushes[(run, rank)] = (now, intervals)
             request = self._active.get((run, rank))
             if request is None:
                 return None
@@ -206,6 +220,7 @@ class ProfileRequests:
             for key in [key for key in self._status if key not in keep]:
                 del self._status[key]
                 self._pushes.pop(key, None)
+                self._states.pop(key, None)
 
     # -- under the lock ---------------------------------------------------------------------------
 
@@ -215,6 +230,11 @@ class ProfileRequests:
         if active is not None:
             return 409, (f"rank {rank} of run {run!r} is already taking a trace (request {active.id}, "
                          f"{active.state}, {active.steps} steps): one trace at a time per rank; wait for it")
+        if self._states.get((run, rank)) == IDLE_STATE:
+            pushed = self._pushes.get((run, rank))
+            ago = f", {self._clock() - pushed[0]:.1f} s ago," if pushed else ""
+            return 409, (f"rank {rank} of run {run!r} is idle (its last push{ago} said so: its training ended or "
+                         "has not started): a trace records training steps; ask while it trains")
         if status is None:
             return 422, (f"rank {rank} of run {run!r} pushes without the {STATUS_HEADER} header, so its hooks "
                          "cannot take traces (a Pushgateway client, or stepscope hooks older than this exporter)")
@@ -282,7 +302,8 @@ class ProfileRequests:
         pushed_at = here.get(key)
         pushes = self._pushes.get(key)
         return request.as_json(None if pushed_at is None else self._clock() - pushed_at,
-                               pushes[1] if pushes else None)
+                               statistics.median(pushes[1]) if pushes and pushes[1] else None,
+                               self._states.get(key))
 
 
 def _describe(status: RankStatus | None) -> str:
