@@ -12,7 +12,9 @@ connections wait. What keeps the legitimate scraper in under such a flood:
 - at most HASH_WORKERS hashes run at once and HASH_WAITING more wait; a check beyond that, or a second
   one from a client address that already has one waiting or running, is refused at once (AuthBusy, a
   429 with Retry-After) instead of holding its connection;
-- a waiting check whose client has gone by the time its turn comes is dropped without hashing.
+- a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
+  client that only closed its side is not known to be gone (it may be waiting for the answer, as
+  `nc -N` does), so its check runs; the bound above is what caps those.
 
 An unknown user is checked against a fixed hash so timing does not reveal which users exist.
 """
