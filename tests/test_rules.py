@@ -155,7 +155,7 @@ def test_the_write_filter_sends_every_node_recording_and_no_raw_bucket() -> None
 def test_readme_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:
     readme = (RULES_DIR.parents[1] / "README.md").read_text()
     section = readme[readme.index("<!-- section: dashboards -->"):readme.index("<!-- /section: dashboards -->")]
-    rows = dict(re.findall(r"^\| `(Stepscope\w+)`( \(critical\))? \|", section, re.M))
+    rows = dict(re.findall(r'^\| (?:<a id="[a-z]+"></a>)?`(Stepscope\w+)`( \(critical\))? \|', section, re.M))
     assert rows.keys() == {rule["alert"] for rule in alerts()}
     for rule in alerts():
         marked = rows[rule["alert"]] == " (critical)"
