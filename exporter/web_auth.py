@@ -142,6 +142,7 @@ class BcryptUsers:
         self._granted = _LruSet(GRANTED_CACHE_SIZE)
         self._denied = _LruSet(DENIED_CACHE_SIZE)
         self._hasher = _BoundedHasher()
+        self._pending: dict[bytes, asyncio.Future[None]] = {}  # credentials being checked now
 
     @property
     def bcrypt_calls(self) -> int:
@@ -161,13 +162,27 @@ class BcryptUsers:
             return False
         hashed = self._users.get(user, DECOY_HASH)
         key = hmac.new(self._key, b"\0".join((user.encode(), hashed, password)), hashlib.sha256).digest()
+        while (cached := self._cached(key)) is None and key in self._pending:
+            await asyncio.shield(self._pending[key])  # the same credentials sent again before the answer
+        if cached is not None:
+            return cached
+        return await self._check(key, user, password, hashed, client)
+
+    def _cached(self, key: bytes) -> bool | None:
         if self._granted.hit(key):
             return True
-        if self._denied.hit(key):
-            return False
-        matches = await self._hasher.matches(password, hashed, client)
-        if matches is None:
-            return False
-        granted = matches and user in self._users
-        (self._granted if granted else self._denied).add(key)
-        return granted
+        return False if self._denied.hit(key) else None
+
+    async def _check(self, key: bytes, user: str, password: bytes, hashed: bytes, client: Client) -> bool:
+        """One bcrypt for these credentials; others sending them meanwhile wait for its cached outcome
+        (or, where this client left before its turn and nothing was cached, check themselves)."""
+        self._pending[key] = done = asyncio.get_running_loop().create_future()
+        try:
+            matches = await self._hasher.matches(password, hashed, client)
+            granted = bool(matches) and user in self._users
+            if matches is not None:
+                (self._granted if granted else self._denied).add(key)
+            return granted
+        finally:
+            del self._pending[key]
+            done.set_result(None)

@@ -115,6 +115,21 @@ def test_a_check_whose_client_left_costs_no_hash_and_is_not_remembered() -> None
     assert asyncio.run(users.allows(basic("prometheus", PASSWORD), HERE)) is True  # not cached as denied
 
 
+def test_the_same_new_credentials_sent_twice_at_once_cost_one_hash() -> None:
+    """A second scrape sent before the first was answered (a retry, a second Prometheus behind the same
+    address) waits for the first one's outcome instead of a 429 or a second bcrypt."""
+    users = BcryptUsers({"prometheus": SLOW_HASH})
+
+    async def twice(first: Client, second: Client) -> list[bool]:
+        return list(await asyncio.gather(users.allows(basic("prometheus", PASSWORD), first),
+                                         users.allows(basic("prometheus", PASSWORD), second)))
+
+    assert asyncio.run(twice(HERE, HERE)) == [True, True] and users.bcrypt_calls == 1
+    users = BcryptUsers({"prometheus": SLOW_HASH})
+    left = Client("127.0.0.1", connected=lambda: False)  # the first one left: the second checks for itself
+    assert asyncio.run(twice(left, HERE)) == [False, True] and users.bcrypt_calls == 1
+
+
 def test_a_burst_of_wrong_passwords_leaves_scrapes_and_the_health_probe_up(tmp_path: Path) -> None:
     """300 new wrong passwords sent and closed at once, then a scrape with the cached credentials and a
     probe: before, the burst evicted the scraper's cached outcome and queued ~20 s of bcrypt ahead of it."""
