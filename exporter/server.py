@@ -6,8 +6,10 @@ aiohttp enforces Content-Length, so a body cut short never reaches the push API,
 response to a request whose body was not read closes the connection: no body is ever parsed as
 the next request. What this module adds on top is bounded: a deadline for a request head
 (HEADER_TIMEOUT_SECONDS, from the connection's start or the previous response; also the idle limit
-of a kept-alive connection) and for a push body, a cap on connections and on push-body bytes in
-flight (so /metrics always gets through), the push API's access check before a body byte is read,
+of a kept-alive connection) and for a push body, a cap on connections (a newcomer takes an idle
+connection's slot) and on push-body bytes in flight (charged only while they arrive at pace), fitted
+to the open-files limit (exporter.server_limits: so scrapes, probes and pushes sent at line rate get
+through), an answer to a client that half-closes, the push API's access check before a body byte is read,
 405 in plain text for other methods, TLS (exporter.web_tls), basic auth (exporter.web_auth), the
 web config file's response headers, a graceful stop. The profile-request API (PROFILE_PREFIX) goes
 through the same bounded path as a push.
@@ -127,7 +129,7 @@ class _RequestLineGuard(web.RequestHandler):
     which would hold the connection until the header deadline. It also holds a connection slot
     (server_limits.ConnectionSlots) and answers a client that half-closes after its request."""
 
-    __slots__ = ("_body", "_first_line", "_peer_closed", "_slots")
+    __slots__ = ("_body", "_evicted", "_first_line", "_peer_closed", "_slots")
     REPLY = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 30\r\n"
              b"Connection: close\r\n\r\nnot an HTTP/1.x request line\n")
 
@@ -135,12 +137,20 @@ class _RequestLineGuard(web.RequestHandler):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._first_line: bytes | None = b""  # None once the first line was seen
         self._slots = slots
+        self._evicted = False  # its slot went to a newer connection before this one was made
         self._peer_closed = False  # the client half-closed: no byte comes after what arrived
         self._body: StreamReader | None = None  # the push body being read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._slots.opened(self)
         super().connection_made(transport)
+        if self._evicted:
+            self.force_close()
+
+    def evict(self) -> None:
+        """Gives up the slot (server_limits.ConnectionSlots): closes now, or once the connection is made."""
+        self._evicted = True
+        if self.transport is not None:
+            self.force_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._slots.closed(self)
@@ -264,9 +274,11 @@ class ExporterServer:
             if slots.admit():
                 # keepalive_timeout doubles as the header deadline: aiohttp's timer runs from the
                 # connection's start and from each response until a complete request head arrives
-                return _RequestLineGuard(handlers, loop=loop, keepalive_timeout=HEADER_TIMEOUT_SECONDS,
-                                         access_log=None, logger=logger, lingering_time=0,
-                                         read_bufsize=READ_BUFFER_BYTES, slots=slots)
+                handler = _RequestLineGuard(handlers, loop=loop, keepalive_timeout=HEADER_TIMEOUT_SECONDS,
+                                            access_log=None, logger=logger, lingering_time=0,
+                                            read_bufsize=READ_BUFFER_BYTES, slots=slots)
+                slots.opened(handler)  # counted now: connection_made comes after a burst of accepts
+                return handler
             if not self._warned_connections:
                 log.warning("%d connections open, each serving a request, the limit (--web-max-connections): "
                             "refusing new ones with 503", slots.limit)

@@ -2,9 +2,11 @@
 checks and pushes sent at line rate get through whatever idle, slow or lying clients do.
 
 - Connections: `--web.max-connections` slots. A connection over the cap takes the slot of the one
-  that has waited longest for a request (kept alive between requests, or one whose head never came);
-  only when every slot is serving a request is the newcomer refused with 503. Idle connections cost
-  each other their slots, never a scrape's: a scrape's connection is busy from its request head on.
+  that has waited longest for its first request head, or, when none is waiting so, of the one kept
+  alive longest since its last response; only when every slot is serving a request is the newcomer
+  refused with 503. Idle connections cost each other their slots, never a scrape's: a scrape's
+  connection is busy from its request head on, and a scraper's or pusher's kept-alive connection goes
+  after every connection that never sent a request.
 - Push bodies (`--ingest-max-bytes-in-flight`): a body that arrived whole with its head needs no
   room (its bytes are read already; this is the share of clients that send at line rate). Any other
   reserves its Content-Length, so an admitted body always has room to finish, and keeps the
@@ -32,50 +34,62 @@ BODY_LAG_ALLOWANCE = 64 * 1024  # bytes a body may be behind that pace (a TCP wi
 FD_HEADROOM = 64  # descriptors kept for collectors, /proc reads and a burst of accepts over the cap
 ACCEPT_LOG_SECONDS = 10.0
 _ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for EMFILE, ENFILE, ENOBUFS
+_ACCEPT_RETRY = "._start_serving("  # in the message of a failed retry (asyncio schedules one per failed try)
 
 
-class Closable(Protocol):
-    def force_close(self) -> None:
+class Evictable(Protocol):
+    def evict(self) -> None:
+        """Closes the connection now, or as soon as it is made."""
         ...
 
 
 class ConnectionSlots:
-    """Who holds the connection slots, and which of them wait for a request (oldest first)."""
+    """Who holds the connection slots, and which of them wait for a request, oldest first: those that
+    never sent one (`_fresh`) apart from those kept alive after a response (`_kept`).
+
+    A connection counts from its protocol's creation, before the event loop reports it made: a burst of
+    accepts must not admit more than the cap (the descriptors it was fitted to would run out).
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._open: set[Closable] = set()
-        self._idle: OrderedDict[Closable, None] = OrderedDict()
+        self._open: set[Evictable] = set()
+        self._fresh: OrderedDict[Evictable, None] = OrderedDict()
+        self._kept: OrderedDict[Evictable, None] = OrderedDict()
         self.evicted = 0
 
     def admit(self) -> bool:
-        """Whether a new connection gets a slot; when all are taken, the longest-idle one is closed for it."""
+        """Whether a new connection gets a slot; when all are taken, an idle one is closed for it."""
         if len(self._open) < self.limit:
             return True
-        if not self._idle:
+        idle = self._fresh or self._kept
+        if not idle:
             return False
-        victim, _ = self._idle.popitem(last=False)
+        victim, _ = idle.popitem(last=False)
         self._open.discard(victim)
-        victim.force_close()
+        victim.evict()
         self.evicted += 1
         return True
 
-    def opened(self, connection: Closable) -> None:
+    def opened(self, connection: Evictable) -> None:
         self._open.add(connection)
-        self._idle[connection] = None
+        self._fresh[connection] = None
 
-    def busy(self, connection: Closable) -> None:
+    def busy(self, connection: Evictable) -> None:
         """A request is being served on it: it keeps its slot until it is idle again."""
-        self._idle.pop(connection, None)
+        self._fresh.pop(connection, None)
+        self._kept.pop(connection, None)
 
-    def idle(self, connection: Closable) -> None:
+    def idle(self, connection: Evictable) -> None:
+        """It answered a request and waits for the next (kept alive)."""
         if connection in self._open:
-            self._idle.pop(connection, None)
-            self._idle[connection] = None  # the newest idle one: evicted last
+            self._kept.pop(connection, None)
+            self._kept[connection] = None  # the newest: evicted last
 
-    def closed(self, connection: Closable) -> None:
+    def closed(self, connection: Evictable) -> None:
         self._open.discard(connection)
-        self._idle.pop(connection, None)
+        self._fresh.pop(connection, None)
+        self._kept.pop(connection, None)
 
 
 @dataclass(eq=False)
@@ -164,7 +178,8 @@ def _open_descriptors() -> int:
 class AcceptErrorLog:
     """The event loop's exception handler: a failing accept() (out of descriptors or memory) is one line
     per ACCEPT_LOG_SECONDS with a count; asyncio would log each try, up to a thousand a second, with a
-    traceback. Everything else goes to asyncio's default handler."""
+    traceback. Python 3.11 schedules a retry per failed try; those still pending when the server stops
+    fail on the closed socket and are dropped. Everything else goes to asyncio's default handler."""
 
     def __init__(self, interval: float = ACCEPT_LOG_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = interval
@@ -173,7 +188,10 @@ class AcceptErrorLog:
         self._next_report = 0.0
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if context.get("message") != _ACCEPT_FAILED:
+        message = context.get("message", "")
+        if _ACCEPT_RETRY in message and isinstance(context.get("exception"), ValueError | OSError):
+            return
+        if message != _ACCEPT_FAILED:
             loop.default_exception_handler(context)
             return
         self._failed += 1
