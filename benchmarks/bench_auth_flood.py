@@ -1,6 +1,6 @@
 """A wrong-password flood against basic auth: does the legitimate scraper, and the health probe, get through?
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_auth_flood.py --before /tmp/h20a-base   # ~5 minutes
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_auth_flood.py --before /tmp/h20a-base   # ~8 minutes
 
 `--before` is a checkout of the code to compare with (`git worktree add /tmp/h20a-base <commit>`); the
 code here is "after". Each run starts a fresh exporter with one cost-10 bcrypt user (what
