@@ -11,7 +11,8 @@ connections wait. What keeps the legitimate scraper in under such a flood:
   the password;
 - at most HASH_WORKERS hashes run at once and HASH_WAITING more wait; a check beyond that, or a second
   one from a client address that already has one waiting or running, is refused at once (AuthBusy, a
-  429 with Retry-After) instead of holding its connection;
+  429 with Retry-After) instead of holding its connection. An IPv6 address counts by its /64, what one
+  host is usually given, so one host cannot hold every slot by changing its address;
 - a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
   client that only closed its side is not known to be gone (it may be waiting for the answer, as
   `nc -N` does), so its check runs; the bound above is what caps those.
@@ -23,6 +24,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 from collections import Counter, OrderedDict
@@ -105,6 +107,17 @@ class _LruSet:
             self._keys.popitem(last=False)
 
 
+def _address_group(address: str) -> str:
+    """The unit one check at a time is allowed to: an IPv4 address (also IPv4-mapped), an IPv6 /64."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network(f"{parsed}/64", strict=False))
+    return str(getattr(parsed, "ipv4_mapped", None) or parsed)
+
+
 class _BoundedHasher:
     """bcrypt on worker threads (it releases the GIL), with a bound on checks waiting or running."""
 
@@ -115,16 +128,17 @@ class _BoundedHasher:
 
     async def matches(self, password: bytes, hashed: bytes, client: Client) -> bool | None:
         """Whether the password matches; None when the client left before its turn (nothing hashed)."""
-        if self._by_address[client.address] or sum(self._by_address.values()) >= HASH_WORKERS + HASH_WAITING:
+        group = _address_group(client.address)
+        if self._by_address[group] or sum(self._by_address.values()) >= HASH_WORKERS + HASH_WAITING:
             raise AuthBusy("too many new credentials are being checked; retry in a second")
-        self._by_address[client.address] += 1
+        self._by_address[group] += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, self._check, password, hashed,
                                                                     client.connected)
         finally:
-            self._by_address[client.address] -= 1
-            if not self._by_address[client.address]:
-                del self._by_address[client.address]
+            self._by_address[group] -= 1
+            if not self._by_address[group]:
+                del self._by_address[group]
 
     def _check(self, password: bytes, hashed: bytes, connected: Callable[[], bool]) -> bool | None:
         if not connected():  # read from this thread: at worst one hash for a client leaving right now

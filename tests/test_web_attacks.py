@@ -105,6 +105,10 @@ def test_new_credentials_beyond_the_bound_are_refused_at_once() -> None:
     assert answers.count(False) == HASH_WORKERS + HASH_WAITING == users.bcrypt_calls
     same_client = asyncio.run(at_once([Client("10.0.0.1"), Client("10.0.0.1")], "another"))  # one at a time per address
     assert same_client[0] is False and isinstance(same_client[1], AuthBusy)
+    same_host = asyncio.run(at_once([Client("2001:db8::1"), Client("2001:db8::2:1")], "v6"))  # one IPv6 /64
+    assert same_host[0] is False and isinstance(same_host[1], AuthBusy)
+    mapped = asyncio.run(at_once([Client("::ffff:10.1.0.1"), Client("::ffff:10.1.0.2")], "mapped"))  # two hosts
+    assert mapped == [False, False]
 
 
 def test_a_check_whose_client_left_costs_no_hash_and_is_not_remembered() -> None:
