@@ -129,7 +129,7 @@ class _RequestLineGuard(web.RequestHandler):
     which would hold the connection until the header deadline. It also holds a connection slot
     (server_limits.ConnectionSlots) and answers a client that half-closes after its request."""
 
-    __slots__ = ("_body", "_evicted", "_first_line", "_peer_closed", "_slots")
+    __slots__ = ("_body", "_first_line", "_peer_closed", "_slots")
     REPLY = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 30\r\n"
              b"Connection: close\r\n\r\nnot an HTTP/1.x request line\n")
 
@@ -137,20 +137,16 @@ class _RequestLineGuard(web.RequestHandler):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._first_line: bytes | None = b""  # None once the first line was seen
         self._slots = slots
-        self._evicted = False  # its slot went to a newer connection before this one was made
         self._peer_closed = False  # the client half-closed: no byte comes after what arrived
         self._body: StreamReader | None = None  # the push body being read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._slots.opened(self)
         super().connection_made(transport)
-        if self._evicted:
-            self.force_close()
 
     def evict(self) -> None:
-        """Gives up the slot (server_limits.ConnectionSlots): closes now, or once the connection is made."""
-        self._evicted = True
-        if self.transport is not None:
-            self.force_close()
+        """Gives up its slot (server_limits.ConnectionSlots) to a newer connection."""
+        self.force_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._slots.closed(self)
@@ -178,6 +174,8 @@ class _RequestLineGuard(web.RequestHandler):
             body.set_exception(ConnectionResetError("the client closed its side before the body ended"))
 
     def data_received(self, data: bytes) -> None:
+        if self._first_line == b"":
+            self._slots.started(self)
         if self._first_line is not None:
             head = self._first_line + data[:8192]
             end = head.find(b"\n")
@@ -266,19 +264,17 @@ class ExporterServer:
         self._stop = asyncio.Event()
         logger = logging.getLogger(f"{__name__}.aiohttp")
         logger.addFilter(_QuietBadRequests())
-        loop.set_exception_handler(AcceptErrorLog())
         handlers = web.Server(self._dispatch)  # tracks connections for the graceful stop
         slots = self._slots = ConnectionSlots(fit_connections(self.limits.max_connections))
+        loop.set_exception_handler(AcceptErrorLog(on_failure=slots.shed))
 
         def protocol() -> asyncio.BaseProtocol:
             if slots.admit():
                 # keepalive_timeout doubles as the header deadline: aiohttp's timer runs from the
                 # connection's start and from each response until a complete request head arrives
-                handler = _RequestLineGuard(handlers, loop=loop, keepalive_timeout=HEADER_TIMEOUT_SECONDS,
-                                            access_log=None, logger=logger, lingering_time=0,
-                                            read_bufsize=READ_BUFFER_BYTES, slots=slots)
-                slots.opened(handler)  # counted now: connection_made comes after a burst of accepts
-                return handler
+                return _RequestLineGuard(handlers, loop=loop, keepalive_timeout=HEADER_TIMEOUT_SECONDS,
+                                         access_log=None, logger=logger, lingering_time=0,
+                                         read_bufsize=READ_BUFFER_BYTES, slots=slots)
             if not self._warned_connections:
                 log.warning("%d connections open, each serving a request, the limit (--web-max-connections): "
                             "refusing new ones with 503", slots.limit)

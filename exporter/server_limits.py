@@ -45,10 +45,12 @@ class Evictable(Protocol):
 
 class ConnectionSlots:
     """Who holds the connection slots, and which of them wait for a request, oldest first: those that
-    never sent one (`_fresh`) apart from those kept alive after a response (`_kept`).
+    never sent a byte (`_fresh`) apart from those that did or were kept alive after a response (`_kept`).
 
-    A connection counts from its protocol's creation, before the event loop reports it made: a burst of
-    accepts must not admit more than the cap (the descriptors it was fitted to would run out).
+    A connection counts once the event loop reports it made, so a burst of accepts may pass the cap for
+    a moment; its newcomers are never each other's victims, only connections made before it (counted
+    from creation, a burst larger than the cap evicts its own members, a scraper's among them, before
+    their first byte is read). When that leaves no descriptor to accept with, `shed` closes idle ones.
     """
 
     def __init__(self, limit: int) -> None:
@@ -60,8 +62,16 @@ class ConnectionSlots:
 
     def admit(self) -> bool:
         """Whether a new connection gets a slot; when all are taken, an idle one is closed for it."""
-        if len(self._open) < self.limit:
-            return True
+        return len(self._open) < self.limit or self._evict_one()
+
+    def shed(self) -> None:
+        """Out of descriptors (accept() failed): closes idle connections until the open ones are a
+        sixteenth under the cap, so the next accept finds descriptors."""
+        target = self.limit - max(1, self.limit // 16)
+        while len(self._open) > target and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
         idle = self._fresh or self._kept
         if not idle:
             return False
@@ -74,6 +84,12 @@ class ConnectionSlots:
     def opened(self, connection: Evictable) -> None:
         self._open.add(connection)
         self._fresh[connection] = None
+
+    def started(self, connection: Evictable) -> None:
+        """Its first bytes arrived: it goes after every connection that sent none."""
+        if connection in self._fresh:
+            del self._fresh[connection]
+            self._kept[connection] = None
 
     def busy(self, connection: Evictable) -> None:
         """A request is being served on it: it keeps its slot until it is idle again."""
@@ -178,10 +194,13 @@ def _open_descriptors() -> int:
 class AcceptErrorLog:
     """The event loop's exception handler: a failing accept() (out of descriptors or memory) is one line
     per ACCEPT_LOG_SECONDS with a count; asyncio would log each try, up to a thousand a second, with a
-    traceback. Python 3.11 schedules a retry per failed try; those still pending when the server stops
-    fail on the closed socket and are dropped. Everything else goes to asyncio's default handler."""
+    traceback. Each failure sheds idle connections (`on_failure`). Python 3.11 schedules a retry per
+    failed try; those still pending when the server stops fail on the closed socket and are dropped.
+    Everything else goes to asyncio's default handler."""
 
-    def __init__(self, interval: float = ACCEPT_LOG_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, on_failure: Callable[[], None], interval: float = ACCEPT_LOG_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._on_failure = on_failure  # frees descriptors: ConnectionSlots.shed
         self._interval = interval
         self._clock = clock
         self._failed = 0
@@ -194,6 +213,7 @@ class AcceptErrorLog:
         if message != _ACCEPT_FAILED:
             loop.default_exception_handler(context)
             return
+        self._on_failure()
         self._failed += 1
         now = self._clock()
         if now < self._next_report:
