@@ -12,8 +12,8 @@ really fed (a partial last batch or a short last accumulation counts what it hol
 What is in a step but in no phase: logging (its loss gather across ranks), the other callbacks, counting
 the step's label tokens (`num_items_in_batch`, gathered across ranks when averaged).
 States: train, eval and checkpoint (entered when the Trainer decides to evaluate or save at a step end,
-left when the next batch is fetched), idle after training. Requires `transformers`; importing this
-module imports it.
+after the step's logging; left at on_evaluate and on_save, or at the next fetch), idle after training.
+Requires `transformers`; importing this module imports it.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class StepscopeCallback(TrainerCallback):
         self._default_batch = 0  # samples per batch where the fetch is not seen
         self._trainer: Trainer | None = None
         self._break_after_log = False  # an eval or save decided at a step end waits for the logging before it
+        self._training = False  # between on_train_begin and on_train_end: a user's own evaluate() changes nothing
 
     def _phase(self, name: str) -> Any:
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
@@ -75,6 +76,7 @@ class StepscopeCallback(TrainerCallback):
             self.tracker = training_hooks.init(**init)
         self._default_batch = args.train_batch_size
         self._wrap_fetch(_find_trainer())
+        self._training = True
         self.tracker.state(TRAIN_STATE)
 
     def _wrap_fetch(self, trainer: Trainer | None) -> None:
@@ -141,27 +143,33 @@ class StepscopeCallback(TrainerCallback):
         self._phase(LR_SCHEDULER_PHASE).end()
         self._phase(TRAIN_BATCH_PHASE).end()
         self.tracker.step(samples=self._next_fed())
-        self._enter_eval_or_save(control)
+        self._after_step(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._enter_eval_or_save(control)
+        self._after_step(state, control)
+
+    def _after_step(self, state: TrainerState, control: TrainerControl) -> None:
+        """DefaultFlowCallback (always first) has decided whether the Trainer logs, evaluates or saves next.
+
+        Where it logs before an eval or a save, the state changes once that is done (on_log), so the
+        logging (a loss gather across ranks) stays in train.
+        """
+        if not (control.should_evaluate or control.should_save):
+            return
+        last_logged = getattr(self._trainer, "_globalstep_last_logged", None)  # the Trainer's own log test
+        if control.should_log and last_logged is not None and state.global_step > last_logged:
+            self._break_after_log = True
+        else:
+            self._enter_eval_or_save(control)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                **kwargs: Any) -> None:
         if self._break_after_log:
             self._break_after_log = False
-            self._enter_eval_or_save(control, logged=True)
+            self._enter_eval_or_save(control)
 
-    def _enter_eval_or_save(self, control: TrainerControl, logged: bool = False) -> None:
-        """DefaultFlowCallback (always first) has already decided whether the Trainer evaluates or saves.
-
-        The Trainer logs first when it logs too: the state changes once that is done (on_log), so the
-        logging stays in train.
-        """
-        if control.should_log and not logged and (control.should_evaluate or control.should_save):
-            self._break_after_log = True
-            return
+    def _enter_eval_or_save(self, control: TrainerControl) -> None:
         if control.should_evaluate:
             self.tracker.state(EVAL_STATE)
         elif control.should_save:
@@ -169,11 +177,21 @@ class StepscopeCallback(TrainerCallback):
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        if control.should_save:
-            self.tracker.state(CHECKPOINT_STATE)
+        """The evaluation is done: a save follows, or training goes on (not a `trainer.evaluate()` after it)."""
+        if self._training:
+            self._break_after_log = False  # had the Trainer not logged after all, the eval ends here anyway
+            self.tracker.state(CHECKPOINT_STATE if control.should_save else TRAIN_STATE)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        """The save is done: what follows until the next step (end-of-training bookkeeping too) is not it."""
+        if self._training:
+            self._break_after_log = False
+            self.tracker.state(TRAIN_STATE)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._training = False
         if self._trainer is not None:
             vars(self._trainer).pop(_FETCH, None)
             self._trainer = None
