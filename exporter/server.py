@@ -357,9 +357,18 @@ class ExporterServer:
         if request.method != "HEAD":
             view = memoryview(body)
             for start in range(0, len(body), WRITE_SLICE_BYTES):
-                await response.write(view[start:start + WRITE_SLICE_BYTES])  # waits while the client is slow
+                await self._write(request, response, view[start:start + WRITE_SLICE_BYTES])
         await response.write_eof()
         return response
+
+    async def _write(self, request: web.BaseRequest, response: web.StreamResponse, data: memoryview) -> None:
+        """Writes a slice, waiting while the client is slow; meanwhile its connection's slot may go to a
+        newcomer like an idle one's (a client that never reads would hold it for ever)."""
+        self._slots.waiting_on_client(request.protocol)
+        try:
+            await response.write(data)
+        finally:
+            self._slots.busy(request.protocol)
 
     async def _api(self, request: web.BaseRequest, handler: PushHandler) -> web.StreamResponse:
         """check() on the request head; then the body, bounded in size, time and bytes in flight; handle()."""

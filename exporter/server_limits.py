@@ -2,8 +2,9 @@
 checks and pushes sent at line rate get through whatever idle, slow or lying clients do.
 
 - Connections: `--web.max-connections` slots. A connection over the cap takes the slot of the one
-  that has waited longest for its first request head, or, when none is waiting so, of the one kept
-  alive longest since its last response; only when every slot is serving a request is the newcomer
+  that has waited longest for its first request head, or, when none is waiting so, of the one that
+  has waited longest for its client otherwise (kept alive since its last response, or writing a
+  response the client does not read); only when every slot is serving a request is the newcomer
   refused with 503. Idle connections cost each other their slots, never a scrape's: a scrape's
   connection is busy from its request head on, and a scraper's or pusher's kept-alive connection goes
   after every connection that never sent a request.
@@ -98,6 +99,10 @@ class ConnectionSlots:
 
     def idle(self, connection: Evictable) -> None:
         """It answered a request and waits for the next (kept alive)."""
+        self.waiting_on_client(connection)
+
+    def waiting_on_client(self, connection: Evictable) -> None:
+        """It waits for its client: for the next request, or to read the response being written."""
         if connection in self._open:
             self._kept.pop(connection, None)
             self._kept[connection] = None  # the newest: evicted last

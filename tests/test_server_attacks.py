@@ -160,6 +160,36 @@ def test_a_thousand_idle_connections_fail_no_scrape_or_health_check(tmp_path: Pa
                 sock.close()
 
 
+def test_clients_that_never_read_a_large_scrape_fail_no_probe_or_scrape(tmp_path: Path) -> None:
+    """16 connections (the cap) ask for a 4 MB /metrics and never read it: each waits on its client, so a
+    newcomer takes the slot of the one that waited longest, as from an idle connection."""
+    with running_exporter(tmp_path, *NO_COLLECTORS, "--web.max-connections", "16") as exp:
+        body = hooks_body()
+        with requests.Session() as session:
+            for run in range(200):
+                session.put(exp.url + GROUP.format(run=f"big{run}", rank=0), data=body, timeout=10).raise_for_status()
+        port = port_of(exp)
+        readers = []
+        for _ in range(16):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            readers.append(sock)
+        try:
+            time.sleep(1)
+            answers = []
+            for path in ("/-/healthy", "/metrics") * 5:
+                try:
+                    answers.append(requests.get(exp.url + path, timeout=5).status_code)
+                except requests.RequestException as exc:
+                    answers.append(type(exc).__name__)
+            assert answers == [200] * 10
+        finally:
+            for sock in readers:
+                sock.close()
+
+
 # --- item 5: an open-files limit below the connection cap ---------------------------------------
 
 def test_an_open_files_limit_below_the_cap_is_fitted_and_logs_little(tmp_path: Path) -> None:
