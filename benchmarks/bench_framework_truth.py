@@ -3,9 +3,9 @@
 Runs the scenarios of tests/test_framework_truth.py (tests/support/framework_truth.py: accumulation 4, a
 partial last batch and a short last accumulation each epoch, validation, checkpoints, max_time, a
 neighbour callback busy at every batch end; Lightning on 1 rank and DDP over gloo on 2, the transformers
-Trainer on 1) with the hooks of a git revision (default 0781a5f, before the change) and with the work
-tree's, each in its own process pushing to a real Pushgateway, REPEATS times, and prints medians and
-ranges of what was pushed over the truth measured in the same process:
+Trainer on 1 and on 2 under torchrun) with the hooks of a git revision (default 0781a5f, before the
+change) and with the work tree's, each in its own process pushing to a real Pushgateway, REPEATS times,
+and prints medians and ranges of what was pushed over the truth measured in the same process:
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_framework_truth.py [--repeats 3] [--before REV]
 
@@ -26,16 +26,17 @@ from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 
-from stepscope_testkit.processes import REPO_ROOT, sample_values, scrape
+from stepscope_testkit.processes import REPO_ROOT, free_port, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
 from tests.support.framework_truth import Truth
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "framework_truth.md"
-SCENARIOS = {"lightning": 1, "lightning_ddp": 2, "huggingface": 1}  # scenario -> ranks
+SCENARIOS = {"lightning": 1, "lightning_ddp": 2, "huggingface": 1, "huggingface_ddp": 2}  # scenario -> ranks
 
 
 def child(scenario: str, out: Path, push_url: str, run: str) -> None:
-    """One scenario in this process (rank 0; Lightning's launcher starts rank 1 of the DDP one)."""
+    """One scenario in this process (rank 0; Lightning's launcher starts rank 1 of its DDP run, torchrun
+    both ranks of the Trainer's)."""
     from tests.support.framework_truth import huggingface_train, lightning_fit
 
     if scenario == "lightning_ddp":
@@ -48,11 +49,12 @@ def child(scenario: str, out: Path, push_url: str, run: str) -> None:
         from training_hooks.lightning import StepscopeCallback as PL
 
         lightning_fit(truth, out, PL(run=run, push_url=push_url, push_interval=1.0), devices=1)
-    else:
-        from training_hooks.huggingface import StepscopeCallback as HF
+        truth.save(out / "truth-0.json")
+        return
+    from training_hooks.huggingface import StepscopeCallback as HF
 
-        huggingface_train(truth, out, HF(run=run, push_url=push_url, push_interval=1.0))
-    truth.save(out / "truth-0.json")
+    trainer = huggingface_train(truth, out, HF(run=run, push_url=push_url, push_interval=1.0))
+    truth.save(out / f"truth-{trainer.args.process_index}.json")
 
 
 def hooks_tree(revision: str, into: Path) -> Path:
@@ -74,6 +76,8 @@ def measure(root: Path, scenario: str, push_url: str, run: str, out: Path) -> li
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "benchmarks.bench_framework_truth", "--child", scenario, str(out), push_url, run]
+    if scenario == "huggingface_ddp":  # torchrun starts both ranks, as a user would (gloo on the CPU)
+        argv[1:2] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m"]
     subprocess.run(argv, cwd=root, env=env, capture_output=True, check=True, timeout=300)
     text = scrape(push_url)
     rows = []
