@@ -156,9 +156,11 @@ class _RequestLineGuard(web.RequestHandler):
         """The client half-closed (`nc -N`, HTTP/1.0-style clients). aiohttp closes the connection then,
         dropping a complete request unanswered; here a request is still served and answered (a body it
         cut short fails at once, see reading_body), and the connection closes after the response. An
-        idle connection (aiohttp's `_waiter` pending: no request head complete) closes as before."""
+        idle connection (aiohttp's `_waiter` pending: no request head complete) closes as before, and so
+        does a TLS one (asyncio's TLS transport closes on EOF whatever this returns, and warns if True)."""
         waiter = getattr(self, "_waiter", None)
-        if waiter is not None and not waiter.done():
+        if (waiter is not None and not waiter.done()) or (
+                self.transport is not None and self.transport.get_extra_info("ssl_object") is not None):
             return None
         self._peer_closed = True
         if self._body is not None:

@@ -6,9 +6,11 @@ Real exporter processes over raw sockets. Deadlines here only tell "answered" fr
 latencies under attack are measured in benchmarks/bench_push_starvation.py.
 """
 
+import contextlib
 import os
 import resource
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,7 +22,17 @@ import pytest
 import requests
 
 from stepscope_testkit.ingest_bodies import counter, full_body, hooks_body
-from stepscope_testkit.processes import REPO_ROOT, Running, exporter_env, free_port, running_exporter, samples, scrape
+from stepscope_testkit.processes import (
+    REPO_ROOT,
+    Running,
+    exporter_env,
+    free_port,
+    running,
+    running_exporter,
+    samples,
+    scrape,
+)
+from tests.support.certs import make_cert
 
 NO_COLLECTORS = ("--collectors", "")
 GROUP = "/metrics/job/stepscope/run/{run}/rank/{rank}"
@@ -264,6 +276,27 @@ def test_a_scrape_then_half_close_is_answered(exporter: Running) -> None:
         reply = read_reply(sock)
     assert reply.startswith(b"HTTP/1.0 200"), reply[:200]  # aiohttp answers in the version asked
     assert b"stepscope_exporter_build_info" in reply
+
+
+def test_a_tls_client_that_half_closes_logs_nothing(tmp_path: Path) -> None:
+    """TLS transports close on EOF whatever the protocol asks, and warn if asked to stay open: a
+    half-closing TLS client (a flood of them) must not write to the log."""
+    cert, key = make_cert(tmp_path, "127.0.0.1")
+    port = free_port()
+    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
+            "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
+                 verify=False) as exp:
+        context = ssl.create_default_context(cafile=str(cert))
+        for _ in range(3):
+            raw = socket.create_connection(("127.0.0.1", port))
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                tls.shutdown(socket.SHUT_WR)  # a TCP half-close, no TLS close_notify
+                with contextlib.suppress(OSError):
+                    tls.recv(65536)
+        time.sleep(0.5)
+        assert "eof_received" not in exp.log() and "Traceback" not in exp.log()
 
 
 # --- item 4: JSON nested deeper than the interpreter's stack -------------------------------------
