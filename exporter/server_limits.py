@@ -14,8 +14,9 @@ checks and pushes sent at line rate get through whatever idle, slow or lying cli
   reservation only while its bytes come at MIN_BODY_RATE: when a push needs room, the bodies furthest
   behind that pace lose theirs. Announcing 1 MiB and sending 1 byte holds the budget for 1/16 s, and
   only until someone else needs it.
-- File descriptors: the connection cap is fitted under RLIMIT_NOFILE at start (one log line), and a
-  failing accept() is logged once per ACCEPT_LOG_SECONDS with a count instead of a traceback per try.
+- File descriptors: the connection cap is fitted under RLIMIT_NOFILE at start (one log line); a
+  failing accept() is logged once per ACCEPT_LOG_SECONDS with a count instead of a traceback per try,
+  and sheds idle connections so that descriptors come back.
 """
 
 import asyncio
@@ -40,7 +41,7 @@ _ACCEPT_RETRY = "._start_serving("  # in the message of a failed retry (asyncio 
 
 class Evictable(Protocol):
     def evict(self) -> None:
-        """Closes the connection now, or as soon as it is made."""
+        """Closes the connection, giving up its slot."""
         ...
 
 
