@@ -87,6 +87,8 @@ STATE_SECONDS = "stepscope_state_seconds_total"
 TRAINING_INFO = "stepscope_training_info"
 TRAINING_STATE = "stepscope_training_state"
 TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
+TRAINING_LAST_STEP = "stepscope_training_last_step_timestamp_seconds"
+TRAINING_PHASE_ENTERED = "stepscope_training_phase_entered_timestamp_seconds"
 LOADER_LIMIT = "stepscope_loader_limit_samples_per_second"
 COMPUTE_LIMIT = "stepscope_compute_limit_samples_per_second"
 TRACE_BYTES = "stepscope_profile_trace_bytes"
@@ -226,6 +228,13 @@ _TRAINING = (
     Family(STATE_SECONDS, "counter", (*RUN_RANK, "state"),
            "pushed: seconds spent in each state, so a state shorter than a push interval still counts",
            help="Seconds the training process spent in each state (every state from the start).", pushed=True),
+    Family(TRAINING_LAST_STEP, "gauge", RUN_RANK,
+           "pushed: when the rank's last step ended (or its training began): a run stalls when it stops moving",
+           help="Unix time the last step ended (or training began).", pushed=True),
+    Family(TRAINING_PHASE_ENTERED, "gauge", (*RUN_RANK, "phase"),
+           "pushed: the host-timed phase the rank entered last and has not left, with when it entered it; "
+           "absent between phases",
+           help="Unix time the rank entered the phase it is in (host-timed phases).", pushed=True),
     Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
            "when the rank last pushed (groups expire `--ingest-ttl` after it)",
            help="Unix time of the last accepted push of this run and rank (pushes without steps = stalled)."),

@@ -61,6 +61,15 @@ THRESHOLDS: Mapping[str, Threshold] = {
         10, "seconds a settled rank must have trained without a break before the GPU readings count as its "
         "training's: they lag the state by a collector cycle or two (6-8 s on the H100)",
         (RANK_TRAINING_GPU_READINGS,)),
+    "stall_seconds": Threshold(
+        60, "seconds without a step after which a run whose ranks are all in state train has stalled (or "
+        "stall_step_multiple x its recent step time, if longer)", ("StepscopeTrainingStalled",)),
+    "stall_step_multiple": Threshold(
+        5, "a run stalls after this many times the slowest recent minute's mean step time without a step "
+        "(if longer than stall_seconds)", ("StepscopeTrainingStalled",)),
+    "rank_lost_seconds": Threshold(
+        45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
+        ("StepscopeRankLost", "StepscopeTrainingStalled")),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),

@@ -8,7 +8,7 @@ templates. Only the receiver (a webhook and a Slack receiver from receivers.exam
 at a server this test runs) and the group timings (the same ratio, shorter) are rewritten.
 
 Runs: `databound` (its loader holds the step; its GPU waits), `gpubound` (busy GPU, quick loader),
-`stalled` (in state train, never steps; critical) on node-a, and `spread`, data-bound with rank 0 on
+`stalled` (three steps, then hangs in dataloader_next; critical) on node-a, and `spread`, data-bound with rank 0 on
 node-a and rank 1 on node-b. Before issue 28 one run's critical muted every warning of its node, and
 every alert paged once per node and again for each symptom of one cause.
 """
@@ -232,6 +232,9 @@ INHIBITION_CASES = [
     (case("LoaderBelowCompute", "warning", "i4", run="i-e", rank="0"), False),
     (case("DataLoadingBottleneck", "warning", "i4", run="i-e", rank="0"), True),
     (case("GpuUnderutilized", "warning", "i4", run="i-e"), True),
+    (case("RankLost", "critical", "i5", run="i-f", rank="1"), False),
+    (case("TrainingStalled", "critical", "i5", run="i-f"), True),
+    (case("TrainingStalled", "critical", "i5", run="i-g"), False),
 ]
 
 

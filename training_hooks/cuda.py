@@ -299,6 +299,7 @@ class SyncCudaPhase:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._cuda.synchronize()
         self._hist.observe_ns(perf_counter_ns() - self._start)
+        self._start = 0  # left (see HostPhase)
 
     def start(self) -> None:
         self.__enter__()

@@ -25,6 +25,8 @@ from stepscope_contract import (
     TRACE_STEPS,
     TRACE_TIMESTAMP,
     TRAINING_INFO,
+    TRAINING_LAST_STEP,
+    TRAINING_PHASE_ENTERED,
     TRAINING_STATE,
 )
 from training_hooks.limits import Limits
@@ -46,6 +48,8 @@ class Snapshot:
     trace: TraceOutcome | None = None  # the latest profiler trace written
     micro_batches: int = 0  # batches fed to the model: steps x gradient accumulation
     state_seconds: Mapping[str, float] = field(default_factory=dict)  # seconds per state so far (0 if absent)
+    last_step_time: float | None = None  # Unix seconds of the last step boundary, None before the first
+    open_phase: tuple[str, float] | None = None  # (phase, Unix seconds it was entered) if one is open
 
 
 def _escape(value: str) -> str:
@@ -91,11 +95,23 @@ def render(snap: Snapshot) -> str:
     lines.append(f"{_header(lines, MICRO_BATCHES_TOTAL)} {snap.micro_batches}")
     name = _header(lines, STATE_SECONDS)
     lines += [f'{name}{{state="{s}"}} {floatToGoString(snap.state_seconds.get(s, 0.0))}' for s in STATES]
+    _progress(lines, snap)
     if snap.limits is not None:
         _limits(lines, snap.limits)
     if snap.trace is not None:
         _trace(lines, snap.trace)
     return "\n".join(lines) + "\n"
+
+
+def _progress(lines: list[str], snap: Snapshot) -> None:
+    """When the rank last stepped and the phase it is in: the families that name a hung rank."""
+    name = _header(lines, TRAINING_LAST_STEP)
+    if snap.last_step_time is not None:
+        lines.append(f"{name} {floatToGoString(snap.last_step_time)}")
+    name = _header(lines, TRAINING_PHASE_ENTERED)
+    if snap.open_phase is not None:
+        phase, entered = snap.open_phase
+        lines.append(f"{name}{_labels([('phase', phase)])} {floatToGoString(entered)}")
 
 
 def _limits(lines: list[str], limits: Limits) -> None:

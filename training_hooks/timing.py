@@ -211,6 +211,9 @@ class Histogram:
 class HostPhase:
     """`with phase:` times wall-clock with perf_counter_ns; reused for every step (no allocation per use).
 
+    `_start` is when the phase was entered, 0 once it is left: the pusher thread reads it to say which
+    phase a rank is in when it stops stepping.
+
     Not re-entrant: nesting a phase inside itself would overwrite the start; use distinct names.
     """
 
@@ -231,6 +234,7 @@ class HostPhase:
         duration = perf_counter_ns() - self._start
         self._counts[bisect_left(self._bounds_ns, duration)] += 1  # inlined Histogram.observe_ns
         self._hist.sum_ns += duration
+        self._start = 0  # left: the pusher reports the phase a hung rank is in (Tracker.snapshot)
 
     # Explicit forms for callbacks whose start and end arrive in different hooks.
     def start(self) -> None:

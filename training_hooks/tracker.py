@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from time import perf_counter_ns
+from time import perf_counter_ns, time
 from typing import Any
 
 import psutil
@@ -318,6 +318,7 @@ class Tracker:
         start_time = _start_time(pid)
         if start_time is not None:
             info["start_time"] = start_time
+        last_step, open_phase = self._progress()
         return Snapshot(
             phases=[(name, timing, hist.snapshot()) for name, timing, hist in self._phase_order],
             step=self._step_hist.snapshot(),
@@ -329,7 +330,23 @@ class Tracker:
             info=info,
             limits=self._limits,
             trace=self.traces.published() if self.traces is not None else None,
+            last_step_time=last_step,
+            open_phase=open_phase,
         )
+
+    def _progress(self) -> tuple[float | None, tuple[str, float] | None]:
+        """When the last step ended (Unix seconds; None before the first) and the phase entered last and
+        not left, with when it was entered: what names a rank that stopped stepping. Read from what the
+        training thread stores anyway (the step boundary, each host phase's start)."""
+        perf_now, unix_now = perf_counter_ns(), time()
+
+        def unix(perf_ns: int) -> float:
+            return unix_now - (perf_now - perf_ns) / 1e9
+
+        last_step = unix(self._boundary) if self._steps else None
+        started = [(getattr(phase, "_start", 0), phase.name) for phase in tuple(self._host.values())]
+        entered, name = max(started, default=(0, ""))
+        return last_step, ((name, unix(entered)) if entered else None)
 
     def render(self) -> str:
         return render(self.snapshot())

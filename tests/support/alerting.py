@@ -4,8 +4,8 @@ alerts keep their order), a real Alertmanager (Debian's prometheus-alertmanager)
 whose receivers point at a webhook server run here.
 
 Runs (RANKS): `databound` (its loader holds the step; its GPU waits), `gpubound` (busy GPU, quick
-loader), `stalled` (in state train, never steps: critical) on node-a, and `spread`, data-bound with
-rank 0 on node-a and rank 1 on node-b.
+loader), `stalled` (three steps, then hangs in dataloader_next: critical) on node-a, and `spread`,
+data-bound with rank 0 on node-a and rank 1 on node-b.
 """
 
 import json
@@ -26,6 +26,7 @@ import requests
 import yaml
 
 from grafana.rules import RULE_FILES
+from stepscope_contract import THRESHOLDS
 from stepscope_testkit.fake_nvml.scenario import write_scenario
 from stepscope_testkit.processes import REPO_ROOT, free_port, running, running_exporter
 from tests.support.demos import gpus_for_runs
@@ -38,9 +39,12 @@ TRAINER = """
 import sys, time, training_hooks as th
 run, rank, world, url, loader_s, compute_s = sys.argv[1:7]
 tracker = th.init(run=run, rank=int(rank), world_size=int(world), push_url=url, push_interval=0.5)
-if float(loader_s) < 0:  # stalled: in state train, alive and pushing, never a step
+if float(loader_s) < 0:  # stalled: steps, then hangs fetching a batch, alive and pushing in state train
     with tracker.state("train"):
-        time.sleep(3600)
+        for _ in range(3):
+            tracker.step(samples=8)
+        with tracker.phase("dataloader_next"):
+            time.sleep(3600)
 def batches():
     while True:
         time.sleep(float(loader_s))
@@ -50,7 +54,7 @@ for batch in tracker.loader(batches()):
         time.sleep(float(compute_s))
     tracker.step(samples=batch)
 """
-# (run, rank) -> (node, loader seconds, compute seconds); loader < 0: stalled
+# (run, rank) -> (node, loader seconds, compute seconds); loader < 0: stalled after three steps
 RANKS = {
     ("databound", 0): ("node-a", 0.06, 0.01),
     ("gpubound", 0): ("node-a", 0.0, 0.05),
@@ -169,8 +173,13 @@ def running_alertmanager(tmp: Path, config_file: Path) -> Iterator[str]:
         yield base
 
 
+STALL_SECONDS = int(THRESHOLDS["stall_seconds"].value)
+STALL_SECONDS_HERE = 5  # longer than a push (0.5 s) and a scrape (1 s) apart; the 60 s floor as `for` shrinks
+
+
 def shorter_for(tmp: Path) -> list[Path]:
-    """The generated rule files with every alert's `for` a sixtieth (10m -> 10s): same order, seconds."""
+    """The generated rule files with every alert's `for` a sixtieth (10m -> 10s): same order, seconds.
+    The stall alert's floor (its `for`, in effect) shrinks to STALL_SECONDS_HERE."""
     paths = []
     for source in RULE_FILES:
         document = yaml.safe_load(source.read_text())
@@ -178,6 +187,9 @@ def shorter_for(tmp: Path) -> list[Path]:
             for rule in group["rules"]:
                 if "for" in rule:
                     rule["for"] = f"{seconds(rule['for']) // 60}s"
+                if rule.get("alert") == "StepscopeTrainingStalled":
+                    rule["expr"] = (rule["expr"].replace(f", {STALL_SECONDS})", f", {STALL_SECONDS_HERE})")
+                                    .replace(f"{STALL_SECONDS} + 0 *", f"{STALL_SECONDS_HERE} + 0 *"))
         paths.append(tmp / source.name)
         paths[-1].write_text(yaml.safe_dump(document))
     return paths
