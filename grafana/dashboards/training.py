@@ -297,6 +297,28 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 height=8,
             )
         )
+        .with_panel(
+            table_panel(
+                "Where each rank is",
+                "Per rank: seconds since its last step, the host-timed phase it is in and for how long, and "
+                "seconds since its last push. When a run stops stepping (StepscopeTrainingStalled), the rank in "
+                "a different phase from the others, or in its phase the longest, holds them up (a loader in "
+                f"{contract.DATA_LOADING_PHASE}, a hung GPU); the ranks in {contract.BACKWARD_PHASE} wait for it "
+                "in the all-reduce. A rank whose last push is old and that did not close is lost "
+                "(StepscopeRankLost).",
+                [
+                    Q(f"time() - {sel(fam.TRAINING_LAST_STEP, RANKS)}", table=True),
+                    Q(f"time() - {sel(fam.TRAINING_PHASE_ENTERED, RANKS)}", table=True),
+                    Q(f"time() - {sel(fam.TRAINING_LAST_PUSH, RANKS)}", table=True),
+                ],
+                {
+                    "Value #A": ("since last step", "s"),
+                    "Value #B": ("in its phase", "s"),
+                    "Value #C": ("since last push", "s"),
+                },
+                width=24,
+            )
+        )
     )
     return board
 
