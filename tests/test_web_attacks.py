@@ -176,6 +176,9 @@ LOADED = f"basic_auth_users: {{prometheus: '{HASH}'}}\nhttp_server_config: {{hea
         (f"basic_auth_users: {{prometheus: '{HASH}'}}\nhttp_server_config:\n  headers:\n    X-Frame-Options:",
          "X-Frame-Options: no value"),
     ],
+    # fixed ids: HASH has a random salt, and pytest-xdist's workers must collect the same test names
+    ids=["empty", "comment-only", "users-key-only", "user-without-hash", "truncated-yaml", "headers-only",
+         "users-only", "header-without-value"],
 )
 def test_a_reload_that_would_drop_users_or_headers_keeps_them(
     tmp_path: Path, text: str, reason: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
