@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -215,3 +216,24 @@ def test_imports_and_works_without_torch_and_exporter() -> None:
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_the_phase_a_rank_is_in_and_its_last_step_are_pushed() -> None:
+    """What names a hung rank: the host-timed phase entered last and not left (a cuda=True phase on a
+    machine without CUDA is timed on the host too), and when the last step ended."""
+    t = th.init(run="where", push_url="", handle_sigterm=False)
+    assert t.snapshot().last_step_time is None and t.snapshot().open_phase is None
+    t.state("train")
+    with t.phase("forward"):
+        pass
+    t.step()
+    before = time.time()
+    assert t.snapshot().open_phase is None, "between phases"
+    backward = t.phase("backward", cuda=True)
+    backward.start()
+    name, entered = t.snapshot().open_phase
+    assert name == "backward" and before - 1 < entered <= time.time()
+    assert t.snapshot().last_step_time <= entered
+    backward.end()
+    assert t.snapshot().open_phase is None
+    t.close()

@@ -344,7 +344,8 @@ class Tracker:
             return unix_now - (perf_now - perf_ns) / 1e9
 
         last_step = unix(self._boundary) if self._steps else None
-        started = [(getattr(phase, "_start", 0), phase.name) for phase in tuple(self._host.values())]
+        phases = (*self._host.values(), *self._gpu.values())  # cuda=True without CUDA times on the host too
+        started = [(getattr(phase, "_start", 0), phase.name) for phase in phases]
         entered, name = max(started, default=(0, ""))
         return last_step, ((name, unix(entered)) if entered else None)
 
