@@ -188,8 +188,11 @@ def shorter_for(tmp: Path) -> list[Path]:
                 if "for" in rule:
                     rule["for"] = f"{seconds(rule['for']) // 60}s"
                 if rule.get("alert") == "StepscopeTrainingStalled":
-                    rule["expr"] = (rule["expr"].replace(f", {STALL_SECONDS})", f", {STALL_SECONDS_HERE})")
+                    shipped = rule["expr"]
+                    rule["expr"] = (shipped.replace(f", {STALL_SECONDS})", f", {STALL_SECONDS_HERE})")
                                     .replace(f"{STALL_SECONDS} + 0 *", f"{STALL_SECONDS_HERE} + 0 *"))
+                    floors = (f", {STALL_SECONDS})", f"{STALL_SECONDS} + 0 *")
+                    assert all(shipped.count(floor) == 1 for floor in floors), f"the stall floor moved: {shipped}"
         paths.append(tmp / source.name)
         paths[-1].write_text(yaml.safe_dump(document))
     return paths
