@@ -171,7 +171,7 @@ def legitimate_client(url: str, seconds: float) -> dict[str, Probes]:
 
 
 def start_exporter(root: Path, workdir: Path, port: int, label: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{port}",
+    argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"127.0.0.1:{port}",
             "--web.config.file", str(workdir / "web.yml"), "--no-collector.gpu", "--no-collector.process",
             "--collect-interval", "1"]
     log = open(workdir / f"{label}-{port}.log", "wb")  # noqa: SIM115 - the child writes to it until it ends

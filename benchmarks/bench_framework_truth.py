@@ -46,12 +46,12 @@ def child(scenario: str, out: Path, push_url: str, run: str) -> None:
         return
     truth = Truth()
     if scenario == "lightning":
-        from training_hooks.lightning import StepscopeCallback as PL
+        from stepscope.hooks.lightning import StepscopeCallback as PL
 
         lightning_fit(truth, out, PL(run=run, push_url=push_url, push_interval=1.0), devices=1)
         truth.save(out / "truth-0.json")
         return
-    from training_hooks.huggingface import StepscopeCallback as HF
+    from stepscope.hooks.huggingface import StepscopeCallback as HF
 
     trainer = huggingface_train(truth, out, HF(run=run, push_url=push_url, push_interval=1.0))
     truth.save(out / f"truth-{trainer.args.process_index}.json")

@@ -51,7 +51,7 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
 
-import training_hooks as th  # noqa: E402
+import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.processes import FAKE_NVML_DIR, exporter_env, free_port, running  # noqa: E402
 
@@ -291,7 +291,7 @@ def nvml_calls(nvml: Any, handle: Any, gpm: Any) -> list[tuple[str, str, Callabl
 def collector_per_call(repeats: int = 50) -> str:
     import pynvml
 
-    from exporter.collectors.gpu_gpm import GpmSampler
+    from stepscope.exporter.collectors.gpu_gpm import GpmSampler
 
     pynvml.nvmlInit()
     rows = []
@@ -314,8 +314,8 @@ def collector_per_call(repeats: int = 50) -> str:
 
 
 def collector_per_cycle(cycles: int = 30) -> str:
-    from exporter.collectors.gpu import GpuCollector
-    from exporter.gpu_processes import GpuProcessTable
+    from stepscope.exporter.collectors.gpu import GpuCollector
+    from stepscope.exporter.gpu_processes import GpuProcessTable
 
     collector = GpuCollector(GpuProcessTable())
     try:
@@ -367,7 +367,8 @@ def exporters_side_by_side(tmp: Path, seconds: float) -> str:
         stack.callback(lambda: (load.terminate(), load.wait(10)))
         port = free_port()
         ours = stack.enter_context(running(
-            [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", "--collect-interval", "1"],
+            [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}",
+             "--collect-interval", "1"],
             f"http://127.0.0.1:{port}/-/ready", tmp / "stepscope.log", env=exporter_env(),
             base_url=f"http://127.0.0.1:{port}"))
         targets = {"stepscope-exporter (node, gpu, process collectors)": (f"{ours.url}/metrics", ours.process.pid)}
@@ -469,8 +470,8 @@ import importlib.util, json, sys, time
 spec = importlib.util.spec_from_file_location("fake_pynvml", sys.argv[1])
 fake = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fake)
-from exporter.collectors.gpu import GpuCollector
-from exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.collectors.gpu import GpuCollector
+from stepscope.exporter.gpu_processes import GpuProcessTable
 collector = GpuCollector(GpuProcessTable(), nvml=fake)
 collector.collect()
 cycles = []
@@ -534,7 +535,7 @@ def exporter_cpu(tmp: Path, trees: dict[str, Path], seconds: float) -> str:
                 env = {"PYTHONPATH": f"{FAKE_NVML_DIR}{os.pathsep}{tree}",
                        "STEPSCOPE_FAKE_NVML_SCENARIO": str(scenario)}
                 proc = stack.enter_context(running(  # -P: the tree on PYTHONPATH, not the working directory
-                    [sys.executable, "-P", "-m", "exporter", "--listen-address", f"127.0.0.1:{port}",
+                    [sys.executable, "-P", "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}",
                      "--collect-interval", "1"], f"http://127.0.0.1:{port}/-/ready",
                     tmp / f"cpu-{port}.log", env=env, base_url=f"http://127.0.0.1:{port}"))
                 targets[(label, gpus)] = (f"{proc.url}/metrics", proc.process.pid)
@@ -604,7 +605,7 @@ def fake_modes(cuda: Any, baseline: Path | None) -> tuple[dict[str, tuple[Any, A
     }
     old = old_cuda_module(baseline)
     if old is not None:
-        from training_hooks.timing import Histogram
+        from stepscope.hooks.timing import Histogram
 
         timer = old.CudaTimer(cuda)
         phases = {name: old.CudaPhase(name, Histogram(th.DEFAULT_BUCKETS), timer) for name in PHASES}
@@ -650,10 +651,10 @@ def priced_hooks(baseline: Path | None, steps: int = 2000) -> str:
 
 def counted_timer(cuda: Any, old: Any) -> tuple[Any, list[Any], Callable[[int], None]]:
     """This tree's timer on the virtual clock (or the baseline's), its six phases, and the step boundary."""
-    from training_hooks.timing import Histogram
+    from stepscope.hooks.timing import Histogram
 
     if old is None:
-        from training_hooks.cuda import CudaPhase, CudaTimer
+        from stepscope.hooks.cuda import CudaPhase, CudaTimer
 
         timer = CudaTimer(cuda, clock=cuda.clock, seed=1)
         step_end: Callable[[int], None] = timer.step_done
@@ -712,8 +713,8 @@ def per_operation_ns(cuda: Any, ops: int = 20_000) -> str:
 
 
 def hooks_cost_model(baseline: Path | None) -> str:
+    from stepscope.hooks import tracker as tracker_module
     from stepscope_testkit.fake_cuda import FakeCuda
-    from training_hooks import tracker as tracker_module
 
     cuda = FakeCuda(spend=True)
     real_lookup = tracker_module._cuda_module
@@ -811,7 +812,7 @@ def gpu_missing() -> str | None:
 def push_target(tmp: Path) -> Iterator[str]:
     """A stepscope-exporter without collectors, for the hooks to push to."""
     port = free_port()
-    with running([sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}"],
+    with running([sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}"],
                  f"http://127.0.0.1:{port}/-/ready", tmp / "push-target.log",
                  env={**exporter_env(), "STEPSCOPE_COLLECTORS": ""}, base_url=f"http://127.0.0.1:{port}") as exporter:
         yield exporter.url

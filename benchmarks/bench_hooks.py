@@ -25,7 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry, Histogram
 from torch import nn
 
-import training_hooks as th
+import stepscope.hooks as th
 from stepscope_testkit import results
 from stepscope_testkit.pushgateway import PUSHGATEWAY, running_pushgateway
 
@@ -259,7 +259,7 @@ def bench_lightning(repeats: int = 15, steps: int = 200) -> str:
     from lightning.pytorch.profilers import SimpleProfiler
     from torch.utils.data import DataLoader, TensorDataset
 
-    from training_hooks.lightning import StepscopeCallback
+    from stepscope.hooks.lightning import StepscopeCallback
 
     for name in ("lightning", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -330,7 +330,7 @@ def bench_lightning(repeats: int = 15, steps: int = 200) -> str:
 
 def main() -> int:
     torch.set_num_threads(1)
-    logging.getLogger("training_hooks").setLevel(logging.ERROR)
+    logging.getLogger("stepscope.hooks").setLevel(logging.ERROR)
     started = time.perf_counter()
     sections = [
         ("Cost of one timed phase", bench_phase_cost()),

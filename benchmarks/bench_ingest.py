@@ -5,7 +5,7 @@
 1. The parser alone, in this process: CPU per parse of the 9-phase body the hooks push (14 KB with
    16 buckets per histogram; also with 40), and of 1 MiB bodies of every hostile shape
    (stepscope_testkit/ingest_bodies.py).
-2. For 8, 64, 256 and 512 stored groups (9-phase bodies from training_hooks.render, added to a fresh
+2. For 8, 64, 256 and 512 stored groups (9-phase bodies from stepscope.hooks.render, added to a fresh
    exporter and a fresh Pushgateway alike), interleaved round by round:
    - push: server CPU per PUT re-pushing an existing group with new counts (200 per target, alternating);
    - memory: RSS per group, (RSS with N groups - RSS before the first push) / N, after scrapes;
@@ -40,8 +40,8 @@ import requests
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from exporter.ingest.errors import Rejected  # noqa: E402
-from exporter.ingest.parser import PushLimits, parse_push  # noqa: E402
+from stepscope.exporter.ingest.errors import Rejected  # noqa: E402
+from stepscope.exporter.ingest.parser import PushLimits, parse_push  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.ingest_bodies import HOSTILE_SHAPES, counter, hooks_body  # noqa: E402
 from stepscope_testkit.processes import Running, free_port, running, running_exporter  # noqa: E402

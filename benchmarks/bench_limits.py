@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from bench_hooks import table  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
+from stepscope.hooks.limits import measure  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
-from training_hooks.limits import measure  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "limits.md"
 BATCH = 8

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-import training_hooks.timing as timing
-from training_hooks.timing import FINE_GRID, FOLLOWED_QUANTILES, MAX_EXPORTED, SKELETON, Histogram
+import stepscope.hooks.timing as timing
+from stepscope.hooks.timing import FINE_GRID, FOLLOWED_QUANTILES, MAX_EXPORTED, SKELETON, Histogram
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantiles-pace.md"
 PUSH_SECONDS = 5.0

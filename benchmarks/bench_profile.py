@@ -33,7 +33,7 @@ from bench_gpu import baseline_tree, commit_of, fork_point, median  # noqa: E402
 from bench_hooks import table  # noqa: E402
 from torch import nn  # noqa: E402
 
-import training_hooks as th  # noqa: E402
+import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.processes import running_exporter  # noqa: E402
 from stepscope_testkit.traces import rank_tracing, request_state, request_trace, step_annotations, wait_until  # noqa: E402
@@ -49,7 +49,7 @@ def baseline_hooks(tree: Path) -> ModuleType:
         del sys.modules[name]
     sys.path.insert(0, str(tree))
     try:
-        import training_hooks as theirs
+        import stepscope.hooks as theirs
 
         return theirs
     finally:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="git revision for 'before' (default: where this branch left main)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    logging.getLogger("training_hooks").setLevel(logging.ERROR)
+    logging.getLogger("stepscope.hooks").setLevel(logging.ERROR)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)

@@ -181,7 +181,8 @@ def exporter(root: Path, log_dir: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     env = {**exporter_env(), "PYTHONPATH": str(root)}
     # -P: `exporter` comes from PYTHONPATH (root), not from the working directory
-    argv = [sys.executable, "-P", "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", "--collectors", ""]
+    argv = [sys.executable, "-P", "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}",
+            "--collectors", ""]
     with running(argv, f"http://127.0.0.1:{port}/-/ready", log_dir / f"exporter-{root.name}.log", env=env):
         yield f"http://127.0.0.1:{port}", port
 

@@ -35,12 +35,9 @@ import numpy as np
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-import training_hooks.timing
-from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
-from stepscope_testkit.node_scrape import GPUS, trained_tracker
-from stepscope_testkit.processes import running_exporter, scrape
-from training_hooks.config import log_buckets
-from training_hooks.timing import (
+import stepscope.hooks.timing
+from stepscope.hooks.config import log_buckets
+from stepscope.hooks.timing import (
     FINE_GRID,
     MAX_EXPORTED,
     SKELETON,
@@ -49,6 +46,9 @@ from training_hooks.timing import (
     Histogram,
     HistogramSnapshot,
 )
+from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
+from stepscope_testkit.node_scrape import GPUS, trained_tracker
+from stepscope_testkit.processes import running_exporter, scrape
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantiles.md"
 CENTRES = 200
@@ -253,7 +253,7 @@ def series_budget() -> str:
 
 def main() -> None:
     started = time.monotonic()
-    training_hooks.timing.perf_counter_ns = CLOCK  # the layouts decide on the simulated pushes' clock
+    stepscope.hooks.timing.perf_counter_ns = CLOCK  # the layouts decide on the simulated pushes' clock
     budget = series_budget()
     centres = np.exp(np.random.default_rng(7).uniform(math.log(1e-3), math.log(10.0), CENTRES))
     rows = []

@@ -40,9 +40,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.rules import RULE_FILES
+from stepscope.hooks.render import Snapshot, render
+from stepscope.hooks.timing import Histogram
 from stepscope_testkit.processes import free_port, wait_http_ok
-from training_hooks.render import Snapshot, render
-from training_hooks.timing import Histogram
 
 RESULTS = Path(__file__).resolve().parent / "results" / "report.md"
 RUNS = {"bench-8": 8, "bench-64": 64}  # run -> ranks, 8 per node (one per GPU)
@@ -250,7 +250,7 @@ def backfill(tmp: Path, start: int) -> tuple[Path, int, float]:
 
 def stages(url: str, run: str) -> dict[str, float]:
     """The report's stages in this process, timed one by one."""
-    from run_report import cli, collect, report
+    from stepscope.report import cli, collect, report
 
     timings: dict[str, float] = {}
     args = cli.parse_args(["--prometheus", url, "--run", run])
@@ -274,7 +274,8 @@ def stages(url: str, run: str) -> dict[str, float]:
 
 def command(url: str, run: str, out: Path) -> tuple[float, str]:
     began = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "run_report", "--prometheus", url, "--run", run, "--out", str(out)],
+    result = subprocess.run([sys.executable, "-m", "stepscope.report", "--prometheus", url, "--run", run,
+                             "--out", str(out)],
                             capture_output=True, text=True, check=True)
     return time.perf_counter() - began, result.stdout.strip()
 

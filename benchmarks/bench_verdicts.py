@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grafana.rules import RULE_FILES
-from stepscope_contract import verdicts
+from stepscope.contract import verdicts
 from stepscope_testkit import results
 from stepscope_testkit.replay import Recording, recordings
 from tests.support.replay_judge import Judged, judge

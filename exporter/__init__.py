@@ -1,5 +1,5 @@
 """stepscope exporter: node, GPU and per-process metrics plus pushed training timings on /metrics."""
 
-from stepscope_contract import VERSION as __version__
+from stepscope.contract import VERSION as __version__
 
 __all__ = ["__version__"]

@@ -1,5 +1,5 @@
 import sys
 
-from exporter.cli import main
+from stepscope.exporter.launch import main
 
 sys.exit(main())

@@ -5,10 +5,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from exporter import __version__, ingest
-from exporter.collectors import Collector
-from exporter.exposition import ExpositionStore
-from exporter.flags import (
+from stepscope.exporter import __version__, ingest
+from stepscope.exporter.collectors import Collector
+from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.flags import (
     OneLineErrorParser,
     add_flag,
     add_toggle,
@@ -21,13 +21,13 @@ from exporter.flags import (
     readable_file,
     source_of,
 )
-from exporter.gpu_processes import GpuProcessTable
-from exporter.scheduler import Scheduler
-from exporter.server import PROFILE_PREFIX, ExporterServer, WebLimits, WebOptions
-from exporter.web_auth import Authenticator, PasswordFileUser
-from exporter.web_config import TlsSettings, WebConfig, WebConfigError, load
-from exporter.web_reload import ReloadingUsers, WebConfigSource
-from exporter.web_tls import TlsContextSource
+from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.scheduler import Scheduler
+from stepscope.exporter.server import PROFILE_PREFIX, ExporterServer, WebLimits, WebOptions
+from stepscope.exporter.web_auth import Authenticator, PasswordFileUser
+from stepscope.exporter.web_config import TlsSettings, WebConfig, WebConfigError, load
+from stepscope.exporter.web_reload import ReloadingUsers, WebConfigSource
+from stepscope.exporter.web_tls import TlsContextSource
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
@@ -174,15 +174,15 @@ def _build_collectors(
     gpu_processes = GpuProcessTable()
     collectors: list[Collector] = []
     if "node" in args.collectors:
-        from exporter.collectors.node import NodeCollector
+        from stepscope.exporter.collectors.node import NodeCollector
 
         collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths))
     if "gpu" in args.collectors:
-        from exporter.collectors.gpu import GpuCollector
+        from stepscope.exporter.collectors.gpu import GpuCollector
 
         collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll))
     if "process" in args.collectors:
-        from exporter.collectors.process import ProcessCollector
+        from stepscope.exporter.collectors.process import ProcessCollector
 
         collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=push_api.registered_processes))
     return collectors

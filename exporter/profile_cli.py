@@ -1,4 +1,4 @@
-"""`stepscope-profile` (or `python -m exporter.profile_cli`): a PyTorch profiler trace of a live rank.
+"""`stepscope-profile` (or `python -m stepscope.exporter.profile_cli`): a PyTorch profiler trace of a live rank.
 
     stepscope-profile [--exporter URL] --run RUN [--rank K ... | --all-ranks] [--steps 20] [--wait 120]
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import requests
 
-from exporter.flags import positive_float
+from stepscope.exporter.flags import positive_float
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from exporter import __version__
-from exporter.collectors import Collector
-from exporter.exposition import CachedRenderer, ExpositionStore
-from stepscope_contract import families
+from stepscope.contract import families
+from stepscope.exporter import __version__
+from stepscope.exporter.collectors import Collector
+from stepscope.exporter.exposition import CachedRenderer, ExpositionStore
 
 log = logging.getLogger(__name__)
 

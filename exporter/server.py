@@ -28,11 +28,11 @@ from typing import Protocol
 from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from exporter import __version__
-from exporter.exposition import ExpositionStore
-from exporter.server_limits import MIN_BODY_RATE, AcceptErrorLog, BodyBudget, ConnectionSlots, fit_connections
-from exporter.web_auth import AuthBusy, Authenticator, Client
-from exporter.web_tls import TlsContextSource
+from stepscope.exporter import __version__
+from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.server_limits import MIN_BODY_RATE, AcceptErrorLog, BodyBudget, ConnectionSlots, fit_connections
+from stepscope.exporter.web_auth import AuthBusy, Authenticator, Client
+from stepscope.exporter.web_tls import TlsContextSource
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-log = logging.getLogger("exporter.server")
+log = logging.getLogger("stepscope.exporter.server")
 
 MIN_BODY_RATE = 1024 * 1024  # bytes/s: a 1 MiB body within about a second; node networks do 100x that
 BODY_LAG_ALLOWANCE = 64 * 1024  # bytes a body may be behind that pace (a TCP window, a slow start)

@@ -17,8 +17,8 @@ import os
 import time
 from collections.abc import Mapping
 
-from exporter.web_auth import BcryptUsers, Client
-from exporter.web_config import WebConfig, WebConfigError, load
+from stepscope.exporter.web_auth import BcryptUsers, Client
+from stepscope.exporter.web_config import WebConfig, WebConfigError, load
 
 log = logging.getLogger(__name__)
 CHECK_SECONDS = 1.0

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from prometheus_client.core import GaugeMetricFamily
 
-from exporter.exposition import render
-from exporter.web_config import TlsSettings
-from stepscope_contract import families
+from stepscope.contract import families
+from stepscope.exporter.exposition import render
+from stepscope.exporter.web_config import TlsSettings
 
 log = logging.getLogger(__name__)
 PEM_BEGIN, PEM_END = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"

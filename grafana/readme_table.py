@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterable
 from pathlib import Path
 
-from stepscope_contract import FAMILIES, Family
+from stepscope.contract import FAMILIES, Family
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN = "<!-- generated: metric table (python -m grafana generate) -->"

@@ -2,5 +2,5 @@
 
 One self-contained HTML page (verdict in words, plots, a Gantt chart of each rank's states, tables)
 plus CSVs like a job report, from the series the stepscope exporter publishes and the recording
-rules of the Grafana bundle. `python -m run_report --help`.
+rules of the Grafana bundle. `python -m stepscope.report --help`.
 """

@@ -1,5 +1,5 @@
 import sys
 
-from run_report.cli import main
+from stepscope.report.cli import main
 
 sys.exit(main())

@@ -12,10 +12,12 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from run_report import output
-from run_report.prometheus import Prometheus, PrometheusError
-from run_report.times import iso, parse_time
-from run_report.window import (
+from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
+from stepscope.contract.recordings import RUN_SAMPLES_RATE
+from stepscope.report import output
+from stepscope.report.prometheus import Prometheus, PrometheusError
+from stepscope.report.times import iso, parse_time
+from stepscope.report.window import (
     SEARCH_DAYS,
     NoData,
     Window,
@@ -25,8 +27,6 @@ from run_report.window import (
     run_matcher,
     runs_seen,
 )
-from stepscope_contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
-from stepscope_contract.recordings import RUN_SAMPLES_RATE
 
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     try:
-        from run_report import report
+        from stepscope.report import report
     except ImportError as exc:
         raise UsageError(f"the report needs matplotlib ({exc.name} is missing): pip install matplotlib "
                          "(in a checkout of stepscope: pip install '.[report]')") from None
@@ -92,7 +92,7 @@ def _report(args: argparse.Namespace) -> int:
     out = args.out or Path(f"stepscope-report-{_safe(args.run)}")
     output.check(out)
     window, nodes = _window(prom, args, now)
-    from run_report.collect import fetch
+    from stepscope.report.collect import fetch
 
     data = fetch(prom, args.run, window, nodes)
     # the samples rate, not the verdict: the rules give no verdict in a run's first seconds of training

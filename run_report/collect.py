@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from run_report import queries
-from run_report.prometheus import Prometheus, Series
-from run_report.window import Window
+from stepscope.report import queries
+from stepscope.report.prometheus import Prometheus, Series
+from stepscope.report.window import Window
 
 PARALLEL_QUERIES = 6  # Prometheus answers these concurrently; more only queues on a small server
 

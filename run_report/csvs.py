@@ -10,13 +10,13 @@ import csv
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from run_report.prometheus import Series
-from run_report.summary import NodeSummary, RankSummary
-from run_report.timeline import Bound, Interval, rank_key
-from run_report.times import iso
-from stepscope_contract import STATES
+from stepscope.contract import STATES
+from stepscope.report.prometheus import Series
+from stepscope.report.summary import NodeSummary, RankSummary
+from stepscope.report.timeline import Bound, Interval, rank_key
+from stepscope.report.times import iso
 
-NODE_RESOURCE_COLUMNS = {  # column -> over-time query name (run_report.queries)
+NODE_RESOURCE_COLUMNS = {  # column -> over-time query name (stepscope.report.queries)
     "cpu_utilization_ratio": "node_cpu",
     "memory_used_bytes": "node_memory_used",
     "memory_utilization_ratio": "node_memory_ratio",

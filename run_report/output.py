@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from run_report.page import GENERATOR
+from stepscope.report.page import GENERATOR
 
 MARKER = f'<meta name="generator" content="{GENERATOR}">'
 

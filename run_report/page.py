@@ -11,15 +11,15 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import TYPE_CHECKING
 
-from run_report import fmt
-from run_report.csvs import cell
-from run_report.summary import STRAGGLER_SCORE
-from run_report.times import iso
-from stepscope_contract import LOCAL_PHASES, STATES, TRAIN_STATE, verdicts
-from stepscope_contract.recordings import RUN_VERDICT
+from stepscope.contract import LOCAL_PHASES, STATES, TRAIN_STATE, verdicts
+from stepscope.contract.recordings import RUN_VERDICT
+from stepscope.report import fmt
+from stepscope.report.csvs import cell
+from stepscope.report.summary import STRAGGLER_SCORE
+from stepscope.report.times import iso
 
 if TYPE_CHECKING:
-    from run_report.report import Report
+    from stepscope.report.report import Report
 
 GENERATOR = "stepscope-report"
 LOCAL_PHASES_HTML = " + ".join(f"<code>{phase}</code>" for phase in LOCAL_PHASES)

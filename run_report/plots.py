@@ -15,12 +15,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-from run_report.prometheus import Series
-from run_report.summary import STRAGGLER_SCORE, RankSummary
-from run_report.timeline import Bound, Interval, rank_key
-from run_report.window import Window
-from stepscope_contract import STATES, THRESHOLDS
-from stepscope_contract import verdicts as verdict_names
+from stepscope.contract import STATES, THRESHOLDS
+from stepscope.contract import verdicts as verdict_names
+from stepscope.report.prometheus import Series
+from stepscope.report.summary import STRAGGLER_SCORE, RankSummary
+from stepscope.report.timeline import Bound, Interval, rank_key
+from stepscope.report.window import Window
 
 WIDTH = 11.0  # inches; at DPI that is the page's content width
 DPI = 100

@@ -16,11 +16,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from run_report.window import Window, run_matcher
-from stepscope_contract import LOCAL_PHASES
-from stepscope_contract import families as fam
-from stepscope_contract import recordings as rec
-from stepscope_contract import selector as sel
+from stepscope.contract import LOCAL_PHASES
+from stepscope.contract import families as fam
+from stepscope.contract import recordings as rec
+from stepscope.contract import selector as sel
+from stepscope.report.window import Window, run_matcher
 
 BEFORE = "10m"  # how far before the window a counter's previous value is looked for
 RANK = "rank, instance"  # a rank's identity; `instance` is its node

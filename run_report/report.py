@@ -7,10 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from run_report import csvs, page, plots
-from run_report.collect import RunData
-from run_report.prometheus import Series
-from run_report.summary import (
+from stepscope.contract import TRAIN_STATE
+from stepscope.report import csvs, page, plots
+from stepscope.report.collect import RunData
+from stepscope.report.prometheus import Series
+from stepscope.report.summary import (
     NodeSummary,
     RankSummary,
     RunTotals,
@@ -18,7 +19,7 @@ from run_report.summary import (
     rank_summaries,
     run_totals,
 )
-from run_report.timeline import (
+from stepscope.report.timeline import (
     Bound,
     Interval,
     critical_path,
@@ -26,9 +27,8 @@ from run_report.timeline import (
     state_intervals,
     times_in_state,
 )
-from run_report.times import iso
-from run_report.verdict import SETTLE_SECONDS, Assessment, assess
-from stepscope_contract import TRAIN_STATE
+from stepscope.report.times import iso
+from stepscope.report.verdict import SETTLE_SECONDS, Assessment, assess
 
 RUN_SUMMARY_HEADER = (
     "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "mean_step_seconds",

@@ -14,10 +14,10 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from run_report.collect import RunData
-from run_report.prometheus import Series
-from run_report.timeline import rank_key
-from stepscope_contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, THRESHOLDS, TRAIN_STATE
+from stepscope.contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, THRESHOLDS, TRAIN_STATE
+from stepscope.report.collect import RunData
+from stepscope.report.prometheus import Series
+from stepscope.report.timeline import rank_key
 
 STRAGGLER_SCORE = THRESHOLDS["straggler_score"].value
 

@@ -12,9 +12,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from run_report.prometheus import Series
-from run_report.window import Window
-from stepscope_contract.verdicts import IDLE as IDLE_VERDICT
+from stepscope.contract.verdicts import IDLE as IDLE_VERDICT
+from stepscope.report.prometheus import Series
+from stepscope.report.window import Window
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The verdict in words: what limited the run over the window, the numbers behind it, and the fix.
 
 The verdict is the recording rule `run:stepscope_bottleneck:verdict` counted over the window: the one
-that held longest while training. Its rule is stepscope_contract.verdicts.MEANINGS, so the page says
+that held longest while training. Its rule is stepscope.contract.verdicts.MEANINGS, so the page says
 what the dashboards say. NVML utilization decides whether the GPUs are busy or wait; SM active and
 tensor-core activity (GPM, Hopper and newer) only grade how well busy GPUs are used, because a
 saturated H100 training in bf16 reads NVML 0.98 with SM active 0.73. The rules judge a rank only once
@@ -17,12 +17,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from run_report import fmt
-from run_report.collect import RunData
-from run_report.prometheus import Series
-from run_report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
-from run_report.timeline import times_in_state, training_times
-from stepscope_contract import DATA_LOADING_PHASE, THRESHOLDS, TRAIN_STATE, verdicts
+from stepscope.contract import DATA_LOADING_PHASE, THRESHOLDS, TRAIN_STATE, verdicts
+from stepscope.report import fmt
+from stepscope.report.collect import RunData
+from stepscope.report.prometheus import Series
+from stepscope.report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
+from stepscope.report.timeline import times_in_state, training_times
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 BUSY_IDLE_SM_ACTIVE = THRESHOLDS["busy_idle_sm_active"].value

@@ -13,9 +13,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from run_report.prometheus import Prometheus, Series
-from run_report.times import iso
-from stepscope_contract import TRAINING_INFO
+from stepscope.contract import TRAINING_INFO
+from stepscope.report.prometheus import Prometheus, Series
+from stepscope.report.times import iso
 
 SEARCH_DAYS = 30  # how far back a run is looked for when --from is not given
 RESOLUTION_POINTS = 1200  # query_range points over the window, at most (finer: the scrape interval)

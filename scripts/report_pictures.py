@@ -55,7 +55,7 @@ def main() -> None:
         wait_for(lambda: len(query(prometheus.url, 'stepscope_training_state{state="idle"} == 1')) == 5, 30)
         time.sleep(3)
         for run in ("ddp", "data"):
-            subprocess.run([sys.executable, "-m", "run_report", "--prometheus", prometheus.url, "--run", run,
+            subprocess.run([sys.executable, "-m", "stepscope.report", "--prometheus", prometheus.url, "--run", run,
                             "--out", str(tmp / run)], check=True)
     OUT.mkdir(parents=True, exist_ok=True)
     with headless_chromium(tmp) as browser:

@@ -21,7 +21,10 @@ fi
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0   # CPU build; install before extras pull CUDA wheels
+# The CPU build of torch, before the extras could pull PyPI's build of it (CUDA, several GB): from
+# PyTorch's CPU index; where that index cannot be reached, pip's configured indexes and find-links
+# must hold a CPU build of this pin (as the machines this project is developed on do).
+.venv/bin/python -m pip install -q --timeout 20 --retries 1 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test]'
 
 .venv/bin/ruff check .

@@ -8,7 +8,7 @@ consumer still disagrees. Every family has a constant in `families`, every recor
 and the report read one in `recordings`.
 """
 
-from stepscope_contract.families import (
+from stepscope.contract.families import (
     COMPUTE_LIMIT,
     FAMILIES,
     LOADER_LIMIT,
@@ -33,8 +33,8 @@ from stepscope_contract.families import (
     sample_names,
     selector,
 )
-from stepscope_contract.thresholds import THRESHOLDS, Threshold
-from stepscope_contract.training import (
+from stepscope.contract.thresholds import THRESHOLDS, Threshold
+from stepscope.contract.training import (
     BACKWARD_PHASE,
     DATA_LOADING_PHASE,
     FORWARD_PHASE,

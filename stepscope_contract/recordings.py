@@ -5,8 +5,8 @@ tests/test_contract.py fails while one is missing, and tests/test_dashboards.py 
 goes unread. A rename is an edit here plus the same edit to the `record:` line.
 """
 
-from stepscope_contract import families
-from stepscope_contract.families import selector
+from stepscope.contract import families
+from stepscope.contract.families import selector
 
 NODE_CPU_UTILIZATION = "instance:stepscope_node_cpu_utilization:ratio"
 NODE_MEMORY_UTILIZATION = "instance:stepscope_node_memory_utilization:ratio"

@@ -9,7 +9,7 @@ no rule uses (`used_by` empty) only colours the dashboards and the report.
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from stepscope_contract.recordings import (
+from stepscope.contract.recordings import (
     RANK_TRAINING_GPU_READINGS,
     RANK_TRAINING_SETTLED,
     RUN_LIMITS_VERDICT,

@@ -1,7 +1,7 @@
 """The values of the `verdict` label: what the run rules conclude about a run, and what the dashboards
 colour and the report explains. The rules source spells them `<<verdict:NAME>>`."""
 
-from stepscope_contract.thresholds import THRESHOLDS
+from stepscope.contract.thresholds import THRESHOLDS
 
 # run:stepscope_bottleneck:verdict (recordings.RUN_VERDICT), first match wins; none while a run has
 # trained less than THRESHOLDS["verdict_settle_seconds"] (the evidence is not in yet)

@@ -62,13 +62,13 @@ STANDARD_PHASES = ("dataloader_next", "to_device", "forward", "backward", "optim
 
 def hooks_body(phases: Sequence[str] = STANDARD_PHASES, steps: int = 12_345, pid: int = 4242,
                seed: int = 0, buckets: int = 16) -> str:
-    """What training_hooks.render pushes for a rank that ran `steps` steps: the realistic body (9 phases,
+    """What stepscope.hooks.render pushes for a rank that ran `steps` steps: the realistic body (9 phases,
     16 log-spaced buckets from 100 µs to 60 s: ~14 KB), with log-normal phase times over the buckets."""
     import random
 
-    from training_hooks.config import log_buckets
-    from training_hooks.render import Snapshot, render
-    from training_hooks.timing import Histogram
+    from stepscope.hooks.config import log_buckets
+    from stepscope.hooks.render import Snapshot, render
+    from stepscope.hooks.timing import Histogram
 
     rng = random.Random(seed)
     bounds = log_buckets(1e-4, 60.0, buckets)

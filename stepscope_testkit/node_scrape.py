@@ -13,11 +13,11 @@ from pathlib import Path
 
 import requests
 
-import training_hooks as th
-from stepscope_contract import STANDARD_PHASES
+import stepscope.hooks as th
+from stepscope.contract import STANDARD_PHASES
+from stepscope.hooks.render import render
 from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
 from stepscope_testkit.processes import running_exporter, scrape
-from training_hooks.render import render
 
 GPUS = 8  # one rank per GPU
 # Seconds per phase of a ~60 ms step (dataloader_next: prefetched, now and then a stall).

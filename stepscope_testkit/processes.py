@@ -87,9 +87,9 @@ def running_exporter(
     tmp_path: Path, *args: str, fake_nvml_scenario: Path | str | None = None,
     env: Mapping[str, str] | None = None, port: int | None = None,
 ) -> Iterator[Running]:
-    """A real `python -m exporter` on a free loopback port, ready (first collection done)."""
+    """A real `python -m stepscope.exporter` on a free loopback port, ready (first collection done)."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}",
+    argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}",
             "--collect-interval", "0.5", *args]
     full_env = {**exporter_env(fake_nvml_scenario), **(env or {})}
     with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / f"exporter-{port}.log",

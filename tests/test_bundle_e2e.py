@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from grafana.rules import RULE_FILES, rules
-from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope_contract import families
+from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.contract import families
 from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from stepscope_testkit.traces import rank_tracing, step_annotations
 from tests.support.dashboard_queries import DASHBOARDS_DIR, load_dashboards, panel_queries, substitute, variable_queries
@@ -146,7 +146,8 @@ def _trace_fast_rank_0(exporter: str) -> None:
     """A profiler trace of fast's rank 0 through stepscope-profile, once it pushes (the trace families
     and the dashboard's trace table need one)."""
     wait_for(lambda: rank_tracing(exporter, "fast", 0) == "ready", READY_TIMEOUT_SECONDS)
-    done = subprocess.run([sys.executable, "-m", "exporter.profile_cli", "--exporter", exporter, "--run", "fast",
+    done = subprocess.run([sys.executable, "-m", "stepscope.exporter.profile_cli", "--exporter", exporter,
+                           "--run", "fast",
                            "--steps", str(TRACE_STEPS), "--wait", "60"], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=90)
     assert done.returncode == 0, done.stderr

@@ -12,7 +12,7 @@ from stepscope_testkit.processes import exporter_env, free_port, running_exporte
 
 def run_exporter(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "exporter", *args],
+        [sys.executable, "-m", "stepscope.exporter", *args],
         capture_output=True, text=True, timeout=30, env={**exporter_env(), **(env or {})},
     )
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from exporter.cli import build_parser
 from grafana.rules import RULE_FILES
+from stepscope.exporter.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"

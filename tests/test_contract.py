@@ -17,19 +17,19 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-import stepscope_contract as contract
-from exporter.ingest.families import FAMILIES as INGESTED
-from exporter.ingest.parser import PushLimits, parse_push
+import stepscope.contract as contract
 from grafana.rules import RULE_FILES
-from run_report.page import VERDICT_BORDERS
-from run_report.plots import VERDICT_COLORS
-from run_report.verdict import FIXES, HEADLINES
-from stepscope_contract import recordings, verdicts
+from stepscope.contract import recordings, verdicts
+from stepscope.exporter.ingest.families import FAMILIES as INGESTED
+from stepscope.exporter.ingest.parser import PushLimits, parse_push
+from stepscope.hooks.limits import Limits
+from stepscope.hooks.profiling import TraceOutcome
+from stepscope.hooks.render import Snapshot, render
+from stepscope.hooks.timing import HistogramSnapshot
+from stepscope.report.page import VERDICT_BORDERS
+from stepscope.report.plots import VERDICT_COLORS
+from stepscope.report.verdict import FIXES, HEADLINES
 from tests.support.dashboard_queries import panel_queries
-from training_hooks.limits import Limits
-from training_hooks.profiling import TraceOutcome
-from training_hooks.render import Snapshot, render
-from training_hooks.timing import HistogramSnapshot
 
 REPO = Path(__file__).resolve().parents[1]
 # Sources that must spell no metric name, recorded series or phase: they read them from the contract.
@@ -108,7 +108,7 @@ def recording_names() -> set[str]:
 
 
 def test_every_recorded_series_the_contract_names_is_recorded_by_the_rules() -> None:
-    """Whatever files the rules live in: each name in stepscope_contract.recordings has a `record:`."""
+    """Whatever files the rules live in: each name in stepscope.contract.recordings has a `record:`."""
     records = {rule["record"] for rule in rules() if "record" in rule}
     assert recording_names() - records == set(), "recordings without a record: rule in grafana/rules/src/*.rules.yml"
 
@@ -166,7 +166,8 @@ def test_dashboards_select_only_contract_phases_and_states() -> None:
 
 # ---- a rename is one edit plus `python -m grafana generate` --------------------------------------------
 
-COPIED = ("stepscope_contract", "training_hooks", "exporter", "run_report", "grafana", "helm", "tests", "README.md")
+COPIED = ("stepscope", "stepscope_contract", "training_hooks", "exporter", "run_report", "grafana", "helm", "tests",
+          "README.md")
 
 
 @pytest.fixture
@@ -195,14 +196,14 @@ def edit(path: Path, old: str, new: str) -> None:
 
 FOLLOWS = """
 from tests.test_contract import full_push
-from exporter.ingest.parser import parse_push
+from stepscope.exporter.ingest.parser import parse_push
 from tests.test_contract import LIMITS
-import training_hooks
+import stepscope.hooks
 body = full_push()
 print("phase" if 'phase="fetch_batch"' in body and "dataloader_next" not in body else "no phase")
 print("family" if "stepscope_profile_trace_step_count" in body and "trace_steps " not in body else "no family")
 print(sorted(parse_push(body.encode(), "r", "0", LIMITS)))
-print(training_hooks.STANDARD_PHASES[0])
+print(stepscope.hooks.STANDARD_PHASES[0])
 """
 
 
@@ -242,7 +243,7 @@ def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_
     assert "stepscope_profile_trace_step_count{" in dashboards and "stepscope_profile_trace_steps" not in dashboards
     assert "fetch_batch" in dashboards and "dataloader_next" not in dashboards
     assert "above 35% the run is data bound" in dashboards and "30%" not in dashboards
-    report = run_in(copy, "-c", "from run_report.queries import PHASE_LOCAL; print(PHASE_LOCAL)")
+    report = run_in(copy, "-c", "from stepscope.report.queries import PHASE_LOCAL; print(PHASE_LOCAL)")
     assert report.stdout == "fetch_batch|to_device|forward\n", report.stderr
 
 

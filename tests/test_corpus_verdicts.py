@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stepscope_contract import THRESHOLDS, families, verdicts
+from stepscope.contract import THRESHOLDS, families, verdicts
 from stepscope_testkit.replay import Recording, Workload, recordings
 from tests.support.replay_judge import Judged, judge
 

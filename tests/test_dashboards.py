@@ -9,7 +9,7 @@ import yaml
 
 from grafana.dashboards import generate
 from grafana.rules import rules
-from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from tests.support.dashboard_queries import (
     DASHBOARDS_DIR,
     load_dashboards,

@@ -13,7 +13,7 @@ import pytest
 import tomllib
 from dockerfile_parse import DockerfileParser
 
-from exporter.cli import DEFAULT_PORT
+from stepscope.exporter.cli import DEFAULT_PORT
 from stepscope_testkit.processes import free_port, running_exporter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def readme_install_args() -> list[str]:
 
 def test_image_installs_the_project_like_the_readme(stages: list[list[dict[str, Any]]]) -> None:
     args = readme_install_args()
-    assert args == ["."]
+    assert args == [".[exporter]"]
     installs = []
     for run in values(stages[0], "RUN"):
         for command in run.split("&&"):
@@ -117,8 +117,8 @@ def test_dockerignore_admits_what_pip_install_needs() -> None:
     assert rules[0] == "*", "start from an empty context and admit files explicitly"
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     needed = {"pyproject.toml", project["project"]["readme"], *project["project"]["license-files"]}
-    packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    needed |= {pattern.rstrip("*") + "/" for pattern in packages}
+    links = (REPO / "stepscope").iterdir()  # the package's subpackages: links to top-level folders
+    needed |= {"stepscope/", *(link.resolve().name + "/" for link in links if link.is_symlink())}
     assert {f"!{path}" for path in needed} <= set(rules)
 
 

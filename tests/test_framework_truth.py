@@ -60,9 +60,9 @@ def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
 
 def test_plain_loop_counts_its_batches_and_a_state_shorter_than_a_push() -> None:
     """Accumulating by hand: micro_batch() for each batch but the last of a step, step() for that one."""
-    import training_hooks
+    import stepscope.hooks
 
-    tracker = training_hooks.init(run="plain", push_url="", handle_sigterm=False)
+    tracker = stepscope.hooks.init(run="plain", push_url="", handle_sigterm=False)
     for _ in range(3):
         for _ in range(ACCUMULATE - 1):
             tracker.micro_batch(samples=BATCH)
@@ -81,7 +81,7 @@ def test_plain_loop_counts_its_batches_and_a_state_shorter_than_a_push() -> None
 
 
 def test_lightning_with_accumulation_validation_checkpoints_and_max_time(tmp_path: Path, exporter: Any) -> None:
-    from training_hooks.lightning import StepscopeCallback
+    from stepscope.hooks.lightning import StepscopeCallback
 
     truth = Truth()
     callback = StepscopeCallback(run="pl-truth", push_url=exporter.url, push_interval=1.0)
@@ -113,7 +113,7 @@ def test_lightning_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> Non
 
 
 def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: Path, exporter: Any) -> None:
-    from training_hooks.huggingface import StepscopeCallback
+    from stepscope.hooks.huggingface import StepscopeCallback
 
     truth = Truth()
     callback = StepscopeCallback(run="hf-truth", push_url=exporter.url, push_interval=1.0)

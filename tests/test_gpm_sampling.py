@@ -14,12 +14,12 @@ from types import ModuleType, SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors import gpu as gpu_module
-from exporter.collectors import gpu_events
-from exporter.collectors.gpu import GpuCollector
-from exporter.collectors.gpu_gpm import GPM_METRICS, MIN_SAMPLE_GAP_SECONDS, PCIE_KEYS, GpmSampler
-from exporter.exposition import render
-from exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.collectors import gpu as gpu_module
+from stepscope.exporter.collectors import gpu_events
+from stepscope.exporter.collectors.gpu import GpuCollector
+from stepscope.exporter.collectors.gpu_gpm import GPM_METRICS, MIN_SAMPLE_GAP_SECONDS, PCIE_KEYS, GpmSampler
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope_testkit.fake_nvml.scenario import load_fake_pynvml, make_scenario, write_scenario
 
 GPM_FAMILIES = frozenset(name for name, _, _ in GPM_METRICS)

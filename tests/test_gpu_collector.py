@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors import gpu_events
-from exporter.collectors.gpu import CLOCK_EVENT_REASONS, GpuCollector
-from exporter.collectors.gpu_slow import VIOLATION_POLICIES
-from exporter.exposition import render
-from exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.collectors import gpu_events
+from stepscope.exporter.collectors.gpu import CLOCK_EVENT_REASONS, GpuCollector
+from stepscope.exporter.collectors.gpu_slow import VIOLATION_POLICIES
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope_testkit.fake_nvml.scenario import (
     GIB,
     MODELS,
@@ -259,7 +259,7 @@ def test_lost_gpu_reports_down_while_others_stay_fresh_then_returns(
     harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
 ) -> None:
     h = harness()
-    caplog.set_level(logging.INFO, logger="exporter.collectors.gpu")
+    caplog.set_level(logging.INFO, logger="stepscope.exporter.collectors.gpu")
     h.scrape()
 
     def lose(scenario: dict[str, Any]) -> None:
@@ -360,7 +360,7 @@ def test_xid_events_count_per_gpu_and_xid(
 def test_no_driver_reports_collector_down_logs_once_and_recovers(
     harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="exporter.collectors.gpu")
+    caplog.set_level(logging.INFO, logger="stepscope.exporter.collectors.gpu")
     h = harness(load_scenario("no_driver"), init_retry_seconds=0)
     for _ in range(4):
         text = h.scrape()

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from exporter.collectors import gpu_events
-from exporter.collectors.gpu import GpuCollector
-from exporter.collectors.gpu_slow import STALE_INTERVALS
-from exporter.exposition import render
-from exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.collectors import gpu_events
+from stepscope.exporter.collectors.gpu import GpuCollector
+from stepscope.exporter.collectors.gpu_slow import STALE_INTERVALS
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope_testkit.fake_nvml.cost_model import GPM_GAP_SECONDS, price_collector
 from stepscope_testkit.fake_nvml.scenario import (
     H100_LATENCY_MS,

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from exporter.collectors.gpu import GpuCollector
-from exporter.exposition import render
-from exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.collectors.gpu import GpuCollector
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope_testkit.processes import sample_values
 
 torch = pytest.importorskip("torch")

@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from exporter.cli import build_parser
 from grafana.rules import NODE_RULES, RULE_FILES, RUN_RULES
 from grafana.rules import groups as rule_groups
+from stepscope.exporter.cli import build_parser
 from stepscope_testkit.processes import exporter_env, free_port, running
 from stepscope_testkit.sharded import shard_write_filter
 from tests.support.helm_chart import (
@@ -659,7 +659,7 @@ def test_ingest_allow_admits_its_networks_without_the_token(chart: Path, tmp_pat
     args = [f"{arg.split('=', 1)[0]}={local[arg.split('=', 1)[0]]}" if arg.split("=", 1)[0] in local else arg
             for arg in exporter_container(objs)["args"]]
     assert "--ingest-allow-without-token=127.0.0.2/32" in args
-    with running([sys.executable, "-m", "exporter", *args], f"http://127.0.0.1:{port}/-/healthy",
+    with running([sys.executable, "-m", "stepscope.exporter", *args], f"http://127.0.0.1:{port}/-/healthy",
                  tmp_path / "exporter.log", env=exporter_env()):
         assert _push_from("127.0.0.2", port) == 200  # allowed network, no token
         assert _push_from("127.0.0.3", port) == 401  # elsewhere, no token

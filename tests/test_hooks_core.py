@@ -12,11 +12,11 @@ import time
 import psutil
 import pytest
 
-import training_hooks as th
+import stepscope.hooks as th
+from stepscope.hooks.config import Config
+from stepscope.hooks.pusher import encode_label_value, group_url
+from stepscope.hooks.timing import Histogram
 from stepscope_testkit.processes import REPO_ROOT, sample_values, samples
-from training_hooks.config import Config
-from training_hooks.pusher import encode_label_value, group_url
-from training_hooks.timing import Histogram
 
 
 def tracker(**kwargs) -> th.Tracker:
@@ -106,7 +106,7 @@ def test_loader_times_next_and_skips_epoch_end() -> None:
 
 def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
     t = tracker(max_phases=3)
-    with caplog.at_level(logging.WARNING, logger="training_hooks"):
+    with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
         for i in range(6):
             with t.phase(f"p{i}"):
                 pass
@@ -194,11 +194,12 @@ def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
 
 
 def test_imports_and_works_without_torch_and_exporter() -> None:
+    """The hooks alone (`pip install stepscope`, no extras): no torch, no exporter, no server library."""
     code = textwrap.dedent("""
         import sys
-        sys.modules["torch"] = None
-        sys.modules["exporter"] = None
-        import training_hooks as th
+        for absent in ("torch", "stepscope.exporter", "aiohttp", "bcrypt", "yaml", "pynvml"):
+            sys.modules[absent] = None
+        import stepscope.hooks as th
         t = th.init(run="no-torch", push_url="")
         for _ in t.loader(range(2)):
             with t.phase("forward", cuda=True):
@@ -208,7 +209,7 @@ def test_imports_and_works_without_torch_and_exporter() -> None:
         assert 'stepscope_step_phase_seconds_count{phase="forward",timing="host"} 2' in text, text
         assert "stepscope_steps_total 2" in text
         t.close()
-        assert not any(m == "torch" or m.startswith(("torch.", "exporter", "lightning", "transformers"))
+        assert not any(m == "torch" or m.startswith(("torch.", "stepscope.exporter", "lightning", "transformers"))
                        for m in sys.modules if sys.modules[m] is not None)
         print("ok")
     """)

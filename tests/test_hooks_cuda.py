@@ -9,12 +9,12 @@ import logging
 
 import pytest
 
-import training_hooks as th
+import stepscope.hooks as th
+from stepscope.hooks import tracker as tracker_module
+from stepscope.hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase, choose_sample_every
+from stepscope.hooks.timing import Histogram
 from stepscope_testkit.fake_cuda import FakeCuda
 from stepscope_testkit.processes import sample_values
-from training_hooks import tracker as tracker_module
-from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase, choose_sample_every
-from training_hooks.timing import Histogram
 
 PHASES = ("to_device", "forward", "zero_grad", "backward", "optimizer_step", "reduce_metrics")
 GPU_SECONDS = {"to_device": 2e-4, "forward": 4e-4, "zero_grad": 1e-5, "backward": 8e-4,
@@ -196,7 +196,7 @@ def test_histograms_say_what_they_hold(fake_gpu: FakeCuda, sync: bool, timing: s
 
 def test_a_phase_timed_both_ways_warns_once(fake_gpu: FakeCuda, caplog: pytest.LogCaptureFixture) -> None:
     t = th.init(run="unit", push_url="")
-    with caplog.at_level(logging.WARNING, logger="training_hooks"):
+    with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
         with t.phase("forward", cuda=True):
             pass
         for _ in range(3):
@@ -223,7 +223,7 @@ def test_events_stay_on_their_device_and_a_phase_across_devices_is_left_out(
     loop.finish()
     assert sum(loop.hists["forward"].counts) == sum(loop.hists["backward"].counts) == 20
     assert loop.hists["backward"].sum_ns == pytest.approx(20 * 8e5, abs=100)
-    with caplog.at_level(logging.WARNING, logger="training_hooks"):
+    with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
         for _ in range(2):
             loop.phases["optimizer_step"].start()
             with cuda.device(1):

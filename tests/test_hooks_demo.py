@@ -1,4 +1,4 @@
-"""`python -m training_hooks.demo`'s flags and identity, checked before torch is imported. Training
+"""`python -m stepscope.hooks.demo`'s flags and identity, checked before torch is imported. Training
 and pushing (to the exporter and to a real Pushgateway) are test_readme_commands.py's: it runs every
 demo command the README shows and reads their pushed steps, samples and phase sums."""
 
@@ -13,7 +13,7 @@ from stepscope_testkit.processes import REPO_ROOT
 
 
 def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "training_hooks.demo", *args]
+    argv = [sys.executable, "-m", "stepscope.hooks.demo", *args]
     return subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
                           env={**os.environ, **env} if env else None)
 

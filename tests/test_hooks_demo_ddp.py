@@ -1,4 +1,4 @@
-"""`python -m training_hooks.demo --ddp`: two real DistributedDataParallel ranks (gloo, CPU), wired up the
+"""`python -m stepscope.hooks.demo --ddp`: two real DistributedDataParallel ranks (gloo, CPU), wired up the
 way torchrun does it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), pushing to a real Pushgateway."""
 
 import os
@@ -20,7 +20,7 @@ NO_DDP_ENV = {name: value for name, value in os.environ.items()
 
 
 def demo(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "training_hooks.demo", *args]
+    argv = [sys.executable, "-m", "stepscope.hooks.demo", *args]
     return subprocess.Popen(argv, cwd=REPO_ROOT, env={**NO_DDP_ENV, **BASE_ENV, **env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

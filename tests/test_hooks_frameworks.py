@@ -32,7 +32,7 @@ class Regression(Dataset):
 def test_lightning_callback_times_fit(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
-    from training_hooks.lightning import StepscopeCallback
+    from stepscope.hooks.lightning import StepscopeCallback
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -83,7 +83,7 @@ def test_lightning_manual_optimization_with_two_backwards_and_optimizers(tmp_pat
     """A step with two backward passes and two optimizers: one forward, two backwards, one optimizer span."""
     import lightning.pytorch as pl
 
-    from training_hooks.lightning import StepscopeCallback
+    from stepscope.hooks.lightning import StepscopeCallback
 
     class SlowSGD(torch.optim.SGD):
         def step(self, closure=None):  # Lightning's hook runs inside step(), after the closure
@@ -135,7 +135,7 @@ def test_lightning_manual_optimization_with_two_backwards_and_optimizers(tmp_pat
 def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from training_hooks.huggingface import StepscopeCallback
+    from stepscope.hooks.huggingface import StepscopeCallback
 
     class Model(nn.Module):
         def __init__(self) -> None:

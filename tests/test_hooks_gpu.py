@@ -7,7 +7,7 @@ stay within 10% of the `sync=True` sums, and the hot path never synchronizes.
 import pytest
 import torch
 
-import training_hooks as th
+import stepscope.hooks as th
 from stepscope_testkit.processes import sample_values
 
 pytestmark = [

@@ -7,11 +7,10 @@ from bisect import bisect_left
 
 import pytest
 
-import training_hooks as th
-import training_hooks.timing
-from stepscope_testkit.processes import sample_values, samples
-from training_hooks.config import Config
-from training_hooks.timing import (
+import stepscope.hooks as th
+import stepscope.hooks.timing
+from stepscope.hooks.config import Config
+from stepscope.hooks.timing import (
     BLOCK,
     EVICT_IDLE_SECONDS,
     FINE_GRID,
@@ -20,6 +19,7 @@ from training_hooks.timing import (
     Histogram,
     HistogramSnapshot,
 )
+from stepscope_testkit.processes import sample_values, samples
 
 
 def tracker(**kwargs) -> th.Tracker:
@@ -106,7 +106,7 @@ def test_a_second_mode_far_above_the_median_gets_its_own_window() -> None:
 
 def test_bounds_stay_within_the_cap_and_leave_only_after_half_a_minute_unused(monkeypatch) -> None:
     clock = [0]
-    monkeypatch.setattr(training_hooks.timing, "perf_counter_ns", lambda: clock[0])
+    monkeypatch.setattr(stepscope.hooks.timing, "perf_counter_ns", lambda: clock[0])
     rng = random.Random(4)
     hist = Histogram.following()
     last_used: dict[float, int] = {}
@@ -130,7 +130,7 @@ def test_bounds_stay_within_the_cap_and_leave_only_after_half_a_minute_unused(mo
 def test_a_run_that_speeds_up_after_a_slow_start_gets_fine_buckets_at_its_new_pace(monkeypatch) -> None:
     """The issue's reproduction: steps fall from 1 s to 80 ms over 50 s, then hold at ~21 ms."""
     clock = [0]
-    monkeypatch.setattr(training_hooks.timing, "perf_counter_ns", lambda: clock[0])
+    monkeypatch.setattr(stepscope.hooks.timing, "perf_counter_ns", lambda: clock[0])
     rng = random.Random(5)
     hist = Histogram.following()
     for second in range(0, 50, 5):

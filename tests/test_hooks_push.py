@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import training_hooks as th
+import stepscope.hooks as th
 from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
 
@@ -99,7 +99,7 @@ def test_pusher_survives_a_missing_gateway_and_a_restart(tmp_path: Path, caplog)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     group = {"job": "stepscope", "run": "robust", "rank": "0"}
-    caplog.set_level(logging.WARNING, logger="training_hooks")
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
     tracker = th.init(run="robust", push_url=url, push_interval=0.05, max_backoff=0.2)
     pusher = tracker.pusher
     train(tracker, steps)
@@ -123,7 +123,7 @@ def test_pusher_survives_a_missing_gateway_and_a_restart(tmp_path: Path, caplog)
 
 
 def test_rejected_push_logs_the_server_message_once(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="training_hooks")
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
     with running_pushgateway(tmp_path) as gateway:
         tracker = th.init(run="misconfigured", push_url=f"{gateway.url}/wrong-prefix", push_interval=0.05,
                           max_backoff=0.1)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 PRELUDE = '''
 import os, signal, sys, threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
-import training_hooks as th
+import stepscope.hooks as th
 
 class Receiver(BaseHTTPRequestHandler):
     """A push endpoint that says on stdout when a body with state idle arrives."""
@@ -148,7 +148,7 @@ def test_sigterm_to_a_training_process_shows_its_final_state_on_metrics_within_t
         log = tmp_path / "demo.log"
         with open(log, "wb") as out:
             demo = subprocess.Popen(
-                [sys.executable, "-m", "training_hooks.demo", "--run", "sigterm", "--push-url", exporter.url,
+                [sys.executable, "-m", "stepscope.hooks.demo", "--run", "sigterm", "--push-url", exporter.url,
                  "--push-interval", "1"],
                 stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
@@ -185,7 +185,7 @@ def test_lightning_keeps_its_graceful_sigterm_stop_and_the_final_state_is_pushed
         from torch import nn
         import lightning.pytorch as pl
         from lightning.pytorch.utilities.exceptions import SIGTERMException
-        from training_hooks.lightning import StepscopeCallback
+        from stepscope.hooks.lightning import StepscopeCallback
 
         class Module(pl.LightningModule):
             def __init__(self):

@@ -270,7 +270,7 @@ def test_an_encrypted_tls_key_fails_with_one_line_and_never_prompts(tmp_path: Pa
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "exporter", *NO_COLLECTORS, "--listen-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "stepscope.exporter", *NO_COLLECTORS, "--listen-address", f"127.0.0.1:{free_port()}",
          "--tls-cert-file", str(cert), "--tls-key-file", str(key)],
         stdin=terminal, stdout=terminal, stderr=terminal, env={**os.environ, **exporter_env()},
         preexec_fn=own_terminal, cwd=REPO_ROOT,

@@ -8,17 +8,17 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.exposition import Chunk, ExpositionStore, render
-from exporter.ingest.access import AccessPolicy
-from exporter.ingest.api import PushApi, parse_group_path
-from exporter.ingest.errors import Rejected
-from exporter.ingest.families import FAMILIES
-from exporter.ingest.parser import PushLimits
-from exporter.ingest.parser import parse_push as parse_body
-from exporter.ingest.render import last_push_line, training_chunks
-from exporter.ingest.store import GroupStore, StoredFamily, StoreLimits
-from exporter.registered import RegisteredProcess
-from exporter.server import PushRequest, PushResponse
+from stepscope.exporter.exposition import Chunk, ExpositionStore, render
+from stepscope.exporter.ingest.access import AccessPolicy
+from stepscope.exporter.ingest.api import PushApi, parse_group_path
+from stepscope.exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.families import FAMILIES
+from stepscope.exporter.ingest.parser import PushLimits
+from stepscope.exporter.ingest.parser import parse_push as parse_body
+from stepscope.exporter.ingest.render import last_push_line, training_chunks
+from stepscope.exporter.ingest.store import GroupStore, StoredFamily, StoreLimits
+from stepscope.exporter.registered import RegisteredProcess
+from stepscope.exporter.server import PushRequest, PushResponse
 from stepscope_testkit.ingest_bodies import counter, full_body, info_family, phase_family
 
 LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)

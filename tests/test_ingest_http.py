@@ -336,7 +336,7 @@ def test_unusable_token_file_fails_cleanly(tmp_path: Path, content: str | bytes,
     else:
         token_file.write_text(content)
     result = subprocess.run(
-        [sys.executable, "-m", "exporter", "--collectors", "", "--listen-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "stepscope.exporter", "--collectors", "", "--listen-address", f"127.0.0.1:{free_port()}",
          "--ingest-token-file", str(token_file)],
         capture_output=True, text=True, timeout=30, env={**os.environ, **exporter_env()},
     )

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import training_hooks as th
-from training_hooks.limits import measure, prefetched_batches, samples_in, to_device
+import stepscope.hooks as th
+from stepscope.hooks.limits import measure, prefetched_batches, samples_in, to_device
 
 BATCH = 8
 LOADER_SLEEP = 0.03  # per batch: the loader delivers BATCH / LOADER_SLEEP = 267 samples/s at most

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch  # noqa: F401  (the profiler trace needs torch in the process; the hooks never import it)
 from prometheus_client.parser import text_string_to_metric_families
 
-import training_hooks
-from stepscope_contract import FAMILIES, families
+import stepscope.hooks
+from stepscope.contract import FAMILIES, families
 from stepscope_testkit.fake_nvml.scenario import make_gpu, write_scenario
 from stepscope_testkit.processes import running_exporter, scrape
 from stepscope_testkit.traces import rank_tracing, request_state, request_trace, wait_until
@@ -57,7 +57,7 @@ def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path) -
         "xid_events": [{"gpu": 1, "xid": 79}],
     }
     with running_exporter(tmp_path, fake_nvml_scenario=write_scenario(tmp_path / "nvml.json", scenario)) as exporter:
-        tracker = training_hooks.init(run="contract", rank=0, push_url=exporter.url, push_interval=0.2,
+        tracker = stepscope.hooks.init(run="contract", rank=0, push_url=exporter.url, push_interval=0.2,
                                       trace_dir=str(tmp_path / "traces"))
         tracker.measure_limits([[1, 2]] * 6, lambda batch: None, batches=2)
         wait_until(lambda: rank_tracing(exporter.url, "contract", 0) == "ready", 30, "the first push")

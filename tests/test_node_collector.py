@@ -16,8 +16,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors.node import NodeCollector
-from exporter.exposition import render
+from stepscope.exporter.collectors.node import NodeCollector
+from stepscope.exporter.exposition import render
 from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, scrape
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux ground truth")
@@ -87,7 +87,7 @@ def test_filesystem_paths_and_missing_path_logged_once(
 ) -> None:
     missing = str(tmp_path / "not-there")
     collector = NodeCollector([str(tmp_path), missing])
-    with caplog.at_level(logging.WARNING, logger="exporter.collectors.node"):
+    with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
         collected(collector)
         by_name = collected(collector)
     assert [r.getMessage() for r in caplog.records if "not-there" in r.getMessage()] == [

@@ -18,11 +18,11 @@ import psutil
 import pytest
 import requests
 
-from exporter.collectors.pid_namespaces import PidResolver
-from exporter.collectors.process import ProcessCollector
-from exporter.exposition import render
-from exporter.gpu_processes import GpuProcessTable
-from exporter.registered import RegisteredProcess
+from stepscope.exporter.collectors.pid_namespaces import PidResolver
+from stepscope.exporter.collectors.process import ProcessCollector
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.registered import RegisteredProcess
 from stepscope_testkit.ingest_bodies import counter, info_family
 from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exporter.collectors.process import ProcessCollector
-from exporter.exposition import render
-from exporter.gpu_processes import GpuProcessTable
-from exporter.registered import RegisteredProcess
+from stepscope.exporter.collectors.process import ProcessCollector
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.registered import RegisteredProcess
 from stepscope_testkit.processes import sample_values
 
 MiB = 1 << 20
@@ -187,7 +187,7 @@ def test_registered_pid_is_trusted_only_with_its_own_start_time(trainer: tuple[s
 def test_one_process_table_pass_per_cycle_and_unseen_pids_retried_slowly(
     trainer: tuple[subprocess.Popen, float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from exporter.collectors import process as process_module
+    from stepscope.exporter.collectors import process as process_module
 
     parent, _ = trainer
     hidden = 4_000_000  # a GPU process in another pid namespace: NVML lists it, this exporter cannot see it

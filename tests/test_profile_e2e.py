@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import training_hooks as th
-from exporter import profile_cli
+import stepscope.hooks as th
+from stepscope.exporter import profile_cli
 from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape
 from stepscope_testkit.traces import (
     API,
@@ -190,7 +190,7 @@ class Regression(Dataset):
 def lightning_fit(tracker: th.Tracker, steps: int, tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
-    from training_hooks.lightning import StepscopeCallback
+    from stepscope.hooks.lightning import StepscopeCallback
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -212,7 +212,7 @@ def lightning_fit(tracker: th.Tracker, steps: int, tmp_path: Path) -> None:
 def transformers_train(tracker: th.Tracker, steps: int, tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from training_hooks.huggingface import StepscopeCallback
+    from stepscope.hooks.huggingface import StepscopeCallback
 
     class Model(nn.Module):
         def __init__(self) -> None:

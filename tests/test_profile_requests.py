@@ -5,15 +5,15 @@ import json
 
 import pytest
 
-from exporter.exposition import ExpositionStore
-from exporter.ingest.access import AccessPolicy
-from exporter.ingest.api import PushApi
-from exporter.ingest.parser import PushLimits
-from exporter.ingest.profile_api import ProfileApi
-from exporter.ingest.profiles import REQUEST_HEADER, ProfileError, ProfileRequests
-from exporter.ingest.render import last_push_line
-from exporter.ingest.store import GroupStore, StoreLimits
-from exporter.server import PushRequest
+from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.ingest.access import AccessPolicy
+from stepscope.exporter.ingest.api import PushApi
+from stepscope.exporter.ingest.parser import PushLimits
+from stepscope.exporter.ingest.profile_api import ProfileApi
+from stepscope.exporter.ingest.profiles import REQUEST_HEADER, ProfileError, ProfileRequests
+from stepscope.exporter.ingest.render import last_push_line
+from stepscope.exporter.ingest.store import GroupStore, StoreLimits
+from stepscope.exporter.server import PushRequest
 from stepscope_testkit.ingest_bodies import full_body
 
 READY = json.dumps({"v": 1, "state": "ready"})

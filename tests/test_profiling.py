@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import training_hooks as th
-from stepscope_testkit.fake_cuda import FakeCuda
-from stepscope_testkit.traces import step_annotations
-from training_hooks import tracker as tracker_module
-from training_hooks.cuda import CudaTimer
-from training_hooks.profiling import (
+import stepscope.hooks as th
+from stepscope.hooks import tracker as tracker_module
+from stepscope.hooks.cuda import CudaTimer
+from stepscope.hooks.profiling import (
     REQUEST_HEADER,
     STATUS_HEADER,
     TraceSettings,
@@ -28,6 +26,8 @@ from training_hooks.profiling import (
     prune,
     trace_file_prefix,
 )
+from stepscope_testkit.fake_cuda import FakeCuda
+from stepscope_testkit.traces import step_annotations
 
 
 class Armed:
@@ -149,7 +149,7 @@ def test_a_trace_over_the_cap_is_deleted_and_fails(tmp_path: Path) -> None:
 FULL_DIRECTORY_SCRIPT = """
 import json, os, resource, signal, sys
 import torch
-from training_hooks.profiling import REQUEST_HEADER, TraceSettings, TraceTaker
+from stepscope.hooks.profiling import REQUEST_HEADER, TraceSettings, TraceTaker
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 armed = []

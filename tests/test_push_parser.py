@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from exporter.ingest.errors import Rejected
-from exporter.ingest.parser import PushLimits, parse_push
+from stepscope.exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.parser import PushLimits, parse_push
 from stepscope_testkit.ingest_bodies import HOSTILE_SHAPES, full_body, hooks_body
 
 LIMITS = PushLimits(max_label_length=128, max_series=2000, max_phases=32)

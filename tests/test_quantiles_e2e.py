@@ -22,16 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-import training_hooks as th
-import training_hooks.timing
-import training_hooks.tracker
+import stepscope.hooks as th
+import stepscope.hooks.timing
+import stepscope.hooks.tracker
 from grafana.dashboards.training import RANKS
 from grafana.rules import RULE_FILES
-from stepscope_contract.recordings import rank_step_seconds_quantile
+from stepscope.contract.recordings import rank_step_seconds_quantile
+from stepscope.hooks.pusher import Pusher, group_url
 from stepscope_testkit.processes import running_exporter
 from tests.support.dashboard_queries import substitute
 from tests.support.prometheus import query, running_prometheus, wait_for
-from training_hooks.pusher import Pusher, group_url
 
 WARMUP_SNAPSHOTS = 5  # a run a minute or more in: its fine buckets placed
 PUSH_SECONDS = 5.0  # the hooks' default push interval: steps per snapshot = 5 s of steps, 20..2000
@@ -161,8 +161,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Measured]:
     tmp = tmp_path_factory.mktemp("quantiles")
     clock = ScriptedClock()
     patch = pytest.MonkeyPatch()
-    patch.setattr(training_hooks.tracker, "perf_counter_ns", clock)
-    patch.setattr(training_hooks.timing, "perf_counter_ns", clock)
+    patch.setattr(stepscope.hooks.tracker, "perf_counter_ns", clock)
+    patch.setattr(stepscope.hooks.timing, "perf_counter_ns", clock)
     try:
         with running_exporter(tmp, "--collectors", "node") as exporter:
             address = exporter.url.removeprefix("http://")

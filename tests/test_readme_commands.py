@@ -17,17 +17,17 @@ import helm_python
 import tomllib
 import yaml
 
-from exporter.web_config import load
+from stepscope.exporter.web_config import load
 from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape, wait_http_ok
 from tests.support.helm_chart import CHART, OPERATOR_API, objects, render
 from tests.support.readme import README, readme_command, readme_commands, shell_env, start_shell, stop_shells
 
 RUN_HERE = {  # command prefix -> the test that runs it
-    "python3 -m venv .venv && .venv/bin/pip install .": "test_readme_install.py",
+    "python3 -m venv .venv && .venv/bin/pip install '.[exporter]'": "test_readme_install.py",
     "pip install '.[report]'": "test_readme_install.py",
-    "python -m run_report --help": "test_readme_install.py",
-    "python -m training_hooks.demo": "test_the_demo_and_profile_commands",
-    "torchrun --nproc-per-node 2 -m training_hooks.demo": "test_the_demo_and_profile_commands",
+    "python -m stepscope.report --help": "test_readme_install.py",
+    "python -m stepscope.hooks.demo": "test_the_demo_and_profile_commands",
+    "torchrun --nproc-per-node 2 -m stepscope.hooks.demo": "test_the_demo_and_profile_commands",
     "prometheus-pushgateway": "test_the_demo_and_profile_commands",
     "curl -s http://127.0.0.1:9091/metrics": "test_the_demo_and_profile_commands",
     "stepscope-profile": "test_the_demo_and_profile_commands",
@@ -81,7 +81,7 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
     rank of run resnet-a."""
     gateway_port = free_port()
     demo_lines = [c for c in readme_commands()
-                  if c.startswith(("python -m training_hooks.demo", "torchrun")) and "9091" not in c]
+                  if c.startswith(("python -m stepscope.hooks.demo", "torchrun")) and "9091" not in c]
     assert len(demo_lines) == 5
     pushgateway_block = [c.replace("127.0.0.1:9091", f"127.0.0.1:{gateway_port}").removesuffix("&").strip()
                          for c in readme_commands() if "9091" in c]
@@ -96,7 +96,7 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
             demos = dict(zip(["demo", "straggler", "slow", "fixed", "ddp", "pushgateway-demo"],
                              [*demo_lines, pushgateway_block[1]], strict=True))
             # a rank 3 of run resnet-a, for the profile commands (not a README command: the user's job)
-            demos["resnet-a"] = "python -m training_hooks.demo --run resnet-a --rank 3 --world-size 4"
+            demos["resnet-a"] = "python -m stepscope.hooks.demo --run resnet-a --rank 3 --world-size 4"
             shells.update({name: start_shell(line, tmp_path / f"{name}.log", env) for name, line in demos.items()})
 
             def pushed(*groups: tuple[str, str]) -> Callable[[str], bool]:

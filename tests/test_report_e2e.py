@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from grafana.rules import RULE_FILES
-from run_report import cli, csvs
-from run_report.report import RUN_SUMMARY_HEADER
+from stepscope.report import cli, csvs
+from stepscope.report.report import RUN_SUMMARY_HEADER
 from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
 from tests.support.prometheus import query, running_prometheus, wait_for
@@ -51,7 +51,7 @@ class Runs:
 
 def _report(prometheus: str, run: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "run_report", "--prometheus", prometheus, "--run", run, "--out", str(out), *extra],
+        [sys.executable, "-m", "stepscope.report", "--prometheus", prometheus, "--run", run, "--out", str(out), *extra],
         capture_output=True, text=True, timeout=120, cwd=out.parent,
     )
 
@@ -113,7 +113,7 @@ def _header(path: Path) -> list[str]:
 
 def _window(report: Path) -> tuple[float, float, float]:
     """(start, end, step) the report used, from run_summary.csv."""
-    from run_report.times import parse_time
+    from stepscope.report.times import parse_time
 
     row = _csv(report / "run_summary.csv")[0]
     return parse_time(row["start"], 0), parse_time(row["end"], 0), float(row["resolution_seconds"])
@@ -212,7 +212,7 @@ def test_numbers_agree_with_promql_over_the_same_window(runs: Runs) -> None:
 def test_a_window_inside_the_run_counts_only_its_steps(runs: Runs) -> None:
     states = _csv(runs.reports["ddp"] / "state_timeline.csv")
     train = [row for row in states if row["state"] == "train" and row["rank"] == "0"]
-    from run_report.times import parse_time
+    from stepscope.report.times import parse_time
 
     inside_from = parse_time(train[0]["start"], 0) + 2
     inside_to = parse_time(train[-1]["end"], 0) - 2
@@ -253,7 +253,7 @@ def test_verdicts_and_the_straggler(runs: Runs) -> None:
 
 
 def test_gantt_intervals_match_the_pushed_state_changes(runs: Runs) -> None:
-    from run_report.times import parse_time
+    from stepscope.report.times import parse_time
 
     for run, out in runs.reports.items():
         start, end, step = _window(out)

@@ -12,16 +12,16 @@ import pytest
 import yaml
 
 from grafana.rules import RULE_FILES
-from run_report import output, page, plots, queries, report
-from run_report.collect import RunData
-from run_report.prometheus import Series
-from run_report.summary import RunTotals
-from run_report.timeline import critical_path, labelled_intervals, state_intervals
-from run_report.times import iso, parse_time
-from run_report.verdict import FIXES, HEADLINES, NO_VERDICT, Assessment, Check, assess
-from run_report.window import Window, aligned, resolution
-from stepscope_contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
-from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
+from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.report import output, page, plots, queries, report
+from stepscope.report.collect import RunData
+from stepscope.report.prometheus import Series
+from stepscope.report.summary import RunTotals
+from stepscope.report.timeline import critical_path, labelled_intervals, state_intervals
+from stepscope.report.times import iso, parse_time
+from stepscope.report.verdict import FIXES, HEADLINES, NO_VERDICT, Assessment, Check, assess
+from stepscope.report.window import Window, aligned, resolution
 
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
 EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
@@ -209,7 +209,7 @@ def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(
 
 
 def test_the_page_never_shows_credentials_of_the_prometheus_url() -> None:
-    from run_report.cli import _without_credentials
+    from stepscope.report.cli import _without_credentials
 
     assert _without_credentials("https://reader:s3cret@prom.example:9090/prometheus") == \
         "https://prom.example:9090/prometheus"

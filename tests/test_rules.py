@@ -10,8 +10,8 @@ import yaml
 
 from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES
 from grafana.rules import rules as rules_of
-from stepscope_contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope_contract import recordings, verdicts
+from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))

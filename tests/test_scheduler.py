@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from exporter import exposition
-from exporter.exposition import ExpositionStore
-from exporter.scheduler import Scheduler
+from stepscope.exporter import exposition
+from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.scheduler import Scheduler
 from stepscope_testkit.processes import sample_values
 
 

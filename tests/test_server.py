@@ -104,7 +104,7 @@ def _served_common_name(port: int) -> str:
 def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
     cert, key = make_cert(tmp_path, "first")
     port = free_port()
-    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", "--collectors", "",
+    argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", "--collectors", "",
             "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
     with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
                  verify=False) as exporter:

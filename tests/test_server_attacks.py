@@ -213,7 +213,7 @@ def test_an_open_files_limit_below_the_cap_is_fitted_and_logs_little(tmp_path: P
     def limit_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
-    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
+    argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
             "--web.max-connections", "512"]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=limit_files,
@@ -283,7 +283,7 @@ def test_a_tls_client_that_half_closes_logs_nothing(tmp_path: Path) -> None:
     half-closing TLS client (a flood of them) must not write to the log."""
     cert, key = make_cert(tmp_path, "127.0.0.1")
     port = free_port()
-    argv = [sys.executable, "-m", "exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
+    argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
             "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
     with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
                  verify=False) as exp:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from exporter.server_limits import (
+from stepscope.exporter.server_limits import (
     BODY_LAG_ALLOWANCE,
     MIN_BODY_RATE,
     AcceptErrorLog,
@@ -113,7 +113,7 @@ def test_failed_accepts_are_one_line_per_interval_with_a_count(caplog: pytest.Lo
     loop = asyncio.new_event_loop()
     failure = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
     try:
-        with caplog.at_level(logging.ERROR, logger="exporter.server"):
+        with caplog.at_level(logging.ERROR, logger="stepscope.exporter.server"):
             for _ in range(1000):
                 handler(loop, failure)
             clock.now += 10

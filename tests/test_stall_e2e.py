@@ -35,7 +35,7 @@ NODE = "node-1"
 TRAINER = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-import training_hooks as th
+import stepscope.hooks as th
 run, hang_after = sys.argv[1], int(sys.argv[2])
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=datetime.timedelta(hours=1))

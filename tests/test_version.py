@@ -1,4 +1,4 @@
-"""The version lives in stepscope_contract.VERSION; everything that states it reads it or is checked here."""
+"""The version lives in stepscope.contract.VERSION; everything that states it reads it or is checked here."""
 
 import importlib.metadata
 import re
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from stepscope_contract import VERSION
-from training_hooks.pusher import USER_AGENT
+from stepscope.contract import VERSION
+from stepscope.hooks.pusher import USER_AGENT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def test_the_installed_distribution_takes_its_version_from_the_contract() -> Non
 
 
 def test_the_exporter_reports_it() -> None:
-    result = subprocess.run([sys.executable, "-m", "exporter", "--version"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "stepscope.exporter", "--version"], capture_output=True, text=True)
     assert result.stdout.strip().endswith(f" {VERSION}"), result.stdout + result.stderr
     assert f"stepscope-training-hooks/{VERSION}" == USER_AGENT
 

@@ -21,11 +21,11 @@ import pytest
 import requests
 import urllib3
 
-from exporter import web_reload
-from exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client
-from exporter.web_config import load
-from exporter.web_reload import ReloadingUsers, WebConfigSource
-from stepscope_contract import families
+from stepscope.contract import families
+from stepscope.exporter import web_reload
+from stepscope.exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client
+from stepscope.exporter.web_config import load
+from stepscope.exporter.web_reload import ReloadingUsers, WebConfigSource
 from stepscope_testkit.processes import Running, exporter_env, free_port, running, sample_values
 from tests.support.certs import make_cert
 
@@ -41,8 +41,8 @@ def basic(user: str, password: str) -> str:
 
 def serving(config: Path, tmp_path: Path, port: int, scheme: str = "http") -> AbstractContextManager[Running]:
     """A real exporter with this web config, no collectors, ready; its url is the base URL."""
-    argv = [sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{port}", "--web.config.file",
-            str(config), "--collectors", "", "--collect-interval", "0.5"]
+    argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"127.0.0.1:{port}",
+            "--web.config.file", str(config), "--collectors", "", "--collect-interval", "0.5"]
     base = f"{scheme}://127.0.0.1:{port}"
     return running(argv, f"{base}/-/ready", tmp_path / "exporter.log", env=exporter_env(), base_url=base,
                    verify=scheme == "http")

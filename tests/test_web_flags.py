@@ -12,9 +12,9 @@ import bcrypt
 import pytest
 import requests
 
-from exporter.cli import build_parser, enabled_collectors
-from exporter.web_auth import BcryptUsers, Client
-from exporter.web_config import WebConfigError, load
+from stepscope.exporter.cli import build_parser, enabled_collectors
+from stepscope.exporter.web_auth import BcryptUsers, Client
+from stepscope.exporter.web_config import WebConfigError, load
 from stepscope_testkit.processes import exporter_env, free_port, running, running_exporter, sample_values, scrape
 from tests.support.certs import make_cert, make_client_cert
 from tests.test_cli import assert_clean_failure, run_exporter
@@ -25,7 +25,7 @@ CLIENT = Client("127.0.0.1")
 
 
 def _exporter_argv(port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{port}",
+    return [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"127.0.0.1:{port}",
             "--collect-interval", "0.5", *args]
 
 

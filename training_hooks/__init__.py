@@ -1,9 +1,9 @@
 """stepscope training hooks: time each training step's phases in-process and push them to the exporter.
 
-Imports neither torch nor the exporter; the framework integrations live in `training_hooks.lightning`
-and `training_hooks.huggingface`.
+Imports neither torch nor the exporter; the framework integrations live in `stepscope.hooks.lightning`
+and `stepscope.hooks.huggingface`.
 
-    import training_hooks as th
+    import stepscope.hooks as th
     tracker = th.init(run="resnet-a")
     for batch in tracker.loader(train_loader):
         with tracker.phase("forward", cuda=True):
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stepscope_contract import STANDARD_PHASES, STATES
-from training_hooks.config import Config, log_buckets
-from training_hooks.tracker import Tracker
+from stepscope.contract import STANDARD_PHASES, STATES
+from stepscope.hooks.config import Config, log_buckets
+from stepscope.hooks.tracker import Tracker
 
 __all__ = ["STANDARD_PHASES", "STATES", "Config", "Tracker", "init", "log_buckets"]
 

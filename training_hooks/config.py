@@ -18,7 +18,7 @@ DEFAULT_MAX_PHASES = 32
 MAX_LABEL_LENGTH = 128
 
 
-# Profiler traces (training_hooks.profiling): where they go, the most one may take compressed, and how
+# Profiler traces (stepscope.hooks.profiling): where they go, the most one may take compressed, and how
 # many of a rank's traces are kept (older ones are deleted).
 DEFAULT_TRACE_DIR = os.path.join(tempfile.gettempdir(), "stepscope-traces")
 DEFAULT_TRACE_MAX_BYTES = 200 * 1024 * 1024
@@ -97,12 +97,12 @@ class Config:
     push_interval: float = DEFAULT_PUSH_INTERVAL
     push_timeout: float = 2.0
     max_backoff: float = 60.0
-    buckets: tuple[float, ...] | None = None  # None: buckets that follow the run (training_hooks.timing)
+    buckets: tuple[float, ...] | None = None  # None: buckets that follow the run (stepscope.hooks.timing)
     phase_buckets: bool = False  # per-phase buckets; phases always have _sum and _count
     max_phases: int = DEFAULT_MAX_PHASES
     framework: str = "pytorch"
     sync: bool = False
-    handle_sigterm: bool = True  # push the final state on SIGTERM, then chain (training_hooks.signals)
+    handle_sigterm: bool = True  # push the final state on SIGTERM, then chain (stepscope.hooks.signals)
     trace_dir: str = DEFAULT_TRACE_DIR
     trace_max_bytes: int = DEFAULT_TRACE_MAX_BYTES
     trace_keep: int = DEFAULT_TRACE_KEEP

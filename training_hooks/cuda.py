@@ -40,9 +40,9 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
-from training_hooks.timing import Histogram
+from stepscope.hooks.timing import Histogram
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 DEFAULT_MAX_PENDING = 4096
 DEFAULT_BUDGET = 0.005  # events may cost this fraction of the median step time

@@ -1,11 +1,11 @@
-"""`python -m training_hooks.demo`: a small MLP on synthetic data, instrumented, pushing to the exporter.
+"""`python -m stepscope.hooks.demo`: a small MLP on synthetic data, instrumented, pushing to the exporter.
 
 Launch several with `--rank` and one with `--extra-step-seconds` to watch a straggler, or use
 `--slow-loader` to watch a data-bound run (`--loader-workers` loads in parallel, the usual fix), and
 `--measure-limits` to measure the loader and compute limits before training. `--ddp` trains
 synchronously with DistributedDataParallel (gloo, CPU) under torchrun, where every rank waits for the
 slowest in the gradient all-reduce:
-`torchrun --nproc-per-node 2 -m training_hooks.demo --ddp --slow-rank 1 --extra-step-seconds 0.03`.
+`torchrun --nproc-per-node 2 -m stepscope.hooks.demo --ddp --slow-rank 1 --extra-step-seconds 0.03`.
 Needs torch (CPU is enough).
 """
 
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
-import training_hooks
-from stepscope_contract.training import (
+import stepscope.hooks
+from stepscope.contract.training import (
     BACKWARD_PHASE,
     EVAL_STATE,
     FORWARD_PHASE,
@@ -28,7 +28,7 @@ from stepscope_contract.training import (
     OPTIMIZER_PHASE,
     TO_DEVICE_PHASE,
 )
-from training_hooks.config import Config
+from stepscope.hooks.config import Config
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
@@ -65,7 +65,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _OneLineErrors(prog="python -m training_hooks.demo", description=__doc__.splitlines()[0],
+    parser = _OneLineErrors(prog="python -m stepscope.hooks.demo", description=__doc__.splitlines()[0],
                             allow_abbrev=False)
     parser.add_argument("--run", default="demo", help="run label (default: demo)")
     parser.add_argument("--steps", type=_int_at_least(0), default=0, help="steps to train, 0 = forever")
@@ -128,7 +128,7 @@ def ddp_env(env: Mapping[str, str]) -> tuple[int, int]:
     missing = [name for name in DDP_ENV if not env.get(name, "").strip()]
     if missing:
         raise ValueError(f"--ddp needs {', '.join(missing)} in the environment: start it with "
-                         "torchrun --nproc-per-node N -m training_hooks.demo --ddp")
+                         "torchrun --nproc-per-node N -m stepscope.hooks.demo --ddp")
     try:
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     except ValueError:
@@ -154,10 +154,10 @@ def evaluate(model: Any, batch_size: int, seconds: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        tracker = training_hooks.init(run=args.run, rank=args.rank, world_size=args.world_size,
+        tracker = stepscope.hooks.init(run=args.run, rank=args.rank, world_size=args.world_size,
                                       push_url=args.push_url, push_interval=args.push_interval)
     except ValueError as exc:
-        print(f"python -m training_hooks.demo: error: {exc}", file=sys.stderr)
+        print(f"python -m stepscope.hooks.demo: error: {exc}", file=sys.stderr)
         return 2
     cfg = tracker.config
     extra_seconds = args.extra_step_seconds if args.slow_rank in (None, cfg.rank) else 0.0
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torch.utils.data import DataLoader, IterableDataset
     except ImportError:
         tracker.close()
-        print("python -m training_hooks.demo: error: the demo needs torch: pip install torch "
+        print("python -m stepscope.hooks.demo: error: the demo needs torch: pip install torch "
               "(in a checkout of stepscope: pip install '.[torch]')", file=sys.stderr)
         return 2
 

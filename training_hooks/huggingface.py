@@ -26,8 +26,8 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-import training_hooks
-from stepscope_contract.training import (
+import stepscope.hooks
+from stepscope.contract.training import (
     CHECKPOINT_STATE,
     DATA_LOADING_PHASE,
     EVAL_STATE,
@@ -37,9 +37,9 @@ from stepscope_contract.training import (
     TRAIN_BATCH_PHASE,
     TRAIN_STATE,
 )
-from training_hooks.tracker import Tracker
+from stepscope.hooks.tracker import Tracker
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 _GPU_PHASES = (TRAIN_BATCH_PHASE, OPTIMIZER_PHASE, LR_SCHEDULER_PHASE)
 _FETCH = "get_batch_samples"  # Trainer method that draws a step's batches from the epoch iterator
@@ -50,7 +50,7 @@ class StepscopeCallback(TrainerCallback):
     """Times the Trainer's loop into a Tracker (created at on_train_begin unless one is given).
 
     A tracker it creates takes rank and world size from TrainingArguments, framework "transformers",
-    and is closed (final push) at on_train_end. `init_kwargs` go to `training_hooks.init`.
+    and is closed (final push) at on_train_end. `init_kwargs` go to `stepscope.hooks.init`.
     """
 
     def __init__(self, tracker: Tracker | None = None, **init_kwargs: Any) -> None:
@@ -73,7 +73,7 @@ class StepscopeCallback(TrainerCallback):
             init = {"framework": "transformers", "rank": args.process_index,
                     "local_rank": args.local_process_index, "world_size": args.world_size,
                     **self._init_kwargs}
-            self.tracker = training_hooks.init(**init)
+            self.tracker = stepscope.hooks.init(**init)
         self._default_batch = args.train_batch_size
         self._wrap_fetch(_find_trainer())
         self._training = True

@@ -25,8 +25,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 
-import training_hooks
-from stepscope_contract.training import (
+import stepscope.hooks
+from stepscope.contract.training import (
     BACKWARD_PHASE,
     CHECKPOINT_STATE,
     DATA_LOADING_PHASE,
@@ -39,9 +39,9 @@ from stepscope_contract.training import (
     TRAIN_BATCH_PHASE,
     TRAIN_STATE,
 )
-from training_hooks.tracker import Tracker
+from stepscope.hooks.tracker import Tracker
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 _GPU_PHASES = (FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE)
 # The training epoch loop's callbacks around the fetcher's `next(iterator)` (Lightning 2.x sets them as the
@@ -53,7 +53,7 @@ class StepscopeCallback(Callback):
     """Times Lightning's training loop into a Tracker (created at setup unless one is given).
 
     A tracker it creates takes run/rank/world size from the Trainer and the environment, framework
-    "lightning", and is closed (final push) at teardown. `init_kwargs` go to `training_hooks.init`.
+    "lightning", and is closed (final push) at teardown. `init_kwargs` go to `stepscope.hooks.init`.
     """
 
     def __init__(self, tracker: Tracker | None = None, **init_kwargs: Any) -> None:
@@ -71,7 +71,7 @@ class StepscopeCallback(Callback):
         if self.tracker is None:
             kwargs = {"framework": "lightning", "rank": trainer.global_rank, "local_rank": trainer.local_rank,
                       "world_size": trainer.world_size, **self._init_kwargs}
-            self.tracker = training_hooks.init(**kwargs)
+            self.tracker = stepscope.hooks.init(**kwargs)
         if stage == "fit":
             self._wrap_batch_to_device(trainer)
             self._wrap_fetch(trainer)

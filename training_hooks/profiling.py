@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 STATUS_HEADER = "Stepscope-Profile"
 REQUEST_HEADER = "Stepscope-Profile-Request"

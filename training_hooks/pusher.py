@@ -7,7 +7,7 @@ backoff up to `max_backoff`; a 4xx is a configuration problem, so the server's m
 
 Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
 hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
-(training_hooks.profiling); a stock Pushgateway ignores the one and never sends the other.
+(stepscope.hooks.profiling); a stock Pushgateway ignores the one and never sends the other.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import requests
 
-from stepscope_contract import VERSION
-from training_hooks.render import CONTENT_TYPE
+from stepscope.contract import VERSION
+from stepscope.hooks.render import CONTENT_TYPE
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 _PLAIN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
 
-from stepscope_contract import (
+from stepscope.contract import (
     COMPUTE_LIMIT,
     FAMILIES,
     LOADER_LIMIT,
@@ -29,9 +29,9 @@ from stepscope_contract import (
     TRAINING_PHASE_ENTERED,
     TRAINING_STATE,
 )
-from training_hooks.limits import Limits
-from training_hooks.profiling import TraceOutcome
-from training_hooks.timing import HistogramSnapshot
+from stepscope.hooks.limits import Limits
+from stepscope.hooks.profiling import TraceOutcome
+from stepscope.hooks.timing import HistogramSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

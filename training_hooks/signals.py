@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 
 class FinalPushOnSigterm:

@@ -32,7 +32,7 @@ from itertools import accumulate
 from time import perf_counter_ns
 from typing import Protocol
 
-from stepscope_contract import GRID_OCTAVES, MAX_EXPORTED_BOUNDS, SKELETON_EVERY_OCTAVES, STEPS_PER_OCTAVE
+from stepscope.contract import GRID_OCTAVES, MAX_EXPORTED_BOUNDS, SKELETON_EVERY_OCTAVES, STEPS_PER_OCTAVE
 
 # Fine grid: 1 ms * 2^(k/8) for k in [-80, 136], 0.98 µs .. 131 s, 4 significant digits (readable `le`).
 FINE_GRID = tuple(

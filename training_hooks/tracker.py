@@ -18,17 +18,17 @@ from typing import Any
 
 import psutil
 
-from stepscope_contract.training import IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
-from training_hooks.config import Config, validate_phase_name
-from training_hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
-from training_hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
-from training_hooks.profiling import TraceSettings, TraceTaker
-from training_hooks.pusher import Pusher, group_url
-from training_hooks.render import Snapshot, render
-from training_hooks.signals import FinalPushOnSigterm
-from training_hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
+from stepscope.contract.training import IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
+from stepscope.hooks.config import Config, validate_phase_name
+from stepscope.hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from stepscope.hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
+from stepscope.hooks.profiling import TraceSettings, TraceTaker
+from stepscope.hooks.pusher import Pusher, group_url
+from stepscope.hooks.render import Snapshot, render
+from stepscope.hooks.signals import FinalPushOnSigterm
+from stepscope.hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
 
-log = logging.getLogger("training_hooks")
+log = logging.getLogger("stepscope.hooks")
 
 Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
 BoundaryHook = Callable[[int], None]  # called at each step boundary with the step's duration in ns
@@ -192,7 +192,7 @@ class Tracker:
         synchronized at the end when the process uses CUDA. Run it before training or at a checkpoint:
         the step really runs, so it updates the model; time spent here is not a step. Phases timed
         inside `train_step` count as usual, so pass a step without tracker calls. See
-        `training_hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
+        `stepscope.hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
         """
         limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
                          samples_per_batch=samples_per_batch, cuda=_cuda_module())

@@ -20,16 +20,16 @@ from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.collectors.gpu_events import XidWatcher
-from exporter.collectors.gpu_gpm import GpmSampler
-from exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings
-from exporter.gpu_processes import GpuProcessTable
-from stepscope_contract import families as fam
+from stepscope.contract import families as fam
+from stepscope.exporter.collectors.gpu_events import XidWatcher
+from stepscope.exporter.collectors.gpu_gpm import GpmSampler
+from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings
+from stepscope.exporter.gpu_processes import GpuProcessTable
 
 log = logging.getLogger(__name__)
 
 GPU = ("gpu", "uuid")
-# family name (stepscope_contract.families): (family class, help, labels)
+# family name (stepscope.contract.families): (family class, help, labels)
 FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     fam.GPU_COLLECTOR_UP: (GaugeMetricFamily, "1 when NVML initialised, 0 otherwise (no GPU, no driver).", ()),
     fam.GPU_UP: (GaugeMetricFamily, "1 while the GPU answers NVML queries, 0 once it stopped answering.", GPU),

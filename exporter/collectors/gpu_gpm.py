@@ -16,7 +16,7 @@ import contextlib
 from types import ModuleType
 from typing import Any
 
-from stepscope_contract import families as fam
+from stepscope.contract import families as fam
 
 # (family name, NVML GPM metric id constant, factor to base units)
 GPM_METRICS = (

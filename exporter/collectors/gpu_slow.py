@@ -21,7 +21,7 @@ from functools import partial
 from types import ModuleType
 from typing import Any, Protocol
 
-from stepscope_contract import families as fam
+from stepscope.contract import families as fam
 
 log = logging.getLogger(__name__)
 

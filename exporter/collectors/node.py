@@ -15,7 +15,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from stepscope_contract import families
+from stepscope.contract import families
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from exporter.collectors.pid_namespaces import PidResolver
-from exporter.gpu_processes import GpuProcessTable
-from exporter.registered import RegisteredProcess
-from stepscope_contract import families
+from stepscope.contract import families
+from stepscope.exporter.collectors.pid_namespaces import PidResolver
+from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.registered import RegisteredProcess
 
 log = logging.getLogger(__name__)
 

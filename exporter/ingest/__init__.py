@@ -21,7 +21,7 @@ Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`a
 Without a token or allow-list only loopback clients may push (403 otherwise); with a token every
 client sends it (401 otherwise) except those in --ingest-allow-without-token, so an exporter
 listening on all interfaces does not let the network inject or delete series. The same rules guard
-the profile-request API (`exporter.ingest.profile_api`, /api/v1/profiles), whose requests reach a
+the profile-request API (`stepscope.exporter.ingest.profile_api`, /api/v1/profiles), whose requests reach a
 rank in the answer to its next push.
 
 Refusals answer a one-line text naming the limit or the offending item and count in
@@ -36,13 +36,13 @@ too_many_phases, too_many_series (per group). A refused push changes nothing sto
 
 import argparse
 
-from exporter.exposition import ExpositionStore
-from exporter.flags import add_flag, cidr_list, fail, positive_float, positive_int, readable_file
-from exporter.ingest.access import AccessPolicy
-from exporter.ingest.api import PushApi
-from exporter.ingest.parser import PushLimits
-from exporter.ingest.profile_api import ProfileApi
-from exporter.ingest.store import GroupStore, StoreLimits
+from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.flags import add_flag, cidr_list, fail, positive_float, positive_int, readable_file
+from stepscope.exporter.ingest.access import AccessPolicy
+from stepscope.exporter.ingest.api import PushApi
+from stepscope.exporter.ingest.parser import PushLimits
+from stepscope.exporter.ingest.profile_api import ProfileApi
+from stepscope.exporter.ingest.store import GroupStore, StoreLimits
 
 __all__ = ["ProfileApi", "PushApi", "add_flags", "build"]
 

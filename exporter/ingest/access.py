@@ -7,7 +7,7 @@ import hmac
 import ipaddress
 from dataclasses import dataclass
 
-from exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.errors import Rejected
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

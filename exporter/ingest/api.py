@@ -14,16 +14,16 @@ import time
 from collections.abc import Mapping
 from urllib.parse import unquote
 
-from exporter.exposition import Chunk, ExpositionStore
-from exporter.ingest.access import AccessPolicy
-from exporter.ingest.errors import REASONS, Rejected, clip
-from exporter.ingest.parser import ParsedFamily, PushLimits, parse_push
-from exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
-from exporter.ingest.render import SelfSource, TrainingSource, last_push_line
-from exporter.ingest.store import GroupStore, StoredFamily
-from exporter.registered import RegisteredProcess
-from exporter.server import PushRequest, PushResponse
-from stepscope_contract import TRAINING_STATE
+from stepscope.contract import TRAINING_STATE
+from stepscope.exporter.exposition import Chunk, ExpositionStore
+from stepscope.exporter.ingest.access import AccessPolicy
+from stepscope.exporter.ingest.errors import REASONS, Rejected, clip
+from stepscope.exporter.ingest.parser import ParsedFamily, PushLimits, parse_push
+from stepscope.exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
+from stepscope.exporter.ingest.render import SelfSource, TrainingSource, last_push_line
+from stepscope.exporter.ingest.store import GroupStore, StoredFamily
+from stepscope.exporter.registered import RegisteredProcess
+from stepscope.exporter.server import PushRequest, PushResponse
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import stepscope_contract
-from stepscope_contract import Family
+import stepscope.contract
+from stepscope.contract import Family
 
 
 @dataclass(frozen=True)
@@ -37,22 +37,22 @@ _VALUE_RULES = {"info": "one", "state set": "zero_or_one"}
 
 
 def _accepted(spec: Family) -> FamilySpec:
-    body = tuple(label for label in spec.labels if label not in stepscope_contract.PATH_LABELS)
+    body = tuple(label for label in spec.labels if label not in stepscope.contract.PATH_LABELS)
     rule = _VALUE_RULES.get(spec.kind, "non_negative")
     return FamilySpec(spec.name, spec.type, body, spec.help, spec.optional, rule)
 
 
 FAMILIES: Mapping[str, FamilySpec] = {
-    name: _accepted(spec) for name, spec in stepscope_contract.FAMILIES.items() if spec.pushed
+    name: _accepted(spec) for name, spec in stepscope.contract.FAMILIES.items() if spec.pushed
 }
-PATH_LABELS = stepscope_contract.PATH_LABELS  # from the URL; a body may repeat them only with the same values
+PATH_LABELS = stepscope.contract.PATH_LABELS  # from the URL; a body may repeat them only with the same values
 RESERVED_LABELS = ("job", "instance")  # set by the scraping Prometheus, never by a pusher
 NON_EMPTY_LABELS = frozenset({"phase", "state", "pid", "path"})
 # Labels whose values may be longer than --ingest-max-label-value-length: file paths (PATH_MAX).
 LONG_LABEL_LENGTHS: Mapping[str, int] = {"path": 4096}
-PHASE_FAMILY = stepscope_contract.STEP_PHASE_SECONDS
-INFO_FAMILY = stepscope_contract.TRAINING_INFO
-LAST_PUSH_FAMILY = stepscope_contract.TRAINING_LAST_PUSH
+PHASE_FAMILY = stepscope.contract.STEP_PHASE_SECONDS
+INFO_FAMILY = stepscope.contract.TRAINING_INFO
+LAST_PUSH_FAMILY = stepscope.contract.TRAINING_LAST_PUSH
 
 _PID = re.compile(r"[1-9][0-9]{0,9}")
 _START_TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")  # Unix seconds, as psutil's create_time()

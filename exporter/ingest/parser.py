@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from exporter.ingest.errors import Rejected, clip
-from exporter.ingest.families import (
+from stepscope.exporter.ingest.errors import Rejected, clip
+from stepscope.exporter.ingest.families import (
     FAMILIES,
     LABEL_RULES,
     LONG_LABEL_LENGTHS,

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from exporter.ingest.access import AccessPolicy
-from exporter.ingest.errors import Rejected, clip
-from exporter.ingest.profiles import ProfileError, ProfileRequests
-from exporter.server import PROFILE_PREFIX, PushRequest, PushResponse
+from stepscope.exporter.ingest.access import AccessPolicy
+from stepscope.exporter.ingest.errors import Rejected, clip
+from stepscope.exporter.ingest.profiles import ProfileError, ProfileRequests
+from stepscope.exporter.server import PROFILE_PREFIX, PushRequest, PushResponse
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The exporter never connects to a training process. A request waits here until the rank's next push,
 whose answer carries it (`Stepscope-Profile-Request`); every push of current hooks reports the rank's
-tracing state and its last outcome (`Stepscope-Profile`, see training_hooks.profiling), which moves
+tracing state and its last outcome (`Stepscope-Profile`, see stepscope.hooks.profiling), which moves
 the request from pending to running to done or failed. Both sides repeat themselves on every push, so
 a lost push or answer only delays things. Refused at once, with the reason: a rank that is not
 pushing here, one whose hooks cannot take traces (no torch, a stock Pushgateway client), and a second
@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.ingest.errors import clip
-from exporter.ingest.store import GroupKey, GroupStore
-from stepscope_contract.training import IDLE_STATE
+from stepscope.contract.training import IDLE_STATE
+from stepscope.exporter.ingest.errors import clip
+from stepscope.exporter.ingest.store import GroupKey, GroupStore
 
-STATUS_HEADER = "Stepscope-Profile"  # training_hooks.profiling.STATUS_HEADER
-REQUEST_HEADER = "Stepscope-Profile-Request"  # training_hooks.profiling.REQUEST_HEADER
-MAX_STEPS = 1000  # training_hooks.profiling.MAX_TRACE_STEPS
+STATUS_HEADER = "Stepscope-Profile"  # stepscope.hooks.profiling.STATUS_HEADER
+REQUEST_HEADER = "Stepscope-Profile-Request"  # stepscope.hooks.profiling.REQUEST_HEADER
+MAX_STEPS = 1000  # stepscope.hooks.profiling.MAX_TRACE_STEPS
 PENDING_TIMEOUT_SECONDS = 600.0  # a request no push took within this long fails
 KEEP_FINISHED = 256  # finished requests kept for stepscope-profile to read, the oldest dropped first
 ACTIVE = ("pending", "running")

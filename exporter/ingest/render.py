@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.exposition import Chunk, render
-from exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
-from exporter.ingest.parser import escape_label_value
-from exporter.ingest.store import Group, GroupStore
-from stepscope_contract import family
+from stepscope.contract import family
+from stepscope.exporter.exposition import Chunk, render
+from stepscope.exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
+from stepscope.exporter.ingest.parser import escape_label_value
+from stepscope.exporter.ingest.store import Group, GroupStore
 
 
 def _header(spec: FamilySpec) -> Chunk:

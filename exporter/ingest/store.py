@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from exporter.exposition import Chunk
-from exporter.ingest.errors import Rejected
-from exporter.ingest.families import FAMILIES, INFO_FAMILY, PHASE_FAMILY
-from exporter.ingest.parser import SeriesKey
-from exporter.registered import RegisteredProcess
+from stepscope.exporter.exposition import Chunk
+from stepscope.exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.families import FAMILIES, INFO_FAMILY, PHASE_FAMILY
+from stepscope.exporter.ingest.parser import SeriesKey
+from stepscope.exporter.registered import RegisteredProcess
 
 GroupKey = tuple[str, str]
 _INFO_PID = FAMILIES[INFO_FAMILY].body_labels.index("pid")

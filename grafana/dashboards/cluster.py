@@ -2,7 +2,7 @@
 
 from grafana_foundation_sdk.builders import dashboard
 
-import stepscope_contract as contract
+import stepscope.contract as contract
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
@@ -16,8 +16,8 @@ from grafana.dashboards.panels import (
     thresholds,
     timeseries_panel,
 )
-from stepscope_contract import families as fam
-from stepscope_contract import recordings as rec
+from stepscope.contract import families as fam
+from stepscope.contract import recordings as rec
 
 UID = "stepscope-cluster"
 IDLE = contract.THRESHOLDS["idle_gpu_utilization"]

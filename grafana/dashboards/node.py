@@ -3,7 +3,7 @@
 from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import dashboard as dm
 
-import stepscope_contract as contract
+import stepscope.contract as contract
 from grafana.dashboards.panels import (
     Q,
     bargauge_panel,
@@ -17,9 +17,9 @@ from grafana.dashboards.panels import (
     timeseries_panel,
     value_text,
 )
-from stepscope_contract import families as fam
-from stepscope_contract import recordings as rec
-from stepscope_contract import selector as sel
+from stepscope.contract import families as fam
+from stepscope.contract import recordings as rec
+from stepscope.contract import selector as sel
 
 UID = "stepscope-node"
 NODE = 'instance=~"$instance"'

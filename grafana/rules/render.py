@@ -1,16 +1,16 @@
 """A rules source -> the rule file Prometheus loads: contract names filled in where the source says
 `<<kind:NAME>>`, so a rename in stepscope_contract reaches the rules with `python -m grafana generate`.
 
-    <<family:STEPS_TOTAL>>             stepscope_contract.families.STEPS_TOTAL (add _bucket etc. after it)
-    <<record:RUN_VERDICT>>             stepscope_contract.recordings.RUN_VERDICT
+    <<family:STEPS_TOTAL>>             stepscope.contract.families.STEPS_TOTAL (add _bucket etc. after it)
+    <<record:RUN_VERDICT>>             stepscope.contract.recordings.RUN_VERDICT
     <<threshold:data_loading_share>>   THRESHOLDS["data_loading_share"] as a number (0.3)
     <<percent:data_loading_share>>     the same as a share (30%), for annotations
-    <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope_contract.training
+    <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope.contract.training
     <<phases:LOCAL_PHASES>>            a tuple of phases as a regex alternation (a|b|c)
-    <<state:TRAIN_STATE>>              a state constant of stepscope_contract.training
-    <<timing:HOST_TIMING>>             a `timing` value of stepscope_contract.training
+    <<state:TRAIN_STATE>>              a state constant of stepscope.contract.training
+    <<timing:HOST_TIMING>>             a `timing` value of stepscope.contract.training
     <<timings:GPU_TIMINGS>>            a tuple of `timing` values as a regex alternation
-    <<verdict:DATA_BOUND>>             a verdict of stepscope_contract.verdicts
+    <<verdict:DATA_BOUND>>             a verdict of stepscope.contract.verdicts
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
 """
@@ -18,7 +18,7 @@ The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert an
 import re
 from collections.abc import Callable
 
-from stepscope_contract import THRESHOLDS, families, recordings, training, verdicts
+from stepscope.contract import THRESHOLDS, families, recordings, training, verdicts
 
 PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
 

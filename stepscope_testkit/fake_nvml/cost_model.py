@@ -4,7 +4,7 @@ The CI-side stand-in for timing the collector on a real GPU: which NVML calls on
 how many, is exact (the real collector runs against the fake); what each call costs comes from the
 latencies measured on an H100 (`scenario.H100_LATENCY_MS`). Two paths are priced apart: the cycle
 (the collector's timer thread, what `stepscope_exporter_collector_duration_seconds{collector="gpu"}`
-times) and one round of the slow-readings thread (`exporter.collectors.gpu_slow`).
+times) and one round of the slow-readings thread (`stepscope.exporter.collectors.gpu_slow`).
 """
 
 import threading
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.collectors.gpu import GpuCollector
-from exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.collectors.gpu import GpuCollector
+from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope_testkit.fake_nvml.scenario import load_fake_pynvml, make_scenario, write_scenario
 
 GPM_GAP_SECONDS = 0.11  # GPM reads only when its two samples are >= 100 ms apart

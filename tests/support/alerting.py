@@ -26,7 +26,7 @@ import requests
 import yaml
 
 from grafana.rules import RULE_FILES
-from stepscope_contract import THRESHOLDS
+from stepscope.contract import THRESHOLDS
 from stepscope_testkit.fake_nvml.scenario import write_scenario
 from stepscope_testkit.processes import REPO_ROOT, free_port, running, running_exporter
 from tests.support.demos import gpus_for_runs

@@ -1,4 +1,4 @@
-"""Real training runs for end-to-end tests: `python -m training_hooks.demo` processes pushing to an
+"""Real training runs for end-to-end tests: `python -m stepscope.hooks.demo` processes pushing to an
 exporter, one per rank, the synchronous (DDP over gloo) ones wired up the way torchrun does it."""
 
 import os
@@ -30,7 +30,7 @@ def start_demo(
     argv = [
         sys.executable,
         "-m",
-        "training_hooks.demo",
+        "stepscope.hooks.demo",
         "--run",
         run,
         "--rank",

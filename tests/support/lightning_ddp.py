@@ -12,7 +12,7 @@ from tests.support.framework_truth import Truth, lightning_fit
 
 
 def main(out: Path, push_url: str, run: str) -> None:
-    from training_hooks.lightning import StepscopeCallback
+    from stepscope.hooks.lightning import StepscopeCallback
 
     truth = Truth()
     callback = StepscopeCallback(run=run, push_url=push_url, push_interval=1.0)

@@ -18,7 +18,7 @@ import requests
 import yaml
 
 from grafana.rules import RULE_FILES, rules
-from stepscope_contract import recordings
+from stepscope.contract import recordings
 from stepscope_testkit.replay import Recording, Workload, replaying
 from tests.support.prometheus import query, running_prometheus_config
 
