@@ -68,6 +68,11 @@ PROCESS_IO_READ = "stepscope_process_io_read_bytes_total"
 PROCESS_IO_WRITE = "stepscope_process_io_write_bytes_total"
 PROCESS_CHILDREN = "stepscope_process_children"
 PROCESS_GPU_MEMORY = "stepscope_process_gpu_memory_bytes"
+# Pod attribution on Kubernetes (--kubelet-pod-resources-socket, docs/cluster.md): the pod container a GPU is
+# given to, and the pod container of a registered training process with each GPU that container holds.
+GPU_POD_INFO = "stepscope_gpu_pod_info"
+PROCESS_POD_INFO = "stepscope_process_pod_info"
+POD = ("namespace", "pod", "container")
 
 COLLECTOR_DURATION = "stepscope_exporter_collector_duration_seconds"
 COLLECTOR_ERRORS = "stepscope_exporter_collector_errors_total"
@@ -190,6 +195,10 @@ _PROCESSES = (
       for n in (PROCESS_IO_READ, PROCESS_IO_WRITE)),
     Family(PROCESS_CHILDREN, "gauge", PROCESS, "live descendant processes (data-loader workers)"),
     Family(PROCESS_GPU_MEMORY, "gauge", (*PROCESS, "gpu"), "GPU memory the process holds"),
+    Family(GPU_POD_INFO, "gauge", ("uuid", *POD), "the pod container the kubelet gave the GPU to (Kubernetes only)",
+           kind="info"),
+    Family(PROCESS_POD_INFO, "gauge", (*PROCESS, *POD, "uuid"),
+           "a registered process's pod container, once per GPU that container holds (Kubernetes only)", kind="info"),
 )
 _SELF = (
     Family(COLLECTOR_DURATION, "gauge", ("collector",), "last cycle's wall time"),

@@ -11,6 +11,13 @@ from stepscope.contract.families import selector
 NODE_CPU_UTILIZATION = "instance:stepscope_node_cpu_utilization:ratio"
 NODE_MEMORY_UTILIZATION = "instance:stepscope_node_memory_utilization:ratio"
 
+# The GPU source layer: each GPU's readings from stepscope's GPU collector, or from dcgm-exporter's series where
+# the collector is off (docs/cluster.md); every GPU recording below reads these, never a source itself.
+GPU_SOURCE_UTILIZATION = "instance_gpu:stepscope_gpu_utilization_ratio:source"
+GPU_SOURCE_SM_ACTIVE = "instance_gpu:stepscope_gpu_sm_active_ratio:source"
+GPU_SOURCE_TENSOR_ACTIVE = "instance_gpu:stepscope_gpu_tensor_active_ratio:source"
+GPU_SOURCE_MEMORY_USED = "instance_gpu:stepscope_gpu_memory_used_bytes:source"  # dcgm: with its pod labels
+GPU_SOURCE_MEMORY_TOTAL = "instance_gpu:stepscope_gpu_memory_total_bytes:source"
 GPU_UTILIZATION = "instance_gpu:stepscope_gpu_utilization:avg_ratio"  # NVML, 1m average
 GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio"  # label `source`
 NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"
