@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "direction, every 10 s on a background thread; off: publish no PCIe throughput for them")
     add_flag(collection, "--collect-interval", default="5", type=positive_float,
              help="seconds between hardware readings; scrapes serve the latest reading")
+    add_flag(collection, "--kubelet-pod-resources-socket", default="",
+             help="the kubelet's PodResources socket (Kubernetes, e.g. /var/lib/kubelet/pod-resources/kubelet.sock): "
+                  "label GPUs and training processes with their pod, namespace and container; empty: off")
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "
                   "and free space to publish")
@@ -185,6 +188,11 @@ def _build_collectors(
         from stepscope.exporter.collectors.process import ProcessCollector
 
         collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=push_api.registered_processes))
+    if args.kubelet_pod_resources_socket:
+        from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
+
+        collectors.append(PodCollector(PodResourcesClient(args.kubelet_pod_resources_socket),
+                                       registered=push_api.registered_processes))
     return collectors
 
 

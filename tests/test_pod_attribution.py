@@ -1,0 +1,164 @@
+"""Pod attribution: with the kubelet's PodResources socket given, the exporter labels the GPUs and the training
+processes of a node with their pod, namespace and container, and the rules join a rank to the GPUs that
+dcgm-exporter reports for its pod.
+
+Everything is real: a gRPC server implementing PodResources v1 `List` on a unix socket (fixture pods), the
+exporter, training processes pushing through the hooks (one given GPUs by the device plugin's
+NVIDIA_VISIBLE_DEVICES, one not), a dcgm-exporter exposition of an H100 corpus reading, Prometheus with the
+shipped rules.
+"""
+
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from grafana.rules import RULE_FILES
+from stepscope.contract import FAMILIES, families, recordings
+from stepscope_testkit.dcgm import PodRef, dcgm_body
+from stepscope_testkit.podresources import FixtureContainer, FixturePod, PodResourcesServer, serving
+from stepscope_testkit.processes import Running, running_exporter, sample_values, samples, scrape
+from stepscope_testkit.replay import Workload, replaying
+from stepscope_testkit.replay import recordings as corpus
+from tests.support.demos import start_demo, stop
+from tests.support.prometheus import query, running_prometheus_config
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKLOAD = corpus()[0].workloads["data_bound"]
+BODY = WORKLOAD.bodies[len(WORKLOAD.bodies) // 2]
+UUID = BODY.split("stepscope_gpu_info{", 1)[1].split('uuid="', 1)[1].split('"', 1)[0]  # the corpus H100
+SECOND_GPU = "GPU-5a1e0000-0000-0000-0000-000000000001"
+PODS = (
+    FixturePod("ml", "trainer-0", (FixtureContainer("pytorch", {"nvidia.com/gpu": (UUID, SECOND_GPU)}),
+                                   FixtureContainer("sidecar"))),
+    FixturePod("ml", "other-0", (FixtureContainer("main", {"nvidia.com/gpu": ("GPU-b0",),
+                                                           "example.com/fpga": ("fpga0",)}),)),
+)
+NODE = "node-a"
+RUN = "podded"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    kubelet: PodResourcesServer
+    exporter: Running
+    prometheus: Running
+    ranks: dict[str, subprocess.Popen]  # rank -> process
+
+
+def _wait(condition, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("pods")
+    socket = tmp / "kubelet.sock"
+    dcgm = Workload(NODE, (0.0,), (dcgm_body(BODY, NODE, {UUID: PodRef("ml", "trainer-0", "pytorch")}),), {}, 0.0)
+    flags = ("--collectors=node,process", f"--kubelet-pod-resources-socket={socket}")
+    with serving(socket, PODS) as kubelet, running_exporter(tmp, *flags) as exporter, \
+            replaying({NODE: dcgm}) as dcgm_target:
+        ranks = {"0": start_demo(RUN, 0, 2, exporter.url, tmp / "rank0.log", "--steps", "0",
+                                 env={"NVIDIA_VISIBLE_DEVICES": f"{UUID},{SECOND_GPU}"}),
+                 "1": start_demo(RUN, 1, 2, exporter.url, tmp / "rank1.log", "--steps", "0")}
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "rule_files": [str(path) for path in RULE_FILES],
+                  "scrape_configs": [
+                      {"job_name": "stepscope", "static_configs": [
+                          {"targets": [exporter.url.removeprefix("http://")], "labels": {"instance": NODE}}]},
+                      {"job_name": "dcgm-exporter", "metrics_path": f"/{NODE}/metrics",
+                       "static_configs": [{"targets": [dcgm_target.address]}]}]}
+        try:
+            with running_prometheus_config(tmp, config) as prometheus:
+                yield Cluster(kubelet, exporter, prometheus, ranks)
+        finally:
+            stop(ranks.values())
+
+
+def _scrape_once(url: str, good: Callable[[str], bool]) -> str | None:
+    """A scrape of the exporter at `url` if `good` says so, else None (for _wait)."""
+    body = scrape(url)
+    return body if good(body) else None
+
+
+def _named(text: str, family: str) -> list[dict[str, str]]:
+    """The label sets of every sample of `family` in a scrape."""
+    return [dict(labels) for (name, labels) in samples(text) if name == family]
+
+
+def test_each_gpu_given_to_a_pod_carries_its_pod(cluster: Cluster) -> None:
+    text = _wait(lambda: _scrape_once(cluster.exporter.url, lambda body: families.GPU_POD_INFO in body))
+    gpus = {labels["uuid"]: (labels["namespace"], labels["pod"], labels["container"])
+            for labels in _named(text, families.GPU_POD_INFO)}
+    assert gpus == {UUID: ("ml", "trainer-0", "pytorch"), SECOND_GPU: ("ml", "trainer-0", "pytorch"),
+                    "GPU-b0": ("ml", "other-0", "main")}  # not the FPGA, not the sidecar
+
+
+def test_a_rank_carries_its_pod_container_once_per_gpu_of_it(cluster: Cluster) -> None:
+    found = _wait(lambda: {tuple(sorted(labels.items()))
+                           for labels in _named(scrape(cluster.exporter.url), families.PROCESS_POD_INFO)})
+    pid = str(cluster.ranks["0"].pid)
+    assert found == {tuple(sorted({"pid": pid, "run": RUN, "rank": "0", "namespace": "ml", "pod": "trainer-0",
+                                   "container": "pytorch", "uuid": uuid}.items())) for uuid in (UUID, SECOND_GPU)}
+    # rank 1 was given no GPU by a device plugin (no NVIDIA_VISIBLE_DEVICES): it stays unlabelled
+
+
+def test_the_rules_join_the_rank_to_its_dcgm_gpu_by_pod(cluster: Cluster) -> None:
+    """dcgm-exporter knows the corpus GPU (index 0) only: rank 0 is found on it through its pod, container and
+    UUID, valued with the GPU's memory in use; rank 1 (no pod container) on none."""
+    joined = _wait(lambda: query(cluster.prometheus.url, f'{recordings.RANK_GPU_MEMORY}{{run="{RUN}"}}'))
+    assert [(item["metric"]["instance"], item["metric"]["gpu"], item["metric"]["rank"]) for item in joined] == [
+        (NODE, "0", "0")]
+    used = sample_values(BODY, families.GPU_MEMORY_USED)[0]
+    assert abs(float(joined[0]["value"][1]) - used) <= 1024 * 1024  # MiB from dcgm-exporter
+    source = query(cluster.prometheus.url, recordings.GPU_SOURCE_UTILIZATION)
+    assert [(item["metric"]["instance"], item["metric"]["gpu"]) for item in source] == [(NODE, "0")]
+
+
+def test_one_list_call_per_collection_cycle(cluster: Cluster) -> None:
+    """The cost on the kubelet: the exporter collects every 0.5 s here (5 s by default) and calls List once."""
+    before, started = cluster.kubelet.answered(), time.monotonic()
+    time.sleep(3)
+    calls, cycles = cluster.kubelet.answered() - before, (time.monotonic() - started) / 0.5
+    assert 0 < calls <= cycles + 1
+
+
+def test_off_the_cluster_nothing_changes(tmp_path: Path) -> None:
+    with running_exporter(tmp_path, "--collectors=node,process") as exporter:
+        text = scrape(exporter.url)
+    assert "pod_info" not in text and 'collector="pods"' not in text
+
+
+def test_an_unreachable_kubelet_fails_the_pods_collector_alone(tmp_path: Path) -> None:
+    with running_exporter(tmp_path, "--collectors=node,process",
+                          f"--kubelet-pod-resources-socket={tmp_path / 'absent.sock'}") as exporter:
+        text = _wait(lambda: _scrape_once(exporter.url, lambda body: sample_values(
+            body, families.COLLECTOR_ERRORS, collector="pods") not in ([], [0.0])))
+        assert requests.get(f"{exporter.url}/-/healthy", timeout=5).ok
+    assert sample_values(text, families.COLLECTOR_ERRORS, collector="pods")[0] >= 1
+    assert sample_values(text, families.COLLECTOR_ERRORS, collector="node") == [0.0]
+    assert families.PROCESS_POD_INFO not in text
+
+
+def test_the_pod_families_are_the_contract_s(cluster: Cluster) -> None:
+    """tests/test_metric_contract.py checks every other family of a full scrape; these need a kubelet."""
+    text = scrape(cluster.exporter.url)
+    for family in text_string_to_metric_families(text):
+        if family.name in (families.GPU_POD_INFO, families.PROCESS_POD_INFO):
+            spec = FAMILIES[family.name]
+            assert family.type == spec.type and {tuple(sorted(s.labels)) for s in family.samples} == {
+                tuple(sorted(spec.labels))}, family.name
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
