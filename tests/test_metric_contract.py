@@ -45,7 +45,7 @@ def wait_for_every_family(url: str, wanted: set[str], timeout: float = 30.0) -> 
         time.sleep(0.3)
 
 
-def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path) -> None:
     documented = set(FAMILIES) - {families.TLS_CERTIFICATE_EXPIRY}  # only with TLS: tests/test_web_attacks.py
     documented -= {families.GPU_POD_INFO, families.PROCESS_POD_INFO}  # Kubernetes only: tests/test_pod_attribution.py
     scenario = {
