@@ -99,6 +99,9 @@ COMPUTE_LIMIT = "stepscope_compute_limit_samples_per_second"
 TRACE_BYTES = "stepscope_profile_trace_bytes"
 TRACE_STEPS = "stepscope_profile_trace_steps"
 TRACE_TIMESTAMP = "stepscope_profile_trace_timestamp_seconds"
+TOKENS_TOTAL = "stepscope_tokens_total"
+MODEL_FLOPS_TOTAL = "stepscope_model_flops_total"
+PEAK_FLOPS = "stepscope_peak_flops_per_second"
 # The labels a push's URL carries (/metrics/job/stepscope/run/<run>/rank/<rank>), never its body.
 PATH_LABELS = RUN_RANK
 
@@ -151,6 +154,8 @@ _LIMITS_DOC = (
 _TRACE_DOC = (
     "pushed: the rank's latest profiler trace (gzipped, on the rank's node at `path`), its steps, when written; "
     "one series each per rank ([traces](#profiler-traces-on-demand))")
+
+_MFU_DOC = "pushed once stated: tokens and model FLOPs done ([MFU](docs/mfu.md))"
 
 _NODE = (
     Family(NODE_INFO, "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),
@@ -259,6 +264,17 @@ _TRAINING = (
            help="Training steps the rank's latest profiler trace holds."),
     Family(TRACE_TIMESTAMP, "gauge", (*RUN_RANK, "path"), _TRACE_DOC, pushed=True,
            help="Unix time the rank's latest profiler trace was written."),
+    Family(TOKENS_TOTAL, "counter", RUN_RANK, _MFU_DOC,
+           help="Training tokens processed (as the training loop or its framework counts them).", pushed=True),
+    Family(MODEL_FLOPS_TOTAL, "counter", (*RUN_RANK, "dtype"), _MFU_DOC,
+           label_notes={"dtype": "the math the model's FLOPs run in: fp8, bf16, fp16, tf32, fp32"},
+           help="Floating-point operations the model needs for the steps done (stated or counted once), by the "
+                "dtype they run in.", pushed=True),
+    Family(PEAK_FLOPS, "gauge", RUN_RANK,
+           "pushed when the user states it (`peak_flops=`): the dense peak FLOP/s of the GPU the rank uses, "
+           "instead of the table's",
+           help="Dense peak FLOP/s of the GPU this rank uses, as the user stated it (overrides the table).",
+           pushed=True),
 )
 
 FAMILIES: Mapping[str, Family] = {f.name: f for f in (*_NODE, *_GPUS, *_PROCESSES, *_SELF, *_TRAINING)}

@@ -68,6 +68,19 @@ RUN_SAMPLES_OF_MEASURED_RANKS = "run:stepscope_samples_of_measured_ranks:rate1m"
 RANK_LOADER_COMPUTE_RATIO = "run_rank:stepscope_loader_compute_limit:ratio"
 RUN_LIMITS_VERDICT = "run:stepscope_limits:verdict"  # value 1, label `verdict`
 
+# Tokens/s and model FLOPs utilization (docs/mfu.md): the table's dense peak of each GPU by its NVML name
+# (label `dtype`, stepscope.contract.peak_flops), each rank's rates, its peak (its GPUs' for its dtype, or
+# the peak it states) and MFU = achieved model FLOP/s over that peak; per run over its ranks.
+GPU_PEAK_FLOPS = "instance_gpu:stepscope_gpu_peak_flops_per_second:table"
+RANK_TOKENS_RATE = "run_rank:stepscope_tokens:rate1m"
+RANK_MODEL_FLOPS_RATE = "run_rank:stepscope_model_flops:rate1m"
+RANK_PEAK_FLOPS = "run_rank:stepscope_peak_flops_per_second:sum"
+RANK_MFU = "run_rank:stepscope_mfu:ratio_rate1m"
+RUN_TOKENS_RATE = "run:stepscope_tokens:rate1m"
+RUN_MODEL_FLOPS_RATE = "run:stepscope_model_flops:rate1m"
+RUN_PEAK_FLOPS = "run:stepscope_peak_flops_per_second:sum"
+RUN_MFU = "run:stepscope_mfu:ratio_rate1m"
+
 
 def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:
     """Each selected rank's step-time quantile (1m window), at query time: recorded for every rank of a

@@ -45,7 +45,7 @@ def wait_for_every_family(url: str, wanted: set[str], timeout: float = 30.0) -> 
         time.sleep(0.3)
 
 
-def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path) -> None:
+def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     documented = set(FAMILIES) - {families.TLS_CERTIFICATE_EXPIRY}  # only with TLS: tests/test_web_attacks.py
     documented -= {families.GPU_POD_INFO, families.PROCESS_POD_INFO}  # Kubernetes only: tests/test_pod_attribution.py
     scenario = {
@@ -59,14 +59,15 @@ def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path) -
     }
     with running_exporter(tmp_path, fake_nvml_scenario=write_scenario(tmp_path / "nvml.json", scenario)) as exporter:
         tracker = stepscope.hooks.init(run="contract", rank=0, push_url=exporter.url, push_interval=0.2,
-                                      trace_dir=str(tmp_path / "traces"))
+                                      trace_dir=str(tmp_path / "traces"), flops_per_step=6e9,
+                                      peak_flops=989.4e12)
         tracker.measure_limits([[1, 2]] * 6, lambda batch: None, batches=2)
         wait_until(lambda: rank_tracing(exporter.url, "contract", 0) == "ready", 30, "the first push")
         trace = request_trace(exporter.url, "contract", 0, steps=1)
         for batch in tracker.loader(range(200)):
             with tracker.phase("forward"):
                 sum(range(1000 + batch))
-            tracker.step(samples=8)
+            tracker.step(samples=8, tokens=8 * 512)
             if request_state(exporter.url, trace)["state"] in ("done", "failed"):
                 break
             time.sleep(0.05)

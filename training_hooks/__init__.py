@@ -29,7 +29,8 @@ def init(
     world_size: int | None = None, buckets: Sequence[float] | None = None, phase_buckets: bool | None = None,
     max_phases: int | None = None, framework: str | None = None, sync: bool | None = None,
     max_backoff: float | None = None, handle_sigterm: bool | None = None, trace_dir: str | None = None,
-    trace_max_bytes: int | None = None, trace_keep: int | None = None,
+    trace_max_bytes: int | None = None, trace_keep: int | None = None, flops_per_step: float | None = None,
+    flops_per_sample: float | None = None, flops_dtype: str | None = None, peak_flops: float | None = None,
 ) -> Tracker:
     """A started Tracker; every argument left as None comes from the environment or its default.
 
@@ -38,8 +39,12 @@ def init(
     STEPSCOPE_BUCKETS (fixed bounds instead of buckets that follow the run), STEPSCOPE_PHASE_BUCKETS
     (per-phase buckets, off by default), STEPSCOPE_TRACE_DIR, STEPSCOPE_TRACE_MAX_BYTES and
     STEPSCOPE_TRACE_KEEP (profiler traces taken on request: where, the cap per trace gzipped, and how
-    many per rank are kept). handle_sigterm=False leaves SIGTERM alone (by default a handler pushes the
-    final state, then chains to the previous one). Raises ValueError with a clear message on bad
+    many per rank are kept), STEPSCOPE_FLOPS_DTYPE and STEPSCOPE_PEAK_FLOPS. Model FLOPs for MFU (docs/mfu.md):
+    flops_per_step and flops_per_sample count into stepscope_model_flops_total at each step (or
+    `tracker.measure_flops` counts them once); flops_dtype (fp8, bf16 (default), fp16, tf32, fp32) picks the
+    GPU's peak they are compared with; peak_flops (FLOP/s of one GPU) replaces the table's.
+    handle_sigterm=False leaves SIGTERM alone (by default a handler pushes the final state, then chains to
+    the previous one). Raises ValueError with a clear message on bad
     settings.
     """
     config = Config.resolve(
@@ -47,6 +52,7 @@ def init(
         local_rank=local_rank, world_size=world_size, buckets=tuple(buckets) if buckets is not None else None,
         phase_buckets=phase_buckets, max_phases=max_phases, framework=framework, sync=sync,
         max_backoff=max_backoff, handle_sigterm=handle_sigterm, trace_dir=trace_dir,
-        trace_max_bytes=trace_max_bytes, trace_keep=trace_keep,
+        trace_max_bytes=trace_max_bytes, trace_keep=trace_keep, flops_per_step=flops_per_step,
+        flops_per_sample=flops_per_sample, flops_dtype=flops_dtype, peak_flops=peak_flops,
     )
     return Tracker(config)

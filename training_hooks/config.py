@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stepscope.contract.peak_flops import DEFAULT_DTYPE, validate_dtype
+
 DEFAULT_PUSH_URL = "http://127.0.0.1:9847"
 DEFAULT_PUSH_INTERVAL = 5.0
 DEFAULT_MAX_PHASES = 32
@@ -79,6 +81,10 @@ def _bool_env(env: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{name} must be one of 1, true, yes, on, 0, false, no, off; got {env[name]!r}")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _default_run() -> str:
     script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
     return script or "default"
@@ -106,6 +112,12 @@ class Config:
     trace_dir: str = DEFAULT_TRACE_DIR
     trace_max_bytes: int = DEFAULT_TRACE_MAX_BYTES
     trace_keep: int = DEFAULT_TRACE_KEEP
+    # Model FLOPs (docs/mfu.md): stated per step and/or per sample, the dtype they run in, and the GPU's dense
+    # peak FLOP/s where the table's does not fit (None: the table's, by the GPU's NVML name).
+    flops_per_step: float = 0
+    flops_per_sample: float = 0
+    flops_dtype: str = DEFAULT_DTYPE
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
@@ -142,6 +154,16 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        self._validate_flops()
+
+    def _validate_flops(self) -> None:
+        for name in ("flops_per_step", "flops_per_sample"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0 (FLOPs), got {value!r}")
+        validate_dtype(self.flops_dtype)
+        if self.peak_flops is not None and not (_is_number(self.peak_flops) and self.peak_flops > 0):
+            raise ValueError(f"peak_flops must be a number > 0 (FLOP/s of one GPU), got {self.peak_flops!r}")
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **given: object) -> Config:
@@ -150,7 +172,7 @@ class Config:
         Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun), STEPSCOPE_PUSH_URL,
         STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds),
         STEPSCOPE_PHASE_BUCKETS (1/true/yes/on or 0/false/no/off), STEPSCOPE_TRACE_DIR,
-        STEPSCOPE_TRACE_MAX_BYTES, STEPSCOPE_TRACE_KEEP.
+        STEPSCOPE_TRACE_MAX_BYTES, STEPSCOPE_TRACE_KEEP, STEPSCOPE_FLOPS_DTYPE, STEPSCOPE_PEAK_FLOPS.
         """
         env = os.environ if env is None else env
         values = {k: v for k, v in given.items() if v is not None}
@@ -183,4 +205,13 @@ class Config:
             values["trace_dir"] = env["STEPSCOPE_TRACE_DIR"]
         values.setdefault("trace_max_bytes", _int_env(env, "STEPSCOPE_TRACE_MAX_BYTES", DEFAULT_TRACE_MAX_BYTES, 1024))
         values.setdefault("trace_keep", _int_env(env, "STEPSCOPE_TRACE_KEEP", DEFAULT_TRACE_KEEP, 1))
+        if "flops_dtype" not in values and env.get("STEPSCOPE_FLOPS_DTYPE", "").strip():
+            values["flops_dtype"] = env["STEPSCOPE_FLOPS_DTYPE"].strip()
+        if "peak_flops" not in values and env.get("STEPSCOPE_PEAK_FLOPS", "").strip():
+            raw = env["STEPSCOPE_PEAK_FLOPS"]
+            try:
+                values["peak_flops"] = float(raw)
+            except ValueError:
+                raise ValueError(f"STEPSCOPE_PEAK_FLOPS must be FLOP/s (a number like 989.4e12), got {raw!r}") \
+                    from None
         return cls(**values)  # type: ignore[arg-type]

@@ -15,12 +15,15 @@ from stepscope.contract import (
     FAMILIES,
     LOADER_LIMIT,
     MICRO_BATCHES_TOTAL,
+    MODEL_FLOPS_TOTAL,
+    PEAK_FLOPS,
     SAMPLES_TOTAL,
     STATE_SECONDS,
     STATES,
     STEP_PHASE_SECONDS,
     STEP_SECONDS,
     STEPS_TOTAL,
+    TOKENS_TOTAL,
     TRACE_BYTES,
     TRACE_STEPS,
     TRACE_TIMESTAMP,
@@ -50,6 +53,10 @@ class Snapshot:
     state_seconds: Mapping[str, float] = field(default_factory=dict)  # seconds per state so far (0 if absent)
     last_step_time: float | None = None  # Unix seconds of the last step boundary, None before the first
     open_phase: tuple[str, float] | None = None  # (phase, Unix seconds it was entered) if one is open
+    tokens: int | None = None  # None until a step counts tokens: the series appears then
+    flops: float | None = None  # model FLOPs done; None until stated (flops_per_step/sample, measure_flops, step)
+    flops_dtype: str = ""  # the dtype the FLOPs run in (label `dtype`)
+    peak_flops: float | None = None  # the user's dense peak FLOP/s of the rank's GPU, None: the table's
 
 
 def _escape(value: str) -> str:
@@ -96,6 +103,7 @@ def render(snap: Snapshot) -> str:
     name = _header(lines, STATE_SECONDS)
     lines += [f'{name}{{state="{s}"}} {floatToGoString(snap.state_seconds.get(s, 0.0))}' for s in STATES]
     _progress(lines, snap)
+    _model_flops(lines, snap)
     if snap.limits is not None:
         _limits(lines, snap.limits)
     if snap.trace is not None:
@@ -112,6 +120,17 @@ def _progress(lines: list[str], snap: Snapshot) -> None:
     if snap.open_phase is not None:
         phase, entered = snap.open_phase
         lines.append(f"{name}{_labels([('phase', phase)])} {floatToGoString(entered)}")
+
+
+def _model_flops(lines: list[str], snap: Snapshot) -> None:
+    """Tokens, model FLOPs and the stated peak: only once stated, so a run without them adds no series."""
+    if snap.tokens is not None:
+        lines.append(f"{_header(lines, TOKENS_TOTAL)} {snap.tokens}")
+    if snap.flops is not None:
+        flops = str(snap.flops) if isinstance(snap.flops, int) else floatToGoString(snap.flops)
+        lines.append(f"{_header(lines, MODEL_FLOPS_TOTAL)}{_labels([('dtype', snap.flops_dtype)])} {flops}")
+    if snap.peak_flops is not None:
+        lines.append(f"{_header(lines, PEAK_FLOPS)} {floatToGoString(snap.peak_flops)}")
 
 
 def _limits(lines: list[str], limits: Limits) -> None:

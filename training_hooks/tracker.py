@@ -21,6 +21,7 @@ import psutil
 from stepscope.contract.training import IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
 from stepscope.hooks.config import Config, validate_phase_name
 from stepscope.hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from stepscope.hooks.flops import count_flops
 from stepscope.hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
 from stepscope.hooks.profiling import TraceSettings, TraceTaker
 from stepscope.hooks.pusher import Pusher, group_url
@@ -90,6 +91,10 @@ class Tracker:
         self._steps = 0
         self._samples = 0
         self._micro_batches = 0
+        self._tokens = 0
+        self._flops: float = 0  # model FLOPs done (an int while every addend is)
+        self._flops_per_step = config.flops_per_step
+        self._flops_per_sample = config.flops_per_sample
         self._boundary = perf_counter_ns()
         self._state = SETUP_STATE
         # Time per state: nanoseconds of the states left, and when the current one began. The pusher reads
@@ -133,13 +138,14 @@ class Tracker:
         found = (self._gpu if cuda else self._host).get(name)
         return found if found is not None else self._new_phase(name, cuda)
 
-    def step(self, samples: int = 0, micro_batches: int = 1) -> None:
-        """Marks a step boundary: observes the whole step's wall time, counts the step and its samples.
+    def step(self, samples: int = 0, micro_batches: int = 1, tokens: int = 0, flops: float | None = None) -> None:
+        """Marks a step boundary: observes the whole step's wall time, counts the step, its samples and tokens.
 
         A step is one optimizer step. `micro_batches` is how many batches it fed the model (more than 1
         under gradient accumulation; `micro_batch()` counts them one by one instead). The first step in
         state setup means the loop trains (state train); when it began is unknown (setup time would be
-        in it), so its time is not observed.
+        in it), so its time is not observed. `flops` are the model FLOPs the step did; None counts the stated
+        ones (flops_per_step, plus flops_per_sample for each of `samples`).
         """
         now = perf_counter_ns()
         duration = now - self._boundary
@@ -151,15 +157,20 @@ class Tracker:
         self._steps += 1
         self._samples += samples
         self._micro_batches += micro_batches
+        self._tokens += tokens
+        self._flops += self._flops_per_step + samples * self._flops_per_sample if flops is None else flops
         at_boundary = self._at_boundary
         if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
             at_boundary(duration)  # ends a requested profiler trace
 
-    def micro_batch(self, samples: int = 0) -> None:
-        """Counts one batch fed to the model and its samples, inside a step that goes on (gradient
-        accumulation): the step itself is counted by the `step()` that ends it."""
+    def micro_batch(self, samples: int = 0, tokens: int = 0, flops: float | None = None) -> None:
+        """Counts one batch fed to the model, its samples and tokens, inside a step that goes on (gradient
+        accumulation): the step itself is counted by the `step()` that ends it. `flops` as in `step()`, but
+        None counts only flops_per_sample (flops_per_step is the whole step's, counted by `step()`)."""
         self._micro_batches += 1
         self._samples += samples
+        self._tokens += tokens
+        self._flops += samples * self._flops_per_sample if flops is None else flops
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
@@ -201,6 +212,21 @@ class Tracker:
             self._boundary = perf_counter_ns()
         log.info("stepscope: %s", limits)
         return limits
+
+    def measure_flops(self, train_step: Callable[..., object], *args: Any, **kwargs: Any) -> int:
+        """Runs `train_step(*args, **kwargs)` once under torch's FLOP counter and counts what it counted
+        as the model FLOPs of every step from now on (flops_per_step); returns it.
+
+        Pass what one optimizer step computes: the forward and backward of all its micro-batches (the
+        optimizer's own FLOPs are left out by convention). The step really runs, so pass one without
+        tracker calls, and zero the gradients after it; its time is not a step.
+        """
+        flops = count_flops(train_step, *args, **kwargs)
+        self._flops_per_step = flops
+        if self._state == TRAIN_STATE:
+            self._boundary = perf_counter_ns()
+        log.info("stepscope: %d FLOPs per step (torch.utils.flop_counter)", flops)
+        return flops
 
     def _arm_tracing(self, boundary: BoundaryHook | None) -> None:
         self._tracing = boundary
@@ -325,6 +351,10 @@ class Tracker:
             steps=self._steps,
             samples=self._samples,
             micro_batches=self._micro_batches,
+            tokens=self._tokens or None,
+            flops=self._flops if self._flops or self._flops_per_step or self._flops_per_sample else None,
+            flops_dtype=self.config.flops_dtype,
+            peak_flops=self.config.peak_flops,
             state=self._state,
             state_seconds=self._state_seconds(),
             info=info,

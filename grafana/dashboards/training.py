@@ -482,7 +482,7 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
-    for add_row in (_overview_row, _step_time_row, _ranks_row, _gpus_and_processes_of_this_run_row, _alerts_row):
+    for add_row in (_overview_row, _throughput_row, _step_time_row, _ranks_row, _gpus_and_processes_of_this_run_row, _alerts_row):
         board = add_row(board)
     return board
 def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
@@ -576,6 +576,86 @@ def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:
                     "Value #C": ("written", "dateTimeAsIso"),
                 },
                 width=24,
+            )
+        )
+    )
+
+
+def _throughput_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """Tokens/s and model FLOPs utilization (docs/mfu.md), beside the verdict: how much of the hardware the
+    run gets. Empty until the run states its FLOPs or tokens."""
+    flops_words = ("the FLOPs the model needs per step (stated with flops_per_step=, counted once with "
+                   "tracker.measure_flops, or from the framework) times steps per second")
+    board = board.with_row(row("Throughput and MFU"))
+    return (
+        board.with_panel(
+            stat_panel(
+                "MFU",
+                f"Model FLOPs utilization: {flops_words}, over the dense peak FLOP/s of the run's GPUs for the "
+                "dtype stated (flops_dtype, bf16 by default), from the table in stepscope.contract.peak_flops by "
+                "the GPU's NVML name or the peak a rank states (peak_flops=). Empty for a GPU not in the table "
+                "rather than a guess.",
+                [Q(sel(rec.RUN_MFU, RUN), "MFU")],
+                "percentunit",
+                width=6,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Tokens/s",
+                "Tokens per second over all ranks (1m rate), as the loop counts them (step(tokens=)) or the "
+                "framework does.",
+                [Q(sel(rec.RUN_TOKENS_RATE, RUN), "tokens/s")],
+                "suffix: tokens/s",
+                width=6,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Model FLOP/s",
+                f"Achieved model FLOP/s over all ranks: {flops_words}.",
+                [Q(sel(rec.RUN_MODEL_FLOPS_RATE, RUN), "achieved")],
+                "flops",
+                width=6,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Peak FLOP/s of the run's GPUs",
+                "The dense peak FLOP/s MFU divides by: the GPU of each rank that counts FLOPs (the one it holds "
+                "the most memory on), for the stated dtype, summed.",
+                [Q(sel(rec.RUN_PEAK_FLOPS, RUN), "peak")],
+                "flops",
+                width=6,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "MFU per rank, and tensor-core activity",
+                "Each rank's model FLOP/s over its GPU's peak, the run's, and the tensor-core activity of the "
+                "run's GPUs (GPM, Hopper and newer). On an H100, bf16 training read an MFU of 0.88-0.98 of its "
+                "tensor activity; a GPU-bound run far below it for an hour is StepscopeMfuBelowTensorActivity.",
+                [
+                    Q(sel(rec.RANK_MFU, RANKS), "rank {{rank}}"),
+                    Q(sel(rec.RUN_MFU, RUN), "run"),
+                    Q(sel(rec.RUN_GPU_TENSOR_ACTIVE, RUN), "tensor cores active"),
+                ],
+                "percentunit",
+                limits=(0, 1),
+                width=12,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Tokens/s and samples/s per rank",
+                "Each rank's tokens and samples per second (1m rate).",
+                [
+                    Q(sel(rec.RANK_TOKENS_RATE, RANKS), "rank {{rank}} tokens/s"),
+                    Q(sel(rec.RANK_SAMPLES_RATE, RANKS), "rank {{rank}} samples/s"),
+                ],
+                "short",
+                limits=(0, None),
+                width=12,
             )
         )
     )

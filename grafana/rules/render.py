@@ -11,6 +11,8 @@
     <<timing:HOST_TIMING>>             a `timing` value of stepscope.contract.training
     <<timings:GPU_TIMINGS>>            a tuple of `timing` values as a regex alternation
     <<verdict:DATA_BOUND>>             a verdict of stepscope.contract.verdicts
+    <<peak_flops:BF16>>                the peak FLOP/s table for a dtype of stepscope.contract.peak_flops
+                                       (several lines, each indented as the placeholder's line)
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
 """
@@ -18,7 +20,7 @@ The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert an
 import re
 from collections.abc import Callable
 
-from stepscope.contract import THRESHOLDS, families, recordings, training, verdicts
+from stepscope.contract import THRESHOLDS, families, peak_flops, recordings, training, verdicts
 
 PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
 
@@ -48,18 +50,19 @@ KINDS: dict[str, Callable[[str], str]] = {
     "timing": _named(training, "_TIMING"),
     "timings": _named(training, "TIMINGS", tuple),
     "verdict": _named(verdicts),
+    "peak_flops": lambda name: peak_flops.rules_table(_named(peak_flops)(name), families.GPU_INFO),
 }
 
 
 def render(source: str, where: str) -> str:
     """`source` with every placeholder filled; UnknownPlaceholder names `where` and the line."""
-    def fill(match: re.Match[str], line: int) -> str:
+    def fill(match: re.Match[str], line: int, indent: str) -> str:
         kind, name = match.groups()
         try:
-            return KINDS[kind](name)
-        except KeyError:
+            return KINDS[kind](name).replace("\n", "\n" + indent)
+        except (KeyError, ValueError):
             known = ", ".join(KINDS)
             raise UnknownPlaceholder(f"{where}:{line}: unknown placeholder {match.group(0)} "
                                      f"(kinds: {known}; names from stepscope_contract)") from None
-    return "".join(PLACEHOLDER.sub(lambda m, n=number: fill(m, n), text)
+    return "".join(PLACEHOLDER.sub(lambda m, n=number, t=text: fill(m, n, t[:len(t) - len(t.lstrip())]), text)
                    for number, text in enumerate(source.splitlines(keepends=True), start=1))
