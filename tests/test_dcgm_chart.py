@@ -1,0 +1,85 @@
+"""The chart's GPU source (`gpuSource: nvml|dcgm`) and pod attribution (`podResources`): in dcgm mode the
+DaemonSet runs without its GPU collector and without NVML, and mounts the kubelet's PodResources socket
+read-only with only what reading it needs. Both modes lint and validate (helm/stepscope/ci/dcgm-values.yaml
+and pod-resources-values.yaml run through every test of tests/test_helm_chart.py as well)."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepscope.exporter.cli import build_parser
+from tests.support.helm_chart import CHART, lint, objects, render
+
+SOCKET_DIR = "/var/lib/kubelet/pod-resources"
+
+
+def _daemonset(values: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod spec, exporter container) of the rendered DaemonSet."""
+    (daemonset,) = [o for o in objects(render(CHART, values or {})) if o["kind"] == "DaemonSet"]
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def _args(container: dict[str, Any]) -> dict[str, str]:
+    return dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
+
+
+@pytest.mark.parametrize("values", [{"gpuSource": "nvml"}, {"gpuSource": "dcgm"}], ids=["nvml", "dcgm"])
+def test_both_gpu_sources_lint_strict(values: dict[str, Any]) -> None:
+    report = lint(CHART, values)
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+
+
+def test_dcgm_mode_runs_without_the_gpu_collector_and_without_nvml() -> None:
+    _, container = _daemonset({"gpuSource": "dcgm"})
+    args = _args(container)
+    assert args["--collectors"] == "node,process"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and "NVIDIA_DRIVER_CAPABILITIES" not in env
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    build_parser().parse_args([a for a in container["args"] if not a.startswith("--ingest-token-file")])
+
+
+def test_dcgm_mode_reads_the_pod_resources_socket_read_only_as_root_with_sys_ptrace_alone() -> None:
+    pod, container = _daemonset({"gpuSource": "dcgm"})
+    assert _args(container)["--kubelet-pod-resources-socket"] == f"{SOCKET_DIR}/kubelet.sock"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "pod-resources"]
+    assert volume["hostPath"] == {"path": SOCKET_DIR, "type": "Directory"}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "pod-resources"]
+    assert mount == {"name": "pod-resources", "mountPath": SOCKET_DIR, "readOnly": True}
+    ctx = container["securityContext"]
+    assert ctx["runAsUser"] == 0 and ctx["runAsNonRoot"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert "privileged" not in ctx and pod["automountServiceAccountToken"] is False  # no Kubernetes API access
+    assert {m["name"] for m in container["volumeMounts"]} == {"ingest-token", "pod-resources"}
+
+
+def test_nvml_mode_keeps_the_gpu_collector_and_adds_pod_attribution_on_request() -> None:
+    pod, container = _daemonset()
+    assert "--kubelet-pod-resources-socket" not in _args(container)
+    assert "pod-resources" not in {v["name"] for v in pod["volumes"]}
+    assert container["securityContext"]["runAsUser"] == 65532
+    pod, container = _daemonset({"podResources": {"enabled": True}})
+    args = _args(container)
+    assert args["--collectors"] == "node,gpu,process"
+    assert args["--kubelet-pod-resources-socket"] == f"{SOCKET_DIR}/kubelet.sock"
+    assert {e["name"]: e.get("value") for e in container["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
+
+
+def test_pod_attribution_without_ingest_still_mounts_the_socket() -> None:
+    pod, container = _daemonset({"gpuSource": "dcgm", "ingest": {"enabled": False}})
+    assert [v["name"] for v in pod["volumes"]] == ["pod-resources"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["pod-resources"]
+
+
+def test_the_ci_values_cover_both_modes() -> None:
+    assert {"dcgm-values.yaml", "pod-resources-values.yaml"} <= {p.name for p in (CHART / "ci").glob("*.yaml")}
+    assert Path(CHART / "ci" / "dcgm-values.yaml").read_text().count("gpuSource: dcgm") == 1
+
+
+def test_an_unknown_gpu_source_is_refused() -> None:
+    with pytest.raises(Exception, match="gpuSource"):
+        render(CHART, {"gpuSource": "nvidia-smi"})
