@@ -3,13 +3,16 @@ DaemonSet runs without its GPU collector and without NVML, and mounts the kubele
 read-only with only what reading it needs. Both modes lint and validate (helm/stepscope/ci/dcgm-values.yaml
 and pod-resources-values.yaml run through every test of tests/test_helm_chart.py as well)."""
 
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from stepscope.exporter.cli import build_parser
-from tests.support.helm_chart import CHART, lint, objects, render
+from tests.support.helm_chart import CHART, REPO, lint, objects, render
 
 SOCKET_DIR = "/var/lib/kubelet/pod-resources"
 
@@ -83,3 +86,19 @@ def test_the_ci_values_cover_both_modes() -> None:
 def test_an_unknown_gpu_source_is_refused() -> None:
     with pytest.raises(Exception, match="gpuSource"):
         render(CHART, {"gpuSource": "nvidia-smi"})
+
+
+def _tested_prometheus() -> str:
+    """The version of the `prometheus` every test runs (Debian's package), as vX.Y.Z."""
+    out = subprocess.run(["prometheus", "--version"], capture_output=True, text=True, check=True)
+    return "v" + re.search(r"version (\d+\.\d+\.\d+)", out.stdout + out.stderr).group(1)
+
+
+def test_compose_and_chart_ship_the_prometheus_the_tests_run() -> None:
+    """No Prometheus 3 binary is installable from the registries the tests reach (PyPI, npm, Debian 12), so
+    the stack ships the version whose behaviour the rules, dashboards and report queries are proven on."""
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    assert compose["services"]["prometheus"]["image"] == f"prom/prometheus:{_tested_prometheus()}"
+    values = yaml.safe_load((CHART / "ci" / "sharding-values.yaml").read_text())
+    sharded = [o for o in objects(render(CHART, values)) if o["kind"] == "Prometheus"]
+    assert len(sharded) == 2 and {o["spec"]["version"] for o in sharded} == {_tested_prometheus()}
