@@ -57,6 +57,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         f"<style>{STYLE}</style></head><body>",
         f"<h1>Run {escape(report.data.run)}</h1>",
         f'<p class="meta">{escape(_window_words(report))}</p>',
+        f'<p class="goodput"><strong>{escape(report.goodput.headline())}</strong>{escape(_energy_words(report))}</p>',
         f'<section class="verdict v-{escape(a.verdict)}"><h2>{escape(a.headline)}</h2>',
         f"<p>{escape(a.because)}</p>",
         *([f'<p class="note">Rule for <code>{escape(a.verdict)}</code>: {escape(a.rule)}.</p>'] if a.rule else []),
@@ -198,3 +199,12 @@ def _fractions(fractions: Mapping[str, float]) -> str:
         return "<1%" if share < 0.005 else f"{share:.0%}"
 
     return ", ".join(f"{verdict} {share_text(share)}" for verdict, share in fractions.items()) or "no verdict recorded"
+
+
+def _energy_words(report: Report) -> str:
+    """The run's GPU energy after the goodput headline: kWh and joules per sample, where the run had GPUs."""
+    g = report.goodput
+    if not g.energy_joules:
+        return ""
+    per_sample = f", {g.joules_per_sample:.3g} J per sample" if g.joules_per_sample is not None else ""
+    return f"; GPU energy {g.kwh:.3g} kWh{per_sample}"

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from stepscope.contract import LOCAL_PHASES
+from stepscope.contract import DATA_LOADING_PHASE, LOCAL_PHASES
 from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
 from stepscope.contract import selector as sel
@@ -59,6 +59,16 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
     )
 
 
+def restart_aware_increase(selector: str, window: Window, by: str) -> str:
+    """What a counter counted over the window, summed `by`, through restarts: at each step the increase
+    since the step before, or the whole value where the counter reset (a new process counts from 0) or was
+    born. Exact where no process restarted and grew past its predecessor's count within one step; used by
+    the goodput, whose restart gaps make every rank of a restarted run a reset rank."""
+    step = f"{window.step:g}s"
+    return (f"sum by ({by}) (sum_over_time((({selector} - {selector} offset {step}) >= 0 or {selector} + 0)"
+            f"[{window.range_ms}:{step}]))")
+
+
 def build(run: str, window: Window, nodes: list[str]) -> Queries:
     r = run_matcher(run)
     w = window.rate_window
@@ -86,6 +96,15 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "step_count": inc(f"{fam.STEP_SECONDS}_count"),
         "phase_seconds": inc(f"{fam.STEP_PHASE_SECONDS}_sum", f"{RANK}, phase"),
         "state_seconds": inc(fam.STATE_SECONDS, f"{RANK}, state"),
+        # the goodput's held span per rank and node (stepscope.report.goodput), and the run's GPU energy:
+        # its watts (recorded each evaluation) summed at the report's resolution
+        "first_push": f"min by ({RANK}) (min_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
+        "last_push": f"max by ({RANK}) (max_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
+        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step:g}s]))"
+                         f" * {window.step:g}",
+        "goodput_states": restart_aware_increase(sel(fam.STATE_SECONDS, r), window, f"{RANK}, state"),
+        "goodput_loading": restart_aware_increase(
+            sel(f"{fam.STEP_PHASE_SECONDS}_sum", f'{r},phase="{DATA_LOADING_PHASE}"'), window, RANK),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
         "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",
@@ -104,6 +123,7 @@ def _training_over_time(r: str) -> dict[str, str]:
         "dataloader_share": sel(rec.RANK_DATALOADER_SHARE, r),
         "step_score": sel(rec.RANK_STRAGGLER_SCORE, r),
         "local_score": sel(rec.RANK_STRAGGLER_LOCAL_SCORE, r),
+        "stalled": sel(rec.RANK_STALLED_SECONDS, r),
     }
 
 

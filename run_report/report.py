@@ -10,6 +10,8 @@ from pathlib import Path
 from stepscope.contract import TRAIN_STATE
 from stepscope.report import csvs, page, plots
 from stepscope.report.collect import RunData
+from stepscope.report.goodput import CSV_HEADER as GOODPUT_HEADER
+from stepscope.report.goodput import Goodput, account
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import (
     NodeSummary,
@@ -50,6 +52,7 @@ class Report:
     intervals: list[Interval]
     verdicts: list[tuple[str, float, float]]
     path: list[Bound]
+    goodput: Goodput  # where the ranks' held time went, and the run's energy
 
 
 def build(data: RunData, prometheus_url: str) -> Report:
@@ -65,6 +68,7 @@ def build(data: RunData, prometheus_url: str) -> Report:
         intervals=state_intervals(over["state"], data.window),
         verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
         path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
+        goodput=account(data.totals, over["stalled"], data.window.step, totals.samples),
     )
 
 
@@ -117,6 +121,7 @@ def _write_csvs(report: Report, directory: Path) -> list[str]:
         "node_summary.csv": (csvs.NODE_SUMMARY_HEADER, csvs.node_rows(report.nodes)),
         "state_timeline.csv": (csvs.STATE_TIMELINE_HEADER, csvs.state_rows(report.intervals)),
         "critical_path.csv": (csvs.CRITICAL_PATH_HEADER, csvs.critical_path_rows(report.path)),
+        "goodput.csv": (GOODPUT_HEADER, report.goodput.csv_rows()),
         "node_resource_usage.csv": csvs.over_time(over, csvs.NODE_RESOURCE_COLUMNS, {"node": "instance"}),
         "process_resource_usage.csv": csvs.over_time(over, csvs.PROCESS_RESOURCE_COLUMNS,
                                                      {"node": "instance", "rank": "rank", "pid": "pid"}),

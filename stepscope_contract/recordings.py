@@ -81,6 +81,22 @@ RUN_MODEL_FLOPS_RATE = "run:stepscope_model_flops:rate1m"
 RUN_PEAK_FLOPS = "run:stepscope_peak_flops_per_second:sum"
 RUN_MFU = "run:stepscope_mfu:ratio_rate1m"
 
+# Where the GPU-hours go (docs/goodput.md). Seconds per second by cause (label `cause`: stepscope.contract.goodput)
+# per rank and per run, each cause's share of the run's and the goodput (the productive share); a rank's stall
+# now; the watts each run is charged on each GPU and per run, joules per sample; samples per second of training
+# and its median over the past hour (StepscopeRunSlowerThanItself); GPUs held by a process but idle.
+RANK_STALLED_SECONDS = "run_rank:stepscope_training_stalled:seconds"  # last push - last step while stalled
+RANK_TIME_BY_CAUSE = "run_rank_cause:stepscope_time_seconds:rate1m"
+RUN_TIME_BY_CAUSE = "run_cause:stepscope_time_seconds:rate1m"
+RUN_TIME_SHARE_BY_CAUSE = "run_cause:stepscope_time_seconds:share_rate1m"
+RUN_GOODPUT = "run:stepscope_goodput:ratio_rate1m"
+GPU_RUN_ENERGY_RATE = "instance_gpu_run:stepscope_gpu_energy_joules:rate1m"  # watts charged to the run
+RUN_ENERGY_RATE = "run:stepscope_gpu_energy_joules:rate1m"
+RUN_ENERGY_PER_SAMPLE = "run:stepscope_gpu_energy_per_sample_joules:rate1m"
+RUN_TRAINING_SAMPLES_RATE = "run:stepscope_samples_per_train_second:rate1m"
+RUN_TRAINING_SAMPLES_BASELINE = "run:stepscope_samples_per_train_second:median1h"
+GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and holding run (run "" unregistered)
+
 
 def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:
     """Each selected rank's step-time quantile (1m window), at query time: recorded for every rank of a

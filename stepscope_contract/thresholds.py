@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stepscope.contract.recordings import (
+    GPU_HELD_IDLE,
     RANK_TRAINING_GPU_READINGS,
     RANK_TRAINING_SETTLED,
     RUN_LIMITS_VERDICT,
@@ -114,7 +115,12 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "straggler_score_typical": Threshold(
         0.9, "straggler score at or above which the dashboards colour a rank green (yellow down to a straggler)", ()),
     "idle_gpu_utilization": Threshold(
-        0.05, "NVML utilization below which a GPU no run holds memory on counts as idle capacity", ()),
+        0.05, "NVML utilization (1m average) below which a GPU is idle: capacity where no run holds memory on "
+        "it, held but idle where a process does (StepscopeGpuHeldIdle after 30 minutes)",
+        (GPU_HELD_IDLE, "StepscopeGpuHeldIdle")),
+    "slower_than_itself": Threshold(
+        0.7, "samples per second of training over the run's own median of the past hour below which the run "
+        "is slower than itself (StepscopeRunSlowerThanItself after 10 minutes)", ("StepscopeRunSlowerThanItself",)),
     "rank_skew": Threshold(
         1.3, "slowest over fastest rank's mean step time above which a rank or its node holds the run back", ()),
     "filesystem_filling": Threshold(0.8, "used share of a filesystem the dashboards colour yellow", ()),

@@ -17,12 +17,16 @@ from grafana.dashboards.panels import (
     timeseries_panel,
 )
 from stepscope.contract import families as fam
+from stepscope.contract import goodput
 from stepscope.contract import recordings as rec
 
 UID = "stepscope-cluster"
 IDLE = contract.THRESHOLDS["idle_gpu_utilization"]
 SKEW = contract.THRESHOLDS["rank_skew"]
 IDLE_GPU = f"({rec.GPU_UTILIZATION} < {IDLE.number}) unless on (instance, gpu) {rec.GPU_EFFECTIVE_UTILIZATION_IN_RUN}"
+STEP = goodput.ACCOUNTING_STEP
+HELD_IDLE_HOURS = (f"sum by (instance, run) (count_over_time({rec.GPU_HELD_IDLE}[$__range:{STEP}]))"
+                   f" * {goodput.ACCOUNTING_STEP_SECONDS} / 3600")
 UTILIZATION = thresholds(
     (None, "red"),
     (contract.THRESHOLDS["utilization_low"].value, "yellow"),
@@ -117,6 +121,17 @@ def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "every GPU is in use).",
                 [Q(IDLE_GPU, table=True)],
                 {"Value": ("utilization", "percentunit")},
+                width=12,
+            )
+        )
+        .with_panel(
+            table_panel(
+                "GPU-hours held but idle",
+                f"GPU-hours over the time range during which a process held memory on a GPU below {IDLE.percent} NVML "
+                f"utilization (1m average), per node and holding run (empty: a process the hooks did not register), "
+                f"counted at {STEP} resolution. A GPU held idle for 30 minutes pages StepscopeGpuHeldIdle.",
+                [Q(HELD_IDLE_HOURS, table=True)],
+                {"Value": ("GPU-hours", "h")},
                 width=12,
             )
         )

@@ -22,6 +22,7 @@ from grafana.dashboards.panels import (
     value_text,
 )
 from stepscope.contract import families as fam
+from stepscope.contract import goodput
 from stepscope.contract import recordings as rec
 from stepscope.contract import selector as sel
 from stepscope.contract import verdicts as verdict
@@ -443,6 +444,96 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
     return board
 
 
+def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """The "Where the time went" row (docs/goodput.md): goodput and badput by cause, energy, the run's pace
+    against its own."""
+    causes = sel(rec.RUN_TIME_BY_CAUSE, RUN)
+    over_range = f"sum_over_time({causes}[$__range])"
+    productive = sel(rec.RUN_TIME_BY_CAUSE, f'{RUN},cause="{goodput.PRODUCTIVE}"')
+    step = goodput.ACCOUNTING_STEP
+    slower = contract.THRESHOLDS["slower_than_itself"]
+    board = board.with_row(row("Where the time went"))
+    return (
+        board.with_panel(
+            stat_panel(
+                "Goodput",
+                "The share of the rank-seconds the run's ranks held their GPUs that went into productive training "
+                f"(state {TRAIN}, less the wait for data and stalls), over the time range picked and in the last "
+                "minute; the bars beside name the rest.",
+                [Q(f"sum(sum_over_time({productive}[$__range])) / sum({over_range})", "over the range"),
+                 Q(sel(rec.RUN_GOODPUT, RUN), "last minute")],
+                "percentunit",
+                width=4,
+            )
+        )
+        .with_panel(
+            bargauge_panel(
+                "Where the time went (range)",
+                "Each cause's share of the run's held rank-seconds over the time range: productive, data_wait "
+                f"({LOADING} in {TRAIN}), stalled (no step for longer than the pace explains), setup, eval, "
+                "checkpoint, idle (the hooks' state seconds) and lost (a rank that stopped pushing without closing). "
+                "The report adds the restart gaps.",
+                [Q(f"sum by (cause) ({over_range}) / scalar(sum({over_range}))", "{{cause}}")],
+                "percentunit",
+                width=8,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Where the time went (over time)",
+                "Each cause's share of the run's rank-seconds per minute, stacked to 1.",
+                [Q(sel(rec.RUN_TIME_SHARE_BY_CAUSE, RUN), "{{cause}}")],
+                "percentunit",
+                stack=True,
+                limits=(0, 1),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Energy over the range",
+                "Energy of the GPUs the run's processes held memory on (each GPU's energy counter, split equally "
+                f"between the runs holding it), summed at {step} resolution over the time range.",
+                [Q(f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, RUN)}[$__range:{step}]))"
+                   f" * {goodput.ACCOUNTING_STEP_SECONDS} / {goodput.JOULES_PER_KWH:g}", "kWh")],
+                "kwatth",
+                width=4,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Energy per sample",
+                "Joules per training sample now: the run's GPU watts over its samples per second (1m).",
+                [Q(sel(rec.RUN_ENERGY_PER_SAMPLE, RUN), "J/sample")],
+                "joule",
+                width=4,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "GPU power charged to the run",
+                "Watts of the run's GPUs now (1m rate of their energy counters, shared GPUs split).",
+                [Q(sel(rec.RUN_ENERGY_RATE, RUN), "W")],
+                "watt",
+                width=4,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Pace against its own",
+                "Samples per second of training (eval and checkpoints do not lower it), its median over the past "
+                f"hour, and {slower.percent} of that median: below it for 10 minutes, after 15 minutes of "
+                "training, StepscopeRunSlowerThanItself fires.",
+                [
+                    Q(sel(rec.RUN_TRAINING_SAMPLES_RATE, RUN), "samples per second of training"),
+                    Q(sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN), "median, past hour"),
+                    Q(f"{slower.number} * {sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN)}", "alert below"),
+                ],
+                SAMPLES_PER_SECOND,
+                limits=(0, None),
+            )
+        )
+    )
+
 def _alerts_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     """The "Alerts" row."""
     board = board.with_row(row("Alerts"))
@@ -482,7 +573,8 @@ def build() -> dashboard.Dashboard:
             )
         )
     )
-    for add_row in (_overview_row, _throughput_row, _step_time_row, _ranks_row, _gpus_and_processes_of_this_run_row, _alerts_row):
+    for add_row in (_overview_row, _throughput_row, _where_the_time_went_row, _step_time_row, _ranks_row,
+                    _gpus_and_processes_of_this_run_row, _alerts_row):
         board = add_row(board)
     return board
 def _limits_and_traces(board: dashboard.Dashboard) -> dashboard.Dashboard:

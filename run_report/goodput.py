@@ -1,0 +1,152 @@
+"""Where a run's GPU-hours went over the report's window: goodput, badput by cause, and energy.
+
+Each rank (its global rank, whichever processes and nodes it ran as) held its GPUs from its first push to
+its last in the window. Its hooks count the seconds of each state (stepscope_state_seconds_total: exact
+counters) and, inside train, the seconds waiting for the next batch (dataloader_next); the rules record
+each stall (in train, no step for longer than the pace explains) with its length so far. What no process
+of the rank accounted for inside its span is a restart gap: a process lost, the next not yet pushing
+under the same run name. Productive = train - stalled - data wait; each cause is a share of the ranks'
+held seconds together, so the shares add up to 1 (docs/goodput.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from stepscope.contract import TRAIN_STATE
+from stepscope.contract.goodput import (
+    DATA_WAIT,
+    JOULES_PER_KWH,
+    PRODUCTIVE,
+    REPORT_CAUSES,
+    RESTART_GAP,
+    STALLED,
+    STATE_CAUSES,
+)
+from stepscope.report.prometheus import Series
+from stepscope.report.timeline import rank_key
+
+HEADLINE_CAUSES = 4  # badput causes the headline names, the largest first
+CSV_HEADER = ("rank", "held_seconds", *(f"{cause}_seconds" for cause in REPORT_CAUSES), "goodput_ratio",
+              "energy_joules", "energy_kwh", "joules_per_sample")
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """One rank's seconds by cause over the window (REPORT_CAUSES)."""
+
+    rank: str
+    seconds: Mapping[str, float]
+
+    @property
+    def held(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def goodput(self) -> float | None:
+        return self.seconds[PRODUCTIVE] / self.held if self.held > 0 else None
+
+
+@dataclass(frozen=True)
+class Goodput:
+    ranks: list[RankTime]
+    energy_joules: float | None  # the run's share of its GPUs' energy over the window; None without GPUs
+    samples: float
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Rank-seconds by cause, over every rank."""
+        return {cause: sum(rank.seconds[cause] for rank in self.ranks) for cause in REPORT_CAUSES}
+
+    @property
+    def held(self) -> float:
+        return sum(rank.held for rank in self.ranks)
+
+    def share(self, cause: str) -> float | None:
+        return self.seconds[cause] / self.held if self.held > 0 else None
+
+    @property
+    def goodput(self) -> float | None:
+        return self.share(PRODUCTIVE)
+
+    @property
+    def kwh(self) -> float | None:
+        return self.energy_joules / JOULES_PER_KWH if self.energy_joules is not None else None
+
+    @property
+    def joules_per_sample(self) -> float | None:
+        return self.energy_joules / self.samples if self.energy_joules is not None and self.samples > 0 else None
+
+    def headline(self) -> str:
+        """"goodput 71%: 18% data wait, 7% checkpoint": the badput causes of at least 0.5%, the largest first."""
+        if self.goodput is None:
+            return "goodput: no rank of the run held its GPUs in this window"
+        badput = sorted(((self.share(cause) or 0.0, cause) for cause in REPORT_CAUSES if cause != PRODUCTIVE),
+                        reverse=True)
+        named = [f"{share:.0%} {cause.replace('_', ' ')}" for share, cause in badput[:HEADLINE_CAUSES]
+                 if share >= 0.005]
+        return f"goodput {self.goodput:.0%}" + (f": {', '.join(named)}" if named else "")
+
+    def csv_rows(self) -> list[list[object]]:
+        """One row per rank, then the run's (rank "all", with its energy)."""
+        def row(rank: str, seconds: Mapping[str, float], held: float, good: float | None) -> list[object]:
+            return [rank, held, *(seconds[cause] for cause in REPORT_CAUSES), good]
+
+        rows = [[*row(r.rank, r.seconds, r.held, r.goodput), None, None, None] for r in self.ranks]
+        return [*rows, [*row("all", self.seconds, self.held, self.goodput), self.energy_joules, self.kwh,
+                        self.joules_per_sample]]
+
+
+def account(totals: Mapping[str, list[Series]], stalls: Iterable[Series], step: float, samples: float) -> Goodput:
+    """The window's accounting from the report's totals (state and loading seconds through restarts, first
+    and last push per rank and node, energy) and the stall series over time at resolution `step`."""
+    first = _per_rank(totals["first_push"], min)
+    last = _per_rank(totals["last_push"], max)
+    stalled = _stalled_seconds(stalls, step)
+    states: dict[str, dict[str, float]] = {}
+    for series in totals["goodput_states"]:
+        into = states.setdefault(series.labels.get("rank", ""), {})
+        state = series.labels.get("state", "")
+        into[state] = into.get(state, 0.0) + series.last
+    loading = _per_rank(totals["goodput_loading"], sum)
+    times = [_rank_time(rank, states[rank], loading.get(rank, 0.0), stalled.get(rank, 0.0),
+                        last.get(rank, 0.0) - first.get(rank, 0.0)) for rank in sorted(states, key=rank_key)]
+    energy = totals["energy_joules"]
+    return Goodput(times, energy[0].last if energy else None, samples)
+
+
+def _rank_time(rank: str, states: Mapping[str, float], loading: float, stalled: float, span: float) -> RankTime:
+    train = states.get(TRAIN_STATE, 0.0)
+    stalled = min(stalled, train)
+    data_wait = min(loading, train - stalled)  # a stall inside dataloader_next that ended counts once
+    seconds = {PRODUCTIVE: train - stalled - data_wait, DATA_WAIT: data_wait, STALLED: stalled,
+               **{state: states.get(state, 0.0) for state in STATE_CAUSES}}
+    seconds[RESTART_GAP] = max(0.0, span - sum(seconds.values()))
+    return RankTime(rank, seconds)
+
+
+def _per_rank(results: list[Series], pick: Callable[[list[float]], float]) -> dict[str, float]:
+    """One value per global rank over its nodes: the earliest first push, the latest last push, the sum."""
+    found: dict[str, list[float]] = {}
+    for series in results:
+        found.setdefault(series.labels.get("rank", ""), []).append(series.last)
+    return {rank: pick(values) for rank, values in found.items()}
+
+
+def _stalled_seconds(stalls: Iterable[Series], step: float) -> dict[str, float]:
+    """Seconds stalled per rank: each stall's last recorded length (a stall ends where its series pauses
+    for more than a step and a half, or where its length drops: a new stall)."""
+    total: dict[str, float] = {}
+    for series in stalls:
+        episodes: list[float] = []
+        previous: tuple[float, float] | None = None
+        for t, value in series.points:
+            if previous is None or t - previous[0] > 1.5 * step or value < previous[1]:
+                episodes.append(value)
+            else:
+                episodes[-1] = value
+            previous = (t, value)
+        rank = series.labels.get("rank", "")
+        total[rank] = total.get(rank, 0.0) + sum(episodes)
+    return total

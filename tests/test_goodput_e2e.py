@@ -1,0 +1,195 @@
+"""Goodput, badput by cause and energy, end to end: a training script with known injected times pushes
+through the real hooks to a real exporter (fake NVML: one H100 drawing a known power, its energy counter
+growing at that rate); a real Prometheus evaluates the shipped rules; stepscope-report writes the run's
+goodput headline and goodput.csv. The issue's times are scaled down to keep the test under a minute
+(3 s setup for its 20 s, a 1.5 s checkpoint every 6 s of training for its 10 s every 60 s).
+
+The run: attempt 1 sets up, trains with a loader that waits 30 ms of every 100 ms step, checkpoints, runs
+one eval, then is SIGKILLed (its rank lost); after a gap attempt 2 comes back under the same run name,
+sets up again, trains and closes. Each attempt measures its own truth (perf_counter around each part);
+the report's share of every cause, the restart gap included, must be within 2 percentage points of it.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from grafana.rules import RULE_FILES
+from stepscope.contract import families, recordings
+from stepscope.contract.goodput import REPORT_CAUSES, RESTART_GAP
+from stepscope_testkit.fake_nvml.scenario import MODELS, make_gpu, make_scenario, write_scenario
+from stepscope_testkit.processes import REPO_ROOT, running_exporter
+from tests.support.prometheus import query, running_prometheus, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+RUN = "goodput-e2e"
+NODE = "node-1"
+TOLERANCE = 0.02  # the issue's: 2 percentage points
+WATTS = MODELS["H100"]["power_usage_mw"] / 1000
+GAP_SECONDS = 3.0  # between attempt 1's death and attempt 2's start (its imports come on top)
+TRAINER = """
+import json, os, signal, sys, time
+started = time.time()
+import stepscope.hooks as th
+run, attempt, url, out = sys.argv[1:5]
+setup_s, train_s = (3.0, 14.0) if attempt == "1" else (1.0, 6.0)
+LOAD, COMPUTE, CKPT_EVERY, CKPT, EVAL_AT, EVAL = 0.03, 0.07, 6.0, 1.5, 9.0, 1.5
+tracker = th.init(run=run, rank=0, world_size=1, push_url=url, push_interval=0.25)
+truth = {"started": started, "init": time.time(), "setup": 0.0, "data_wait": 0.0, "checkpoint": 0.0, "eval": 0.0,
+         "productive": 0.0}
+clock = time.perf_counter
+t0 = clock()
+time.sleep(setup_s)
+print("pid", os.getpid(), flush=True)
+def batches():
+    while True:
+        begin = clock()
+        time.sleep(LOAD)
+        truth["data_wait"] += clock() - begin
+        yield 8
+trained, evaluated, next_ckpt = 0.0, attempt != "1", CKPT_EVERY
+for batch in tracker.loader(batches()):
+    if truth["setup"] == 0.0:
+        truth["setup"] = clock() - t0
+        t_train = clock()
+    with tracker.phase("forward"):
+        time.sleep(COMPUTE)
+    tracker.step(samples=batch)
+    trained = clock() - t_train - truth["checkpoint"] - truth["eval"]
+    if trained >= next_ckpt:
+        begin = clock()
+        with tracker.state("checkpoint"):
+            time.sleep(CKPT)
+        truth["checkpoint"] += clock() - begin
+        next_ckpt += CKPT_EVERY
+    if not evaluated and trained >= EVAL_AT:
+        begin = clock()
+        with tracker.state("eval"):
+            time.sleep(EVAL)
+        truth["eval"] += clock() - begin
+        evaluated = True
+    if trained >= train_s:
+        break
+truth["productive"] = clock() - t_train - truth["checkpoint"] - truth["eval"] - truth["data_wait"]
+truth["end"] = time.time()
+truth["samples"] = tracker.steps * 8
+if attempt == "1":  # the rank is lost: no close, no final push
+    open(out, "w").write(json.dumps(truth))
+    os.kill(os.getpid(), signal.SIGKILL)
+tracker.close()
+truth["end"] = time.time()
+open(out, "w").write(json.dumps(truth))
+"""
+
+
+@dataclass
+class Observed:
+    truth: list[dict]  # what each attempt measured
+    report: Path  # the report's directory
+    prometheus: str
+
+    def truth_seconds(self) -> dict[str, float]:
+        """Seconds by cause over both attempts; the restart gap from attempt 1's death to attempt 2's start
+        of the Tracker (its interpreter's start and imports are gap too)."""
+        seconds = {cause: sum(attempt.get(cause, 0.0) for attempt in self.truth) for cause in REPORT_CAUSES}
+        seconds[RESTART_GAP] = self.truth[1]["init"] - self.truth[0]["end"]
+        return seconds
+
+
+def gpu_held_by(pid: int | None) -> dict:
+    """One H100 at a known power; `pid` holds memory on it (None: nobody, as after a SIGKILL)."""
+    scenario = make_scenario(gpus=0, processes_per_gpu=0)
+    scenario["gpus"] = [make_gpu(0, "H100", processes=[(pid, 8 * 1024**3)] if pid else [])]
+    return scenario
+
+
+def attempt(number: int, url: str, tmp: Path, scenario: Path) -> dict:
+    """Runs one attempt to its end (a SIGKILL for attempt 1), its GPU held while it lives; its truth."""
+    out = tmp / f"truth-{number}.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, RUN, str(number), url, str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    write_scenario(scenario, gpu_held_by(proc.pid))
+    output, _ = proc.communicate(timeout=60)
+    write_scenario(scenario, gpu_held_by(None))
+    assert out.exists(), output
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    tmp = tmp_path_factory.mktemp("goodput")
+    scenario = write_scenario(tmp / "gpus.json", gpu_held_by(None))
+    with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter, \
+            running_prometheus(tmp, {NODE: exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
+        assert wait_for(lambda: query(prometheus.url, "up == 1"), 30), "Prometheus does not scrape the exporter"
+        first = attempt(1, exporter.url, tmp, scenario)
+        time.sleep(GAP_SECONDS)
+        second = attempt(2, exporter.url, tmp, scenario)
+        time.sleep(3)  # the last push scraped, the rules evaluated on it
+        report = tmp / "report"
+        result = subprocess.run([sys.executable, "-m", "stepscope.report", "--prometheus", prometheus.url,
+                                 "--run", RUN, "--out", str(report)], capture_output=True, text=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        yield Observed([first, second], report, prometheus.url)
+
+
+def report_rows(observed: Observed) -> dict[str, dict[str, str]]:
+    with (observed.report / "goodput.csv").open() as rows:
+        return {row["rank"]: row for row in csv.DictReader(rows)}
+
+
+def test_each_cause_is_within_two_points_of_the_truth_the_script_measured(observed: Observed) -> None:
+    run = report_rows(observed)["all"]
+    truth = observed.truth_seconds()
+    held_truth = sum(truth.values())
+    held = float(run["held_seconds"])
+    print(f"\nheld {held:.2f} s (truth {held_truth:.2f} s)")
+    for cause in REPORT_CAUSES:
+        measured, expected = float(run[f"{cause}_seconds"]) / held, truth[cause] / held_truth
+        print(f"{cause:>12}: report {measured:6.1%}  truth {expected:6.1%}  ({float(run[f'{cause}_seconds']):6.2f} s)")
+        assert abs(measured - expected) <= TOLERANCE, cause
+    assert truth[RESTART_GAP] >= GAP_SECONDS and float(run[f"{RESTART_GAP}_seconds"]) >= GAP_SECONDS - 1
+    assert abs(float(run["goodput_ratio"]) - truth["productive"] / held_truth) <= TOLERANCE
+
+
+def test_the_headline_names_goodput_and_the_largest_badput_first(observed: Observed) -> None:
+    run = report_rows(observed)["all"]
+    page = (observed.report / "index.html").read_text()
+    goodput = float(run["goodput_ratio"])
+    largest = max((float(run[f"{cause}_seconds"]), cause) for cause in REPORT_CAUSES if cause != "productive")[1]
+    headline = f"goodput {goodput:.0%}: "
+    assert headline in page, page[:2000]
+    start = page.index(headline) + len(headline)
+    assert page[start:].split(",")[0].endswith(largest.replace("_", " ")), page[start:start + 200]
+
+
+def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed) -> None:
+    """The run is charged its GPU's energy while its processes hold it (none before, in the gap, after),
+    and the report's kWh and joules per sample follow from its joules. The joules themselves are exact in
+    grafana/rules/tests/goodput.yml (700 W for known minutes); here the exporter is seconds old and reads
+    the energy counter every 10 s, so a 1-minute rate of it is not yet the power (about a third of it in
+    this run's first minute)."""
+    run = report_rows(observed)["all"]
+    joules = float(run["energy_joules"])
+    charged = query(observed.prometheus, f'{recordings.RUN_ENERGY_RATE}{{run="{RUN}"}}[10m]')
+    held = query(observed.prometheus, f'{families.PROCESS_GPU_MEMORY}{{run="{RUN}"}}[10m]')
+    charged_at = {float(t) for series in charged for t, value in series["values"] if float(value) > 0}
+    held_at = [float(t) for series in held for t, _ in series["values"]]
+    print(f"\nenergy {joules:.0f} J charged over {len(charged_at)} s; {float(run['joules_per_sample']):.2f} J per"
+          f" sample; the GPU held {len(held_at)} s at {WATTS} W ({WATTS * len(held_at):.0f} J)")
+    assert joules > 0 and charged_at
+    assert min(held_at) <= min(charged_at) and max(charged_at) <= max(held_at) + 2  # one evaluation late at most
+    assert float(run["energy_kwh"]) == pytest.approx(joules / 3.6e6, rel=1e-6)
+    samples = float(next(csv.DictReader((observed.report / "run_summary.csv").open()))["samples"])
+    assert float(run["joules_per_sample"]) == pytest.approx(joules / samples, rel=1e-6)
