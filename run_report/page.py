@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from stepscope.contract import LOCAL_PHASES, STATES, TRAIN_STATE, verdicts
 from stepscope.contract.recordings import RUN_VERDICT
-from stepscope.report import fmt
+from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
 from stepscope.report.summary import STRAGGLER_SCORE
 from stepscope.report.times import iso
@@ -122,6 +122,21 @@ def _key_numbers(report: Report) -> list[tuple[str, str]]:
         ("tensor-core activity while training (GPM)", fmt.activity(gpus.tensor_active)),
         ("effective GPU utilization while training", fmt.percent(gpus.effective)
          + (f" ({gpus.source})" if gpus.source else "")),
+        *_throughput_numbers(report),
+    ]
+
+
+def _throughput_numbers(report: Report) -> list[tuple[str, str]]:
+    """Tokens and MFU (docs/mfu.md), where the run counts them."""
+    done = report.assessment.throughput
+    if done is None or (done.tokens is None and done.model_flops is None):
+        return []
+    return [
+        ("tokens (all ranks)", fmt.count(done.tokens)),
+        ("tokens per second while training", fmt.count(done.tokens_per_second)),
+        ("model FLOP/s achieved while training", mfu.flops_per_second(done.flops_per_second)),
+        ("MFU while training (model FLOP/s over the GPUs' dense peak of "
+         f"{mfu.flops_per_second(done.peak_flops)})", mfu.mfu_percent(done.mfu)),
     ]
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from stepscope.contract import DATA_LOADING_PHASE, THRESHOLDS, TRAIN_STATE, verdicts
 from stepscope.report import fmt
 from stepscope.report.collect import RunData
+from stepscope.report.mfu import Throughput, throughput
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
 from stepscope.report.timeline import times_in_state, training_times
@@ -116,21 +117,23 @@ class Assessment:
     checks: list[Check]
     stragglers: list[RankSummary]
     gpus: GpuReadings
+    throughput: Throughput | None = None  # tokens/s and MFU (docs/mfu.md)
 
 
 def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assessment:
     fractions = _verdict_fractions(data)
     verdict = _verdict(fractions, data)
     gpus = _gpu_readings(data)
+    achieved = throughput(data)
     slow = stragglers(ranks)
     fixes = list(FIXES.get(verdict, NO_VERDICT_FIXES))
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
     return Assessment(
-        verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus),
+        verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved),
         because=BECAUSE[verdict](totals, gpus) + _grade_words(gpus) + _straggler_words(slow),
         rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus),
-        stragglers=slow, gpus=gpus,
+        stragglers=slow, gpus=gpus, throughput=achieved,
     )
 
 
@@ -171,11 +174,13 @@ def _trained_unjudged(data: RunData) -> bool:
     return bool(times_in_state(data.over_time["state"], TRAIN_STATE) - judged)
 
 
-def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings) -> str:
-    """The verdict, the grade of busy GPUs (GPM), and how much of the judged training time it held."""
+def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings, achieved: Throughput) -> str:
+    """The verdict, the grade of busy GPUs (GPM), the MFU where the run has one, and how much of the judged
+    training time the verdict held."""
     if verdict == NO_VERDICT:
         return verdicts.NO_VERDICT_YET[:1].upper() + verdicts.NO_VERDICT_YET[1:]
     details = [gpus.grade] if verdict in (verdicts.GPU_BOUND, verdicts.GPU_BUSY_IDLE) and gpus.grade else []
+    details += [achieved.headline] if achieved.headline and verdict != verdicts.IDLE else []
     judged = sum(share for name, share in fractions.items() if name != verdicts.IDLE)
     if verdict != verdicts.IDLE and judged:
         details.append(f"{fractions[verdict] / judged:.0%} of the training time")

@@ -1,0 +1,57 @@
+"""The report's tokens and MFU (docs/mfu.md), from series as Prometheus returns them: the headline names
+the MFU where the run has one, the key numbers show tokens, tokens/s, FLOP/s and MFU with the peak, and a
+run that counts neither shows none of them. The H100 figures are the corpus mlp_bf16's (NVML 0.98, SM
+active 0.73, tensor cores 0.58, MFU 0.51 from its FLOP counter count over its measured step time)."""
+
+from stepscope.contract import verdicts
+from stepscope.report import page, queries, report
+from stepscope.report.collect import RunData
+from stepscope.report.mfu import flops_per_second, mfu_percent
+from stepscope.report.prometheus import Series
+from stepscope.report.window import Window
+
+WINDOW = Window(1000.0, 1100.0, 10.0)
+TIMES = tuple(1000.0 + 10 * i for i in range(10))
+H100_BF16 = 989.4e12
+
+
+def _series(value: float, labels: dict[str, str] | None = None) -> list[Series]:
+    return [Series(labels or {}, tuple((t, value) for t in TIMES))]
+
+
+def _data(**over: float) -> RunData:
+    """A GPU-bound run of one rank on an H100, in state train with a verdict at every point, plus `over`."""
+    built = queries.build("r", WINDOW, [])
+    series = {name: [] for name in built.over_time}
+    series["verdict"] = _series(1.0, {"verdict": verdicts.GPU_BOUND})
+    series["state"] = _series(1.0, {"rank": "0", "state": "train"})
+    series.update(run_gpu_nvml=_series(0.98), run_gpu_sm_active=_series(0.73), run_gpu_tensor_active=_series(0.58))
+    series.update({name: _series(value) for name, value in over.items()})
+    totals = {name: [] for name in built.totals}
+    if "run_mfu" in over:
+        totals["tokens"] = [Series({"rank": "0"}, ((1100.0, 4.0e8),))]
+        totals["model_flops"] = [Series({"rank": "0"}, ((1100.0, 5.05e16),))]
+    return RunData("r", WINDOW, ("n",), totals, series)
+
+
+def test_the_headline_names_the_mfu_and_the_page_its_figures() -> None:
+    built = report.build(_data(run_mfu=0.51, run_tokens_rate=4.0e6, run_model_flops_rate=0.51 * H100_BF16,
+                               run_peak_flops=H100_BF16), "http://prometheus")
+    assert built.assessment.headline == (
+        "GPU-bound: the GPUs are busy (SM active 0.73, tensor cores 0.58; MFU 51%; 100% of the training time)")
+    html = page.render(built, {}, [])
+    assert "MFU while training (model FLOP/s over the GPUs&#x27; dense peak of 989 TFLOP/s)" in html
+    assert "<td>51%</td>" in html and "<td>505 TFLOP/s</td>" in html
+    assert "<td>400,000,000</td>" in html and "<td>4,000,000</td>" in html
+
+
+def test_a_run_without_tokens_or_flops_shows_none_of_them() -> None:
+    built = report.build(_data(), "http://prometheus")
+    assert "MFU" not in built.assessment.headline
+    assert "MFU while training" not in page.render(built, {}, []) and "tokens (all ranks)" not in page.render(
+        built, {}, [])
+
+
+def test_figures_in_words() -> None:
+    assert mfu_percent(0.384) == "38%" and mfu_percent(0.00012) == "0.012%" and mfu_percent(None) == "no data"
+    assert flops_per_second(5.0537e14) == "505 TFLOP/s" and flops_per_second(6.1e7) == "61 MFLOP/s"
