@@ -94,6 +94,12 @@ TRAINING_STATE = "stepscope_training_state"
 TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
 TRAINING_LAST_STEP = "stepscope_training_last_step_timestamp_seconds"
 TRAINING_PHASE_ENTERED = "stepscope_training_phase_entered_timestamp_seconds"
+CUDA_MEMORY_ALLOCATED = "stepscope_torch_cuda_memory_allocated_bytes"
+CUDA_MEMORY_RESERVED = "stepscope_torch_cuda_memory_reserved_bytes"
+CUDA_MEMORY_PEAK = "stepscope_torch_cuda_memory_peak_allocated_bytes"
+CUDA_MEMORY_INACTIVE_SPLIT = "stepscope_torch_cuda_memory_inactive_split_bytes"
+CUDA_ALLOC_RETRIES = "stepscope_torch_cuda_alloc_retries_total"
+CUDA_OOMS = "stepscope_torch_cuda_ooms_total"
 LOADER_LIMIT = "stepscope_loader_limit_samples_per_second"
 COMPUTE_LIMIT = "stepscope_compute_limit_samples_per_second"
 TRACE_BYTES = "stepscope_profile_trace_bytes"
@@ -148,6 +154,7 @@ _PHASE_DOC = (
     "pushed by the hooks: time per step phase (only `le=\"+Inf\"` unless phase buckets are on); `timing` says "
     "what it holds: `host` (wall time), `cuda_event` (CUDA event time of sampled steps, each counting for the "
     "untimed ones), `cuda_sync` (`sync=True`); older clients omit it")
+_ALLOCATOR_DOC = "pushed on CUDA: torch.cuda.memory_stats() summed over the rank's devices, read at each push; "
 _LIMITS_DOC = (
     "pushed after `tracker.measure_limits`: samples/s of the loader alone and of the training step alone "
     "([limits](#loader-and-compute-limits))")
@@ -249,6 +256,22 @@ _TRAINING = (
            "pushed: the host-timed phase the rank entered last and has not left, with when it entered it; "
            "absent between phases",
            help="Unix time the rank entered the phase it is in (host-timed phases).", pushed=True),
+    Family(CUDA_MEMORY_ALLOCATED, "gauge", RUN_RANK, _ALLOCATOR_DOC + "bytes held by tensors",
+           help="Bytes PyTorch's caching allocator has given to tensors (all CUDA devices of the rank).",
+           pushed=True),
+    Family(CUDA_MEMORY_RESERVED, "gauge", RUN_RANK, _ALLOCATOR_DOC + "bytes held from the GPU: allocated + cached",
+           help="Bytes PyTorch's caching allocator holds on the GPU, allocated or cached for reuse.", pushed=True),
+    Family(CUDA_MEMORY_PEAK, "gauge", RUN_RANK, _ALLOCATOR_DOC + "the most allocated at once since the last push",
+           help="Peak bytes allocated to tensors since the previous push (peak statistics reset at each push).",
+           pushed=True),
+    Family(CUDA_MEMORY_INACTIVE_SPLIT, "gauge", RUN_RANK,
+           _ALLOCATOR_DOC + "cached blocks split below reuse (fragmentation)",
+           help="Bytes in cached blocks split too small to reuse (allocator fragmentation).", pushed=True),
+    Family(CUDA_ALLOC_RETRIES, "counter", RUN_RANK,
+           _ALLOCATOR_DOC + "allocations that flushed the cache and retried: steps slow down before an OOM",
+           help="Allocations that failed, freed the allocator's cache and retried.", pushed=True),
+    Family(CUDA_OOMS, "counter", RUN_RANK, _ALLOCATOR_DOC + "out-of-memory errors the allocator raised",
+           help="Out-of-memory errors raised by PyTorch's caching allocator.", pushed=True),
     Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
            "when the rank last pushed (groups expire `--ingest-ttl` after it)",
            help="Unix time of the last accepted push of this run and rank (pushes without steps = stalled)."),

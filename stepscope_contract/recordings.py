@@ -23,6 +23,10 @@ GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:av
 NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"
 GPU_MEMORY_USED_RATIO = "instance_gpu:stepscope_gpu_memory_used:ratio"
 RANK_GPU_MEMORY = "instance_gpu_run_rank:stepscope_process_gpu_memory_bytes:sum"  # the GPU <-> rank mapping
+# PyTorch's allocators of the ranks on each GPU (pushed, docs/alerts): tensors' bytes and cached-but-free bytes,
+# which tell a full cache from real pressure when the GPU's memory is nearly full.
+GPU_TORCH_ALLOCATED = "instance_gpu:stepscope_torch_cuda_memory_allocated_bytes:sum"
+GPU_TORCH_CACHED = "instance_gpu:stepscope_torch_cuda_memory_cached_bytes:sum"
 RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU = "instance_gpu_run:stepscope_gpu_effective_utilization:avg_ratio"
 RUN_GPU_UTILIZATION_BY_GPU = "instance_gpu_run:stepscope_gpu_utilization:avg_ratio"
 RUN_GPU_TENSOR_ACTIVE_BY_GPU = "instance_gpu_run:stepscope_gpu_tensor_active:avg_ratio"

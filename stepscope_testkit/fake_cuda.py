@@ -108,11 +108,68 @@ class FakeEvent:
         return (end.done_ns - self.done_ns) / 1e6
 
 
+class FakeAllocator:
+    """PyTorch's caching allocator on one device, as `torch.cuda.memory_stats()` reports it.
+
+    Enough of its behaviour for what the hooks read: `allocate` takes the first cached block large
+    enough (what is left of it stays cached) or reserves new memory in 2 MiB segments; freed blocks
+    stay cached. A request that fits no cached block and would pass the device's `capacity` frees the
+    cache and retries (`num_alloc_retries`), then raises out of memory (`num_ooms`). All cached bytes
+    count as inactive split bytes.
+    """
+
+    SEGMENT = 2 * 1024 * 1024
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.allocated = self.reserved = self.peak = 0
+        self.allocations = self.retries = self.ooms = 0
+        self.cached: list[int] = []  # sizes of the cached (free) blocks
+
+    def allocate(self, nbytes: int) -> int:
+        """Allocates `nbytes`; returns the block to `free`."""
+        self.allocations += 1
+        fit = next((block for block in self.cached if block >= nbytes), None)
+        if fit is not None:
+            self.cached.remove(fit)
+            if fit > nbytes:
+                self.cached.append(fit - nbytes)
+        else:
+            self._reserve(nbytes)
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+        return nbytes
+
+    def _reserve(self, nbytes: int) -> None:
+        grow = -(-nbytes // self.SEGMENT) * self.SEGMENT
+        if self.reserved + grow > self.capacity:
+            self.retries += 1
+            self.reserved -= sum(self.cached)  # empty the cache, then try again
+            self.cached.clear()
+            if self.reserved + grow > self.capacity:
+                self.ooms += 1
+                raise RuntimeError("CUDA out of memory (fake allocator)")
+        self.reserved += grow
+        if grow > nbytes:
+            self.cached.append(grow - nbytes)
+
+    def free(self, block: int) -> None:
+        self.allocated -= block
+        self.cached.append(block)  # the bytes stay reserved: cached for reuse
+
+    def stats(self) -> dict[str, int]:
+        return {"allocation.all.allocated": self.allocations, "allocated_bytes.all.current": self.allocated,
+                "allocated_bytes.all.peak": self.peak, "reserved_bytes.all.current": self.reserved,
+                "inactive_split_bytes.all.current": sum(self.cached),
+                "num_alloc_retries": self.retries, "num_ooms": self.ooms}
+
+
 class FakeCuda:
-    """The `torch.cuda` subset: Event, current_stream, stream, Stream, synchronize, is_available."""
+    """The `torch.cuda` subset: Event, current_stream, stream, Stream, synchronize, is_available, and the
+    allocator's memory_stats / reset_peak_memory_stats (a FakeAllocator per device)."""
 
     def __init__(self, spend: bool = False, costs_us: dict[str, float] | None = None,
-                 raw_stream_lookup: bool = True) -> None:
+                 raw_stream_lookup: bool = True, devices: int = 1, device_memory: int = 80 * 2**30) -> None:
         self.spending = spend
         self.costs_ns = {name: round(us * 1000) for name, us in {**COSTS_US, **(costs_us or {})}.items()}
         self.calls: Counter[str] = Counter()
@@ -121,6 +178,7 @@ class FakeCuda:
         self._device = 0
         self._current = {0: _StreamState(next(self._ids), 0)}  # device -> its current stream
         self._streams = [self._current[0]]
+        self.allocators = [FakeAllocator(device_memory) for _ in range(devices)]
         if not raw_stream_lookup:  # an older torch: the hooks must fall back to current_stream()
             self._cuda_getDevice = None  # type: ignore[method-assign]
             self._cuda_getCurrentRawStream = None  # type: ignore[method-assign]
@@ -211,6 +269,19 @@ class FakeCuda:
 
     def is_available(self) -> bool:
         return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return len(self.allocators)
+
+    def memory_stats(self, device: int) -> dict[str, int]:
+        return self.allocators[device].stats()
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        allocator = self.allocators[device]
+        allocator.peak = allocator.allocated
 
     # torch keeps these in torch._C; the hooks look for them on a stand-in itself
     def _cuda_getDevice(self) -> int:

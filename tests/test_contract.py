@@ -22,6 +22,7 @@ from grafana.rules import RULE_FILES
 from stepscope.contract import recordings, verdicts
 from stepscope.exporter.ingest.families import FAMILIES as INGESTED
 from stepscope.exporter.ingest.parser import PushLimits, parse_push
+from stepscope.hooks.cuda_memory import AllocatorMemory
 from stepscope.hooks.limits import Limits
 from stepscope.hooks.profiling import TraceOutcome
 from stepscope.hooks.render import Snapshot, render
@@ -46,14 +47,15 @@ LIMITS = PushLimits(max_label_length=128, max_series=2000, max_phases=32)
 
 def full_push() -> str:
     """What the hooks push when every optional part is there: phases, limits, a trace, an open phase, tokens,
-    model FLOPs and a stated peak."""
+    model FLOPs, a stated peak and (on CUDA) the allocator's memory."""
     hist = HistogramSnapshot((0.1, 1.0), (1, 2, 3), 1.5)
     phases = [(phase, "host", hist) for phase in contract.STANDARD_PHASES]
     info = {"local_rank": "0", "world_size": "8", "pid": "42", "framework": "torch", "start_time": "1712345678.25"}
     return render(Snapshot(phases, hist, 3, 24, "train", info, Limits(10.0, 20.0, 8, 2, 2),
                            TraceOutcome("t", True, 1, 1, "/tmp/trace.json.gz", 5, 1.5),
                            last_step_time=1712345700.5, open_phase=("forward", 1712345700.75),
-                           tokens=4096, flops=6 * 10**12, flops_dtype="bf16", peak_flops=989.4e12))
+                           tokens=4096, flops=6 * 10**12, flops_dtype="bf16", peak_flops=989.4e12,
+                           allocator=AllocatorMemory(2**30, 2**31, 3 * 2**29, 2**20, 4, 0)))
 
 
 def exposed_name(name: str, type_: str) -> str:

@@ -11,11 +11,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch  # noqa: F401  (the profiler trace needs torch in the process; the hooks never import it)
 from prometheus_client.parser import text_string_to_metric_families
 
 import stepscope.hooks
+import stepscope.hooks.tracker
 from stepscope.contract import FAMILIES, families
+from stepscope_testkit.fake_cuda import FakeCuda
 from stepscope_testkit.fake_nvml.scenario import make_gpu, write_scenario
 from stepscope_testkit.processes import running_exporter, scrape
 from stepscope_testkit.traces import rank_tracing, request_state, request_trace, wait_until
@@ -57,6 +60,9 @@ def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path, m
         ],
         "xid_events": [{"gpu": 1, "xid": 79}],
     }
+    cuda = FakeCuda()  # the allocator's families come from a process on CUDA
+    cuda.allocators[0].allocate(3 * GIB)
+    monkeypatch.setattr(stepscope.hooks.tracker, "_cuda_module", lambda: cuda)
     with running_exporter(tmp_path, fake_nvml_scenario=write_scenario(tmp_path / "nvml.json", scenario)) as exporter:
         tracker = stepscope.hooks.init(run="contract", rank=0, push_url=exporter.url, push_interval=0.2,
                                       trace_dir=str(tmp_path / "traces"), flops_per_step=6e9,

@@ -32,6 +32,15 @@ from stepscope.contract import (
     TRAINING_PHASE_ENTERED,
     TRAINING_STATE,
 )
+from stepscope.contract.families import (
+    CUDA_ALLOC_RETRIES,
+    CUDA_MEMORY_ALLOCATED,
+    CUDA_MEMORY_INACTIVE_SPLIT,
+    CUDA_MEMORY_PEAK,
+    CUDA_MEMORY_RESERVED,
+    CUDA_OOMS,
+)
+from stepscope.hooks.cuda_memory import AllocatorMemory
 from stepscope.hooks.limits import Limits
 from stepscope.hooks.profiling import TraceOutcome
 from stepscope.hooks.timing import HistogramSnapshot
@@ -57,6 +66,7 @@ class Snapshot:
     flops: float | None = None  # model FLOPs done; None until stated (flops_per_step/sample, measure_flops, step)
     flops_dtype: str = ""  # the dtype the FLOPs run in (label `dtype`)
     peak_flops: float | None = None  # the user's dense peak FLOP/s of the rank's GPU, None: the table's
+    allocator: AllocatorMemory | None = None  # PyTorch's CUDA caching allocator, on CUDA only
 
 
 def _escape(value: str) -> str:
@@ -108,6 +118,8 @@ def render(snap: Snapshot) -> str:
         _limits(lines, snap.limits)
     if snap.trace is not None:
         _trace(lines, snap.trace)
+    if snap.allocator is not None:
+        _allocator(lines, snap.allocator)
     return "\n".join(lines) + "\n"
 
 
@@ -146,3 +158,15 @@ def _trace(lines: list[str], trace: TraceOutcome) -> None:
     lines.append(f"{_header(lines, TRACE_STEPS)}{path} {trace.steps}")
     timestamp = _header(lines, TRACE_TIMESTAMP)
     lines.append(f"{timestamp}{path} {floatToGoString(trace.time)}")
+
+
+ALLOCATOR_FAMILIES = {
+    CUDA_MEMORY_ALLOCATED: "allocated_bytes", CUDA_MEMORY_RESERVED: "reserved_bytes",
+    CUDA_MEMORY_PEAK: "peak_allocated_bytes", CUDA_MEMORY_INACTIVE_SPLIT: "inactive_split_bytes",
+    CUDA_ALLOC_RETRIES: "alloc_retries", CUDA_OOMS: "ooms",
+}
+
+
+def _allocator(lines: list[str], memory: AllocatorMemory) -> None:
+    for family, attribute in ALLOCATOR_FAMILIES.items():
+        lines.append(f"{_header(lines, family)} {getattr(memory, attribute)}")

@@ -21,6 +21,7 @@ import psutil
 from stepscope.contract.training import IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
 from stepscope.hooks.config import Config, validate_phase_name
 from stepscope.hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
+from stepscope.hooks.cuda_memory import read_allocator
 from stepscope.hooks.flops import count_flops
 from stepscope.hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
 from stepscope.hooks.profiling import TraceSettings, TraceTaker
@@ -362,6 +363,7 @@ class Tracker:
             trace=self.traces.published() if self.traces is not None else None,
             last_step_time=last_step,
             open_phase=open_phase,
+            allocator=read_allocator(_cuda_module()),
         )
 
     def _progress(self) -> tuple[float | None, tuple[str, float] | None]:

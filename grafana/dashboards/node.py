@@ -283,11 +283,15 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "GPU memory",
                 "Framebuffer memory used, free and total per GPU. PyTorch's caching allocator keeps freed "
-                "memory reserved, so used stays high after peaks.",
+                "memory reserved, so used stays high after peaks: where training ranks on the GPU push their "
+                "allocator's memory (on CUDA), the panel splits it into bytes given to tensors and bytes cached "
+                "but free (a full cache, not pressure).",
                 [
                     Q(sel(fam.GPU_MEMORY_USED, GPUS), "GPU {{gpu}} used"),
                     Q(sel(fam.GPU_MEMORY_FREE, GPUS), "GPU {{gpu}} free"),
                     Q(sel(fam.GPU_MEMORY_TOTAL, GPUS), "GPU {{gpu}} total"),
+                    Q(sel(rec.GPU_TORCH_ALLOCATED, GPUS), "GPU {{gpu}} PyTorch tensors"),
+                    Q(sel(rec.GPU_TORCH_CACHED, GPUS), "GPU {{gpu}} PyTorch cached, free"),
                 ],
                 "bytes",
                 limits=(0, None),

@@ -369,6 +369,40 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         )
         .with_panel(
             timeseries_panel(
+                "PyTorch allocator memory per rank",
+                "What PyTorch's caching allocator of each rank does with the GPU memory it holds (pushed by the "
+                "hooks on CUDA from torch.cuda.memory_stats(), summed over the rank's devices): allocated to "
+                "tensors, reserved (allocated plus cached for reuse), the peak allocated since the previous push, "
+                "and inactive split bytes (cached blocks too small to reuse: fragmentation). Reserved far above "
+                "allocated is a full cache, not pressure; allocated near the GPU's memory is real pressure. Empty for "
+                "ranks on the CPU.",
+                [
+                    Q(sel(fam.CUDA_MEMORY_ALLOCATED, RANKS), "rank {{rank}} allocated"),
+                    Q(sel(fam.CUDA_MEMORY_RESERVED, RANKS), "rank {{rank}} reserved"),
+                    Q(sel(fam.CUDA_MEMORY_PEAK, RANKS), "rank {{rank}} peak allocated"),
+                    Q(sel(fam.CUDA_MEMORY_INACTIVE_SPLIT, RANKS), "rank {{rank}} inactive split"),
+                ],
+                "bytes",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Allocation retries and OOMs per rank",
+                "PyTorch's caching allocator per rank: allocations that failed, flushed the cache and retried, and "
+                "out-of-memory errors, per second over 5 minutes. Retries that keep coming page "
+                "StepscopeCudaAllocRetries; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a smaller "
+                "micro-batch or activation checkpointing make room.",
+                [
+                    Q(f"rate({sel(fam.CUDA_ALLOC_RETRIES, RANKS)}[5m])", "rank {{rank}} retries"),
+                    Q(f"rate({sel(fam.CUDA_OOMS, RANKS)}[5m])", "rank {{rank}} OOMs"),
+                ],
+                "ops",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
                 "GPU memory held by each rank",
                 "GPU memory each rank's process holds, per GPU (from NVML's process list).",
                 [
