@@ -11,6 +11,10 @@ really fed (a partial last batch or a short last accumulation counts what it hol
   step_lr_schedulers  on_optimizer_step -> on_step_end (scheduler step and zero_grad)
 What is in a step but in no phase: logging (its loss gather across ranks), the other callbacks, counting
 the step's label tokens (`num_items_in_batch`, gathered across ranks when averaged).
+Tokens and model FLOPs (docs/mfu.md): each batch's tokens are its main input's elements (`input_ids`:
+the Trainer's own `estimate_tokens`, padding included) and its FLOPs the Trainer's own estimate,
+6 x non-embedding parameters x tokens (`floating_point_ops`), counted where the model is a transformers
+model; FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
 States: train, eval and checkpoint (entered when the Trainer decides to evaluate or save at a step end,
 after the step's logging; left at on_evaluate and on_save, or at the next fetch), idle after training.
 Requires `transformers`; importing this module imports it.
@@ -58,7 +62,9 @@ class StepscopeCallback(TrainerCallback):
         self._owns_tracker = tracker is None
         self._init_kwargs = init_kwargs
         self._in_step = False
-        self._fed: deque[int] = deque()  # sizes of the batches fetched and not yet fed, in order
+        # (samples, tokens, FLOPs or None) of the batches fetched and not yet fed, in order
+        self._fed: deque[tuple[int, int, float | None]] = deque()
+        self._flops_per_token: float | None = None  # 6 x non-embedding parameters, where the model says
         self._default_batch = 0  # samples per batch where the fetch is not seen
         self._trainer: Trainer | None = None
         self._break_after_log = False  # an eval or save decided at a step end waits for the logging before it
@@ -75,6 +81,7 @@ class StepscopeCallback(TrainerCallback):
                     **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**init)
         self._default_batch = args.train_batch_size
+        self._flops_per_token = _flops_per_token(kwargs.get("model"))
         self._wrap_fetch(_find_trainer())
         self._training = True
         self.tracker.state(TRAIN_STATE)
@@ -105,11 +112,18 @@ class StepscopeCallback(TrainerCallback):
             except StopIteration:
                 return
             phase.end()
-            self._fed.append(_batch_size(batch))
+            tokens = _tokens(batch, self._main_input)
+            per_token = None if self.tracker.flops_stated else self._flops_per_token
+            self._fed.append((_batch_size(batch), tokens, per_token * tokens if per_token and tokens else None))
             yield batch
 
-    def _next_fed(self) -> int:
-        return self._fed.popleft() if self._fed else self._default_batch
+    @property
+    def _main_input(self) -> str:
+        model = getattr(self._trainer, "model", None)
+        return getattr(model, "main_input_name", "input_ids")
+
+    def _next_fed(self) -> tuple[int, int, float | None]:
+        return self._fed.popleft() if self._fed else (self._default_batch, 0, None)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -124,7 +138,8 @@ class StepscopeCallback(TrainerCallback):
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        self.tracker.micro_batch(self._next_fed())  # a batch of an accumulation that goes on
+        samples, tokens, flops = self._next_fed()
+        self.tracker.micro_batch(samples, tokens, flops)  # a batch of an accumulation that goes on
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
@@ -142,7 +157,8 @@ class StepscopeCallback(TrainerCallback):
         self._in_step = False
         self._phase(LR_SCHEDULER_PHASE).end()
         self._phase(TRAIN_BATCH_PHASE).end()
-        self.tracker.step(samples=self._next_fed())
+        samples, tokens, flops = self._next_fed()
+        self.tracker.step(samples=samples, tokens=tokens, flops=flops)
         self._after_step(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -213,6 +229,20 @@ def _find_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back
     return None
+
+
+def _flops_per_token(model: Any) -> float | None:
+    """The Trainer's FLOPs per token (6 x non-embedding parameters, as `floating_point_ops`), computed once;
+    None where the model is not a transformers model."""
+    if not callable(getattr(model, "num_parameters", None)):
+        return None
+    return 6 * model.num_parameters(exclude_embeddings=True)
+
+
+def _tokens(batch: Any, main_input: str) -> int:
+    """Elements of the batch's main input (`input_ids`), as the Trainer's `estimate_tokens`; 0 without one."""
+    value = batch.get(main_input) if isinstance(batch, Mapping) else None
+    return int(value.numel()) if hasattr(value, "numel") else 0
 
 
 def _batch_size(batch: Any) -> int:

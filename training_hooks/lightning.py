@@ -11,6 +11,9 @@ Phases (from Lightning 2.x hooks; GPU phases use CUDA events when the model is o
   train_batch      on_train_batch_start -> on_train_batch_end (each batch)
 What is in a step but in no phase: the other callbacks' batch hooks (the `Timer` of `max_time` with
 its broadcast under DDP), Lightning's per-batch SIGTERM broadcast under DDP, logging, LR schedulers.
+Tokens and model FLOPs (docs/mfu.md), as Lightning's ThroughputMonitor takes them: `length_fn(batch)` gives
+a batch's tokens, the LightningModule's `flops_per_batch` attribute its FLOPs (Lightning's `measure_flops`
+computes it); FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
 States: train, eval (validation and sanity check), checkpoint (on_save_checkpoint until training or
 validation goes on), idle after fit. Requires the `lightning` package; importing this module imports it.
 """
@@ -54,10 +57,13 @@ class StepscopeCallback(Callback):
 
     A tracker it creates takes run/rank/world size from the Trainer and the environment, framework
     "lightning", and is closed (final push) at teardown. `init_kwargs` go to `stepscope.hooks.init`.
+    `length_fn(batch)`: the batch's tokens (ThroughputMonitor's argument of that name).
     """
 
-    def __init__(self, tracker: Tracker | None = None, **init_kwargs: Any) -> None:
+    def __init__(self, tracker: Tracker | None = None, length_fn: Callable[[Any], int] | None = None,
+                 **init_kwargs: Any) -> None:
         self.tracker = tracker
+        self._length_fn = length_fn
         self._owns_tracker = tracker is None
         self._init_kwargs = init_kwargs
         self._in_optimizer = False
@@ -186,11 +192,17 @@ class StepscopeCallback(Callback):
             self._in_optimizer = False
         self._phase(TRAIN_BATCH_PHASE).end()
         samples = _batch_size(batch)
+        tokens = self._length_fn(batch) if self._length_fn is not None else 0
+        flops = self._batch_flops(pl_module)
         if trainer.global_step == self._global_step:  # accumulating: the step goes on
-            self.tracker.micro_batch(samples)
+            self.tracker.micro_batch(samples, tokens, flops)
             return
         self._global_step = trainer.global_step  # manual optimization with 2 optimizers moves it by 2: 1 step
-        self.tracker.step(samples=samples)
+        self.tracker.step(samples=samples, tokens=tokens, flops=flops)
+
+    def _batch_flops(self, pl_module: LightningModule) -> float | None:
+        """The module's `flops_per_batch` unless the user states FLOPs to the tracker (None: those count)."""
+        return None if self.tracker.flops_stated else getattr(pl_module, "flops_per_batch", None)
 
     # -- states -----------------------------------------------------------------------------------
 

@@ -285,6 +285,12 @@ class Tracker:
         return self._steps
 
     @property
+    def flops_stated(self) -> bool:
+        """Whether the user states the model FLOPs (flops_per_step/sample, measure_flops): the framework
+        callbacks then leave theirs out."""
+        return bool(self._flops_per_step or self._flops_per_sample)
+
+    @property
     def gpu_sample_every(self) -> int | None:
         """k: CUDA events time about one step in k (chosen from measured costs); None without them."""
         return self._cuda_timer.sample_every if self._cuda_timer is not None else None
