@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grafana", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("generate", help="write the dashboards, alert provisioning, chart files and "
-                                               "README metric table from their sources")
+                                               "docs/exporter.md metric table from their sources")
     run.add_argument("--check", action="store_true", help="write nothing; list stale outputs and exit 1")
     args = parser.parse_args(argv)
     try:

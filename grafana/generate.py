@@ -7,7 +7,7 @@ Sources and outputs stay apart (the monitoring-mixin layout):
   grafana/dashboards/*.py            -> grafana/dashboards_out/*.json
   grafana/rules/src/*.rules.yml      -> grafana/rules_out/*.rules.yml (contract placeholders filled in)
   grafana/rules_out/*.rules.yml      -> grafana/alerting_out/stepscope-alerts.yml (Grafana-managed alerts)
-  stepscope_contract                 -> README.md's metric table (between its markers)
+  stepscope_contract                 -> docs/exporter.md's metric table (between its markers)
 Helm reads only files inside the chart, so the chart reaches the outputs through links (LINKS):
 helm/stepscope/files/dashboards -> ../../../grafana/dashboards_out and files/rules -> ../../../grafana/
 rules_out. The Helm SDK follows them when it loads, renders and packages the chart, so each output is
@@ -32,7 +32,7 @@ CHART_FILES = Path("helm/stepscope/files")
 CHART_DASHBOARDS = CHART_FILES / "dashboards"
 CHART_RULES = CHART_FILES / "rules"
 LINKS = ((CHART_DASHBOARDS, DASHBOARDS_OUT), (CHART_RULES, RULES_OUT))  # link -> the output directory
-README = Path("README.md")
+METRICS_DOC = Path("docs/exporter.md")  # the reference page with the metric table
 GENERATED_DIRS = {DASHBOARDS_OUT: "*.json", RULES_OUT: "*.rules.yml"}  # whole directories generate owns
 
 
@@ -59,7 +59,7 @@ def outputs(root: Path = REPO) -> dict[Path, str]:
     rule_files = _rule_outputs(root)
     files.update(rule_files)
     files[ALERTS_OUT] = alerting.render(tuple(rule_files.values()), root / DATASOURCE)
-    files[README] = readme_table.rewrite((root / README).read_text())
+    files[METRICS_DOC] = readme_table.rewrite((root / METRICS_DOC).read_text())
     return files
 
 

@@ -1,15 +1,13 @@
-"""The README's metric table ("What it publishes"), written from the contract between two markers.
+"""The metric table of docs/exporter.md ("What it publishes"), written from the contract between two markers.
 
 Neighbouring families that share type, labels and meaning become one row, as a reader scans them.
 """
 
 import itertools
 from collections.abc import Iterable
-from pathlib import Path
 
 from stepscope.contract import FAMILIES, Family
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN = "<!-- generated: metric table (python -m grafana generate) -->"
 END = "<!-- /generated: metric table -->"
 HEADER = "| metric | labels | type | meaning |\n|---|---|---|---|\n"
@@ -40,9 +38,9 @@ def table() -> str:
 
 
 def rewrite(text: str) -> str:
-    """The README text with the block between the markers replaced by the current table."""
+    """The page's text with the block between the markers replaced by the current table."""
     if BEGIN not in text or END not in text:
-        raise ValueError(f"README.md lacks the markers {BEGIN!r} ... {END!r}")
+        raise ValueError(f"docs/exporter.md lacks the markers {BEGIN!r} ... {END!r}")
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
     return f"{head}{BEGIN}\n{table()}{END}{tail}"

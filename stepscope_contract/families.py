@@ -157,12 +157,12 @@ _PHASE_DOC = (
 _ALLOCATOR_DOC = "pushed on CUDA: torch.cuda.memory_stats() summed over the rank's devices, read at each push; "
 _LIMITS_DOC = (
     "pushed after `tracker.measure_limits`: samples/s of the loader alone and of the training step alone "
-    "([limits](#loader-and-compute-limits))")
+    "([limits](hooks.md#loader-and-compute-limits))")
 _TRACE_DOC = (
     "pushed: the rank's latest profiler trace (gzipped, on the rank's node at `path`), its steps, when written; "
-    "one series each per rank ([traces](#profiler-traces-on-demand))")
+    "one series each per rank ([traces](hooks.md#profiler-traces-on-demand))")
 
-_MFU_DOC = "pushed once stated: tokens and model FLOPs done ([MFU](docs/mfu.md))"
+_MFU_DOC = "pushed once stated: tokens and model FLOPs done ([MFU](mfu.md))"
 
 _NODE = (
     Family(NODE_INFO, "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),

@@ -45,7 +45,7 @@ from tests.support.alerting import (
 from tests.support.prometheus import wait_for
 
 GRAFANA_URL = "http://grafana.example:3000"
-README_URL = "https://github.com/stepscope/stepscope/blob/main/README.md"
+ALERTS_PAGE_URL = "https://github.com/stepscope/stepscope/blob/main/docs/alerts.md"
 # The shipped group_wait 30s / group_interval 1m, scaled down alike for the test.
 GROUP_WAIT_SECONDS = 2
 GROUP_INTERVAL_SECONDS = 4
@@ -153,7 +153,7 @@ def test_a_data_bound_run_pages_once_with_its_cause_and_a_link(stack: Stack) -> 
     assert attachment["title_link"] == alert["annotations"]["dashboard_url"]
     for text in ("run databound rank 0 on node-a (warning): Rank 0 of run databound on node-a spends",
                  f"Dashboard: {alert['annotations']['dashboard_url']}",
-                 "Runbook: https://github.com/stepscope/stepscope/blob/main/README.md#stepscopedataloadingbottleneck",
+                 "Runbook: https://github.com/stepscope/stepscope/blob/main/docs/alerts.md#stepscopedataloadingbottleneck",
                  "What to try: Raise DataLoader num_workers"):
         assert text in attachment["text"], attachment["text"]
     assert "<no value>" not in json.dumps(slack)
@@ -201,14 +201,14 @@ def test_a_stalled_run_pages_for_itself_and_holds_back_nobody(stack: Stack) -> N
     assert "StepscopeGpuUnderutilized" not in alertnames(stack.inbox.webhooks("stalled"))
 
 
-def test_every_runbook_url_opens_its_row_in_the_readme() -> None:
-    """runbook_url points at the alert's row of the README's alert table (an anchor there)."""
-    readme = (REPO_ROOT / "README.md").read_text()
+def test_every_runbook_url_opens_its_row_in_the_alerts_page() -> None:
+    """runbook_url points at the alert's row of the alert table in docs/alerts.md (an anchor there)."""
+    page = (REPO_ROOT / "docs" / "alerts.md").read_text()
     for rule in rules():
         if "alert" in rule:
             url = rule["annotations"]["runbook_url"]
-            assert url == f"{README_URL}#{rule['alert'].lower()}", url
-            assert f'<a id="{rule["alert"].lower()}"></a>`{rule["alert"]}`' in readme, rule["alert"]
+            assert url == f"{ALERTS_PAGE_URL}#{rule['alert'].lower()}", url
+            assert f'<a id="{rule["alert"].lower()}"></a>`{rule["alert"]}`' in page, rule["alert"]
 
 
 # (alert labels, inhibited?) posted together to the real Alertmanager: each source mutes only what it

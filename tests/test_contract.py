@@ -171,7 +171,7 @@ def test_dashboards_select_only_contract_phases_and_states() -> None:
 # ---- a rename is one edit plus `python -m grafana generate` --------------------------------------------
 
 COPIED = ("stepscope", "stepscope_contract", "training_hooks", "exporter", "run_report", "grafana", "helm", "tests",
-          "README.md")
+          "docs")
 
 
 @pytest.fixture
@@ -223,9 +223,10 @@ def generated_dashboards(root: Path) -> str:
     return "".join(path.read_text() for path in sorted((root / "grafana" / "dashboards_out").glob("*.json")))
 
 
-def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_and_readme(copy: Path) -> None:
+def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_and_docs(copy: Path) -> None:
     """Renames one family and one phase in a copy: the renderer, the ingest, the report's queries and
-    (after the one generate command) the dashboards and the README all use the new names."""
+    (after the one generate command) the dashboards and the metric table of docs/exporter.md all use the
+    new names."""
     rename_in_contract(copy)
     follows = run_in(copy, "-c", FOLLOWS)
     assert follows.returncode == 0, follows.stderr
@@ -239,10 +240,10 @@ def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_
                                          "differs: grafana/rules_out/stepscope-node.rules.yml",
                                          "differs: grafana/rules_out/stepscope-run.rules.yml",
                                          "differs: grafana/alerting_out/stepscope-alerts.yml",
-                                         "differs: README.md"], check.stdout
+                                         "differs: docs/exporter.md"], check.stdout
     assert run_in(copy, "-m", "grafana", "generate").returncode == 0
-    readme = (copy / "README.md").read_text()
-    assert "`stepscope_profile_trace_step_count`" in readme and "`stepscope_profile_trace_steps`" not in readme
+    metrics = (copy / "docs" / "exporter.md").read_text()
+    assert "`stepscope_profile_trace_step_count`" in metrics and "`stepscope_profile_trace_steps`" not in metrics
     dashboards = generated_dashboards(copy)
     assert "stepscope_profile_trace_step_count{" in dashboards and "stepscope_profile_trace_steps" not in dashboards
     assert "fetch_batch" in dashboards and "dataloader_next" not in dashboards

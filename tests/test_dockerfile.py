@@ -15,6 +15,7 @@ from dockerfile_parse import DockerfileParser
 
 from stepscope.exporter.cli import DEFAULT_PORT
 from stepscope_testkit.processes import free_port, running_exporter
+from tests.support.readme import doc_section
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -52,8 +53,7 @@ def test_base_images_are_pinned_to_a_version(stages: list[list[dict[str, Any]]])
 
 
 def test_readme_names_the_pinned_base_image() -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("<!-- section: deployment -->"):readme.index("<!-- /section: deployment -->")]
+    section = doc_section("deployment")
     images = set(DockerfileParser(path=str(DOCKERFILE)).parent_images)
     assert images and all(f"`{image.removeprefix('docker.io/library/')}`" in section for image in images), images
 

@@ -32,7 +32,8 @@ def checkout(tmp_path: Path) -> Path:
     for part in ("grafana/rules/src", "grafana/rules_out", "grafana/provisioning", "grafana/dashboards_out",
                  "grafana/alerting_out", "helm/stepscope"):
         shutil.copytree(REPO / part, root / part, symlinks=True)
-    shutil.copy(REPO / "README.md", root / "README.md")
+    (root / "docs").mkdir()
+    shutil.copy(REPO / generate.METRICS_DOC, root / generate.METRICS_DOC)
     assert generate.stale(root) == []
     return root
 
@@ -40,7 +41,7 @@ def checkout(tmp_path: Path) -> Path:
 def test_generate_mends_hand_edits_stale_files_and_the_chart_links(checkout: Path) -> None:
     (checkout / generate.DASHBOARDS_OUT / "stepscope-node.json").write_text("{}\n")
     (checkout / generate.DASHBOARDS_OUT / "stepscope-old.json").write_text("{}\n")
-    readme = checkout / generate.README
+    readme = checkout / generate.METRICS_DOC
     readme.write_text(readme.read_text().replace("| `stepscope_node_cpus` |", "| `stepscope_node_cores` |"))
     (checkout / generate.RULES_OUT / "stepscope-node.rules.yml").unlink()
     (checkout / generate.RULES_OUT / "stepscope-old.rules.yml").write_text("groups: []\n")
@@ -50,7 +51,7 @@ def test_generate_mends_hand_edits_stale_files_and_the_chart_links(checkout: Pat
     assert generate.stale(checkout) == [
         "differs: grafana/dashboards_out/stepscope-node.json",
         "missing: grafana/rules_out/stepscope-node.rules.yml",
-        "differs: README.md",
+        "differs: docs/exporter.md",
         "stale: grafana/dashboards_out/stepscope-old.json (no source builds it)",
         "stale: grafana/rules_out/stepscope-old.rules.yml (no source builds it)",
         "not a link to ../../../grafana/dashboards_out: helm/stepscope/files/dashboards",
@@ -60,10 +61,10 @@ def test_generate_mends_hand_edits_stale_files_and_the_chart_links(checkout: Pat
     assert set(map(str, changed)) == {
         "grafana/dashboards_out/stepscope-node.json", "grafana/dashboards_out/stepscope-old.json",
         "grafana/rules_out/stepscope-node.rules.yml", "grafana/rules_out/stepscope-old.rules.yml",
-        "README.md", "helm/stepscope/files/dashboards", "helm/stepscope/files/rules",
+        "docs/exporter.md", "helm/stepscope/files/dashboards", "helm/stepscope/files/rules",
     }
     assert generate.stale(checkout) == [] and generate.write(checkout) == []
-    assert readme.read_text() == (REPO / "README.md").read_text()
+    assert readme.read_text() == (REPO / generate.METRICS_DOC).read_text()
     dashboards = [o for o in objects(render(checkout / "helm" / "stepscope")) if o["kind"] == "ConfigMap"]
     assert {name for o in dashboards for name in o["data"]} == set(generate.dashboards.BUILDERS)
     rules = render(checkout / "helm" / "stepscope", api_versions=["monitoring.coreos.com/v1"])

@@ -33,6 +33,7 @@ from tests.support.helm_chart import (
     objects,
     render,
 )
+from tests.support.readme import doc_section
 
 CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
 OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Prometheus", "AlertmanagerConfig"}
@@ -619,9 +620,7 @@ def test_values_file_matches_schema_keys(chart: Path) -> None:
 
 
 def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:
-    readme = (REPO / "README.md").read_text()
-    start, end = readme.index("<!-- section: deployment -->"), readme.index("<!-- /section: deployment -->")
-    section = readme[start:end]
+    section = doc_section("deployment")
     snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "STEPSCOPE_PUSH_URL" in b)
     documented = {e["name"]: e for e in yaml.safe_load(snippet)["containers"][0]["env"]}
     text = notes(render(chart))
@@ -629,7 +628,7 @@ def test_readme_training_pod_snippet_matches_notes(chart: Path) -> None:
     assert documented.keys() == printed.keys()
     assert documented["HOST_IP"] == printed["HOST_IP"]
     assert documented["STEPSCOPE_PUSH_URL"] == printed["STEPSCOPE_PUSH_URL"]
-    # The README assumes release "stepscope"; the tests render release "rel".
+    # docs/deployment.md assumes release "stepscope"; the tests render release "rel".
     documented_ref = documented["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
     printed_ref = printed["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert documented_ref == {**printed_ref, "name": printed_ref["name"].replace("rel-", "", 1)}

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepscope.exporter.collectors.node import NodeCollector
 from stepscope.exporter.exposition import render
-from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, scrape
+from stepscope_testkit.processes import running_exporter, sample_values, scrape
+from tests.support.readme import doc_section
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux ground truth")
 MiB = 1 << 20
@@ -50,7 +51,7 @@ def collected(collector: NodeCollector) -> dict[str, list]:
 
 
 def readme_node_metrics() -> set[str]:
-    section = (REPO_ROOT / "README.md").read_text().split("<!-- section: exporter -->")[1]
+    section = doc_section("exporter")
     rows = [line for line in section.splitlines() if line.startswith("| `stepscope_node_")]
     return {name for row in rows for name in re.findall(r"`(stepscope_node_\w+)`", row.split("|")[1])}
 

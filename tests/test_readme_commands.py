@@ -1,5 +1,7 @@
-"""Every command in the README's ```bash blocks is run here, as written, or listed in NOT_RUN with the
-reason and what is checked instead. A command added to the README without either fails the first test.
+"""Every command in the ```bash blocks of the README and of the reference pages (docs/*.md) is run here
+or in the test named in RUN_HERE, as written, or listed in NOT_RUN with the reason and what is checked
+instead. A command added to a page without either fails the first test; a page missing from the index
+(docs/README.md) or a relative link that leads nowhere fails the next two.
 
 The commands run through `bash -c` with the virtualenv's bin first on PATH, as in an activated venv.
 Only what would collide between parallel runs is changed, each where the README itself allows it:
@@ -8,6 +10,7 @@ the Pushgateway's :9091 moves to a free port in all three of its commands; forev
 are stopped once they have shown what they are for.
 """
 
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -20,7 +23,17 @@ import yaml
 from stepscope.exporter.web_config import load
 from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter, sample_values, scrape, wait_http_ok
 from tests.support.helm_chart import CHART, OPERATOR_API, objects, render
-from tests.support.readme import README, readme_command, readme_commands, shell_env, start_shell, stop_shells
+from tests.support.readme import (
+    DOCS,
+    README,
+    doc_section,
+    documented_commands,
+    documents,
+    readme_command,
+    shell_env,
+    start_shell,
+    stop_shells,
+)
 
 RUN_HERE = {  # command prefix -> the test that runs it
     "python3 -m venv .venv && .venv/bin/pip install '.[exporter]'": "test_readme_install.py",
@@ -34,9 +47,16 @@ RUN_HERE = {  # command prefix -> the test that runs it
     "stepscope-report --prometheus": "test_report_e2e.py::test_the_readme_report_command",
     "python -m grafana generate": "test_generate.py: --check on the repository as a subprocess, generate "
                                   "(through its main) on a copy with stale and hand-edited files",
+    ".venv/bin/pip install '.[exporter,torch,report]'": "test_quickstart.py (resolved with --dry-run)",
+    ".venv/bin/stepscope-quickstart": "test_quickstart.py",
 }
 NOT_RUN = {  # command prefix -> why not here, and what is checked instead
     "bash scripts/test.sh": "it is this test suite (.ci/run runs it); test_the_test_command_is_what_ci_runs",
+    "sudo apt-get install prometheus": "installs a system package as root; scripts/test.sh installs the same "
+                                       "Debian package, and test_quickstart.py checks that the quickstart names "
+                                       "this command when prometheus is missing",
+    ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu": (
+        "downloads torch; scripts/test.sh installs torch from the same index into the venv the tests run in"),
     "docker ": "no Docker engine here (and no compose plugin); test_the_image_names_agree checks the "
                "names, targets and files these commands use, test_compose.py the compose file",
     "kubectl ": "needs a Kubernetes cluster; the chart is rendered with the README's values instead",
@@ -53,12 +73,41 @@ def _matches(command: str, table: dict[str, str]) -> list[str]:
     return [prefix for prefix in table if command.startswith(prefix)]
 
 
-def test_every_readme_command_is_run_or_explained() -> None:
-    commands = readme_commands()
+def test_every_documented_command_is_run_or_explained() -> None:
+    commands = documented_commands()
     assert len(commands) > 20
     for command in commands:
         assert len(_matches(command, RUN_HERE) + _matches(command, NOT_RUN)) == 1, (
-            f"README command {command!r}: run it in a test (RUN_HERE) or say why not (NOT_RUN)")
+            f"documented command {command!r}: run it in a test (RUN_HERE) or say why not (NOT_RUN)")
+
+
+def test_every_reference_page_is_in_the_index() -> None:
+    index = (DOCS / "README.md").read_text()
+    pages = {path.name for path in documents()} - {"README.md"}
+    assert pages == set(re.findall(r"^\| \[[\w.-]+\]\(([\w.-]+\.md)\) \|", index, flags=re.M))
+    assert "(docs/README.md)" in README.read_text()
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page: its headings' slugs and its explicit ids."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S), flags=re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+    return slugs | set(re.findall(r'<a id="([^"]+)"></a>', text))
+
+
+def test_every_relative_link_leads_somewhere() -> None:
+    """The guide and the reference link each other by file and anchor: a moved section breaks no link."""
+    broken = []
+    for path in documents():
+        text = path.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists() or (anchor and anchor not in _anchors(linked.read_text())):
+                broken.append(f"{path.relative_to(REPO_ROOT)}: {target}")
+    assert broken == []
 
 
 def _wait(condition: Callable[[], bool], what: str, processes: dict[str, subprocess.Popen], logs: Path,
@@ -80,11 +129,11 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
     Pushgateway), each stopped once it has pushed steps; then both stepscope-profile commands against a
     rank of run resnet-a."""
     gateway_port = free_port()
-    demo_lines = [c for c in readme_commands()
+    demo_lines = [c for c in documented_commands()
                   if c.startswith(("python -m stepscope.hooks.demo", "torchrun")) and "9091" not in c]
     assert len(demo_lines) == 5
     pushgateway_block = [c.replace("127.0.0.1:9091", f"127.0.0.1:{gateway_port}").removesuffix("&").strip()
-                         for c in readme_commands() if "9091" in c]
+                         for c in documented_commands() if "9091" in c]
     assert len(pushgateway_block) == 3 and pushgateway_block[0].startswith("prometheus-pushgateway")
     with running_exporter(tmp_path, "--collectors", "") as exporter:
         env = shell_env({"STEPSCOPE_PUSH_URL": exporter.url, "STEPSCOPE_PUSH_INTERVAL": "0.5",
@@ -125,7 +174,7 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
             _wait(stop_those_done, "every demo's steps", running, tmp_path)
             curl = subprocess.run(["bash", "-c", pushgateway_block[2]], capture_output=True, text=True, env=env)
             assert 'stepscope_steps_total{' in curl.stdout and 'run="demo"' in curl.stdout, curl.stdout
-            for line in [c for c in readme_commands() if c.startswith("stepscope-profile")]:
+            for line in [c for c in documented_commands() if c.startswith("stepscope-profile")]:
                 result = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=150)
                 assert result.returncode == 0, result.stderr
                 (trace,) = result.stdout.split()
@@ -152,8 +201,8 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
 
 
 def test_the_web_config_example_loads(tmp_path: Path) -> None:
-    """Not a command, but copied as one: the README's web.yml passes the exporter's checks."""
-    text = README.read_text()
+    """Not a command, but copied as one: the documented web.yml passes the exporter's checks."""
+    text = doc_section("exporter")
     example = text[text.index("# web.yml: --web.config.file"):]
     (tmp_path / "web.yml").write_text(example[:example.index("```")])
     config = load(str(tmp_path / "web.yml"))
@@ -193,7 +242,7 @@ def test_the_helm_install_values_render(tmp_path: Path) -> None:
 def test_the_image_names_agree() -> None:
     """README's docker build tags = compose's image names = the Dockerfile's own comments; the
     targets, files and the tag pushed for the chart exist."""
-    builds = [c.split() for c in readme_commands() if c.startswith("docker build")]
+    builds = [c.split() for c in documented_commands() if c.startswith("docker build")]
     tags = {words[words.index("-t") + 1] for words in builds}
     assert tags == {"stepscope-exporter:local", "stepscope-demo:local"}
     dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
@@ -204,7 +253,7 @@ def test_the_image_names_agree() -> None:
         assert f"-t {words[words.index('-t') + 1]} ." in dockerfile  # its header says the same
     compose = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())
     assert {service.get("image") for service in compose["services"].values()} >= tags
-    for command in (c for c in readme_commands() if c.startswith("docker compose")):
+    for command in (c for c in documented_commands() if c.startswith("docker compose")):
         words = command.split()
         for index, word in enumerate(words):
             if word == "-f":
@@ -219,7 +268,7 @@ def test_the_test_command_is_what_ci_runs() -> None:
 
 
 def test_the_benchmark_scripts_exist_and_compile() -> None:
-    scripts = {c.split()[2] for c in readme_commands() if c.startswith("PYTHONPATH=. .venv/bin/python benchmarks/")}
+    scripts = {c.split()[2] for c in documented_commands() if c.startswith("PYTHONPATH=. .venv/bin/python benchmarks/")}
     assert len(scripts) >= 8
     for script in scripts:
         compile((REPO_ROOT / script).read_text(), script, "exec")
@@ -227,7 +276,7 @@ def test_the_benchmark_scripts_exist_and_compile() -> None:
 
 def test_pyproject_extras_the_readme_names_exist() -> None:
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    text = README.read_text()
+    text = "".join(path.read_text() for path in documents())
     for extra in ("torch", "lightning", "transformers", "report"):
         assert extra in extras and f"[{extra}]" in text
     assert "stepscope[" not in text, "stepscope is not on PyPI: install extras from a checkout, '.[extra]'"

@@ -23,10 +23,10 @@ import pytest
 from grafana.rules import RULE_FILES
 from stepscope.report import cli, csvs
 from stepscope.report.report import RUN_SUMMARY_HEADER
-from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter
+from stepscope_testkit.processes import free_port, running_exporter
 from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
 from tests.support.prometheus import query, running_prometheus, wait_for
-from tests.support.readme import readme_command, shell_env
+from tests.support.readme import doc_section, readme_command, shell_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -141,7 +141,7 @@ def test_page_and_every_csv_are_written_and_nothing_else(runs: Runs) -> None:
 
 
 def test_csv_columns_are_the_documented_ones(runs: Runs) -> None:
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    documented = doc_section("report")
     ddp = runs.reports["ddp"]
     phases = ["dataloader_next", "to_device", "forward", "backward", "optimizer_step", "step_lr_schedulers"]
     expected = {
@@ -158,8 +158,8 @@ def test_csv_columns_are_the_documented_ones(runs: Runs) -> None:
     }
     for name, columns in expected.items():
         assert _header(ddp / name) == columns, name
-        undocumented = [c for c in columns if f"`{c}`" not in readme and not c.startswith("share_")]
-        assert not undocumented, f"{name}: columns missing from the README: {undocumented}"
+        undocumented = [c for c in columns if f"`{c}`" not in documented and not c.startswith("share_")]
+        assert not undocumented, f"{name}: columns missing from docs/report.md: {undocumented}"
         assert _csv(ddp / name), f"{name} has no rows"
 
 

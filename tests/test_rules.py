@@ -13,6 +13,7 @@ from grafana.rules import rules as rules_of
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
+from tests.support.readme import doc_section
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
@@ -152,14 +153,13 @@ def test_the_write_filter_sends_every_node_recording_and_no_raw_bucket() -> None
     assert not re.fullmatch(keep, "stepscope_step_seconds_bucket")
 
 
-def test_readme_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:
-    readme = (RULES_DIR.parents[1] / "README.md").read_text()
-    section = readme[readme.index("<!-- section: dashboards -->"):readme.index("<!-- /section: dashboards -->")]
+def test_the_alert_table_lists_every_alert_and_marks_the_critical_ones() -> None:
+    section = doc_section("alerts")
     rows = dict(re.findall(r'^\| (?:<a id="[a-z]+"></a>)?`(Stepscope\w+)`( \(critical\))? \|', section, re.M))
     assert rows.keys() == {rule["alert"] for rule in alerts()}
     for rule in alerts():
         marked = rows[rule["alert"]] == " (critical)"
-        assert marked == (rule["labels"]["severity"] == "critical"), f"README row of {rule['alert']}"
+        assert marked == (rule["labels"]["severity"] == "critical"), f"docs/alerts.md row of {rule['alert']}"
 
 
 def test_recording_rule_names_follow_level_metric_operations() -> None:

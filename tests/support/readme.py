@@ -1,4 +1,6 @@
-"""The commands the README shows, read from its ```bash blocks, and a way to run one as a user would."""
+"""The commands the README and the reference pages under docs/ show, read from their ```bash blocks, a
+way to run one as a user would, and the pages' marked sections (`<!-- section: NAME -->`), wherever a
+section lives."""
 
 import contextlib
 import os
@@ -12,6 +14,7 @@ from pathlib import Path
 from stepscope_testkit.processes import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
+DOCS = REPO_ROOT / "docs"
 VENV_BIN = Path(sys.executable).parent  # `python`, `torchrun`, `stepscope-*` as an activated venv has them
 
 
@@ -33,10 +36,27 @@ def _strip_comment(line: str) -> str:
     return "" if line.lstrip().startswith("#") else re.split(r"\s#", line, maxsplit=1)[0]
 
 
+def documents() -> list[Path]:
+    """The README, then every reference page (docs/*.md), in a fixed order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def documented_commands() -> list[str]:
+    """Every command of the README and the reference pages, each once (a page may repeat the guide's)."""
+    return list(dict.fromkeys(c for path in documents() for c in readme_commands(path.read_text())))
+
+
 def readme_command(prefix: str) -> str:
-    """The one README command starting with `prefix`."""
-    (command,) = [c for c in readme_commands() if c.startswith(prefix)]
+    """The one command starting with `prefix` that the README or a reference page shows."""
+    (command,) = [c for c in documented_commands() if c.startswith(prefix)]
     return command
+
+
+def doc_section(name: str) -> str:
+    """The text between `<!-- section: name -->` and its end marker, in whichever page holds it."""
+    begin, end = f"<!-- section: {name} -->", f"<!-- /section: {name} -->"
+    (text,) = [t for t in (path.read_text() for path in documents()) if begin in t]
+    return text[text.index(begin):text.index(end)]
 
 
 def shell_env(extra: Mapping[str, str] | None = None, bin_dir: Path = VENV_BIN) -> dict[str, str]:
