@@ -29,7 +29,7 @@ from stepscope.report.timeline import rank_key
 
 HEADLINE_CAUSES = 4  # badput causes the headline names, the largest first
 CSV_HEADER = ("rank", "held_seconds", *(f"{cause}_seconds" for cause in REPORT_CAUSES), "goodput_ratio",
-              "energy_joules", "energy_kwh", "joules_per_sample")
+              "energy_joules", "energy_kwh", "joules_per_sample", "joules_per_token")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Goodput:
     ranks: list[RankTime]
     energy_joules: float | None  # the run's share of its GPUs' energy over the window; None without GPUs
     samples: float
+    tokens: float = 0.0  # where the run counts them (docs/mfu.md)
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -78,6 +79,10 @@ class Goodput:
     def joules_per_sample(self) -> float | None:
         return self.energy_joules / self.samples if self.energy_joules is not None and self.samples > 0 else None
 
+    @property
+    def joules_per_token(self) -> float | None:
+        return self.energy_joules / self.tokens if self.energy_joules is not None and self.tokens > 0 else None
+
     def headline(self) -> str:
         """"goodput 71%: 18% data wait, 7% checkpoint": the badput causes of at least 0.5%, the largest first."""
         if self.goodput is None:
@@ -93,9 +98,9 @@ class Goodput:
         def row(rank: str, seconds: Mapping[str, float], held: float, good: float | None) -> list[object]:
             return [rank, held, *(seconds[cause] for cause in REPORT_CAUSES), good]
 
-        rows = [[*row(r.rank, r.seconds, r.held, r.goodput), None, None, None] for r in self.ranks]
+        rows = [[*row(r.rank, r.seconds, r.held, r.goodput), None, None, None, None] for r in self.ranks]
         return [*rows, [*row("all", self.seconds, self.held, self.goodput), self.energy_joules, self.kwh,
-                        self.joules_per_sample]]
+                        self.joules_per_sample, self.joules_per_token]]
 
 
 def account(totals: Mapping[str, list[Series]], stalls: Iterable[Series], step: float, samples: float) -> Goodput:
@@ -113,7 +118,8 @@ def account(totals: Mapping[str, list[Series]], stalls: Iterable[Series], step: 
     times = [_rank_time(rank, states[rank], loading.get(rank, 0.0), stalled.get(rank, 0.0),
                         last.get(rank, 0.0) - first.get(rank, 0.0)) for rank in sorted(states, key=rank_key)]
     energy = totals["energy_joules"]
-    return Goodput(times, energy[0].last if energy else None, samples)
+    tokens = sum(series.last for series in totals["goodput_tokens"])
+    return Goodput(times, energy[0].last if energy else None, samples, tokens)
 
 
 def _rank_time(rank: str, states: Mapping[str, float], loading: float, stalled: float, span: float) -> RankTime:

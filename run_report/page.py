@@ -222,4 +222,5 @@ def _energy_words(report: Report) -> str:
     if not g.energy_joules:
         return ""
     per_sample = f", {g.joules_per_sample:.3g} J per sample" if g.joules_per_sample is not None else ""
-    return f"; GPU energy {g.kwh:.3g} kWh{per_sample}"
+    per_token = f", {g.joules_per_token:.3g} J per token" if g.joules_per_token is not None else ""
+    return f"; GPU energy {g.kwh:.3g} kWh{per_sample}{per_token}"

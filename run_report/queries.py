@@ -107,6 +107,7 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "goodput_states": restart_aware_increase(sel(fam.STATE_SECONDS, r), window, f"{RANK}, state"),
         "goodput_loading": restart_aware_increase(
             sel(f"{fam.STEP_PHASE_SECONDS}_sum", f'{r},phase="{DATA_LOADING_PHASE}"'), window, RANK),
+        "goodput_tokens": restart_aware_increase(sel(fam.TOKENS_TOTAL, r), window, RANK),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
         "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",

@@ -97,6 +97,7 @@ RUN_GOODPUT = "run:stepscope_goodput:ratio_rate1m"
 GPU_RUN_ENERGY_RATE = "instance_gpu_run:stepscope_gpu_energy_joules:rate1m"  # watts charged to the run
 RUN_ENERGY_RATE = "run:stepscope_gpu_energy_joules:rate1m"
 RUN_ENERGY_PER_SAMPLE = "run:stepscope_gpu_energy_per_sample_joules:rate1m"
+RUN_ENERGY_PER_TOKEN = "run:stepscope_gpu_energy_per_token_joules:rate1m"  # runs that count tokens (docs/mfu.md)
 RUN_TRAINING_SAMPLES_RATE = "run:stepscope_samples_per_train_second:rate1m"
 RUN_TRAINING_SAMPLES_BASELINE = "run:stepscope_samples_per_train_second:median1h"
 GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and holding run (run "" unregistered)

@@ -535,9 +535,10 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         )
         .with_panel(
             stat_panel(
-                "Energy per sample",
-                "Joules per training sample now: the run's GPU watts over its samples per second (1m).",
-                [Q(sel(rec.RUN_ENERGY_PER_SAMPLE, RUN), "J/sample")],
+                "Energy per sample and per token",
+                "Joules per training sample now: the run's GPU watts over its samples per second (1m); per token "
+                "where the run counts tokens (docs/mfu.md).",
+                [Q(sel(rec.RUN_ENERGY_PER_SAMPLE, RUN), "J/sample"), Q(sel(rec.RUN_ENERGY_PER_TOKEN, RUN), "J/token")],
                 "joule",
                 width=4,
             )

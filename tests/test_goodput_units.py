@@ -1,0 +1,70 @@
+"""The report's goodput accounting (stepscope.report.goodput) on hand-made query answers: causes from the
+state and loader seconds, stalls from the recorded stall series, the restart gap from the push span, the
+headline and the CSV. The end-to-end proof against injected truth is tests/test_goodput_e2e.py."""
+
+import pytest
+
+from stepscope.contract.goodput import DATA_WAIT, PRODUCTIVE, REPORT_CAUSES, RESTART_GAP, STALLED
+from stepscope.report.goodput import CSV_HEADER, account
+from stepscope.report.prometheus import Series
+
+
+def series(value: float, **labels: str) -> Series:
+    return Series(labels, ((0.0, value),))
+
+
+def totals(**extra: list[Series]) -> dict[str, list[Series]]:
+    """Rank 0 on two nodes (it restarted elsewhere): 100 s of train, 30 s of it loading, 10 s setup,
+    20 s checkpoint; pushes from t=1000 to t=1200 (200 s held, 70 s no process counted: a restart gap)."""
+    answers = {
+        "goodput_states": [series(90, rank="0", instance="a", state="train"),
+                           series(10, rank="0", instance="b", state="train"),
+                           series(10, rank="0", instance="a", state="setup"),
+                           series(20, rank="0", instance="b", state="checkpoint")],
+        "goodput_loading": [series(30, rank="0", instance="a")],
+        "goodput_tokens": [series(4000, rank="0", instance="a")],
+        "first_push": [series(1000, rank="0", instance="a"), series(1150, rank="0", instance="b")],
+        "last_push": [series(1100, rank="0", instance="a"), series(1200, rank="0", instance="b")],
+        "energy_joules": [series(72_000)],
+    }
+    return {**answers, **extra}
+
+
+def test_causes_come_from_the_hooks_seconds_and_the_rest_of_the_span_is_a_restart_gap() -> None:
+    good = account(totals(), [], step=1, samples=800)
+    assert good.held == 200
+    assert good.seconds == {PRODUCTIVE: 70, DATA_WAIT: 30, STALLED: 0, "setup": 10, "eval": 0, "checkpoint": 20,
+                            "idle": 0, RESTART_GAP: 70}
+    assert good.goodput == pytest.approx(0.35)
+    assert good.headline() == "goodput 35%: 35% restart gap, 15% data wait, 10% checkpoint, 5% setup"
+
+
+def test_each_stall_counts_its_last_length_once_and_leaves_productive_time() -> None:
+    """Two stalls of rank 0: one recorded at 5, 10, 15 s (then the series pauses), one at 3, 6 s."""
+    stalls = [Series({"rank": "0", "instance": "a"},
+                     ((10.0, 5.0), (11.0, 10.0), (12.0, 15.0), (40.0, 3.0), (41.0, 6.0)))]
+    good = account(totals(), stalls, step=1, samples=800)
+    assert good.seconds[STALLED] == 21
+    assert good.seconds[PRODUCTIVE] == 100 - 21 - 30
+
+
+def test_a_stall_that_starts_right_after_another_is_a_new_one() -> None:
+    stalls = [Series({"rank": "0"}, ((10.0, 5.0), (11.0, 6.0), (12.0, 1.0), (13.0, 2.0)))]
+    assert account(totals(), stalls, step=1, samples=800).seconds[STALLED] == 8
+
+
+def test_energy_per_kwh_sample_and_token() -> None:
+    good = account(totals(), [], step=1, samples=800)
+    assert good.kwh == pytest.approx(0.02)
+    assert good.joules_per_sample == 90
+    assert good.joules_per_token == 18
+    run = good.csv_rows()[-1]
+    assert len(run) == len(CSV_HEADER) and run[0] == "all"
+    assert dict(zip(CSV_HEADER, run, strict=True))["joules_per_token"] == 18
+
+
+def test_a_run_without_gpus_or_tokens_has_no_energy_figures() -> None:
+    good = account(totals(energy_joules=[], goodput_tokens=[]), [], step=1, samples=800)
+    assert good.energy_joules is None and good.kwh is None and good.joules_per_sample is None
+    assert good.joules_per_token is None
+    assert set(good.seconds) == set(REPORT_CAUSES)
