@@ -3,6 +3,7 @@ and pushing (to the exporter and to a real Pushgateway) are test_readme_commands
 demo command the README shows and reads their pushed steps, samples and phase sums."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,7 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
         (["--push-interval", "0"], "push_interval must be a number > 0 seconds"),
+        (["--progress-every", "0"], "--progress-every: must be > 0"),
     ],
 )
 def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
@@ -61,3 +63,20 @@ def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: 
                   env={**env, **without_torch(tmp_path, "raise ImportError('no torch in this test')")})
     assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere"), result.stderr
     assert result.returncode == 2 and "the demo needs torch" in result.stderr
+
+
+def test_demo_says_what_it_does_while_it_trains() -> None:
+    """Every --progress-every seconds (10 by default) a line: the steps, their rate, the share of the step
+    spent waiting for data, and where to look at what it pushes."""
+    result = demo("--steps", "60", "--slow-loader", "0.02", "--progress-every", "0.3",
+                  "--push-url", "http://127.0.0.1:9")  # nothing listens: pushing fails quietly, training goes on
+    assert result.returncode == 0, result.stderr
+    progress = [line for line in result.stdout.splitlines() if " steps/s" in line]
+    assert len(progress) >= 2, result.stdout
+    pattern = (r"stepscope demo: ([\d,]+) steps, [\d.]+ steps/s, waiting for data (\d+)% of the step time; "
+               r"look: curl -s http://127\.0\.0\.1:9/metrics \| grep 'run=\"demo\"'")
+    matches = [re.fullmatch(pattern, line) for line in progress]
+    assert all(matches), progress
+    assert [int(m.group(1)) for m in matches] == sorted(int(m.group(1)) for m in matches)
+    assert int(matches[-1].group(2)) >= 50, progress  # the loader sleeps 20 ms; the MLP's step takes ~1 ms
+

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import stepscope.hooks
 from stepscope.contract.training import (
     BACKWARD_PHASE,
+    DATA_LOADING_PHASE,
     EVAL_STATE,
     FORWARD_PHASE,
     LR_SCHEDULER_PHASE,
@@ -33,6 +34,7 @@ from stepscope.hooks.config import Config
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
 DDP_TIMEOUT_SECONDS = 60
+PROGRESS_SECONDS = 10.0  # default of --progress-every
 
 
 def _non_negative_float(text: str) -> float:
@@ -42,6 +44,13 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
 
@@ -98,6 +107,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="exporter or Pushgateway URL (default: STEPSCOPE_PUSH_URL or http://127.0.0.1:9847)")
     parser.add_argument("--push-interval", type=float, default=None,
                         help="seconds between pushes (default: STEPSCOPE_PUSH_INTERVAL or 5)")
+    parser.add_argument("--progress-every", type=_positive_float, default=PROGRESS_SECONDS, metavar="SECONDS",
+                        help=f"print the steps, their rate and the share spent waiting for data this often "
+                             f"(default {PROGRESS_SECONDS:g})")
     args = parser.parse_args(argv)
     if args.ddp:
         try:
@@ -137,6 +149,35 @@ def ddp_env(env: Mapping[str, str]) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK {rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE {world_size})")
     return rank, world_size
+
+
+class Progress:
+    """Says what the demo is doing and where to look, every few seconds: training prints nothing else, and a
+    newcomer staring at a silent terminal cannot tell a working demo from a hung one."""
+
+    def __init__(self, tracker: stepscope.hooks.Tracker, every: float) -> None:
+        self._tracker, self._every = tracker, every
+        self._since, self._steps = time.monotonic(), 0
+        cfg = tracker.config
+        self._where = (f"look: curl -s {cfg.push_url}/metrics | grep 'run=\"{cfg.run}\"'" if cfg.push_url
+                       else "not pushing (--push-url '')")
+
+    def tick(self) -> None:
+        """After each step: prints a line when `every` seconds have passed since the last one."""
+        now = time.monotonic()
+        if now - self._since < self._every:
+            return
+        steps = self._tracker.steps
+        rate = (steps - self._steps) / (now - self._since)
+        self._since, self._steps = now, steps
+        print(f"stepscope demo: {steps:,} steps, {rate:.1f} steps/s{self._waiting()}; {self._where}", flush=True)
+
+    def _waiting(self) -> str:
+        """The share of the step time spent in dataloader_next so far, as the rules' data-loading share."""
+        snapshot = self._tracker.snapshot()
+        loading = sum(hist.sum_seconds for name, _, hist in snapshot.phases if name == DATA_LOADING_PHASE)
+        step = snapshot.step.sum_seconds
+        return f", waiting for data {loading / step:.0%} of the step time" if step else ""
 
 
 def evaluate(model: Any, batch_size: int, seconds: float) -> None:
@@ -218,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.measure_limits:
             limits = tracker.measure_limits(loader, train_step, batches=args.measure_limits)
             print(f"stepscope demo: {limits}", flush=True)
+        progress = Progress(tracker, args.progress_every)
         for x, y in tracker.loader(loader):
             with tracker.phase(TO_DEVICE_PHASE):
                 x, y = x.to("cpu"), y.to("cpu")
@@ -230,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with tracker.phase(LR_SCHEDULER_PHASE):
                 scheduler.step()
             tracker.step(samples=len(x))
+            progress.tick()
             if args.steps and tracker.steps >= args.steps:
                 break
             if args.eval_every and tracker.steps % args.eval_every == 0:
