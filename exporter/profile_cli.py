@@ -53,8 +53,9 @@ def _int_in(low: int, high: int) -> Any:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each help says its default itself (some come from the environment), so no defaults formatter: it
+    # printed every default a second time, and "(default: None)" for flags whose default is a variable.
+    parser = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--exporter", default=os.environ.get("STEPSCOPE_PUSH_URL", "").strip() or DEFAULT_EXPORTER,
                         metavar="URL", help="the exporter the ranks push to (default: STEPSCOPE_PUSH_URL, else "
                                             f"{DEFAULT_EXPORTER})")
@@ -63,9 +64,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ranks.add_argument("--rank", type=_int_in(0, 10**9), action="append", metavar="K",
                        help="a rank to trace, repeatable (default: 0)")
     ranks.add_argument("--all-ranks", action="store_true", help="every rank of the run pushing to this exporter")
-    parser.add_argument("--steps", type=_int_in(1, MAX_STEPS), default=20, help="training steps to record")
+    parser.add_argument("--steps", type=_int_in(1, MAX_STEPS), default=20,
+                        help="training steps to record (default: 20)")
     parser.add_argument("--wait", type=positive_float, default=120.0, metavar="SECONDS",
-                        help="how long to wait for the traces")
+                        help="how long to wait for the traces (default: 120)")
     parser.add_argument("--token-file", metavar="FILE",
                         help="file holding the exporter's push token (default: STEPSCOPE_PUSH_TOKEN)")
     args = parser.parse_args(argv)

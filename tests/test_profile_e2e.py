@@ -178,6 +178,19 @@ def test_unreachable_exporter_and_bad_flags_exit_2(capsys: pytest.CaptureFixture
         assert exit_.value.code == 2, argv
 
 
+def test_help_says_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help states each default once, as the flag's help says it (a defaults formatter printed each a
+    second time, and "(default: None)" for the defaults that come from the environment)."""
+    with pytest.raises(SystemExit) as exit_:
+        profile_cli.main(["--help"])
+    assert exit_.value.code == 0
+    options = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]
+    for flag in ("--exporter URL", "--rank K", "--steps STEPS", "--wait SECONDS", "--token-file FILE"):
+        help_text = options.split(flag, 1)[1].split(" --", 1)[0]
+        assert help_text.count("(default:") == 1, help_text
+    assert "(default: None)" not in options and "(default: False)" not in options
+
+
 class Regression(Dataset):
     def __len__(self) -> int:
         return 64
