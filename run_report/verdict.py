@@ -271,7 +271,15 @@ def _straggler_words(slow: list[RankSummary]) -> str:
     if not slow:
         return ""
     named = ", ".join(f"rank {rank.rank} on {rank.node} (score {rank.lowest_score:.2f})" for rank in slow)
-    return f" Straggler: {named}; every synchronised step waits for it."
+    it = "it" if len(slow) == 1 else "them"
+    if all(rank.step_time_score is not None and rank.step_time_score >= STRAGGLER_SCORE for rank in slow):
+        # Synchronised ranks (DDP, FSDP) share one step time, the wait hidden in a collective: a straggler
+        # with a typical step time was found by its local phases, and every rank's step waits for it.
+        return f" Straggler: {named}; every synchronised step waits for {it}."
+    # A slow step time of its own: the rank steps at its pace, not in step with the others (independent
+    # processes), so no other rank waits for it.
+    steps = "it steps" if len(slow) == 1 else "they step"
+    return f" Straggler: {named}; {steps} slower than the other ranks, which do not wait for {it}."
 
 
 def _gpu_check(gpus: GpuReadings) -> Check:

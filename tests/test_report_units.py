@@ -17,7 +17,7 @@ from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.report import output, page, plots, queries, report
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
-from stepscope.report.summary import RunTotals
+from stepscope.report.summary import RankSummary, RunTotals
 from stepscope.report.timeline import critical_path, labelled_intervals, state_intervals
 from stepscope.report.times import iso, parse_time
 from stepscope.report.verdict import FIXES, HEADLINES, NO_VERDICT, Assessment, Check, assess
@@ -323,3 +323,25 @@ def test_the_page_states_the_verdict_its_rule_and_the_gpm_grade() -> None:
 def test_the_gantt_chart_draws_a_run_without_a_critical_path() -> None:
     intervals = state_intervals([_state("0", "train", list(TIMES))], WINDOW)
     assert plots.gantt(WINDOW, intervals, [], []).startswith(b"\x89PNG")
+
+def _rank(rank: str, mean: float, local: float, step_time_score: float, local_score: float) -> RankSummary:
+    """A rank of 100 timed steps of `mean` seconds, `local` of them in forward, with its two scores."""
+    return RankSummary(rank, "n", rank, "1", 100, 6400, 100 * mean, 100, mean, mean, {FORWARD_PHASE: 100 * local},
+                       step_time_score=step_time_score, local_score=local_score)
+
+
+@pytest.mark.parametrize(("ranks", "said", "not_said"), [
+    # DDP: equal step times (the fast ranks wait in backward), rank 1 slow in its local phases
+    ([_rank("0", 0.1, 0.02, 1.0, 1.0), _rank("1", 0.1, 0.05, 1.0, 0.4), _rank("2", 0.1, 0.02, 1.0, 1.0)],
+     "every synchronised step waits for it", "do not wait"),
+    # independent processes: rank 1's own steps are slower, nobody waits for it
+    ([_rank("0", 0.1, 0.02, 1.0, 1.0), _rank("1", 0.2, 0.12, 0.5, 0.17), _rank("2", 0.1, 0.02, 1.0, 1.0)],
+     "it steps slower than the other ranks, which do not wait for it", "synchronised"),
+])
+def test_the_straggler_sentence_says_others_wait_only_when_the_steps_are_synchronised(
+        ranks: list[RankSummary], said: str, not_said: str) -> None:
+    data = RunData("r", WINDOW, ("n",), {}, _over_time(verdicts.HOST_BOUND))
+    totals = RunTotals(steps=300, samples=19200, step_seconds=40.0, steps_timed=300,
+                       phase_seconds={FORWARD_PHASE: 10.0}, p50=0.1, p95=0.2)
+    because = assess(data, totals, ranks).because
+    assert "Straggler: rank 1 on n" in because and said in because and not_said not in because, because
