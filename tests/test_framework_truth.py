@@ -125,3 +125,23 @@ def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: 
     check_against_truth(value, truth)
     assert value("stepscope_step_phase_seconds_count", phase="dataloader_next") == MICRO_BATCHES
     assert "get_batch_samples" not in vars(trainer)  # the wrapper is gone after training
+
+
+def test_huggingface_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> None:
+    """Two ranks started by torchrun, the Trainer's DistributedDataParallel over gloo: each rank's steps,
+    micro-batches and samples are its own (the distributed sampler's share), its loading share and its
+    eval and checkpoint seconds within the same bounds as one process."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "tests.support.huggingface_ddp", str(tmp_path), exporter.url, "hf-ddp"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = scrape(exporter.url)
+    for rank in ("0", "1"):
+        truth = Truth.load(tmp_path / f"truth-{rank}.json")
+        # accelerate's even batches: a rank's 35 items of an epoch padded to 36 from the start (4 + 4 + 1 batches)
+        assert (truth.samples, truth.optimizer_steps) == (EPOCHS * 36, EPOCHS * 3)
+        check_against_truth(pushed(text, "hf-ddp", rank), truth)
+        assert sample_values(text, "stepscope_training_info", run="hf-ddp", rank=rank, world_size="2")
