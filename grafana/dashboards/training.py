@@ -760,7 +760,7 @@ def _throughput_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "MFU per rank, and tensor-core activity",
                 "Each rank's model FLOP/s over its GPU's peak, the run's, and the tensor-core activity of the "
-                "run's GPUs (GPM, Hopper and newer). On an H100, bf16 training read an MFU of 0.88-0.98 of its "
+                "run's GPUs (GPM, Hopper and newer). On an H100, bf16 training read an MFU of 0.88-0.97 of its "
                 "tensor activity; a GPU-bound run far below it for an hour is StepscopeMfuBelowTensorActivity.",
                 [
                     Q(sel(rec.RANK_MFU, RANKS), "rank {{rank}}"),
