@@ -63,7 +63,8 @@ RUN_TRAINING_RANKS = "run:stepscope_training_ranks:count"
 RANK_TRAINING_SETTLED = "run_rank:stepscope_training_settled:bool"  # in train now and 30 s-5.5 min ago
 RUN_SETTLED_RANKS = "run:stepscope_training_settled_ranks:count"
 RUN_GPUS = "run:stepscope_gpus:count"  # GPUs the run's ranks hold memory on
-RANK_TRAINING_GPU_READINGS = "run_rank:stepscope_training_gpu_readings:bool"  # settled, no break for 10 s
+# The GPUs whose readings are a run's training now: a rank of the run on it has trained 10 s without a break
+RUN_GPU_TRAINING_READINGS = "instance_gpu_run:stepscope_gpu_training_readings:bool"
 RUN_VERDICT = "run:stepscope_bottleneck:verdict"  # value 1, label `verdict`
 
 RUN_LOADER_LIMIT = "run:stepscope_loader_limit_samples_per_second:sum"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from stepscope.contract.recordings import (
     GPU_HELD_IDLE,
-    RANK_TRAINING_GPU_READINGS,
     RANK_TRAINING_SETTLED,
+    RUN_GPU_TRAINING_READINGS,
     RUN_LIMITS_VERDICT,
     RUN_VERDICT,
 )
@@ -55,13 +55,13 @@ THRESHOLDS: Mapping[str, Threshold] = {
         (RUN_VERDICT, "StepscopeGpuBusyButIdle")),
     "verdict_settle_seconds": Threshold(
         30, "seconds since a rank started training (in state train now, and already that long ago) before the "
-        "verdict and the GPU judgements read it: longer than the GPU readings lag behind the state (6-8 s on "
-        "the H100); an eval or checkpoint break later does not start it again",
+        "verdict reads it: longer than the GPU readings lag behind the state (6-8 s on the H100); an eval or "
+        "checkpoint break later does not start it again",
         (RANK_TRAINING_SETTLED,)),
     "gpu_reading_lag_seconds": Threshold(
-        10, "seconds a settled rank must have trained without a break before the GPU readings count as its "
+        10, "seconds a rank must have trained without a break before its GPUs' readings count as its "
         "training's: they lag the state by a collector cycle or two (6-8 s on the H100)",
-        (RANK_TRAINING_GPU_READINGS,)),
+        (RUN_GPU_TRAINING_READINGS,)),
     "stall_seconds": Threshold(
         60, "seconds without a step after which a run whose ranks are all in state train has stalled (or "
         "stall_step_multiple x its recent step time, if longer)", ("StepscopeTrainingStalled",)),

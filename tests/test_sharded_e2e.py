@@ -106,11 +106,10 @@ def _gpu_node(path: Path) -> Path:
 
 
 def _run_alerts_without_for(tmp: Path) -> Path:
-    """The run file's alert group with `for: 0s`, under another name: what fires after the `for`."""
-    (alerts,) = [group for group in groups((RUN_RULES,)) if any("alert" in rule for rule in group["rules"])]
+    """The run file's alerts with `for: 0s`, in a group of their own: what fires after the `for`."""
+    alerts = [{**rule, "for": "0s"} for group in groups((RUN_RULES,)) for rule in group["rules"] if "alert" in rule]
     path = tmp / "run-alerts-now.yml"
-    path.write_text(yaml.safe_dump({"groups": [
-        {"name": f"{alerts['name']}-now", "rules": [{**rule, "for": "0s"} for rule in alerts["rules"]]}]}))
+    path.write_text(yaml.safe_dump({"groups": [{"name": "stepscope-run-alerts-now", "rules": alerts}]}))
     return path
 
 
