@@ -96,6 +96,7 @@ class Tracker:
         self._flops: float = 0  # model FLOPs done (an int while every addend is)
         self._flops_per_step = config.flops_per_step
         self._flops_per_sample = config.flops_per_sample
+        self._counts_flops = bool(self._flops_per_step or self._flops_per_sample)
         self._boundary = perf_counter_ns()
         self._state = SETUP_STATE
         # Time per state: nanoseconds of the states left, and when the current one began. The pusher reads
@@ -159,7 +160,10 @@ class Tracker:
         self._samples += samples
         self._micro_batches += micro_batches
         self._tokens += tokens
-        self._flops += self._flops_per_step + samples * self._flops_per_sample if flops is None else flops
+        if flops is not None:
+            self._flops += flops
+        elif self._counts_flops:  # a run that states no FLOPs pays one test
+            self._flops += self._flops_per_step + samples * self._flops_per_sample
         at_boundary = self._at_boundary
         if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
             at_boundary(duration)  # ends a requested profiler trace
@@ -224,6 +228,7 @@ class Tracker:
         """
         flops = count_flops(train_step, *args, **kwargs)
         self._flops_per_step = flops
+        self._counts_flops = True
         if self._state == TRAIN_STATE:
             self._boundary = perf_counter_ns()
         log.info("stepscope: %d FLOPs per step (torch.utils.flop_counter)", flops)
@@ -288,7 +293,7 @@ class Tracker:
     def flops_stated(self) -> bool:
         """Whether the user states the model FLOPs (flops_per_step/sample, measure_flops): the framework
         callbacks then leave theirs out."""
-        return bool(self._flops_per_step or self._flops_per_sample)
+        return self._counts_flops
 
     @property
     def gpu_sample_every(self) -> int | None:
@@ -359,7 +364,7 @@ class Tracker:
             samples=self._samples,
             micro_batches=self._micro_batches,
             tokens=self._tokens or None,
-            flops=self._flops if self._flops or self._flops_per_step or self._flops_per_sample else None,
+            flops=self._flops if self._flops or self._counts_flops else None,
             flops_dtype=self.config.flops_dtype,
             peak_flops=self.config.peak_flops,
             state=self._state,
