@@ -18,6 +18,10 @@ GPU_SOURCE_SM_ACTIVE = "instance_gpu:stepscope_gpu_sm_active_ratio:source"
 GPU_SOURCE_TENSOR_ACTIVE = "instance_gpu:stepscope_gpu_tensor_active_ratio:source"
 GPU_SOURCE_MEMORY_USED = "instance_gpu:stepscope_gpu_memory_used_bytes:source"  # dcgm: with its pod labels
 GPU_SOURCE_MEMORY_TOTAL = "instance_gpu:stepscope_gpu_memory_total_bytes:source"
+# StepscopeGpuThrottling's readings from either source, recorded in the alert's group just before it
+GPU_SOURCE_CLOCK_EVENT_ACTIVE = "instance_gpu_reason:stepscope_gpu_clock_event_active:source"  # label `reason`
+GPU_SOURCE_SM_CLOCK = "instance_gpu:stepscope_gpu_sm_clock_hertz:source"
+GPU_SOURCE_SM_CLOCK_MAX = "instance_gpu:stepscope_gpu_sm_clock_max_hertz:source"
 GPU_UTILIZATION = "instance_gpu:stepscope_gpu_utilization:avg_ratio"  # NVML, 1m average
 GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio"  # label `source`
 NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"

@@ -76,12 +76,20 @@ DEFAULT_COUNTERS = (
     Counter("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", "The rate of data received over the PCIe bus - including both "
             "protocol headers and data payloads - in bytes per second.", families.GPU_PCIE_RECEIVE),
 )
-# The line docs/cluster.md asks a cluster to add: SM active tells a busy GPU with idle SMs
-# (StepscopeGpuBusyButIdle) and grades utilization; the defaults have it commented out.
+# The lines docs/cluster.md asks a cluster to add: SM active tells a busy GPU with idle SMs
+# (StepscopeGpuBusyButIdle) and grades utilization; the clock-event reasons (NVML's bitmask) and the SM clock's
+# maximum feed StepscopeGpuThrottling. The defaults have none of them.
 EXTRA_COUNTERS = (
     Counter("DCGM_FI_PROF_SM_ACTIVE", "gauge", "The ratio of cycles an SM has at least 1 warp assigned.",
             families.GPU_SM_ACTIVE),
+    Counter("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Current clock event reasons (bitmask).", None),
+    Counter("DCGM_FI_DEV_MAX_SM_CLOCK", "gauge", "Maximum supported SM clock (in MHz).", families.GPU_SM_CLOCK_MAX,
+            1e-6),
 )
+# NVML's clock-event reason bits, as DCGM_FI_DEV_CLOCKS_EVENT_REASONS carries them.
+CLOCK_EVENT_BITS = {"gpu_idle": 0x1, "applications_clocks_setting": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
+                    "sync_boost": 0x10, "sw_thermal_slowdown": 0x20, "hw_thermal_slowdown": 0x40,
+                    "hw_power_brake_slowdown": 0x80, "display_clock_setting": 0x100}
 
 
 @dataclass(frozen=True)
@@ -99,25 +107,32 @@ class _Gpu:
     uuid: str
     info: Mapping[str, str]  # stepscope_gpu_info's labels
     values: Mapping[str, float]  # stepscope family -> value
+    events: Mapping[str, float]  # clock-event reason -> 1 while active
 
 
 def _gpus(body: str) -> list[_Gpu]:
     """The GPUs of a stepscope scrape, each with its readings (families labelled only by gpu and uuid)."""
     info: dict[str, dict[str, str]] = {}
     values: dict[str, dict[str, float]] = {}
+    events: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(body):
         for sample in family.samples:
             labels = sample.labels
+            if sample.name == families.GPU_CLOCK_EVENT_ACTIVE:
+                events.setdefault(labels["uuid"], {})[labels["reason"]] = sample.value
             if "uuid" not in labels or (set(labels) - {"gpu", "uuid"} and sample.name != families.GPU_INFO):
                 continue
             if sample.name == families.GPU_INFO:
                 info[labels["uuid"]] = dict(labels)
             else:
                 values.setdefault(labels["uuid"], {})[sample.name] = sample.value
-    return [_Gpu(labels["gpu"], uuid, labels, values.get(uuid, {})) for uuid, labels in info.items()]
+    return [_Gpu(labels["gpu"], uuid, labels, values.get(uuid, {}), events.get(uuid, {}))
+            for uuid, labels in info.items()]
 
 
 def _value(counter: Counter, gpu: _Gpu) -> float | None:
+    if counter.field == "DCGM_FI_DEV_CLOCKS_EVENT_REASONS":
+        return sum(bit for reason, bit in CLOCK_EVENT_BITS.items() if gpu.events.get(reason)) if gpu.events else None
     if counter.field == "DCGM_FI_DEV_FB_RESERVED":
         total, free, used = (gpu.values.get(name) for name in
                              (families.GPU_MEMORY_TOTAL, families.GPU_MEMORY_FREE, families.GPU_MEMORY_USED))
