@@ -48,7 +48,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prometheus", default="http://localhost:9090", metavar="URL",
                         help="Prometheus base URL (default: http://localhost:9090)")
     parser.add_argument("--run", help="the run (label `run`) to report on")
-    parser.add_argument("--from", dest="start", metavar="T", help="window start (default: the run's first sample)")
+    parser.add_argument("--from", dest="start", metavar="T",
+                        help="window start (default: the run's start: its first sample, or its processes' start "
+                             "just before it, where the step counts start)")
     parser.add_argument("--to", dest="end", metavar="T", help="window end (default: the run's end)")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="directory for index.html and the CSVs (default: stepscope-report-RUN); replaced "

@@ -20,6 +20,9 @@ from stepscope.report.times import iso
 SEARCH_DAYS = 30  # how far back a run is looked for when --from is not given
 RESOLUTION_POINTS = 1200  # query_range points over the window, at most (finer: the scrape interval)
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+# A run's window starts at its processes' start when they began at most this long before its first sample
+# (the queries' lookback before a window, queries.BEFORE, is as long).
+PROCESS_START_SECONDS = 600
 
 
 class NoData(Exception):
@@ -73,7 +76,8 @@ def runs_seen(prom: Prometheus, start: float, end: float) -> list[RunSeen]:
 
 
 def run_life(prom: Prometheus, run: str, start: float, end: float) -> tuple[float, float, float]:
-    """(first sample, last sample, typical scrape interval) of the run's info series in [start, end].
+    """(when the run started, last sample, typical scrape interval) of the run's info series in [start, end]:
+    its first sample there, or its processes' start just before it (run_start).
 
     Raises NoData when the run has no sample there.
     """
@@ -84,11 +88,31 @@ def run_life(prom: Prometheus, run: str, start: float, end: float) -> tuple[floa
         raise NoData(f"run {run!r} has no samples between {iso(start)} and {iso(end)}")
     first_minute = _bucket_ends(prom, selector, first_hour[0] - 3600, first_hour[0], 60, from_end=False)[0]
     last_minute = _bucket_ends(prom, selector, last_hour[-1] - 3600, last_hour[-1], 60, from_end=True)[-1]
-    raw = prom.query(f"{selector}[60s]", first_minute) + prom.query(f"{selector}[60s]", last_minute)
+    first_raw = prom.query(f"{selector}[60s]", first_minute)
+    raw = first_raw + prom.query(f"{selector}[60s]", last_minute)
     times = [t for series in raw for t, _ in series.points if start <= t <= end]
     if not times:
         raise NoData(f"run {run!r} has no samples between {iso(start)} and {iso(end)}")
-    return min(times), max(times), _scrape_interval(raw)
+    return max(start, run_start(min(times), first_raw)), max(times), _scrape_interval(raw)
+
+
+def run_start(first_sample: float, first_minute: list[Series]) -> float:
+    """Where the run's window starts. The hooks count steps from their process's start, so a rank's first
+    sample already holds the steps it made before Prometheus first scraped it, and the report counts them
+    (queries: a rank born inside the window counts from zero). The window therefore begins at the earliest
+    process start (`start_time` of stepscope_training_info) among the ranks of the first minute when that
+    is before the first sample by at most PROCESS_START_SECONDS, so the header's start is where the counts
+    start; otherwise (no start_time, or a process older than that) at the first sample."""
+    starts = [_seconds(series.labels.get("start_time", "")) for series in first_minute]
+    before = [t for t in starts if t is not None and first_sample - PROCESS_START_SECONDS <= t < first_sample]
+    return min(before, default=first_sample)
+
+
+def _seconds(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def resolution(start: float, end: float, scrape_interval: float) -> float:

@@ -21,7 +21,7 @@ from stepscope.report.summary import RankSummary, RunTotals
 from stepscope.report.timeline import critical_path, labelled_intervals, state_intervals
 from stepscope.report.times import iso, parse_time
 from stepscope.report.verdict import FIXES, HEADLINES, NO_VERDICT, Assessment, Check, assess
-from stepscope.report.window import Window, aligned, resolution
+from stepscope.report.window import Window, aligned, resolution, run_start
 
 RULE_NAME = re.compile(r"\b\w+:\w+:\w+\b")
 EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
@@ -345,3 +345,17 @@ def test_the_straggler_sentence_says_others_wait_only_when_the_steps_are_synchro
                        phase_seconds={FORWARD_PHASE: 10.0}, p50=0.1, p95=0.2)
     because = assess(data, totals, ranks).because
     assert "Straggler: rank 1 on n" in because and said in because and not_said not in because, because
+
+
+def test_the_window_starts_where_the_step_counts_start() -> None:
+    """The hooks count from their process's start, so a rank first scraped 9.5 s after it started already
+    holds those steps: the window, and the page's header, start at the process's start (10 minutes at most
+    before the first sample), not at the first sample."""
+    def info(start_time: str | None) -> Series:
+        return Series({"rank": "0"} | ({"start_time": start_time} if start_time else {}), ((1000.0, 1.0),))
+
+    assert run_start(1000.0, [info("990.5"), info("995")]) == 990.5
+    assert run_start(1000.0, [info(None)]) == 1000.0  # hooks that do not say when their process started
+    assert run_start(1000.0, [info("300")]) == 1000.0  # older than 10 minutes before the first sample
+    assert run_start(1000.0, [info("1000.5"), info("not a time")]) == 1000.0
+
