@@ -1,7 +1,9 @@
 """MFU on a real GPU (marked gpu; skipped without NVML and a CUDA device): a bf16 matmul loop whose FLOPs
 are known exactly (2·m·n·k per product) states them per step; the real exporter (real NVML names the
 GPU), a real Prometheus and the shipped rules record its MFU, which must equal the FLOP/s the loop
-measured itself over the same minute, over the table's dense bf16 peak for that GPU, within 2%.
+measured itself over the same minute, over the table's dense bf16 peak for that GPU, within 2%. And a
+bf16 transformer on the GPU whose FLOPs the hooks count once with torch's FLOP counter exports exactly
+the counter's own count per step.
 """
 
 import json
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+import stepscope.hooks as th
 from grafana.rules import RULE_FILES
 from stepscope.contract.peak_flops import peak_flops
-from stepscope_testkit.processes import REPO_ROOT, running_exporter
+from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values
 from tests.support.prometheus import query, running_prometheus, wait_for
 
 
@@ -95,3 +99,26 @@ def test_a_bf16_matmul_loops_mfu_is_its_achieved_flops_over_the_tables_peak(tmp_
     print(f"\n{name}: recorded MFU {float(mfu['value'][1]):.4f}, the loop's own {expected:.4f} "
           f"(peak {peak / 1e12:.1f} TFLOP/s bf16)")
     assert float(mfu["value"][1]) == pytest.approx(expected, rel=TOLERANCE)
+
+
+def test_a_bf16_transformer_on_the_gpu_exports_the_flop_counters_own_count_per_step() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).cuda()
+    batch = torch.randn(8, 256, 512, device="cuda")
+
+    def forward_backward() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch).float().pow(2).mean()
+        loss.backward()
+
+    with FlopCounterMode(display=False) as counter:
+        forward_backward()
+    tracker = th.init(run="gpu-transformer", push_url="")
+    assert tracker.measure_flops(forward_backward) == counter.get_total_flops() > 0
+    for _ in range(5):
+        forward_backward()
+        tracker.step(samples=8, tokens=8 * 256)
+    torch.cuda.synchronize()
+    pushed = sample_values(tracker.render(), "stepscope_model_flops_total", dtype="bf16")
+    assert pushed == [5 * counter.get_total_flops()]
