@@ -148,6 +148,8 @@ def test_an_unreachable_kubelet_fails_the_pods_collector_alone(tmp_path: Path) -
             body, families.COLLECTOR_ERRORS, collector="pods") not in ([], [0.0])))
         assert requests.get(f"{exporter.url}/-/healthy", timeout=5).ok
     assert sample_values(text, families.COLLECTOR_ERRORS, collector="pods")[0] >= 1
+    (line,) = [line for line in exporter.log().splitlines() if "collector pods failed" in line]
+    assert f"PodResources List on {tmp_path / 'absent.sock'}: UNAVAILABLE" in line  # one line, no gRPC dump
     assert sample_values(text, families.COLLECTOR_ERRORS, collector="node") == [0.0]
     assert families.PROCESS_POD_INFO not in text
 

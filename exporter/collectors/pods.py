@@ -99,6 +99,7 @@ class PodResourcesClient:
     """`List` over the kubelet's unix socket; the channel reconnects by itself after a kubelet restart."""
 
     def __init__(self, socket_path: str = DEFAULT_SOCKET) -> None:
+        self._socket = socket_path
         self._channel = grpc.insecure_channel(f"unix://{socket_path}")
         self._list = self._channel.unary_unary(
             LIST_METHOD,
@@ -107,7 +108,12 @@ class PodResourcesClient:
         )
 
     def containers(self) -> list[PodContainer]:
-        return gpu_containers(self._list(MESSAGES["ListPodResourcesRequest"](), timeout=LIST_TIMEOUT_SECONDS))
+        """The GPU-holding containers the kubelet lists now; a failed call raises one line saying why."""
+        try:
+            response = self._list(MESSAGES["ListPodResourcesRequest"](), timeout=LIST_TIMEOUT_SECONDS)
+        except grpc.RpcError as exc:  # its str() is a multi-line debug dump
+            raise ConnectionError(f"PodResources List on {self._socket}: {exc.code().name}: {exc.details()}") from None
+        return gpu_containers(response)
 
     def close(self) -> None:
         self._channel.close()
