@@ -78,7 +78,7 @@ NODES_PER_RUN = 8
 INTERVAL_SECONDS = 15
 # Go's GC target when GOGC is not set, which Debian's Prometheus 2.42 keeps (2.53 and newer default to
 # 75); --gogc tries others: at 1,000 nodes the worst single evaluations come from the Go runtime
-# (collections, and page faults while the heap grows back), README "Scaling".
+# (collections, and page faults while the heap grows back), docs/deployment.md, "Scaling".
 GO_DEFAULT_GOGC = 100
 CAPTURE_RUN = "capture"
 STRAGGLER_LOCAL_RANK = 3

@@ -1,4 +1,4 @@
-"""The report's CSV files: their columns (documented in the README) and how rows are made.
+"""The report's CSV files: their columns (documented in docs/report.md) and how rows are made.
 
 Times are RFC 3339 in UTC; quantities are in base units (seconds, bytes, ratios 0..1); an empty cell
 means Prometheus had no value there.

@@ -23,7 +23,7 @@ LIMITS_VERDICTS = (LOADER_BOUND, COMPUTE_BOUND, BELOW_LIMITS)
 
 def _meanings() -> dict[str, str]:
     """Each verdict's rule in one sentence, with the thresholds the rules use: the Training dashboard's
-    verdict panel, the report and the README say the same."""
+    verdict panel, the report and docs/dashboards.md say the same."""
     busy = THRESHOLDS["gpu_bound_utilization"].percent
     idle_sms = THRESHOLDS["busy_idle_sm_active"].percent
     loading = THRESHOLDS["data_loading_share"].percent

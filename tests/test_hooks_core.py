@@ -161,7 +161,7 @@ def test_environment_fills_identity() -> None:
 
 
 def test_environment_defaults_and_empty_push_url(monkeypatch) -> None:
-    """The README's environment table: defaults, the interval, and an empty URL that disables pushing."""
+    """The environment table of docs/hooks.md: defaults, the interval, and an empty URL that disables pushing."""
     monkeypatch.setattr(sys, "argv", ["/jobs/train_resnet.py", "--lr", "0.1"])
     cfg = Config.resolve(env={})
     assert cfg.run == "train_resnet"  # no STEPSCOPE_RUN: the script's name

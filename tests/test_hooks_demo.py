@@ -1,6 +1,6 @@
 """`python -m stepscope.hooks.demo`'s flags and identity, checked before torch is imported. Training
 and pushing (to the exporter and to a real Pushgateway) are test_readme_commands.py's: it runs every
-demo command the README shows and reads their pushed steps, samples and phase sums."""
+demo command docs/hooks.md shows and reads their pushed steps, samples and phase sums."""
 
 import os
 import re

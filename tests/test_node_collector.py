@@ -1,4 +1,4 @@
-"""Node collector: the README's names and labels, and accuracy against independently measured load."""
+"""Node collector: the names and labels of docs/exporter.md, and accuracy against independently measured load."""
 
 import bisect
 import logging

@@ -1,5 +1,5 @@
 """The default node exposition stays within the series budget that lets one Prometheus carry a
-cluster (README "Scaling"): a real exporter scrape of a node with 8 GPUs and 8 ranks of the 9
+cluster (docs/deployment.md, "Scaling"): a real exporter scrape of a node with 8 GPUs and 8 ranks of the 9
 standard phases holds at most 1,000 series. Per-phase buckets, which no rule, panel or alert reads,
 are off by default and come back behind the documented switch."""
 

@@ -27,7 +27,7 @@ _OVERLAPPING_CPU_MODES = frozenset({"guest", "guest_nice"})
 
 
 class NodeCollector:
-    """Publishes the README's `stepscope_node_*` families."""
+    """Publishes the `stepscope_node_*` families (docs/exporter.md)."""
 
     name = "node"
 

@@ -59,7 +59,7 @@ class _Reading:
 
 
 class ProcessCollector:
-    """Publishes the README's `stepscope_process_*` families."""
+    """Publishes the `stepscope_process_*` families (docs/exporter.md)."""
 
     name = "process"
 
