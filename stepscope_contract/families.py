@@ -1,7 +1,7 @@
 """Every metric family stepscope publishes: name, type, labels, meaning, and for the pushed families the
 help text and value rules both the hooks and the exporter's ingest use.
 
-The order is the README table's ("What it publishes"): `python -m grafana generate` writes that table
+The order is the metric table's of docs/exporter.md ("What it publishes"): `python -m grafana generate` writes that table
 from FAMILIES, merging neighbours that share type, labels and meaning into one row.
 """
 
@@ -118,7 +118,7 @@ class Family:
 
     `labels` are on every series (without `le`, `job` and `instance`); `optional` ones may be left out
     (older clients do). `kind` "info" means value 1 with identity labels, "state set" one series per
-    state, 1 for the current one. `doc` is the README's meaning; `help` is the exposed HELP where this
+    state, 1 for the current one. `doc` is the meaning in that table; `help` is the exposed HELP where this
     table is the renderer's source (the pushed families and what the exporter adds to them).
     """
 
@@ -128,7 +128,7 @@ class Family:
     doc: str
     kind: str = ""
     optional: tuple[str, ...] = ()
-    label_notes: Mapping[str, str] = field(default_factory=dict)  # label -> its values, for the README
+    label_notes: Mapping[str, str] = field(default_factory=dict)  # label -> its values, for that table
     help: str = ""
     pushed: bool = False  # sent by the training hooks through the push API
 
