@@ -3,9 +3,9 @@
 MFU = the model's FLOPs per step x steps per second / the peak FLOP/s of the GPUs it runs on, for the
 dtype its matmuls use. The numbers are NVIDIA's datasheet figures for dense math (the datasheets print
 tensor-core figures "with sparsity", twice the dense rate: those are halved here), at the boost clock
-of the part's default power limit. A GPU is recognised by the name NVML reports
-(`stepscope_gpu_info{name}`); a name not listed gets no MFU rather than a guess, and a user whose clocks
-or part differ states the peak instead (`stepscope.hooks.init(peak_flops=...)`).
+of the part's default power limit. A GPU is recognised by the name NVML reports (`stepscope_gpu_info{name}`,
+or dcgm-exporter's `modelName`); a name not listed gets no MFU rather than a guess, and a user whose
+clocks or part differ states the peak instead (`stepscope.hooks.init(peak_flops=...)`).
 
 `rules_table` turns the table into the PromQL the node rules record from (`<<peak_flops:DTYPE>>`).
 """
@@ -99,8 +99,8 @@ def _regex(names: tuple[str, ...]) -> str:
 
 
 def rules_table(dtype: str, info_family: str) -> str:
-    """PromQL: each GPU's dense peak FLOP/s for `dtype`, by (instance, gpu), from its NVML name in
-    `info_family`; parts with the same peak share one term. GPUs of a part not in the table, or without
+    """PromQL: each GPU's dense peak FLOP/s for `dtype`, by (instance, gpu), from its NVML name (label
+    `name`) in `info_family`; parts with the same peak share one term. GPUs of a part not in the table, or without
     that dtype, are absent."""
     by_peak: dict[float, list[str]] = {}
     for gpu in GPUS:

@@ -80,6 +80,7 @@ RUN_LIMITS_VERDICT = "run:stepscope_limits:verdict"  # value 1, label `verdict`
 # Tokens/s and model FLOPs utilization (docs/mfu.md): the table's dense peak of each GPU by its NVML name
 # (label `dtype`, stepscope.contract.peak_flops), each rank's rates, its peak (its GPUs' for its dtype, or
 # the peak it states) and MFU = achieved model FLOP/s over that peak; per run over its ranks.
+GPU_SOURCE_NAME = "instance_gpu:stepscope_gpu_info:source"  # label `name`: NVML's, or dcgm-exporter's modelName
 GPU_PEAK_FLOPS = "instance_gpu:stepscope_gpu_peak_flops_per_second:table"
 RANK_TOKENS_RATE = "run_rank:stepscope_tokens:rate1m"
 RANK_MODEL_FLOPS_RATE = "run_rank:stepscope_model_flops:rate1m"

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import stepscope.hooks as th
 from stepscope.contract import families
 from stepscope.contract.peak_flops import BY_NVML_NAME, DTYPES, GPUS, peak_flops, rules_table
+from stepscope.contract.recordings import GPU_SOURCE_NAME
 from stepscope_testkit.fake_nvml.scenario import MODELS
 
 
@@ -120,7 +121,7 @@ def test_every_part_has_sources_names_and_dense_figures_that_rise_with_narrower_
 def test_the_rules_table_matches_each_name_exactly() -> None:
     """The names become one RE2 alternation per peak; Prometheus anchors it, so "NVIDIA L4" never
     matches an "NVIDIA L40S" (both in the table with different peaks)."""
-    terms = re.findall(r'name=~"([^"]*)"\}\) \* (\S+)$', rules_table("bf16", families.GPU_INFO), re.M)
+    terms = re.findall(r'name=~"([^"]*)"\}\) \* (\S+)$', rules_table("bf16", GPU_SOURCE_NAME), re.M)
     assert len(terms) >= 5
     for alternation, value in terms:
         matched = [name for name in BY_NVML_NAME if re.fullmatch(alternation, name)]
@@ -128,4 +129,4 @@ def test_the_rules_table_matches_each_name_exactly() -> None:
     assert {name for alternation, _ in terms for name in BY_NVML_NAME if re.fullmatch(alternation, name)} == {
         name for name, gpu in BY_NVML_NAME.items() if gpu.peak("bf16") is not None}
     with pytest.raises(ValueError, match="flops_dtype must be one of"):
-        rules_table("int4", families.GPU_INFO)
+        rules_table("int4", GPU_SOURCE_NAME)

@@ -50,7 +50,7 @@ KINDS: dict[str, Callable[[str], str]] = {
     "timing": _named(training, "_TIMING"),
     "timings": _named(training, "TIMINGS", tuple),
     "verdict": _named(verdicts),
-    "peak_flops": lambda name: peak_flops.rules_table(_named(peak_flops)(name), families.GPU_INFO),
+    "peak_flops": lambda name: peak_flops.rules_table(_named(peak_flops)(name), recordings.GPU_SOURCE_NAME),
 }
 
 
