@@ -6,6 +6,11 @@ Each workload must get its verdict and no other, none before a rank has trained 
 exactly the alerts that are true of it while the verdict speaks: a saturated bf16 GPU (NVML 0.98, SM
 active 0.73, at its 700 W power cap) is GPU-bound and pages nobody. The thresholds themselves are
 checked against the recorded readings they were set from.
+
+Each check runs on Prometheus and on VictoriaMetrics + vmalert (docs/engines.md). There every level of
+new recorded series takes ~10 s to become visible, so the verdict came 23-27 s after the settle time
+instead of 1-8 s, and the recordings are served 1.7 times as long (a run of about 100 s instead of
+60, the same readings) for the verdict to speak while the run trains.
 """
 
 import statistics
@@ -17,12 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepscope.contract import THRESHOLDS, families, verdicts
 from stepscope_testkit.replay import Recording, Workload, recordings
-from tests.support.replay_judge import Judged, judge
+from tests.support.replay_judge import ENGINES, Judged, judge
 
 pytestmark = pytest.mark.timeout(300)
 
 RECORDINGS = recordings()
 SETTLE_S = THRESHOLDS["verdict_settle_seconds"].value
+STRETCH = {"prometheus": 1.0, "victoriametrics": 1.7}  # each scrape served this many times as long
+# Seconds after the settle time within which the first verdict must come (evaluations every second):
+# Prometheus evaluates the levels of a group in one evaluation; on VictoriaMetrics the verdict, and the
+# per-GPU readings it waits for, are new series (~10 s each to become visible).
+VERDICT_LAG_S = {"prometheus": 8, "victoriametrics": 35}
 # The alerts that are true of a workload with this verdict while it trains (the `for: 0s` copies).
 TRUE_ALERTS = {
     verdicts.GPU_BOUND: set(),
@@ -33,10 +43,17 @@ TRUE_ALERTS = {
 WORKLOADS = [(recording, name) for recording in RECORDINGS for name in recording.workloads]
 
 
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Judged]]]:
-    """Every recording judged once (each replays its workloads side by side, ~80 s)."""
-    yield {recording.name: judge(recording, tmp_path_factory.mktemp(recording.name)) for recording in RECORDINGS}
+def judged(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Judged]]]:
+    """Every recording judged once per engine (each replays its workloads side by side, ~80 s, twice
+    that on VictoriaMetrics)."""
+    yield {recording.name: judge(recording, tmp_path_factory.mktemp(f"{recording.name}-{engine}"),
+                                 engine=engine, stretch=STRETCH[engine]) for recording in RECORDINGS}
 
 
 def _id(case: tuple[Recording, str]) -> str:
@@ -60,10 +77,12 @@ def test_each_workload_gets_its_verdict_and_no_other(judged: dict, case: tuple[R
 
 
 @pytest.mark.parametrize("case", WORKLOADS, ids=map(_id, WORKLOADS))
-def test_the_verdict_waits_until_a_rank_has_trained_the_settle_time(judged: dict, case: tuple) -> None:
+def test_the_verdict_waits_until_a_rank_has_trained_the_settle_time(judged: dict, engine: str, case: tuple) -> None:
     recording, name = case
     waited = judged[recording.name][name].seconds_to_first_verdict()
-    assert waited is not None and SETTLE_S <= waited <= SETTLE_S + 8, f"{name}: first verdict after {waited} s"
+    print(f"\n{engine} {name}: first verdict {waited} s after the first scrape in train")
+    assert waited is not None and SETTLE_S <= waited <= SETTLE_S + VERDICT_LAG_S[engine], (
+        f"{name}: first verdict after {waited} s")
 
 
 @pytest.mark.parametrize("case", WORKLOADS, ids=map(_id, WORKLOADS))

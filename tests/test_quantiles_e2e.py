@@ -12,12 +12,17 @@ five snapshots of 5 s of steps (20 to 2000; the last one is the first push Prome
 measured steps (the second push). The 1m window then holds exactly the measured steps: every series
 starts at the first push. What the first minutes after a change read through `rate()` (a bucket that
 appears mid-window) is benchmarks/bench_pace.py's subject.
+
+Every case runs on Prometheus and on VictoriaMetrics + vmalert (docs/engines.md): VictoriaMetrics scrapes
+the exporter every second, vmalert evaluates the same rule files every second against it.
 """
 
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +37,8 @@ from stepscope.hooks.pusher import Pusher, group_url
 from stepscope_testkit.processes import running_exporter
 from tests.support.dashboard_queries import substitute
 from tests.support.prometheus import query, running_prometheus, wait_for
+from tests.support.replay_judge import ENGINES
+from tests.support.victoria import running_victoria, running_vmalert
 
 WARMUP_SNAPSHOTS = 5  # a run a minute or more in: its fine buckets placed
 PUSH_SECONDS = 5.0  # the hooks' default push interval: steps per snapshot = 5 s of steps, 20..2000
@@ -39,8 +46,9 @@ MEASURED_STEPS = 400
 TOLERANCE = 0.10
 QUANTILES = {"p50": 0.5, "p95": 0.95}
 # The run quantiles read a chain of rule groups (shard partial sums -> run), each evaluated every
-# second: 3 s after the push is seen, both have evaluated since, with a second to spare.
-CHAINED_GROUPS = 3
+# second: 3 s after the push is seen, both have evaluated since, with a second to spare. On
+# VictoriaMetrics each level waits for vmalert's write to become visible (new series ~10 s).
+CHAINED_SECONDS = {"prometheus": 3, "victoriametrics": 45}
 
 Draw = Callable[[random.Random], float]
 
@@ -117,7 +125,8 @@ class Rank:
 
 @dataclass
 class Measured:
-    prometheus: str
+    engine: str
+    prometheus: str  # the query URL (Prometheus, or VictoriaMetrics)
     steps: dict[tuple[str, str], list[float]]  # (run, rank) -> measured step seconds
     phase_times: list[float]
 
@@ -156,23 +165,37 @@ def _seen(prometheus: str, ranks: dict[tuple[str, str], Rank]) -> bool:
     return all(pushed.get(key) == rank.tracker.steps for key, rank in ranks.items())
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Measured]:
-    tmp = tmp_path_factory.mktemp("quantiles")
+@contextmanager
+def _engine(engine: str, tmp: Path, address: str) -> Iterator[str]:
+    """The query URL of `engine` scraping the exporter at `address` (instance "node") every second and
+    evaluating the shipped rules every second."""
+    if engine == "victoriametrics":
+        target = {"job_name": "stepscope", "static_configs": [{"targets": [address], "labels": {"instance": "node"}}]}
+        with running_victoria(tmp / "victoria", [target]) as victoria, \
+                running_vmalert(tmp / "vmalert", victoria.url, RULE_FILES):
+            yield victoria.url
+        return
+    with running_prometheus(tmp, {"node": address}, RULE_FILES) as prometheus:
+        yield prometheus.url
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Measured]:
+    tmp = tmp_path_factory.mktemp(f"quantiles-{request.param}")
     clock = ScriptedClock()
     patch = pytest.MonkeyPatch()
     patch.setattr(stepscope.hooks.tracker, "perf_counter_ns", clock)
     patch.setattr(stepscope.hooks.timing, "perf_counter_ns", clock)
     try:
-        with running_exporter(tmp, "--collectors", "node") as exporter:
-            address = exporter.url.removeprefix("http://")
-            with running_prometheus(tmp, {"node": address}, RULE_FILES) as prometheus:
-                yield _measure(exporter.url, prometheus.url, clock)
+        with running_exporter(tmp, "--collectors", "node") as exporter, \
+                _engine(request.param, tmp, exporter.url.removeprefix("http://")) as url:
+            yield _measure(request.param, exporter.url, url, clock)
     finally:
         patch.undo()
 
 
-def _measure(exporter: str, prometheus: str, clock: ScriptedClock) -> Measured:
+def _measure(engine: str, exporter: str, prometheus: str, clock: ScriptedClock) -> Measured:
+    chained_seconds = CHAINED_SECONDS[engine]
     rng = random.Random(11)
     ranks: dict[tuple[str, str], Rank] = {}
     for run, (size, _, _) in CASES.items():
@@ -203,12 +226,12 @@ def _measure(exporter: str, prometheus: str, clock: ScriptedClock) -> Measured:
 
     def evaluated_since_then() -> bool:
         stamps = query(prometheus, "timestamp(run:stepscope_step_seconds:p95_rate1m)")
-        return len(stamps) == len(CASES) and all(float(s["value"][1]) > seen_at + CHAINED_GROUPS for s in stamps)
+        return len(stamps) == len(CASES) and all(float(s["value"][1]) > seen_at + chained_seconds for s in stamps)
 
-    assert wait_for(evaluated_since_then, 30), "the rules did not evaluate the measured push"
+    assert wait_for(evaluated_since_then, 30 + chained_seconds), "the rules did not evaluate the measured push"
     for rank in ranks.values():
         rank.tracker.close()
-    return Measured(prometheus, {key: rank.steps for key, rank in ranks.items()},
+    return Measured(engine, prometheus, {key: rank.steps for key, rank in ranks.items()},
                     ranks[(PHASE_RUN, "0")].phase_times)
 
 
@@ -241,10 +264,27 @@ def test_rank_quantiles_are_within_ten_percent_of_the_truth(measured: Measured) 
     assert all(abs(error) <= TOLERANCE for error in errors.values()), _report(errors)
 
 
+def _runs_with_bounds_some_ranks_lack(measured: Measured) -> set[str]:
+    """Runs whose ranks do not all export the same step-time bounds (a rank's fine buckets follow its
+    own steps): their summed buckets dip at a bound only some ranks have."""
+    expr = ('count by (run, le) (stepscope_step_seconds_bucket) != on (run) group_left ()'
+            ' count by (run) (stepscope_step_seconds_bucket{le="+Inf"})')
+    return {item["metric"]["run"] for item in query(measured.prometheus, expr)}
+
+
 def test_run_quantiles_over_ranks_with_their_own_buckets_are_within_ten_percent(measured: Measured) -> None:
     errors = _errors(measured, lambda name, _: f"run:stepscope_step_seconds:{name}_rate1m", by="run")
     print("\nrun p50/p95 errors (all ranks' steps pooled):\n" + _report(errors))
     assert {where for where, _ in errors} == set(CASES)
+    if measured.engine == "victoriametrics":
+        # MetricsQL's histogram_quantile repairs a dip by lowering every bucket below it (Prometheus
+        # raises the dip), so a bound only some ranks export pulls the run quantile up to the tail:
+        # docs/engines.md. The other runs must hold; these read far off (+2,500% and more when measured).
+        mixed = _runs_with_bounds_some_ranks_lack(measured)
+        assert mixed, "every run's ranks export one set of bounds: the mixed case is not exercised"
+        off = {where for (where, _), error in errors.items() if abs(error) > TOLERANCE}
+        assert off == mixed, _report(errors)
+        return
     assert all(abs(error) <= TOLERANCE for error in errors.values()), _report(errors)
 
 

@@ -7,6 +7,9 @@ evaluates the per-run rules. One DDP-like run has a rank on each node, so each s
 only the global layer sees the run. Its ranks step alike (DDP equalises step times); rank 1 spends
 longer in forward, rank 0 waits for it in backward. Pushes are synthetic, cumulative bodies every
 half second.
+
+The global layer is a Prometheus, or VictoriaMetrics (the shards remote_write to its /api/v1/write)
+with vmalert evaluating the run rules against it and writing their recordings back (docs/engines.md).
 """
 
 import os
@@ -14,6 +17,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +32,8 @@ from stepscope_testkit.processes import free_port, running_exporter
 from stepscope_testkit.sharded import SHARDED_DIR, hashmod
 from tests.support.dashboard_queries import panel_queries
 from tests.support.prometheus import query, running_prometheus_config, wait_for
+from tests.support.replay_judge import ENGINES
+from tests.support.victoria import alerts, running_victoria, running_vmalert
 
 RUN = "ddp"
 SLOW_RANK = "1"
@@ -48,7 +54,8 @@ class Layout:
     shards: list[str]  # shard URLs, by shard number
     addresses: dict[str, str]  # node (instance) -> its exporter's host:port
     scraped_by: dict[str, int]  # node -> the shard that scrapes it
-    global_url: str
+    global_url: str  # where the run rules' recordings are queried (and the shards write)
+    alerts_url: str  # where the run rules' alerts are listed (Prometheus, or vmalert)
 
 
 def _ports_on_both_shards() -> tuple[int, int]:
@@ -136,10 +143,8 @@ def _global_config(tmp: Path) -> dict:
 
 
 def _firing(url: str, name: str) -> dict[str, dict]:
-    """Firing alerts called `name`, by rank."""
-    alerts = requests.get(f"{url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
-    return {alert["labels"].get("rank", ""): alert for alert in alerts
-            if alert["labels"]["alertname"] == name and alert["state"] == "firing"}
+    """The label sets of the firing alerts called `name`, by rank."""
+    return {labels.get("rank", ""): labels for labels in alerts(url) if labels["alertname"] == name}
 
 
 def _verdict(url: str) -> str:
@@ -147,30 +152,41 @@ def _verdict(url: str) -> str:
     return found[0]["metric"]["verdict"] if found else ""
 
 
-@pytest.fixture(scope="module")
-def layout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layout]:
-    tmp = tmp_path_factory.mktemp("sharded")
+@contextmanager
+def _global_layer(engine: str, tmp: Path) -> Iterator[tuple[str, str]]:
+    """(URL the shards write to and the tests query, URL listing the alerts) of the global layer."""
+    if engine == "victoriametrics":
+        with running_victoria(tmp / "victoria") as victoria, \
+                running_vmalert(tmp / "vmalert", victoria.url, [RUN_RULES, _run_alerts_without_for(tmp)]) as vmalert:
+            yield victoria.url, vmalert.url
+        return
+    with running_prometheus_config(tmp, _global_config(tmp), "--web.enable-remote-write-receiver") as top:
+        yield top.url, top.url
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def layout(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layout]:
+    tmp = tmp_path_factory.mktemp(f"sharded-{request.param}")
     ports = _ports_on_both_shards()
     nodes = {f"node-{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
     dirs = {name: tmp / name for name in ("global", "shard-0", "shard-1", "node-0", "node-1")}
     for path in dirs.values():
         path.mkdir()
-    receiver = "--web.enable-remote-write-receiver"
     with running_exporter(dirs["node-0"], fake_nvml_scenario=_gpu_node(tmp / "nvml-0.json"), port=ports[0]) as e0, \
             running_exporter(dirs["node-1"], fake_nvml_scenario=_gpu_node(tmp / "nvml-1.json"), port=ports[1]) as e1, \
-            running_prometheus_config(dirs["global"], _global_config(tmp), receiver) as top, \
-            running_prometheus_config(dirs["shard-0"], _shard_config(0, nodes, top.url)) as s0, \
-            running_prometheus_config(dirs["shard-1"], _shard_config(1, nodes, top.url)) as s1:
+            _global_layer(request.param, dirs["global"]) as (top, top_alerts), \
+            running_prometheus_config(dirs["shard-0"], _shard_config(0, nodes, top)) as s0, \
+            running_prometheus_config(dirs["shard-1"], _shard_config(1, nodes, top)) as s1:
         pushes = Pushes({"0": e0.url, "1": e1.url})
         pushes.start()
         try:
-            ready = wait_for(lambda: _verdict(top.url) and _firing(top.url, "StepscopeStragglerRank"),
+            ready = wait_for(lambda: _verdict(top) and _firing(top_alerts, "StepscopeStragglerRank"),
                              READY_SECONDS, interval=2.0)
-            assert ready, f"no verdict or straggler alert in the global layer: {_verdict(top.url)!r}\n{top.log()}"
+            assert ready, f"no verdict or straggler alert in the global layer ({request.param}): {_verdict(top)!r}"
             assert not pushes.errors, pushes.errors[:3]
             scraped_by = {item["metric"]["instance"]: shard for shard, url in enumerate((s0.url, s1.url))
                           for item in query(url, 'up{job="stepscope"}')}
-            yield Layout([s0.url, s1.url], nodes, scraped_by, top.url)
+            yield Layout([s0.url, s1.url], nodes, scraped_by, top, top_alerts)
         finally:
             pushes.stopped.set()
             pushes.join(10)
@@ -207,11 +223,11 @@ def test_global_run_quantile_adds_up_the_shards_partial_buckets(layout: Layout) 
 
 
 def test_straggler_alert_fires_for_the_slow_rank_only(layout: Layout) -> None:
-    firing = _firing(layout.global_url, "StepscopeStragglerRank")
+    firing = _firing(layout.alerts_url, "StepscopeStragglerRank")
     assert set(firing) == {SLOW_RANK}
-    alert = firing[SLOW_RANK]
-    assert alert["labels"]["score"] == "local_phases"
-    assert alert["labels"]["instance"] == f"node-{SLOW_RANK}"
+    labels = firing[SLOW_RANK]
+    assert labels["score"] == "local_phases"
+    assert labels["instance"] == f"node-{SLOW_RANK}"
 
 
 def test_shards_send_recordings_not_the_raw_node_series(layout: Layout) -> None:
