@@ -22,6 +22,8 @@ GPU_SOURCE_MEMORY_TOTAL = "instance_gpu:stepscope_gpu_memory_total_bytes:source"
 GPU_SOURCE_CLOCK_EVENT_ACTIVE = "instance_gpu_reason:stepscope_gpu_clock_event_active:source"  # label `reason`
 GPU_SOURCE_SM_CLOCK = "instance_gpu:stepscope_gpu_sm_clock_hertz:source"
 GPU_SOURCE_SM_CLOCK_MAX = "instance_gpu:stepscope_gpu_sm_clock_max_hertz:source"
+# Each GPU's power from its energy counter (watts: joules per second over 1m), from either source
+GPU_SOURCE_ENERGY_RATE = "instance_gpu:stepscope_gpu_energy_joules:rate1m"
 GPU_UTILIZATION = "instance_gpu:stepscope_gpu_utilization:avg_ratio"  # NVML, 1m average
 GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio"  # label `source`
 NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"
