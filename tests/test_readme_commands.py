@@ -84,7 +84,8 @@ def test_every_documented_command_is_run_or_explained() -> None:
 def test_every_reference_page_is_in_the_index() -> None:
     index = (DOCS / "README.md").read_text()
     pages = {path.name for path in documents()} - {"README.md"}
-    assert pages == set(re.findall(r"^\| \[[\w.-]+\]\(([\w.-]+\.md)\) \|", index, flags=re.M))
+    listed = set(re.findall(r"^\| \[[\w.-]+\]\(([\w.-]+\.md)\) \|", index, flags=re.M))
+    assert pages == listed, f"a row of docs/README.md's table for each docs/*.md page: {sorted(pages ^ listed)}"
     assert "(docs/README.md)" in README.read_text()
 
 
