@@ -123,3 +123,17 @@ def test_without_prometheus_it_says_how_to_install_it(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "sudo apt-get install prometheus" in result.stderr, result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_an_out_directory_holding_other_files_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """As stepscope-report refuses it: one line, exit 2, the directory left as it was, no process started."""
+    mark = uuid.uuid4().hex
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    result = subprocess.run([sys.executable, "-m", "stepscope.report.quickstart", "--out", str(tmp_path / "mine")],
+                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                            env=quickstart_env(tmp_path, mark))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "holds files that are not a stepscope report" in result.stderr
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"] and marked_processes(mark) == []
+
