@@ -5,19 +5,22 @@ its last in the window. Its hooks count the seconds of each state (stepscope_sta
 counters) and, inside train, the seconds waiting for the next batch (dataloader_next); the rules record
 each stall (in train, no step for longer than the pace explains) with its length so far. What no process
 of the rank accounted for inside its span is a restart gap: a process lost, the next not yet pushing
-under the same run name. Productive = train - stalled - data wait; each cause is a share of the ranks'
-held seconds together, so the shares add up to 1 (docs/goodput.md).
+under the same run name. Where the loop passes its global step, the steps a restored run does again are
+lost progress (their productive seconds). Productive = train - stalled - data wait - lost progress; each
+cause is a share of the ranks' held seconds together, so the shares add up to 1 (docs/goodput.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 
 from stepscope.contract import TRAIN_STATE
 from stepscope.contract.goodput import (
     DATA_WAIT,
     JOULES_PER_KWH,
+    LOST_PROGRESS,
     PRODUCTIVE,
     REPORT_CAUSES,
     RESTART_GAP,
@@ -103,12 +106,16 @@ class Goodput:
                         self.joules_per_sample, self.joules_per_token]]
 
 
-def account(totals: Mapping[str, list[Series]], stalls: Iterable[Series], step: float, samples: float) -> Goodput:
-    """The window's accounting from the report's totals (state and loading seconds through restarts, first
-    and last push per rank and node, energy) and the stall series over time at resolution `step`."""
+def account(totals: Mapping[str, list[Series]], stalls: Iterable[Series],
+            global_steps: tuple[Iterable[Series], Iterable[Series]], step: float, samples: float) -> Goodput:
+    """The window's accounting from the report's totals (state, loading and step counts through restarts,
+    first and last push per rank and node, energy), the stall series, and the global step and the one each
+    process started from over time, at resolution `step`."""
     first = _per_rank(totals["first_push"], min)
     last = _per_rank(totals["last_push"], max)
     stalled = _stalled_seconds(stalls, step)
+    redone = _redone_steps(*global_steps)
+    steps = _per_rank(totals.get("goodput_steps", []), sum)
     states: dict[str, dict[str, float]] = {}
     for series in totals["goodput_states"]:
         into = states.setdefault(series.labels.get("rank", ""), {})
@@ -116,17 +123,24 @@ def account(totals: Mapping[str, list[Series]], stalls: Iterable[Series], step: 
         into[state] = into.get(state, 0.0) + series.last
     loading = _per_rank(totals["goodput_loading"], sum)
     times = [_rank_time(rank, states[rank], loading.get(rank, 0.0), stalled.get(rank, 0.0),
-                        last.get(rank, 0.0) - first.get(rank, 0.0)) for rank in sorted(states, key=rank_key)]
+                        last.get(rank, 0.0) - first.get(rank, 0.0), (redone.get(rank, 0.0), steps.get(rank, 0.0)))
+             for rank in sorted(states, key=rank_key)]
     energy = totals["energy_joules"]
     tokens = sum(series.last for series in totals["goodput_tokens"])
     return Goodput(times, energy[0].last if energy else None, samples, tokens)
 
 
-def _rank_time(rank: str, states: Mapping[str, float], loading: float, stalled: float, span: float) -> RankTime:
+def _rank_time(rank: str, states: Mapping[str, float], loading: float, stalled: float, span: float,
+               redone: tuple[float, float]) -> RankTime:
+    """`redone`: (steps done again after restores, steps done in the window); the productive time of the
+    redone ones, at the rank's productive seconds per step, is lost progress."""
     train = states.get(TRAIN_STATE, 0.0)
     stalled = min(stalled, train)
     data_wait = min(loading, train - stalled)  # a stall inside dataloader_next that ended counts once
-    seconds = {PRODUCTIVE: train - stalled - data_wait, DATA_WAIT: data_wait, STALLED: stalled,
+    productive = train - stalled - data_wait
+    again, done = redone
+    lost = min(productive, again * productive / done) if done > 0 else 0.0
+    seconds = {PRODUCTIVE: productive - lost, DATA_WAIT: data_wait, STALLED: stalled, LOST_PROGRESS: lost,
                **{state: states.get(state, 0.0) for state in STATE_CAUSES}}
     seconds[RESTART_GAP] = max(0.0, span - sum(seconds.values()))
     return RankTime(rank, seconds)
@@ -138,6 +152,30 @@ def _per_rank(results: list[Series], pick: Callable[[list[float]], float]) -> di
     for series in results:
         found.setdefault(series.labels.get("rank", ""), []).append(series.last)
     return {rank: pick(values) for rank, values in found.items()}
+
+
+def _redone_steps(global_steps: Iterable[Series], bases: Iterable[Series]) -> dict[str, float]:
+    """Steps each rank did again: where a new process takes over (its own step count starts again), the
+    steps between where the one before reached and where the new one started from (its base: its global
+    step less its own steps, exact whenever it was first scraped). Restored from a checkpoint, that is
+    the steps since the checkpoint; started from scratch, all of them. A rank that came back on another
+    node has a series of its own: the series are taken in the order they began."""
+    base_at = {(_key(series), t): value for series in bases for t, value in series.points}
+    by_rank: dict[str, list[Series]] = {}
+    for series in global_steps:
+        by_rank.setdefault(series.labels.get("rank", ""), []).append(series)
+    redone: dict[str, float] = {}
+    for rank, found in by_rank.items():
+        points = [(value, base_at[(_key(series), t)]) for series in sorted(found, key=lambda s: s.points[0][0])
+                  for t, value in series.points if (_key(series), t) in base_at]
+        # a new process: its own step count (global step less base) starts again below the one before's
+        redone[rank] = sum(max(0.0, reached - base) for (reached, before), (step, base) in pairwise(points)
+                           if step - base < reached - before)
+    return redone
+
+
+def _key(series: Series) -> tuple[str, str]:
+    return series.labels.get("rank", ""), series.labels.get("instance", "")
 
 
 def _stalled_seconds(stalls: Iterable[Series], step: float) -> dict[str, float]:

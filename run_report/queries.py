@@ -98,9 +98,11 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "step_count": inc(f"{fam.STEP_SECONDS}_count"),
         "phase_seconds": inc(f"{fam.STEP_PHASE_SECONDS}_sum", f"{RANK}, phase"),
         "state_seconds": inc(fam.STATE_SECONDS, f"{RANK}, state"),
-        # the goodput's held span per rank and node (stepscope.report.goodput), and the run's GPU energy:
-        # its watts (recorded each evaluation) summed at the report's resolution
-        "first_push": f"min by ({RANK}) (min_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
+        # the goodput's held span per rank and node (stepscope.report.goodput): from the Tracker's start (a
+        # push's time less the seconds its states add up to, the same in every push of a process) to the
+        # last push; and the run's GPU energy: its watts (recorded each evaluation) summed at the resolution
+        "first_push": f"min by ({RANK}) (min_over_time(({sel(fam.TRAINING_LAST_PUSH, r)} - on (run, {RANK})"
+                      f" sum by (run, {RANK}) ({sel(fam.STATE_SECONDS, r)}))[{window.range_ms}:{window.step:g}s]))",
         "last_push": f"max by ({RANK}) (max_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
         "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step:g}s]))"
                          f" * {window.step:g}",
@@ -108,6 +110,7 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "goodput_loading": restart_aware_increase(
             sel(f"{fam.STEP_PHASE_SECONDS}_sum", f'{r},phase="{DATA_LOADING_PHASE}"'), window, RANK),
         "goodput_tokens": restart_aware_increase(sel(fam.TOKENS_TOTAL, r), window, RANK),
+        "goodput_steps": restart_aware_increase(sel(fam.STEPS_TOTAL, r), window, RANK),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
         "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",
@@ -131,6 +134,9 @@ def _training_over_time(r: str) -> dict[str, str]:
         "step_score": sel(rec.RANK_STRAGGLER_SCORE, r),
         "local_score": sel(rec.RANK_STRAGGLER_LOCAL_SCORE, r),
         "stalled": sel(rec.RANK_STALLED_SECONDS, r),
+        "global_step": sel(fam.TRAINING_GLOBAL_STEP, r),
+        # the global step a process started from (its global step less its own steps): lower after a restore
+        "global_step_base": f"{sel(fam.TRAINING_GLOBAL_STEP, r)} - {sel(fam.STEPS_TOTAL, r)}",
     }
 
 

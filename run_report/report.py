@@ -68,7 +68,8 @@ def build(data: RunData, prometheus_url: str) -> Report:
         intervals=state_intervals(over["state"], data.window),
         verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
         path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
-        goodput=account(data.totals, over["stalled"], data.window.step, totals.samples),
+        goodput=account(data.totals, over["stalled"], (over["global_step"], over["global_step_base"]),
+                        data.window.step, totals.samples),
     )
 
 

@@ -94,6 +94,7 @@ TRAINING_STATE = "stepscope_training_state"
 TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
 TRAINING_LAST_STEP = "stepscope_training_last_step_timestamp_seconds"
 TRAINING_PHASE_ENTERED = "stepscope_training_phase_entered_timestamp_seconds"
+TRAINING_GLOBAL_STEP = "stepscope_training_global_step"
 CUDA_MEMORY_ALLOCATED = "stepscope_torch_cuda_memory_allocated_bytes"
 CUDA_MEMORY_RESERVED = "stepscope_torch_cuda_memory_reserved_bytes"
 CUDA_MEMORY_PEAK = "stepscope_torch_cuda_memory_peak_allocated_bytes"
@@ -272,6 +273,11 @@ _TRAINING = (
            help="Allocations that failed, freed the allocator's cache and retried.", pushed=True),
     Family(CUDA_OOMS, "counter", RUN_RANK, _ALLOCATOR_DOC + "out-of-memory errors the allocator raised",
            help="Out-of-memory errors raised by PyTorch's caching allocator.", pushed=True),
+    Family(TRAINING_GLOBAL_STEP, "gauge", RUN_RANK,
+           "pushed once the loop passes it (`step(global_step=...)`, the framework callbacks): the trainer's "
+           "global step, which goes back when a restarted run restores a checkpoint ([goodput](goodput.md))",
+           help="The trainer's global step after the last step (lower after a restore from a checkpoint).",
+           pushed=True),
     Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
            "when the rank last pushed (groups expire `--ingest-ttl` after it)",
            help="Unix time of the last accepted push of this run and rank (pushes without steps = stalled)."),

@@ -54,7 +54,7 @@ def full_push() -> str:
     return render(Snapshot(phases, hist, 3, 24, "train", info, Limits(10.0, 20.0, 8, 2, 2),
                            TraceOutcome("t", True, 1, 1, "/tmp/trace.json.gz", 5, 1.5),
                            last_step_time=1712345700.5, open_phase=("forward", 1712345700.75),
-                           tokens=4096, flops=6 * 10**12, flops_dtype="bf16", peak_flops=989.4e12,
+                           tokens=4096, flops=6 * 10**12, flops_dtype="bf16", peak_flops=989.4e12, global_step=1200,
                            allocator=AllocatorMemory(2**30, 2**31, 3 * 2**29, 2**20, 4, 0)))
 
 

@@ -6,7 +6,8 @@ goodput headline and goodput.csv. The issue's times are scaled down to keep the 
 
 The run: attempt 1 sets up, trains with a loader that waits 30 ms of every 100 ms step, checkpoints, runs
 one eval, then is SIGKILLed (its rank lost); after a gap attempt 2 comes back under the same run name,
-sets up again, trains and closes. Each attempt measures its own truth (perf_counter around each part);
+restores the last checkpoint (its global step goes back: the steps since are lost progress), sets up
+again, trains and closes. Each attempt measures its own truth (perf_counter around each part);
 the report's share of every cause, the restart gap included, must be within 2 percentage points of it.
 """
 
@@ -24,7 +25,7 @@ import pytest
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import families, recordings
-from stepscope.contract.goodput import REPORT_CAUSES, RESTART_GAP
+from stepscope.contract.goodput import LOST_PROGRESS, REPORT_CAUSES, RESTART_GAP
 from stepscope_testkit.fake_nvml.scenario import MODELS, make_gpu, make_scenario, write_scenario
 from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.prometheus import query, running_prometheus, wait_for
@@ -40,12 +41,13 @@ TRAINER = """
 import json, os, signal, sys, time
 started = time.time()
 import stepscope.hooks as th
-run, attempt, url, out = sys.argv[1:5]
+run, attempt, url, out, global_step = sys.argv[1:5] + [int(sys.argv[5])]
 setup_s, train_s = (3.0, 14.0) if attempt == "1" else (1.0, 6.0)
 LOAD, COMPUTE, CKPT_EVERY, CKPT, EVAL_AT, EVAL = 0.03, 0.07, 6.0, 1.5, 9.0, 1.5
 tracker = th.init(run=run, rank=0, world_size=1, push_url=url, push_interval=0.25)
 truth = {"started": started, "init": time.time(), "setup": 0.0, "data_wait": 0.0, "checkpoint": 0.0, "eval": 0.0,
-         "productive": 0.0}
+         "productive": 0.0, "lost_progress": 0.0, "checkpoint_step": global_step}
+productive_saved = 0.0  # productive seconds up to the last checkpoint: what a restore keeps
 clock = time.perf_counter
 t0 = clock()
 time.sleep(setup_s)
@@ -63,9 +65,11 @@ for batch in tracker.loader(batches()):
         t_train = clock()
     with tracker.phase("forward"):
         time.sleep(COMPUTE)
-    tracker.step(samples=batch)
+    global_step += 1
+    tracker.step(samples=batch, global_step=global_step)
     trained = clock() - t_train - truth["checkpoint"] - truth["eval"]
     if trained >= next_ckpt:
+        truth["checkpoint_step"], productive_saved = global_step, trained - truth["data_wait"]
         begin = clock()
         with tracker.state("checkpoint"):
             time.sleep(CKPT)
@@ -80,6 +84,9 @@ for batch in tracker.loader(batches()):
     if trained >= train_s:
         break
 truth["productive"] = clock() - t_train - truth["checkpoint"] - truth["eval"] - truth["data_wait"]
+if attempt == "1":  # the steps since the last checkpoint are done again by attempt 2: lost progress
+    truth["lost_progress"] = truth["productive"] - productive_saved
+    truth["productive"] = productive_saved
 truth["end"] = time.time()
 truth["samples"] = tracker.steps * 8
 if attempt == "1":  # the rank is lost: no close, no final push
@@ -112,11 +119,12 @@ def gpu_held_by(pid: int | None) -> dict:
     return scenario
 
 
-def attempt(number: int, url: str, tmp: Path, scenario: Path) -> dict:
-    """Runs one attempt to its end (a SIGKILL for attempt 1), its GPU held while it lives; its truth."""
+def attempt(number: int, url: str, tmp: Path, scenario: Path, global_step: int) -> dict:
+    """Runs one attempt from `global_step` to its end (a SIGKILL for attempt 1), its GPU held while it
+    lives; its truth."""
     out = tmp / f"truth-{number}.json"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER, RUN, str(number), url, str(out)], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, RUN, str(number), url, str(out), str(global_step)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     write_scenario(scenario, gpu_held_by(proc.pid))
     output, _ = proc.communicate(timeout=60)
@@ -132,9 +140,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     with running_exporter(tmp, fake_nvml_scenario=scenario) as exporter, \
             running_prometheus(tmp, {NODE: exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
         assert wait_for(lambda: query(prometheus.url, "up == 1"), 30), "Prometheus does not scrape the exporter"
-        first = attempt(1, exporter.url, tmp, scenario)
+        first = attempt(1, exporter.url, tmp, scenario, 0)
         time.sleep(GAP_SECONDS)
-        second = attempt(2, exporter.url, tmp, scenario)
+        second = attempt(2, exporter.url, tmp, scenario, first["checkpoint_step"])  # restored: steps done again
         time.sleep(3)  # the last push scraped, the rules evaluated on it
         report = tmp / "report"
         result = subprocess.run([sys.executable, "-m", "stepscope.report", "--prometheus", prometheus.url,
@@ -160,6 +168,7 @@ def test_each_cause_is_within_two_points_of_the_truth_the_script_measured(observ
         print(f"{cause:>12}: report {measured:6.1%}  truth {expected:6.1%}  ({float(run[f'{cause}_seconds']):6.2f} s)")
         assert abs(measured - expected) <= TOLERANCE, cause
     assert truth[RESTART_GAP] >= GAP_SECONDS and float(run[f"{RESTART_GAP}_seconds"]) >= GAP_SECONDS - 1
+    assert truth[LOST_PROGRESS] > 0.5 and float(run[f"{LOST_PROGRESS}_seconds"]) > 0.5
     assert abs(float(run["goodput_ratio"]) - truth["productive"] / held_truth) <= TOLERANCE
 
 

@@ -158,7 +158,7 @@ class StepscopeCallback(TrainerCallback):
         self._phase(LR_SCHEDULER_PHASE).end()
         self._phase(TRAIN_BATCH_PHASE).end()
         samples, tokens, flops = self._next_fed()
-        self.tracker.step(samples=samples, tokens=tokens, flops=flops)
+        self.tracker.step(samples=samples, tokens=tokens, flops=flops, global_step=state.global_step)
         self._after_step(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

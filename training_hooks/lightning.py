@@ -198,7 +198,7 @@ class StepscopeCallback(Callback):
             self.tracker.micro_batch(samples, tokens, flops)
             return
         self._global_step = trainer.global_step  # manual optimization with 2 optimizers moves it by 2: 1 step
-        self.tracker.step(samples=samples, tokens=tokens, flops=flops)
+        self.tracker.step(samples=samples, tokens=tokens, flops=flops, global_step=trainer.global_step)
 
     def _batch_flops(self, pl_module: LightningModule) -> float | None:
         """The module's `flops_per_batch` unless the user states FLOPs to the tracker (None: those count)."""

@@ -39,6 +39,7 @@ from stepscope.contract.families import (
     CUDA_MEMORY_PEAK,
     CUDA_MEMORY_RESERVED,
     CUDA_OOMS,
+    TRAINING_GLOBAL_STEP,
 )
 from stepscope.hooks.cuda_memory import AllocatorMemory
 from stepscope.hooks.limits import Limits
@@ -63,6 +64,7 @@ class Snapshot:
     last_step_time: float | None = None  # Unix seconds of the last step boundary, None before the first
     open_phase: tuple[str, float] | None = None  # (phase, Unix seconds it was entered) if one is open
     tokens: int | None = None  # None until a step counts tokens: the series appears then
+    global_step: int | None = None  # the trainer's, once the loop passes it to step()
     flops: float | None = None  # model FLOPs done; None until stated (flops_per_step/sample, measure_flops, step)
     flops_dtype: str = ""  # the dtype the FLOPs run in (label `dtype`)
     peak_flops: float | None = None  # the user's dense peak FLOP/s of the rank's GPU, None: the table's
@@ -124,7 +126,8 @@ def render(snap: Snapshot) -> str:
 
 
 def _progress(lines: list[str], snap: Snapshot) -> None:
-    """When the rank last stepped and the phase it is in: the families that name a hung rank."""
+    """When the rank last stepped and the phase it is in (the families that name a hung rank), and the
+    trainer's global step where the loop passes it (a restore shows as a step back: lost progress)."""
     name = _header(lines, TRAINING_LAST_STEP)
     if snap.last_step_time is not None:
         lines.append(f"{name} {floatToGoString(snap.last_step_time)}")
@@ -132,6 +135,8 @@ def _progress(lines: list[str], snap: Snapshot) -> None:
     if snap.open_phase is not None:
         phase, entered = snap.open_phase
         lines.append(f"{name}{_labels([('phase', phase)])} {floatToGoString(entered)}")
+    if snap.global_step is not None:
+        lines.append(f"{_header(lines, TRAINING_GLOBAL_STEP)} {snap.global_step}")
 
 
 def _model_flops(lines: list[str], snap: Snapshot) -> None:

@@ -93,6 +93,7 @@ class Tracker:
         self._samples = 0
         self._micro_batches = 0
         self._tokens = 0
+        self._global_step: int | None = None  # the trainer's, once step() is given it
         self._flops: float = 0  # model FLOPs done (an int while every addend is)
         self._flops_per_step = config.flops_per_step
         self._flops_per_sample = config.flops_per_sample
@@ -140,14 +141,17 @@ class Tracker:
         found = (self._gpu if cuda else self._host).get(name)
         return found if found is not None else self._new_phase(name, cuda)
 
-    def step(self, samples: int = 0, micro_batches: int = 1, tokens: int = 0, flops: float | None = None) -> None:
+    def step(self, samples: int = 0, micro_batches: int = 1, tokens: int = 0, flops: float | None = None,
+             global_step: int | None = None) -> None:
         """Marks a step boundary: observes the whole step's wall time, counts the step, its samples and tokens.
 
         A step is one optimizer step. `micro_batches` is how many batches it fed the model (more than 1
         under gradient accumulation; `micro_batch()` counts them one by one instead). The first step in
         state setup means the loop trains (state train); when it began is unknown (setup time would be
         in it), so its time is not observed. `flops` are the model FLOPs the step did; None counts the stated
-        ones (flops_per_step, plus flops_per_sample for each of `samples`).
+        ones (flops_per_step, plus flops_per_sample for each of `samples`). `global_step`, the trainer's step
+        count after this step (the framework callbacks pass it), is pushed as is: a restarted run that
+        restores a checkpoint steps back, and the report counts the steps it redoes as lost progress.
         """
         now = perf_counter_ns()
         duration = now - self._boundary
@@ -164,6 +168,8 @@ class Tracker:
             self._flops += flops
         elif self._counts_flops:  # a run that states no FLOPs pays one test
             self._flops += self._flops_per_step + samples * self._flops_per_sample
+        if global_step is not None:
+            self._global_step = global_step
         at_boundary = self._at_boundary
         if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
             at_boundary(duration)  # ends a requested profiler trace
@@ -364,6 +370,7 @@ class Tracker:
             samples=self._samples,
             micro_batches=self._micro_batches,
             tokens=self._tokens or None,
+            global_step=self._global_step,
             flops=self._flops if self._flops or self._counts_flops else None,
             flops_dtype=self.config.flops_dtype,
             peak_flops=self.config.peak_flops,
