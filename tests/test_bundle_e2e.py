@@ -16,7 +16,7 @@ import pytest
 
 from grafana.rules import RULE_FILES, rules
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope.contract import families
+from stepscope.contract import families, recordings
 from stepscope.contract.recordings import GPU_TORCH_ALLOCATED, GPU_TORCH_CACHED
 from stepscope_testkit.processes import REPO_ROOT, running_exporter, sample_values, samples, scrape
 from stepscope_testkit.traces import rank_tracing, step_annotations
@@ -41,6 +41,15 @@ EMPTY_BY_DESIGN = {
     ("stepscope-training.json", "Allocation retries and OOMs per rank"): CUDA_ONLY,
 }
 RULES_EMPTY_BY_DESIGN = {GPU_TORCH_ALLOCATED: CUDA_ONLY, GPU_TORCH_CACHED: CUDA_ONLY}
+# Tokens/s and MFU need a run that states its tokens or FLOPs (the demos do not): tests/test_mfu_e2e.py
+# trains such runs and runs these queries; the peak table per GPU has data here (the fake H100s' names).
+STATED_ONLY = "runs that state tokens or FLOPs only (the demos do not): tests/test_mfu_e2e.py runs these queries"
+MFU_PANELS = ("MFU", "Tokens/s", "Model FLOP/s", "Peak FLOP/s of the run's GPUs",
+              "MFU per rank, and tensor-core activity", "Tokens/s and samples/s per rank")
+EMPTY_BY_DESIGN |= {("stepscope-training.json", panel): STATED_ONLY for panel in MFU_PANELS}
+RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
+    recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
+    recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU)}
 # GPU index -> (NVML utilization %, GPM SM active %, run rank holding memory on it): fast's GPUs busy,
 # slow's starved, one idle.
 GPU_LAYOUT = {0: (98, 73, ("fast", 0)), 1: (98, 73, ("fast", 1)), 2: (25, 20, ("slow", 0)), 3: (0, 0, None)}

@@ -24,9 +24,13 @@ from grafana.rules import RULE_FILES
 from stepscope.contract.peak_flops import peak_flops
 from stepscope_testkit.fake_nvml.scenario import make_gpu, write_scenario
 from stepscope_testkit.processes import REPO_ROOT, running_exporter
+from tests.support.dashboard_queries import panel_queries
 from tests.support.prometheus import query, running_prometheus, wait_for
 
 NODE = "mfu-node"
+# The Training dashboard's "Throughput and MFU" row (tests/test_bundle_e2e.py leaves it to this module)
+MFU_PANELS = ("MFU", "Tokens/s", "Model FLOP/s", "Peak FLOP/s of the run's GPUs",
+              "MFU per rank, and tensor-core activity", "Tokens/s and samples/s per rank")
 UNKNOWN_GPU = "NVIDIA Fake GPU 9000"
 STATED_FLOPS = 2.5e12  # per step of the `stated` and `unknown` runs
 BATCH, SEQUENCE, WIDTH = 4, 32, 64  # the transformer's batch: BATCH x SEQUENCE tokens of WIDTH features
@@ -155,11 +159,11 @@ def test_mfu_is_the_model_flop_rate_over_the_tables_peak_for_the_gpu_and_dtype(s
                                       "sum by (run, rank, instance) (run_rank:stepscope_model_flops:rate1m)")
     assert ratio == pytest.approx({run: 1 / peak for run, peak in peaks.items()}, rel=1e-9)
     # and the recorded FLOP rate is the rank's steps per second times its FLOPs per step, at the evaluation
-    # that recorded it
+    # that recorded it (within 5%: a scrape that began before the evaluation may be stored after it)
     flops_per_step = {"transformer": _transformer_flops_per_step(), "stated": STATED_FLOPS, "unknown": STATED_FLOPS}
     rates, steps = _at_evaluation(stack.prometheus, "run_rank:stepscope_model_flops:rate1m",
                                   "stepscope_steps_total")
-    assert rates == pytest.approx({run: steps[run] * flops for run, flops in flops_per_step.items()}, rel=1e-9)
+    assert rates == pytest.approx({run: steps[run] * flops for run, flops in flops_per_step.items()}, rel=0.05)
     mfu = _by_run(stack.prometheus, "run:stepscope_mfu:ratio_rate1m")
     assert set(mfu) == {"transformer", "stated"}  # the unknown GPU has no peak: no MFU rather than a guess
     assert 0 < mfu["transformer"] < 1e-3  # a CPU loop "on" an H100
@@ -172,4 +176,14 @@ def test_tokens_per_second_follow_the_tokens_each_step_states(stack: Stack) -> N
     assert tokens == {"transformer": SEQUENCE, "stated": 512, "unknown": 512}
     rates, samples = _at_evaluation(stack.prometheus, "run_rank:stepscope_tokens:rate1m",
                                     "stepscope_samples_total")
-    assert rates == pytest.approx({run: samples[run] * tokens[run] for run in tokens}, rel=1e-9)
+    assert rates == pytest.approx({run: samples[run] * tokens[run] for run in tokens}, rel=0.05)
+
+
+def test_every_query_of_the_dashboards_throughput_row_shows_data(stack: Stack) -> None:
+    """The row's panels read the recordings above (tensor-core activity, a GPU reading of settled runs, is
+    left to the other tests: the fake's GPUs here read none while the run is this young)."""
+    queries = [q for q in panel_queries() if q.dashboard == "stepscope-training.json" and q.panel in MFU_PANELS]
+    assert {q.panel for q in queries} == set(MFU_PANELS)
+    empty = [f"{q.panel} / {q.ref_id}: {q.expr}" for q in queries
+             if not query(stack.prometheus, q.expr) and "tensor_active" not in q.expr]
+    assert empty == []
