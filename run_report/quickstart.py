@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import ctypes
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -48,7 +49,7 @@ DEMO = ("--run", RUN, "--slow-loader", "0.05", "--extra-step-seconds", "0.03", "
 ACTS = (  # (what it shows, demo flags on top of DEMO, the verdict that ends it)
     ("act 1, data-bound: the loader sleeps 50 ms per batch", (), v.DATA_BOUND),
     ("act 2, fixed: the same loader in 4 worker processes (--loader-workers 4)", ("--loader-workers", "4"),
-     v.HOST_BOUND),  # a CPU run: host time is its work (with a GPU it would be gpu_bound)
+     v.HOST_BOUND),  # a CPU run: host time is its work (a model that keeps a GPU busy would read gpu_bound)
 )
 HOLD_SECONDS = 10  # an act ends once its verdict has held this long
 ACT_LIMIT_SECONDS = 100  # or after this long, verdict or not (the rules need ~35 s)
@@ -195,12 +196,12 @@ def start_prometheus(children: Children, setup: Setup, exporter_url: str) -> str
     stacks use 15 s; the rules' 1-minute windows and the 30 s before a verdict are the same)."""
     config = children.workdir / "prometheus.yml"
     target = exporter_url.removeprefix("http://")
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: [{', '.join(repr(str(path.resolve())) for path in setup.rules)}]\n"
-        "scrape_configs:\n"
-        f"  - job_name: stepscope\n    static_configs:\n"
-        f"      - targets: ['{target}']\n        labels: {{instance: {socket.gethostname()!r}}}\n")
+    config.write_text(json.dumps({  # JSON is YAML: no quoting to get wrong in paths or the host name
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(path.resolve()) for path in setup.rules],
+        "scrape_configs": [{"job_name": "stepscope", "static_configs": [
+            {"targets": [target], "labels": {"instance": socket.gethostname()}}]}],
+    }))
     port = free_port()
     prometheus = children.start("prometheus", [
         setup.prometheus, f"--config.file={config}", f"--storage.tsdb.path={children.workdir / 'data'}",
