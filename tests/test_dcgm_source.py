@@ -69,7 +69,7 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str,
             ranks: set[tuple[str, str]] = set()
             while replay.elapsed() < end:
                 tick = time.monotonic()
-                _read(prometheus.url, replay.elapsed(), judged)
+                _read(prometheus.url, prometheus.url, replay.elapsed(), judged)  # Prometheus serves both
                 ranks |= {(item["metric"]["instance"], item["metric"]["run"])
                           for item in query(prometheus.url, recordings.RANK_GPU_MEMORY)}
                 time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
