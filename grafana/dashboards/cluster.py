@@ -27,6 +27,12 @@ IDLE_GPU = f"({rec.GPU_UTILIZATION} < {IDLE.number}) unless on (instance, gpu) {
 STEP = goodput.ACCOUNTING_STEP
 HELD_IDLE_HOURS = (f"sum by (instance, run) (count_over_time({rec.GPU_HELD_IDLE}[$__range:{STEP}]))"
                    f" * {goodput.ACCOUNTING_STEP_SECONDS} / 3600")
+# The namespace of the pod the kubelet gave each GPU to (pod attribution), by node and GPU index.
+GPU_NAMESPACE = (f"max by (instance, gpu, namespace) ({fam.GPU_POD_INFO} * on (instance, uuid) group_left (gpu) "
+                 f"{fam.GPU_INFO})")
+HELD_IDLE_HOURS_BY_NAMESPACE = (
+    f"sum by (namespace) (count_over_time(({rec.GPU_HELD_IDLE} * on (instance, gpu) group_left (namespace) "
+    f"{GPU_NAMESPACE})[$__range:{STEP}])) * {goodput.ACCOUNTING_STEP_SECONDS} / 3600")
 UTILIZATION = thresholds(
     (None, "red"),
     (contract.THRESHOLDS["utilization_low"].value, "yellow"),
@@ -131,6 +137,16 @@ def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"utilization (1m average), per node and holding run (empty: a process the hooks did not register), "
                 f"counted at {STEP} resolution. A GPU held idle for 30 minutes pages StepscopeGpuHeldIdle.",
                 [Q(HELD_IDLE_HOURS, table=True)],
+                {"Value": ("GPU-hours", "h")},
+                width=12,
+            )
+        )
+        .with_panel(
+            table_panel(
+                "GPU-hours held but idle per namespace",
+                "The same GPU-hours per Kubernetes namespace: the namespace of the pod the kubelet gave the GPU to "
+                "(pod attribution: the exporter's --kubelet-pod-resources-socket). Empty without it.",
+                [Q(HELD_IDLE_HOURS_BY_NAMESPACE, table=True)],
                 {"Value": ("GPU-hours", "h")},
                 width=12,
             )
