@@ -22,6 +22,7 @@ import pytest
 
 from grafana.rules import RULE_FILES
 from stepscope.report import cli, csvs
+from stepscope.report.goodput import CSV_HEADER as GOODPUT_HEADER
 from stepscope.report.report import RUN_SUMMARY_HEADER
 from stepscope_testkit.processes import free_port, running_exporter
 from tests.support.demos import gpus_for_runs, start_ddp_demos, start_demo, stop
@@ -97,7 +98,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         for run, out in reports.items():
             result = _report(prometheus.url, run, out)
             assert result.returncode == 0, result.stderr
-            assert f"{out / 'index.html'} and 8 CSVs for run {run}" in result.stdout, result.stdout
+            assert f"{out / 'index.html'} and 9 CSVs for run {run}" in result.stdout, result.stdout
         yield Runs(prometheus.url, tmp, exits, reports)
 
 
@@ -135,7 +136,8 @@ def test_page_and_every_csv_are_written_and_nothing_else(runs: Runs) -> None:
     for out in runs.reports.values():
         assert sorted(path.name for path in out.iterdir()) == sorted([
             "index.html", "run_summary.csv", "rank_summary.csv", "node_summary.csv", "state_timeline.csv",
-            "critical_path.csv", "node_resource_usage.csv", "process_resource_usage.csv", "gpu_usage.csv",
+            "critical_path.csv", "goodput.csv", "node_resource_usage.csv", "process_resource_usage.csv",
+            "gpu_usage.csv",
         ])
     assert not [path.name for path in runs.tmp.iterdir() if path.name.startswith(".report-")]  # no staging left
 
@@ -152,6 +154,7 @@ def test_csv_columns_are_the_documented_ones(runs: Runs) -> None:
         "node_summary.csv": list(csvs.NODE_SUMMARY_HEADER),
         "state_timeline.csv": list(csvs.STATE_TIMELINE_HEADER),
         "critical_path.csv": list(csvs.CRITICAL_PATH_HEADER),
+        "goodput.csv": list(GOODPUT_HEADER),
         "node_resource_usage.csv": ["time", "node", *csvs.NODE_RESOURCE_COLUMNS],
         "process_resource_usage.csv": ["time", "node", "rank", "pid", *csvs.PROCESS_RESOURCE_COLUMNS],
         "gpu_usage.csv": ["time", "node", "gpu", *csvs.GPU_COLUMNS, "source"],
@@ -351,7 +354,7 @@ def test_an_existing_directory_is_replaced_only_when_it_is_a_report(runs: Runs, 
     again = tmp_path / "again"
     for _ in range(2):  # the second run replaces the first report
         assert cli.main(["--prometheus", runs.prometheus, "--run", "data", "--out", str(again)]) == 0
-    assert len(list(again.iterdir())) == 9
+    assert len(list(again.iterdir())) == 10  # index.html and 9 CSVs
     assert sorted(path.name for path in tmp_path.iterdir()) == ["again", "notes"]
 
 
