@@ -83,7 +83,7 @@ def test_grafana_bundle_mounts_exist(mount: tuple[str, Path, str]) -> None:
 
 def test_ports_are_loopback_unless_overridden(compose: dict[str, Any]) -> None:
     published = [(name, p) for name, s in compose["services"].items() for p in s.get("ports", [])]
-    assert {name for name, _ in published} == {"exporter", "prometheus", "alertmanager", "grafana"}
+    assert {name for name, _ in published} == {"exporter", "prometheus", "alertmanager", "grafana", "victoria-metrics"}
     for name, port in published:
         host_ip, *ports = interpolate(port).split(":")
         assert len(ports) == 2, f"{name}: {port!r} must name the host IP to publish on"
