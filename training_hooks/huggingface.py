@@ -5,7 +5,9 @@ step feeds four batches, counted beside it in micro_batches_total. Samples are t
 really fed (a partial last batch or a short last accumulation counts what it holds). Phases (from
 `transformers.TrainerCallback` hooks, and the Trainer's `get_batch_samples` wrapped while training):
   dataloader_next     each `next()` on the epoch's batch iterator, nothing else (the Trainer fetches a
-                      step's batches before on_step_begin)
+                      step's batches before on_step_begin); under DDP an epoch's first `next()` also holds
+                      accelerate's broadcast of the RNG state, so a rank that waits there for another (one
+                      that was saving a checkpoint) counts that wait as loading
   train_batch         on_step_begin -> on_step_end (forward, backward, optimizer: not split by the Trainer)
   optimizer_step      on_pre_optimizer_step -> on_optimizer_step
   step_lr_schedulers  on_optimizer_step -> on_step_end (scheduler step and zero_grad)
