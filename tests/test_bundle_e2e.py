@@ -47,6 +47,14 @@ STATED_ONLY = "runs that state tokens or FLOPs only (the demos do not): tests/te
 MFU_PANELS = ("MFU", "Tokens/s", "Model FLOP/s", "Peak FLOP/s of the run's GPUs",
               "MFU per rank, and tensor-core activity", "Tokens/s and samples/s per rank")
 EMPTY_BY_DESIGN |= {("stepscope-training.json", panel): STATED_ONLY for panel in MFU_PANELS}
+# Goodput (docs/goodput.md): no run here stalls, counts tokens or holds a GPU idle (the busy and starved GPUs
+# are held; the idle one by nobody): grafana/rules/tests/goodput.yml proves those series.
+HELD_IDLE = "no GPU is held idle here: grafana/rules/tests/goodput.yml"
+EMPTY_BY_DESIGN |= {("stepscope-training.json", "Energy per token"): STATED_ONLY,
+                    ("stepscope-cluster.json", "GPU-hours held but idle"): HELD_IDLE,
+                    ("stepscope-cluster.json", "GPU-hours held but idle per namespace"): HELD_IDLE}
+RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordings.GPU_HELD_IDLE: HELD_IDLE,
+                          recordings.RANK_STALLED_SECONDS: "no run stalls here: grafana/rules/tests/goodput.yml"}
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
     recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU)}

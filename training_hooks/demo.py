@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer.step()
             with tracker.phase(LR_SCHEDULER_PHASE):
                 scheduler.step()
-            tracker.step(samples=len(x))
+            tracker.step(samples=len(x), global_step=tracker.steps + 1)  # a trainer's count (goodput: lost progress)
             progress.tick()
             if args.steps and tracker.steps >= args.steps:
                 break

@@ -530,17 +530,26 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 [Q(f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, RUN)}[$__range:{step}]))"
                    f" * {goodput.ACCOUNTING_STEP_SECONDS} / {goodput.JOULES_PER_KWH:g}", "kWh")],
                 "kwatth",
-                width=4,
+                width=3,
             )
         )
         .with_panel(
             stat_panel(
-                "Energy per sample and per token",
-                "Joules per training sample now: the run's GPU watts over its samples per second (1m); per token "
-                "where the run counts tokens (docs/mfu.md).",
-                [Q(sel(rec.RUN_ENERGY_PER_SAMPLE, RUN), "J/sample"), Q(sel(rec.RUN_ENERGY_PER_TOKEN, RUN), "J/token")],
+                "Energy per sample",
+                "Joules per training sample now: the run's GPU watts over its samples per second (1m).",
+                [Q(sel(rec.RUN_ENERGY_PER_SAMPLE, RUN), "J/sample")],
                 "joule",
-                width=4,
+                width=3,
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Energy per token",
+                "Joules per token now, where the run counts tokens (docs/mfu.md): the run's GPU watts over its "
+                "tokens per second (1m).",
+                [Q(sel(rec.RUN_ENERGY_PER_TOKEN, RUN), "J/token")],
+                "joule",
+                width=3,
             )
         )
         .with_panel(
@@ -549,7 +558,7 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Watts of the run's GPUs now (1m rate of their energy counters, shared GPUs split).",
                 [Q(sel(rec.RUN_ENERGY_RATE, RUN), "W")],
                 "watt",
-                width=4,
+                width=3,
             )
         )
         .with_panel(
