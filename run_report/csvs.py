@@ -89,13 +89,23 @@ def over_time(over: Mapping[str, list[Series]], columns: Mapping[str, str], keys
     return ["time", *keys, *names], [[iso(k[0]), *k[1:], *(rows[k].get(name) for name in names)] for k in ordered]
 
 
+CUDA_HEADER = ("cuda_peak_allocated_bytes", "cuda_max_reserved_bytes", "cuda_alloc_retries", "cuda_ooms")
+
+
+def _cuda_cells(rank: RankSummary) -> list[object]:
+    memory = rank.cuda
+    if memory is None:
+        return [None] * len(CUDA_HEADER)
+    return [memory.peak_bytes, memory.reserved_bytes, memory.alloc_retries, memory.ooms]
+
+
 def rank_rows(ranks: Sequence[RankSummary], phases: Sequence[str]) -> tuple[list[str], list[list[object]]]:
     header = [*RANK_SUMMARY_HEADER, *(f"share_{phase}" for phase in phases), "share_in_no_phase",
-              "step_time_score", "local_score", *STATE_SECONDS_HEADER]
+              "step_time_score", "local_score", *STATE_SECONDS_HEADER, *CUDA_HEADER]
     rows = [
         [rank.rank, rank.node, rank.local_rank, rank.pids, rank.steps, rank.samples, rank.mean, rank.p50, rank.p95,
          *(rank.share(phase) for phase in phases), rank.untimed_share, rank.step_time_score, rank.local_score,
-         *(rank.state_seconds.get(state) for state in STATES), rank.train_time_share]
+         *(rank.state_seconds.get(state) for state in STATES), rank.train_time_share, *_cuda_cells(rank)]
         for rank in ranks
     ]
     return header, rows

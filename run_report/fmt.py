@@ -25,6 +25,10 @@ def activity(value: float | None) -> str:
     return f"{value:.2f}" if value >= 0.01 else f"{value:.1g}"
 
 
+def gibibytes(value: float | None) -> str:
+    return "no data" if value is None else f"{value / 2**30:.3g} GiB"
+
+
 def score(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 

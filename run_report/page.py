@@ -84,6 +84,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         f"median over the rank's value (1 typical, below {STRAGGLER_SCORE:g} a straggler): of mean step time, and "
         f"of the local phases before the first collective ({LOCAL_PHASES_HTML}).</p>",
         _rank_table(report),
+        *_allocator_section(report),
         "<h2>Time per state</h2>",
         '<p class="note">Seconds each rank spent in each state over the window, as its hooks count them: every '
         "eval and checkpoint is in, however short (the Gantt chart above samples the state at each scrape). "
@@ -168,6 +169,22 @@ def _rank_table(report: Report) -> str:
         for rank in report.ranks
     ]
     return _table(header, rows, text_columns=2)
+
+
+def _allocator_section(report: Report) -> list[str]:
+    """PyTorch's caching allocator per rank, where ranks on CUDA pushed it; nothing for a CPU run."""
+    ranks = [rank for rank in report.ranks if rank.cuda is not None]
+    if not ranks:
+        return []
+    header = ["rank", "node", "peak allocated", "most reserved", "allocation retries", "OOMs"]
+    rows = [[rank.rank, rank.node, fmt.gibibytes(rank.cuda.peak_bytes), fmt.gibibytes(rank.cuda.reserved_bytes),
+             fmt.count(rank.cuda.alloc_retries), fmt.count(rank.cuda.ooms)] for rank in ranks]
+    return ["<h2>GPU memory (PyTorch's allocator)</h2>",
+            '<p class="note">Each rank\'s caching allocator over the window: the most given to tensors at once and '
+            "the most held from the GPU (reserved far above allocated is a cache, not pressure). Allocation retries "
+            "flush the cache and synchronize the GPU: steps slow down before an OOM "
+            "(StepscopeCudaAllocRetries).</p>",
+            _table(header, rows, text_columns=2)]
 
 
 def _state_table(report: Report) -> str:

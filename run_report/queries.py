@@ -94,6 +94,11 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "samples": inc(fam.SAMPLES_TOTAL),
         "tokens": inc(fam.TOKENS_TOTAL),  # docs/mfu.md: only ranks that count them
         "model_flops": inc(fam.MODEL_FLOPS_TOTAL),
+        # PyTorch's allocator per rank (on CUDA only; docs/hooks.md): the window's highest peak and reserve
+        "cuda_peak": f"max by ({RANK}) (max_over_time({sel(fam.CUDA_MEMORY_PEAK, r)}[{window.range_ms}]))",
+        "cuda_reserved": f"max by ({RANK}) (max_over_time({sel(fam.CUDA_MEMORY_RESERVED, r)}[{window.range_ms}]))",
+        "cuda_retries": inc(fam.CUDA_ALLOC_RETRIES),
+        "cuda_ooms": inc(fam.CUDA_OOMS),
         "step_seconds": inc(f"{fam.STEP_SECONDS}_sum"),
         "step_count": inc(f"{fam.STEP_SECONDS}_count"),
         "phase_seconds": inc(f"{fam.STEP_PHASE_SECONDS}_sum", f"{RANK}, phase"),

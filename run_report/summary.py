@@ -23,6 +23,16 @@ STRAGGLER_SCORE = THRESHOLDS["straggler_score"].value
 
 
 @dataclass(frozen=True)
+class CudaMemory:
+    """PyTorch's caching allocator of a rank over the window (pushed on CUDA only)."""
+
+    peak_bytes: float  # the most allocated to tensors at once
+    reserved_bytes: float  # the most the allocator held from the GPU
+    alloc_retries: float  # allocations that flushed the cache and retried
+    ooms: float
+
+
+@dataclass(frozen=True)
 class RankSummary:
     rank: str
     node: str
@@ -40,6 +50,7 @@ class RankSummary:
     # Seconds in each state over the window, as the hooks count them (stepscope_state_seconds_total): every
     # eval and checkpoint is in, however short; the state timeline only samples the state at each push.
     state_seconds: Mapping[str, float] = field(default_factory=dict)
+    cuda: CudaMemory | None = None  # None where the rank pushed no allocator memory (the CPU)
 
     @property
     def mean(self) -> float | None:
@@ -149,6 +160,7 @@ def rank_summaries(data: RunData) -> list[RankSummary]:
             steps_timed=values["step_count"].get((rank, node), 0.0),
             p50=_finite(values["p50"].get((rank, node))), p95=_finite(values["p95"].get((rank, node))),
             phase_seconds=phases.get((rank, node), {}), state_seconds=states.get((rank, node), {}),
+            cuda=_cuda_memory(totals, (rank, node)),
         )
         for rank, node in keys
     ]
@@ -219,6 +231,11 @@ def _with_scores(ranks: list[RankSummary]) -> list[RankSummary]:
 
 def _key(series: Series) -> tuple[str, str]:
     return series.labels.get("rank", ""), series.labels.get("instance", "")
+
+
+def _cuda_memory(totals: Mapping[str, list[Series]], key: tuple[str, str]) -> CudaMemory | None:
+    values = [_by_rank(totals[name]).get(key) for name in ("cuda_peak", "cuda_reserved", "cuda_retries", "cuda_ooms")]
+    return None if values[0] is None else CudaMemory(*(value or 0.0 for value in values))
 
 
 def _by_rank(results: list[Series]) -> dict[tuple[str, str], float]:

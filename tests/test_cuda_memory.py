@@ -4,7 +4,10 @@ shipped rules in a real Prometheus, where the dashboards' allocator queries answ
 (retries that keep climbing, a full cache against real pressure) are promtool cases in
 grafana/rules/tests/torch_memory.yml."""
 
+import csv
 import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import stepscope.hooks.tracker
 from grafana.rules import RULE_FILES
 from stepscope.contract import families, recordings
 from stepscope.hooks.cuda_memory import AllocatorMemory, read_allocator
+from stepscope.report.csvs import CUDA_HEADER
 from stepscope_testkit.fake_cuda import FakeCuda
 from stepscope_testkit.fake_nvml.scenario import GIB, make_gpu, write_scenario
 from stepscope_testkit.processes import running_exporter, scrape
@@ -82,16 +86,19 @@ def test_the_allocator_reaches_the_recorded_series_and_the_dashboards(
 ) -> None:
     """This process trains on GPU 0 of the fake NVML (it holds 70 GiB there); its fake allocator gives 24
     GiB to tensors and keeps 40 GiB cached: the per-GPU recordings say so, and every allocator query of
-    the Training and Node dashboards answers."""
+    the Training and Node dashboards answers. A 30 GiB spike between two pushes shows as a 54 GiB peak,
+    which the run report names with the window's most reserved."""
     cuda = FakeCuda()
     allocator = cuda.allocators[0]
     allocator.free(allocator.allocate(64 * GIB))
     allocator.allocate(24 * GIB)
+    read_allocator(cuda)  # the peak of what came before the run: read and reset
     monkeypatch.setattr(stepscope.hooks.tracker, "_cuda_module", lambda: cuda)
     scenario = {"driver_version": "550.54.15", "gpus": [make_gpu(0, "H100", processes=[(os.getpid(), 70 * GIB)])]}
     with running_exporter(tmp_path, fake_nvml_scenario=write_scenario(tmp_path / "nvml.json", scenario)) as exporter, \
             running_prometheus(tmp_path, {NODE: exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
-        tracker = th.init(run="alloc", rank=0, push_url=exporter.url, push_interval=0.5, handle_sigterm=False)
+        # pushes 2 s apart, scrapes every second: every push's peak is scraped
+        tracker = th.init(run="alloc", rank=0, push_url=exporter.url, push_interval=2, handle_sigterm=False)
         try:
             for _ in tracker.loader(range(3)):
                 tracker.step(samples=1)
@@ -106,5 +113,15 @@ def test_the_allocator_reaches_the_recorded_series_and_the_dashboards(
             assert {(q.dashboard, q.panel) for q in wanted} == ALLOCATOR_PANELS
             unanswered = lambda: [q.expr for q in wanted if not query(prometheus.url, q.expr)]  # noqa: E731
             assert wait_for(lambda: not unanswered(), 60), unanswered()  # rate() needs two scrapes
+            allocator.free(allocator.allocate(30 * GIB))
+            peak = f'{families.CUDA_MEMORY_PEAK}{{run="alloc"}} == {54 * GIB}'
+            assert wait_for(lambda: query(prometheus.url, peak), 30)
+            report = tmp_path / "report"
+            done = subprocess.run([sys.executable, "-m", "stepscope.report", "--prometheus", prometheus.url,
+                                   "--run", "alloc", "--out", str(report)], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            [row] = csv.DictReader((report / "rank_summary.csv").open())
+            assert [float(row[c]) for c in CUDA_HEADER] == [54 * GIB, 64 * GIB, 0, 0]
+            assert "GPU memory (PyTorch's allocator)" in (report / "index.html").read_text()
         finally:
             tracker.close()

@@ -150,7 +150,7 @@ def test_csv_columns_are_the_documented_ones(runs: Runs) -> None:
         "run_summary.csv": list(RUN_SUMMARY_HEADER),
         "rank_summary.csv": [*csvs.RANK_SUMMARY_HEADER, *(f"share_{p}" for p in phases), "share_in_no_phase",
                              "step_time_score", "local_score", "setup_seconds", "train_seconds", "eval_seconds",
-                             "checkpoint_seconds", "idle_seconds", "train_time_share"],
+                             "checkpoint_seconds", "idle_seconds", "train_time_share", *csvs.CUDA_HEADER],
         "node_summary.csv": list(csvs.NODE_SUMMARY_HEADER),
         "state_timeline.csv": list(csvs.STATE_TIMELINE_HEADER),
         "critical_path.csv": list(csvs.CRITICAL_PATH_HEADER),
