@@ -15,6 +15,7 @@ import requests
 
 import stepscope.hooks as th
 from stepscope.contract import STANDARD_PHASES
+from stepscope.hooks.cuda_memory import AllocatorMemory
 from stepscope.hooks.render import render
 from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
 from stepscope_testkit.processes import running_exporter, scrape
@@ -45,6 +46,10 @@ def trained_tracker(rank: int, rng: random.Random, run: str = "budget", world_si
     return tracker
 
 
+# The ranks train on the GPUs, so they push their caching allocator's memory too (six series a rank).
+GPU_RANK_ALLOCATOR = AllocatorMemory(40 * 2**30, 60 * 2**30, 52 * 2**30, 2**30, 0, 0)
+
+
 def capture_node_scrape(workdir: Path, run: str = "budget", world_size: int = GPUS, **settings: object) -> str:
     """The exporter's /metrics once every rank's process shows on its GPU (8 sleeping processes stand
     in for the ranks' pids: the hooks' body names them, the fake NVML puts one on each GPU)."""
@@ -60,7 +65,8 @@ def capture_node_scrape(workdir: Path, run: str = "budget", world_size: int = GP
                 info = {**snapshot.info, "pid": str(pid), "local_rank": str(rank)}
                 info.pop("start_time", None)  # the sleeper is the rank's process, in our pid namespace
                 steps = snapshot.step.count  # the trained tracker observes steps without step()
-                body = render(dataclasses.replace(snapshot, info=info, steps=steps, samples=SAMPLES_PER_STEP * steps))
+                body = render(dataclasses.replace(snapshot, info=info, steps=steps, samples=SAMPLES_PER_STEP * steps,
+                                                  allocator=GPU_RANK_ALLOCATOR))
                 tracker.close()
                 url = f"{exporter.url}/metrics/job/stepscope/run/{run}/rank/{rank}"
                 requests.put(url, data=body.encode(), timeout=10).raise_for_status()
