@@ -29,7 +29,7 @@ MIB = 2**20
 NODE = "node-1"
 ALLOCATOR_PANELS = {("stepscope-training.json", "PyTorch allocator memory per rank"),
                     ("stepscope-training.json", "Allocation retries and OOMs per rank"),
-                    ("stepscope-node.json", "GPU memory")}
+                    ("stepscope-node.json", "GPU memory in PyTorch's allocators")}
 
 
 def test_reads_the_allocator_and_its_peak_since_the_previous_read() -> None:

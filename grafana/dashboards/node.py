@@ -283,13 +283,23 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "GPU memory",
                 "Framebuffer memory used, free and total per GPU. PyTorch's caching allocator keeps freed "
-                "memory reserved, so used stays high after peaks: where training ranks on the GPU push their "
-                "allocator's memory (on CUDA), the panel splits it into bytes given to tensors and bytes cached "
-                "but free (a full cache, not pressure).",
+                "memory reserved, so used stays high after peaks (the next panel splits it).",
                 [
                     Q(sel(fam.GPU_MEMORY_USED, GPUS), "GPU {{gpu}} used"),
                     Q(sel(fam.GPU_MEMORY_FREE, GPUS), "GPU {{gpu}} free"),
                     Q(sel(fam.GPU_MEMORY_TOTAL, GPUS), "GPU {{gpu}} total"),
+                ],
+                "bytes",
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "GPU memory in PyTorch's allocators",
+                "Where training ranks on the GPU push their caching allocator's memory (on CUDA; empty for ranks "
+                "on the CPU): bytes given to tensors and bytes the allocators keep cached but free. A GPU nearly "
+                "full with a large cached share has a full cache the ranks reuse, not memory pressure.",
+                [
                     Q(sel(rec.GPU_TORCH_ALLOCATED, GPUS), "GPU {{gpu}} PyTorch tensors"),
                     Q(sel(rec.GPU_TORCH_CACHED, GPUS), "GPU {{gpu}} PyTorch cached, free"),
                 ],
