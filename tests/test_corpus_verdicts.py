@@ -8,8 +8,8 @@ active 0.73, at its 700 W power cap) is GPU-bound and pages nobody. The threshol
 checked against the recorded readings they were set from.
 
 Each check runs on Prometheus and on VictoriaMetrics + vmalert (docs/engines.md). There every level of
-new recorded series takes ~10 s to become visible, so the verdict came 23-27 s after the settle time
-instead of 1-8 s, and the recordings are served 1.7 times as long (a run of about 100 s instead of
+new recorded series takes ~10 s to become visible, so the verdict came 9-27 s after the settle time
+instead of 2 s, and the recordings are served 1.5 times as long (a run of about 90 s instead of
 60, the same readings) for the verdict to speak while the run trains.
 """
 
@@ -28,11 +28,12 @@ pytestmark = pytest.mark.timeout(300)
 
 RECORDINGS = recordings()
 SETTLE_S = THRESHOLDS["verdict_settle_seconds"].value
-STRETCH = {"prometheus": 1.0, "victoriametrics": 1.7}  # each scrape served this many times as long
+STRETCH = {"prometheus": 1.0, "victoriametrics": 1.5}  # each scrape served this many times as long
 # Seconds after the settle time within which the first verdict must come (evaluations every second):
 # Prometheus evaluates the levels of a group in one evaluation; on VictoriaMetrics the verdict, and the
 # per-GPU readings it waits for, are new series (~10 s each to become visible).
 VERDICT_LAG_S = {"prometheus": 8, "victoriametrics": 35}
+TRANSIENT_UNDETERMINED = 2  # readings (seconds) of `undetermined` before the verdict, VictoriaMetrics only
 # The alerts that are true of a workload with this verdict while it trains (the `for: 0s` copies).
 TRUE_ALERTS = {
     verdicts.GPU_BOUND: set(),
@@ -66,11 +67,19 @@ def test_the_corpus_holds_every_verdict_a_gpu_run_can_get() -> None:
 
 
 @pytest.mark.parametrize("case", WORKLOADS, ids=map(_id, WORKLOADS))
-def test_each_workload_gets_its_verdict_and_no_other(judged: dict, case: tuple[Recording, str]) -> None:
+def test_each_workload_gets_its_verdict_and_no_other(judged: dict, engine: str, case: tuple[Recording, str]) -> None:
     recording, name = case
     result = judged[recording.name][name]
     expected = result.workload.expected_verdict
-    seen = {reading.verdict for reading in result.training()} - {None, verdicts.IDLE}
+    readings = [reading.verdict for reading in result.training()]
+    if engine == "victoriametrics" and expected in readings:
+        # The verdict's evidence is new series there, visible in different evaluations: vmalert read a
+        # run undetermined for one evaluation as its verdict first came (docs/engines.md); no more.
+        first = readings.index(expected)
+        early = [verdict for verdict in readings[:first] if verdict == verdicts.UNDETERMINED]
+        assert len(early) <= TRANSIENT_UNDETERMINED, f"{name}: {dict(result.shares())}"
+        readings = [verdict for verdict in readings[:first] if verdict != verdicts.UNDETERMINED] + readings[first:]
+    seen = set(readings) - {None, verdicts.IDLE}
     assert seen == {expected}, f"{name}: {dict(result.shares())}"
     last = [reading.verdict for reading in result.training()][-10:]
     assert last == [expected] * 10, f"{name}: the last 10 s of training read {last}"
