@@ -1,8 +1,8 @@
 """Every metric family stepscope publishes: name, type, labels, meaning, and for the pushed families the
 help text and value rules both the hooks and the exporter's ingest use.
 
-The order is the metric table's of docs/exporter.md ("What it publishes"): `python -m grafana generate` writes that table
-from FAMILIES, merging neighbours that share type, labels and meaning into one row.
+The order is the metric table's of docs/exporter.md ("What it publishes"): `python -m grafana generate` writes
+that table from FAMILIES, merging neighbours that share type, labels and meaning into one row.
 """
 
 from collections.abc import Mapping
