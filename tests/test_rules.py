@@ -13,6 +13,7 @@ from grafana.rules import rules as rules_of
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
+from tests.support.dashboard_queries import panel_queries
 from tests.support.readme import doc_section
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
@@ -144,6 +145,15 @@ def test_run_rules_read_only_what_the_shards_send() -> None:
         for name in names_read(rule["expr"]) - run_records:
             assert re.fullmatch(keep, name) and not re.fullmatch(drop, name), f"shards do not send {name}"
             assert name in records_of(NODE_RULES) | EXPORTER_METRICS, name
+
+
+def test_the_cluster_dashboard_reads_only_what_the_shards_send() -> None:
+    """The Cluster dashboard is the fleet view a global layer serves (docs/deployment.md): every name its
+    queries read must pass the shards' write filter (the per-namespace panels read the pod info)."""
+    keep, drop = shard_write_filter()
+    read = {name for q in panel_queries() if q.dashboard == "stepscope-cluster.json" for name in names_read(q.expr)}
+    assert read, "no Cluster dashboard queries found"
+    assert sorted(name for name in read if not re.fullmatch(keep, name) or re.fullmatch(drop, name)) == []
 
 
 def test_the_write_filter_sends_every_node_recording_and_no_raw_bucket() -> None:
