@@ -73,7 +73,7 @@ def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path, m
         for batch in tracker.loader(range(200)):
             with tracker.phase("forward"):
                 sum(range(1000 + batch))
-            tracker.step(samples=8, tokens=8 * 512)
+            tracker.step(samples=8, tokens=8 * 512, global_step=tracker.steps + 1)  # as a framework passes it
             if request_state(exporter.url, trace)["state"] in ("done", "failed"):
                 break
             time.sleep(0.05)
