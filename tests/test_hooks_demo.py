@@ -4,8 +4,10 @@ demo command docs/hooks.md shows and reads their pushed steps, samples and phase
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,30 @@ def test_demo_says_what_it_does_while_it_trains() -> None:
     assert [int(m.group(1)) for m in matches] == sorted(int(m.group(1)) for m in matches)
     assert 0 < int(matches[-1].group(2)) <= 100, progress  # the loader sleeps 20 ms of each step
 
+
+
+def test_a_stopped_process_group_with_loader_workers_ends_in_one_line(tmp_path: Path) -> None:
+    """SIGTERM to the demo's whole process group (a shell's job control, `timeout`, Ctrl-C) can reach the
+    loader workers before the trainer: the trainer then says so in one line, no traceback."""
+    log = tmp_path / "demo.log"
+    with log.open("w") as out:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "stepscope.hooks.demo", "--run", "stop", "--push-url", "", "--loader-workers",
+             "2", "--progress-every", "0.5"],
+            cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        deadline = time.monotonic() + 90
+        while " steps, " not in log.read_text() and demo.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(demo.pid)], capture_output=True, text=True).stdout.split()
+        for worker in workers:  # the workers first, as a group signal may deliver it
+            os.kill(int(worker), signal.SIGTERM)
+        demo.wait(timeout=60)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert workers, text
+    assert "Traceback" not in text, text
+    assert "stepscope demo: stopped after" in text, text

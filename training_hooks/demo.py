@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -280,10 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     evaluate(model, args.batch_size, args.eval_seconds)
     except KeyboardInterrupt:
         pass
-    except RuntimeError as exc:  # gloo reports a dead peer or a timeout as a plain RuntimeError
+    except (RuntimeError, ConnectionResetError) as exc:  # gloo: a dead peer or a timeout is a RuntimeError
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if _loader_workers_stopped(exc, reason, args.loader_workers):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise again for the next one
+            print(f"stepscope demo: stopped after {tracker.steps} steps: {reason}", file=sys.stderr)
+            return 143
         if not args.ddp:
             raise
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"stepscope demo: lost the process group after {tracker.steps} steps: {reason}", file=sys.stderr)
         return 1
     finally:
@@ -292,6 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.destroy_process_group()
     print(f"stepscope demo: {tracker.steps} steps done", flush=True)
     return 0
+
+
+def _loader_workers_stopped(exc: Exception, reason: str, workers: int) -> bool:
+    """Whether `exc` says the loader's workers were stopped under it: a signal to the whole process group
+    (job control, `timeout`) can reach them before the trainer, which then reads a worker gone (RuntimeError)
+    or a connection reset in the middle of a batch's transfer."""
+    return workers > 0 and (reason.startswith("DataLoader worker") or isinstance(exc, ConnectionResetError))
 
 
 if __name__ == "__main__":
