@@ -72,6 +72,14 @@ def _int_env(env: Mapping[str, str], name: str, default: int, minimum: int) -> i
     return value
 
 
+def _float_env(env: Mapping[str, str], name: str, what: str) -> float:
+    raw = env[name]
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+
+
 def _bool_env(env: Mapping[str, str], name: str) -> bool:
     raw = env[name].strip().lower()
     if raw in ("1", "true", "yes", "on"):
@@ -187,12 +195,7 @@ class Config:
         if "push_token" not in values and env.get("STEPSCOPE_PUSH_TOKEN"):
             values["push_token"] = env["STEPSCOPE_PUSH_TOKEN"].strip()
         if "push_interval" not in values and env.get("STEPSCOPE_PUSH_INTERVAL"):
-            raw = env["STEPSCOPE_PUSH_INTERVAL"]
-            try:
-                values["push_interval"] = float(raw)
-            except ValueError:
-                raise ValueError(f"STEPSCOPE_PUSH_INTERVAL must be a number of seconds, got {raw!r}") \
-                    from None
+            values["push_interval"] = _float_env(env, "STEPSCOPE_PUSH_INTERVAL", "a number of seconds")
         if "buckets" not in values and env.get("STEPSCOPE_BUCKETS"):
             raw = env["STEPSCOPE_BUCKETS"]
             try:
@@ -208,10 +211,5 @@ class Config:
         if "flops_dtype" not in values and env.get("STEPSCOPE_FLOPS_DTYPE", "").strip():
             values["flops_dtype"] = env["STEPSCOPE_FLOPS_DTYPE"].strip()
         if "peak_flops" not in values and env.get("STEPSCOPE_PEAK_FLOPS", "").strip():
-            raw = env["STEPSCOPE_PEAK_FLOPS"]
-            try:
-                values["peak_flops"] = float(raw)
-            except ValueError:
-                raise ValueError(f"STEPSCOPE_PEAK_FLOPS must be FLOP/s (a number like 989.4e12), got {raw!r}") \
-                    from None
+            values["peak_flops"] = _float_env(env, "STEPSCOPE_PEAK_FLOPS", "FLOP/s (a number like 989.4e12)")
         return cls(**values)  # type: ignore[arg-type]
