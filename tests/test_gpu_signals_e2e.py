@@ -39,7 +39,7 @@ LAUNCH_BOUND_UTILIZATION = {"gpu": 14, "memory": 0}  # NVML on an H100 running a
 # Verdicts wait until a rank has trained 30 s, then read 1m windows; the trainers start after Prometheus
 SETTLE_SECONDS = 120
 TRAINER = """
-import time, training_hooks as th
+import time, stepscope.hooks as th
 tracker = th.init(run={run!r}, push_url={url!r}, push_interval=1)
 while True:  # a training loop: ~20 steps/s, no loader(), so its first step() means train
     time.sleep(0.05)

@@ -39,7 +39,7 @@ PUSH_INTERVAL = "0.2"
 CONSOLE_SCRIPT = Path(sys.executable).parent / "stepscope-profile"
 # rank 1: the hooks in a process that never imports torch (no profiler there)
 NO_TORCH_RANK = f"""
-import time, training_hooks as th
+import time, stepscope.hooks as th
 tracker = th.init(run={RUN!r}, rank=1, world_size=2, push_interval={PUSH_INTERVAL})
 while True:
     tracker.step(samples=1)

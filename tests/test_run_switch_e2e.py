@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # Runs "first", closes it (its final push says idle), waits for a line on stdin, then runs "second".
 TRAINER = """
-import sys, training_hooks as th
+import sys, stepscope.hooks as th
 
 first = th.init(run="first", push_url=sys.argv[1], push_interval=0.2, handle_sigterm=False)
 first.step(samples=8)

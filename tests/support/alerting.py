@@ -36,7 +36,7 @@ DOCKER = REPO_ROOT / "docker"
 ALERTMANAGER_DIR = DOCKER / "alertmanager"
 SHIPPED_PROMETHEUS = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
 TRAINER = """
-import sys, time, training_hooks as th
+import sys, time, stepscope.hooks as th
 run, rank, world, url, loader_s, compute_s = sys.argv[1:7]
 tracker = th.init(run=run, rank=int(rank), world_size=int(world), push_url=url, push_interval=0.5)
 if float(loader_s) < 0:  # stalled: steps, then hangs fetching a batch, alive and pushing in state train
