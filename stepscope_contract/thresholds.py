@@ -90,8 +90,9 @@ THRESHOLDS: Mapping[str, Threshold] = {
         0.2, "share of time a thermal or hardware clock event (or a power cap that costs too much clock) is "
         "active above which a GPU is throttled", ("StepscopeGpuThrottling",)),
     "power_cap_clock_ratio": Threshold(
-        0.75, "SM clock over the GPU's maximum below which power capping costs more than a GPU at its power "
-        "limit does (H100 at its 700 W cap on bf16 matmuls: 1.695-1.77 of 1.98 GHz, 0.86-0.89)",
+        0.7, "SM clock over the GPU's maximum below which power capping costs more than a GPU at its power "
+        "limit does (at their 700 W cap on bf16 matmuls an H100 ran 1.695-1.77 of 1.98 GHz, 0.86-0.89, and an "
+        "H200 1.53-1.725 GHz, 0.77-0.87, 0.82 on average)",
         ("StepscopeGpuThrottling",)),
     "collector_stale_seconds": Threshold(
         120, "age of a collector's last success above which its readings are stale",

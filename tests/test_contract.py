@@ -247,7 +247,7 @@ def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_
     dashboards = generated_dashboards(copy)
     assert "stepscope_profile_trace_step_count{" in dashboards and "stepscope_profile_trace_steps" not in dashboards
     assert "fetch_batch" in dashboards and "dataloader_next" not in dashboards
-    assert "above 35% the run is data bound" in dashboards and "30%" not in dashboards
+    assert "above 35% the run is data bound" in dashboards and "above 30% the run is data bound" not in dashboards
     report = run_in(copy, "-c", "from stepscope.report.queries import PHASE_LOCAL; print(PHASE_LOCAL)")
     assert report.stdout == "fetch_batch|to_device|forward\n", report.stderr
 
