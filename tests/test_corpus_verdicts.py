@@ -1,6 +1,8 @@
-"""Verdicts and alerts on real GPU readings: exporter scrapes recorded on an NVIDIA H100 while known
-workloads trained (benchmarks/corpus/, with the truth each loop measured) are replayed at their recorded
-pace to a real Prometheus running the shipped rules (tests/support/replay_judge.py).
+"""Verdicts and alerts on real GPU readings: exporter scrapes recorded on an NVIDIA H100 (the shared corpus)
+and an H200 (benchmarks/record_gpu_corpus.py: a bf16 MLP and conv net, input copies, CPU preprocessing in the
+training thread, DDP with two ranks on one GPU) while known workloads trained (benchmarks/corpus/, with the
+truth each loop measured) are replayed at their recorded pace to a real Prometheus running the shipped rules
+(tests/support/replay_judge.py).
 
 Each workload must get its verdict and no other, none before a rank has trained the settle time, and
 exactly the alerts that are true of it while the verdict speaks: a saturated bf16 GPU (NVML 0.98, SM
@@ -15,6 +17,7 @@ instead of 2 s, and the recordings are served 1.5 times as long (a run of about 
 
 import statistics
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,7 @@ STRETCH = {"prometheus": 1.0, "victoriametrics": 1.5}  # each scrape served this
 # Prometheus evaluates the levels of a group in one evaluation; on VictoriaMetrics the verdict, and the
 # per-GPU readings it waits for, are new series (~10 s each to become visible).
 VERDICT_LAG_S = {"prometheus": 8, "victoriametrics": 35}
+REPLAY_S = 90.0  # seconds of each recorded workload served (the H100's last ~70 s, the H200's 80-140 s)
 TRANSIENT_UNDETERMINED = 2  # readings (seconds) of `undetermined` before the verdict, VictoriaMetrics only
 # The alerts that are true of a workload with this verdict while it trains (the `for: 0s` copies).
 TRUE_ALERTS = {
@@ -49,12 +53,22 @@ def engine(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def trimmed(workload: Workload) -> Workload:
+    """`workload`'s first REPLAY_S seconds: its verdict speaks from ~40 s, its last 10 s in train are then
+    the last 10 s served (the whole of each recording is judged by benchmarks/bench_verdicts.py)."""
+    kept = sum(offset <= REPLAY_S for offset in workload.offsets)
+    return replace(workload, offsets=workload.offsets[:kept], bodies=workload.bodies[:kept])
+
+
 @pytest.fixture(scope="module")
 def judged(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Judged]]]:
-    """Every recording judged once per engine (each replays its workloads side by side, ~80 s, twice
-    that on VictoriaMetrics)."""
-    yield {recording.name: judge(recording, tmp_path_factory.mktemp(f"{recording.name}-{engine}"),
-                                 engine=engine, stretch=STRETCH[engine]) for recording in RECORDINGS}
+    """Every workload of every recording judged at once per engine, side by side (one target each, run
+    names differ between recordings): ~100 s, 1.5 times that on VictoriaMetrics."""
+    together = Recording("corpus", "", {f"{recording.name}.{name}": trimmed(workload)
+                                        for recording in RECORDINGS for name, workload in recording.workloads.items()})
+    result = judge(together, tmp_path_factory.mktemp(f"corpus-{engine}"), engine=engine, stretch=STRETCH[engine])
+    yield {recording.name: {name: result[f"{recording.name}.{name}"] for name in recording.workloads}
+           for recording in RECORDINGS}
 
 
 def _id(case: tuple[Recording, str]) -> str:
