@@ -24,10 +24,11 @@ GIB = 1024**3
 # Per-model templates: identity and limits of the real models; readings are a saturated training GPU as
 # an H100 80GB HBM3 reported it (benchmarks/corpus/h100-2026-11-24, mlp_bf16: 4 x Linear(8192) in bf16
 # at its 700 W cap): NVML utilization 98%, memory-controller 38%, SM active 73%, SM occupancy 18%,
-# tensor 57%, DRAM 30%, 688 W, SM clock 1.695-1.77 of 1.98 GHz, 61 C. No other model has been recorded:
-# the GH200 (the same Hopper SMs) takes the H100's GPM readings, and every model the same NVML
-# utilization (a saturated GPU reads 98-100% on any of them); power, clocks and temperatures keep each
-# model's own limits.
+# tensor 57%, DRAM 30%, 688 W, SM clock 1.695-1.77 of 1.98 GHz, 61 C. The H200 template is the H200's own
+# recording of the same model (benchmarks/corpus/h200-2026-11-26, mlp_bf16, medians of steady training).
+# No other model has been recorded: the GH200 (the same Hopper SMs) takes the H100's GPM readings, and
+# every other model the same NVML utilization (a saturated GPU reads 98-100% on any of them); power,
+# clocks and temperatures keep each model's own limits.
 BUSY_UTILIZATION = {"gpu": 98, "memory": 38}
 PCIE_KBPS = {"rx": 11_704_627, "tx": 703_386}  # 12.0 and 0.72 GB/s: the batches copied in from pinned memory
 HOPPER_GPM = {"sm_util": 72.5, "sm_occupancy": 17.6, "any_tensor_util": 57.5, "dram_bw_util": 29.9}
@@ -40,6 +41,16 @@ MODELS: dict[str, dict[str, Any]] = {
         "gpm": {**HOPPER_GPM,
                 "pcie_tx_per_sec": PCIE_KBPS["tx"] / 1024, "pcie_rx_per_sec": PCIE_KBPS["rx"] / 1024,  # MiB/s
                 "nvlink_total_tx_per_sec": 48_000.0, "nvlink_total_rx_per_sec": 47_500.0},  # no C2C
+    },
+    "H200": {  # recorded: 4 x Linear(8192) bf16 at its 700 W cap (its memory use is that small model's)
+        "name": "NVIDIA H200",
+        "utilization": {"gpu": 99, "memory": 31},
+        "memory": {"total": 150_754_820_096, "used": 2_502_754_304, "reserved": GIB // 2},
+        "power_usage_mw": 693_000, "enforced_power_limit_mw": 700_000,
+        "clocks_mhz": {"sm": 1620, "mem": 3201}, "max_clocks_mhz": {"sm": 1980, "mem": 3201}, "temperature_c": 50,
+        "gpm": {"sm_util": 83.1, "sm_occupancy": 17.8, "any_tensor_util": 69.8, "dram_bw_util": 22.6,
+                "pcie_tx_per_sec": 402_170_274 / 2**20, "pcie_rx_per_sec": 6_656_715_267 / 2**20,  # MiB/s
+                "nvlink_total_tx_per_sec": 0.0, "nvlink_total_rx_per_sec": 0.0},  # one GPU, no NVLink peer
     },
     "GH200": {  # Grace Hopper: the GPU reaches its CPU over NVLink-C2C, so host copies bypass PCIe
         "name": "NVIDIA GH200 480GB",
