@@ -12,6 +12,7 @@ from stepscope.report import csvs, page, plots
 from stepscope.report.collect import RunData
 from stepscope.report.goodput import CSV_HEADER as GOODPUT_HEADER
 from stepscope.report.goodput import Goodput, account
+from stepscope.report.mfu import Throughput
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import (
     NodeSummary,
@@ -36,7 +37,7 @@ RUN_SUMMARY_HEADER = (
     "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "mean_step_seconds",
     "p50_step_seconds", "p95_step_seconds", "dataloader_share", "io_samples_per_second",
     "training_samples_per_second", "gpu_effective_utilization_ratio", "gpu_utilization_ratio", "verdict",
-    "stragglers",
+    "stragglers", "tokens", "tokens_per_second", "model_flops_per_second", "peak_flops_per_second", "mfu_ratio",
 )
 
 
@@ -141,4 +142,13 @@ def _run_row(report: Report) -> list[object]:
         " ".join(report.data.nodes), totals.steps, totals.samples, totals.mean, totals.p50, totals.p95,
         totals.dataloader_share, totals.io_samples_per_second, totals.training_samples_per_second,
         a.gpus.effective, a.gpus.nvml, a.verdict, " ".join(rank.rank for rank in a.stragglers),
+        *_throughput_cells(a.throughput),
     ]
+
+
+def _throughput_cells(throughput: Throughput | None) -> list[float | None]:
+    """Tokens, tokens/s, achieved and peak FLOP/s and MFU (docs/mfu.md); empty where the run counts none."""
+    if throughput is None:
+        return [None] * 5
+    return [throughput.tokens, throughput.tokens_per_second, throughput.flops_per_second, throughput.peak_flops,
+            throughput.mfu]

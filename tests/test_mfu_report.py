@@ -3,6 +3,9 @@ the MFU where the run has one, the key numbers show tokens, tokens/s, FLOP/s and
 run that counts neither shows none of them. The H100 figures are the corpus mlp_bf16's (NVML 0.98, SM
 active 0.73, tensor cores 0.58, MFU 0.51 from its FLOP counter count over its measured step time)."""
 
+import csv
+from pathlib import Path
+
 from stepscope.contract import verdicts
 from stepscope.report import page, queries, report
 from stepscope.report.collect import RunData
@@ -45,8 +48,20 @@ def test_the_headline_names_the_mfu_and_the_page_its_figures() -> None:
     assert "<td>400,000,000</td>" in html and "<td>4,000,000</td>" in html
 
 
-def test_a_run_without_tokens_or_flops_shows_none_of_them() -> None:
+def test_run_summary_csv_holds_the_tokens_flops_and_mfu(tmp_path: Path) -> None:
+    built = report.build(_data(run_mfu=0.51, run_tokens_rate=4.0e6, run_model_flops_rate=0.51 * H100_BF16,
+                               run_peak_flops=H100_BF16), "http://prometheus")
+    report.write(built, tmp_path)
+    row = next(csv.DictReader((tmp_path / "run_summary.csv").open()))
+    assert (row["tokens"], row["tokens_per_second"], row["mfu_ratio"]) == ("400000000", "4000000", "0.51")
+    assert float(row["model_flops_per_second"]) == 0.51 * H100_BF16 and float(row["peak_flops_per_second"]) == H100_BF16
+
+
+def test_a_run_without_tokens_or_flops_shows_none_of_them(tmp_path: Path) -> None:
     built = report.build(_data(), "http://prometheus")
+    report.write(built, tmp_path)
+    row = next(csv.DictReader((tmp_path / "run_summary.csv").open()))
+    assert [row[name] for name in ("tokens", "tokens_per_second", "model_flops_per_second", "mfu_ratio")] == [""] * 4
     assert "MFU" not in built.assessment.headline
     assert "MFU while training" not in page.render(built, {}, []) and "tokens (all ranks)" not in page.render(
         built, {}, [])
