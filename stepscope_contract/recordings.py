@@ -109,6 +109,10 @@ RUN_ENERGY_PER_TOKEN = "run:stepscope_gpu_energy_per_token_joules:rate1m"  # run
 RUN_TRAINING_SAMPLES_RATE = "run:stepscope_samples_per_train_second:rate1m"
 RUN_TRAINING_SAMPLES_BASELINE = "run:stepscope_samples_per_train_second:median1h"
 GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and holding run (run "" unregistered)
+# Lost progress: global steps done again after a restore, per second over 1m (0 for a rank that passes its
+# global step and has not stepped back; the run's: the most any of its ranks redid, its global steps).
+RANK_STEPS_REDONE_RATE = "run_rank:stepscope_steps_redone:rate1m"
+RUN_STEPS_REDONE_RATE = "run:stepscope_steps_redone:rate1m"
 
 
 def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:

@@ -486,6 +486,7 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     productive = sel(rec.RUN_TIME_BY_CAUSE, f'{RUN},cause="{goodput.PRODUCTIVE}"')
     step = goodput.ACCOUNTING_STEP
     slower = contract.THRESHOLDS["slower_than_itself"]
+    redone = sel(rec.RUN_STEPS_REDONE_RATE, RUN)
     board = board.with_row(row("Where the time went"))
     return (
         board.with_panel(
@@ -573,6 +574,29 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                     Q(f"{slower.number} * {sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN)}", "alert below"),
                 ],
                 SAMPLES_PER_SECOND,
+                limits=(0, None),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Steps redone after restores (range)",
+                "Lost progress: global steps the run did again after restoring a checkpoint (where the loop "
+                "passes its global step), summed at "
+                f"{step} resolution over the time range. Their time counts as productive here; the report moves "
+                "it to lost_progress.",
+                [Q(f"sum(sum_over_time({redone}[$__range:{step}])) * {goodput.ACCOUNTING_STEP_SECONDS}", "steps")],
+                "none",
+                width=6,
+            )
+        )
+        .with_panel(
+            timeseries_panel(
+                "Steps redone after restores",
+                "Global steps done again per minute: a restore from a checkpoint shows as the steps between "
+                "where the run was and where it restarted from.",
+                [Q(f"{redone} * 60", "{{run}}")],
+                "none",
+                width=18,
                 limits=(0, None),
             )
         )
