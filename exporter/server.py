@@ -335,7 +335,8 @@ class ExporterServer:
             try:
                 allowed = await self.auth.allows(request.headers.get("Authorization"), client)
             except AuthBusy as busy:
-                return _text(HTTPStatus.TOO_MANY_REQUESTS, str(busy), close=close, headers={"Retry-After": "1"})
+                return _text(HTTPStatus.TOO_MANY_REQUESTS, str(busy), close=close,
+                             headers={"Retry-After": str(busy.retry_after)})
             if not allowed:
                 return _text(HTTPStatus.UNAUTHORIZED, "unauthorized", close=close,
                              headers={"WWW-Authenticate": 'Basic realm="stepscope"'})

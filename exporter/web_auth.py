@@ -13,6 +13,13 @@ connections wait. What keeps the legitimate scraper in under such a flood:
   one from a client address that already has one waiting or running, is refused at once (AuthBusy, a
   429 with Retry-After) instead of holding its connection. An IPv6 address counts by its /64, what one
   host is usually given, so one host cannot hold every slot by changing its address;
+- an address whose checks were denied gets no new one for a while (429 with Retry-After, no hash):
+  from its third denial in a row (a mistyped password and user name cost no wait), 0.25 s, doubling
+  with each further denial up to 30 s; a grant ends it. Many
+  addresses guessing at once are thereby each heard at most about once per 30 s, and the last free
+  slot is kept for an address with no denial remembered, so a login not cached yet (the first scrape
+  after a restart or a password change) finds it once every guesser has been denied once. An address
+  that never sent a wrong password is never delayed;
 - a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
   client that only closed its side is not known to be gone (it may be waiting for the answer, as
   `nc -N` does), so its check runs; the bound above is what caps those.
@@ -27,10 +34,12 @@ import hmac
 import ipaddress
 import os
 import secrets
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from math import ceil
 from typing import Protocol
 
 import bcrypt
@@ -39,13 +48,23 @@ GRANTED_CACHE_SIZE = 64  # right passwords only: as many as users and their rota
 DENIED_CACHE_SIZE = 1024  # a repeated wrong password (a stale secret) costs a lookup too
 HASH_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # never more than half the CPUs hashing
 HASH_WAITING = 4
+RESERVED_SLOTS = 1  # of those, kept for addresses with no denial remembered (a new login, not a guesser)
+BACKOFF_FREE_DENIALS = 2  # denials in a row an address may have with no wait: a person's typos
+BACKOFF_FIRST_SECONDS = 0.25  # the wait after the next one, doubling with each further denial in a row
+BACKOFF_MAX_SECONDS = 30.0  # at most: two scrapes of a 15 s interval, once its password is put right
+BACKOFF_ADDRESSES = 4096  # denied address groups remembered (~1 MiB); the least recently denied go first
 BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no further; bcrypt>=5 refuses longer ones
 # a cost-10 bcrypt of a password nobody sends: an unknown user costs what a known one does
 DECOY_HASH = b"$2b$10$5NGai4efUngPzjijLv27ReZVXW6bHPBHlS4fU2I/4h1OMWqGLSFU2"
 
 
 class AuthBusy(Exception):
-    """New credentials cannot be checked now: too many checks are waiting. Answered with 429."""
+    """New credentials cannot be checked now: too many checks are waiting, or this address was denied
+    too recently. Answered with 429 and `Retry-After: retry_after`."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -118,27 +137,69 @@ def _address_group(address: str) -> str:
     return str(getattr(parsed, "ipv4_mapped", None) or parsed)
 
 
+class _DenialBackoff:
+    """Address groups whose last checks were denied, each with a wait before its next new check that
+    doubles with its denials in a row; a grant forgets the group. Beyond `size` groups the least
+    recently denied is forgotten, so a flood of new addresses costs bounded memory (a flood from more
+    groups than that looks new again, which is what the limit costs)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, size: int = BACKOFF_ADDRESSES) -> None:
+        self._clock = clock
+        self._size = size
+        self._groups: OrderedDict[str, tuple[int, float]] = OrderedDict()  # -> (denials in a row, free at)
+
+    def __contains__(self, group: str) -> bool:
+        return group in self._groups
+
+    def wait(self, group: str) -> float:
+        """Seconds before this group may have a new check: 0 for one with no denial remembered."""
+        return max(0.0, self._groups.get(group, (0, 0.0))[1] - self._clock())
+
+    def denied(self, group: str) -> None:
+        denials = self._groups.pop(group, (0, 0.0))[0] + 1
+        over = denials - BACKOFF_FREE_DENIALS
+        wait = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** min(over - 1, 16)) if over > 0 else 0.0
+        self._groups[group] = (denials, self._clock() + wait)
+        if len(self._groups) > self._size:
+            self._groups.popitem(last=False)
+
+    def granted(self, group: str) -> None:
+        self._groups.pop(group, None)
+
+
 class _BoundedHasher:
     """bcrypt on worker threads (it releases the GIL), with a bound on checks waiting or running."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="bcrypt")
         self._by_address: Counter[str] = Counter()
+        self._backoff = _DenialBackoff(clock)
         self.calls = 0  # hashes actually computed
 
     async def matches(self, password: bytes, hashed: bytes, client: Client) -> bool | None:
         """Whether the password matches; None when the client left before its turn (nothing hashed)."""
         group = _address_group(client.address)
-        if self._by_address[group] or sum(self._by_address.values()) >= HASH_WORKERS + HASH_WAITING:
-            raise AuthBusy("too many new credentials are being checked; retry in a second")
+        self._admit(group)
         self._by_address[group] += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._check, password, hashed,
-                                                                    client.connected)
+            matched = await asyncio.get_running_loop().run_in_executor(self._pool, self._check, password, hashed,
+                                                                       client.connected)
         finally:
             self._by_address[group] -= 1
             if not self._by_address[group]:
                 del self._by_address[group]
+        if matched is not None:
+            (self._backoff.granted if matched else self._backoff.denied)(group)
+        return matched
+
+    def _admit(self, group: str) -> None:
+        """AuthBusy unless this group may start a check now: not in its wait after a denial, none of its
+        own running, and a slot free (the last one only for a group with no denial remembered)."""
+        if wait := self._backoff.wait(group):
+            raise AuthBusy(f"too many wrong passwords from this address; retry in {ceil(wait)} s", ceil(wait))
+        slots = HASH_WORKERS + HASH_WAITING - (RESERVED_SLOTS if group in self._backoff else 0)
+        if self._by_address[group] or sum(self._by_address.values()) >= slots:
+            raise AuthBusy("too many new credentials are being checked; retry in a second")
 
     def _check(self, password: bytes, hashed: bytes, connected: Callable[[], bool]) -> bool | None:
         if not connected():  # read from this thread: at worst one hash for a client leaving right now
@@ -150,12 +211,12 @@ class _BoundedHasher:
 class BcryptUsers:
     """`basic_auth_users` of a web config file: user -> bcrypt hash."""
 
-    def __init__(self, users: Mapping[str, str]) -> None:
+    def __init__(self, users: Mapping[str, str], clock: Callable[[], float] = time.monotonic) -> None:
         self._users = {user: hashed.encode() for user, hashed in users.items()}
         self._key = secrets.token_bytes(32)  # cache keys mean nothing outside this process
         self._granted = _LruSet(GRANTED_CACHE_SIZE)
         self._denied = _LruSet(DENIED_CACHE_SIZE)
-        self._hasher = _BoundedHasher()
+        self._hasher = _BoundedHasher(clock)
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # credentials being checked now
 
     @property

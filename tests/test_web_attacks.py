@@ -83,7 +83,8 @@ def test_a_flood_of_wrong_passwords_never_evicts_the_granted_login() -> None:
 
     async def flood_between_two_scrapes() -> list[bool]:
         first = await users.allows(basic("prometheus", PASSWORD), HERE)
-        wrong = [await users.allows(basic("prometheus", f"guess-{n}"), HERE) for n in range(300)]
+        wrong = [await users.allows(basic("prometheus", f"guess-{n}"), Client(f"10.0.{n // 256}.{n % 256}"))
+                 for n in range(300)]  # each from its own address: one waits after a few denials
         return [first, *set(wrong), await users.allows(basic("prometheus", PASSWORD), HERE)]
 
     assert asyncio.run(flood_between_two_scrapes()) == [True, False, True]
