@@ -11,7 +11,7 @@ import pytest
 LONGEST_FIRST = (  # seconds on a 2-core machine: set up + tests, roughly
     "test_gpu_signals_e2e.py",   # ~165: 1m GPU averages turning over twice after a scenario change
     "test_quickstart.py",        # ~130: the quickstart's two acts (each waits for its verdict), Ctrl-C, SIGKILL
-    "test_corpus_verdicts.py",   # ~260: the H100 and H200 recordings replayed at their pace, on two engines
+    "test_corpus_verdicts.py",   # ~165: the H100 and H200 recordings replayed at their pace, two engines at once
     "test_dcgm_source.py",       # ~90: the same, dcgm-exporter as the GPU source
     "test_report_e2e.py",        # ~80: two training runs of 45 s (the verdict waits 30 s), reports
     "test_readme_install.py",    # ~30: a fresh venv (pip, mostly waiting)

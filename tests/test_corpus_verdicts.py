@@ -16,7 +16,7 @@ instead of 2 s, and the recordings are served 1.5 times as long (a run of about 
 """
 
 import statistics
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,14 +61,23 @@ def trimmed(workload: Workload) -> Workload:
 
 
 @pytest.fixture(scope="module")
-def judged(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Judged]]]:
-    """Every workload of every recording judged at once per engine, side by side (one target each, run
-    names differ between recordings): ~100 s, 1.5 times that on VictoriaMetrics."""
+def judged_by_engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, Judged]]]:
+    """Every workload of every recording judged on each engine, the engines at the same time (each from a
+    replay of its own, at its own stretch), workloads side by side (one target each, run names differ
+    between recordings): ~150 s in all, the VictoriaMetrics replay being the longer."""
     together = Recording("corpus", "", {f"{recording.name}.{name}": trimmed(workload)
                                         for recording in RECORDINGS for name, workload in recording.workloads.items()})
-    result = judge(together, tmp_path_factory.mktemp(f"corpus-{engine}"), engine=engine, stretch=STRETCH[engine])
-    yield {recording.name: {name: result[f"{recording.name}.{name}"] for name in recording.workloads}
-           for recording in RECORDINGS}
+    with ThreadPoolExecutor(len(ENGINES)) as pool:
+        running = {engine: pool.submit(judge, together, tmp_path_factory.mktemp(f"corpus-{engine}"), engine=engine,
+                                       stretch=STRETCH[engine]) for engine in ENGINES}
+        results = {engine: future.result() for engine, future in running.items()}
+    return {engine: {recording.name: {name: result[f"{recording.name}.{name}"] for name in recording.workloads}
+                     for recording in RECORDINGS} for engine, result in results.items()}
+
+
+@pytest.fixture(scope="module")
+def judged(engine: str, judged_by_engine: dict[str, dict[str, dict[str, Judged]]]) -> dict[str, dict[str, Judged]]:
+    return judged_by_engine[engine]
 
 
 def _id(case: tuple[Recording, str]) -> str:
