@@ -11,6 +11,7 @@ import pytest
 LONGEST_FIRST = (  # seconds on a 2-core machine: set up + tests, roughly
     "test_gpu_signals_e2e.py",   # ~165: 1m GPU averages turning over twice after a scenario change
     "test_quickstart.py",        # ~130: the quickstart's two acts (each waits for its verdict), Ctrl-C, SIGKILL
+    "test_framework_quantiles.py",  # ~145: a Lightning fit and a Trainer run of 100 s at once, read via Prometheus
     "test_corpus_verdicts.py",   # ~165: the H100 and H200 recordings replayed at their pace, two engines at once
     "test_dcgm_source.py",       # ~90: the same, dcgm-exporter as the GPU source
     "test_report_e2e.py",        # ~80: two training runs of 45 s (the verdict waits 30 s), reports
