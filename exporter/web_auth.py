@@ -15,11 +15,11 @@ connections wait. What keeps the legitimate scraper in under such a flood:
   host is usually given, so one host cannot hold every slot by changing its address;
 - an address whose checks were denied gets no new one for a while (429 with Retry-After, no hash):
   from its third denial in a row (a mistyped password and user name cost no wait), 0.25 s, doubling
-  with each further denial up to 30 s; a grant ends it. Many
-  addresses guessing at once are thereby each heard at most about once per 30 s, and the last free
-  slot is kept for an address with no denial remembered, so a login not cached yet (the first scrape
-  after a restart or a password change) finds it once every guesser has been denied once. An address
-  that never sent a wrong password is never delayed;
+  with each further denial up to 30 s; a grant ends it. And such an address is checked only when
+  no other check is waiting or running: addresses never denied go first, so the hashing goes to
+  telling new addresses apart, and once every guesser has been denied a login not cached yet (the first
+  scrape after a restart or a password change) finds all but one slot free. An address that never sent
+  a wrong password is never delayed;
 - a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
   client that only closed its side is not known to be gone (it may be waiting for the answer, as
   `nc -N` does), so its check runs; the bound above is what caps those.
@@ -48,7 +48,6 @@ GRANTED_CACHE_SIZE = 64  # right passwords only: as many as users and their rota
 DENIED_CACHE_SIZE = 1024  # a repeated wrong password (a stale secret) costs a lookup too
 HASH_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # never more than half the CPUs hashing
 HASH_WAITING = 4
-RESERVED_SLOTS = 1  # of those, kept for addresses with no denial remembered (a new login, not a guesser)
 BACKOFF_FREE_DENIALS = 2  # denials in a row an address may have with no wait: a person's typos
 BACKOFF_FIRST_SECONDS = 0.25  # the wait after the next one, doubling with each further denial in a row
 BACKOFF_MAX_SECONDS = 30.0  # at most: two scrapes of a 15 s interval, once its password is put right
@@ -194,10 +193,10 @@ class _BoundedHasher:
 
     def _admit(self, group: str) -> None:
         """AuthBusy unless this group may start a check now: not in its wait after a denial, none of its
-        own running, and a slot free (the last one only for a group with no denial remembered)."""
+        own running, and a slot free (for a group with a denial remembered: no check running at all)."""
         if wait := self._backoff.wait(group):
             raise AuthBusy(f"too many wrong passwords from this address; retry in {ceil(wait)} s", ceil(wait))
-        slots = HASH_WORKERS + HASH_WAITING - (RESERVED_SLOTS if group in self._backoff else 0)
+        slots = 1 if group in self._backoff else HASH_WORKERS + HASH_WAITING
         if self._by_address[group] or sum(self._by_address.values()) >= slots:
             raise AuthBusy("too many new credentials are being checked; retry in a second")
 
