@@ -109,10 +109,14 @@ RUN_ENERGY_PER_TOKEN = "run:stepscope_gpu_energy_per_token_joules:rate1m"  # run
 RUN_TRAINING_SAMPLES_RATE = "run:stepscope_samples_per_train_second:rate1m"
 RUN_TRAINING_SAMPLES_BASELINE = "run:stepscope_samples_per_train_second:median1h"
 GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and holding run (run "" unregistered)
-# Lost progress: global steps done again after a restore, per second over 1m (0 for a rank that passes its
-# global step and has not stepped back; the run's: the most any of its ranks redid, its global steps).
-RANK_STEPS_REDONE_RATE = "run_rank:stepscope_steps_redone:rate1m"
-RUN_STEPS_REDONE_RATE = "run:stepscope_steps_redone:rate1m"
+# Lost progress: each rank's global step and the one its process started from, the run's (the least of its
+# ranks'), and the global steps lost at the restore a rank is catching up from (0 for a rank that passes its
+# global step and is not behind; the run's: the most of its ranks').
+RANK_GLOBAL_STEP = "run_rank:stepscope_training_global_step:sum"
+RANK_GLOBAL_STEP_START = "run_rank:stepscope_training_global_step_start:sum"  # its global step less its own steps
+RUN_GLOBAL_STEP_MIN = "run:stepscope_training_global_step:min"
+RANK_STEPS_REDONE = "run_rank:stepscope_steps_redone:last_restore"
+RUN_STEPS_REDONE = "run:stepscope_steps_redone:last_restore"
 
 
 def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:

@@ -486,7 +486,7 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     productive = sel(rec.RUN_TIME_BY_CAUSE, f'{RUN},cause="{goodput.PRODUCTIVE}"')
     step = goodput.ACCOUNTING_STEP
     slower = contract.THRESHOLDS["slower_than_itself"]
-    redone = sel(rec.RUN_STEPS_REDONE_RATE, RUN)
+    redone = sel(rec.RUN_STEPS_REDONE, RUN)
     board = board.with_row(row("Where the time went"))
     return (
         board.with_panel(
@@ -579,22 +579,21 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         )
         .with_panel(
             stat_panel(
-                "Steps redone after restores (range)",
-                "Lost progress: global steps the run did again after restoring a checkpoint (where the loop "
-                "passes its global step), summed at "
-                f"{step} resolution over the time range. Their time counts as productive here; the report moves "
-                "it to lost_progress.",
-                [Q(f"sum(sum_over_time({redone}[$__range:{step}])) * {goodput.ACCOUNTING_STEP_SECONDS}", "steps")],
+                "Steps redone after a restore (range)",
+                "Lost progress: the most global steps the run had to do again after restoring a checkpoint in the "
+                "time range (where the loop passes its global step): where it was less where it restarted from. "
+                "Their time counts as productive here; the report moves it to lost_progress.",
+                [Q(f"max(max_over_time({redone}[$__range]))", "steps")],
                 "none",
                 width=6,
             )
         )
         .with_panel(
             timeseries_panel(
-                "Steps redone after restores",
-                "Global steps done again per minute: a restore from a checkpoint shows as the steps between "
-                "where the run was and where it restarted from.",
-                [Q(f"{redone} * 60", "{{run}}")],
+                "Steps being redone",
+                "The global steps lost at the restore the run is catching up from, held until it is back where it "
+                "was (0 otherwise): each restore shows as a plateau of its size.",
+                [Q(redone, "{{run}}")],
                 "none",
                 width=18,
                 limits=(0, None),
