@@ -156,7 +156,8 @@ def _gpu_over_time(r: str) -> dict[str, str]:
         "run_gpu_tensor_active": sel(rec.RUN_GPU_TENSOR_ACTIVE, r),
         "gpu_effective": sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, r),
         "gpu_nvml": sel(rec.RUN_GPU_UTILIZATION_BY_GPU, r),
-        "gpu_memory": f"sum by (instance, gpu) ({fam.GPU_MEMORY_USED}) and on (instance, gpu) {run_gpus}",
+        # from the GPU source layer: stepscope's reading, or dcgm-exporter's (one series per pod holding the GPU)
+        "gpu_memory": f"max by (instance, gpu) ({rec.GPU_SOURCE_MEMORY_USED}) and on (instance, gpu) {run_gpus}",
     }
 
 

@@ -4,7 +4,8 @@ pod each GPU is given to) and whose stepscope exporter runs with its GPU collect
 
 A real Prometheus scrapes both targets and runs the shipped rules; every workload must get the verdict and
 exactly the alerts it gets from stepscope's own GPU collector (tests/test_corpus_verdicts.py), with no
-`stepscope_gpu_*` series anywhere.
+`stepscope_gpu_*` series anywhere; the Node dashboard's GPU panels and the report's GPU memory read the same
+readings through the GPU source layer.
 """
 
 import time
@@ -16,23 +17,66 @@ import pytest
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import families, recordings, verdicts
+from stepscope.report.queries import build
+from stepscope.report.window import Window
 from stepscope_testkit.dcgm import PodRef, dcgm_body, without_gpu_collector
 from stepscope_testkit.replay import Recording, Workload, replaying
 from stepscope_testkit.replay import recordings as corpus
-from tests.support.prometheus import query, running_prometheus_config
+from tests.support.dashboard_queries import load_dashboards, substitute, variable_queries
+from tests.support.prometheus import query, running_prometheus_config, series
 from tests.support.replay_judge import SETTLE_MARGIN_S, Judged, _read, alerts_without_for
 from tests.test_corpus_verdicts import TRUE_ALERTS
 
 pytestmark = pytest.mark.timeout(300)
 
 RECORDING = corpus()[0]
+WORKLOADS = sorted(RECORDING.workloads)
 DCGM = "dcgm-"  # the dcgm-exporter target of workload w is served as workload dcgm-w
+GPU_ROWS = ("GPU", "GPU $gpu: NVLink, step phases, host link")  # the Node dashboard's rows of GPU panels
+# The Node dashboard's GPU queries that stay empty here, and why: each reads a field that is not among
+# dcgm-exporter's default counters (docs/cluster.md says which lines to add), or something this corpus lacks.
+EMPTY_IN_DCGM_MODE = {
+    ("GPM: SM active, SM occupancy, tensor cores, DRAM", "B"): "DCGM_FI_PROF_SM_OCCUPANCY: not a default counter",
+    ("GPU memory in PyTorch's allocators", "A"): "pushed by ranks through the hooks; the corpus's ranks did not",
+    ("GPU memory in PyTorch's allocators", "B"): "pushed by ranks through the hooks; the corpus's ranks did not",
+    ("Power", "B"): "DCGM_FI_DEV_ENFORCED_POWER_LIMIT: not a default counter",
+    ("SM clock lost below its maximum", "A"): "the H100 corpus predates stepscope_gpu_sm_clock_max_hertz, so no "
+    "DCGM_FI_DEV_MAX_SM_CLOCK either: grafana/rules/tests/dcgm_source.yml reads it",
+    ("ECC errors", "A"): "DCGM_FI_DEV_ECC_*_VOL_TOTAL: not default counters",
+    ("XID errors", "A"): "stepscope's XID count: dcgm-exporter has the last XID only",
+    ("XID errors", "B"): "no XID in the corpus: grafana/rules/tests/dcgm_source.yml proves it",
+    ("NVLink (GPU ↔ GPU), GPU $gpu", "A"): "DCGM_FI_PROF_NVLINK_RX_BYTES: not a default counter",
+    ("NVLink (GPU ↔ GPU), GPU $gpu", "B"): "DCGM_FI_PROF_NVLINK_TX_BYTES: not a default counter",
+    ("Host link (PCIe, C2C), GPU $gpu", "C"): "NVLink-C2C: Grace Hopper only, not mapped",
+    ("Host link (PCIe, C2C), GPU $gpu", "D"): "NVLink-C2C: Grace Hopper only, not mapped",
+}
 
 
 def _pods(workload: Workload) -> dict[str, PodRef]:
     """The recorded GPU given to the workload's pod (one node per workload, as the corpus replay has it)."""
     uuid = workload.bodies[0].split('stepscope_gpu_info{', 1)[1].split('uuid="', 1)[1].split('"', 1)[0]
     return {uuid: PodRef("ml", f"{workload.name.replace('_', '-')}-0", "pytorch")}
+
+
+def _node_gpu_queries() -> dict[tuple[str, str], str]:
+    """{(panel, refId): PromQL} of the Node dashboard's GPU rows, variables as `.*`."""
+    found, row = {}, ""
+    for panel in load_dashboards()["stepscope-node.json"]["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        elif row in GPU_ROWS:
+            found |= {(panel["title"], target["refId"]): substitute(target["expr"]) for target in panel["targets"]}
+    return found
+
+
+def _dashboards_and_report(url: str) -> dict:
+    """What the Node dashboard's GPU queries and its `gpu` variable return, and the report's GPU memory per run."""
+    gpu_variable = next(v for v in variable_queries() if (v.dashboard, v.variable) == ("stepscope-node.json", "gpu"))
+    report = {name: query(url, build(RECORDING.workloads[name].run, Window(0, 1, 1), []).over_time["gpu_memory"])
+              for name in WORKLOADS}
+    return {"panels": {key: query(url, expr) for key, expr in _node_gpu_queries().items()},
+            "gpu": {(item["instance"], item["gpu"]) for item in series(url, gpu_variable.selector)},
+            "report": report}
 
 
 def _as_cluster_node(recording: Recording) -> dict[str, Workload]:
@@ -76,10 +120,8 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str,
             held = {expr: query(prometheus.url, expr) for expr in
                     ("count({__name__=~'stepscope_gpu_.*'})", recordings.GPU_SOURCE_UTILIZATION,
                      "count(DCGM_FI_DEV_GPU_UTIL)", f"count({families.PROCESS_GPU_MEMORY})")}
-    yield judged, held, ranks
-
-
-WORKLOADS = sorted(RECORDING.workloads)
+            shown = _dashboards_and_report(prometheus.url)
+    yield judged, held, ranks, shown
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -109,3 +151,25 @@ def test_the_readings_came_from_dcgm_exporter_alone(judged: tuple) -> None:
     assert held[f"count({families.PROCESS_GPU_MEMORY})"] == []  # NVML's per-process memory: none either
     # each run found its GPU through the pod join alone
     assert {(name, RECORDING.workloads[name].run) for name in WORKLOADS} <= judged[2]
+
+
+def test_every_node_dashboard_gpu_query_has_data_from_dcgm_readings(judged: tuple) -> None:
+    """Every query of the Node dashboard's GPU rows returns data with dcgm-exporter as the only GPU source, but
+    those that read a field outside its default counters (or what the corpus lacks), each said why above."""
+    panels = judged[3]["panels"]
+    assert set(EMPTY_IN_DCGM_MODE) <= set(panels)
+    empty = {key for key, result in panels.items() if not result}
+    assert empty == set(EMPTY_IN_DCGM_MODE), f"empty: {sorted(empty - set(EMPTY_IN_DCGM_MODE))}, " \
+        f"not empty: {sorted(set(EMPTY_IN_DCGM_MODE) - empty)}"
+    nodes = {item["metric"]["instance"] for item in panels[("GPU memory", "A")]}
+    assert nodes == set(WORKLOADS)  # each node's GPU, by dcgm-exporter's Hostname
+    assert judged[3]["gpu"] == {(name, "0") for name in WORKLOADS}  # the `gpu` variable offers them
+
+
+def test_the_report_reads_each_runs_gpu_memory_from_dcgm_readings(judged: tuple) -> None:
+    """The report's per-GPU memory of each run: dcgm-exporter's FB_USED (MiB) in bytes, on the run's GPU."""
+    for name in WORKLOADS:
+        result = judged[3]["report"][name]
+        assert [(item["metric"]["instance"], item["metric"]["gpu"]) for item in result] == [(name, "0")], name
+        used = float(result[0]["value"][1])
+        assert used > 0 and used % 2**20 == 0, (name, used)  # whole MiB, as dcgm-exporter reports them

@@ -43,10 +43,18 @@ def _per_process(series: str) -> Q:
     return Q(f"sum by (pid, run, rank) ({series})", table=True)
 
 
-def _link_throughput(link: tuple[str, str], legend: str) -> list[Q]:
-    """Receive and transmit bytes/s of one GPU link (fam.GPU_PCIE, GPU_NVLINK, GPU_C2C)."""
-    directions = ("receive", "transmit")
-    return [Q(sel(name, GPUS), f"{legend} {direction}") for name, direction in zip(link, directions, strict=True)]
+def _link_throughput(link: tuple[str, str], legend: str, source: str | None = None) -> list[Q]:
+    """Receive and transmit bytes/s of one GPU link (fam.GPU_PCIE, GPU_NVLINK, GPU_C2C); with `source` (its
+    recording in the GPU source layer, label `direction`) also of the GPUs whose node has no stepscope GPU
+    collector (dcgm-exporter), while stepscope's own series keep their names."""
+    queries = []
+    for name, direction in zip(link, ("receive", "transmit"), strict=True):
+        expr = sel(name, GPUS)
+        if source:
+            matchers = f'{GPUS},direction="{direction}"'
+            expr += f" or on (instance, gpu) {sel(source, matchers)}"
+        queries.append(Q(expr, f"{legend} {direction}"))
+    return queries
 
 
 def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
@@ -67,7 +75,7 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"of the node. Traffic in bursts with the {BACKWARD} phase alongside is the all-reduce; a "
                 f"{BACKWARD} that grows while NVLink stays flat is a rank waiting for a slower one. Absent, "
                 "not zero, where the GPU has no GPM (before Hopper) or no NVLink.",
-                _link_throughput(fam.GPU_NVLINK, "GPU {{gpu}}"),
+                _link_throughput(fam.GPU_NVLINK, "GPU {{gpu}}", rec.GPU_SOURCE_NVLINK),
                 "Bps",
                 limits=(0, None),
                 no_data="No NVLink reading: no GPM (before Hopper) or no NVLink on this GPU",
@@ -100,7 +108,7 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"instead of PCIe. Receive is host to device (input batches, {TO_DEVICE}). C2C is absent, "
                 "not zero, on GPUs without it.",
                 [
-                    *_link_throughput(fam.GPU_PCIE, "GPU {{gpu}} PCIe"),
+                    *_link_throughput(fam.GPU_PCIE, "GPU {{gpu}} PCIe", rec.GPU_SOURCE_PCIE),
                     *_link_throughput(fam.GPU_C2C, "GPU {{gpu}} C2C"),
                 ],
                 "Bps",
@@ -234,7 +242,7 @@ def _gpu_activity(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "GPU utilization",
                 "Share of time a kernel was running on each GPU. It says nothing about how much of the GPU a "
                 "kernel uses: see SM active and occupancy below on Hopper and newer.",
-                [Q(sel(fam.GPU_UTILIZATION, GPUS), "GPU {{gpu}}")],
+                [Q(sel(rec.GPU_SOURCE_UTILIZATION, GPUS), "GPU {{gpu}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -264,10 +272,10 @@ def _gpu_activity(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "busy; occupancy = warps resident; tensor = tensor-core pipes busy (low with FP32: use "
                 "BF16/FP16 autocast); DRAM = memory bandwidth in use.",
                 [
-                    Q(sel(fam.GPU_SM_ACTIVE, GPUS), "GPU {{gpu}} SM active"),
-                    Q(sel(fam.GPU_SM_OCCUPANCY, GPUS), "GPU {{gpu}} SM occupancy"),
-                    Q(sel(fam.GPU_TENSOR_ACTIVE, GPUS), "GPU {{gpu}} tensor active"),
-                    Q(sel(fam.GPU_DRAM_ACTIVE, GPUS), "GPU {{gpu}} DRAM active"),
+                    Q(sel(rec.GPU_SOURCE_SM_ACTIVE, GPUS), "GPU {{gpu}} SM active"),
+                    Q(sel(rec.GPU_SOURCE_SM_OCCUPANCY, GPUS), "GPU {{gpu}} SM occupancy"),
+                    Q(sel(rec.GPU_SOURCE_TENSOR_ACTIVE, GPUS), "GPU {{gpu}} tensor active"),
+                    Q(sel(rec.GPU_SOURCE_DRAM_ACTIVE, GPUS), "GPU {{gpu}} DRAM active"),
                 ],
                 "percentunit",
                 limits=(0, 1),
@@ -285,9 +293,9 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Framebuffer memory used, free and total per GPU. PyTorch's caching allocator keeps freed "
                 "memory reserved, so used stays high after peaks (the next panel splits it).",
                 [
-                    Q(sel(fam.GPU_MEMORY_USED, GPUS), "GPU {{gpu}} used"),
-                    Q(sel(fam.GPU_MEMORY_FREE, GPUS), "GPU {{gpu}} free"),
-                    Q(sel(fam.GPU_MEMORY_TOTAL, GPUS), "GPU {{gpu}} total"),
+                    Q(f"max by (instance, gpu) ({sel(rec.GPU_SOURCE_MEMORY_USED, GPUS)})", "GPU {{gpu}} used"),
+                    Q(sel(rec.GPU_SOURCE_MEMORY_FREE, GPUS), "GPU {{gpu}} free"),
+                    Q(sel(rec.GPU_SOURCE_MEMORY_TOTAL, GPUS), "GPU {{gpu}} total"),
                 ],
                 "bytes",
                 limits=(0, None),
@@ -312,7 +320,7 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "GPU memory-controller utilization",
                 "Share of time the memory controller was reading or writing device memory: high with low SM "
                 "activity means memory-bound kernels.",
-                [Q(sel(fam.GPU_MEMORY_UTILIZATION, GPUS), "GPU {{gpu}}")],
+                [Q(sel(rec.GPU_SOURCE_MEMORY_UTILIZATION, GPUS), "GPU {{gpu}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -323,8 +331,8 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "SM and memory clocks. SM clocks dropping under load together with throttle reasons below "
                 "mean power or thermal limits.",
                 [
-                    Q(sel(fam.GPU_SM_CLOCK, GPUS), "GPU {{gpu}} SM"),
-                    Q(sel(fam.GPU_MEMORY_CLOCK, GPUS), "GPU {{gpu}} memory"),
+                    Q(sel(rec.GPU_SOURCE_SM_CLOCK, GPUS), "GPU {{gpu}} SM"),
+                    Q(sel(rec.GPU_SOURCE_MEMORY_CLOCK, GPUS), "GPU {{gpu}} memory"),
                 ],
                 "hertz",
                 limits=(0, None),
@@ -336,12 +344,9 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Power draw against the enforced limit, and the average draw from the energy counter (1m). "
                 "Draw pinned at the limit means power capping.",
                 [
-                    Q(sel(fam.GPU_POWER, GPUS), "GPU {{gpu}} draw"),
-                    Q(sel(fam.GPU_POWER_LIMIT, GPUS), "GPU {{gpu}} limit"),
-                    Q(
-                        f"rate({sel(fam.GPU_ENERGY, GPUS)}[1m])",
-                        "GPU {{gpu}} average (energy)",
-                    ),
+                    Q(sel(rec.GPU_SOURCE_POWER, GPUS), "GPU {{gpu}} draw"),
+                    Q(sel(rec.GPU_SOURCE_POWER_LIMIT, GPUS), "GPU {{gpu}} limit"),
+                    Q(sel(rec.GPU_SOURCE_ENERGY_RATE, GPUS), "GPU {{gpu}} average (energy)"),
                 ],
                 "watt",
                 limits=(0, None),
@@ -351,7 +356,7 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "Temperature",
                 "GPU die temperature; thermal slowdown usually starts in the high 80s celsius.",
-                [Q(sel(fam.GPU_TEMPERATURE, GPUS), "GPU {{gpu}}")],
+                [Q(sel(rec.GPU_SOURCE_TEMPERATURE, GPUS), "GPU {{gpu}}")],
                 "celsius",
                 threshold_line=thresholds((None, "green"), (HOT.value, "red")),
             )
@@ -367,7 +372,7 @@ def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "PCIe throughput",
                 "Host-device PCIe traffic per GPU: input batches in (receive) and results out (transmit). "
                 "Large steady receive with a host-bound run: copy less or overlap copies with compute.",
-                _link_throughput(fam.GPU_PCIE, "GPU {{gpu}}"),
+                _link_throughput(fam.GPU_PCIE, "GPU {{gpu}}", rec.GPU_SOURCE_PCIE),
                 "Bps",
                 limits=(0, None),
             )
@@ -379,7 +384,7 @@ def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "slow the GPU down (StepscopeGpuThrottling); sw_power_cap is how a GPU at full load runs (an H100 "
                 "on bf16 matmuls sits at its 700 W cap), and warns only when the clock it costs is large (panel "
                 "beside); gpu_idle and applications_clocks_setting are harmless.",
-                [Q(sel(fam.GPU_CLOCK_EVENT_ACTIVE, GPUS), "GPU {{gpu}} {{reason}}")],
+                [Q(sel(rec.GPU_SOURCE_CLOCK_EVENT_ACTIVE, GPUS), "GPU {{gpu}} {{reason}}")],
                 value_text({"0": ("inactive", "transparent"), "1": ("active", "red")}),
                 width=12,
             )
@@ -391,8 +396,8 @@ def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "700 W cap on bf16 matmuls an H100 ran at 0.86-0.89 of its 1.98 GHz (a loss of 11-14%), an H200 at "
                 "0.77-0.87 (13-23%); "
                 f"StepscopeGpuThrottling warns for sw_power_cap only past a loss of {1 - POWER_CAP_CLOCK.value:.0%}.",
-                [Q(f"1 - {sel(fam.GPU_SM_CLOCK, GPUS)} / on (instance, gpu) ({sel(fam.GPU_SM_CLOCK_MAX, GPUS)} > 0)",
-                   "GPU {{gpu}}")],
+                [Q(f"1 - {sel(rec.GPU_SOURCE_SM_CLOCK, GPUS)} "
+                   f"/ on (instance, gpu) ({sel(rec.GPU_SOURCE_SM_CLOCK_MAX, GPUS)} > 0)", "GPU {{gpu}}")],
                 "percentunit",
                 limits=(0, 1),
                 threshold_line=thresholds((None, "green"), (1 - POWER_CAP_CLOCK.value, "red")),
@@ -401,8 +406,11 @@ def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Time throttled per reason",
-                "Share of time clocks were held down, per reason (1m rate of the cumulative counter).",
-                [Q(f"rate({sel(fam.GPU_CLOCK_EVENT_SECONDS, GPUS)}[1m])", "GPU {{gpu}} {{reason}}")],
+                "Share of time clocks were held down, per reason (1m rate of the cumulative counter); from "
+                "dcgm-exporter, which has no such counter among its defaults, the share of its readings (1m) that "
+                "had the reason active.",
+                [Q(f"rate({sel(fam.GPU_CLOCK_EVENT_SECONDS, GPUS)}[1m]) or on (instance, gpu) "
+                   f"avg_over_time({sel(rec.GPU_SOURCE_CLOCK_EVENT_ACTIVE, GPUS)}[1m])", "GPU {{gpu}} {{reason}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -418,7 +426,7 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "ECC errors",
                 "Corrected and uncorrected ECC errors since driver load. Uncorrected ones crash the job; a "
                 "growing corrected count announces a failing memory.",
-                [Q(sel(fam.GPU_ECC_ERRORS, GPUS), "GPU {{gpu}} {{type}}")],
+                [Q(sel(rec.GPU_SOURCE_ECC_ERRORS, GPUS), "GPU {{gpu}} {{type}}")],
                 "short",
                 limits=(0, None),
             )
@@ -427,10 +435,12 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
             table_panel(
                 "XID errors",
                 "XID events per GPU since the exporter started and how long ago each last fired. Empty is "
-                "good. Look the code up in NVIDIA's XID catalogue (79 = fallen off the bus, 48/94/95 = ECC).",
+                "good. Look the code up in NVIDIA's XID catalogue (79 = fallen off the bus, 48/94/95 = ECC). "
+                "From dcgm-exporter (its last XID's number) only when each new XID came, within the time range.",
                 [
-                    Q(sel(fam.GPU_XID_ERRORS, GPUS), table=True),
-                    Q(f"time() - {sel(fam.GPU_XID_LAST_SEEN, GPUS)}", table=True),
+                    Q(f"max by (instance, gpu, xid) ({sel(fam.GPU_XID_ERRORS, GPUS)})", table=True),
+                    Q(f"time() - max by (instance, gpu, xid) "
+                      f"(max_over_time({sel(rec.GPU_SOURCE_XID_LAST_SEEN, GPUS)}[$__range]))", table=True),
                 ],
                 {"Value #A": ("events", "short"), "Value #B": ("last seen ago", "s")},
                 hide=("Time", "__name__", "job", "instance", "uuid"),
@@ -442,8 +452,8 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "GPUs",
                 "Inventory: model, driver, PCI bus id, and whether NVML still answers (1) for each GPU.",
                 [
-                    Q(sel(fam.GPU_INFO, GPUS), table=True),
-                    Q(sel(fam.GPU_UP, GPUS), table=True),
+                    Q(f"{sel(fam.GPU_INFO, GPUS)} or on (instance, gpu) {sel(rec.GPU_SOURCE_NAME, GPUS)}", table=True),
+                    Q(sel(rec.GPU_SOURCE_UP, GPUS), table=True),
                 ],
                 {"Value #A": ("info", "none"), "Value #B": ("up", "none")},
                 hide=("Time", "__name__", "job", "instance", "Value #A"),
@@ -453,9 +463,9 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "NVML",
-                "1 when the exporter initialised NVML on this node; 0 without a GPU or driver (GPU panels "
-                "then stay empty).",
-                [Q(sel(fam.GPU_COLLECTOR_UP, NODE), "NVML")],
+                "1 when the exporter initialised NVML on this node (or, with dcgm-exporter as the GPU source, "
+                "when its target answers); 0 without a GPU or driver (GPU panels then stay empty).",
+                [Q(sel(rec.GPU_SOURCE_COLLECTOR_UP, NODE), "NVML")],
                 "none",
                 steps=thresholds((None, "red"), (1, "green")),
                 width=12,
@@ -466,7 +476,7 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
             stat_panel(
                 "GPUs answering",
                 "GPUs on the node that still answer NVML queries.",
-                [Q(f"sum({sel(fam.GPU_UP, NODE)})", "GPUs up")],
+                [Q(f"sum({sel(rec.GPU_SOURCE_UP, NODE)})", "GPUs up")],
                 "none",
                 width=12,
                 height=4,
@@ -600,7 +610,7 @@ def build() -> dashboard.Dashboard:
             query_variable(
                 "gpu",
                 "GPU",
-                sel(fam.GPU_INFO, NODE),
+                sel(rec.GPU_SOURCE_NAME, NODE),
                 "gpu",
                 multi=True,
                 description="GPU indices on the node",
