@@ -1,6 +1,7 @@
 """A wrong-password flood against basic auth: does the legitimate scraper, and the health probe, get through?
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_auth_flood.py --before /tmp/h20a-base   # ~8 minutes
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_auth_flood.py --before /tmp/wt20 --cases many-uncached
 
 `--before` is a checkout of the code to compare with (`git worktree add /tmp/h20a-base <commit>`); the
 code here is "after". Each run starts a fresh exporter with one cost-10 bcrypt user (what
@@ -17,7 +18,8 @@ The attacker connects from other loopback addresses than the legitimate client (
 another host would. Two more runs show what a login that is not cached yet meets (the first scrape
 after an exporter restart or a password change): the legitimate client sends no warm-up scrape and
 the guessers come from one address, or from 200. Before and after alternate run by run (--rounds), so
-machine noise hits both alike. Writes benchmarks/results/auth_flood.md.
+machine noise hits both alike. `--cases` picks scenarios by key. Each run adds a dated section to
+benchmarks/results/auth_flood.md, keeping the earlier ones.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import bcrypt
@@ -50,7 +53,7 @@ from stepscope_testkit.processes import free_port, wait_http_ok  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "auth_flood.md"
 USER, PASSWORD = "prometheus", "the-right-one"
-WINDOW_SECONDS = 20.0
+WINDOW_SECONDS = 20.0  # --window: long enough for many new addresses to have been denied once
 ATTACK_AT_SECONDS = 2.0
 TIMEOUTS = {"/metrics": 10.0, "/-/healthy": 1.0}
 BURST = 1500
@@ -59,6 +62,7 @@ GUESSERS = 200
 
 @dataclass(frozen=True)
 class Scenario:
+    key: str  # what --cases names
     name: str
     kind: str  # burst or guessers
     addresses: int  # the attacker's source addresses, 127.0.0.2 and up
@@ -66,10 +70,10 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("burst, login cached", "burst", 1, True),
-    Scenario("guessers, login cached", "guessers", 1, True),
-    Scenario("guessers, login not cached", "guessers", 1, False),
-    Scenario(f"guessers from {GUESSERS} addresses, login not cached", "guessers", GUESSERS, False),
+    Scenario("burst", "burst, login cached", "burst", 1, True),
+    Scenario("guessers-cached", "guessers, login cached", "guessers", 1, True),
+    Scenario("guessers-uncached", "guessers, login not cached", "guessers", 1, False),
+    Scenario("many-uncached", f"guessers from {GUESSERS} addresses, login not cached", "guessers", GUESSERS, False),
 )
 
 
@@ -81,10 +85,12 @@ def source(index: int, addresses: int) -> tuple[str, int]:
 
 @dataclass
 class Probes:
-    """The legitimate client's outcomes for one path: seconds taken, and the failures' reasons."""
+    """The legitimate client's outcomes for one path: seconds taken, the failures' reasons, and when
+    (seconds into the window) the first one succeeded: once one has, a login is cached."""
 
     seconds: list[float] = field(default_factory=list)
     failures: Counter[str] = field(default_factory=Counter)
+    first_ok: float | None = None
 
 
 def basic(user: str, password: str) -> str:
@@ -162,11 +168,14 @@ def legitimate_client(url: str, seconds: float) -> dict[str, Probes]:
             time.sleep(max(0.0, start + tick - time.monotonic()))
             pending += [(path, pool.submit(probe, url, path)) for path in TIMEOUTS]
     outcomes = {path: Probes() for path in TIMEOUTS}
-    for path, future in pending:
+    for index, (path, future) in enumerate(pending):
         taken, failure = future.result()
-        outcomes[path].seconds.append(taken)
+        probes = outcomes[path]
+        probes.seconds.append(taken)
         if failure is not None:
-            outcomes[path].failures[failure] += 1
+            probes.failures[failure] += 1
+        elif probes.first_ok is None:
+            probes.first_ok = index // len(TIMEOUTS) + taken  # sent at its tick, answered `taken` later
     return outcomes
 
 
@@ -181,8 +190,8 @@ def start_exporter(root: Path, workdir: Path, port: int, label: str) -> subproce
     return process
 
 
-def one_run(root: Path, workdir: Path, label: str,
-            scenario: Scenario) -> tuple[dict[str, Probes], dict[str, int]]:
+def one_run(root: Path, workdir: Path, label: str, scenario: Scenario,
+            window: float) -> tuple[dict[str, Probes], dict[str, int]]:
     port = free_port()
     process = start_exporter(root, workdir, port, label)
     url = f"http://127.0.0.1:{port}"
@@ -190,11 +199,11 @@ def one_run(root: Path, workdir: Path, label: str,
         if scenario.warm:
             requests.get(url + "/metrics", auth=(USER, PASSWORD), timeout=10).raise_for_status()  # cached now
         answers: multiprocessing.Queue = multiprocessing.Queue()
-        attacker = multiprocessing.Process(target=attack, args=(scenario, port, WINDOW_SECONDS + ATTACK_AT_SECONDS,
+        attacker = multiprocessing.Process(target=attack, args=(scenario, port, window + ATTACK_AT_SECONDS,
                                                                 answers))
         attacker.start()
         time.sleep(0 if scenario.warm else ATTACK_AT_SECONDS)  # a login not cached meets the attack running
-        outcomes = legitimate_client(url, WINDOW_SECONDS)
+        outcomes = legitimate_client(url, window)
         attacker.join(timeout=60)
         attacked = answers.get(timeout=5) if attacker.exitcode == 0 else {"attacker did not finish": 1}
         if attacker.is_alive():
@@ -217,7 +226,8 @@ def row(name: str, label: str, outcomes: dict[str, Probes], attacked: dict[str, 
         failed = sum(probes.failures.values())
         reasons = ", ".join(f"{n} {reason}" for reason, n in probes.failures.most_common())
         cells += [f"{ms(probes.seconds, 0.5)} / {ms(probes.seconds, 0.99)}",
-                  f"{failed} of {len(probes.seconds)}" + (f" ({reasons})" if failed else "")]
+                  f"{failed} of {len(probes.seconds)}" + (f" ({reasons})" if failed else ""),
+                  "never" if probes.first_ok is None else f"{probes.first_ok:.1f}"]
     cells.append(", ".join(f"{n} {status}" for status, n in sorted(attacked.items(), key=lambda kv: -kv[1])))
     return cells
 
@@ -226,6 +236,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", type=Path, required=True, help="a checkout of the code to compare with")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", choices=[s.key for s in SCENARIOS], default=[s.key for s in SCENARIOS],
+                        help="the scenarios to run (default: all)")
+    parser.add_argument("--window", type=float, default=WINDOW_SECONDS, help="seconds the legitimate client probes")
     args = parser.parse_args()
     started = time.perf_counter()
     rows = []
@@ -234,21 +247,22 @@ def main() -> int:
         hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
         (workdir / "web.yml").write_text(f"basic_auth_users:\n  {USER}: '{hashed}'\n")
         for round_number in range(args.rounds):
-            for scenario in SCENARIOS:
+            for scenario in (s for s in SCENARIOS if s.key in args.cases):
                 for label, root in (("before", args.before.resolve()), ("after", REPO_ROOT)):
-                    outcomes, attacked = one_run(root, workdir, label, scenario)
+                    outcomes, attacked = one_run(root, workdir, label, scenario, args.window)
                     rows.append(row(scenario.name, f"{label} (round {round_number + 1})", outcomes, attacked))
                     print(" | ".join(rows[-1]), flush=True)
     before = subprocess.run(["git", "-C", str(args.before), "log", "-1", "--format=%h"], capture_output=True,
                             text=True).stdout.strip()
     after = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%h"], capture_output=True,
                            text=True).stdout.strip()
-    headers = ["attack", "code", "/metrics p50 / p99 ms", "/metrics failed", "/-/healthy p50 / p99 ms",
-               "/-/healthy failed", "what the attacker got"]
-    text = (f"# Wrong-password flood against basic auth\n\n{results.machine(f'bcrypt {bcrypt.__version__}')}, "
+    headers = ["attack", "code", "/metrics p50 / p99 ms", "/metrics failed", "/metrics first 200 at s",
+               "/-/healthy p50 / p99 ms", "/-/healthy failed", "/-/healthy first 200 at s", "what the attacker got"]
+    title = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {', '.join(args.cases)}"
+    text = (f"\n## {title}\n\n{results.machine(f'bcrypt {bcrypt.__version__}')}, "
             f"{results.load_average()} at the end (shared machine); before = {before}, after = {after} "
             f"(plus the working tree); total {time.perf_counter() - started:.0f} s.\n\n"
-            f"Each run: a fresh exporter with one cost-10 bcrypt user; a {WINDOW_SECONDS:g} s window in which "
+            f"Each run: a fresh exporter with one cost-10 bcrypt user; a {args.window:g} s window in which "
             f"the legitimate client (127.0.0.1) sends, every second on a new connection, an authenticated "
             f"GET /metrics (timeout {TIMEOUTS['/metrics']:g} s) and GET /-/healthy (timeout "
             f"{TIMEOUTS['/-/healthy']:g} s), each probe counted whether or not the last one answered. "
@@ -257,9 +271,10 @@ def main() -> int:
             f"burst: {BURST} requests, each a new wrong password for the legitimate user, sent and closed at "
             f"once. guessers: {GUESSERS} concurrent clients, a new wrong password each time, from 127.0.0.2 "
             f"(or one address each from 127.0.0.2 up). Latencies include the failed probes (a timeout counts "
-            f"as its timeout).\n\n"
+            f"as its timeout); 'first 200 at': seconds into the window of the first success.\n\n"
             + table(headers, rows) + "\n")
-    results.publish(RESULTS, text)
+    earlier = RESULTS.read_text() if RESULTS.exists() else "# Wrong-password flood against basic auth\n"
+    results.publish(RESULTS, earlier + text)
     return 0
 
 
