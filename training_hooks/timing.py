@@ -51,7 +51,8 @@ WINDOW_CORE = 1  # nothing is added while the quantile's bin and one bin on each
 EVICT_IDLE_SECONDS = 30  # a block unused this long may make room for one in use
 MAX_EXPORTED = MAX_EXPORTED_BOUNDS  # bounds per histogram, skeleton included
 FIRST_SPAN_LOW = 0.1  # the first decision covers the first steps from this quantile up (_cover_first_span)...
-FIRST_SPAN_ROOM = 2 * BLOCK  # ...leaving room for this many bounds under the cap
+FIRST_SPAN_ROOM = 2 * BLOCK  # ...leaving room for this many bounds under the cap...
+FIRST_SPAN_STEPS = 5  # ...if it has this many steps: a few compilation steps' spread is no run's body
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class FollowingLayout:
         now = perf_counter_ns()
         recent = [after - before for after, before in zip(cumulative, base, strict=True)]
         self._mark_used(recent, now)
-        if self._exported is None:
+        if self._exported is None and new >= FIRST_SPAN_STEPS:
             self._cover_first_span(recent, now)
         for quantile in FOLLOWED_QUANTILES:
             self._cover(bisect_left(recent, quantile * new), now)
@@ -133,8 +134,8 @@ class FollowingLayout:
         self._base = cumulative
 
     def _cover_first_span(self, recent: Sequence[int], now: int) -> None:
-        """At the first decision, every fine bin from the first steps' p10 up to as far above their slowest
-        as the slowest is above their median (as far as fits, FIRST_SPAN_ROOM bounds left under the cap).
+        """At the first decision, if it has FIRST_SPAN_STEPS steps, every fine bin from their p10 up to as far
+        above their slowest as the slowest is above their median (as far as fits, FIRST_SPAN_ROOM bounds free).
 
         A push's few steps place p95 and p99 only roughly and the tail shows over more pushes: blocks that a
         later push adds there are under-counted by every rate window that began before them, which read the
