@@ -159,7 +159,9 @@ def _redone_steps(global_steps: Iterable[Series], bases: Iterable[Series]) -> di
     steps between where the one before reached and where the new one started from (its base: its global
     step less its own steps, exact whenever it was first scraped). Restored from a checkpoint, that is
     the steps since the checkpoint; started from scratch, all of them. A rank that came back on another
-    node has a series of its own: the series are taken in the order they began."""
+    node has a series of its own: the series are taken in the order they began. The rules record only the
+    restore a run is catching up from (run:stepscope_steps_redone:last_restore); this count, exact over the
+    whole window and every restore in it, stays the report's (docs/goodput.md)."""
     base_at = {(_key(series), t): value for series in bases for t, value in series.points}
     by_rank: dict[str, list[Series]] = {}
     for series in global_steps:
