@@ -20,6 +20,8 @@ connections wait. What keeps the legitimate scraper in under such a flood:
   telling new addresses apart, and once every guesser has been denied a login not cached yet (the first
   scrape after a restart or a password change) finds all but one slot free. An address that never sent
   a wrong password is never delayed;
+- the last free slot is kept for an address let in before (and not denied since): after a password
+  change the scraper is heard at once however many new addresses flood;
 - a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
   client that only closed its side is not known to be gone (it may be waiting for the answer, as
   `nc -N` does), so its check runs; the bound above is what caps those.
@@ -36,7 +38,7 @@ import os
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import ceil
@@ -109,20 +111,23 @@ class _LruSet:
     """Keys most recently used, at most `size` of them."""
 
     def __init__(self, size: int) -> None:
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
         self._size = size
 
-    def hit(self, key: bytes) -> bool:
+    def hit(self, key: Hashable) -> bool:
         if key in self._keys:
             self._keys.move_to_end(key)
             return True
         return False
 
-    def add(self, key: bytes) -> None:
+    def add(self, key: Hashable) -> None:
         self._keys[key] = None
         self._keys.move_to_end(key)
         while len(self._keys) > self._size:
             self._keys.popitem(last=False)
+
+    def discard(self, key: Hashable) -> None:
+        self._keys.pop(key, None)
 
 
 def _address_group(address: str) -> str:
@@ -173,6 +178,7 @@ class _BoundedHasher:
         self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="bcrypt")
         self._by_address: Counter[str] = Counter()
         self._backoff = _DenialBackoff(clock)
+        self._trusted = _LruSet(BACKOFF_ADDRESSES)  # groups let in before and not denied since
         self.calls = 0  # hashes actually computed
 
     async def matches(self, password: bytes, hashed: bytes, client: Client) -> bool | None:
@@ -187,18 +193,28 @@ class _BoundedHasher:
             self._by_address[group] -= 1
             if not self._by_address[group]:
                 del self._by_address[group]
-        if matched is not None:
-            (self._backoff.granted if matched else self._backoff.denied)(group)
+        if matched:
+            self._backoff.granted(group)
+            self._trusted.add(group)
+        elif matched is not None:
+            self._backoff.denied(group)
+            self._trusted.discard(group)
         return matched
 
     def _admit(self, group: str) -> None:
         """AuthBusy unless this group may start a check now: not in its wait after a denial, none of its
-        own running, and a slot free (for a group with a denial remembered: no check running at all)."""
+        own running, and one of its slots free."""
         if wait := self._backoff.wait(group):
             raise AuthBusy(f"too many wrong passwords from this address; retry in {ceil(wait)} s", ceil(wait))
-        slots = 1 if group in self._backoff else HASH_WORKERS + HASH_WAITING
-        if self._by_address[group] or sum(self._by_address.values()) >= slots:
+        if self._by_address[group] or sum(self._by_address.values()) >= self._slots(group):
             raise AuthBusy("too many new credentials are being checked; retry in a second")
+
+    def _slots(self, group: str) -> int:
+        """Checks running or waiting under which this group may start one: with a denial remembered,
+        none; new, all but the last, kept for a group let in before (and not denied since)."""
+        if group in self._backoff:
+            return 1
+        return HASH_WORKERS + HASH_WAITING - (0 if self._trusted.hit(group) else 1)
 
     def _check(self, password: bytes, hashed: bytes, connected: Callable[[], bool]) -> bool | None:
         if not connected():  # read from this thread: at worst one hash for a client leaving right now

@@ -117,8 +117,27 @@ def test_an_address_with_a_denial_is_checked_only_when_nothing_else_is() -> None
     answers = asyncio.run(at_once([*guessers, *(Client(f"10.0.1.{n}") for n in range(slots))], "second"))
     assert answers[0] is False  # the hasher was idle
     assert all(isinstance(answer, AuthBusy) for answer in answers[1:len(guessers)])
-    assert answers[len(guessers):-1] == [False] * (slots - 1)  # new addresses: every other slot
-    assert isinstance(answers[-1], AuthBusy)
+    assert answers[len(guessers):-2] == [False] * (slots - 2)  # new addresses: all but the last slot
+    assert all(isinstance(answer, AuthBusy) for answer in answers[-2:])
+
+
+def test_the_last_slot_is_kept_for_an_address_let_in_before() -> None:
+    """After a password change the scraper's address, let in before, is heard however many new
+    addresses hold the other slots; once denied it waits behind them like any denied address."""
+    users = BcryptUsers({"prometheus": HASH, "other": HASH}, clock=Clock())
+    slots = HASH_WORKERS + HASH_WAITING
+    scraper = Client("10.0.2.1")
+    assert asyncio.run(users.allows(basic("other", PASSWORD), scraper)) is True
+
+    async def flood_and(user: str, password: str) -> list[object]:
+        new = [users.allows(basic("prometheus", f"guess-{n}"), Client(f"10.0.0.{n}")) for n in range(slots)]
+        return await asyncio.gather(*new, users.allows(basic(user, password), scraper), return_exceptions=True)
+
+    answers = asyncio.run(flood_and("prometheus", PASSWORD))  # the password it was given now
+    assert answers[:slots - 1] == [False] * (slots - 1) and isinstance(answers[slots - 1], AuthBusy)
+    assert answers[-1] is True
+    assert asyncio.run(users.allows(basic("other", "a-typo"), scraper)) is False
+    assert isinstance(asyncio.run(flood_and("other", "another-typo"))[-1], AuthBusy)
 
 
 @contextmanager
