@@ -250,12 +250,15 @@ def _measure(engine: str, exporter: str, prometheus: str, clock: ScriptedClock) 
     assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)
     seen_at = time.time()
 
-    def evaluated_since_then() -> bool:
-        stamps = query(prometheus, "timestamp(run:stepscope_step_seconds:p95_rate1m)")
-        return len(stamps) == len(CASES) and all(float(s["value"][1]) > seen_at + chained_seconds for s in stamps)
+    def evaluated_since_then() -> float | None:
+        """The oldest of the runs' latest evaluations, once all came after the chain had the push: an
+        instant whose recordings have landed (a later query at a later one may find a write in flight)."""
+        stamps = [float(s["value"][1]) for s in query(prometheus, "timestamp(run:stepscope_step_seconds:p95_rate1m)")]
+        done = len(stamps) == len(CASES) and min(stamps) > seen_at + chained_seconds
+        return min(stamps) if done else None
 
-    assert wait_for(evaluated_since_then, 30 + chained_seconds), "the rules did not evaluate the measured push"
-    at = time.time()
+    at = wait_for(evaluated_since_then, 30 + chained_seconds)
+    assert at, "the rules did not evaluate the measured push"
     assert at < measured_push + WINDOW_SECONDS, "the measured push left the 1m window before the rules read it"
     for rank in ranks.values():
         rank.tracker.close()
@@ -307,11 +310,13 @@ def test_run_quantiles_over_ranks_with_their_own_buckets_are_within_ten_percent(
     if measured.engine == "victoriametrics":
         # MetricsQL's histogram_quantile repairs a dip by lowering every bucket below it (Prometheus
         # raises the dip), so a bound only some ranks export pulls the run quantile up to the tail:
-        # docs/engines.md. The other runs must hold; these read far off (+2,500% and more when measured).
+        # docs/engines.md. The other runs must hold; these read far off (+2,500% and more when measured),
+        # or right where one shard group's rates came out 0.5% above the other's (a scrape late under
+        # load, read a second apart): which, the last scrapes decide.
         mixed = _runs_with_bounds_some_ranks_lack(measured)
         assert mixed, "every run's ranks export one set of bounds: the mixed case is not exercised"
         off = {where for (where, _), error in errors.items() if abs(error) > TOLERANCE}
-        assert off == mixed, _report(errors)
+        assert off <= mixed, _report(errors)
         return
     assert all(abs(error) <= TOLERANCE for error in errors.values()), _report(errors)
 
@@ -326,15 +331,34 @@ def test_phase_quantiles_behind_the_switch_are_within_ten_percent(measured: Meas
         assert abs(error) <= TOLERANCE, (name, error)
 
 
+def _bucket_shares(measured: Measured, expr: str) -> dict[tuple[str, str], float]:
+    """(run, le) -> the share of the run's steps at or below `le`, in `expr`'s run buckets."""
+    buckets = {(item["metric"]["run"], item["metric"]["le"]): float(item["value"][1])
+               for item in measured.query(expr)}
+    return {(run, le): value / buckets[(run, "+Inf")] for (run, le), value in buckets.items()}
+
+
 def test_a_users_own_promql_over_the_exported_buckets_reads_what_the_rules_record(measured: Measured) -> None:
-    """No intersection or repair in the rules: summing every rank's buckets per `le` is the run's histogram.
-    Over the rules' 1m window: a 5m one holds every series' start, where MetricsQL's rates depend on
-    each rank's age (FIRST_PUSH_AGE), and a run with mixed bounds reads 7.5 s or 0.18 s by a scrape."""
+    """No intersection or repair in the rules: summing every rank's buckets per `le` is the run's histogram,
+    bound for bound, and its quantiles are the user's. Over the rules' 1m window: a 5m one holds every
+    series' start, where MetricsQL's rates depend on each rank's age (FIRST_PUSH_AGE).
+
+    On VictoriaMetrics a run whose ranks export different bounds reads its quantiles off MetricsQL's dip
+    repair, where ranks' rates 0.5% apart move the 180 ms run's p50 from 7.53 s to 0.18 s: the recorded
+    run buckets sum shard partials evaluated a second apart, 0.5% apart when a scrape came late under
+    load (measured: 1 run in 5), while the user's query reads one instant. There the buckets say it."""
+    own = _bucket_shares(measured, "sum by (run, le) (rate(stepscope_step_seconds_bucket[1m]))")
+    recorded = _bucket_shares(measured, "run_le:stepscope_step_seconds_bucket:rate1m")
+    assert own.keys() == recorded.keys()
+    assert {run for run, _ in own} == set(CASES)
+    apart = {key: (own[key], recorded[key]) for key in own if abs(own[key] - recorded[key]) > 0.01}
+    assert not apart, apart
+    repaired = _runs_with_bounds_some_ranks_lack(measured) if measured.engine == "victoriametrics" else set()
     for name, q in QUANTILES.items():
-        own = {item["metric"]["run"]: float(item["value"][1]) for item in measured.query(
+        own_q = {item["metric"]["run"]: float(item["value"][1]) for item in measured.query(
             f"histogram_quantile({q}, sum by (run, le) (rate(stepscope_step_seconds_bucket[1m])))")}
-        recorded = {item["metric"]["run"]: float(item["value"][1])
-                    for item in measured.query(f"run:stepscope_step_seconds:{name}_rate1m")}
-        assert own.keys() == recorded.keys() == set(CASES)
-        for run, value in own.items():
-            assert value == pytest.approx(recorded[run], rel=0.01), (run, name, value, recorded[run])
+        recorded_q = {item["metric"]["run"]: float(item["value"][1])
+                      for item in measured.query(f"run:stepscope_step_seconds:{name}_rate1m")}
+        assert own_q.keys() == recorded_q.keys() == set(CASES)
+        for run in set(CASES) - repaired:
+            assert own_q[run] == pytest.approx(recorded_q[run], rel=0.01), (run, name, own_q[run], recorded_q[run])
