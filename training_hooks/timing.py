@@ -19,8 +19,8 @@ counts are exact cumulative counts at grid bounds, so a block that appears later
 values; but Prometheus has no history for it, and `rate()` over a window that began before it
 under-counts it, so quantiles that read it are off until it is one rate window old. Blocks therefore
 appear early (the first push that has steps covers their body and a tail as wide as their spread) and
-stay while in use; one unused for a rate
-window may make room when the run's pace moves (a slow start, a shift) and the cap is reached.
+stay while in use; one unused for a rate window may make room when the run's pace moves (a slow start,
+a shift) and the cap is reached.
 """
 
 from __future__ import annotations
