@@ -63,6 +63,10 @@ CHAINED_SECONDS = {"prometheus": 3, "victoriametrics": 20}
 # until the measured push leaves the window. Prometheus extrapolates instead: the window may hold both.
 FIRST_PUSH_AGE = {"prometheus": 0.0, "victoriametrics": 62.0}
 WINDOW_SECONDS = 60
+# How far a bound's share of a run's steps may read apart between the recorded run buckets and a user's
+# sum: the shard partials are taken a second or more apart, over windows that span different seconds
+# once a scrape came off VictoriaMetrics' grid (measured under load: ranks 4% apart, shares 0.0104).
+SHARE_APART = 0.05
 
 Draw = Callable[[random.Random], float]
 
@@ -346,12 +350,14 @@ def test_a_users_own_promql_over_the_exported_buckets_reads_what_the_rules_recor
     On VictoriaMetrics a run whose ranks export different bounds reads its quantiles off MetricsQL's dip
     repair, where ranks' rates 0.5% apart move the 180 ms run's p50 from 7.53 s to 0.18 s: the recorded
     run buckets sum shard partials evaluated a second apart, 0.5% apart when a scrape came late under
-    load (measured: 1 run in 5), while the user's query reads one instant. There the buckets say it."""
+    load (measured: 1 run in 5), while the user's query reads one instant. There the buckets say it: the
+    same bounds, each holding the same share of the run's steps within SHARE_APART (intersecting the
+    ranks' bounds drops bounds; a repair moves a dip's share by about half)."""
     own = _bucket_shares(measured, "sum by (run, le) (rate(stepscope_step_seconds_bucket[1m]))")
     recorded = _bucket_shares(measured, "run_le:stepscope_step_seconds_bucket:rate1m")
     assert own.keys() == recorded.keys()
     assert {run for run, _ in own} == set(CASES)
-    apart = {key: (own[key], recorded[key]) for key in own if abs(own[key] - recorded[key]) > 0.01}
+    apart = {key: (own[key], recorded[key]) for key in own if abs(own[key] - recorded[key]) > SHARE_APART}
     assert not apart, apart
     repaired = _runs_with_bounds_some_ranks_lack(measured) if measured.engine == "victoriametrics" else set()
     for name, q in QUANTILES.items():
