@@ -17,7 +17,8 @@ password per request for the legitimate user's name:
 The attacker connects from other loopback addresses than the legitimate client (127.0.0.2 and up), as
 another host would. Two more runs show what a login that is not cached yet meets (the first scrape
 after an exporter restart or a password change): the legitimate client sends no warm-up scrape and
-the guessers come from one address, or from 200. Before and after alternate run by run (--rounds), so
+the guessers come from one address, or from 200; in a third the legitimate client's address was let
+in before with other credentials, as before a password change. Before and after alternate run by run (--rounds), so
 machine noise hits both alike. `--cases` picks scenarios by key. Each run adds a dated section to
 benchmarks/results/auth_flood.md, keeping the earlier ones.
 """
@@ -53,6 +54,7 @@ from stepscope_testkit.processes import free_port, wait_http_ok  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "auth_flood.md"
 USER, PASSWORD = "prometheus", "the-right-one"
+EARLIER_USER = "before-rotation"  # the legitimate client's earlier login: its password is PASSWORD too
 WINDOW_SECONDS = 20.0  # --window: long enough for many new addresses to have been denied once
 ATTACK_AT_SECONDS = 2.0
 TIMEOUTS = {"/metrics": 10.0, "/-/healthy": 1.0}
@@ -67,6 +69,7 @@ class Scenario:
     kind: str  # burst or guessers
     addresses: int  # the attacker's source addresses, 127.0.0.2 and up
     warm: bool  # whether the legitimate client's credentials are cached before the attack
+    known: bool = False  # whether its address was let in before with EARLIER_USER (a password change)
 
 
 SCENARIOS = (
@@ -74,6 +77,8 @@ SCENARIOS = (
     Scenario("guessers-cached", "guessers, login cached", "guessers", 1, True),
     Scenario("guessers-uncached", "guessers, login not cached", "guessers", 1, False),
     Scenario("many-uncached", f"guessers from {GUESSERS} addresses, login not cached", "guessers", GUESSERS, False),
+    Scenario("many-changed", f"guessers from {GUESSERS} addresses, password changed", "guessers", GUESSERS, False,
+             known=True),
 )
 
 
@@ -196,8 +201,9 @@ def one_run(root: Path, workdir: Path, label: str, scenario: Scenario,
     process = start_exporter(root, workdir, port, label)
     url = f"http://127.0.0.1:{port}"
     try:
-        if scenario.warm:
-            requests.get(url + "/metrics", auth=(USER, PASSWORD), timeout=10).raise_for_status()  # cached now
+        if scenario.warm or scenario.known:
+            earlier = (USER if scenario.warm else EARLIER_USER, PASSWORD)
+            requests.get(url + "/metrics", auth=earlier, timeout=10).raise_for_status()  # cached now
         answers: multiprocessing.Queue = multiprocessing.Queue()
         attacker = multiprocessing.Process(target=attack, args=(scenario, port, window + ATTACK_AT_SECONDS,
                                                                 answers))
@@ -245,7 +251,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
-        (workdir / "web.yml").write_text(f"basic_auth_users:\n  {USER}: '{hashed}'\n")
+        (workdir / "web.yml").write_text(f"basic_auth_users:\n  {USER}: '{hashed}'\n  {EARLIER_USER}: '{hashed}'\n")
         for round_number in range(args.rounds):
             for scenario in (s for s in SCENARIOS if s.key in args.cases):
                 for label, root in (("before", args.before.resolve()), ("after", REPO_ROOT)):
@@ -267,7 +273,9 @@ def main() -> int:
             f"GET /metrics (timeout {TIMEOUTS['/metrics']:g} s) and GET /-/healthy (timeout "
             f"{TIMEOUTS['/-/healthy']:g} s), each probe counted whether or not the last one answered. "
             f"'login cached': the legitimate client scraped once before, and the attack starts with the window; "
-            f"'not cached': no scrape before, and the window opens {ATTACK_AT_SECONDS:g} s into the attack. "
+            f"'not cached': no scrape before, and the window opens {ATTACK_AT_SECONDS:g} s into the attack; "
+            f"'password changed': the same, but the legitimate client's address was let in once before, as "
+            f"another user. "
             f"burst: {BURST} requests, each a new wrong password for the legitimate user, sent and closed at "
             f"once. guessers: {GUESSERS} concurrent clients, a new wrong password each time, from 127.0.0.2 "
             f"(or one address each from 127.0.0.2 up). Latencies include the failed probes (a timeout counts "

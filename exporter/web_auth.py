@@ -18,8 +18,8 @@ connections wait. What keeps the legitimate scraper in under such a flood:
   with each further denial up to 30 s; a grant ends it. And such an address is checked only when
   no other check is waiting or running: addresses never denied go first, so the hashing goes to
   telling new addresses apart, and once every guesser has been denied a login not cached yet (the first
-  scrape after a restart or a password change) finds all but one slot free. An address that never sent
-  a wrong password is never delayed;
+  scrape after a restart) finds a slot at once. An address that never sent a wrong password is never
+  delayed;
 - the last free slot is kept for an address let in before (and not denied since): after a password
   change the scraper is heard at once however many new addresses flood;
 - a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
@@ -53,7 +53,7 @@ HASH_WAITING = 4
 BACKOFF_FREE_DENIALS = 2  # denials in a row an address may have with no wait: a person's typos
 BACKOFF_FIRST_SECONDS = 0.25  # the wait after the next one, doubling with each further denial in a row
 BACKOFF_MAX_SECONDS = 30.0  # at most: two scrapes of a 15 s interval, once its password is put right
-BACKOFF_ADDRESSES = 4096  # denied address groups remembered (~1 MiB); the least recently denied go first
+BACKOFF_ADDRESSES = 4096  # denied, and let-in, address groups remembered (~1 MiB each); least recent go first
 BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no further; bcrypt>=5 refuses longer ones
 # a cost-10 bcrypt of a password nobody sends: an unknown user costs what a known one does
 DECOY_HASH = b"$2b$10$5NGai4efUngPzjijLv27ReZVXW6bHPBHlS4fU2I/4h1OMWqGLSFU2"
@@ -210,8 +210,9 @@ class _BoundedHasher:
             raise AuthBusy("too many new credentials are being checked; retry in a second")
 
     def _slots(self, group: str) -> int:
-        """Checks running or waiting under which this group may start one: with a denial remembered,
-        none; new, all but the last, kept for a group let in before (and not denied since)."""
+        """How many checks may be running or waiting for this group to start one: with a denial
+        remembered, it waits until none is; a new group may fill all but the last slot, kept for a group
+        let in before (and not denied since)."""
         if group in self._backoff:
             return 1
         return HASH_WORKERS + HASH_WAITING - (0 if self._trusted.hit(group) else 1)
