@@ -24,27 +24,28 @@ GPU_SOURCE_SM_CLOCK = "instance_gpu:stepscope_gpu_sm_clock_hertz:source"
 GPU_SOURCE_SM_CLOCK_MAX = "instance_gpu:stepscope_gpu_sm_clock_max_hertz:source"
 # Each GPU's power from its energy counter (watts: joules per second over 1m), from either source
 GPU_SOURCE_ENERGY_RATE = "instance_gpu:stepscope_gpu_energy_joules:rate1m"
-# The Node dashboard's other GPU readings from either source (dcgm-exporter's field in its units, a 1m-window
-# share of time for the clock events it has no counter of); `direction` receive/transmit for the links, `type`
+# dcgm-exporter's fill-ins for the Node dashboard's other GPU readings: its field alone, in stepscope's units
+# (a panel reads stepscope's family `or on (instance, gpu)` the fill-in), so a node with stepscope's GPU
+# collector and no dcgm-exporter records none of them; `direction` receive/transmit for the links, `type`
 # corrected/uncorrected for ECC.
-GPU_SOURCE_MEMORY_FREE = "instance_gpu:stepscope_gpu_memory_free_bytes:source"
-GPU_SOURCE_MEMORY_UTILIZATION = "instance_gpu:stepscope_gpu_memory_utilization_ratio:source"
-GPU_SOURCE_TEMPERATURE = "instance_gpu:stepscope_gpu_temperature_celsius:source"
-GPU_SOURCE_POWER = "instance_gpu:stepscope_gpu_power_watts:source"
-GPU_SOURCE_POWER_LIMIT = "instance_gpu:stepscope_gpu_power_limit_watts:source"
-GPU_SOURCE_MEMORY_CLOCK = "instance_gpu:stepscope_gpu_memory_clock_hertz:source"
-GPU_SOURCE_SM_OCCUPANCY = "instance_gpu:stepscope_gpu_sm_occupancy_ratio:source"
-GPU_SOURCE_DRAM_ACTIVE = "instance_gpu:stepscope_gpu_dram_active_ratio:source"
-GPU_SOURCE_PCIE = "instance_gpu_direction:stepscope_gpu_pcie_bytes_per_second:source"
-GPU_SOURCE_NVLINK = "instance_gpu_direction:stepscope_gpu_nvlink_bytes_per_second:source"
-GPU_SOURCE_ECC_ERRORS = "instance_gpu_type:stepscope_gpu_ecc_errors:source"
-# StepscopeGpuXidErrors', StepscopeGpuDown's and StepscopeGpuCollectorDown's readings from either source: when
-# each XID (label `xid`) was last seen (dcgm-exporter: when its last-XID gauge turned to a new number), whether
-# each GPU answers (dcgm-exporter: its series go on while the node's dcgm-exporter is scraped) and whether the
-# node's GPU source is up (dcgm-exporter: its target).
-GPU_SOURCE_XID_LAST_SEEN = "instance_gpu_xid:stepscope_gpu_xid_last_seen_timestamp_seconds:source"
-GPU_SOURCE_UP = "instance_gpu:stepscope_gpu_up:source"
-GPU_SOURCE_COLLECTOR_UP = "instance:stepscope_gpu_collector_up:source"
+GPU_DCGM_MEMORY_FREE = "instance_gpu:stepscope_gpu_memory_free_bytes:dcgm"
+GPU_DCGM_MEMORY_UTILIZATION = "instance_gpu:stepscope_gpu_memory_utilization_ratio:dcgm"
+GPU_DCGM_TEMPERATURE = "instance_gpu:stepscope_gpu_temperature_celsius:dcgm"
+GPU_DCGM_POWER = "instance_gpu:stepscope_gpu_power_watts:dcgm"
+GPU_DCGM_POWER_LIMIT = "instance_gpu:stepscope_gpu_power_limit_watts:dcgm"
+GPU_DCGM_MEMORY_CLOCK = "instance_gpu:stepscope_gpu_memory_clock_hertz:dcgm"
+GPU_DCGM_SM_OCCUPANCY = "instance_gpu:stepscope_gpu_sm_occupancy_ratio:dcgm"
+GPU_DCGM_DRAM_ACTIVE = "instance_gpu:stepscope_gpu_dram_active_ratio:dcgm"
+GPU_DCGM_PCIE = "instance_gpu_direction:stepscope_gpu_pcie_bytes_per_second:dcgm"
+GPU_DCGM_NVLINK = "instance_gpu_direction:stepscope_gpu_nvlink_bytes_per_second:dcgm"
+GPU_DCGM_ECC_ERRORS = "instance_gpu_type:stepscope_gpu_ecc_errors:dcgm"
+# StepscopeGpuXidErrors', StepscopeGpuDown's and StepscopeGpuCollectorDown's readings from dcgm-exporter (on a
+# node with stepscope's GPU collector they read its families): when each XID (label `xid`) was seen (when the
+# last-XID gauge turned to a new number), whether each GPU answers (its series go on while the node's
+# dcgm-exporter is scraped) and whether the node's dcgm-exporter target is up.
+GPU_DCGM_XID_LAST_SEEN = "instance_gpu_xid:stepscope_gpu_xid_last_seen_timestamp_seconds:dcgm"
+GPU_DCGM_UP = "instance_gpu:stepscope_gpu_up:dcgm"
+GPU_DCGM_COLLECTOR_UP = "instance:stepscope_gpu_collector_up:dcgm"
 GPU_UTILIZATION = "instance_gpu:stepscope_gpu_utilization:avg_ratio"  # NVML, 1m average
 GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio"  # label `source`
 NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"

@@ -70,6 +70,10 @@ RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordin
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
     recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU)}
+# dcgm-exporter's fill-ins (recordings.GPU_DCGM_*) read its fields alone, so this node, whose GPU readings are
+# stepscope's own, records none of them: that is their point (docs/cluster.md).
+DCGM_ONLY = "dcgm-exporter's fill-ins: tests/test_dcgm_source.py and grafana/rules/tests/dcgm_source.yml"
+RULES_EMPTY_BY_DESIGN |= {value: DCGM_ONLY for name, value in vars(recordings).items() if name.startswith("GPU_DCGM_")}
 # GPU index -> (NVML utilization %, GPM SM active %, run rank holding memory on it): fast's GPUs busy,
 # slow's starved, one idle.
 GPU_LAYOUT = {0: (98, 73, ("fast", 0)), 1: (98, 73, ("fast", 1)), 2: (25, 20, ("slow", 0)), 3: (0, 0, None)}

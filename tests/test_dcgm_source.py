@@ -5,7 +5,7 @@ pod each GPU is given to) and whose stepscope exporter runs with its GPU collect
 A real Prometheus scrapes both targets and runs the shipped rules; every workload must get the verdict and
 exactly the alerts it gets from stepscope's own GPU collector (tests/test_corpus_verdicts.py), with no
 `stepscope_gpu_*` series anywhere; the Node dashboard's GPU panels and the report's GPU memory read the same
-readings through the GPU source layer.
+readings through the GPU source layer and dcgm-exporter's fill-ins.
 """
 
 import time

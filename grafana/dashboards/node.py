@@ -43,16 +43,19 @@ def _per_process(series: str) -> Q:
     return Q(f"sum by (pid, run, rank) ({series})", table=True)
 
 
-def _link_throughput(link: tuple[str, str], legend: str, source: str | None = None) -> list[Q]:
-    """Receive and transmit bytes/s of one GPU link (fam.GPU_PCIE, GPU_NVLINK, GPU_C2C); with `source` (its
-    recording in the GPU source layer, label `direction`) also of the GPUs whose node has no stepscope GPU
-    collector (dcgm-exporter), while stepscope's own series keep their names."""
+def _filled(family: str, dcgm: str, matchers: str = GPUS, on: str = "instance, gpu", only: str = "") -> str:
+    """stepscope's family, else dcgm-exporter's fill-in (rec.GPU_DCGM_*, narrowed by `only`): the fill-in is
+    recorded only from dcgm-exporter's fields, so a node with stepscope's GPU collector alone costs no recording
+    for the panel, and stepscope's readings win on a node that has both."""
+    return f"{sel(family, matchers)} or on ({on}) {sel(dcgm, matchers + only)}"
+
+
+def _link_throughput(link: tuple[str, str], legend: str, dcgm: str | None = None) -> list[Q]:
+    """Receive and transmit bytes/s of one GPU link (fam.GPU_PCIE, GPU_NVLINK, GPU_C2C); with `dcgm` (its
+    dcgm-exporter fill-in, label `direction`) also of the GPUs whose node has no stepscope GPU collector."""
     queries = []
     for name, direction in zip(link, ("receive", "transmit"), strict=True):
-        expr = sel(name, GPUS)
-        if source:
-            matchers = f'{GPUS},direction="{direction}"'
-            expr += f" or on (instance, gpu) {sel(source, matchers)}"
+        expr = _filled(name, dcgm, only=f',direction="{direction}"') if dcgm else sel(name, GPUS)
         queries.append(Q(expr, f"{legend} {direction}"))
     return queries
 
@@ -75,7 +78,7 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"of the node. Traffic in bursts with the {BACKWARD} phase alongside is the all-reduce; a "
                 f"{BACKWARD} that grows while NVLink stays flat is a rank waiting for a slower one. Absent, "
                 "not zero, where the GPU has no GPM (before Hopper) or no NVLink.",
-                _link_throughput(fam.GPU_NVLINK, "GPU {{gpu}}", rec.GPU_SOURCE_NVLINK),
+                _link_throughput(fam.GPU_NVLINK, "GPU {{gpu}}", rec.GPU_DCGM_NVLINK),
                 "Bps",
                 limits=(0, None),
                 no_data="No NVLink reading: no GPM (before Hopper) or no NVLink on this GPU",
@@ -108,7 +111,7 @@ def _interconnect_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"instead of PCIe. Receive is host to device (input batches, {TO_DEVICE}). C2C is absent, "
                 "not zero, on GPUs without it.",
                 [
-                    *_link_throughput(fam.GPU_PCIE, "GPU {{gpu}} PCIe", rec.GPU_SOURCE_PCIE),
+                    *_link_throughput(fam.GPU_PCIE, "GPU {{gpu}} PCIe", rec.GPU_DCGM_PCIE),
                     *_link_throughput(fam.GPU_C2C, "GPU {{gpu}} C2C"),
                 ],
                 "Bps",
@@ -273,9 +276,9 @@ def _gpu_activity(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "BF16/FP16 autocast); DRAM = memory bandwidth in use.",
                 [
                     Q(sel(rec.GPU_SOURCE_SM_ACTIVE, GPUS), "GPU {{gpu}} SM active"),
-                    Q(sel(rec.GPU_SOURCE_SM_OCCUPANCY, GPUS), "GPU {{gpu}} SM occupancy"),
+                    Q(_filled(fam.GPU_SM_OCCUPANCY, rec.GPU_DCGM_SM_OCCUPANCY), "GPU {{gpu}} SM occupancy"),
                     Q(sel(rec.GPU_SOURCE_TENSOR_ACTIVE, GPUS), "GPU {{gpu}} tensor active"),
-                    Q(sel(rec.GPU_SOURCE_DRAM_ACTIVE, GPUS), "GPU {{gpu}} DRAM active"),
+                    Q(_filled(fam.GPU_DRAM_ACTIVE, rec.GPU_DCGM_DRAM_ACTIVE), "GPU {{gpu}} DRAM active"),
                 ],
                 "percentunit",
                 limits=(0, 1),
@@ -294,7 +297,7 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "memory reserved, so used stays high after peaks (the next panel splits it).",
                 [
                     Q(f"max by (instance, gpu) ({sel(rec.GPU_SOURCE_MEMORY_USED, GPUS)})", "GPU {{gpu}} used"),
-                    Q(sel(rec.GPU_SOURCE_MEMORY_FREE, GPUS), "GPU {{gpu}} free"),
+                    Q(_filled(fam.GPU_MEMORY_FREE, rec.GPU_DCGM_MEMORY_FREE), "GPU {{gpu}} free"),
                     Q(sel(rec.GPU_SOURCE_MEMORY_TOTAL, GPUS), "GPU {{gpu}} total"),
                 ],
                 "bytes",
@@ -320,7 +323,7 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "GPU memory-controller utilization",
                 "Share of time the memory controller was reading or writing device memory: high with low SM "
                 "activity means memory-bound kernels.",
-                [Q(sel(rec.GPU_SOURCE_MEMORY_UTILIZATION, GPUS), "GPU {{gpu}}")],
+                [Q(_filled(fam.GPU_MEMORY_UTILIZATION, rec.GPU_DCGM_MEMORY_UTILIZATION), "GPU {{gpu}}")],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -332,7 +335,7 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "mean power or thermal limits.",
                 [
                     Q(sel(rec.GPU_SOURCE_SM_CLOCK, GPUS), "GPU {{gpu}} SM"),
-                    Q(sel(rec.GPU_SOURCE_MEMORY_CLOCK, GPUS), "GPU {{gpu}} memory"),
+                    Q(_filled(fam.GPU_MEMORY_CLOCK, rec.GPU_DCGM_MEMORY_CLOCK), "GPU {{gpu}} memory"),
                 ],
                 "hertz",
                 limits=(0, None),
@@ -344,8 +347,8 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Power draw against the enforced limit, and the average draw from the energy counter (1m). "
                 "Draw pinned at the limit means power capping.",
                 [
-                    Q(sel(rec.GPU_SOURCE_POWER, GPUS), "GPU {{gpu}} draw"),
-                    Q(sel(rec.GPU_SOURCE_POWER_LIMIT, GPUS), "GPU {{gpu}} limit"),
+                    Q(_filled(fam.GPU_POWER, rec.GPU_DCGM_POWER), "GPU {{gpu}} draw"),
+                    Q(_filled(fam.GPU_POWER_LIMIT, rec.GPU_DCGM_POWER_LIMIT), "GPU {{gpu}} limit"),
                     Q(sel(rec.GPU_SOURCE_ENERGY_RATE, GPUS), "GPU {{gpu}} average (energy)"),
                 ],
                 "watt",
@@ -356,7 +359,7 @@ def _gpu_memory_clocks_power(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "Temperature",
                 "GPU die temperature; thermal slowdown usually starts in the high 80s celsius.",
-                [Q(sel(rec.GPU_SOURCE_TEMPERATURE, GPUS), "GPU {{gpu}}")],
+                [Q(_filled(fam.GPU_TEMPERATURE, rec.GPU_DCGM_TEMPERATURE), "GPU {{gpu}}")],
                 "celsius",
                 threshold_line=thresholds((None, "green"), (HOT.value, "red")),
             )
@@ -372,7 +375,7 @@ def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "PCIe throughput",
                 "Host-device PCIe traffic per GPU: input batches in (receive) and results out (transmit). "
                 "Large steady receive with a host-bound run: copy less or overlap copies with compute.",
-                _link_throughput(fam.GPU_PCIE, "GPU {{gpu}}", rec.GPU_SOURCE_PCIE),
+                _link_throughput(fam.GPU_PCIE, "GPU {{gpu}}", rec.GPU_DCGM_PCIE),
                 "Bps",
                 limits=(0, None),
             )
@@ -426,7 +429,7 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "ECC errors",
                 "Corrected and uncorrected ECC errors since driver load. Uncorrected ones crash the job; a "
                 "growing corrected count announces a failing memory.",
-                [Q(sel(rec.GPU_SOURCE_ECC_ERRORS, GPUS), "GPU {{gpu}} {{type}}")],
+                [Q(_filled(fam.GPU_ECC_ERRORS, rec.GPU_DCGM_ECC_ERRORS), "GPU {{gpu}} {{type}}")],
                 "short",
                 limits=(0, None),
             )
@@ -439,8 +442,9 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "From dcgm-exporter (its last XID's number) only when each new XID came, within the time range.",
                 [
                     Q(f"max by (instance, gpu, xid) ({sel(fam.GPU_XID_ERRORS, GPUS)})", table=True),
-                    Q(f"time() - max by (instance, gpu, xid) "
-                      f"(max_over_time({sel(rec.GPU_SOURCE_XID_LAST_SEEN, GPUS)}[$__range]))", table=True),
+                    Q(f"time() - max by (instance, gpu, xid) ({sel(fam.GPU_XID_LAST_SEEN, GPUS)}) or time() - "
+                      f"max by (instance, gpu, xid) (max_over_time({sel(rec.GPU_DCGM_XID_LAST_SEEN, GPUS)}[$__range]))",
+                      table=True),
                 ],
                 {"Value #A": ("events", "short"), "Value #B": ("last seen ago", "s")},
                 hide=("Time", "__name__", "job", "instance", "uuid"),
@@ -453,7 +457,7 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Inventory: model, driver, PCI bus id, and whether NVML still answers (1) for each GPU.",
                 [
                     Q(f"{sel(fam.GPU_INFO, GPUS)} or on (instance, gpu) {sel(rec.GPU_SOURCE_NAME, GPUS)}", table=True),
-                    Q(sel(rec.GPU_SOURCE_UP, GPUS), table=True),
+                    Q(_filled(fam.GPU_UP, rec.GPU_DCGM_UP), table=True),
                 ],
                 {"Value #A": ("info", "none"), "Value #B": ("up", "none")},
                 hide=("Time", "__name__", "job", "instance", "Value #A"),
@@ -465,7 +469,7 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "NVML",
                 "1 when the exporter initialised NVML on this node (or, with dcgm-exporter as the GPU source, "
                 "when its target answers); 0 without a GPU or driver (GPU panels then stay empty).",
-                [Q(sel(rec.GPU_SOURCE_COLLECTOR_UP, NODE), "NVML")],
+                [Q(_filled(fam.GPU_COLLECTOR_UP, rec.GPU_DCGM_COLLECTOR_UP, NODE, "instance"), "NVML")],
                 "none",
                 steps=thresholds((None, "red"), (1, "green")),
                 width=12,
@@ -476,7 +480,7 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
             stat_panel(
                 "GPUs answering",
                 "GPUs on the node that still answer NVML queries.",
-                [Q(f"sum({sel(rec.GPU_SOURCE_UP, NODE)})", "GPUs up")],
+                [Q(f"sum({_filled(fam.GPU_UP, rec.GPU_DCGM_UP, NODE)})", "GPUs up")],
                 "none",
                 width=12,
                 height=4,
