@@ -53,7 +53,7 @@ HASH_WAITING = 4
 BACKOFF_FREE_DENIALS = 2  # denials in a row an address may have with no wait: a person's typos
 BACKOFF_FIRST_SECONDS = 0.25  # the wait after the next one, doubling with each further denial in a row
 BACKOFF_MAX_SECONDS = 30.0  # at most: two scrapes of a 15 s interval, once its password is put right
-BACKOFF_ADDRESSES = 4096  # denied, and let-in, address groups remembered (~1 MiB each); least recent go first
+BACKOFF_ADDRESSES = 4096  # address groups remembered, denied and let in (well under 1 MiB each); oldest go first
 BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no further; bcrypt>=5 refuses longer ones
 # a cost-10 bcrypt of a password nobody sends: an unknown user costs what a known one does
 DECOY_HASH = b"$2b$10$5NGai4efUngPzjijLv27ReZVXW6bHPBHlS4fU2I/4h1OMWqGLSFU2"

@@ -31,21 +31,12 @@ from stepscope.exporter.web_auth import (
     _DenialBackoff,
 )
 from stepscope_testkit.processes import free_port
+from tests.support.clock import ManualClock
 from tests.test_web_attacks import HASH, PASSWORD, basic, serving
 
 
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_wait_doubles_with_each_denial_in_a_row_up_to_the_cap_and_a_grant_ends_it() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     backoff = _DenialBackoff(clock)
     waits = []
     for _ in range(14):
@@ -66,7 +57,7 @@ def test_the_wait_doubles_with_each_denial_in_a_row_up_to_the_cap_and_a_grant_en
 
 
 def test_memory_is_bounded_and_the_least_recently_denied_address_is_forgotten_first() -> None:
-    backoff = _DenialBackoff(Clock(), size=3)
+    backoff = _DenialBackoff(ManualClock(1000.0), size=3)
     for address in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.1", "10.0.0.4"):
         backoff.denied(address)
     assert [a for a in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4") if a in backoff] == [
@@ -74,7 +65,7 @@ def test_memory_is_bounded_and_the_least_recently_denied_address_is_forgotten_fi
 
 
 def test_a_denied_address_gets_429_with_retry_after_without_hashing_until_its_wait_is_over() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     users = BcryptUsers({"prometheus": HASH, "other": HASH}, clock=clock)
     guesser, scraper = Client("10.0.0.1"), Client("10.0.0.9")
 
@@ -102,7 +93,7 @@ def test_a_denied_address_gets_429_with_retry_after_without_hashing_until_its_wa
 
 
 def test_an_address_with_a_denial_is_checked_only_when_nothing_else_is() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     users = BcryptUsers({"prometheus": HASH}, clock=clock)
     slots = HASH_WORKERS + HASH_WAITING
     guessers = [Client(f"10.0.0.{n}") for n in range(slots + 2)]
@@ -124,7 +115,7 @@ def test_an_address_with_a_denial_is_checked_only_when_nothing_else_is() -> None
 def test_the_last_slot_is_kept_for_an_address_let_in_before() -> None:
     """After a password change the scraper's address, let in before, is heard however many new
     addresses hold the other slots; once denied it waits behind them like any denied address."""
-    users = BcryptUsers({"prometheus": HASH, "other": HASH}, clock=Clock())
+    users = BcryptUsers({"prometheus": HASH, "other": HASH}, clock=ManualClock(1000.0))
     slots = HASH_WORKERS + HASH_WAITING
     scraper = Client("10.0.2.1")
     assert asyncio.run(users.allows(basic("other", PASSWORD), scraper)) is True

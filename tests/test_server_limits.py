@@ -14,14 +14,7 @@ from stepscope.exporter.server_limits import (
     BodyBudget,
     ConnectionSlots,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 class Body:
@@ -39,7 +32,7 @@ class Body:
 
 
 def test_a_body_that_keeps_pace_keeps_its_room_and_a_laggard_gives_it_up() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     budget = BodyBudget(3 * 2**20, clock)
     liar, paced, stalled = Body(1), Body(), Body()
     assert liar.admit(budget, 2**20) and paced.admit(budget, 2**20) and stalled.admit(budget, 2**20)
@@ -55,7 +48,7 @@ def test_a_body_that_keeps_pace_keeps_its_room_and_a_laggard_gives_it_up() -> No
 
 
 def test_no_body_is_evicted_unless_that_makes_enough_room() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     budget = BodyBudget(2 * 2**20, clock)
     laggard, paced = Body(), Body()
     assert laggard.admit(budget, 2**20) and paced.admit(budget, 2**20)
@@ -108,7 +101,7 @@ def test_shedding_closes_idle_connections_to_a_sixteenth_under_the_cap() -> None
 
 
 def test_failed_accepts_are_one_line_per_interval_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
-    clock, shed = Clock(), []
+    clock, shed = ManualClock(100.0), []
     handler = AcceptErrorLog(lambda: shed.append(1), interval=10, clock=clock)
     loop = asyncio.new_event_loop()
     failure = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
