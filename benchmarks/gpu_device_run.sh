@@ -16,7 +16,7 @@ prefix=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o '
 case "${1:-}" in
   tests)
     timeout 260 python3 -m pytest -m gpu -p no:cacheprovider -q --timeout 240 \
-      tests/test_gpu_truth.py tests/test_hooks_gpu.py tests/test_profile_e2e.py tests/test_mfu_gpu.py \
+      tests/test_gpu_truth.py tests/test_hooks_gpu.py tests/test_profile_e2e.py tests/test_mfu_gpu.py tests/test_cuda_memory_gpu.py \
       2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
     python3 benchmarks/record_gpu_corpus.py --out "$OUT/rec1" --prefix "$prefix" --judge \
       input_copy_bound=60 cpu_preprocess=60 2>&1 | tail -20
