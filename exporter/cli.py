@@ -4,6 +4,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from stepscope.exporter import __version__, ingest
 from stepscope.exporter.collectors import Collector
@@ -25,9 +26,13 @@ from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.scheduler import Scheduler
 from stepscope.exporter.server import PROFILE_PREFIX, ExporterServer, WebLimits, WebOptions
 from stepscope.exporter.web_auth import Authenticator, PasswordFileUser
+from stepscope.exporter.web_auth_known import KnownGroups
 from stepscope.exporter.web_config import TlsSettings, WebConfig, WebConfigError, load
 from stepscope.exporter.web_reload import ReloadingUsers, WebConfigSource
 from stepscope.exporter.web_tls import TlsContextSource
+
+if TYPE_CHECKING:  # pods.py needs grpc, imported only with --kubelet-pod-resources-socket
+    from stepscope.exporter.collectors.pods import PodCollector
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
@@ -77,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
              help="exporter-toolkit web config YAML: tls_server_config, basic_auth_users (bcrypt), "
                   "http_server_config.headers; users and headers are re-read when the file changes, "
                   "the certificate files when they do (tls_server_config itself at start)")
+    add_flag(web, "--web.auth.state-file", default="", dest="web_auth_state_file",
+             help="file (created; its directory must exist) where the exporter keeps the address groups, an "
+                  "IPv4 address or IPv6 /64, that basic auth of --web.config.file let in over the last 7 days "
+                  "(no users, passwords or hashes), so that after a restart their logins go ahead of a "
+                  "wrong-password flood; empty: kept in memory only")
     add_flag(web, "--web.max-connections", aliases=["--web-max-connections"], default="512", type=positive_int,
              dest="web_max_connections", help="most client connections open at once; more get 503 and are closed")
     legacy = parser.add_argument_group(
@@ -134,6 +144,17 @@ def enabled_collectors(args: argparse.Namespace) -> list[str]:
     return [name for name in COLLECTOR_NAMES if name in enabled]
 
 
+def _known_groups(args: argparse.Namespace) -> KnownGroups:
+    """The address groups basic auth let in, read from --web.auth.state-file and written back at once, so
+    a path the exporter cannot write is one line at start, not a surprise at the next restart."""
+    known = KnownGroups(args.web_auth_state_file or None)
+    try:
+        known.save()
+    except OSError as exc:
+        fail(f"cannot write --web.auth.state-file {args.web_auth_state_file!r}: {exc.strerror or exc}")
+    return known
+
+
 def _web_options(args: argparse.Namespace) -> WebOptions:
     """TLS, basic auth and headers from --web.config.file or the older flags; one line on conflict."""
     legacy = [flag for flag in ("--tls-cert-file", "--tls-key-file", "--basic-auth-user", "--basic-auth-password-file")
@@ -158,7 +179,7 @@ def _web_options(args: argparse.Namespace) -> WebOptions:
             tls = TlsContextSource(tls_settings)
         except (OSError, ValueError) as exc:
             fail(f"cannot load TLS certificate/key: {exc}")
-    auth: Authenticator | None = ReloadingUsers(source) if source is not None else None
+    auth: Authenticator | None = ReloadingUsers(source, _known_groups(args)) if source is not None else None
     if args.basic_auth_user:
         with open(args.basic_auth_password_file, encoding="utf-8") as handle:
             password = handle.read().rstrip("\r\n")
@@ -176,6 +197,8 @@ def _build_collectors(
 ) -> list[Collector]:
     gpu_processes = GpuProcessTable()
     collectors: list[Collector] = []
+    pods = _pod_collector(args, push_api)
+    attribution = pods.attribution if pods is not None else None
     if "node" in args.collectors:
         from stepscope.exporter.collectors.node import NodeCollector
 
@@ -183,17 +206,27 @@ def _build_collectors(
     if "gpu" in args.collectors:
         from stepscope.exporter.collectors.gpu import GpuCollector
 
-        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll))
+        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll, pods=attribution))
     if "process" in args.collectors:
         from stepscope.exporter.collectors.process import ProcessCollector
 
-        collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=push_api.registered_processes))
-    if args.kubelet_pod_resources_socket:
-        from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
+        collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=push_api.registered_processes,
+                                           pods=attribution))
+    return [*collectors, pods] if pods is not None else collectors
 
-        collectors.append(PodCollector(PodResourcesClient(args.kubelet_pod_resources_socket),
-                                       registered=push_api.registered_processes))
-    return collectors
+
+def _pod_collector(args: argparse.Namespace, push_api: ingest.PushApi) -> "PodCollector | None":
+    """With --kubelet-pod-resources-socket: the pods collector, its first List done, its answer labelling the
+    GPU, process and pushed series; None off Kubernetes, where nothing of it runs."""
+    if not args.kubelet_pod_resources_socket:
+        return None
+    from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
+
+    pods = PodCollector(PodResourcesClient(args.kubelet_pod_resources_socket),
+                        registered=push_api.registered_processes)
+    pods.prime()
+    push_api.label_pods(pods.attribution)
+    return pods
 
 
 def main(argv: Sequence[str] | None = None) -> int:

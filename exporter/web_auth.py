@@ -20,8 +20,10 @@ connections wait. What keeps the legitimate scraper in under such a flood:
   telling new addresses apart, and once every guesser has been denied a login not cached yet (the first
   scrape after a restart) finds a slot at once. An address that never sent a wrong password is never
   delayed;
-- the last free slot is kept for an address let in before (and not denied since): after a password
-  change the scraper is heard at once however many new addresses flood;
+- the last free slot is kept for an address let in before (and not denied since), and its check goes
+  ahead of every queued check of other addresses: after a password change the scraper is heard at once
+  however many new addresses flood. These groups are kept across restarts when `--web.auth.state-file`
+  is set (web_auth_known), so the first scrape after a restart is heard at once too;
 - a waiting check whose connection is lost by the time its turn comes is dropped without hashing. A
   client that only closed its side is not known to be gone (it may be waiting for the answer, as
   `nc -N` does), so its check runs; the bound above is what caps those.
@@ -37,7 +39,7 @@ import ipaddress
 import os
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +48,8 @@ from typing import Protocol
 
 import bcrypt
 
+from stepscope.exporter.web_auth_known import KnownGroups
+
 GRANTED_CACHE_SIZE = 64  # right passwords only: as many as users and their rotations need
 DENIED_CACHE_SIZE = 1024  # a repeated wrong password (a stale secret) costs a lookup too
 HASH_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # never more than half the CPUs hashing
@@ -53,7 +57,7 @@ HASH_WAITING = 4
 BACKOFF_FREE_DENIALS = 2  # denials in a row an address may have with no wait: a person's typos
 BACKOFF_FIRST_SECONDS = 0.25  # the wait after the next one, doubling with each further denial in a row
 BACKOFF_MAX_SECONDS = 30.0  # at most: two scrapes of a 15 s interval, once its password is put right
-BACKOFF_ADDRESSES = 4096  # address groups remembered, denied and let in (well under 1 MiB each); oldest go first
+BACKOFF_ADDRESSES = 4096  # denied address groups remembered (well under 1 MiB in all); oldest go first
 BCRYPT_MAX_PASSWORD_BYTES = 72  # bcrypt reads no further; bcrypt>=5 refuses longer ones
 # a cost-10 bcrypt of a password nobody sends: an unknown user costs what a known one does
 DECOY_HASH = b"$2b$10$5NGai4efUngPzjijLv27ReZVXW6bHPBHlS4fU2I/4h1OMWqGLSFU2"
@@ -126,9 +130,6 @@ class _LruSet:
         while len(self._keys) > self._size:
             self._keys.popitem(last=False)
 
-    def discard(self, key: Hashable) -> None:
-        self._keys.pop(key, None)
-
 
 def _address_group(address: str) -> str:
     """The unit one check at a time is allowed to: an IPv4 address (also IPv4-mapped), an IPv6 /64."""
@@ -172,50 +173,85 @@ class _DenialBackoff:
 
 
 class _BoundedHasher:
-    """bcrypt on worker threads (it releases the GIL), with a bound on checks waiting or running."""
+    """bcrypt on worker threads (it releases the GIL), with a bound on checks waiting or running, and
+    the checks of groups let in before handed a worker ahead of the others waiting."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, known: KnownGroups, clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="bcrypt")
         self._by_address: Counter[str] = Counter()
         self._backoff = _DenialBackoff(clock)
-        self._trusted = _LruSet(BACKOFF_ADDRESSES)  # groups let in before and not denied since
+        self._known = known  # groups let in before and not denied since
+        self._running = 0  # checks holding a worker
+        self._queues: tuple[deque[asyncio.Future[None]], ...] = (deque(), deque())  # known groups', others'
         self.calls = 0  # hashes actually computed
 
     async def matches(self, password: bytes, hashed: bytes, client: Client) -> bool | None:
         """Whether the password matches; None when the client left before its turn (nothing hashed)."""
         group = _address_group(client.address)
-        self._admit(group)
+        known = group in self._known
+        self._admit(group, known)
         self._by_address[group] += 1
         try:
-            matched = await asyncio.get_running_loop().run_in_executor(self._pool, self._check, password, hashed,
-                                                                       client.connected)
+            await self._turn(known)
+            try:
+                matched = await asyncio.get_running_loop().run_in_executor(self._pool, self._check, password,
+                                                                           hashed, client.connected)
+            finally:
+                self._next()
         finally:
             self._by_address[group] -= 1
             if not self._by_address[group]:
                 del self._by_address[group]
         if matched:
             self._backoff.granted(group)
-            self._trusted.add(group)
+            self._known.let_in(group)
         elif matched is not None:
             self._backoff.denied(group)
-            self._trusted.discard(group)
+            self._known.denied(group)
         return matched
 
-    def _admit(self, group: str) -> None:
+    def _admit(self, group: str, known: bool) -> None:
         """AuthBusy unless this group may start a check now: not in its wait after a denial, none of its
         own running, and one of its slots free."""
         if wait := self._backoff.wait(group):
             raise AuthBusy(f"too many wrong passwords from this address; retry in {ceil(wait)} s", ceil(wait))
-        if self._by_address[group] or sum(self._by_address.values()) >= self._slots(group):
+        if self._by_address[group] or sum(self._by_address.values()) >= self._slots(group, known):
             raise AuthBusy("too many new credentials are being checked; retry in a second")
 
-    def _slots(self, group: str) -> int:
+    def _slots(self, group: str, known: bool) -> int:
         """How many checks may be running or waiting for this group to start one: with a denial
         remembered, it waits until none is; a new group may fill all but the last slot, kept for a group
         let in before (and not denied since)."""
         if group in self._backoff:
             return 1
-        return HASH_WORKERS + HASH_WAITING - (0 if self._trusted.hit(group) else 1)
+        return HASH_WORKERS + HASH_WAITING - (0 if known else 1)
+
+    async def _turn(self, known: bool) -> None:
+        """Returns holding a worker: at once when one is free, else when _next hands one over. A known
+        group's check is handed one before any other waiting, so it waits for one hash at most, not for
+        the checks of the new addresses queued before it."""
+        if self._running < HASH_WORKERS:
+            self._running += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._queues[0 if known else 1].append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed a worker as it was cancelled: pass it on
+                self._next()
+            raise
+
+    def _next(self) -> None:
+        """The worker a check just gave up goes to the first waiting known group's check, else to the
+        first other waiting one, else back to the pool."""
+        for queue in self._queues:
+            while queue:
+                turn = queue.popleft()
+                if not turn.done():  # a cancelled one is skipped
+                    turn.set_result(None)
+                    return
+        self._running -= 1
 
     def _check(self, password: bytes, hashed: bytes, connected: Callable[[], bool]) -> bool | None:
         if not connected():  # read from this thread: at worst one hash for a client leaving right now
@@ -225,14 +261,17 @@ class _BoundedHasher:
 
 
 class BcryptUsers:
-    """`basic_auth_users` of a web config file: user -> bcrypt hash."""
+    """`basic_auth_users` of a web config file: user -> bcrypt hash. `known` holds the address groups let
+    in (by a hash or a cached login) and not denied since, saved across restarts when it has a file."""
 
-    def __init__(self, users: Mapping[str, str], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, users: Mapping[str, str], clock: Callable[[], float] = time.monotonic,
+                 known: KnownGroups | None = None) -> None:
         self._users = {user: hashed.encode() for user, hashed in users.items()}
         self._key = secrets.token_bytes(32)  # cache keys mean nothing outside this process
         self._granted = _LruSet(GRANTED_CACHE_SIZE)
         self._denied = _LruSet(DENIED_CACHE_SIZE)
-        self._hasher = _BoundedHasher(clock)
+        self._known = known if known is not None else KnownGroups()
+        self._hasher = _BoundedHasher(self._known, clock)
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # credentials being checked now
 
     @property
@@ -255,6 +294,8 @@ class BcryptUsers:
         key = hmac.new(self._key, b"\0".join((user.encode(), hashed, password)), hashlib.sha256).digest()
         while (cached := self._cached(key)) is None and key in self._pending:
             await asyncio.shield(self._pending[key])  # the same credentials sent again before the answer
+        if cached:  # a second Prometheus of a pair sends what the first did: its group is known good too
+            self._known.let_in(_address_group(client.address))
         if cached is not None:
             return cached
         return await self._check(key, user, password, hashed, client)

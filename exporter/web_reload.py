@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 from stepscope.exporter.web_auth import BcryptUsers, Client
+from stepscope.exporter.web_auth_known import KnownGroups
 from stepscope.exporter.web_config import WebConfig, WebConfigError, load
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,10 @@ class ReloadingUsers:
     """Basic auth by the users the web config file lists now; open while it lists none (as
     exporter-toolkit: no `basic_auth_users`, no authentication)."""
 
-    def __init__(self, source: WebConfigSource) -> None:
+    def __init__(self, source: WebConfigSource, known: KnownGroups | None = None) -> None:
         self._source = source
         self._config = source.current()
-        self._bcrypt = BcryptUsers(self._config.users or {})
+        self._bcrypt = BcryptUsers(self._config.users or {}, known=known)
 
     async def allows(self, header: str | None, client: Client) -> bool:
         config = self._source.current()

@@ -1,0 +1,165 @@
+"""Issue 20, the flood after a restart: the address groups basic auth let in are kept in
+`--web.auth.state-file`, so after a restart the legitimate scraper's first login gets the slot kept for
+known groups and goes ahead of the checks of new addresses queued before it, however many new
+addresses send wrong passwords. Before, a restarted exporter knew no one: each new address cost a
+hash before it was known as a guesser, and the first scrape competed with them for every slot.
+
+Unit tests use real bcrypt, real files and a hand-moved wall clock; the end-to-end test restarts a real
+exporter (SIGKILL) under a flood from 100 loopback addresses. Timings: benchmarks/bench_auth_flood.py."""
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from stepscope.exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client
+from stepscope.exporter.web_auth_known import MAX_FILE_BYTES, REFRESH_SECONDS, REMEMBER_SECONDS, KnownGroups
+from stepscope_testkit.processes import exporter_env, free_port, running
+from tests.support.clock import ManualClock
+from tests.test_auth_backoff import guessing
+from tests.test_web_attacks import HASH, PASSWORD, SLOW_HASH, basic
+
+SLOTS = HASH_WORKERS + HASH_WAITING
+SCRAPER = Client("10.0.2.1")
+
+
+def flood_with(users: BcryptUsers, scraper: Client, user: str, password: str,
+               hashed_order: list[str] | None = None) -> list[object]:
+    """Every check slot asked for at once by new addresses guessing, then the scraper's login: the
+    answers, the scraper's last. `hashed_order` gets each address as its check starts hashing."""
+
+    def client(address: str) -> Client:
+        return Client(address, lambda: hashed_order is None or hashed_order.append(address) is None)
+
+    async def at_once() -> list[object]:
+        new = [users.allows(basic("prometheus", f"guess-{n}"), client(f"10.0.0.{n}")) for n in range(SLOTS)]
+        return await asyncio.gather(*new, users.allows(basic(user, password), client(scraper.address)),
+                                    return_exceptions=True)
+
+    return asyncio.run(at_once())
+
+
+def test_a_restarted_exporter_lets_the_scraper_let_in_before_in_at_its_first_try_under_a_flood(
+        tmp_path: Path) -> None:
+    state = tmp_path / "auth-state.json"
+    before = BcryptUsers({"prometheus": HASH, "scraper": HASH}, known=KnownGroups(state))
+    assert asyncio.run(before.allows(basic("scraper", PASSWORD), SCRAPER)) is True
+    restarted = BcryptUsers({"prometheus": HASH, "scraper": HASH}, known=KnownGroups(state))
+    answers = flood_with(restarted, SCRAPER, "scraper", PASSWORD)
+    assert answers[:SLOTS - 1] == [False] * (SLOTS - 1) and isinstance(answers[SLOTS - 1], AuthBusy)
+    assert answers[-1] is True
+    forgetful = BcryptUsers({"prometheus": HASH, "scraper": HASH})  # a restart without the file: as before
+    assert isinstance(flood_with(forgetful, SCRAPER, "scraper", PASSWORD)[-1], AuthBusy)
+    saved = state.read_text()
+    assert json.loads(saved)["groups"].keys() == {SCRAPER.address}
+    assert not any(secret in saved for secret in ("scraper", PASSWORD, HASH, "prometheus"))
+
+
+def test_a_known_groups_check_goes_ahead_of_the_new_addresses_queued_before_it() -> None:
+    """New addresses fill every slot but the kept one, most of them queued for a worker; the known
+    scraper asks last and is hashed next, right after the checks already running."""
+    users = BcryptUsers({"prometheus": HASH, "scraper": HASH})
+    assert asyncio.run(users.allows(basic("scraper", PASSWORD), SCRAPER)) is True
+    order: list[str] = []
+    answers = flood_with(users, SCRAPER, "prometheus", PASSWORD, order)  # a new password: not cached
+    assert answers[-1] is True
+    assert order.index(SCRAPER.address) <= HASH_WORKERS, order  # after those running (fewer if one ended first)
+
+
+def test_a_second_address_with_cached_credentials_is_known_after_a_restart_and_a_denial_forgets_it(
+        tmp_path: Path) -> None:
+    """The second Prometheus of a pair sends the login the first one's check cached: no hash, but its
+    group is known good too. A wrong password from a known group takes it off the file at once."""
+    state = tmp_path / "auth-state.json"
+    users = BcryptUsers({"scraper": HASH}, known=KnownGroups(state))
+    pair = Client("10.0.3.1")
+    assert [asyncio.run(users.allows(basic("scraper", PASSWORD), c)) for c in (SCRAPER, pair)] == [True, True]
+    assert users.bcrypt_calls == 1 and set(KnownGroups(state).groups()) == {SCRAPER.address, pair.address}
+    assert asyncio.run(users.allows(basic("scraper", "a-typo"), pair)) is False
+    assert set(KnownGroups(state).groups()) == {SCRAPER.address}
+
+
+def test_groups_are_bounded_forgotten_after_a_week_and_rewritten_at_most_hourly(tmp_path: Path) -> None:
+    state = tmp_path / "auth-state.json"
+    clock = ManualClock(1_800_000_000.0)
+    known = KnownGroups(state, clock=clock, size=3)
+    for n in range(4):
+        known.let_in(f"10.0.0.{n}")
+        clock.now += 60
+    assert KnownGroups(state, clock=clock).groups() == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    saved_at = json.loads(state.read_text())["groups"]["10.0.0.1"]
+    known.let_in("10.0.0.1")  # a scrape with cached credentials, every 15 s: no write
+    assert json.loads(state.read_text())["groups"]["10.0.0.1"] == saved_at
+    clock.now += REFRESH_SECONDS
+    known.let_in("10.0.0.1")
+    assert json.loads(state.read_text())["groups"]["10.0.0.1"] == clock.now
+    clock.now += REMEMBER_SECONDS - 1
+    assert KnownGroups(state, clock=clock).groups() == ["10.0.0.1"]
+
+
+@pytest.mark.parametrize("content", [
+    b"",
+    b'{"version":1,"groups":{"10.0.2.1":17',  # cut short by a crash
+    b"\xff\xfe\x00garbage",
+    b'{"version":2,"groups":{}}',
+    b'{"version":1,"groups":{"10.0.2.1":"yesterday"}}',
+    b'{"version":1,"groups":{"10.0.2.1":true}}',
+    b'{"version":1,"groups":{"' + b"x" * 65 + b'":1.0}}',
+    b"[" * (MAX_FILE_BYTES + 1),
+], ids=["empty", "half-written", "binary", "other-version", "bad-time", "bool-time", "long-group", "too-large"])
+def test_a_state_file_that_cannot_be_read_is_ignored_with_one_log_line_and_rewritten(
+        tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    state = tmp_path / "auth-state.json"
+    state.write_bytes(content)
+    with caplog.at_level(logging.WARNING):
+        known = KnownGroups(state)
+    assert known.groups() == []
+    assert [record.getMessage().count("\n") for record in caplog.records] == [0]
+    assert "ignored" in caplog.text and "Traceback" not in caplog.text
+    known.let_in("10.0.2.1")
+    assert KnownGroups(state).groups() == ["10.0.2.1"]
+
+
+def test_a_state_file_the_exporter_cannot_write_is_one_line_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users: {{prometheus: '{HASH}'}}\n")
+    answer = subprocess.run(
+        [sys.executable, "-m", "stepscope.exporter", "--web.config.file", str(config), "--collectors", "",
+         "--web.auth.state-file", str(tmp_path / "no-such-dir" / "auth-state.json")],
+        env={**exporter_env()}, capture_output=True, text=True, timeout=60)
+    assert answer.returncode == 2
+    assert answer.stderr.count("\n") == 1 and "--web.auth.state-file" in answer.stderr, answer.stderr
+
+
+def test_a_real_exporter_killed_and_restarted_lets_its_scraper_in_at_the_first_try_under_a_flood(
+        tmp_path: Path) -> None:
+    """The scraper logs in once; the exporter is SIGKILLed and started again on the same state file
+    (given by its variable, STEPSCOPE_WEB_AUTH_STATE_FILE); 100 new addresses guess a cost-10 password
+    as fast as answered, filling every slot they may; the scraper's first scrape is let in. Before, it
+    met 429 (every slot held by new addresses)."""
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  scraper: '{HASH}'\n  prometheus: '{SLOW_HASH}'\n")
+    env = {**exporter_env(), "STEPSCOPE_WEB_AUTH_STATE_FILE": str(tmp_path / "auth-state.json")}
+    port = free_port()
+    argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"127.0.0.1:{port}",
+            "--web.config.file", str(config), "--collectors", "", "--collect-interval", "0.5"]
+    base = f"http://127.0.0.1:{port}"
+    with running(argv, f"{base}/-/ready", tmp_path / "first.log", env=env) as first:
+        assert requests.get(f"{base}/metrics", auth=("scraper", PASSWORD), timeout=10).status_code == 200
+        first.process.kill()
+        first.process.wait()
+    with running(argv, f"{base}/-/ready", tmp_path / "restarted.log", env=env) as restarted, \
+            guessing(port, 100, "prometheus") as denied:
+        deadline = time.monotonic() + 30
+        while len(denied) < 2 * SLOTS and time.monotonic() < deadline:  # the flood holds the slots
+            time.sleep(0.05)
+        assert len(denied) >= 2 * SLOTS, f"only {len(denied)} guessers were answered 401"
+        scrape = requests.get(f"{base}/metrics", auth=("scraper", PASSWORD), timeout=10)
+    assert scrape.status_code == 200, scrape.text
+    assert "Traceback" not in restarted.log()
