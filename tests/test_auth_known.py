@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from stepscope.exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client
+from stepscope.exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client, _BoundedHasher
 from stepscope.exporter.web_auth_known import MAX_FILE_BYTES, REFRESH_SECONDS, REMEMBER_SECONDS, KnownGroups
 from stepscope_testkit.processes import exporter_env, free_port, running
 from tests.support.clock import ManualClock
@@ -70,6 +70,28 @@ def test_a_known_groups_check_goes_ahead_of_the_new_addresses_queued_before_it()
     answers = flood_with(users, SCRAPER, "prometheus", PASSWORD, order)  # a new password: not cached
     assert answers[-1] is True
     assert order.index(SCRAPER.address) <= HASH_WORKERS, order  # after those running (fewer if one ended first)
+
+
+def test_a_check_cancelled_while_waiting_or_as_it_is_handed_a_worker_gives_the_worker_on() -> None:
+    """A request cancelled while its check waits for a worker leaves no worker held: neither one
+    cancelled in the queue nor one cancelled just as a worker was handed to it."""
+
+    async def scenario() -> bool:
+        hasher = _BoundedHasher(KnownGroups())
+        for _ in range(HASH_WORKERS):
+            await hasher._turn(False)  # every worker busy
+        handed, gone = asyncio.ensure_future(hasher._turn(False)), asyncio.ensure_future(hasher._turn(False))
+        await asyncio.sleep(0)  # both queued
+        gone.cancel()
+        await asyncio.sleep(0)
+        hasher._next()  # a check ends: its worker goes to `handed`, skipping `gone`
+        handed.cancel()  # the client leaves before `handed` resumed
+        await asyncio.gather(handed, gone, return_exceptions=True)
+        later = asyncio.ensure_future(hasher._turn(False))
+        await asyncio.sleep(0)
+        return later.done()  # the freed worker was passed back, not kept by the cancelled check
+
+    assert asyncio.run(scenario()) is True
 
 
 def test_a_second_address_with_cached_credentials_is_known_after_a_restart_and_a_denial_forgets_it(
