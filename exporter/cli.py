@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from stepscope.exporter import __version__, ingest
 from stepscope.exporter.collectors import Collector
+from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS
 from stepscope.exporter.exposition import ExpositionStore
 from stepscope.exporter.flags import (
     OneLineErrorParser,
@@ -110,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                dest="gpu_pcie_poll",
                help="on GPUs without GPM (pre-Hopper) poll nvmlDeviceGetPcieThroughput, which blocks 20 ms per "
                     "direction, every 10 s on a background thread; off: publish no PCIe throughput for them")
+    add_flag(collection, "--collector.gpu.slow-interval", default=str(DEFAULT_INTERVAL_SECONDS),
+             type=positive_float, dest="gpu_slow_interval",
+             help="seconds between the slow NVML readings (energy, clock-event time, pre-Hopper PCIe), taken on "
+                  "their own thread: the energy read takes about 3 ms per GPU on an H100")
     add_flag(collection, "--collect-interval", default="5", type=positive_float,
              help="seconds between hardware readings; scrapes serve the latest reading")
     add_flag(collection, "--kubelet-pod-resources-socket", default="",
@@ -206,7 +211,8 @@ def _build_collectors(
     if "gpu" in args.collectors:
         from stepscope.exporter.collectors.gpu import GpuCollector
 
-        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll, pods=attribution))
+        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll, pods=attribution,
+                                       slow_interval=args.gpu_slow_interval))
     if "process" in args.collectors:
         from stepscope.exporter.collectors.process import ProcessCollector
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -25,6 +25,9 @@ from stepscope.exporter.collectors.gpu_events import XidWatcher
 from stepscope.exporter.collectors.gpu_gpm import GpmSampler
 from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings
 from stepscope.exporter.gpu_processes import GpuProcessTable
+
+if TYPE_CHECKING:  # pods.py needs grpc, which only pod attribution installs
+    from stepscope.exporter.collectors.pods import PodAttribution
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     fam.GPU_POWER: (GaugeMetricFamily, "Power draw of the board.", GPU),
     fam.GPU_POWER_LIMIT: (GaugeMetricFamily, "Enforced power limit.", GPU),
     fam.GPU_ENERGY: (CounterMetricFamily, "Energy used since the driver was loaded.", GPU),
+    fam.GPU_ENERGY_READ_TIME: (GaugeMetricFamily, "Unix time the energy counter was last read.", GPU),
     fam.GPU_SM_CLOCK: (GaugeMetricFamily, "Current SM clock.", GPU),
     fam.GPU_SM_CLOCK_MAX: (GaugeMetricFamily, "Maximum SM clock.", GPU),
     fam.GPU_MEMORY_CLOCK: (GaugeMetricFamily, "Current memory clock.", GPU),
@@ -180,9 +184,11 @@ class GpuCollector:
 
     def __init__(self, gpu_processes: GpuProcessTable, nvml: ModuleType | None = None,
                  init_retry_seconds: float = 60.0, slow_interval: float = DEFAULT_INTERVAL_SECONDS,
-                 poll_pcie: bool = True) -> None:
-        """poll_pcie=False: GPUs without GPM publish no PCIe throughput (see `gpu_slow`)."""
+                 poll_pcie: bool = True, pods: "PodAttribution | None" = None) -> None:
+        """poll_pcie=False: GPUs without GPM publish no PCIe throughput (see `gpu_slow`); pods: label each
+        GPU's series with the pod container it was given to (Kubernetes, `collectors.pods`)."""
         self._gpu_processes = gpu_processes
+        self._pods = pods
         self._nvml = nvml
         self._init_retry_seconds = init_retry_seconds
         self._slow_interval = slow_interval
@@ -209,7 +215,10 @@ class GpuCollector:
             out.add(fam.GPU_XID_ERRORS, (index, uuid, xid), count)
             out.add(fam.GPU_XID_LAST_SEEN, (index, uuid, xid), last_seen)
         self._gpu_processes.replace(processes)
-        return out.families()
+        if self._pods is None:
+            return out.families()
+        pods = self._pods  # every family but the collector's own up carries uuid
+        return pods.label(out.families(), lambda labels: pods.gpu(labels["uuid"]) if "uuid" in labels else None)
 
     def close(self) -> None:
         if self._gpus is None:

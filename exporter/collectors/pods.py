@@ -12,17 +12,24 @@ id, neither of which the List answer carries, so it cannot name the pod on its o
                                                                          each registered process, once per
                                                                          GPU of its container
 
-so every GPU and process series joins to its pod on `uuid` or (pid, run, rank), and with dcgm-exporter as
-the GPU source the rules find a rank's GPUs by pod, container and UUID (docs/cluster.md). Cost: one List
-call per cycle over the unix socket, one read of /proc/<pid>/environ per registered process when it first
-appears; series: one per GPU given to a pod, and one per registered process and GPU of its container.
+and the rules find a rank's GPUs by pod, container and UUID where dcgm-exporter is the GPU source
+(docs/cluster.md). The same answer, kept in a `PodAttribution`, puts `namespace`, `pod` and `container` on
+every series the GPU, process and ingest sides publish, as dcgm-exporter does on its GPU series: a GPU's
+from the container it was given to, a process's from its own NVIDIA_VISIBLE_DEVICES, a pushed group's from
+its registered process. A GPU or process of no pod container carries the three labels empty, which
+Prometheus stores as no label, so label names stay the same within a family and such a series is the one
+it was off the cluster. Cost: one List call per cycle over the unix socket, one read of
+/proc/<pid>/environ per process when it first appears; series: one per GPU given to a pod, and one per
+registered process and GPU of its container; the labels add no series.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -39,6 +46,8 @@ LIST_METHOD = "/v1.PodResourcesLister/List"
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_TIMEOUT_SECONDS = 2.0
 VISIBLE_DEVICES = b"NVIDIA_VISIBLE_DEVICES="
+PodLabels = tuple[str, str, str]  # values of families.POD: namespace, pod, container
+NO_POD: PodLabels = ("", "", "")
 
 
 def _is_gpu(resource_name: str) -> bool:
@@ -81,6 +90,10 @@ class PodContainer:
     pod: str
     container: str
     devices: tuple[str, ...]  # the GPU device ids (UUIDs) the container was given
+
+    @property
+    def labels(self) -> PodLabels:
+        return self.namespace, self.pod, self.container
 
 
 def gpu_containers(response: object) -> list[PodContainer]:
@@ -134,19 +147,98 @@ def visible_devices(pid: int, procfs: str = "/proc") -> tuple[str, ...] | None:
     return None
 
 
+def _container_seeing(devices: Iterable[str], containers: Sequence[PodContainer]) -> PodContainer | None:
+    """The container given any of `devices` (a process's NVIDIA_VISIBLE_DEVICES)."""
+    seen = set(devices)
+    return next((container for container in containers if seen & set(container.devices)), None)
+
+
+class PodAttribution:
+    """The pod labels of the node's GPUs, processes and pushed groups, from the pods collector's last List.
+
+    The GPU and process collectors and the ingest renderer run on threads of their own and read it while
+    the pods collector replaces it: each view is an immutable mapping swapped by one assignment. `version`
+    grows when the ranks' labels change, so the ingest side re-renders only then.
+    """
+
+    def __init__(self, procfs: str = "/proc") -> None:
+        self._procfs = procfs
+        self._containers: tuple[PodContainer, ...] = ()
+        self._gpus: Mapping[str, PodLabels] = MappingProxyType({})
+        self._ranks: Mapping[tuple[str, str], PodLabels] = MappingProxyType({})
+        self._version = 0
+        self._devices: dict[int, tuple[str, ...] | None] = {}  # process collector's pid -> its visible devices
+        self._devices_lock = threading.Lock()
+
+    def update(self, containers: Sequence[PodContainer], ranks: Mapping[tuple[str, str], PodLabels]) -> None:
+        """The pods collector's cycle: the containers listed and each registered (run, rank)'s labels."""
+        self._containers = tuple(containers)
+        self._gpus = MappingProxyType({device: c.labels for c in containers for device in c.devices})
+        if ranks != self._ranks:
+            self._ranks = MappingProxyType(dict(ranks))
+            self._version += 1
+
+    def version(self) -> int:
+        return self._version
+
+    def gpu(self, uuid: str) -> PodLabels:
+        return self._gpus.get(uuid, NO_POD)
+
+    def rank(self, run: str, rank: str) -> PodLabels:
+        return self._ranks.get((run, rank), NO_POD)
+
+    def processes(self, pids: Iterable[int]) -> dict[int, PodLabels]:
+        """The labels of each pid (as this exporter sees it) from its NVIDIA_VISIBLE_DEVICES, read once per
+        pid while the process collector keeps asking for it."""
+        containers, found = self._containers, {}
+        with self._devices_lock:
+            devices = {pid: self._devices[pid] if pid in self._devices else visible_devices(pid, self._procfs)
+                       for pid in pids}
+            self._devices = devices
+        for pid, visible in devices.items():
+            container = _container_seeing(visible or (), containers)
+            found[pid] = container.labels if container else NO_POD
+        return found
+
+    def label(self, metrics: Iterable[Metric], labels_of: Callable[[dict[str, str]], PodLabels | None]) -> list[Metric]:
+        """`metrics` with namespace, pod and container added to each sample `labels_of` gives labels for
+        (None: the sample stays as it is, e.g. a node-wide family)."""
+        labelled = []
+        for metric in metrics:
+            samples = []
+            for sample in metric.samples:
+                values = labels_of(sample.labels)
+                if values is not None:
+                    sample = sample._replace(labels={**sample.labels, **dict(zip(families.POD, values, strict=True))})
+                samples.append(sample)
+            metric.samples = samples
+            labelled.append(metric)
+        return labelled
+
+
 class PodCollector:
-    """Publishes stepscope_gpu_pod_info and stepscope_process_pod_info from one List call per cycle."""
+    """Publishes stepscope_gpu_pod_info and stepscope_process_pod_info from one List call per cycle, and
+    hands the answer to the `PodAttribution` the other collectors label their series with."""
 
     name = "pods"
 
     def __init__(self, client: PodResourcesClient, registered: Callable[[], Sequence[RegisteredProcess]],
-                 procfs: str = "/proc") -> None:
+                 procfs: str = "/proc", attribution: PodAttribution | None = None) -> None:
         self._client = client
         self._registered = registered
         self._procfs = procfs
         self._resolver = PidResolver(procfs)
+        self.attribution = attribution if attribution is not None else PodAttribution(procfs)
         # NVIDIA_VISIBLE_DEVICES of each registered process, read once: (reported pid, start time) -> ids
         self._devices: dict[tuple, tuple[str, ...] | None] = {}
+
+    def prime(self) -> None:
+        """One List before the collectors start, so their first cycle already carries the labels; a kubelet
+        that does not answer is reported by this collector's first cycle instead."""
+        try:
+            self.collect()
+        except ConnectionError as exc:
+            log.debug("first PodResources List failed: %s", exc)
 
     def collect(self) -> Iterable[Metric]:
         containers = self._client.containers()
@@ -158,11 +250,15 @@ class PodCollector:
         processes = GaugeMetricFamily(families.PROCESS_POD_INFO,
                                       "The pod container of a registered training process, once per GPU of "
                                       "that container.", labels=[*families.PROCESS, *families.POD, "uuid"])
+        ranks: dict[tuple[str, str], PodLabels] = {}
         for pid, run, rank, key in self._processes():
             container = self._container_of(pid, key, containers)
+            if container is not None:
+                ranks[run, rank] = container.labels
             for device in container.devices if container else ():
                 processes.add_metric([str(pid), run, rank, container.namespace, container.pod,
                                       container.container, device], 1)
+        self.attribution.update(containers, ranks)
         return [gpus, processes]
 
     def close(self) -> None:
@@ -181,5 +277,4 @@ class PodCollector:
         """The container given the GPUs the process sees; None off Kubernetes or where it cannot be told."""
         if key not in self._devices:
             self._devices[key] = visible_devices(pid, self._procfs)
-        devices = set(self._devices[key] or ())
-        return next((container for container in containers if devices & set(container.devices)), None)
+        return _container_seeing(self._devices[key] or (), containers)

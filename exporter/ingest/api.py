@@ -20,7 +20,7 @@ from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import REASONS, Rejected, clip
 from stepscope.exporter.ingest.parser import ParsedFamily, PushLimits, parse_push
 from stepscope.exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
-from stepscope.exporter.ingest.render import SelfSource, TrainingSource, last_push_line
+from stepscope.exporter.ingest.render import RankPods, SelfSource, TrainingSource, last_push_line
 from stepscope.exporter.ingest.store import GroupStore, StoredFamily
 from stepscope.exporter.registered import RegisteredProcess
 from stepscope.exporter.server import PushRequest, PushResponse
@@ -115,6 +115,7 @@ class PushApi:
         self._logged_reasons: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._store = store
         store.attach(TRAINING_SOURCE, TrainingSource(groups))
         store.attach(SELF_SOURCE, SelfSource(self._stats_version, self._counts))
 
@@ -148,6 +149,10 @@ class PushApi:
     def refuse(self, request: PushRequest, status: int, reason: str, message: str) -> PushResponse:
         """Counts and logs a refusal the HTTP layer decided (too many bodies in flight, a body cut short)."""
         return self._refuse(Rejected(status, reason, message), request)
+
+    def label_pods(self, pods: RankPods) -> None:
+        """Pod attribution (Kubernetes): every pushed series carries its process's namespace, pod and container."""
+        self._store.attach(TRAINING_SOURCE, TrainingSource(self._groups, pods))
 
     def registered_processes(self) -> list[RegisteredProcess]:
         """The training processes whose groups are live, as their hooks reported them."""

@@ -3,13 +3,19 @@
 Nothing is formatted at scrape time: each group's lines were rendered and compressed once when it was
 pushed, and a family's HELP/TYPE lines once at import, so assembling the training part of a scrape
 is a list of chunks in order: header, then every group's chunk of that family.
+
+With pod attribution on (Kubernetes), every line of a group also carries the namespace, pod and container
+of the process that pushes it: the group's chunks are relabelled and compressed once per push or change of
+its pod, and reused scrape after scrape.
 """
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from stepscope.contract import family
+from stepscope.contract import families, family
 from stepscope.exporter.exposition import Chunk, render
 from stepscope.exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
 from stepscope.exporter.ingest.parser import escape_label_value
@@ -43,17 +49,67 @@ def training_chunks(groups: Sequence[Group]) -> list[Chunk]:
     return chunks
 
 
-class TrainingSource:
-    """The ChunkSource of the training families: rebuilt only when the stored groups changed."""
+class RankPods(Protocol):
+    """What the ingest side needs of pod attribution (`collectors.pods.PodAttribution`)."""
 
-    def __init__(self, groups: GroupStore) -> None:
+    def version(self) -> int:
+        ...
+
+    def rank(self, run: str, rank: str) -> tuple[str, str, str]:
+        ...
+
+
+def pod_labelled(chunk: Chunk, pod: tuple[str, str, str]) -> Chunk:
+    """The chunk's sample lines with namespace, pod and container put first in each label set (every line of
+    a group has labels: run and rank at least)."""
+    labels = "".join(f'{name}="{escape_label_value(value)}",' for name, value in zip(families.POD, pod, strict=True))
+    prefix = ("{" + labels).encode()
+    return Chunk(b"".join(line.replace(b"{", prefix, 1) for line in chunk.plain.splitlines(keepends=True)))
+
+
+class _Relabelled:
+    """Each group's chunks with its pod labels, kept while the chunk and the pod stay the same."""
+
+    def __init__(self, pods: RankPods) -> None:
+        self._pods = pods
+        self._cache: dict[tuple[int, tuple[str, str, str]], tuple[Chunk, Chunk]] = {}  # (id, pod) -> (chunk, new)
+
+    def groups(self, groups: Sequence[Group]) -> list[Group]:
+        """The groups with every chunk relabelled; chunks no longer stored leave the cache."""
+        cache, self._cache = self._cache, {}
+        return [self._group(group, cache) for group in groups]
+
+    def _group(self, group: Group, cache: dict) -> Group:
+        pod = self._pods.rank(group.run, group.rank)
+
+        def relabel(chunk: Chunk) -> Chunk:
+            key = (id(chunk), pod)
+            kept = cache.get(key)
+            new = kept[1] if kept is not None and kept[0] is chunk else pod_labelled(chunk, pod)
+            self._cache[key] = (chunk, new)
+            return new
+
+        stored = {name: replace(f, chunk=relabel(f.chunk)) for name, f in group.families.items()}
+        return replace(group, families=stored, last_push=relabel(group.last_push))
+
+
+class TrainingSource:
+    """The ChunkSource of the training families: rebuilt only when the stored groups (or, with pod
+    attribution, the ranks' pods) changed."""
+
+    def __init__(self, groups: GroupStore, pods: RankPods | None = None) -> None:
         self._groups = groups
+        self._pods = pods
+        self._relabelled = _Relabelled(pods) if pods is not None else None
 
     def version(self) -> object:
-        return self._groups.version()
+        if self._pods is None:
+            return self._groups.version()
+        return self._groups.version(), self._pods.version()
 
     def chunks(self) -> Sequence[Chunk]:
-        return training_chunks(self._groups.snapshot()[1])
+        groups = self._groups.snapshot()[1]
+        return training_chunks(self._relabelled.groups(groups) if self._relabelled is not None else groups)
 
 
 class SelfSource:
