@@ -18,7 +18,9 @@ The attacker connects from other loopback addresses than the legitimate client (
 another host would. Two more runs show what a login that is not cached yet meets (the first scrape
 after an exporter restart or a password change): the legitimate client sends no warm-up scrape and
 the guessers come from one address, or from 200; in a third the legitimate client's address was let
-in before with other credentials, as before a password change. Before and after alternate run by run (--rounds), so
+in before with other credentials, as before a password change; in a fourth it logged in once to an exporter that
+was then SIGKILLed and started again on the same `--web.auth.state-file` (given as STEPSCOPE_WEB_AUTH_STATE_FILE,
+which code without the setting ignores). Before and after alternate run by run (--rounds), so
 machine noise hits both alike. `--cases` picks scenarios by key. Each run adds a dated section to
 benchmarks/results/auth_flood.md, keeping the earlier ones.
 """
@@ -70,6 +72,7 @@ class Scenario:
     addresses: int  # the attacker's source addresses, 127.0.0.2 and up
     warm: bool  # whether the legitimate client's credentials are cached before the attack
     known: bool = False  # whether its address was let in before with EARLIER_USER (a password change)
+    restarted: bool = False  # whether it logged in to an exporter killed and started again before the attack
 
 
 SCENARIOS = (
@@ -79,6 +82,8 @@ SCENARIOS = (
     Scenario("many-uncached", f"guessers from {GUESSERS} addresses, login not cached", "guessers", GUESSERS, False),
     Scenario("many-changed", f"guessers from {GUESSERS} addresses, password changed", "guessers", GUESSERS, False,
              known=True),
+    Scenario("many-restarted", f"guessers from {GUESSERS} addresses, exporter restarted", "guessers", GUESSERS,
+             False, restarted=True),
 )
 
 
@@ -184,12 +189,12 @@ def legitimate_client(url: str, seconds: float) -> dict[str, Probes]:
     return outcomes
 
 
-def start_exporter(root: Path, workdir: Path, port: int, label: str) -> subprocess.Popen:
+def start_exporter(root: Path, workdir: Path, port: int, label: str, state: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"127.0.0.1:{port}",
             "--web.config.file", str(workdir / "web.yml"), "--no-collector.gpu", "--no-collector.process",
             "--collect-interval", "1"]
     log = open(workdir / f"{label}-{port}.log", "wb")  # noqa: SIM115 - the child writes to it until it ends
-    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1", "STEPSCOPE_WEB_AUTH_STATE_FILE": str(state)}
     process = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     wait_http_ok(f"http://127.0.0.1:{port}/-/ready", process)
     return process
@@ -198,8 +203,17 @@ def start_exporter(root: Path, workdir: Path, port: int, label: str) -> subproce
 def one_run(root: Path, workdir: Path, label: str, scenario: Scenario,
             window: float) -> tuple[dict[str, Probes], dict[str, int]]:
     port = free_port()
-    process = start_exporter(root, workdir, port, label)
     url = f"http://127.0.0.1:{port}"
+    state = workdir / f"{label}-auth-state.json"
+    state.unlink(missing_ok=True)
+    if scenario.restarted:  # logged in once, then the exporter dies and comes back on the same state file
+        first = start_exporter(root, workdir, port, label, state)
+        try:
+            requests.get(url + "/metrics", auth=(USER, PASSWORD), timeout=10).raise_for_status()
+        finally:
+            first.kill()
+            first.wait()
+    process = start_exporter(root, workdir, port, label, state)
     try:
         if scenario.warm or scenario.known:
             earlier = (USER if scenario.warm else EARLIER_USER, PASSWORD)
@@ -275,7 +289,8 @@ def main() -> int:
             f"'login cached': the legitimate client scraped once before, and the attack starts with the window; "
             f"'not cached': no scrape before, and the window opens {ATTACK_AT_SECONDS:g} s into the attack; "
             f"'password changed': the same, but the legitimate client's address was let in once before, as "
-            f"another user. "
+            f"another user; 'exporter restarted': the same, but it logged in once to an exporter that was then "
+            f"SIGKILLed and started again on the same STEPSCOPE_WEB_AUTH_STATE_FILE. "
             f"burst: {BURST} requests, each a new wrong password for the legitimate user, sent and closed at "
             f"once. guessers: {GUESSERS} concurrent clients, a new wrong password each time, from 127.0.0.2 "
             f"(or one address each from 127.0.0.2 up). Latencies include the failed probes (a timeout counts "
