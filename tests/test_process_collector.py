@@ -194,9 +194,13 @@ def test_one_process_table_pass_per_cycle_and_unseen_pids_retried_slowly(
     table = GpuProcessTable()
     table.replace({parent.pid: {"0": 2 * MiB}, hidden: {"1": MiB}, **{os.getpid(): {"1": MiB}}})
     collector = ProcessCollector(table, registered=lambda: [])
-    passes, lookups = [], []
-    real_map, real_process, monotonic = psutil._ppid_map, psutil.Process, time.monotonic
-    monkeypatch.setattr(psutil, "_ppid_map", lambda: (passes.append(1), real_map())[1])
+    lookups: list[int] = []
+    reads: list[list[int]] = [[]]  # parent pids read, by cycle
+    listed: list[set[int]] = []  # the pids each cycle listed
+    real_parent_of, real_pids = process_module._parent_of, psutil.pids
+    real_process, monotonic = psutil.Process, time.monotonic
+    monkeypatch.setattr(process_module, "_parent_of", lambda pid: (reads[-1].append(pid), real_parent_of(pid))[1])
+    monkeypatch.setattr(psutil, "pids", lambda: (listed.append(set(pids := real_pids())), pids)[1])
 
     class CountedProcess(real_process):
         def __init__(self, pid: int) -> None:
@@ -206,7 +210,14 @@ def test_one_process_table_pass_per_cycle_and_unseen_pids_retried_slowly(
     monkeypatch.setattr(psutil, "Process", CountedProcess)
     for _ in range(3):
         text = scraped(collector)
-    assert len(passes) == 3  # once per cycle, not once per tracked process
+        reads.append([])
+    assert len(listed) == 3  # the pids listed once per cycle, not once per tracked process
+    assert set(reads[0]) >= {parent.pid, *(child.pid for child in psutil.Process(parent.pid).children())}
+    for cycle in (1, 2):  # after the first cycle only new processes' parents are read (and orphans')
+        new = listed[cycle] - listed[cycle - 1]
+        orphaned = {pid for pid in reads[cycle] if pid in listed[cycle - 1]}
+        assert set(reads[cycle]) - orphaned <= new
+        assert len(orphaned) < len(listed[cycle]) / 4
     assert value(text, "stepscope_process_children", pid=str(parent.pid)) == 2  # the workers, from that pass
     assert lookups.count(hidden) == 1  # not again within MISSING_RETRY_SECONDS
     assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(hidden)) == [MiB]
@@ -214,3 +225,44 @@ def test_one_process_table_pass_per_cycle_and_unseen_pids_retried_slowly(
                         lambda: monotonic() + process_module.MISSING_RETRY_SECONDS + 1)
     scraped(collector)
     assert lookups.count(hidden) == 2
+
+
+SPAWNER = """
+import subprocess, sys
+children = []
+for line in sys.stdin:
+    if line == "spawn\\n":
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    elif line == "reap\\n":
+        worker = children.pop()
+        worker.kill()
+        worker.wait()
+    print("done", flush=True)
+"""
+
+
+def test_the_kept_process_table_follows_workers_started_and_reaped_between_cycles() -> None:
+    """The children map is kept from cycle to cycle (only new pids read): a worker started after one
+    cycle counts at the next, one reaped drops out at the next, on the same collector."""
+    with subprocess.Popen([sys.executable, "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as parent:
+        collector = ProcessCollector(GpuProcessTable(), lambda: [RegisteredProcess(parent.pid, "r1", "0")])
+        labels = {"pid": str(parent.pid), "run": "r1", "rank": "0"}
+
+        def tell(command: str) -> None:
+            parent.stdin.write(command + "\n")
+            parent.stdin.flush()
+            assert parent.stdout.readline() == "done\n"
+
+        try:
+            assert value(scraped(collector), "stepscope_process_children", **labels) == 0
+            tell("spawn")
+            assert value(scraped(collector), "stepscope_process_children", **labels) == 1
+            tell("spawn")
+            assert value(scraped(collector), "stepscope_process_children", **labels) == 2
+            tell("reap")
+            assert value(scraped(collector), "stepscope_process_children", **labels) == 1
+        finally:
+            for child in psutil.Process(parent.pid).children():
+                child.kill()
+            parent.kill()
