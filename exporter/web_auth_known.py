@@ -95,6 +95,7 @@ class KnownGroups:
             self.save()
         except OSError as exc:
             log.error("cannot write --web.auth.state-file %s: %s; known groups kept in memory only", self._path, exc)
+            self._saved = dict(self._groups)  # tried: the next try comes with the next change, not the next scrape
 
     def _load(self, path: Path) -> "OrderedDict[str, float]":
         """The groups in the file still within REMEMBER_SECONDS, oldest first; empty when there is no

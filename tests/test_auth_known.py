@@ -148,6 +148,23 @@ def test_a_state_file_that_cannot_be_read_is_ignored_with_one_log_line_and_rewri
     assert KnownGroups(state).groups() == ["10.0.2.1"]
 
 
+def test_a_state_file_that_can_no_longer_be_written_is_logged_once_and_groups_stay_known(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The directory removed under a running exporter: a scraper scraping on with cached credentials
+    stays known, and the failure is one line, not one per scrape."""
+    directory = tmp_path / "state"
+    directory.mkdir()
+    known = KnownGroups(directory / "auth-state.json")
+    known.let_in("10.0.2.1")
+    (directory / "auth-state.json").unlink()
+    directory.rmdir()
+    with caplog.at_level(logging.ERROR):
+        for _ in range(20):
+            known.let_in("10.0.3.1")
+    assert known.groups() == ["10.0.2.1", "10.0.3.1"]
+    assert len(caplog.records) == 1 and "--web.auth.state-file" in caplog.text
+
+
 def test_a_state_file_the_exporter_cannot_write_is_one_line_at_start(tmp_path: Path) -> None:
     config = tmp_path / "web.yml"
     config.write_text(f"basic_auth_users: {{prometheus: '{HASH}'}}\n")
