@@ -25,6 +25,7 @@ from stepscope_testkit.podresources import FixtureContainer, FixturePod, PodReso
 from stepscope_testkit.processes import Running, running_exporter, sample_values, samples, scrape
 from stepscope_testkit.replay import Workload, replaying
 from stepscope_testkit.replay import recordings as corpus
+from tests.support.dashboard_queries import panel_queries
 from tests.support.demos import start_demo, stop
 from tests.support.prometheus import query, running_prometheus_config
 
@@ -125,6 +126,14 @@ def test_the_rules_join_the_rank_to_its_dcgm_gpu_by_pod(cluster: Cluster) -> Non
     assert abs(float(joined[0]["value"][1]) - used) <= 1024 * 1024  # MiB from dcgm-exporter
     source = query(cluster.prometheus.url, recordings.GPU_SOURCE_UTILIZATION)
     assert [(item["metric"]["instance"], item["metric"]["gpu"]) for item in source] == [(NODE, "0")]
+
+
+def test_the_cluster_dashboard_counts_the_gpus_dcgm_exporter_reports(cluster: Cluster) -> None:
+    """The Cluster dashboard's "GPUs" stat reads each GPU's up from the node's GPU source: here dcgm-exporter's one
+    GPU, with stepscope's GPU collector off (stepscope_gpu_up alone left it blank)."""
+    (stat,) = [q.expr for q in panel_queries() if (q.dashboard, q.panel) == ("stepscope-cluster.json", "GPUs")]
+    shown = _wait(lambda: query(cluster.prometheus.url, stat))
+    assert [float(item["value"][1]) for item in shown] == [1.0]
 
 
 def test_one_list_call_per_collection_cycle(cluster: Cluster) -> None:

@@ -27,6 +27,9 @@ IDLE_GPU = f"({rec.GPU_UTILIZATION} < {IDLE.number}) unless on (instance, gpu) {
 STEP = goodput.ACCOUNTING_STEP
 HELD_IDLE_HOURS = (f"sum by (instance, run) (count_over_time({rec.GPU_HELD_IDLE}[$__range:{STEP}]))"
                    f" * {goodput.ACCOUNTING_STEP_SECONDS} / 3600")
+# Each GPU's up (1) or down (0) from its node's GPU source: stepscope's family, else dcgm-exporter's fill-in
+# (recorded from dcgm-exporter's fields alone), as the Node dashboard's "GPUs up" reads it.
+GPUS_UP = f"{fam.GPU_UP} or on (instance, gpu) {rec.GPU_DCGM_UP}"
 # The namespace of the pod the kubelet gave each GPU to (pod attribution), by node and GPU index.
 GPU_NAMESPACE = (f"max by (instance, gpu, namespace) ({fam.GPU_POD_INFO} * on (instance, uuid) group_left (gpu) "
                  f"{fam.GPU_INFO})")
@@ -55,8 +58,9 @@ def _fleet_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "GPUs",
-                "GPUs answering NVML across all nodes.",
-                [Q(f"sum({fam.GPU_UP})", "GPUs")],
+                "GPUs answering across all nodes: stepscope's GPU collector (NVML), or dcgm-exporter where a "
+                "node's GPUs come from it (docs/cluster.md).",
+                [Q(f"sum({GPUS_UP})", "GPUs")],
                 "none",
             )
         )
