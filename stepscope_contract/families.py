@@ -40,6 +40,7 @@ GPU_TEMPERATURE = "stepscope_gpu_temperature_celsius"
 GPU_POWER = "stepscope_gpu_power_watts"
 GPU_POWER_LIMIT = "stepscope_gpu_power_limit_watts"
 GPU_ENERGY = "stepscope_gpu_energy_joules_total"
+GPU_ENERGY_READ_TIME = "stepscope_gpu_energy_read_timestamp_seconds"
 GPU_SM_CLOCK = "stepscope_gpu_sm_clock_hertz"
 GPU_SM_CLOCK_MAX = "stepscope_gpu_sm_clock_max_hertz"
 GPU_MEMORY_CLOCK = "stepscope_gpu_memory_clock_hertz"
@@ -188,7 +189,9 @@ _GPUS = (
     *(_gpu(n, "gauge", "framebuffer memory") for n in (GPU_MEMORY_USED, GPU_MEMORY_FREE, GPU_MEMORY_TOTAL)),
     _gpu(GPU_TEMPERATURE, "gauge", "die temperature"),
     *(_gpu(n, "gauge", "draw and enforced limit") for n in (GPU_POWER, GPU_POWER_LIMIT)),
-    _gpu(GPU_ENERGY, "counter", "energy since driver load (read every 10 s)"),
+    _gpu(GPU_ENERGY, "counter", "energy since driver load (read every `--collector.gpu.slow-interval`, 10 s)"),
+    Family(GPU_ENERGY_READ_TIME, "gauge", (), "when the node's published energy counters were read (one round): "
+                                              "the rules divide a counter's increase by this one's"),
     *(_gpu(n, "gauge", "clocks") for n in (GPU_SM_CLOCK, GPU_MEMORY_CLOCK)),
     _gpu(GPU_SM_CLOCK_MAX, "gauge", "the SM clock's maximum: capping or throttling costs the clock below it"),
     _gpu(GPU_CLOCK_EVENT_ACTIVE, "gauge", _CLOCK_EVENT_REASONS, "reason", kind="state set"),

@@ -237,10 +237,9 @@ def charge_timing(prometheus: str) -> ChargeTiming:
 
 def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed) -> None:
     """The run is charged its GPU's energy while its processes hold it (none before, in the gap, after),
-    and the report's kWh and joules per sample follow from its joules. The joules themselves are exact in
-    grafana/rules/tests/goodput.yml (700 W for known minutes); here the exporter is seconds old and reads
-    the energy counter every 10 s, so a 1-minute rate of it is not yet the power (about a third of it in
-    this run's first minute)."""
+    and the report's kWh and joules per sample follow from its joules. The joules themselves are checked
+    exactly in grafana/rules/tests/goodput.yml and tests/test_energy_e2e.py; here the exporter reads the
+    energy counter every 10 s (the default), so its GPU has no watts until the second read."""
     run = report_rows(observed)["all"]
     joules = float(run["energy_joules"])
     charged = query(observed.prometheus, f'{recordings.RUN_ENERGY_RATE}{{run="{RUN}"}}[10m]')

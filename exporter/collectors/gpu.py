@@ -23,7 +23,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from stepscope.contract import families as fam
 from stepscope.exporter.collectors.gpu_events import XidWatcher
 from stepscope.exporter.collectors.gpu_gpm import GpmSampler
-from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings
+from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings, SlowRound
 from stepscope.exporter.gpu_processes import GpuProcessTable
 
 if TYPE_CHECKING:  # pods.py needs grpc, which only pod attribution installs
@@ -47,7 +47,7 @@ FAMILIES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     fam.GPU_POWER: (GaugeMetricFamily, "Power draw of the board.", GPU),
     fam.GPU_POWER_LIMIT: (GaugeMetricFamily, "Enforced power limit.", GPU),
     fam.GPU_ENERGY: (CounterMetricFamily, "Energy used since the driver was loaded.", GPU),
-    fam.GPU_ENERGY_READ_TIME: (GaugeMetricFamily, "Unix time the energy counter was last read.", GPU),
+    fam.GPU_ENERGY_READ_TIME: (GaugeMetricFamily, "Unix time the published energy counters were read.", ()),
     fam.GPU_SM_CLOCK: (GaugeMetricFamily, "Current SM clock.", GPU),
     fam.GPU_SM_CLOCK_MAX: (GaugeMetricFamily, "Maximum SM clock.", GPU),
     fam.GPU_MEMORY_CLOCK: (GaugeMetricFamily, "Current memory clock.", GPU),
@@ -209,8 +209,11 @@ class GpuCollector:
         out.add(fam.GPU_COLLECTOR_UP, (), 1)
         processes: dict[int, dict[str, int]] = {}
         now = time.monotonic()
+        slow = self._slow.latest() if self._slow is not None else SlowRound()
         for gpu in self._gpus or ():
-            self._collect_gpu(gpu, now, out, processes)
+            self._collect_gpu(gpu, now, out, processes, slow)
+        if slow.fresh(now):
+            out.add(fam.GPU_ENERGY_READ_TIME, (), slow.read_time)
         for (index, uuid, xid), count, last_seen in self._events.seen() if self._events else ():
             out.add(fam.GPU_XID_ERRORS, (index, uuid, xid), count)
             out.add(fam.GPU_XID_LAST_SEEN, (index, uuid, xid), last_seen)
@@ -296,7 +299,8 @@ class GpuCollector:
         gpu.pci_bus_id = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
         gpu.gpm = GpmSampler.open(nvml, handle)
 
-    def _collect_gpu(self, gpu: _Gpu, now: float, out: _Output, processes: dict[int, dict[str, int]]) -> None:
+    def _collect_gpu(self, gpu: _Gpu, now: float, out: _Output, processes: dict[int, dict[str, int]],
+                     slow: SlowRound) -> None:
         try:
             if gpu.handle is None:
                 self._identify(gpu)
@@ -325,8 +329,7 @@ class GpuCollector:
         labels = (gpu.index, gpu.uuid)
         out.add(fam.GPU_UP, labels, 1)
         self._add_info(gpu, out)
-        if self._slow is not None:
-            samples += self._slow.samples(gpu.index, now)
+        samples += slow.samples(gpu.index, now)
         for key, extra, value in samples:
             out.add(key, (*labels, *extra), value)
         for key, value in (gpm or {}).items():

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
 from typing import Any, Protocol
@@ -73,6 +74,25 @@ PCIE_READERS: tuple[tuple[str, Reader], ...] = (
 )
 
 
+@dataclass(frozen=True)
+class SlowRound:
+    """One round's readings of every GPU, published whole: the node's energy read time
+    (`GPU_ENERGY_READ_TIME`, one series per node to keep the series budget) must go out with the counters
+    of the same round, or the rules' watts (each counter's increase over the read time's) would mix two."""
+
+    read_at: float = 0.0  # time.monotonic() when the round started
+    read_time: float | None = None  # time.time() then; None before the first round
+    gpus: dict[str, list[Sample]] = field(default_factory=dict)  # index -> samples
+    stale_after: float = 0.0
+
+    def fresh(self, now: float) -> bool:
+        return self.read_time is not None and now - self.read_at <= self.stale_after
+
+    def samples(self, index: str, now: float) -> list[Sample]:
+        """The GPU's readings of this round; empty when there are none or they are stale."""
+        return self.gpus.get(index, []) if self.fresh(now) else []
+
+
 class SlowReadings:
     """The latest slow readings per GPU index, refreshed every `interval` seconds on a daemon thread."""
 
@@ -81,7 +101,7 @@ class SlowReadings:
         self._nvml = nvml
         self._interval = interval
         self._poll_pcie = poll_pcie
-        self._latest: dict[str, tuple[float, list[Sample]]] = {}  # index -> (monotonic read time, samples)
+        self._latest = SlowRound()  # replaced whole at the end of each round
         self._failed: set[tuple[str, str, str]] = set()
         self._gpus: Sequence[GpuRef] = ()
         self._stop = threading.Event()
@@ -94,12 +114,14 @@ class SlowReadings:
         self.read_all()
         self._thread.start()
 
+    def latest(self) -> SlowRound:
+        """The last whole round: a collection cycle takes it once, so every GPU's readings and the read time
+        it publishes come from the same round."""
+        return self._latest
+
     def samples(self, index: str, now: float) -> list[Sample]:
         """The GPU's latest slow readings; empty when there are none or they are stale."""
-        latest = self._latest.get(index)
-        if latest is None or now - latest[0] > STALE_INTERVALS * self._interval:
-            return []
-        return latest[1]
+        return self._latest.samples(index, now)
 
     def refresh_soon(self) -> None:
         """Starts the next round now rather than at the end of the interval."""
@@ -121,6 +143,8 @@ class SlowReadings:
 
     def read_all(self) -> None:
         """One round: every identified GPU's slow readings, now, on the calling thread."""
+        read_at, read_time = time.monotonic(), time.time()
+        gpus: dict[str, list[Sample]] = {}
         for gpu in list(self._gpus):
             handle = gpu.handle
             if handle is None:  # not identified yet: the collector retries, the next round reads it
@@ -129,10 +153,9 @@ class SlowReadings:
             if self._poll_pcie and (gpu.gpm is None or gpu.gpm.gives_pcie is False):
                 readers += PCIE_READERS
             samples = self._read_gpu(gpu.index, handle, readers)
-            if samples is None:
-                self._latest.pop(gpu.index, None)
-            else:
-                self._latest[gpu.index] = (time.monotonic(), samples)
+            if samples is not None:  # None: lost, its readings drop
+                gpus[gpu.index] = samples
+        self._latest = SlowRound(read_at, read_time, gpus, STALE_INTERVALS * self._interval)
 
     def _read_gpu(self, index: str, handle: Any, readers: Iterable[tuple[str, Reader]]) -> list[Sample] | None:
         """Every reading NVML gives for the GPU; None when it stopped answering."""
