@@ -15,6 +15,8 @@ LONGEST_FIRST = (  # seconds on a 2-core machine: set up + tests, roughly
     "test_corpus_verdicts.py",   # ~165: the H100 and H200 recordings replayed at their pace, two engines at once
     "test_dcgm_source.py",       # ~90: the same, dcgm-exporter as the GPU source
     "test_report_e2e.py",        # ~80: two training runs of 45 s (the verdict waits 30 s), reports
+    "test_pod_labels.py",        # ~45: two exporters, a run on each, until both have their verdict (30 s)
+    "test_pod_labels_rules.py",  # ~35: every promtool file again, with pod labels on its inputs
     "test_readme_install.py",    # ~30: a fresh venv (pip, mostly waiting)
     "test_http_hardening.py",    # ~45: 512 groups, shutdown deadlines
     "test_bundle_e2e.py",        # ~30: training runs, Prometheus, every rule and panel query
