@@ -22,6 +22,9 @@ GPU_SOURCE_MEMORY_TOTAL = "instance_gpu:stepscope_gpu_memory_total_bytes:source"
 GPU_SOURCE_CLOCK_EVENT_ACTIVE = "instance_gpu_reason:stepscope_gpu_clock_event_active:source"  # label `reason`
 GPU_SOURCE_SM_CLOCK = "instance_gpu:stepscope_gpu_sm_clock_hertz:source"
 GPU_SOURCE_SM_CLOCK_MAX = "instance_gpu:stepscope_gpu_sm_clock_max_hertz:source"
+# The SM clock of each GPU at the evaluations its power cap is active (absent otherwise): StepscopeGpuThrottling
+# averages it over 5m instead of a [5m:] subquery re-evaluating the join at every step
+GPU_SM_CLOCK_POWER_CAPPED = "instance_gpu:stepscope_gpu_sm_clock_hertz:power_capped"
 # Each GPU's power from its energy counter (watts: joules per second over 1m), from either source
 GPU_SOURCE_ENERGY_RATE = "instance_gpu:stepscope_gpu_energy_joules:rate1m"
 # dcgm-exporter's fill-ins for the Node dashboard's other GPU readings: its field alone, in stepscope's units
