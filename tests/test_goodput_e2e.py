@@ -259,6 +259,9 @@ def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed)
     # that runs late under load reads its upstream's previous evaluation)
     late = len(held) * sum(timing.groups.values())
     assert len(charged_at) * timing.charged_every <= len(held_at) * timing.scrape + late
+    # the watts are the GPU's power from the exporter's second read on, so the joules are the power times the
+    # seconds charged, up to one evaluation per attempt (the report's step re-reading a late one's sample)
+    assert abs(joules - WATTS * len(charged_at) * timing.charged_every) <= WATTS * timing.charged_every * len(held)
     assert float(run["energy_kwh"]) == pytest.approx(joules / 3.6e6, rel=1e-6)
     samples = float(next(csv.DictReader((observed.report / "run_summary.csv").open()))["samples"])
     assert float(run["joules_per_sample"]) == pytest.approx(joules / samples, rel=1e-6)
