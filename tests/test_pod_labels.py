@@ -9,10 +9,13 @@ the demo pushing to each through the hooks, Prometheus with the shipped rules sc
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,10 +23,11 @@ from grafana.rules import RULE_FILES
 from stepscope.contract import families, recordings, verdicts
 from stepscope.exporter.collectors import gpu_events
 from stepscope.exporter.collectors.gpu import GpuCollector
-from stepscope.exporter.collectors.pods import PodAttribution, PodContainer
+from stepscope.exporter.collectors.pods import PodAttribution, PodCollector, PodContainer, PodResourcesClient
 from stepscope.exporter.exposition import render
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.ingest.families import FAMILIES as PUSHED
+from stepscope.exporter.registered import RegisteredProcess
 from stepscope_testkit.fake_nvml.scenario import load_fake_pynvml, make_gpu, write_scenario
 from stepscope_testkit.podresources import FixtureContainer, FixturePod, serving
 from stepscope_testkit.processes import Running, running_exporter, scrape
@@ -165,3 +169,27 @@ def test_a_podded_run_gets_the_same_recordings_as_one_without(nodes: Nodes) -> N
     assert wait_for(same, 60), (per_name('run="podded"'), per_name('run="plain"'))
     steps = query(nodes.prometheus.url, f'{families.STEPS_TOTAL}{{run="podded"}}')
     assert [_pod_of(item["metric"]) for item in steps] == [POD]  # the labels reached Prometheus
+
+
+def test_a_group_keeps_its_pod_after_its_process_ends(tmp_path: Path) -> None:
+    """A finished rank's group lives on until the ingest TTL (its last pushes: state idle); its series keep the
+    pod they had rather than start again without it. Once the group is gone, so are its labels."""
+    pods = [FixturePod("ml", "trainer-0", (FixtureContainer("pytorch", {"nvidia.com/gpu": (GIVEN,)}),))]
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={"NVIDIA_VISIBLE_DEVICES": GIVEN})
+    groups = [RegisteredProcess(rank.pid, "done", "0", psutil.Process(rank.pid).create_time())]
+    with serving(tmp_path / "kubelet.sock", pods) as kubelet:
+        collector = PodCollector(PodResourcesClient(str(kubelet.socket)), registered=lambda: list(groups))
+        try:
+            collector.collect()
+            assert collector.attribution.rank("done", "0") == tuple(POD.values())
+            rank.kill()
+            rank.wait()
+            collector.collect()  # the process is gone, its group is not
+            assert collector.attribution.rank("done", "0") == tuple(POD.values())
+            groups.clear()  # the TTL dropped the group
+            collector.collect()
+            assert collector.attribution.rank("done", "0") == tuple(NO_POD.values())
+        finally:
+            rank.kill()
+            collector.close()

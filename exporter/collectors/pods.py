@@ -187,6 +187,9 @@ class PodAttribution:
     def rank(self, run: str, rank: str) -> PodLabels:
         return self._ranks.get((run, rank), NO_POD)
 
+    def ranks(self) -> Mapping[tuple[str, str], PodLabels]:
+        return self._ranks
+
     def processes(self, pids: Iterable[int]) -> dict[int, PodLabels]:
         """The labels of each pid (as this exporter sees it) from its NVIDIA_VISIBLE_DEVICES, read once per
         pid while the process collector keeps asking for it."""
@@ -250,7 +253,7 @@ class PodCollector:
         processes = GaugeMetricFamily(families.PROCESS_POD_INFO,
                                       "The pod container of a registered training process, once per GPU of "
                                       "that container.", labels=[*families.PROCESS, *families.POD, "uuid"])
-        ranks: dict[tuple[str, str], PodLabels] = {}
+        ranks = self._kept_ranks()
         for pid, run, rank, key in self._processes():
             container = self._container_of(pid, key, containers)
             if container is not None:
@@ -263,6 +266,12 @@ class PodCollector:
 
     def close(self) -> None:
         self._client.close()
+
+    def _kept_ranks(self) -> dict[tuple[str, str], PodLabels]:
+        """The labels of each live group as last found: a group outlives its process (until the ingest TTL
+        drops it) and keeps its pod meanwhile, so a finished rank's last pushes do not start new series."""
+        live = {(process.run, process.rank) for process in self._registered()}
+        return {key: labels for key, labels in self.attribution.ranks().items() if key in live}
 
     def _processes(self) -> list[tuple[int, str, str, tuple]]:
         """(pid here, run, rank, the process as it reported itself) of each registered process found here."""
