@@ -220,7 +220,7 @@ class GpuCollector:
         self._gpu_processes.replace(processes)
         if self._pods is None:
             return out.families()
-        pods = self._pods  # every family but the collector's own up carries uuid
+        pods = self._pods  # every family but the collector's own up and the energy read time carries uuid
         return pods.label(out.families(), lambda labels: pods.gpu(labels["uuid"]) if "uuid" in labels else None)
 
     def close(self) -> None:
