@@ -163,6 +163,22 @@ def test_slow_counters_refresh_on_the_slow_round_not_the_cycle(collectors) -> No
     assert sample_values(c.scrape(), energy) == [9_000.0]
 
 
+def test_the_energy_read_time_goes_out_with_the_same_rounds_counters(collectors) -> None:
+    """One read time per node, taken with the round: the rules divide each GPU's energy increase by its
+    increase, so a scrape must never show one round's counters with another's time."""
+    c = collectors(make_scenario(gpus=2, processes_per_gpu=0, models=("A100",)))
+    read_time = "stepscope_gpu_energy_read_timestamp_seconds"
+    first = c.scrape()
+    times = sample_values(first, read_time)
+    assert len(times) == 1 and abs(times[0] - time.time()) < 60  # one series, no gpu label
+    c.rewrite(lambda s: [gpu.update(total_energy_mj=9_000_000) for gpu in s["gpus"]])
+    assert sample_values(c.scrape(), read_time) == times  # a cycle reads neither
+    c.collector._slow.read_all()
+    text = c.scrape()
+    assert sample_values(text, read_time)[0] > times[0]
+    assert sample_values(text, "stepscope_gpu_energy_joules_total") == [9_000.0, 9_000.0]
+
+
 def test_slow_readings_go_absent_when_stale_and_lost_gpus_drop_them(collectors) -> None:
     c = collectors(make_scenario(gpus=2, processes_per_gpu=0, models=("A100",)))
     c.scrape()
