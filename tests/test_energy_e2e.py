@@ -38,7 +38,10 @@ COLLECT_INTERVAL = 0.5  # running_exporter's --collect-interval
 READ_INTERVAL = "1"  # --collector.gpu.slow-interval: the energy counter read every second
 HOLDS = (10.0, 8.0)  # seconds the run's process holds the GPU, with a gap between
 GAP_SECONDS = 3.0
-EXACT = 1e-4  # the counter and its read time are taken together: the watts are exact but for float rounding
+# The node's read time is taken as a round starts, a moment before the GPU's read: a delay of d seconds
+# between them that differs from one read to another errs by d over the ~59 s between the minute's first and
+# last read (1.1e-5 seen at most; this allows 59 ms)
+EXACT = 1e-3
 # The recordings from a process's GPU memory to the watts its run is charged, upstream first
 CHARGE_CHAIN = (recordings.RANK_GPU_MEMORY, recordings.GPU_RUN_ENERGY_RATE, recordings.RUN_ENERGY_RATE)
 TRAINER = """
