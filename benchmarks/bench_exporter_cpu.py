@@ -1,0 +1,437 @@
+"""The exporter's own CPU at a 1 s interval on fake H100s, and where it goes (issue 20, "The exporter's own cost").
+
+Each tree's exporter (default collectors, `--collect-interval 1`) reads 8 fake H100s x 8 processes whose
+NVML calls take the H100's latencies (`scenario.H100_LATENCY_MS`: sleeps from 1 ms up, busy-waits below,
+so the fake's short calls cost CPU as the driver's would), is scraped every second with gzip over a
+keep-alive connection (as Prometheus does) and receives 8 ranks' pushes every 5 s from real trackers
+(`stepscope.hooks`) stepping every 50 ms. Every tree runs at the same time under the same load, so
+the windows are interleaved by construction; each window's CPU ms per second and the end RSS go into
+a table of medians and spread.
+
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py [--baseline-rev REV [--baseline-paths P,..]
+        [--whole-process-table]] [--windows 8] [--window 15] [--no-latency]
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60   # this tree: by thread and category
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
+
+Each run appends its section to benchmarks/results/exporter_cpu.md.
+
+The side by side with nvitop-exporter needs a GPU: `benchmarks/bench_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib.util
+import linecache
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
+
+from bench_gpu import baseline_tree, commit_of  # noqa: E402
+
+import stepscope.hooks as th  # noqa: E402
+from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, make_scenario, write_scenario  # noqa: E402
+from stepscope_testkit.processes import FAKE_NVML_DIR, free_port, running  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "exporter_cpu.md"
+RANKS = 8
+PUSH_INTERVAL = 5.0
+STEP_SECONDS = 0.05
+PHASES = ("dataloader_next", "to_device", "forward", "backward", "optimizer_step")
+
+# py-spy stack categories, first match wins: (label, substring of a frame "function (file:line)")
+CATEGORIES = (
+    ("GPU collector: fake NVML calls (the driver's share)", "fake_nvml/pynvml.py"),
+    ("deflate of published text (Chunk: collectors' bodies, pushed groups)", "Chunk.__init__ ("),
+    ("rendering families (CachedRenderer, prometheus_client)", "exposition.py"),
+    ("GPU slow readings thread", "gpu_slow.py"),
+    ("GPU collector: its own Python", "collectors/gpu"),
+    ("node collector (psutil)", "collectors/node.py"),
+    ("process collector (psutil, /proc)", "collectors/process.py"),
+    ("pid namespaces", "pid_namespaces.py"),
+    ("scheduler (self metrics, loop)", "scheduler.py"),
+    ("push parsing and storing (ingest)", "exporter/ingest/"),
+    ("scrape handler (/metrics)", "_metrics (stepscope/exporter/server.py"),
+    ("HTTP server (aiohttp, asyncio)", "aiohttp/"),
+    ("asyncio loop", "asyncio/"),
+)
+
+
+IDLE_LINE = re.compile(r"\bsleep\(|\.wait\(|\.select\(|\.poll\(|\.acquire\(")
+
+
+class BusyGpus:
+    """Rewrites the scenario every second with new readings, as a busy GPU gives: without it every
+    gauge of the fake reads the same each cycle and the renderer's cache would look better than it is."""
+
+    def __init__(self, path: Path, scenario: dict) -> None:
+        self.path, self.scenario = path, scenario
+        self.gpm = [dict(gpu["gpm"]) for gpu in scenario["gpus"]]
+        self.random = random.Random(20)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(1.0):
+            for gpu, gpm in zip(self.scenario["gpus"], self.gpm, strict=True):
+                gpu["utilization"] = {"gpu": self.random.randint(90, 100), "memory": self.random.randint(30, 45)}
+                gpu["power_usage_mw"] = self.random.randint(600_000, 700_000)
+                gpu["temperature_c"] = self.random.randint(58, 66)
+                gpu["clocks_mhz"]["sm"] = self.random.choice((1650, 1665, 1680, 1695, 1710))
+                gpu["memory"]["used"] = 61 * 2**30 + self.random.randint(0, 2**28)
+                gpu["gpm"] = {key: value * self.random.uniform(0.9, 1.1) for key, value in gpm.items()}
+            write_scenario(self.path, self.scenario)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def exporter_argv(port: int) -> list[str]:
+    # -P: the tree on PYTHONPATH, not the working directory
+    return [sys.executable, "-P", "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}",
+            "--collect-interval", "1"]
+
+
+@contextlib.contextmanager
+def exporter(tree: Path, scenario: Path, log_dir: Path) -> Iterator[tuple[str, int]]:
+    """The tree's exporter on fake NVML: (base URL, pid)."""
+    port = free_port()
+    env = {"PYTHONPATH": f"{FAKE_NVML_DIR}{os.pathsep}{tree}", "STEPSCOPE_FAKE_NVML_SCENARIO": str(scenario)}
+    with running(exporter_argv(port), f"http://127.0.0.1:{port}/-/ready", log_dir / f"exporter-{port}.log",
+                 env=env, base_url=f"http://127.0.0.1:{port}") as proc:
+        yield proc.url, proc.process.pid
+
+
+class Load:
+    """A Prometheus-like scraper (1 s, gzip, keep-alive) and RANKS trackers pushing every 5 s, for one exporter."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.trackers = [th.init(run="bench", rank=rank, local_rank=rank, world_size=RANKS, push_url=url,
+                                 push_interval=PUSH_INTERVAL, handle_sigterm=False) for rank in range(RANKS)]
+        self.scrapes = 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._scrape, daemon=True),
+                        threading.Thread(target=self._train, daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def _scrape(self) -> None:
+        session = requests.Session()
+        while not self.stop.wait(1.0):
+            session.get(f"{self.url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10).raise_for_status()
+            self.scrapes += 1
+
+    def _train(self) -> None:
+        for tracker in self.trackers:
+            tracker.state("train")
+        while not self.stop.wait(STEP_SECONDS):
+            for tracker in self.trackers:
+                for phase in PHASES:
+                    with tracker.phase(phase):
+                        pass
+                tracker.step(samples=32)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=15)
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def measure(pids: dict[str, int], windows: int, window: float) -> dict[str, list[float]]:
+    """CPU ms per second of each exporter, window by window, all measured over the same windows."""
+    per_window: dict[str, list[float]] = {name: [] for name in pids}
+    for _ in range(windows):
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        started = time.monotonic()
+        time.sleep(window)
+        wall = time.monotonic() - started
+        for name, pid in pids.items():
+            per_window[name].append((cpu_seconds(pid) - before[name]) / wall * 1e3)
+    return per_window
+
+
+def cpu_table(per_window: dict[str, list[float]], rss: dict[str, float]) -> str:
+    """Medians and spread per exporter; the ratio to the first one window by window (same load, same time)."""
+    lines = ["| exporter | CPU ms/s median | min-max | IQR | vs first, window by window: median (min-max) | RSS MiB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    first = next(iter(per_window.values()))
+    for name, values in per_window.items():
+        quartiles = statistics.quantiles(values, n=4)
+        ratios = [value / base for value, base in zip(values, first, strict=True)]
+        lines.append(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} | "
+                     f"{quartiles[0]:.2f}-{quartiles[2]:.2f} | {statistics.median(ratios):.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f}) | {rss[name]:.1f} |")
+    return "\n".join(lines)
+
+
+def idle(leaf: str) -> bool:
+    """A leaf frame that sleeps or waits: py-spy sometimes samples a thread entering or leaving one as active."""
+    match = re.search(r"\((.+):(\d+)\)$", leaf)
+    if match is None:
+        return False
+    path = next((str(Path(root) / match[1]) for root in sys.path if (Path(root) / match[1]).is_file()), match[1])
+    return bool(IDLE_LINE.search(linecache.getline(path, int(match[2]))))
+
+
+def categorize(raw: Path) -> collections.Counter[str]:
+    """py-spy's raw (collapsed) stacks counted by CATEGORIES; the rest by their thread's leaf frame."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if idle(stack.rsplit(";", 1)[-1]):
+            continue
+        label = next((name for name, marker in CATEGORIES if marker in stack), None)
+        if label is None:
+            leaf = stack.rsplit(";", 1)[-1]
+            label = f"other: {leaf.split(' (')[0]} ({leaf.rsplit('/', 1)[-1].rstrip(')')})"
+        counts[label] += int(count)
+    return counts
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """{native thread id: Python thread name}, from `py-spy dump` ('Thread 1100 (idle): "collect-gpu"')."""
+    dump = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(pid)],
+                          capture_output=True, text=True, check=True).stdout
+    return {int(match[1]): match[2] for match in re.finditer(r'^Thread (\d+) \([a-z]+\): "(.*)"$', dump, re.M)}
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    return {thread.id: thread.user_time + thread.system_time for thread in psutil.Process(pid).threads()}
+
+
+def by_thread(names: dict[int, str], before: dict[int, float], after: dict[int, float], wall: float) -> str:
+    """Exact CPU ms per second of each thread over the window (the kernel's accounting, not sampled)."""
+    spent: collections.Counter[str] = collections.Counter()
+    for tid, seconds in after.items():
+        name = re.sub(r"_\d+$", "_N", names.get(tid, "a thread started during the window"))
+        spent[name] += (seconds - before.get(tid, 0.0)) / wall * 1e3
+    lines = ["| thread | CPU ms/s |", "|---|---:|"]
+    lines += [f"| {name} | {ms:.2f} |" for name, ms in spent.most_common() if ms >= 0.005]
+    return "\n".join(lines)
+
+
+def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None) -> str:
+    """py-spy of this tree's exporter under the load: CPU ms per second by thread (exact) and by category
+    (py-spy's samples; stacks kept in `raw`)."""
+    raw = raw or tmp / "pyspy.txt"
+    rate = 250
+    with exporter(REPO_ROOT, scenario, tmp) as (url, pid):
+        load = Load(url)
+        try:
+            time.sleep(2 * PUSH_INTERVAL)
+            names = thread_names(pid)
+            cpu0, threads0, started = cpu_seconds(pid), thread_cpu(pid), time.monotonic()
+            subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate",
+                            str(rate), "--duration", str(int(seconds)), "--format", "raw", "--nonblocking",
+                            "--output", str(raw)], check=True, capture_output=True)
+            wall = time.monotonic() - started
+            cpu_ms, threads = (cpu_seconds(pid) - cpu0) / wall * 1e3, by_thread(names, threads0, thread_cpu(pid), wall)
+        finally:
+            load.close()
+    counts = categorize(raw)
+    total = sum(counts.values())
+    lines = ["| where | samples | share | CPU ms/s |", "|---|---:|---:|---:|"]
+    for label, count in counts.most_common():
+        if count / total >= 0.005:
+            lines.append(f"| {label} | {count} | {count / total:.1%} | {count / total * cpu_ms:.2f} |")
+    rest = sum(c for c in counts.values() if c / total < 0.005)
+    lines.append(f"| everything under 0.5% each | {rest} | {rest / total:.1%} | {rest / total * cpu_ms:.2f} |")
+    return (f"Exporter CPU over the profile: **{cpu_ms:.2f} ms/s** (psutil), {seconds:.0f} s.\n\nBy thread (the "
+            f"kernel's per-thread CPU time):\n\n{threads}\n\nBy category: py-spy at {rate} Hz, idle samples left "
+            f"out (and those whose leaf line sleeps or waits), {total} samples, shared out in proportion of "
+            "the process's CPU. On a loaded machine a thread waiting for a CPU samples as active, so shares lean "
+            "towards code that runs right after a wake-up (socket writes, the event loop).\n\n" + "\n".join(lines))
+
+
+def this_tree_with(rev: str, paths: list[str], tmp: Path) -> Path:
+    """A copy of this working tree (tracked and untracked files, not the ignored) with `paths` as at `rev`."""
+    root = tmp / "baseline"
+    listed = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_symlink() or source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name, follow_symlinks=False)
+    for path in paths:
+        shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{rev}:{path}"], capture_output=True, check=True)
+        (root / path).write_bytes(shown.stdout)
+    return root
+
+
+def whole_process_table(tree: Path) -> str:
+    """Makes the tree's process collector read every process's parent each cycle (the code before the kept
+    table) and says so for the label."""
+    path = tree / "exporter" / "collectors" / "process.py"
+    text = path.read_text()
+    kept = "children_of = self._children.get()"
+    if kept not in text:
+        raise SystemExit(f"--whole-process-table: {path} has no {kept!r}")
+    path.write_text(text.replace(kept, "children_of = _children_of(psutil._ppid_map())"))
+    return ", process table read whole each cycle"
+
+
+def process_table(rounds: int) -> str:
+    """The process collector's children map per cycle: the whole table read (before) against the kept one
+    (after), alternating in one loop on this machine's processes, CPU time of each call."""
+    from stepscope.exporter.collectors.process import _children_of, _ChildrenMap
+
+    kept, spent = _ChildrenMap(), {"whole table": [], "kept": []}
+    kept.get()
+    for _ in range(rounds):
+        started = time.process_time()
+        _children_of(psutil._ppid_map())
+        middle = time.process_time()
+        kept.get()
+        spent["whole table"].append((middle - started) * 1e6)
+        spent["kept"].append((time.process_time() - middle) * 1e6)
+        time.sleep(0.02)
+    lines = ["| children map | µs per cycle, median | p90 |", "|---|---:|---:|"]
+    lines += [f"| {name} | {statistics.median(values):.0f} | {statistics.quantiles(values, n=10)[-1]:.0f} |"
+              for name, values in spent.items()]
+    return (f"{len(psutil.pids())} processes on this machine, {rounds} rounds 20 ms apart (processes come and go "
+            "here: other sessions run tests):\n\n" + "\n".join(lines))
+
+
+def render_cost(rounds: int, scenario: Path) -> str:
+    """The GPU collector's families with every value changed each cycle (a busy GPU), rendered by the
+    CachedRenderer (kept prefixes) and by generate_latest per family (before), alternating; CPU time."""
+    from stepscope.exporter.collectors.gpu import GpuCollector
+    from stepscope.exporter.exposition import CachedRenderer, render
+    from stepscope.exporter.gpu_processes import GpuProcessTable
+
+    os.environ["STEPSCOPE_FAKE_NVML_SCENARIO"] = str(scenario)
+    spec = importlib.util.spec_from_file_location("fake_pynvml", FAKE_NVML_DIR / "pynvml.py")
+    assert spec is not None and spec.loader is not None
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)  # by path: the real pynvml may be imported already (torch)
+    collector = GpuCollector(GpuProcessTable(), nvml=fake, slow_interval=3600)
+    collector.collect()
+    families = collector.collect()
+    renderer, spent = CachedRenderer(), {"kept prefixes (after)": [], "generate_latest per family (before)": []}
+    renderer.render(families)
+    for cycle in range(1, rounds + 1):
+        for family in families:
+            family.samples = [sample._replace(value=sample.value + cycle) for sample in family.samples]
+        started = time.process_time()
+        body, _ = renderer.render(families)
+        middle = time.process_time()
+        before = b"".join(render([family]) for family in families)
+        spent["kept prefixes (after)"].append((middle - started) * 1e3)
+        spent["generate_latest per family (before)"].append((time.process_time() - middle) * 1e3)
+        assert body == before, "the kept prefixes wrote other text than generate_latest"
+    collector.close()
+    lines = ["| renderer | ms per cycle, median | p90 |", "|---|---:|---:|"]
+    lines += [f"| {name} | {statistics.median(values):.3f} | {statistics.quantiles(values, n=10)[-1]:.3f} |"
+              for name, values in spent.items()]
+    samples = sum(len(family.samples) for family in families)
+    return (f"{len(families)} families, {samples} samples of 8 fake H100s x 8 processes, every value changed each "
+            f"cycle, {rounds} cycles; the texts compared byte for byte each cycle:\n\n" + "\n".join(lines))
+
+
+def compare(trees: dict[str, Path], windows: int, window: float, tmp: Path, scenario: Path) -> str:
+    with contextlib.ExitStack() as stack:
+        pids, loads = {}, []
+        for name, tree in trees.items():
+            url, pid = stack.enter_context(exporter(tree, scenario, tmp))
+            pids[name] = pid
+            loads.append(Load(url))
+            stack.callback(loads[-1].close)
+        time.sleep(2 * PUSH_INTERVAL)  # every rank pushed, GPM ratios and GPU-process series filled
+        per_window = measure(pids, windows, window)
+        rss = {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
+        scrapes = [load.scrapes for load in loads]
+    return (cpu_table(per_window, rss)
+            + f"\n\n{windows} windows of {window:g} s, every exporter at once under its own load ({RANKS} ranks "
+            f"pushing every {PUSH_INTERVAL:g} s, one gzip scrape a second; {min(scrapes)}-{max(scrapes)} scrapes "
+            f"each); RSS at the end.")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-rev", default=None, help="the 'before' tree (a git revision); none: this tree only")
+    parser.add_argument("--baseline-paths", type=lambda text: text.split(","), default=None,
+                        help="comma-separated paths: 'before' is this tree with only these at --baseline-rev "
+                             "(when main's commits in between are not each a working tree)")
+    parser.add_argument("--whole-process-table", action="store_true",
+                        help="the 'before' tree reads the whole process table every cycle, as before 6278b2d "
+                             "(which brought the kept table in one commit with pod labels)")
+    parser.add_argument("--windows", type=int, default=8, help="measurement windows (at least 4)")
+    parser.add_argument("--window", type=float, default=15.0, help="seconds per window")
+    parser.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                        help="instead: py-spy this tree's exporter for SECONDS and print CPU by category")
+    parser.add_argument("--process-table", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the process collector's children map, whole table against kept")
+    parser.add_argument("--no-latency", action="store_true",
+                        help="NVML calls return at once: what is left is the exporter's Python (and the fake's)")
+    parser.add_argument("--render", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the GPU families' render, kept prefixes against generate_latest")
+    parser.add_argument("--raw", type=Path, default=None, help="with --profile: keep py-spy's stacks in this file")
+    args = parser.parse_args()
+    if args.windows < 4:
+        parser.error("--windows must be at least 4")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        readings = make_scenario(8, 8, latency_ms=None if args.no_latency else H100_LATENCY_MS)
+        scenario = write_scenario(tmp / "h100x8.json", readings)
+        busy = BusyGpus(scenario, readings)
+        nvml = "NVML without latency" if args.no_latency else "H100 NVML latencies"
+        header = (f"{nvml}, {psutil.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start, "
+                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        if args.render:
+            report = f"## Rendering a busy GPU's families ({header})\n\n" + render_cost(args.render, scenario)
+        elif args.process_table:
+            report = f"## The process table ({header})\n\n" + process_table(args.process_table)
+        elif args.profile:
+            report = f"## Where the CPU goes ({header})\n\n" + profile(args.profile, tmp, scenario, args.raw)
+        else:
+            trees = {f"this tree ({commit_of('HEAD')}+)": REPO_ROOT}
+            if args.baseline_rev:
+                before = (this_tree_with(args.baseline_rev, args.baseline_paths, tmp) if args.baseline_paths
+                          else baseline_tree(args.baseline_rev, tmp))
+                if before is None:
+                    return 1
+                label = f"before ({commit_of(args.baseline_rev)}"
+                if args.baseline_paths:
+                    label = f"before (this tree, {', '.join(args.baseline_paths)} at {commit_of(args.baseline_rev)}"
+                if args.whole_process_table:
+                    label += whole_process_table(before)
+                trees = {label + ")": before, **trees}
+            report = f"## Before and after ({header})\n\n" + compare(trees, args.windows, args.window, tmp, scenario)
+        busy.close()
+    print(report)
+    with RESULTS.open("a") as results:
+        results.write("\n" + report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
