@@ -115,19 +115,28 @@ class Chunk:
 
     Sync-flushed blocks from independent compressors concatenate into one valid deflate stream (none
     refers back before its own start, and each ends on a byte boundary), so a gzip scrape is a header,
-    the stored blocks in order, an empty final block and a CRC32 + length trailer: nothing is
-    recompressed at scrape time, only the CRC runs over the plain text (GB/s).
+    the stored blocks in order, an empty final block and a CRC32 + length trailer: a chunk is compressed
+    once, at the first gzip scrape that serves it, then only the CRC runs over the plain text (GB/s).
     """
 
-    __slots__ = ("packed", "plain")
+    __slots__ = ("_level", "_packed", "plain")
 
-    # Level 1: a collector's body is compressed again every cycle it changes (a busy GPU's, every
-    # cycle), and exposition text compresses 4x cheaper at 1 than at 6 for about 9% more bytes
-    # (benchmarks/results/exporter_cpu.md): the node's CPU is the scarcer of the two.
+    # Level 1: a busy GPU's body changes every cycle, and exposition text compresses 4x cheaper at 1
+    # than at 6 for about 9% more bytes (benchmarks/results/exporter_cpu.md): the node's CPU is the
+    # scarcer of the two.
     def __init__(self, plain: bytes, level: int = 1) -> None:
         self.plain = plain
-        compressor = zlib.compressobj(level, zlib.DEFLATED, -15)
-        self.packed = compressor.compress(plain) + compressor.flush(zlib.Z_SYNC_FLUSH)
+        self._level = level
+        self._packed: bytes | None = None
+
+    @property
+    def packed(self) -> bytes:
+        """Deflated at the first gzip scrape that serves it: collectors publish every cycle (1-5 s) and
+        Prometheus scrapes every 15 s, so most bodies are replaced before anyone asks for them."""
+        if self._packed is None:  # two scrapes at once both compress, to the same bytes
+            compressor = zlib.compressobj(self._level, zlib.DEFLATED, -15)
+            self._packed = compressor.compress(self.plain) + compressor.flush(zlib.Z_SYNC_FLUSH)
+        return self._packed
 
 
 class ChunkSource(Protocol):

@@ -97,6 +97,28 @@ def test_gzip_body_matches_plain_and_follows_updates() -> None:
     assert gzip.decompress(store.body(compressed=True)) == b"# one\n# two\n"
 
 
+def test_bodies_replaced_before_a_gzip_scrape_are_never_compressed(monkeypatch) -> None:
+    """Collectors publish every cycle, Prometheus scrapes every 15 s: only what a scrape serves is deflated."""
+    import gzip
+    import zlib
+
+    compressors: list[int] = []
+    real = zlib.compressobj
+    monkeypatch.setattr(zlib, "compressobj", lambda *args: (compressors.append(1), real(*args))[1])
+    store = ExpositionStore()
+    for cycle in range(5):
+        store.publish("gpu", f"stepscope_test_cycle {cycle}\n".encode())
+    assert compressors == []
+    assert gzip.decompress(store.body(compressed=True)) == b"stepscope_test_cycle 4\n"
+    assert len(compressors) == 1
+    store.body(compressed=True)
+    store.body()
+    assert len(compressors) == 1  # served again from the same chunk
+    store.publish("gpu", b"stepscope_test_cycle 5\n")
+    assert gzip.decompress(store.body(compressed=True)) == b"stepscope_test_cycle 5\n"
+    assert len(compressors) == 2
+
+
 class RecordingStore(ExpositionStore):
     """An ExpositionStore that remembers every publish, to see what the scheduler skips."""
 
