@@ -3,13 +3,15 @@
 One thread per collector: a wedged NVML call stalls the GPU families only, and scrapes keep
 serving the last good snapshot of everything else. Each source re-renders only the families that
 changed since its last cycle and is published only when its text changed, so an idle node costs
-little more than the readings themselves.
+little more than the readings themselves. The self metrics (collector durations, errors, last
+success) change every cycle of every collector but are rendered only when a scrape asks for them.
 """
 
 import logging
 import platform
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -17,7 +19,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from stepscope.contract import families
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
-from stepscope.exporter.exposition import CachedRenderer, ExpositionStore
+from stepscope.exporter.exposition import CachedRenderer, Chunk, ExpositionStore
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +43,12 @@ class Scheduler:
         self._stats = {c.name: _CollectorStats() for c in collectors}
         self._renderers = {c.name: CachedRenderer() for c in collectors}
         self._self_renderer = CachedRenderer()
-        self._self_lock = threading.Lock()  # collector threads publish self metrics in turn, newest last
+        self._self_lock = threading.Lock()  # the renderer serves one scrape at a time
         self._stats_lock = threading.Lock()
+        self._stats_version = 0  # counts changes of the stats, for the store's cache of this source
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._publish_self()
+        store.attach("stepscope_exporter", self)
 
     def start(self) -> None:
         for collector in self._collectors:
@@ -94,7 +97,7 @@ class Scheduler:
                 if stats.last_error:
                     log.info("collector %s recovered", collector.name)
             stats.last_error = error
-        self._publish_self()
+            self._stats_version += 1
 
     def _loop(self, collector: Collector) -> None:
         next_run = time.monotonic()
@@ -107,11 +110,14 @@ class Scheduler:
                 delay = 0
             self._stop.wait(delay)
 
-    def _publish_self(self) -> None:
+    def version(self) -> object:
+        """The store's ChunkSource: it renders the self metrics at a scrape after a cycle ended."""
+        return self._stats_version
+
+    def chunks(self) -> Sequence[Chunk]:
         with self._self_lock:
-            body, changed = self._self_renderer.render(self._self_families())
-            if changed:
-                self._store.publish("stepscope_exporter", body)
+            body, _ = self._self_renderer.render(self._self_families())
+        return (Chunk(body),)
 
     def _self_families(self) -> list[Metric]:
         duration = GaugeMetricFamily(

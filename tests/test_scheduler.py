@@ -173,12 +173,33 @@ def test_unchanged_readings_are_neither_re_rendered_nor_republished(monkeypatch)
     assert rendered[first_cycle:] == []  # a changed value needs no render either, only its new number
     assert [body for source, body in store.published if source == "steady"][-1] == real_render(collector.collect())
     assert sample_values(store.body().decode(), "stepscope_test_temperature_celsius") == [41.0]
-    # self metrics follow every cycle (the duration gauge changes); the build info was rendered when the
-    # scheduler was made, and is not again
-    assert len([body for source, body in store.published if source == "stepscope_exporter"]) == 1 + 4  # made, cycles
-    assert "stepscope_exporter_build" not in rendered
     assert sample_values(store.body().decode(), "stepscope_exporter_collector_errors_total",
                          collector="steady") == [0.0]
+
+
+def test_self_metrics_are_rendered_at_a_scrape_after_a_cycle_not_at_every_cycle(monkeypatch) -> None:
+    """Every cycle of every collector changes the self metrics (its duration); rendering them each time
+    cost 3 renders a second at a 1 s interval, 9 per 15 s scrape at the default 5 s."""
+    store = ExpositionStore()
+    collectors = [CountingCollector("a"), CountingCollector("b")]
+    scheduler = Scheduler(collectors, interval=60, store=store)
+    renders: list[int] = []
+    real = Scheduler._self_families
+    monkeypatch.setattr(Scheduler, "_self_families", lambda self: (renders.append(1), real(self))[1])
+    for _ in range(3):
+        for collector in collectors:
+            scheduler.run_once(collector)
+    assert renders == []
+    text = store.body().decode()
+    assert len(renders) == 1
+    assert sample_values(text, "stepscope_exporter_collector_last_success_timestamp_seconds", collector="b")[0] > 0
+    store.body(compressed=True)
+    store.body()
+    assert len(renders) == 1  # no cycle since: the same text
+    collectors[0].fail = True
+    scheduler.run_once(collectors[0])
+    assert sample_values(store.body().decode(), "stepscope_exporter_collector_errors_total", collector="a") == [1.0]
+    assert len(renders) == 2
 
 
 def test_a_failing_cycle_publishes_the_empty_text_once() -> None:
