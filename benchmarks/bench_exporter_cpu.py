@@ -123,10 +123,11 @@ def exporter(tree: Path, scenario: Path, log_dir: Path) -> Iterator[tuple[str, i
 
 
 class Load:
-    """A Prometheus-like scraper (1 s, gzip, keep-alive) and RANKS trackers pushing every 5 s, for one exporter."""
+    """A Prometheus-like scraper (gzip, keep-alive) and RANKS trackers pushing every 5 s, for one exporter."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, scrape_interval: float) -> None:
         self.url = url
+        self.scrape_interval = scrape_interval
         self.trackers = [th.init(run="bench", rank=rank, local_rank=rank, world_size=RANKS, push_url=url,
                                  push_interval=PUSH_INTERVAL, handle_sigterm=False) for rank in range(RANKS)]
         self.scrapes = 0
@@ -138,7 +139,7 @@ class Load:
 
     def _scrape(self) -> None:
         session = requests.Session()
-        while not self.stop.wait(1.0):
+        while not self.stop.wait(self.scrape_interval):
             session.get(f"{self.url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10).raise_for_status()
             self.scrapes += 1
 
@@ -238,13 +239,13 @@ def by_thread(names: dict[int, str], before: dict[int, float], after: dict[int, 
     return "\n".join(lines)
 
 
-def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None) -> str:
+def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None, scrape_interval: float) -> str:
     """py-spy of this tree's exporter under the load: CPU ms per second by thread (exact) and by category
     (py-spy's samples; stacks kept in `raw`)."""
     raw = raw or tmp / "pyspy.txt"
     rate = 250
     with exporter(REPO_ROOT, scenario, tmp) as (url, pid):
-        load = Load(url)
+        load = Load(url, scrape_interval)
         try:
             time.sleep(2 * PUSH_INTERVAL)
             names = thread_names(pid)
@@ -357,13 +358,14 @@ def render_cost(rounds: int, scenario: Path) -> str:
             f"cycle, {rounds} cycles; the texts compared byte for byte each cycle:\n\n" + "\n".join(lines))
 
 
-def compare(trees: dict[str, Path], windows: int, window: float, tmp: Path, scenario: Path) -> str:
+def compare(trees: dict[str, Path], windows: int, window: float, tmp: Path, scenario: Path,
+            scrape_interval: float) -> str:
     with contextlib.ExitStack() as stack:
         pids, loads = {}, []
         for name, tree in trees.items():
             url, pid = stack.enter_context(exporter(tree, scenario, tmp))
             pids[name] = pid
-            loads.append(Load(url))
+            loads.append(Load(url, scrape_interval))
             stack.callback(loads[-1].close)
         time.sleep(2 * PUSH_INTERVAL)  # every rank pushed, GPM ratios and GPU-process series filled
         per_window = measure(pids, windows, window)
@@ -371,8 +373,8 @@ def compare(trees: dict[str, Path], windows: int, window: float, tmp: Path, scen
         scrapes = [load.scrapes for load in loads]
     return (cpu_table(per_window, rss)
             + f"\n\n{windows} windows of {window:g} s, every exporter at once under its own load ({RANKS} ranks "
-            f"pushing every {PUSH_INTERVAL:g} s, one gzip scrape a second; {min(scrapes)}-{max(scrapes)} scrapes "
-            f"each); RSS at the end.")
+            f"pushing every {PUSH_INTERVAL:g} s, a gzip scrape every {scrape_interval:g} s; "
+            f"{min(scrapes)}-{max(scrapes)} scrapes each); RSS at the end.")
 
 
 def main() -> int:
@@ -394,6 +396,8 @@ def main() -> int:
                         help="NVML calls return at once: what is left is the exporter's Python (and the fake's)")
     parser.add_argument("--render", type=int, default=0, metavar="ROUNDS",
                         help="instead: the GPU families' render, kept prefixes against generate_latest")
+    parser.add_argument("--scrape-interval", type=float, default=1.0,
+                        help="seconds between gzip scrapes (1: as bench_gpu.py beside nvitop; 15: Prometheus' usual)")
     parser.add_argument("--raw", type=Path, default=None, help="with --profile: keep py-spy's stacks in this file")
     args = parser.parse_args()
     if args.windows < 4:
@@ -411,7 +415,8 @@ def main() -> int:
         elif args.process_table:
             report = f"## The process table ({header})\n\n" + process_table(args.process_table)
         elif args.profile:
-            report = f"## Where the CPU goes ({header})\n\n" + profile(args.profile, tmp, scenario, args.raw)
+            report = f"## Where the CPU goes ({header})\n\n" + profile(args.profile, tmp, scenario, args.raw,
+                                                                         args.scrape_interval)
         else:
             trees = {f"this tree ({commit_of('HEAD')}+)": REPO_ROOT}
             if args.baseline_rev:
@@ -425,7 +430,8 @@ def main() -> int:
                 if args.whole_process_table:
                     label += whole_process_table(before)
                 trees = {label + ")": before, **trees}
-            report = f"## Before and after ({header})\n\n" + compare(trees, args.windows, args.window, tmp, scenario)
+            report = f"## Before and after ({header})\n\n" + compare(trees, args.windows, args.window, tmp, scenario,
+                                                                    args.scrape_interval)
         busy.close()
     print(report)
     with RESULTS.open("a") as results:
