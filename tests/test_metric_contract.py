@@ -35,15 +35,20 @@ def scraped_families(text: str) -> dict[str, tuple[str, set[str]]]:
     }
 
 
-def scraped_metric_names(text: str) -> set[str]:
-    return set(scraped_families(text))
+def families_with_samples(text: str) -> set[str]:
+    """The names (as scraped_families writes them) of the families that hold at least one sample: a
+    collector publishes its families' HELP and TYPE before it has anything to put in them (the process
+    families before the first push registered a process)."""
+    return {family.name + "_total" if family.type == "counter" else family.name
+            for family in text_string_to_metric_families(text) if family.samples}
 
 
 def wait_for_every_family(url: str, wanted: set[str], timeout: float = 30.0) -> str:
+    """A scrape in which every wanted family holds samples, or the last one tried."""
     deadline = time.monotonic() + timeout
     while True:
         text = scrape(url)
-        if wanted <= scraped_metric_names(text) or time.monotonic() > deadline:
+        if wanted <= families_with_samples(text) or time.monotonic() > deadline:
             return text
         time.sleep(0.3)
 
