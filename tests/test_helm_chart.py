@@ -81,7 +81,7 @@ def test_lint_strict_is_clean(chart: Path, values_file: Path) -> None:
 def test_ci_files_cover_the_agreed_scenarios() -> None:
     names = {p.name for p in CI_FILES}
     assert {"default-values.yaml", "monitors-values.yaml", "existing-secret-hostnetwork-values.yaml",
-            "hostpid-off-values.yaml", "sharding-values.yaml"} <= names
+            "hostpid-off-values.yaml", "sharding-values.yaml", "web-security-values.yaml"} <= names
 
 
 def check_operator_object(obj: dict[str, Any]) -> None:
@@ -180,12 +180,15 @@ def test_scheduled_on_gpu_nodes_without_taking_a_gpu(chart: Path) -> None:
 
 @pytest.mark.parametrize("values_file", CI_FILES, ids=lambda p: p.name)
 def test_exporter_accepts_the_rendered_args(chart: Path, values_file: Path, tmp_path: Path) -> None:
-    """The chart's flags go through the exporter's own parser (the token file, mounted in the pod,
-    is a local file here): a value the schema admits but the exporter refuses is a crash loop."""
-    token = tmp_path / "token"
-    token.write_text("secret\n")
+    """The chart's flags go through the exporter's own parser (the files mounted in the pod, the token
+    and the web config, are local files here): a value the schema admits but the exporter refuses is a
+    crash loop."""
+    mounted = {"--ingest-token-file": tmp_path / "token", "--web.config.file": tmp_path / "web-config.yml"}
+    for path in mounted.values():
+        path.write_text("secret\n")
     args = exporter_container(objects(render(chart, ci_values(values_file))))["args"]
-    args = [f"--ingest-token-file={token}" if a.startswith("--ingest-token-file=") else a for a in args]
+    args = [f"{a.split('=', 1)[0]}={mounted[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in mounted else a
+            for a in args]
     try:
         build_parser().parse_args(args)
     except SystemExit:

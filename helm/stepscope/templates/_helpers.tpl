@@ -194,3 +194,83 @@ app.kubernetes.io/component: prometheus
 app.kubernetes.io/part-of: stepscope
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/* The exporter's web security (webConfig). "true" when a web config file is passed: the user's
+(existingSecret) or one this chart generates from basicAuthUsers and tls. */}}
+{{- define "stepscope.webConfigEnabled" -}}
+{{- $web := .Values.webConfig }}
+{{- if and $web.existingSecret $web.basicAuthUsers }}
+{{- fail "webConfig.existingSecret and webConfig.basicAuthUsers are both set: put the users in the Secret's web config file, or leave existingSecret empty" }}
+{{- end }}
+{{- if or $web.existingSecret $web.basicAuthUsers $web.tls.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* "true" when basic auth may be on: the chart's users, or a file of the user's it cannot read. */}}
+{{- define "stepscope.basicAuthPossible" -}}
+{{- if or .Values.webConfig.existingSecret .Values.webConfig.basicAuthUsers }}true{{ end }}
+{{- end }}
+
+{{- define "stepscope.authStateFileEnabled" -}}
+{{- if and .Values.webConfig.authStateFile.enabled (include "stepscope.basicAuthPossible" .) }}true{{ end }}
+{{- end }}
+
+{{- define "stepscope.webConfigSecretName" -}}
+{{- default (printf "%s-web-config" (include "stepscope.fullname" .)) .Values.webConfig.existingSecret }}
+{{- end }}
+
+{{- define "stepscope.webConfigDir" -}}
+/etc/stepscope/web
+{{- end }}
+
+{{- define "stepscope.tlsDir" -}}
+/etc/stepscope/tls
+{{- end }}
+
+{{- define "stepscope.authStateDir" -}}
+/var/lib/stepscope
+{{- end }}
+
+{{/* The web config file this chart generates (no existingSecret): basic auth users, the TLS Secret's files. */}}
+{{- define "stepscope.generatedWebConfig" -}}
+{{- $config := dict }}
+{{- with .Values.webConfig.basicAuthUsers }}
+{{- $_ := set $config "basic_auth_users" . }}
+{{- end }}
+{{- if .Values.webConfig.tls.existingSecret }}
+{{- $tlsDir := include "stepscope.tlsDir" . }}
+{{- $_ := set $config "tls_server_config" (dict "cert_file" (printf "%s/tls.crt" $tlsDir) "key_file" (printf "%s/tls.key" $tlsDir)) }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* What a ServiceMonitor endpoint or PodMonitor endpoint needs to scrape a secured exporter: scheme,
+basicAuth (webConfig.scrapeCredentials) and tlsConfig. Fails when the chart's own users are on and the
+monitor has no credentials to send, which would only show as every target down with 401. */}}
+{{- define "stepscope.scrapeSecurity" -}}
+{{- $web := .Values.webConfig }}
+{{- $credentials := $web.scrapeCredentials }}
+{{- if and $web.basicAuthUsers (not $credentials.existingSecret) }}
+{{- fail "webConfig.basicAuthUsers is set but webConfig.scrapeCredentials.existingSecret is empty: the ServiceMonitor/PodMonitor would get 401; name the Secret holding the scraper's user and password" }}
+{{- end }}
+{{- if $web.tls.existingSecret }}
+scheme: https
+tlsConfig:
+  ca:
+    secret:
+      name: {{ $web.tls.existingSecret }}
+      key: {{ $web.tls.caKey }}
+  serverName: {{ default (printf "%s.%s.svc" (include "stepscope.fullname" .) .Release.Namespace) $web.tls.serverName }}
+  {{- if $web.tls.insecureSkipVerify }}
+  insecureSkipVerify: true
+  {{- end }}
+{{- end }}
+{{- with $credentials.existingSecret }}
+basicAuth:
+  username:
+    name: {{ . }}
+    key: {{ $credentials.usernameKey }}
+  password:
+    name: {{ . }}
+    key: {{ $credentials.passwordKey }}
+{{- end }}
+{{- end }}
