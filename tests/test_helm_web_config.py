@@ -20,10 +20,12 @@ import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
+import requests
 import yaml
 
 from stepscope_testkit.processes import exporter_env, free_port, running
 from tests.support.helm_chart import CHART, NAMESPACE, lint, notes, objects, render
+from tests.support.prometheus import running_prometheus_config
 from tests.support.readme import doc_section
 
 PASSWORD = "scrape-s3cret"
@@ -258,6 +260,45 @@ class Pod:
             kubelet_write(place, {k: self.localise(v.decode()).encode() for k, v in files.items()}, self.generation)
 
 
+def scrape_config(job: str, endpoint: dict[str, Any], cluster: dict[str, dict[str, bytes]], address: str,
+                  directory: Path) -> dict[str, Any]:
+    """The scrape config the Prometheus Operator makes of a monitor endpoint (its secrets as files)."""
+    tls = endpoint["tlsConfig"]
+    ca = directory / f"{job}-ca.crt"
+    ca.write_text(secret_value(tls["ca"]["secret"], cluster))
+    config = {"job_name": job, "scheme": endpoint["scheme"], "metrics_path": endpoint["path"],
+              "static_configs": [{"targets": [address]}],
+              "tls_config": {"ca_file": str(ca), "server_name": tls["serverName"],
+                             "insecure_skip_verify": tls.get("insecureSkipVerify", False)}}
+    if "basicAuth" in endpoint:
+        password = directory / f"{job}-password"
+        password.write_text(secret_value(endpoint["basicAuth"]["password"], cluster))
+        config["basic_auth"] = {"username": secret_value(endpoint["basicAuth"]["username"], cluster),
+                                "password_file": str(password)}
+    return config
+
+
+def prometheus_scrapes(endpoint: dict[str, Any], cluster: dict[str, dict[str, bytes]], address: str,
+                       tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """A real Prometheus scrapes `address` as the monitor endpoint says ("monitor") and the same
+    without its basicAuth ("anonymous"): job -> (health, last error) once both were scraped."""
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    anonymous = {k: v for k, v in endpoint.items() if k != "basicAuth"}
+    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        scrape_config("monitor", endpoint, cluster, address, directory),
+        scrape_config("anonymous", anonymous, cluster, address, directory)]}
+    with running_prometheus_config(directory, config) as prometheus:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            targets = requests.get(f"{prometheus.url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+            found = {t["labels"]["job"]: (t["health"], t["lastError"]) for t in targets if t["health"] != "unknown"}
+            if len(found) == 2:
+                return found
+            time.sleep(0.2)
+    raise AssertionError(f"Prometheus did not scrape both jobs in 30 s\n{prometheus.log()}")
+
+
 def wait_for_status(get: Callable[[], int], wanted: int, timeout: float = 15.0) -> bool:
     """Whether `get` answers `wanted` within `timeout` (the exporter looks at its web config each second)."""
     deadline = time.monotonic() + timeout
@@ -313,7 +354,8 @@ def probe_context() -> ssl.SSLContext:
 def test_the_rendered_pod_runs_a_real_exporter_the_monitor_scrapes_and_the_probes_reach(tmp_path: Path) -> None:
     """The DaemonSet's args and mounts, the generated web config and ingest Secrets, and the Secrets a
     user creates (TLS from a CA, the scraper's credentials) start a real exporter. Unauthenticated
-    /metrics is 401, the ServiceMonitor's credentials, CA and serverName get 200, the probes get 200 over
+    /metrics is 401, the ServiceMonitor's credentials, CA and serverName get 200 (a real Prometheus with
+    the scrape config the operator makes of it: up; without the credentials: 401), the probes get 200 over
     HTTPS without credentials, the state file records the scraper, and a rotated password reaches the
     running exporter through the directory mount (the kubelet's ..data swap)."""
     cluster = {"stepscope-tls": make_server_cert(tmp_path),
@@ -338,6 +380,8 @@ def test_the_rendered_pod_runs_a_real_exporter_the_monitor_scrapes_and_the_probe
             assert https_get(port, get["path"], probe_context(), "127.0.0.1")[0] == 200, probe
         with pytest.raises(ssl.SSLCertVerificationError):  # the certificate names the Service, not the IP
             https_get(port, "/metrics", scraper, "127.0.0.1", (user, password))
+        assert prometheus_scrapes(endpoint, cluster, f"127.0.0.1:{port}", tmp_path) == {
+            "monitor": ("up", ""), "anonymous": ("down", "server returned HTTP status 401 Unauthorized")}
         state = pod.places["/var/lib/stepscope"] / "auth-state.json"
         assert "127.0.0.1" in state.read_text()
 
