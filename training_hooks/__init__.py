@@ -31,6 +31,7 @@ def init(
     max_backoff: float | None = None, handle_sigterm: bool | None = None, trace_dir: str | None = None,
     trace_max_bytes: int | None = None, trace_keep: int | None = None, flops_per_step: float | None = None,
     flops_per_sample: float | None = None, flops_dtype: str | None = None, peak_flops: float | None = None,
+    share_bounds: bool | None = None, store: object | None = None,
 ) -> Tracker:
     """A started Tracker; every argument left as None comes from the environment or its default.
 
@@ -44,8 +45,10 @@ def init(
     `tracker.measure_flops` counts them once); flops_dtype (fp8, bf16 (default), fp16, tf32, fp32) picks the
     GPU's peak they are compared with; peak_flops (FLOP/s of one GPU) replaces the table's.
     handle_sigterm=False leaves SIGTERM alone (by default a handler pushes the final state, then chains to
-    the previous one). Raises ValueError with a clear message on bad
-    settings.
+    the previous one). share_bounds (STEPSCOPE_SHARE_BOUNDS, on by default): the ranks of a run agree on
+    their step-time bounds through torch.distributed's store (the default process group's once it is
+    initialized, or `store`), so that a run's quantile sums the same bounds on every rank
+    (stepscope.hooks.run_bounds). Raises ValueError with a clear message on bad settings.
     """
     config = Config.resolve(
         run=run, push_url=push_url, push_token=push_token, push_interval=push_interval, rank=rank,
@@ -54,5 +57,6 @@ def init(
         max_backoff=max_backoff, handle_sigterm=handle_sigterm, trace_dir=trace_dir,
         trace_max_bytes=trace_max_bytes, trace_keep=trace_keep, flops_per_step=flops_per_step,
         flops_per_sample=flops_per_sample, flops_dtype=flops_dtype, peak_flops=peak_flops,
+        share_bounds=share_bounds,
     )
-    return Tracker(config)
+    return Tracker(config, store)

@@ -113,6 +113,7 @@ class Config:
     max_backoff: float = 60.0
     buckets: tuple[float, ...] | None = None  # None: buckets that follow the run (stepscope.hooks.timing)
     phase_buckets: bool = False  # per-phase buckets; phases always have _sum and _count
+    share_bounds: bool = True  # agree on bucket bounds with the run's other ranks (stepscope.hooks.run_bounds)
     max_phases: int = DEFAULT_MAX_PHASES
     framework: str = "pytorch"
     sync: bool = False
@@ -149,8 +150,9 @@ class Config:
                 raise ValueError(f"{name} must be a number > 0 seconds, got {value!r}")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", validate_buckets(self.buckets))
-        if not isinstance(self.phase_buckets, bool):
-            raise ValueError(f"phase_buckets must be True or False, got {self.phase_buckets!r}")
+        for name in ("phase_buckets", "share_bounds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.max_phases, int) or self.max_phases < 1:
             raise ValueError(f"max_phases must be an integer >= 1, got {self.max_phases!r}")
         if not self.framework or len(self.framework) > MAX_LABEL_LENGTH:
@@ -179,7 +181,7 @@ class Config:
 
         Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun), STEPSCOPE_PUSH_URL,
         STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds),
-        STEPSCOPE_PHASE_BUCKETS (1/true/yes/on or 0/false/no/off), STEPSCOPE_TRACE_DIR,
+        STEPSCOPE_PHASE_BUCKETS and STEPSCOPE_SHARE_BOUNDS (1/true/yes/on or 0/false/no/off), STEPSCOPE_TRACE_DIR,
         STEPSCOPE_TRACE_MAX_BYTES, STEPSCOPE_TRACE_KEEP, STEPSCOPE_FLOPS_DTYPE, STEPSCOPE_PEAK_FLOPS.
         """
         env = os.environ if env is None else env
@@ -202,8 +204,9 @@ class Config:
                 values["buckets"] = tuple(float(part) for part in raw.split(","))
             except ValueError:
                 raise ValueError(f"STEPSCOPE_BUCKETS must be comma-separated seconds, got {raw!r}") from None
-        if "phase_buckets" not in values and env.get("STEPSCOPE_PHASE_BUCKETS", "").strip():
-            values["phase_buckets"] = _bool_env(env, "STEPSCOPE_PHASE_BUCKETS")
+        for name in ("phase_buckets", "share_bounds"):
+            if name not in values and env.get(f"STEPSCOPE_{name.upper()}", "").strip():
+                values[name] = _bool_env(env, f"STEPSCOPE_{name.upper()}")
         if "trace_dir" not in values and env.get("STEPSCOPE_TRACE_DIR", "").strip():
             values["trace_dir"] = env["STEPSCOPE_TRACE_DIR"]
         values.setdefault("trace_max_bytes", _int_env(env, "STEPSCOPE_TRACE_MAX_BYTES", DEFAULT_TRACE_MAX_BYTES, 1024))

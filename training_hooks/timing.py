@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from time import perf_counter_ns
@@ -73,6 +73,16 @@ class Layout(Protocol):
         None: export nothing of the histogram yet."""
 
 
+class RunBlocks(Protocol):
+    """The run's agreement on one histogram's fine blocks (stepscope.hooks.run_bounds)."""
+
+    def publish(self, blocks: frozenset[int]) -> None:
+        """The blocks this rank wants now."""
+
+    def wanted(self) -> Mapping[int, int]:
+        """Block -> how many of the run's ranks want it, as last read."""
+
+
 class FixedLayout:
     """Exports the same bounds on every snapshot (all of the buckets a user chose, or none: `+Inf` only)."""
 
@@ -102,9 +112,15 @@ class FollowingLayout:
     or two (benchmarks/results/quantiles-pace.md: 60 s left the slow start's new pace without fine
     buckets for another 30 s). A bound leaves only after being unused that long and only for one in
     use, so `le` series change only when the pace does.
+
+    Ranks that step alike still differ at the edges (a p99 block one rank's draws reached), and ranks at
+    different paces differ entirely; with `run` (stepscope.hooks.run_bounds) each rank also exports the
+    blocks the run's other ranks want, at its own exact counts, so that summing the ranks per `le` has no
+    dip (_agreed_blocks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, run: RunBlocks | None = None) -> None:
+        self._run = run
         self._blocks: dict[int, int] = {}  # block -> perf_counter_ns when its bins last had observations
         self._exported: tuple[int, ...] | None = None
         self._base: Sequence[int] | None = None
@@ -130,7 +146,11 @@ class FollowingLayout:
             self._cover_first_span(recent, now)
         for quantile in FOLLOWED_QUANTILES:
             self._cover(bisect_left(recent, quantile * new), now)
-        self._exported = _bounds_of(self._blocks)
+        if self._run is None:
+            self._exported = _bounds_of(self._blocks)
+        else:
+            self._run.publish(frozenset(self._blocks))
+            self._exported = _bounds_of(_agreed_blocks(self._run.wanted()))
         self._base = cumulative
 
     def _cover_first_span(self, recent: Sequence[int], now: int) -> None:
@@ -191,6 +211,18 @@ def _bounds_of(blocks: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(set(SKELETON).union(bound for bound in fine if bound < len(FINE_GRID))))
 
 
+def _agreed_blocks(wanted: Mapping[int, int]) -> set[int]:
+    """The blocks the run's ranks want, the most wanted first (then the lowest), as far as MAX_EXPORTED
+    allows: a function of the run's counts alone, so every rank that read them exports the same bounds,
+    even where they do not all fit (a bound only some ranks export dips the run's sum wherever it lies).
+    Alone, a rank's own blocks, which always fit."""
+    blocks: set[int] = set()
+    for block in sorted(wanted, key=lambda b: (-wanted[b], b)):
+        if len(_bounds_of(blocks | {block})) <= MAX_EXPORTED:
+            blocks.add(block)
+    return blocks
+
+
 def _window(fine_bin: int, margin: int) -> range:
     """Indices of the bounds of fine bin `fine_bin` and of `margin` bins on either side."""
     return range(max(fine_bin - 1 - margin, 0), min(fine_bin + margin, len(FINE_GRID) - 1) + 1)
@@ -213,9 +245,10 @@ class Histogram:
         self.layout = layout if layout is not None else FixedLayout(range(len(bounds)))
 
     @classmethod
-    def following(cls) -> Histogram:
-        """A histogram on FINE_GRID whose exported buckets follow the run."""
-        return cls(FINE_GRID, FollowingLayout())
+    def following(cls, run: RunBlocks | None = None) -> Histogram:
+        """A histogram on FINE_GRID whose exported buckets follow the run (and, with `run`, agree with the
+        run's other ranks)."""
+        return cls(FINE_GRID, FollowingLayout(run))
 
     def observe_ns(self, duration_ns: int) -> None:
         # `le` semantics: a value equal to a bound belongs to that bound's bucket.

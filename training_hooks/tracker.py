@@ -27,6 +27,7 @@ from stepscope.hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
 from stepscope.hooks.profiling import TraceSettings, TraceTaker
 from stepscope.hooks.pusher import Pusher, group_url
 from stepscope.hooks.render import Snapshot, render
+from stepscope.hooks.run_bounds import STEP_HISTOGRAM, RunBounds, run_store
 from stepscope.hooks.signals import FinalPushOnSigterm
 from stepscope.hooks.timing import NULL_PHASE, Histogram, HostPhase, NullPhase
 
@@ -77,7 +78,9 @@ class _StateScope:
 
 
 class Tracker:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, store: object | None = None) -> None:
+        """`store`: a torch.distributed Store the run's ranks share, for agreeing on step-time bounds
+        (stepscope.hooks.run_bounds); by default the default process group's, once there is one."""
         self.config = config
         self._pid = os.getpid()
         self._histograms: dict[str, Histogram] = {}
@@ -88,7 +91,8 @@ class Tracker:
         self._host: dict[str, Phase] = {}
         self._gpu: dict[str, Phase] = {}
         self._warned_limit = False
-        self._step_hist = self._new_histogram(buckets=True)
+        self._run_bounds = self._agree_on_bounds(store)
+        self._step_hist = self._new_histogram(STEP_HISTOGRAM, buckets=True)
         self._steps = 0
         self._samples = 0
         self._micro_batches = 0
@@ -340,17 +344,32 @@ class Tracker:
                             self.config.max_phases, name)
                 self._warned_limit = True
             return None
-        hist = self._histograms[name] = self._new_histogram(buckets=self.config.phase_buckets)
+        hist = self._histograms[name] = self._new_histogram(f"phase:{name}", buckets=self.config.phase_buckets)
         self._timing[name] = timing
         self._phase_order = (*self._phase_order, (name, timing, hist))
         return hist
 
-    def _new_histogram(self, buckets: bool) -> Histogram:
+    def _agree_on_bounds(self, store: object | None) -> RunBounds | None:
+        """Started when the run has several ranks whose buckets follow their steps (and the user left it on)."""
+        cfg = self.config
+        if cfg.buckets is not None or cfg.world_size == 1 or not cfg.share_bounds:
+            return None
+        bounds = RunBounds(cfg.rank, run_store(cfg.run, store), cfg.push_interval)
+        bounds.start()
+        return bounds
+
+    def agree_on_bounds(self) -> None:
+        """One round of the bounds agreement now; its thread does one every push interval. For a caller
+        that must know its bounds are out and the run's read before the next snapshot."""
+        if self._run_bounds is not None:
+            self._run_bounds.exchange()
+
+    def _new_histogram(self, key: str, buckets: bool) -> Histogram:
         """Buckets that follow the run unless the user fixed them; without buckets, _sum and _count only."""
         if not buckets:
             return Histogram(())
         if self.config.buckets is None:
-            return Histogram.following()
+            return Histogram.following(self._run_bounds.histogram(key) if self._run_bounds else None)
         return Histogram(self.config.buckets)
 
     def snapshot(self) -> Snapshot:
@@ -420,6 +439,8 @@ class Tracker:
         if self.traces is not None:
             self.traces.close()  # a trace being recorded is written with the steps it has
         self._switch_state(IDLE_STATE, perf_counter_ns())
+        if self._run_bounds is not None:
+            self._run_bounds.stop()
         if self.pusher is not None:
             self.pusher.stop()
 

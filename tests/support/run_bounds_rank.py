@@ -1,0 +1,63 @@
+"""One rank of a two-rank gloo run whose ranks step at different paces (tests/test_run_bounds.py).
+
+argv: rank, world size, the TCP init port, the step seconds of this rank. Prints one JSON line: the step
+histogram's exported bounds and cumulative counts after each snapshot, and the true count of this rank's
+steps at or below each bound of the last one.
+"""
+
+import json
+import random
+import sys
+import time
+from bisect import bisect_right
+
+import torch.distributed as dist
+
+import stepscope.hooks as th
+import stepscope.hooks.timing
+import stepscope.hooks.tracker
+
+SNAPSHOTS = 12
+STEPS_PER_SNAPSHOT = 100
+
+
+class Clock:
+    """The rank's scripted perf_counter_ns: steps take their drawn time without taking it."""
+
+    now = 10**12
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def main() -> None:
+    rank, world, port, step_seconds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    clock = Clock()
+    stepscope.hooks.tracker.perf_counter_ns = clock
+    stepscope.hooks.timing.perf_counter_ns = clock
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tracker = th.init(run="paces", rank=rank, world_size=world, push_url="", push_interval=0.1,
+                      handle_sigterm=False)
+    tracker.state("train")
+    rng = random.Random(rank)
+    durations: list[int] = []
+    snapshots = []
+    for _ in range(SNAPSHOTS):
+        for _ in range(STEPS_PER_SNAPSHOT):
+            duration = round(step_seconds * (1 + 0.03 * rng.gauss(0, 1)) * 1e9)
+            clock.now += duration
+            durations.append(duration)
+            tracker.step()
+        snapshot = tracker.snapshot().step
+        snapshots.append({"bounds": snapshot.bounds, "cumulative": snapshot.cumulative})
+        time.sleep(0.3)  # the agreement's thread does a round every 0.1 s
+    durations.sort()
+    truth = [bisect_right(durations, round(bound * 1e9)) for bound in snapshots[-1]["bounds"]]
+    dist.barrier()
+    tracker.close()
+    dist.destroy_process_group()
+    print(json.dumps({"snapshots": snapshots, "truth": truth, "steps": len(durations)}))
+
+
+if __name__ == "__main__":
+    main()

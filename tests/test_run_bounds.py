@@ -1,0 +1,85 @@
+"""The ranks of a run agree on their step-time bounds through torch.distributed's store
+(stepscope.hooks.run_bounds): real gloo process groups on the CPU, a real TCPStore that dies."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import stepscope.hooks as th
+from stepscope_testkit.processes import REPO_ROOT, free_port
+
+RANK_SCRIPT = REPO_ROOT / "tests" / "support" / "run_bounds_rank.py"
+PACES = (0.05, 0.15)  # seconds per step of rank 0 and rank 1: 1.6 octaves apart, no fine block in common
+
+
+def _two_ranks(share: str) -> list[dict]:
+    """Runs the two ranks side by side (STEPSCOPE_SHARE_BOUNDS=`share`) and returns what each printed."""
+    port = free_port()
+    env = {**os.environ, "STEPSCOPE_SHARE_BOUNDS": share, "PYTHONPATH": str(REPO_ROOT)}
+    ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(rank), "2", str(port), str(pace)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank, pace in enumerate(PACES)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    for rank, (_, stderr) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, stderr[-3000:]
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+
+
+@pytest.fixture(scope="module")
+def agreed() -> list[dict]:
+    return _two_ranks("1")
+
+
+def test_ranks_at_different_paces_export_the_same_bounds(agreed: list[dict]) -> None:
+    first, second = (rank["snapshots"][-1]["bounds"] for rank in agreed)
+    assert first == second
+    for pace in PACES:  # fine bounds around both paces, on both ranks
+        assert sum(abs(bound / pace - 1) < 0.1 for bound in first) >= 2, (pace, first)
+
+
+def test_bounds_taken_from_the_other_rank_hold_exact_counts(agreed: list[dict]) -> None:
+    for rank in agreed:
+        last = rank["snapshots"][-1]
+        assert last["cumulative"][:-1] == rank["truth"]
+        assert last["cumulative"][-1] == rank["steps"]
+
+
+def test_without_the_agreement_each_rank_exports_its_own_bounds() -> None:
+    """What the agreement fixes: the ranks' bounds differ, so a run's bucket sum dips (docs/engines.md)."""
+    first, second = (rank["snapshots"][-1]["bounds"] for rank in _two_ranks("0"))
+    assert first != second
+
+
+def test_a_store_that_dies_leaves_each_rank_its_own_bounds(caplog: pytest.LogCaptureFixture) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+    tracker = th.init(run="dies", rank=0, world_size=2, push_url="", push_interval=3600.0,
+                      handle_sigterm=False, store=client)
+    try:
+        for _ in range(20):
+            tracker.step()
+        tracker.snapshot()
+        tracker.agree_on_bounds()
+        assert json.loads(client.get("stepscope/dies/blocks/0"))["step"]
+        del server
+        for _ in range(20):
+            tracker.step()
+        with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
+            tracker.agree_on_bounds()
+            tracker.agree_on_bounds()
+        warnings = [r.getMessage() for r in caplog.records if "share step-time bounds" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert tracker.snapshot().step.bounds  # still exporting: its own bounds
+    finally:
+        tracker.close()
+
+
+def test_a_bad_share_bounds_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="STEPSCOPE_SHARE_BOUNDS must be one of"):
+        th.Config.resolve(env={"STEPSCOPE_SHARE_BOUNDS": "sometimes"}, run="r")

@@ -1,0 +1,171 @@
+"""One set of step-time bounds for every rank of a run, agreed through the run's torch.distributed store.
+
+Each rank places fine buckets where its own steps fall (stepscope.hooks.timing), so ranks whose steps
+differ, even by chance (a lognormal spread, a rank a few per cent slower), export different `le`. A run's
+histogram is the ranks' buckets summed per bound, and a bound only some ranks export lacks the others'
+counts: the sum dips there. Prometheus' histogram_quantile raises a dip to the bound below and
+VictoriaMetrics lowers the bounds below to the dip; neither is the run's quantile when the ranks' steps
+differ (measured: two groups of ranks 3x apart read p50 -56% on Prometheus, +22% on VictoriaMetrics;
+ranks a few per cent apart read +236% on VictoriaMetrics). Every rank counts on the whole fine grid and
+can export exact counts at any bound of it, so the fix is agreement: each rank publishes the blocks it
+wants, reads what the others want, and exports all of it (stepscope.hooks.timing.FollowingLayout).
+
+The store is the one torch.distributed already has (the default process group's, reached without a
+collective), under the prefix `stepscope/<run>/`: `blocks/<rank>` holds a rank's wanted blocks per
+histogram (JSON), `ranks` lists the ranks that published, `version` counts publications. A round reads
+one counter when nothing changed. Store calls run in a thread of their own: a store busy with the
+trainer's own waits (barriers, NCCL set-up) delays the agreement, never a push or a step. Any store
+error turns the agreement off for the process, with one warning: the ranks then export their own
+bounds, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+log = logging.getLogger("stepscope.hooks")
+
+STEP_HISTOGRAM = "step"  # phases are keyed "phase:<name>", so a phase named "step" cannot collide
+
+
+class Store(Protocol):
+    """The part of torch.distributed.Store the agreement uses: calls that never wait for a key."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def append(self, key: str, value: str) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
+
+def run_store(run: str, given: object | None = None) -> Callable[[], Store | None]:
+    """The run's prefix of `given` (a torch.distributed Store the run's ranks share), or else of
+    torch.distributed's default store once a process group is initialized (None before, and without
+    torch.distributed, for which nothing is imported)."""
+
+    def connect() -> Store | None:
+        dist: Any = sys.modules.get("torch.distributed")
+        if dist is None or getattr(dist.__spec__, "_initializing", False):
+            return None  # not imported, or being imported by the training thread right now
+        if given is None and not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = given if given is not None else dist.distributed_c10d._get_default_store()
+        return dist.PrefixStore(f"stepscope/{run}", store)  # keys stepscope/<run>/...
+
+    return connect
+
+
+class RunBounds:
+    """This rank's wanted blocks per histogram, published to the run's store, and the run's, read back.
+
+    `publish` and `wanted` are what the layouts call (in the pusher thread): they touch only memory.
+    `exchange` does one round with the store; `start` runs it every `interval` seconds in a daemon thread.
+    """
+
+    def __init__(self, rank: int, connect: Callable[[], Store | None], interval: float) -> None:
+        self._rank = rank
+        self._connect = connect
+        self._interval = interval
+        self._store: Store | None = None
+        self._own: dict[str, list[int]] = {}
+        self._published: dict[str, list[int]] | None = None
+        self._seen_version = -1
+        # The run's wanted blocks as last read, and this rank's part of them (what it had published then),
+        # swapped together: `wanted` takes this rank's part out and its blocks of now in.
+        self._view: tuple[dict[str, Counter[int]], dict[str, list[int]]] = ({}, {})
+        self._lock = threading.Lock()  # one round at a time (the thread, or a caller's exchange)
+        self._failed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish(self, histogram: str, blocks: frozenset[int]) -> None:
+        """Records the blocks this rank wants for `histogram`; the next round sends them."""
+        self._own = {**self._own, histogram: sorted(blocks)}  # a new dict: the round reads a consistent one
+
+    def wanted(self, histogram: str) -> Mapping[int, int]:
+        """Block -> how many ranks of the run want it: the others' as of the last round, this rank's as of
+        its last `publish` (so a rank's new blocks are its own at once, and the others' a round later)."""
+        run, mine = self._view
+        counts = Counter(run.get(histogram, ()))
+        counts.subtract(mine.get(histogram, ()))
+        counts.update(self._own.get(histogram, ()))
+        return +counts
+
+    def exchange(self) -> None:
+        """One round: publish this rank's blocks if they changed, read the run's if anyone published since."""
+        with self._lock:
+            if self._failed:
+                return
+            try:
+                self._round()
+            except Exception as exc:  # any store failure: fall back to this rank's own bounds
+                self._failed = True
+                self._view = ({}, {})
+                log.warning("stepscope: cannot share step-time bounds through torch.distributed's store (%r); "
+                            "this rank exports its own bounds, and the run's quantiles may read off where ranks "
+                            "differ (docs/engines.md)", exc)
+
+    def _round(self) -> None:
+        if self._store is None:
+            self._store = self._connect()
+            if self._store is None:
+                return
+        own = self._own
+        if own and own != self._published:
+            self._store.set(f"blocks/{self._rank}", json.dumps(own))
+            if self._published is None:
+                self._store.append("ranks", f"{self._rank},")
+            self._store.add("version", 1)
+            self._published = own
+        if self._published is None:
+            return  # nothing of ours out yet: "ranks" may not exist, and reading it would wait for it
+        version = self._store.add("version", 0)
+        if version != self._seen_version:
+            self._view = (self._read_run(), self._published)
+            self._seen_version = version
+
+    def _read_run(self) -> dict[str, Counter[int]]:
+        assert self._store is not None
+        ranks = sorted({int(rank) for rank in self._store.get("ranks").decode().split(",") if rank})
+        run: dict[str, Counter[int]] = {}
+        for value in self._store.multi_get([f"blocks/{rank}" for rank in ranks]):
+            for histogram, blocks in json.loads(value).items():
+                run.setdefault(histogram, Counter()).update(blocks)
+        return run
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="stepscope-run-bounds", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.exchange()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def histogram(self, name: str) -> SharedHistogram:
+        """The agreement on one histogram, for its FollowingLayout."""
+        return SharedHistogram(self, name)
+
+
+class SharedHistogram:
+    """One histogram's view of the run's agreement (stepscope.hooks.timing.RunBlocks)."""
+
+    def __init__(self, bounds: RunBounds, name: str) -> None:
+        self._bounds = bounds
+        self._name = name
+
+    def publish(self, blocks: frozenset[int]) -> None:
+        self._bounds.publish(self._name, blocks)
+
+    def wanted(self) -> Mapping[int, int]:
+        return self._bounds.wanted(self._name)
