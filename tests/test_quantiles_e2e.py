@@ -8,7 +8,7 @@ The simulated comparison of bucket layouts is benchmarks/bench_quantiles.py.
 
 Each rank: 3 compilation steps at 20x (the first snapshot with steps), then what the run did before
 (a slow start falling from x50, or a x3 shift and back, in snapshots 5 s apart on the hooks' clock),
-five snapshots of 5 s of steps (20 to 2000; the last one is the first push Prometheus sees), then the
+five snapshots of 400 steps (the last one is the first push Prometheus sees), then the
 measured steps (the second push). The 1m window then holds exactly the measured steps: every series
 starts at the first push. On VictoriaMetrics the measured push waits until the first one has left the
 1m window (FIRST_PUSH_AGE). Every query reads the instant the rules had evaluated the measured push.
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+import torch.distributed as dist
 
 import stepscope.hooks as th
 import stepscope.hooks.timing
@@ -44,7 +45,11 @@ from tests.support.replay_judge import ENGINES
 from tests.support.victoria import running_victoria, running_vmalert
 
 WARMUP_SNAPSHOTS = 5  # a run a minute or more in: its fine buckets placed
-PUSH_SECONDS = 5.0  # the hooks' default push interval: steps per snapshot = 5 s of steps, 20..2000
+PUSH_SECONDS = 5.0  # the hooks' default push interval: a prelude's snapshots are 5 s of steps apart
+# Steps in each warm-up snapshot and in the measured push: the layout then decides on snapshots like the
+# measured one before the window starts. A bound the measured push added would have one value in the
+# window: no rate on Prometheus, a rate of 0 on VictoriaMetrics, whose histogram_quantile then lowers every
+# bucket below it (a rank's p50 read +296% so). In a run the next push, 5 s on, gives it its rate.
 MEASURED_STEPS = 400
 TOLERANCE = 0.10
 QUANTILES = {"p50": 0.5, "p95": 0.95}
@@ -57,12 +62,13 @@ CHAINED_SECONDS = {"prometheus": 3, "victoriametrics": 20}
 # MetricsQL's rate() over a series younger than its window is the increase since the series' first
 # sample over the series' age (no extrapolation): while the 1m window holds the first push, every
 # rank's rate falls ~1/age a second, so ranks first scraped a second apart, or read by the shard groups
-# a second apart, differ by ~2%, and a run whose ranks export different bounds reads its p50 at 0.18 s
-# or at 7.5 s depending on which rank's rate is higher (docs/engines.md). Pushed after the first push
+# a second apart, differ by ~2% (docs/engines.md). Pushed after the first push
 # has left the window, every rank's rate is its measured steps over the same 60 s, at every evaluation
 # until the measured push leaves the window. Prometheus extrapolates instead: the window may hold both.
 FIRST_PUSH_AGE = {"prometheus": 0.0, "victoriametrics": 62.0}
 WINDOW_SECONDS = 60
+# The ranks agree on their bounds when the test says (_agree), not in their thread's rounds.
+AGREEMENT_SECONDS = 3600.0
 # How far a bound's share of a run's steps may read apart between the recorded run buckets and a user's
 # sum: the shard partials are taken a second or more apart, over windows that span different seconds
 # once a scrape came off VictoriaMetrics' grid (measured under load: ranks 4% apart, shares 0.0104).
@@ -96,9 +102,16 @@ def per_rank(centre: float, spread: float) -> Callable[[int], Draw]:
     return lambda rank: jitter(centre * (1 + spread * ((rank * 7919) % 101 / 50 - 1)), 0.03)
 
 
+def two_paces(centre: float, ratio: float) -> Callable[[int], Draw]:
+    """One rank in four `ratio` times slower than the others: their fine buckets lie apart. (Not half:
+    a run's p50 would then fall between the paces, where any bound reads right.)"""
+    return lambda rank: jitter(centre * (ratio if rank % 4 == 3 else 1), 0.03)
+
+
 # run -> (ranks, typical step seconds, step-time distribution): the issue's 24 ms steps that read
 # +39..+50% with 16 buckets, a lognormal spread, gradient accumulation (p95 in the second mode), data
-# stalls, 1 ms and 9 s steps, one eval-like step in ten 5x longer, and 64 ranks a few per cent apart.
+# stalls, 1 ms and 9 s steps, one eval-like step in ten 5x longer, 64 ranks a few per cent apart, and
+# ranks at two paces 3x apart (whose fine buckets only agree through stepscope.hooks.run_bounds).
 CASES: dict[str, tuple[int, float, Callable[[int], Draw]]] = {
     "narrow-24ms": (4, 0.024, every_rank(jitter(0.024, 0.01))),
     "lognormal-180ms": (2, 0.18, every_rank(lognormal(0.18, 0.2))),
@@ -109,6 +122,7 @@ CASES: dict[str, tuple[int, float, Callable[[int], Draw]]] = {
     "shift-30ms": (1, 0.03, every_rank(jitter(0.03, 0.03))),
     "bimodal-40ms": (1, 0.04, every_rank(two_modes(0.04, 0.1, 5))),
     "ranks-64-50ms": (64, 0.05, per_rank(0.05, 0.04)),
+    "two-paces-8": (8, 0.06, two_paces(0.05, 3)),
 }
 # What a run did before the measured minute, in (seconds, step seconds at the segment's start, at its
 # end) segments: the issue's slow start (x50 for 20 s, falling to 80 ms over 50 s, then steady for 90 s)
@@ -121,20 +135,28 @@ PHASE_RUN, PHASE = "lognormal-180ms", "forward"  # this run also pushes phase bu
 
 
 class ScriptedClock:
-    """perf_counter_ns for the hooks: advances only when a test step or phase takes time."""
+    """perf_counter_ns for the hooks: advances only when a test step or phase takes time. Each rank has a
+    timeline of its own (`switch`), as ranks of a real run step side by side: otherwise a rank's first step
+    after the others' would last all of theirs."""
 
     def __init__(self) -> None:
-        self.now = 10**12
+        self._times: dict[tuple[str, str], int] = {}
+        self._current: tuple[str, str] = ("", "")
+
+    def switch(self, rank: tuple[str, str]) -> None:
+        self._current = rank
+        self._times.setdefault(rank, 10**12)
 
     def __call__(self) -> int:
-        return self.now
+        return self._times.setdefault(self._current, 10**12)
 
     def spend(self, seconds: float) -> None:
-        self.now += max(1, round(seconds * 1e9))
+        self._times[self._current] = self() + max(1, round(seconds * 1e9))
 
 
 @dataclass
 class Rank:
+    key: tuple[str, str]  # (run, rank)
     tracker: th.Tracker
     pusher: Pusher
     steps: list[float]
@@ -160,6 +182,8 @@ class Measured:
 
 
 def _run_steps(rank: Rank, clock: ScriptedClock, draw: Draw, rng: random.Random, n: int, keep: bool) -> None:
+    """`n` steps on the rank's timeline, which stays current for its snapshot or push that follows."""
+    clock.switch(rank.key)
     phase = rank.tracker.phase(PHASE)
     for _ in range(n):
         seconds = max(draw(rng), 1e-6)
@@ -224,32 +248,45 @@ def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 def _measure(engine: str, exporter: str, prometheus: str, clock: ScriptedClock) -> Measured:
     chained_seconds = CHAINED_SECONDS[engine]
-    rng = random.Random(11)
+    store = dist.HashStore()  # what torch.distributed's store is to a real run's ranks
     ranks: dict[tuple[str, str], Rank] = {}
     for run, (size, _, _) in CASES.items():
         for rank in range(size):
+            clock.switch((run, str(rank)))
             tracker = th.init(run=run, rank=rank, world_size=size, push_url="", handle_sigterm=False,
-                              phase_buckets=run == PHASE_RUN)
+                              phase_buckets=run == PHASE_RUN, push_interval=AGREEMENT_SECONDS, store=store)
             pusher = Pusher(group_url(exporter, run, rank), tracker.render, interval=60)
-            ranks[(run, str(rank))] = Rank(tracker, pusher, [], [])
+            ranks[(run, str(rank))] = Rank((run, str(rank)), tracker, pusher, [], [])
     draws = {(run, rank): CASES[run][2](int(rank)) for run, rank in ranks}
+    # Each rank draws from its own stream, so that a case added or reordered leaves the others' steps as they were.
+    rngs = {(run, rank): random.Random(f"{run}/{rank}") for run, rank in ranks}
+
+    def snapshot_steps(key: tuple[str, str], push: bool) -> None:
+        _run_steps(ranks[key], clock, draws[key], rngs[key], MEASURED_STEPS, keep=False)
+        if push:
+            assert ranks[key].pusher.push_once(), ranks[key].pusher.stats.last_error
+        else:
+            ranks[key].tracker.render()
+
     for key, rank in ranks.items():
-        run, draw = key[0], draws[key]
-        per_push = min(max(round(PUSH_SECONDS / CASES[run][1]), 20), 2000)
+        clock.switch(key)
         rank.tracker.state("train")
-        _run_steps(rank, clock, lambda r, draw=draw: 20 * draw(r), rng, 3, keep=False)  # compilation
+        _run_steps(rank, clock, lambda r, draw=draws[key]: 20 * draw(r), rngs[key], 3, keep=False)  # compilation
         rank.tracker.render()  # the first snapshot with steps
-        _prelude(rank, clock, rng, PRELUDES.get(run, ()))
-        for _ in range(WARMUP_SNAPSHOTS - 1):  # pushes that left the 1m window long ago
-            _run_steps(rank, clock, draw, rng, per_push, keep=False)
-            rank.tracker.render()
-        _run_steps(rank, clock, draw, rng, per_push, keep=False)
-        assert rank.pusher.push_once(), rank.pusher.stats.last_error  # the window's first sample
+        _prelude(rank, clock, rngs[key], PRELUDES.get(key[0], ()))
+        for _ in range(WARMUP_SNAPSHOTS - 2):  # pushes that left the 1m window long ago
+            snapshot_steps(key, push=False)
+    _agree(ranks)  # what the agreement's thread does every push interval
+    for key in ranks:
+        snapshot_steps(key, push=False)
+    _agree(ranks)
+    for key in ranks:
+        snapshot_steps(key, push=True)  # the window's first sample
     assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)  # the window's start
     time.sleep(FIRST_PUSH_AGE[engine])  # every first sample is older than that now
     measured_push = time.time()
     for key, rank in ranks.items():
-        _run_steps(rank, clock, draws[key], rng, MEASURED_STEPS, keep=True)
+        _run_steps(rank, clock, draws[key], rngs[key], MEASURED_STEPS, keep=True)
         assert rank.pusher.push_once(), rank.pusher.stats.last_error
     assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)
     seen_at = time.time()
@@ -265,9 +302,17 @@ def _measure(engine: str, exporter: str, prometheus: str, clock: ScriptedClock) 
     assert at, "the rules did not evaluate the measured push"
     assert at < measured_push + WINDOW_SECONDS, "the measured push left the 1m window before the rules read it"
     for rank in ranks.values():
+        clock.switch(rank.key)
         rank.tracker.close()
     return Measured(engine, prometheus, {key: rank.steps for key, rank in ranks.items()},
                     ranks[(PHASE_RUN, "0")].phase_times, at)
+
+
+def _agree(ranks: dict[tuple[str, str], Rank]) -> None:
+    """Every rank publishes its blocks, then every rank reads the run's."""
+    for _ in range(2):
+        for rank in ranks.values():
+            rank.tracker.agree_on_bounds()
 
 
 def _truth(values: list[float], q: float) -> float:
@@ -299,29 +344,29 @@ def test_rank_quantiles_are_within_ten_percent_of_the_truth(measured: Measured) 
     assert all(abs(error) <= TOLERANCE for error in errors.values()), _report(errors)
 
 
-def _runs_with_bounds_some_ranks_lack(measured: Measured) -> set[str]:
-    """Runs whose ranks do not all export the same step-time bounds (a rank's fine buckets follow its
-    own steps): their summed buckets dip at a bound only some ranks have."""
-    expr = ('count by (run, le) (stepscope_step_seconds_bucket) != on (run) group_left ()'
-            ' count by (run) (stepscope_step_seconds_bucket{le="+Inf"})')
-    return {item["metric"]["run"] for item in measured.query(expr)}
+def _bounds_some_ranks_lack(measured: Measured) -> dict[str, set[str]]:
+    """Run -> the step-time bounds that not all its ranks have rates for in the 1m window: the run's summed
+    buckets dip there, which Prometheus and VictoriaMetrics repair differently (docs/engines.md). A bound
+    a rank adds at the measured push has no rate yet, on any rank."""
+    expr = ('count by (run, le) (rate(stepscope_step_seconds_bucket[1m])) != on (run) group_left ()'
+            ' count by (run) (rate(stepscope_step_seconds_bucket{le="+Inf"}[1m]))')
+    lacking: dict[str, set[str]] = {}
+    for item in measured.query(expr):
+        lacking.setdefault(item["metric"]["run"], set()).add(item["metric"]["le"])
+    return lacking
+
+
+def test_every_runs_ranks_export_the_same_bounds(measured: Measured) -> None:
+    """The ranks agreed on their bounds through the store (stepscope.hooks.run_bounds), though their own
+    steps would place different fine buckets: lognormal draws, ranks a few per cent or 3x apart."""
+    lack = _bounds_some_ranks_lack(measured)
+    assert not lack, lack
 
 
 def test_run_quantiles_over_ranks_with_their_own_buckets_are_within_ten_percent(measured: Measured) -> None:
     errors = _errors(measured, lambda name, _: f"run:stepscope_step_seconds:{name}_rate1m", by="run")
     print("\nrun p50/p95 errors (all ranks' steps pooled):\n" + _report(errors))
     assert {where for where, _ in errors} == set(CASES)
-    if measured.engine == "victoriametrics":
-        # MetricsQL's histogram_quantile repairs a dip by lowering every bucket below it (Prometheus
-        # raises the dip), so a bound only some ranks export pulls the run quantile up to the tail:
-        # docs/engines.md. The other runs must hold; these read far off (+2,500% and more when measured),
-        # or right where one shard group's rates came out 0.5% above the other's (a scrape late under
-        # load, read a second apart): which, the last scrapes decide.
-        mixed = _runs_with_bounds_some_ranks_lack(measured)
-        assert mixed, "every run's ranks export one set of bounds: the mixed case is not exercised"
-        off = {where for (where, _), error in errors.items() if abs(error) > TOLERANCE}
-        assert off <= mixed, _report(errors)
-        return
     assert all(abs(error) <= TOLERANCE for error in errors.values()), _report(errors)
 
 
@@ -347,24 +392,20 @@ def test_a_users_own_promql_over_the_exported_buckets_reads_what_the_rules_recor
     bound for bound, and its quantiles are the user's. Over the rules' 1m window: a 5m one holds every
     series' start, where MetricsQL's rates depend on each rank's age (FIRST_PUSH_AGE).
 
-    On VictoriaMetrics a run whose ranks export different bounds reads its quantiles off MetricsQL's dip
-    repair, where ranks' rates 0.5% apart move the 180 ms run's p50 from 7.53 s to 0.18 s: the recorded
-    run buckets sum shard partials evaluated a second apart, 0.5% apart when a scrape came late under
-    load (measured: 1 run in 5), while the user's query reads one instant. There the buckets say it: the
-    same bounds, each holding the same share of the run's steps within SHARE_APART (intersecting the
-    ranks' bounds drops bounds; a repair moves a dip's share by about half)."""
+    The recorded run buckets sum shard partials evaluated a second apart (0.5% apart when a scrape came
+    late under load on VictoriaMetrics), while the user's query reads one instant: each bound holds the
+    same share of the run's steps within SHARE_APART, and the quantiles agree within 1%."""
     own = _bucket_shares(measured, "sum by (run, le) (rate(stepscope_step_seconds_bucket[1m]))")
     recorded = _bucket_shares(measured, "run_le:stepscope_step_seconds_bucket:rate1m")
     assert own.keys() == recorded.keys()
     assert {run for run, _ in own} == set(CASES)
     apart = {key: (own[key], recorded[key]) for key in own if abs(own[key] - recorded[key]) > SHARE_APART}
     assert not apart, apart
-    repaired = _runs_with_bounds_some_ranks_lack(measured) if measured.engine == "victoriametrics" else set()
     for name, q in QUANTILES.items():
         own_q = {item["metric"]["run"]: float(item["value"][1]) for item in measured.query(
             f"histogram_quantile({q}, sum by (run, le) (rate(stepscope_step_seconds_bucket[1m])))")}
         recorded_q = {item["metric"]["run"]: float(item["value"][1])
                       for item in measured.query(f"run:stepscope_step_seconds:{name}_rate1m")}
         assert own_q.keys() == recorded_q.keys() == set(CASES)
-        for run in set(CASES) - repaired:
+        for run in CASES:
             assert own_q[run] == pytest.approx(recorded_q[run], rel=0.01), (run, name, own_q[run], recorded_q[run])
