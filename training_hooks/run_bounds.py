@@ -11,9 +11,12 @@ can export exact counts at any bound of it, so the fix is agreement: each rank p
 wants, reads what the others want, and exports all of it (stepscope.hooks.timing.FollowingLayout).
 
 The store is the one torch.distributed already has (the default process group's, reached without a
-collective), under the prefix `stepscope/<run>/`: `blocks/<rank>` holds a rank's wanted blocks per
-histogram (JSON), `ranks` lists the ranks that published, `version` counts publications. A round reads
-one counter when nothing changed. Store calls run in a thread of their own: a store busy with the
+collective), under the prefix `stepscope/<run>/`: `count/<histogram>/<block>` counts the ranks that want
+a block (each rank adds 1 when it starts wanting one, -1 when it stops), `keys` lists the counters, and
+`version` counts changes. A round reads one counter when nothing changed, and every counter (a few
+hundred at most, whatever the run's size) when something did: each rank reading every other rank's
+blocks would move 1.3 MB per rank and round at 2,048 ranks (benchmarks/bench_run_bounds.py). A rank
+that dies keeps its blocks wanted. Store calls run in a thread of their own: a store busy with the
 trainer's own waits (barriers, NCCL set-up) delays the agreement, never a push or a step. Any store
 error turns the agreement off for the process, with one warning: the ranks then export their own
 bounds, as before.
@@ -21,7 +24,6 @@ bounds, as before.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -69,8 +71,7 @@ class RunBounds:
     `exchange` does one round with the store; `start` runs it every `interval` seconds in a daemon thread.
     """
 
-    def __init__(self, rank: int, connect: Callable[[], Store | None], interval: float) -> None:
-        self._rank = rank
+    def __init__(self, connect: Callable[[], Store | None], interval: float) -> None:
         self._connect = connect
         self._interval = interval
         self._store: Store | None = None
@@ -119,25 +120,35 @@ class RunBounds:
                 return
         own = self._own
         if own and own != self._published:
-            self._store.set(f"blocks/{self._rank}", json.dumps(own))
-            if self._published is None:
-                self._store.append("ranks", f"{self._rank},")
+            self._count_changes(self._store, self._published or {}, own)
             self._store.add("version", 1)
             self._published = own
         if self._published is None:
-            return  # nothing of ours out yet: "ranks" may not exist, and reading it would wait for it
+            return  # nothing of ours out yet: "keys" may not exist, and reading it would wait for it
         version = self._store.add("version", 0)
         if version != self._seen_version:
-            self._view = (self._read_run(), self._published)
+            self._view = (self._read_run(self._store), self._published)
             self._seen_version = version
 
-    def _read_run(self) -> dict[str, Counter[int]]:
-        assert self._store is not None
-        ranks = sorted({int(rank) for rank in self._store.get("ranks").decode().split(",") if rank})
+    @staticmethod
+    def _count_changes(store: Store, before: Mapping[str, list[int]], now: Mapping[str, list[int]]) -> None:
+        """Adds 1 to the counter of each block this rank wants now and did not, -1 to each it no longer
+        wants; a counter that this makes 1 goes into `keys` (after it exists: a reader never waits)."""
+        for histogram in now.keys() | before.keys():
+            wanted, had = set(now.get(histogram, ())), set(before.get(histogram, ()))
+            for block, change in [*((b, 1) for b in wanted - had), *((b, -1) for b in had - wanted)]:
+                key = f"{histogram}/{block}"
+                if store.add(f"count/{key}", change) == 1 and change == 1:
+                    store.append("keys", f"{key},")
+
+    @staticmethod
+    def _read_run(store: Store) -> dict[str, Counter[int]]:
+        keys = sorted({key for key in store.get("keys").decode().split(",") if key})
         run: dict[str, Counter[int]] = {}
-        for value in self._store.multi_get([f"blocks/{rank}" for rank in ranks]):
-            for histogram, blocks in json.loads(value).items():
-                run.setdefault(histogram, Counter()).update(blocks)
+        for key, value in zip(keys, store.multi_get([f"count/{key}" for key in keys]), strict=True):
+            histogram, block = key.rsplit("/", 1)
+            if int(value) > 0:
+                run.setdefault(histogram, Counter())[int(block)] = int(value)
         return run
 
     def start(self) -> None:

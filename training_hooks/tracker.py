@@ -354,7 +354,7 @@ class Tracker:
         cfg = self.config
         if cfg.buckets is not None or cfg.world_size == 1 or not cfg.share_bounds:
             return None
-        bounds = RunBounds(cfg.rank, run_store(cfg.run, store), cfg.push_interval)
+        bounds = RunBounds(run_store(cfg.run, store), cfg.push_interval)
         bounds.start()
         return bounds
 
