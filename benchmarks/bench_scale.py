@@ -8,6 +8,8 @@ evaluation time of every rule group, at 100, 250, 500 and 1,000 simulated nodes.
     git show 46cf0c3:grafana/rules/stepscope.rules.yml > /tmp/before.yml   # the rules before the split
     PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --nodes 250 --baseline /tmp/before.yml \
         --out benchmarks/results/scale-vs-before.md                          # side by side, one run
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py --engine victoriametrics --nodes 250
+        # the same nodes and rules on VictoriaMetrics + vmalert (benchmarks/results/scale-victoriametrics.md)
 
 One node is a REAL exporter scrape: the exporter with the fake NVML's 8 H100s (GPM on), 8 ranks of
 one run, each holding memory on its GPU (8 sleeping processes stand in for their pids), each pushing
@@ -37,6 +39,18 @@ The machine's other load is reported (cores busy outside Prometheus and the targ
 times grow with it, so compare runs made under similar load. --baseline runs a second Prometheus
 with other rule files side by side, against the same nodes, in the same run: its ratios survive a
 busy machine.
+
+--engine victoriametrics measures the second engine the rules run on (docs/engines.md): VictoriaMetrics
+single-node scrapes the same targets every 15 s (`-promscrape.config`) and vmalert evaluates the rule
+files every 15 s against it, both started by tests/support/victoria.py with the settings the tests use.
+vmalert 1.79 keeps no last duration per group: a group's evaluations are the steps of its
+vmalert_iteration_duration_seconds_count, each taking the step of _sum (sampled every 3 s, one
+evaluation per step; a gap of k evaluations counts k at their mean). Missed iterations are
+vmalert_iteration_missed_total, failures vmalert_execution_errors_total and the rows of recordings and
+alerts vmalert could not write back; RSS and CPU come from /proc for VictoriaMetrics and vmalert each,
+the series from VictoriaMetrics' /api/v1/series/count, the costliest rules from vmalert's
+/api/v1/rules (each rule's own time, vmalert_own_seconds), the findings from the same queries against
+VictoriaMetrics.
 """
 
 from __future__ import annotations
@@ -72,6 +86,7 @@ from grafana.rules import RULE_FILES, RUN_RULES, rules  # noqa: E402
 from stepscope_testkit.node_scrape import GPUS, capture_node_scrape  # noqa: E402
 from stepscope_testkit.processes import free_port, running  # noqa: E402
 from stepscope_testkit.sharded import shard_write_filter  # noqa: E402
+from tests.support.victoria import running_victoria, running_vmalert  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.md"
 NODES_PER_RUN = 8
@@ -80,6 +95,7 @@ INTERVAL_SECONDS = 15
 # 75); --gogc tries others: at 1,000 nodes the worst single evaluations come from the Go runtime
 # (collections, and page faults while the heap grows back), docs/deployment.md, "Scaling".
 GO_DEFAULT_GOGC = 100
+VICTORIA_GOGC = 30  # what VictoriaMetrics and vmalert set when GOGC is not in their environment
 CAPTURE_RUN = "capture"
 STRAGGLER_LOCAL_RANK = 3
 STRAGGLER_FORWARD = 3.0
@@ -93,6 +109,27 @@ PROFILES = {  # run profile -> (NVML utilization, SM active, tensor active, data
 CPU_MODE_SHARES = {"idle": 0.5, "user": 0.4, "system": 0.1}  # node CPUs half busy
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{.*\})? (?P<value>\S+)$")
 TRAINING_PREFIXES = ("stepscope_step_", "stepscope_steps_", "stepscope_samples_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """What differs in a report between the engines: names, and the counters each reports."""
+
+    server: str  # the processes measured, in the report's words
+    title: str
+    default_gogc: int
+    results: Path
+    missed: str
+    failures: str
+
+
+ENGINES = {
+    "prometheus": Engine("Prometheus", "one Prometheus", GO_DEFAULT_GOGC, RESULTS,
+                         "prometheus_rule_group_iterations_missed_total", "prometheus_rule_evaluation_failures_total"),
+    "victoriametrics": Engine("VictoriaMetrics + vmalert", "VictoriaMetrics + vmalert", VICTORIA_GOGC,
+                              RESULTS.with_name("scale-victoriametrics.md"),
+                              "vmalert_iteration_missed_total", "vmalert_execution_errors_total"),
+}
 
 
 # ---- the synthetic cluster -------------------------------------------------------------------------
@@ -278,7 +315,7 @@ def running_cluster(scrape_text: str, nodes: int) -> Iterator[tuple[int, multipr
 
 @contextmanager
 def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequence[Path],
-                       gogc: int | None = None) -> Iterator[str]:
+                       gogc: int | None = None) -> Iterator[tuple[str, int]]:
     binary = shutil.which("prometheus")
     if binary is None:
         raise SystemExit("bench_scale: prometheus is not installed (apt-get install prometheus)")
@@ -286,13 +323,7 @@ def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequenc
         "global": {"scrape_interval": f"{INTERVAL_SECONDS}s", "evaluation_interval": f"{INTERVAL_SECONDS}s",
                    "scrape_timeout": "10s"},
         "rule_files": [str(path) for path in rule_files],
-        "scrape_configs": [{
-            "job_name": "stepscope",
-            "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"instance": instance_name(node)}}
-                               for node in range(nodes)],
-            "relabel_configs": [{"source_labels": ["instance"], "target_label": "__metrics_path__",
-                                 "replacement": "/metrics/$1"}],
-        }],
+        "scrape_configs": [scrape_job(port, nodes)],
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     web = free_port()
@@ -301,6 +332,29 @@ def running_prometheus(workdir: Path, port: int, nodes: int, rule_files: Sequenc
     with running(argv, f"http://127.0.0.1:{web}/-/ready", workdir / "prometheus.log", timeout=120,
                  base_url=f"http://127.0.0.1:{web}", env={"GOGC": str(gogc)} if gogc else None) as proc:
         yield proc.url, proc.process.pid
+
+
+def scrape_job(port: int, nodes: int) -> dict:
+    """The synthetic target's N nodes as one scrape job, in the format both engines read."""
+    return {
+        "job_name": "stepscope",
+        "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"instance": instance_name(node)}}
+                           for node in range(nodes)],
+        "relabel_configs": [{"source_labels": ["instance"], "target_label": "__metrics_path__",
+                             "replacement": "/metrics/$1"}],
+    }
+
+
+@contextmanager
+def running_victoria_pair(workdir: Path, port: int, nodes: int,
+                          rule_files: Sequence[Path]) -> Iterator[WatchedVictoria]:
+    """VictoriaMetrics scraping the nodes and vmalert evaluating `rule_files` against it, both every 15 s,
+    with the settings the tests use (tests/support/victoria.py); yields them to be watched."""
+    interval = f"{INTERVAL_SECONDS}s"
+    job = {**scrape_job(port, nodes), "scrape_timeout": "10s"}  # Prometheus' global one above
+    with running_victoria(workdir, [job], scrape_interval=interval) as victoria, \
+            running_vmalert(workdir, victoria.url, rule_files, interval=interval) as vmalert:
+        yield WatchedVictoria(victoria.url, vmalert.url, victoria.process.pid, vmalert.process.pid)
 
 
 def self_metrics(url: str) -> dict[tuple[str, frozenset], float]:
@@ -358,6 +412,10 @@ class Result:
     commit: str = ""  # the checkout measured: short hash, "+changes" when the tree differed from it
     gogc: int = GO_DEFAULT_GOGC  # the GOGC the Prometheus servers ran with
     gc_cycles: float | None = None  # Go garbage collections in the measured window (None: not counted)
+    engine: str = "prometheus"  # a key of ENGINES; prometheus_cores and rss_bytes are all its processes'
+    rss_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # process -> peak RSS
+    cores_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # process -> cores
+    unwritten_rows: float | None = None  # rows of recordings and alerts vmalert could not write back
 
     def cycle_seconds(self) -> float:
         """Median evaluation seconds of all groups added up: the work of one evaluation cycle."""
@@ -383,6 +441,102 @@ class Watched:
                 self.evaluations[group][last[group]] = duration
         self.peak_rss = max(self.peak_rss, one(metrics, "process_resident_memory_bytes"))
 
+    @property
+    def rules_url(self) -> str:
+        return self.url
+
+    def begin(self) -> None:
+        """The start of the measured window: the counters and CPU time the window is measured from."""
+        self.before, self.cpu_before = self_metrics(self.url), cpu_seconds(self.pid)
+
+    def processes(self) -> dict[str, tuple[str, int]]:
+        """Each process measured: its own /metrics and its pid."""
+        return {"Prometheus": (self.url, self.pid)}
+
+    def before_by_process(self) -> dict[str, dict[tuple[str, frozenset], float]]:
+        return {"Prometheus": self.before}
+
+    def cores(self, elapsed: float) -> dict[str, float]:
+        return {"Prometheus": (cpu_seconds(self.pid) - self.cpu_before) / elapsed}
+
+    def rss_parts(self) -> dict[str, float]:
+        return {"Prometheus": self.peak_rss}
+
+    def series(self, after: dict[str, dict[tuple[str, frozenset], float]]) -> float:
+        return one(after["Prometheus"], "prometheus_tsdb_head_series")
+
+
+@dataclasses.dataclass
+class WatchedVictoria:
+    """VictoriaMetrics and its vmalert during the measured window (the same methods as Watched)."""
+
+    url: str  # VictoriaMetrics: it holds the data and answers the queries
+    rules_url: str  # vmalert
+    victoria_pid: int
+    vmalert_pid: int
+    before: dict[str, dict[tuple[str, frozenset], float]] = dataclasses.field(default_factory=dict)
+    cpu_before: dict[str, float] = dataclasses.field(default_factory=dict)
+    totals: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)  # group -> (count, sum)
+    evaluations: dict[str, dict[float, float]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+    peak_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    peak_rss: float = 0.0  # of both processes together
+
+    def processes(self) -> dict[str, tuple[str, int]]:
+        return {"VictoriaMetrics": (self.url, self.victoria_pid), "vmalert": (self.rules_url, self.vmalert_pid)}
+
+    def begin(self) -> None:
+        self.before = {name: self_metrics(url) for name, (url, _) in self.processes().items()}
+        self.cpu_before = {name: cpu_seconds(pid) for name, (_, pid) in self.processes().items()}
+        self.totals = iteration_totals(self.before["vmalert"])
+
+    def sample(self) -> None:
+        """New evaluations since the last sample, each the step of the group's duration sum over the
+        step of its count (vmalert 1.79 keeps no last duration per group)."""
+        for group, (count, seconds) in iteration_totals(self_metrics(self.rules_url)).items():
+            seen_count, seen_seconds = self.totals.get(group, (0.0, 0.0))
+            for evaluation in range(int(seen_count) + 1, int(count) + 1):
+                self.evaluations[group][evaluation] = (seconds - seen_seconds) / (count - seen_count)
+            self.totals[group] = (count, seconds)
+        rss = {name: psutil.Process(pid).memory_info().rss for name, (_, pid) in self.processes().items()}
+        self.peak_parts = {name: max(self.peak_parts.get(name, 0.0), value) for name, value in rss.items()}
+        self.peak_rss = max(self.peak_rss, sum(rss.values()))
+
+    def before_by_process(self) -> dict[str, dict[tuple[str, frozenset], float]]:
+        return self.before
+
+    def cores(self, elapsed: float) -> dict[str, float]:
+        return {name: (cpu_seconds(pid) - self.cpu_before[name]) / elapsed
+                for name, (_, pid) in self.processes().items()}
+
+    def rss_parts(self) -> dict[str, float]:
+        return self.peak_parts
+
+    def series(self, after: dict[str, dict[tuple[str, frozenset], float]]) -> float:
+        """Series VictoriaMetrics stores (a fresh database: the scraped ones, the recordings, ALERTS)."""
+        body = requests.get(f"{self.url}/api/v1/series/count", timeout=60).json()
+        return float(body["data"][0])
+
+
+def iteration_totals(metrics: dict[tuple[str, frozenset], float]) -> dict[str, tuple[float, float]]:
+    """Group -> (evaluations, seconds spent in them) since vmalert started."""
+    def per_group(name: str) -> dict[str, float]:
+        return {dict(labels)["group"]: value for (sample, labels), value in metrics.items() if sample == name}
+    seconds = per_group("vmalert_iteration_duration_seconds_sum")
+    return {group: (count, seconds[group])
+            for group, count in per_group("vmalert_iteration_duration_seconds_count").items()}
+
+
+@contextmanager
+def running_engine(engine: str, workdir: Path, port: int, nodes: int, rule_files: Sequence[Path],
+                   gogc: int | None) -> Iterator[Watched | WatchedVictoria]:
+    """The engine that scrapes the nodes and evaluates `rule_files`, ready to be watched."""
+    if engine == "victoriametrics":
+        with running_victoria_pair(workdir, port, nodes, rule_files) as watched:
+            yield watched
+        return
+    with running_prometheus(workdir, port, nodes, rule_files, gogc) as (url, pid):
+        yield Watched(url, pid, {}, 0.0)
+
 
 def wait_until_scraped(url: str, nodes: int) -> None:
     deadline = time.monotonic() + 3 * INTERVAL_SECONDS + 120
@@ -395,20 +549,20 @@ def wait_until_scraped(url: str, nodes: int) -> None:
 
 
 def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warmup: float,
-            window: float, gogc: int | None) -> list[Result]:
-    """Every rule set in a Prometheus of its own, side by side, scraping the same synthetic nodes."""
+            window: float, gogc: int | None, engine: str = "prometheus") -> list[Result]:
+    """Every rule set in an engine of its own, side by side, scraping the same synthetic nodes."""
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         port, target = stack.enter_context(running_cluster(scrape_text, nodes))
-        servers = {}
+        watched = {}
         for label, files in rule_sets.items():
             (Path(tmp) / label).mkdir()
-            servers[label] = stack.enter_context(running_prometheus(Path(tmp) / label, port, nodes, files, gogc))
-        for url, _ in servers.values():
-            wait_until_scraped(url, nodes)
+            watched[label] = stack.enter_context(running_engine(engine, Path(tmp) / label, port, nodes, files, gogc))
+        for server in watched.values():
+            wait_until_scraped(server.url, nodes)
         print(f"  {nodes} nodes up; warming up {warmup:.0f} s", flush=True)
         time.sleep(warmup)
-        watched = {label: Watched(url, pid, self_metrics(url), cpu_seconds(pid))
-                   for label, (url, pid) in servers.items()}
+        for server in watched.values():
+            server.begin()
         machine_before, target_before = machine_busy_seconds(), cpu_seconds(target.pid)
         own_before = cpu_seconds(os.getpid())
         started = time.monotonic()
@@ -417,38 +571,75 @@ def measure(scrape_text: str, nodes: int, rule_sets: dict[str, list[Path]], warm
                 server.sample()
             time.sleep(3)
         elapsed = time.monotonic() - started
-        cores = {label: (cpu_seconds(w.pid) - w.cpu_before) / elapsed for label, w in watched.items()}
+        cores = {label: w.cores(elapsed) for label, w in watched.items()}
         target_cores = (cpu_seconds(target.pid) - target_before) / elapsed
         other = (machine_busy_seconds() - machine_before - (cpu_seconds(os.getpid()) - own_before)) / elapsed \
-            - target_cores - sum(cores.values())
-        return [result(label, nodes, scrape_text, w, cores[label], other, target_cores, gogc)
+            - target_cores - sum(sum(parts.values()) for parts in cores.values())
+        return [result(label, nodes, scrape_text, w, cores[label], other, target_cores, gogc, engine)
                 for label, w in watched.items()]
 
 
-def result(label: str, nodes: int, scrape_text: str, watched: Watched, cores: float, other: float,
-           target_cores: float, gogc: int | None) -> Result:
-    url, after = watched.url, self_metrics(watched.url)
+def result(label: str, nodes: int, scrape_text: str, watched: Watched | WatchedVictoria, cores: dict[str, float],
+           other: float, target_cores: float, gogc: int | None, engine: str = "prometheus") -> Result:
+    url, kind = watched.url, ENGINES[engine]
+    after = {name: self_metrics(metrics_url) for name, (metrics_url, _) in watched.processes().items()}
+    before = watched.before_by_process()
 
     def delta(name: str) -> float:
-        return sum(v for (s, _), v in after.items() if s == name) - sum(
-            v for (s, _), v in watched.before.items() if s == name)
+        """A counter's growth in the window, added up over the engine's processes."""
+        return sum(sum(v for (s, _), v in after[process].items() if s == name)
+                   - sum(v for (s, _), v in before[process].items() if s == name) for process in after)
 
-    costliest = sorted(((group["name"], rule.get("name", ""), rule["evaluationTime"])
-                        for group in requests.get(f"{url}/api/v1/rules", timeout=120).json()["data"]["groups"]
-                        for rule in group["rules"]), key=lambda r: -r[2])[:12]
+    if engine == "victoriametrics":
+        own = [(group["name"], name, seconds) for group in settled_vmalert_groups(watched.rules_url)
+               for name, seconds in vmalert_own_seconds(group["rules"])]
+    else:
+        own = [(group["name"], rule.get("name", ""), rule["evaluationTime"])
+               for group in requests.get(f"{url}/api/v1/rules", timeout=120).json()["data"]["groups"]
+               for rule in group["rules"]]
+    costliest = sorted(own, key=lambda r: -r[2])[:12]
     return Result(
         rules=label, nodes=nodes,
         scrape_series=sum(1 for line in scrape_text.splitlines() if line and not line.startswith("#")),
-        head_series=one(after, "prometheus_tsdb_head_series"),
+        head_series=watched.series(after),
         recorded_series=float(instant(url, 'count({__name__=~".+:.+"})')[0]["value"][1]),
-        rss_bytes=watched.peak_rss, prometheus_cores=cores, other_cores=other, target_cores=target_cores,
-        load=os.getloadavg()[:2],
+        rss_bytes=watched.peak_rss, prometheus_cores=sum(cores.values()), other_cores=other,
+        target_cores=target_cores, load=os.getloadavg()[:2],
         groups={group: sorted(times.values()) for group, times in watched.evaluations.items()},
-        missed=delta("prometheus_rule_group_iterations_missed_total"),
-        failures=delta("prometheus_rule_evaluation_failures_total"),
+        missed=delta(kind.missed), failures=delta(kind.failures),
         gc_cycles=delta("go_gc_duration_seconds_count"),
-        costliest=costliest, findings=findings(url), commit=checkout(), gogc=gogc or GO_DEFAULT_GOGC,
+        costliest=costliest, findings=findings(url), commit=checkout(), gogc=gogc or kind.default_gogc,
+        engine=engine, rss_parts=watched.rss_parts(), cores_parts=cores,
+        unwritten_rows=delta("vmalert_remotewrite_errors_total") + delta("vmalert_remotewrite_dropped_rows_total")
+        if engine == "victoriametrics" else None,
     )
+
+
+def settled_vmalert_groups(url: str, tries: int = 20) -> list[dict]:
+    """vmalert's groups, read when no group is halfway through an evaluation (all its recording rules
+    from one evaluation), so that vmalert_own_seconds compares marks of the same evaluation."""
+    for _ in range(tries):
+        groups = requests.get(f"{url}/api/v1/rules", timeout=120).json()["data"]["groups"]
+        if all(len({r["lastEvaluation"] for r in g["rules"] if r["type"] == "recording"}) <= 1 for g in groups):
+            return groups
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: a group was always halfway through an evaluation")
+
+
+def vmalert_own_seconds(rules: list[dict]) -> list[tuple[str, float]]:
+    """Each rule's own seconds in its group's last evaluation. vmalert 1.79 reports a recording rule's
+    evaluationTime as the time since the evaluation began (recording.go: time.Since(ts)), an alerting
+    rule's as its own; a group runs its rules one after another in file order (concurrency 1), so a
+    recording rule's own time is its mark minus where the rule before it ended (an alerting rule's
+    sending, not in its own time, is counted in the next recording rule's). The marks count from the
+    evaluation's timestamp, which runs ahead of the group's ticker by the group's first evaluation (at
+    start-up, on a still empty database): a group's first recording rule carries that too."""
+    ended, own = 0.0, []
+    for rule in rules:
+        seconds = rule["evaluationTime"] if rule["type"] == "alerting" else rule["evaluationTime"] - ended
+        ended += seconds
+        own.append((rule.get("name", ""), seconds))
+    return own
 
 
 def checkout() -> str:
@@ -494,29 +685,43 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def parts(total: str, values: dict[str, float], unit: str) -> str:
+    """A total, and what each process took of it where there are several (VictoriaMetrics + vmalert)."""
+    if len(values) < 2:
+        return total
+    return f"{total} ({', '.join(f'{name} {value:.2f}{unit}' for name, value in values.items())})"
+
+
 def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: float, window: float) -> str:
     sizes = sorted({r.nodes for r in results})
+    kind = ENGINES[results[0].engine]
+    victoria = results[0].engine == "victoriametrics"
     summary = table(
-        ["nodes", "rules", "GOGC", "commit", "series per node scrape", "head series", "recorded series",
-         "Prometheus RSS (peak)", "Prometheus CPU (cores)", "slowest group: worst evaluation",
+        ["nodes", "rules", "GOGC", "commit", "series per node scrape",
+         "stored series" if victoria else "head series", "recorded series",
+         f"{kind.server} RSS (peak)", f"{kind.server} CPU (cores)", "slowest group: worst evaluation",
          "all groups, one cycle (sum of medians)", "missed iterations", "rule failures", "GC cycles",
          "target CPU (cores)",
          "other load (cores)"],
         [[str(r.nodes), r.rules, str(r.gogc), r.commit or "?", str(r.scrape_series), f"{r.head_series / 1000:.0f}k",
-          f"{r.recorded_series / 1000:.1f}k", f"{r.rss_bytes / 2**30:.2f} GiB", f"{r.prometheus_cores:.2f}",
+          f"{r.recorded_series / 1000:.1f}k",
+          parts(f"{r.rss_bytes / 2**30:.2f} GiB", {k: v / 2**30 for k, v in r.rss_parts.items()}, " GiB"),
+          parts(f"{r.prometheus_cores:.2f}", r.cores_parts, ""),
           "{} {:.2f} s".format(*max(((g, max(v)) for g, v in r.groups.items()), key=lambda gv: gv[1])),
-          f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}", f"{r.failures:.0f}",
+          f"{r.cycle_seconds():.2f} s", f"{r.missed:.0f}",
+          f"{r.failures:.0f}" + ("" if r.unwritten_rows is None else f" (+{r.unwritten_rows:.0f} rows not written)"),
           "-" if r.gc_cycles is None else f"{r.gc_cycles:.0f}", f"{r.target_cores:.2f}",
           f"{r.other_cores:.2f}"]
          for r in results])
     sections = [
-        "# Scale: one Prometheus with the stepscope rules",
+        f"# Scale: {kind.title} with the stepscope rules",
         "",
-        f"Prometheus {prometheus_version()}, scrape and evaluation every {INTERVAL_SECONDS} s; "
+        f"{engine_version(results[0].engine)}, scrape and evaluation every {INTERVAL_SECONDS} s; "
         f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; warm-up {warmup:.0f} s, "
         f"measured {window:.0f} s per size. Rules: "
         + "; ".join(f"{label} = {', '.join(display(path) for path in files)}" for label, files in rule_sets.items())
-        + (" (each in a Prometheus of its own, side by side, scraping the same nodes)" if len(rule_sets) > 1 else "")
+        + (f" (each in a {kind.server} of its own, side by side, scraping the same nodes)"
+           if len(rule_sets) > 1 else "")
         + ". Load average after "
         "each size: " + "; ".join(f"{r.nodes}: {r.load[0]:.2f}/{r.load[1]:.2f}" for r in results
                                    if r.rules == next(iter(rule_sets))) + ".",
@@ -543,9 +748,24 @@ def report(results: list[Result], rule_sets: dict[str, list[Path]], warmup: floa
                  f"Sizes: {', '.join(map(str, sizes))} nodes. Runs of {NODES_PER_RUN} nodes "
                  f"({NODES_PER_RUN * GPUS} ranks), profiles in turn: {', '.join(PROFILES)}; the straggler "
                  "alert waits 10 minutes (`for`), so it shows as pending. Other load is the machine's busy "
-                 "CPU minus the Prometheus servers, the target and this script: other work on the machine "
+                 f"CPU minus the {kind.server} servers, the target and this script: other work on the machine "
                  "slows evaluation, so read wall times with it, and compare rule sets within a size.",
                  ""]
+    if victoria:
+        sections[-1:-1] = [
+            "", "VictoriaMetrics and vmalert run with the tests' settings (tests/support/victoria.py; "
+            "docs/engines.md). vmalert 1.79 keeps no last duration per group: each evaluation is a step of "
+            "`vmalert_iteration_duration_seconds_count` and the step of its `_sum`; missed iterations are "
+            "`vmalert_iteration_missed_total` (vmalert adds 1 however many a late tick skipped), rule failures "
+            "`vmalert_execution_errors_total`, rows not written the recordings and alerts vmalert could not "
+            "queue (`vmalert_remotewrite_errors_total`, queue full) or send "
+            "(`vmalert_remotewrite_dropped_rows_total`), GC cycles both processes', stored series "
+            "VictoriaMetrics' /api/v1/series/count (a fresh database: scraped, recorded, ALERTS), RSS and CPU "
+            "from /proc for each process. Costliest rules: vmalert 1.79's /api/v1/rules `evaluationTime` is "
+            "an alerting rule's own time but a recording rule's time since the group's evaluation began, so "
+            "a recording rule's own time is its mark minus the end of the rule before it (the rules of a group "
+            "run in file order); a group's first recording rule also carries the group's start offset (its "
+            "first evaluation, at start-up on an empty database)."]
     return "\n".join(sections)
 
 
@@ -576,6 +796,26 @@ def prometheus_version() -> str:
     return out.split()[2] if out else "?"
 
 
+def engine_version(engine: str) -> str:
+    """The engine and its version, as the report's first line names it (Debian's VictoriaMetrics
+    binaries print no version of their own; the package has it)."""
+    if engine == "prometheus":
+        return f"Prometheus {prometheus_version()}"
+    out = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "victoria-metrics"], capture_output=True, text=True)
+    return f"VictoriaMetrics and vmalert {out.stdout.strip() or '?'} (Debian's victoria-metrics)"
+
+
+def check_engine(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The engine's binaries are installed, and the options asked for apply to it."""
+    binaries = ["prometheus"] if args.engine == "prometheus" else ["victoria-metrics", "vmalert"]
+    missing = [name for name in binaries if shutil.which(name) is None]
+    if missing:
+        parser.error(f"--engine {args.engine}: {', '.join(missing)} not installed "
+                     f"(apt-get install {'prometheus' if args.engine == 'prometheus' else 'victoria-metrics'})")
+    if args.engine == "victoriametrics" and args.gogc is not None:
+        parser.error(f"--gogc: Prometheus only; VictoriaMetrics and vmalert set their own ({VICTORIA_GOGC})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="100,250,500,1000",
@@ -586,7 +826,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, nargs="+", default=[],
                         help="rule files for a second Prometheus side by side, e.g. the rules before a change: "
                              "git show REV:grafana/rules/stepscope.rules.yml > before.yml")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="markdown file to write")
+    parser.add_argument("--engine", choices=list(ENGINES), default="prometheus",
+                        help="what scrapes and evaluates the rules: Prometheus, or VictoriaMetrics + vmalert")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"markdown file to write (default: {display(RESULTS)}, or "
+                             f"{display(ENGINES['victoriametrics'].results)} for --engine victoriametrics)")
     parser.add_argument("--gogc", type=int, default=None,
                         help=f"GOGC of the Prometheus servers (default: not set, Go's {GO_DEFAULT_GOGC}; "
                              "Prometheus 2.53+ default to 75)")
@@ -604,6 +848,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gogc: must be a positive percentage")
     if not sizes and not args.append:
         parser.error("--nodes: no sizes (an empty list only re-renders the kept results, with --append)")
+    check_engine(parser, args)
+    args.out = args.out or ENGINES[args.engine].results
     for path in [*args.rules, *args.baseline]:
         if not path.is_file():
             parser.error(f"{path} does not exist")
@@ -612,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
         rule_sets["baseline"] = [p.resolve() for p in args.baseline]
     kept = args.out.with_suffix(".json")
     results = load_results(kept) if args.append else []
+    if any(r.engine != args.engine for r in results):
+        parser.error(f"--append: {kept} holds results of another engine than {args.engine}; choose another --out")
     if not sizes:
         if not results:
             parser.error(f"--append: no kept results in {kept} to render")
@@ -621,8 +869,8 @@ def main(argv: list[str] | None = None) -> int:
         scrape_text = capture_node_scrape(Path(tmp), run=CAPTURE_RUN, world_size=GPUS * NODES_PER_RUN)
     for nodes in sizes:
         print(f"measuring {nodes} nodes", flush=True)
-        results = [r for r in results if (r.nodes, r.gogc) != (nodes, args.gogc or GO_DEFAULT_GOGC)]
-        results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure, args.gogc)
+        results = [r for r in results if (r.nodes, r.gogc) != (nodes, args.gogc or ENGINES[args.engine].default_gogc)]
+        results += measure(scrape_text, nodes, rule_sets, args.warmup, args.measure, args.gogc, args.engine)
         results.sort(key=lambda r: (r.nodes, r.gogc))
         text = report(results, rule_sets, args.warmup, args.measure)
         args.out.parent.mkdir(parents=True, exist_ok=True)
