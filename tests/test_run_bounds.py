@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import stepscope.hooks as th
+from stepscope.hooks.run_bounds import STEP_HISTOGRAM, RunBounds, run_store
 from stepscope_testkit.processes import REPO_ROOT, free_port
 
 RANK_SCRIPT = REPO_ROOT / "tests" / "support" / "run_bounds_rank.py"
@@ -78,6 +79,21 @@ def test_a_store_that_dies_leaves_each_rank_its_own_bounds(caplog: pytest.LogCap
         assert tracker.snapshot().step.bounds  # still exporting: its own bounds
     finally:
         tracker.close()
+
+
+def test_a_round_before_any_rank_wants_a_block_does_not_wait(caplog: pytest.LogCaptureFixture) -> None:
+    """A rank whose histograms want no fine block yet publishes nothing: reading the run must not wait for
+    a counter list no rank has written (a store's get waits for its key)."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    bounds = RunBounds(run_store("quiet", store), interval=3600.0)
+    bounds.publish(STEP_HISTOGRAM, frozenset())
+    with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
+        bounds.exchange()
+        bounds.publish(STEP_HISTOGRAM, frozenset({70}))
+        bounds.exchange()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert bounds.wanted(STEP_HISTOGRAM) == {70: 1}
 
 
 def test_a_bad_share_bounds_setting_is_refused() -> None:

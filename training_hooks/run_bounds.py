@@ -143,6 +143,8 @@ class RunBounds:
 
     @staticmethod
     def _read_run(store: Store) -> dict[str, Counter[int]]:
+        if not store.check(["keys"]):  # no rank wants a block yet (a get would wait for the key)
+            return {}
         keys = sorted({key for key in store.get("keys").decode().split(",") if key})
         run: dict[str, Counter[int]] = {}
         for key, value in zip(keys, store.multi_get([f"count/{key}" for key in keys]), strict=True):
