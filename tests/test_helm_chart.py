@@ -28,9 +28,12 @@ from tests.support.helm_chart import (
     OPERATOR_API,
     REPO,
     bare_copy,
+    by_kind,
+    exporter_container,
     lint,
     notes,
     objects,
+    one,
     render,
 )
 from tests.support.readme import doc_section
@@ -50,19 +53,6 @@ def chart() -> Path:
 def ci_values(path: Path) -> dict[str, Any]:
     return helm_python.values_from_yaml(path.read_text())
 
-
-def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = by_kind(objs, kind)
-    return found
-
-
-def exporter_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
-    (container,) = one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
-    return container
 
 
 def args_dict(container: dict[str, Any]) -> dict[str, str]:

@@ -24,7 +24,7 @@ import requests
 import yaml
 
 from stepscope_testkit.processes import exporter_env, free_port, running
-from tests.support.helm_chart import CHART, NAMESPACE, lint, notes, objects, render
+from tests.support.helm_chart import CHART, NAMESPACE, by_kind, exporter_container, lint, notes, objects, one, render
 from tests.support.prometheus import running_prometheus_config
 from tests.support.readme import doc_section
 
@@ -38,32 +38,18 @@ SECURED = {
 }
 
 
-def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = by_kind(objs, kind)
-    return found
-
-
 def pod_spec(objs: list[dict[str, Any]]) -> dict[str, Any]:
     return one(objs, "DaemonSet")["spec"]["template"]["spec"]
 
 
-def container(objs: list[dict[str, Any]]) -> dict[str, Any]:
-    (found,) = pod_spec(objs)["containers"]
-    return found
-
-
 def flags(objs: list[dict[str, Any]]) -> dict[str, str]:
-    return dict(arg.split("=", 1) for arg in container(objs)["args"] if "=" in arg)
+    return dict(arg.split("=", 1) for arg in exporter_container(objs)["args"] if "=" in arg)
 
 
 def mounts(objs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """Volume name -> (its mount in the exporter container, the volume)."""
     volumes = {v["name"]: v for v in pod_spec(objs).get("volumes", [])}
-    return {m["name"]: (m, volumes[m["name"]]) for m in container(objs).get("volumeMounts", [])}
+    return {m["name"]: (m, volumes[m["name"]]) for m in exporter_container(objs).get("volumeMounts", [])}
 
 
 def secret_files(secret: dict[str, Any]) -> dict[str, bytes]:
@@ -97,7 +83,7 @@ def test_off_by_default_and_basic_auth_alone(tmp_path: Path) -> None:
     mount, volume = found["auth-state"]
     assert mount == {"name": "auth-state", "mountPath": "/var/lib/stepscope"} and volume["emptyDir"] == {}
     for probe in ("livenessProbe", "readinessProbe"):
-        assert "scheme" not in container(objs)[probe]["httpGet"]
+        assert "scheme" not in exporter_container(objs)[probe]["httpGet"]
 
 
 def test_tls_serves_https_and_the_probes_follow() -> None:
@@ -111,7 +97,7 @@ def test_tls_serves_https_and_the_probes_follow() -> None:
     assert mount == {"name": "web-tls", "mountPath": "/etc/stepscope/tls", "readOnly": True}
     assert volume["secret"] == {"secretName": "stepscope-tls", "defaultMode": 0o440}
     for probe, path in (("livenessProbe", "/-/healthy"), ("readinessProbe", "/-/ready")):
-        assert container(objs)[probe]["httpGet"] == {"path": path, "port": "http", "scheme": "HTTPS"}
+        assert exporter_container(objs)[probe]["httpGet"] == {"path": path, "port": "http", "scheme": "HTTPS"}
     pod = one(objects(render(CHART, SECURED), tests=True), "Pod")
     assert pod["spec"]["containers"][0]["command"][-2:] == [
         "--no-check-certificate", f"https://{SERVICE_DNS}:9847/-/healthy"]
@@ -313,7 +299,7 @@ def local_args(objs: list[dict[str, Any]], pod: Pod, port: int) -> list[str]:
     """The container's args with the pod's paths under its root, on a loopback port, no collectors."""
     local = {"--web.listen-address": f"127.0.0.1:{port}", "--collectors": ""}
     return [f"{arg.split('=', 1)[0]}={local[arg.split('=', 1)[0]]}" if arg.split("=", 1)[0] in local
-            else pod.localise(arg) for arg in container(objs)["args"]]
+            else pod.localise(arg) for arg in exporter_container(objs)["args"]]
 
 
 def secret_value(ref: dict[str, str], cluster: dict[str, dict[str, bytes]]) -> str:
@@ -375,7 +361,7 @@ def test_the_rendered_pod_runs_a_real_exporter_the_monitor_scrapes_and_the_probe
         status, body = https_get(port, "/metrics", scraper, server_name, (user, password))
         assert status == 200 and "stepscope_exporter_build_info" in body
         for probe in ("livenessProbe", "readinessProbe"):
-            get = container(objs)[probe]["httpGet"]
+            get = exporter_container(objs)[probe]["httpGet"]
             assert get["scheme"] == "HTTPS"
             assert https_get(port, get["path"], probe_context(), "127.0.0.1")[0] == 200, probe
         with pytest.raises(ssl.SSLCertVerificationError):  # the certificate names the Service, not the IP

@@ -68,3 +68,18 @@ def lint(
 ) -> dict[str, Any]:
     """`helm lint --strict`: findings come back as data (severity 2 = warning, 3 = error)."""
     return helm_python.lint(chart_dir, values, strict=True, namespace=NAMESPACE, kube_version=kube_version)
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = by_kind(objs, kind)
+    return found
+
+
+def exporter_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The DaemonSet's one container: the exporter."""
+    (container,) = one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    return container
