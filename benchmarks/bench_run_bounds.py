@@ -13,12 +13,19 @@ over its own client connection) then times its rounds:
 
 The store's load per push interval is N times a round's: the table gives the bytes a changed round
 reads. Medians and the 10th-90th percentiles of --rounds rounds.
+
+A run's ranks do their rounds at once, not one after another: the second table has --concurrent ranks,
+each a thread with its own client connection (store calls release the GIL), all doing changed rounds
+against the one server at the same time, and gives how many changed rounds per second the server
+served and each round's latency while it did. A push interval absorbs a run whose ranks' rounds take
+less than the interval together.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from datetime import timedelta
 
@@ -69,16 +76,54 @@ def measure(ranks: int, rounds: int) -> dict[str, str | int]:
             "bytes": read_bytes}
 
 
+def concurrent(ranks: int, rounds: int) -> dict[str, str | float]:
+    """`ranks` RunBounds, each on its own client, each doing `rounds` changed rounds at the same time."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    seed = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+    _populate(seed, ranks)
+    latencies: list[float] = []
+    start = threading.Barrier(ranks + 1)
+
+    def rank() -> None:
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+        prefixed = dist.PrefixStore("stepscope/bench", client)
+        bounds = RunBounds(lambda: prefixed, interval=3600)
+        bounds.publish(STEP_HISTOGRAM, frozenset(BLOCKS))
+        bounds.exchange()
+        start.wait()
+        for _ in range(rounds):
+            client.add("stepscope/bench/version", 1)  # a change somewhere in the run
+            began = time.perf_counter()
+            bounds.exchange()
+            latencies.append(time.perf_counter() - began)
+
+    threads = [threading.Thread(target=rank) for _ in range(ranks)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    return {"ranks": ranks, "per_second": ranks * rounds / elapsed, "latency": _percentiles(latencies)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="8,64,512,2048", help="comma-separated run sizes")
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--concurrent", default="64,256", help="comma-separated ranks doing rounds at once")
     args = parser.parse_args()
     print("| ranks in the run | steady round, ms | round after a change, ms | bytes read after a change |")
     print("|---|---|---|---|")
     for ranks in (int(part) for part in args.ranks.split(",")):
         row = measure(ranks, args.rounds)
         print(f"| {row['ranks']} | {row['steady']} | {row['changed']} | {row['bytes']:,} |")
+    print("\n| ranks doing changed rounds at once | changed rounds served per second | round latency, ms |")
+    print("|---|---|---|")
+    for ranks in (int(part) for part in args.concurrent.split(",")):
+        row = concurrent(ranks, rounds=20)
+        print(f"| {ranks} | {row['per_second']:,.0f} | {row['latency']} |")
 
 
 if __name__ == "__main__":
