@@ -6,35 +6,52 @@ import logging
 import os
 import subprocess
 import sys
+from contextlib import ExitStack
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import stepscope.hooks as th
 from stepscope.hooks.run_bounds import STEP_HISTOGRAM, RunBounds, run_store
-from stepscope_testkit.processes import REPO_ROOT, free_port
+from stepscope_testkit.processes import REPO_ROOT
 
 RANK_SCRIPT = REPO_ROOT / "tests" / "support" / "run_bounds_rank.py"
 PACES = (0.05, 0.15)  # seconds per step of rank 0 and rank 1: 1.6 octaves apart, no fine block in common
 
 
-def _two_ranks(share: str) -> list[dict]:
+def _two_ranks(share: str, tmp_path: Path) -> list[dict]:
     """Runs the two ranks side by side (STEPSCOPE_SHARE_BOUNDS=`share`) and returns what each printed."""
-    port = free_port()
     env = {**os.environ, "STEPSCOPE_SHARE_BOUNDS": share, "PYTHONPATH": str(REPO_ROOT)}
-    ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(rank), "2", str(port), str(pace)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank, pace in enumerate(PACES)]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
-    for rank, (_, stderr) in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, stderr[-3000:]
-    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    rendezvous = tmp_path / "rendezvous"
+    outputs = [(tmp_path / f"rank-{rank}.out", tmp_path / f"rank-{rank}.err") for rank in range(len(PACES))]
+    with ExitStack() as files:
+        ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(rank), "2", str(rendezvous), str(pace)],
+                                  stdout=files.enter_context(out.open("w")), stderr=files.enter_context(err.open("w")),
+                                  env=env)
+                 for (rank, pace), (out, err) in zip(enumerate(PACES), outputs, strict=True)]
+        _wait_for(ranks)
+    errors = [err.read_text()[-2000:] for _, err in outputs]
+    assert [rank.returncode for rank in ranks] == [0, 0], errors
+    return [json.loads(out.read_text().strip().splitlines()[-1]) for out, _ in outputs]
+
+
+def _wait_for(ranks: list[subprocess.Popen]) -> None:
+    """Waits for both ranks; one that failed leaves the other waiting on it, so that one is killed soon after."""
+    try:
+        ranks[0].wait(timeout=120)
+        ranks[1].wait(timeout=5 if ranks[0].returncode else 120)
+    except subprocess.TimeoutExpired:
+        pass
+    for rank in ranks:
+        rank.kill()
+        rank.wait()
 
 
 @pytest.fixture(scope="module")
-def agreed() -> list[dict]:
-    return _two_ranks("1")
+def agreed(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _two_ranks("1", tmp_path_factory.mktemp("agreed"))
 
 
 def test_ranks_at_different_paces_export_the_same_bounds(agreed: list[dict]) -> None:
@@ -51,9 +68,9 @@ def test_bounds_taken_from_the_other_rank_hold_exact_counts(agreed: list[dict]) 
         assert last["cumulative"][-1] == rank["steps"]
 
 
-def test_without_the_agreement_each_rank_exports_its_own_bounds() -> None:
+def test_without_the_agreement_each_rank_exports_its_own_bounds(tmp_path: Path) -> None:
     """What the agreement fixes: the ranks' bounds differ, so a run's bucket sum dips (docs/engines.md)."""
-    first, second = (rank["snapshots"][-1]["bounds"] for rank in _two_ranks("0"))
+    first, second = (rank["snapshots"][-1]["bounds"] for rank in _two_ranks("0", tmp_path))
     assert first != second
 
 

@@ -1,6 +1,6 @@
 """One rank of a two-rank gloo run whose ranks step at different paces (tests/test_run_bounds.py).
 
-argv: rank, world size, the TCP init port, the step seconds of this rank. Prints one JSON line: the step
+argv: rank, world size, the rendezvous file, the step seconds of this rank. Prints one JSON line: the step
 histogram's exported bounds and cumulative counts after each snapshot, and the true count of this rank's
 steps at or below each bound of the last one.
 """
@@ -10,6 +10,7 @@ import random
 import sys
 import time
 from bisect import bisect_right
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -31,11 +32,14 @@ class Clock:
 
 
 def main() -> None:
-    rank, world, port, step_seconds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    rank, world, rendezvous, step_seconds = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
     clock = Clock()
     stepscope.hooks.tracker.perf_counter_ns = clock
     stepscope.hooks.timing.perf_counter_ns = clock
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file rendezvous: a TCP port picked beforehand can be taken by a parallel test, leaving the other rank
+    # waiting on a stranger's socket.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
     tracker = th.init(run="paces", rank=rank, world_size=world, push_url="", push_interval=0.1,
                       handle_sigterm=False)
     tracker.state("train")
