@@ -14,8 +14,9 @@ its broadcast under DDP), Lightning's per-batch SIGTERM broadcast under DDP, log
 Tokens and model FLOPs (docs/mfu.md), as Lightning's ThroughputMonitor takes them: `length_fn(batch)` gives
 a batch's tokens, the LightningModule's `flops_per_batch` attribute its FLOPs (Lightning's `measure_flops`
 computes it); FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
-States: train, eval (validation and sanity check), checkpoint (on_save_checkpoint until training or
-validation goes on), idle after fit. Requires the `lightning` package; importing this module imports it.
+States: train, eval (validation; the sanity check from its loaders' setup on), checkpoint (on_save_checkpoint
+until training or validation goes on), idle after fit. Requires the `lightning` package; importing this
+module imports it.
 """
 
 from __future__ import annotations
@@ -205,6 +206,14 @@ class StepscopeCallback(Callback):
         return None if self.tracker.flops_stated else getattr(pl_module, "flops_per_batch", None)
 
     # -- states -----------------------------------------------------------------------------------
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The sanity check's validation: eval from before Lightning sets up its loaders.
+
+        Under DDP that setup waits on a barrier for the slowest rank, which is validation's time too
+        (on_validation_start comes after it).
+        """
+        self.tracker.state(EVAL_STATE)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.tracker.state(EVAL_STATE)
