@@ -4,7 +4,8 @@ One thread per collector: a wedged NVML call stalls the GPU families only, and s
 serving the last good snapshot of everything else. Each source re-renders only the families that
 changed since its last cycle and is published only when its text changed, so an idle node costs
 little more than the readings themselves. The self metrics (collector durations, errors, last
-success) change every cycle of every collector but are rendered only when a scrape asks for them.
+success, each thread's CPU) change every cycle of every collector but are rendered only when a scrape
+after a cycle asks for them.
 """
 
 import logging
@@ -20,6 +21,7 @@ from stepscope.contract import families
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import CachedRenderer, Chunk, ExpositionStore
+from stepscope.exporter.thread_cpu import thread_cpu_seconds
 
 log = logging.getLogger(__name__)
 
@@ -143,4 +145,20 @@ class Scheduler:
                 last_success.add_metric([name], stats.last_success)
         build = InfoMetricFamily(families.BUILD_INFO.removesuffix("_info"), "Exporter version and runtime.")
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
-        return [build, duration, errors, last_success]
+        return [build, duration, errors, last_success, *_thread_cpu()]
+
+
+def _thread_cpu() -> list[Metric]:
+    """CPU of each exporter thread (Linux): what the exporter costs the node, and which job costs it."""
+    seconds = thread_cpu_seconds()
+    if not seconds:
+        return []
+    family = CounterMetricFamily(
+        families.EXPORTER_THREAD_CPU,
+        "CPU time (user + system) of each exporter thread: collect-<collector> for a collector's cycles, "
+        "nvml-slow-readings and nvml-xid-events for the GPU collector's helpers, MainThread for HTTP and pushes.",
+        labels=["thread"],
+    )
+    for name in sorted(seconds):
+        family.add_metric([name], seconds[name])
+    return [family]

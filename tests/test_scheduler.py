@@ -211,3 +211,35 @@ def test_a_failing_cycle_publishes_the_empty_text_once() -> None:
     scheduler.run_once(collector)
     scheduler.run_once(collector)
     assert [body for source, body in store.published if source == "flaky"][1:] == [b""]
+
+
+class BurningCollector(CountingCollector):
+    """Spends `seconds` of CPU in each cycle."""
+
+    def __init__(self, name: str, seconds: float) -> None:
+        super().__init__(name)
+        self.seconds = seconds
+
+    def collect(self) -> Iterable[Metric]:
+        started = time.thread_time()
+        while time.thread_time() - started < self.seconds:
+            pass
+        return super().collect()
+
+
+def test_each_thread_shows_the_cpu_it_spent_and_an_idle_one_next_to_none() -> None:
+    """The kernel's per-thread accounting says which job of the exporter costs the node what (Linux)."""
+    store = ExpositionStore()
+    busy, idle = BurningCollector("busy", 0.1), CountingCollector("idle")
+    scheduler = Scheduler([busy, idle], interval=0.05, store=store)
+    scheduler.start()
+    try:
+        wait_until(lambda: busy.cycles >= 4 and idle.cycles >= 4)
+        text = store.body().decode()
+    finally:
+        scheduler.stop()
+    [burnt] = sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="collect-busy")
+    [idled] = sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="collect-idle")
+    assert 0.3 <= burnt <= 2.0, burnt  # at least 3 whole cycles of 0.1 s when the body was taken
+    assert idled <= 0.05, idled
+    assert sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="MainThread")

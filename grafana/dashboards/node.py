@@ -582,13 +582,26 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             )
         )
         .with_panel(
+            timeseries_panel(
+                "Exporter CPU by thread",
+                "What the exporter costs this node, by job: collect-<collector> is that collector's cycles, "
+                "nvml-slow-readings and nvml-xid-events the GPU collector's helpers, MainThread serves scrapes "
+                "and parses pushes. 0.01 is 1% of one core.",
+                [Q(f"rate({sel(fam.EXPORTER_THREAD_CPU, NODE)}[1m])", "{{thread}}")],
+                "percentunit",
+                limits=(0, None),
+                width=16,
+                stack=True,
+            )
+        )
+        .with_panel(
             table_panel(
                 "Exporter build",
                 "Exporter version and Python version on this node.",
                 [Q(sel(fam.BUILD_INFO, NODE), table=True)],
                 {},
                 hide=("Time", "__name__", "job", "Value"),
-                height=4,
+                width=8,
             )
         )
     )
