@@ -847,6 +847,11 @@ def gpu_benchmark(args: argparse.Namespace) -> str:
     pynvml.nvmlShutdown()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, push_target(Path(tmp)) as push_url:
+        if args.side_by_side:
+            sections = [("stepscope-exporter vs nvitop-exporter at a 1 s interval",
+                         exporters_side_by_side(Path(tmp), args.window))]
+            return (f"# GPU benchmark on {device}: the exporters side by side\n\n{machine()}; total "
+                    f"{time.perf_counter() - started:.0f} s.\n" + results.sections(sections))
         sections = [("GPU collector, per NVML call", collector_per_call()),
                     ("GPU collector, per cycle", collector_per_cycle()),
                     ("stepscope-exporter vs nvitop-exporter at a 1 s interval",
@@ -884,6 +889,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds per hooks table")
     parser.add_argument("--window", type=float, default=None,
                         help="seconds of exporter CPU measurement (120 on a GPU, 60 for the cost model)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="on a GPU: only stepscope-exporter vs nvitop-exporter (results/gpu-side-by-side.md)")
     parser.add_argument("--baseline-rev", default=None,
                         help="git revision for the cost model's 'before' (default: where this branch left main)")
     args = parser.parse_args()
@@ -899,7 +906,8 @@ def main() -> int:
             print(f"no GPU: {reason}. Nothing measured; `--cost-model` runs the CPU-side cost model instead.")
             return 0
         args.window = args.window or 120.0
-        report, output = gpu_benchmark(args), RESULTS / "gpu.md"
+        report = gpu_benchmark(args)
+        output = RESULTS / ("gpu-side-by-side.md" if args.side_by_side else "gpu.md")
     print(report)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report)

@@ -2,7 +2,9 @@
 # What a session runs on a lent GPU machine (the device tool), in two calls that fit its 15 minutes:
 #   bash benchmarks/gpu_device_run.sh tests    # pytest -m gpu, then two workloads recorded
 #   bash benchmarks/gpu_device_run.sh record   # the saturated bf16 run judged live, and three more
-# The machine has torch, nvidia-ml-py, aiohttp, grpcio, pyyaml; bcrypt travels as a wheel in .whl/ and
+#   bash benchmarks/gpu_device_run.sh cost     # stepscope-exporter vs nvitop-exporter, CPU by thread (issue 20)
+# The machine has torch, nvidia-ml-py, aiohttp, grpcio, pyyaml; bcrypt, nvitop and nvitop-exporter travel as
+# wheels in .whl/ (`pip download --no-deps bcrypt nvitop nvitop-exporter`) and
 # Debian's prometheus binary xz-compressed in .devbin/ (both ignored by git, named in the call's carry).
 # Results land in $OUT: the pytest log, nvidia-smi, and a recording (benchmarks/record_gpu_corpus.py).
 set -u
@@ -25,5 +27,9 @@ case "${1:-}" in
     python3 benchmarks/record_gpu_corpus.py --out "$OUT/rec2" --prefix "$prefix" --judge \
       mlp_bf16=120 conv_bf16=60 ddp_two_ranks=60 2>&1 | tail -20
     ;;
-  *) echo "usage: $0 tests|record" >&2; exit 2 ;;
+  cost)
+    timeout 400 python3 benchmarks/bench_gpu.py --side-by-side --window 240 2>&1 | tail -40
+    cp benchmarks/results/gpu-side-by-side.md "$OUT/"
+    ;;
+  *) echo "usage: $0 tests|record|cost" >&2; exit 2 ;;
 esac
