@@ -105,6 +105,32 @@ def test_filesystem_paths_and_missing_path_logged_once(
     assert avail.value == pytest.approx(usage.free, abs=256 * MiB)  # other writers share the disk
 
 
+@linux_only
+def test_a_path_moved_to_another_filesystem_gets_its_mountpoint_at_the_next_cycle_and_the_table_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mount table is read when a path's device changes (here a symlink repointed from the root
+    filesystem to /dev/shm's tmpfs), not every cycle: reading it was a fifth of the cycle."""
+    if not os.path.ismount("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/").st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    reads: list[int] = []
+    real = psutil.disk_partitions
+    monkeypatch.setattr(psutil, "disk_partitions", lambda all=False: (reads.append(1), real(all))[1])
+    link = tmp_path / "data"
+    link.symlink_to("/")
+    collector = NodeCollector([str(link)])
+    for _ in range(3):
+        (size,) = collected(collector)["stepscope_node_filesystem_size_bytes"]
+        assert size.labels["mountpoint"] == "/"
+    assert len(reads) == 1
+    link.unlink()
+    link.symlink_to("/dev/shm")
+    (size,) = collected(collector)["stepscope_node_filesystem_size_bytes"]
+    assert size.labels["mountpoint"] == "/dev/shm"
+    assert size.value == shutil.disk_usage("/dev/shm").total
+    assert len(reads) == 2
+
+
 # --- accuracy through a real exporter -------------------------------------------------------------
 
 

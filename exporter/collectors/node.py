@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import socket
+import time
 from collections.abc import Iterable
 
 import psutil
@@ -24,6 +25,9 @@ _IGNORED_DISKS = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$
 # Already included in user/nice on Linux: publishing them too would double count guest time and
 # break "the modes add up to all CPU time", which utilization queries rely on.
 _OVERLAPPING_CPU_MODES = frozenset({"guest", "guest_nice"})
+# The mount table is read again when a path's filesystem changed (its device) and at least this often,
+# for a bind mount of the same device over a path.
+MOUNT_TABLE_SECONDS = 60.0
 
 
 class NodeCollector:
@@ -34,6 +38,8 @@ class NodeCollector:
     def __init__(self, filesystem_paths: list[str]) -> None:
         self._filesystem_paths = list(filesystem_paths)
         self._missing_paths: set[str] = set()
+        self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point)
+        self._mounts_read = float("-inf")
 
     def collect(self) -> Iterable[Metric]:
         yield from self._cpu()
@@ -68,7 +74,9 @@ class NodeCollector:
                                 "Host memory available to new work without swapping.", value=memory.available)
 
     def _disks(self) -> Iterable[Metric]:
-        disks = {name: io for name, io in (psutil.disk_io_counters(perdisk=True) or {}).items()
+        # nowrap=False: the kernel's counters as they are (64-bit on 64-bit kernels). psutil's wrap repair
+        # keeps state and cost a tenth of the cycle; a wrap would read as a counter reset, which rate() handles.
+        disks = {name: io for name, io in (psutil.disk_io_counters(perdisk=True, nowrap=False) or {}).items()
                  if not _IGNORED_DISKS.match(name)}
         fields = [
             ("read_bytes", families.NODE_DISK_READ_BYTES, "Bytes read from the disk.", 1),
@@ -88,7 +96,7 @@ class NodeCollector:
                 yield family
 
     def _network(self) -> Iterable[Metric]:
-        nics = psutil.net_io_counters(pernic=True)
+        nics = psutil.net_io_counters(pernic=True, nowrap=False)
         receive = CounterMetricFamily(families.NODE_NETWORK_RECEIVE,
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
@@ -105,21 +113,35 @@ class NodeCollector:
         avail = GaugeMetricFamily(families.NODE_FILESYSTEM_AVAIL,
                                   "Bytes available to unprivileged users on the filesystem holding the path.",
                                   labels=["path", "mountpoint"])
-        mountpoints = [p.mountpoint for p in psutil.disk_partitions(all=True)]
+        read: dict[str, tuple[int, int, int]] = {}  # path -> (its device, size, bytes available)
         for path in self._filesystem_paths:
             try:
                 usage = psutil.disk_usage(path)
+                read[path] = (os.stat(path).st_dev, usage.total, usage.free)
             except OSError as exc:
                 if path not in self._missing_paths:
                     log.warning("filesystem path %r skipped: %s", path, exc.strerror or exc)
                     self._missing_paths.add(path)
                 continue
             self._missing_paths.discard(path)
-            labels = [path, _mountpoint_of(path, mountpoints)]
-            size.add_metric(labels, usage.total)
-            avail.add_metric(labels, usage.free)
+        self._find_mountpoints({path: device for path, (device, _, _) in read.items()})
+        for path, (_, total, free) in read.items():
+            labels = [path, self._mountpoints[path][1]]
+            size.add_metric(labels, total)
+            avail.add_metric(labels, free)
         yield size
         yield avail
+
+    def _find_mountpoints(self, devices: dict[str, int]) -> None:
+        """Each path's mount point, from a mount table read again only when one may have changed (a path
+        on another device, a minute gone): reading it, every mount of the node, was a fifth of the cycle."""
+        now = time.monotonic()
+        if now - self._mounts_read < MOUNT_TABLE_SECONDS and all(
+                self._mountpoints.get(path, (None, ""))[0] == device for path, device in devices.items()):
+            return
+        table = [partition.mountpoint for partition in psutil.disk_partitions(all=True)]
+        self._mountpoints = {path: (device, _mountpoint_of(path, table)) for path, device in devices.items()}
+        self._mounts_read = now
 
 
 def _mountpoint_of(path: str, mountpoints: list[str]) -> str:
