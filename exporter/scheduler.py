@@ -4,8 +4,8 @@ One thread per collector: a wedged NVML call stalls the GPU families only, and s
 serving the last good snapshot of everything else. Each source re-renders only the families that
 changed since its last cycle and is published only when its text changed, so an idle node costs
 little more than the readings themselves. The self metrics (collector durations, errors, last
-success, each thread's CPU) change every cycle of every collector but are rendered only when a scrape
-after a cycle asks for them.
+success) change every cycle of every collector but are rendered only when a scrape after a cycle asks
+for them; each thread's CPU is read once an interval, on a collector's thread.
 """
 
 import logging
@@ -48,6 +48,8 @@ class Scheduler:
         self._self_lock = threading.Lock()  # the renderer serves one scrape at a time
         self._stats_lock = threading.Lock()
         self._stats_version = 0  # counts changes of the stats, for the store's cache of this source
+        self._thread_cpu: dict[str, float] = {}  # thread name -> CPU seconds, read once an interval
+        self._thread_cpu_read = float("-inf")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         store.attach("stepscope_exporter", self)
@@ -86,6 +88,7 @@ class Scheduler:
         duration = time.perf_counter() - started
         if changed:
             self._store.publish(collector.name, body)
+        self._read_thread_cpu(started)
         with self._stats_lock:
             stats = self._stats[collector.name]
             stats.duration_seconds = duration
@@ -100,6 +103,15 @@ class Scheduler:
                     log.info("collector %s recovered", collector.name)
             stats.last_error = error
             self._stats_version += 1
+
+    def _read_thread_cpu(self, now: float) -> None:
+        """Each thread's CPU, at most once an interval and on a collector's thread: never in a scrape."""
+        if now - self._thread_cpu_read < self._interval:
+            return
+        self._thread_cpu_read = now  # two collectors ending at once may both read: harmless
+        seconds = thread_cpu_seconds()
+        with self._stats_lock:
+            self._thread_cpu = seconds
 
     def _loop(self, collector: Collector) -> None:
         next_run = time.monotonic()
@@ -143,14 +155,14 @@ class Scheduler:
                 duration.add_metric([name], stats.duration_seconds)
                 errors.add_metric([name], stats.errors)
                 last_success.add_metric([name], stats.last_success)
+            threads = _thread_cpu(self._thread_cpu)
         build = InfoMetricFamily(families.BUILD_INFO.removesuffix("_info"), "Exporter version and runtime.")
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
-        return [build, duration, errors, last_success, *_thread_cpu()]
+        return [build, duration, errors, last_success, *threads]
 
 
-def _thread_cpu() -> list[Metric]:
+def _thread_cpu(seconds: dict[str, float]) -> list[Metric]:
     """CPU of each exporter thread (Linux): what the exporter costs the node, and which job costs it."""
-    seconds = thread_cpu_seconds()
     if not seconds:
         return []
     family = CounterMetricFamily(

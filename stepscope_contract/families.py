@@ -224,7 +224,7 @@ _SELF = (
     Family(EXPORTER_THREAD_CPU, "counter", ("thread",),
            "CPU time of each exporter thread (Linux): `collect-node`, `collect-gpu`, `collect-process` (a "
            "collector's cycles), `nvml-slow-readings`, `nvml-xid-events`, `MainThread` (HTTP and pushes); "
-           "refreshed once a cycle"),
+           "read once a collect interval"),
     Family(BUILD_INFO, "gauge", ("version", "python_version"), "build", kind="info"),
     Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
     Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),

@@ -8,6 +8,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from stepscope.exporter import exposition
+from stepscope.exporter import scheduler as scheduler_module
 from stepscope.exporter.exposition import ExpositionStore
 from stepscope.exporter.scheduler import Scheduler
 from stepscope_testkit.processes import sample_values
@@ -234,12 +235,28 @@ def test_each_thread_shows_the_cpu_it_spent_and_an_idle_one_next_to_none() -> No
     scheduler = Scheduler([busy, idle], interval=0.05, store=store)
     scheduler.start()
     try:
-        wait_until(lambda: busy.cycles >= 4 and idle.cycles >= 4)
+        wait_until(lambda: busy.cycles >= 6 and idle.cycles >= 6)
         text = store.body().decode()
     finally:
         scheduler.stop()
     [burnt] = sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="collect-busy")
     [idled] = sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="collect-idle")
-    assert 0.3 <= burnt <= 2.0, burnt  # at least 3 whole cycles of 0.1 s when the body was taken
+    assert 0.3 <= burnt <= 2.0, burnt  # read once an interval: at least 4 whole cycles of 0.1 s by then
     assert idled <= 0.05, idled
     assert sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="MainThread")
+
+
+def test_thread_cpu_is_read_once_an_interval_on_a_collectors_thread_never_in_a_scrape(monkeypatch) -> None:
+    reads: list[str] = []
+    monkeypatch.setattr(scheduler_module, "thread_cpu_seconds",
+                        lambda: (reads.append(threading.current_thread().name), {"collect-a": 0.5})[1])
+    store = ExpositionStore()
+    collectors = [CountingCollector("a"), CountingCollector("b")]
+    scheduler = Scheduler(collectors, interval=60, store=store)
+    for _ in range(3):
+        for collector in collectors:
+            scheduler.run_once(collector)
+            store.body()
+    assert len(reads) == 1  # six cycles and six scrapes within one interval
+    assert sample_values(store.body().decode(), "stepscope_exporter_thread_cpu_seconds_total",
+                         thread="collect-a") == [0.5]
