@@ -1,6 +1,7 @@
 """Start real processes (the exporter, Prometheus, the Pushgateway) on free loopback ports."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,12 +16,41 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_NVML_DIR = REPO_ROOT / "stepscope_testkit" / "fake_nvml"
+_RANDOM = random.Random()  # its own: a test seeding the module's generator must not replay our picks
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free now, for a process about to listen on it.
+
+    Taken below the kernel's ephemeral range: a port from bind(0) goes back into the range that every
+    outgoing connection takes its source port from, so another test's scrape could hold it by the time
+    the process binds it, or a client of ours could reach a stranger there. Each pytest-xdist worker
+    draws from its own share, so the workers' picks never meet.
+    """
+    share = _port_share()
+    for port in _RANDOM.sample(share, min(len(share), 64)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the ephemeral range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _port_share() -> range:
+    """This worker's share of the ports from 10000 up to the ephemeral range (Linux's 32768 by default)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = max(0, ephemeral - 10000) // max(workers, 1)
+    start = 10000 + worker * size
+    return range(start, start + size)
 
 
 def wait_http_ok(url: str, process: subprocess.Popen, timeout: float = 30.0, **kwargs) -> None:
