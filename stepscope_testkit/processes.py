@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_NVML_DIR = REPO_ROOT / "stepscope_testkit" / "fake_nvml"
 _RANDOM = random.Random()  # its own: a test seeding the module's generator must not replay our picks
+_HANDED_OUT: dict[int, float] = {}  # port -> when free_port gave it
+_HANDED_OUT_SECONDS = 300.0
 
 
 def free_port() -> int:
@@ -27,14 +29,17 @@ def free_port() -> int:
     the process binds it, or a client of ours could reach a stranger there. Each pytest-xdist worker
     draws from its own share, so the workers' picks never meet.
     """
-    share = _port_share()
+    share, now = _port_share(), time.monotonic()
     for port in _RANDOM.sample(share, min(len(share), 64)):
+        if now - _HANDED_OUT.get(port, -_HANDED_OUT_SECONDS) < _HANDED_OUT_SECONDS:
+            continue  # picked a moment ago: its process may not have bound it yet
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT[port] = now
+        return port
     with socket.socket() as sock:  # no room below the ephemeral range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

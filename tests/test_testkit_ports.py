@@ -45,3 +45,12 @@ def test_a_port_held_by_a_listener_is_never_handed_out(monkeypatch: pytest.Monke
     finally:
         for sock in listeners:
             sock.close()
+
+
+def test_a_port_is_not_handed_out_twice_before_its_process_could_bind_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two picks in a row (a test starting two servers) never get one port, though neither is bound yet."""
+    small = range(_port_share().start, _port_share().start + 40)
+    monkeypatch.setattr(processes, "_port_share", lambda: small)
+    monkeypatch.setattr(processes, "_HANDED_OUT", {})
+    picks = [free_port() for _ in range(20)]
+    assert len(set(picks)) == len(picks), picks
