@@ -1,4 +1,4 @@
-"""The exporter's CPU time per thread, read from the kernel at a scrape.
+"""The exporter's CPU time per thread, from the kernel's accounting.
 
 Each job of the exporter runs on a thread of its own (a collector's timer, the slow NVML readings, the
 XID events, the HTTP server and push parsing on the main thread), so CPU per thread says what the
