@@ -381,27 +381,27 @@ def exporters_side_by_side(tmp: Path, seconds: float) -> str:
             nvitop = stack.enter_context(running(command, f"http://127.0.0.1:{port}/metrics", tmp / "nvitop.log"))
             targets["nvitop-exporter --interval 1"] = (nvitop.url + "/metrics", nvitop.process.pid)
         time.sleep(10)
-        threads_before, started = thread_cpu(f"{ours.url}/metrics"), time.monotonic()
+        parts_before, started = cpu_by_part(f"{ours.url}/metrics"), time.monotonic()
         rows = paced_scrapes(targets, seconds)
-        threads_after, wall = thread_cpu(f"{ours.url}/metrics"), time.monotonic() - started
+        parts_after, wall = cpu_by_part(f"{ours.url}/metrics"), time.monotonic() - started
     base = rows[-1] if command else rows[0]
     lines = [[r["target"], f"{r['cpu']:.2f}", f"{r['cpu'] / base['cpu']:.2f}x", f"{r['rss']:.0f}",
               f"{r['p50']:.2f}", f"{r['p99']:.2f}", str(r["series"])] for r in rows]
-    by_thread = [[name, f"{(threads_after[name] - threads_before.get(name, 0.0)) / wall * 1e3:.2f}"]
-                 for name in sorted(threads_after)]
+    by_part = [[name, f"{(parts_after[name] - parts_before.get(name, 0.0)) / wall * 1e3:.2f}"]
+               for name in sorted(parts_after)]
     return note + table(["exporter", "CPU % of a core", "vs nvitop-exporter", "RSS MiB", "scrape p50 ms",
                          "scrape p99 ms", "series"], lines) + (
         f"\n\n{seconds:.0f} s window after 10 s of warm-up; a bf16 8192x8192 matmul loop on GPU 0 all along; "
         "one gzip scrape per target per second, in turn; CPU is user+system of the exporter process.\n\n"
-        "Where stepscope-exporter's CPU went, by thread (its stepscope_exporter_thread_cpu_seconds_total over "
-        "the same window, 10 ms ticks):\n\n") + table(["thread", "CPU ms/s"], by_thread)
+        "Where stepscope-exporter's CPU went, by part (its stepscope_exporter_cpu_seconds_total over the same "
+        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part)
 
 
-def thread_cpu(url: str) -> dict[str, float]:
-    """stepscope_exporter_thread_cpu_seconds_total by thread, from one scrape."""
+def cpu_by_part(url: str) -> dict[str, float]:
+    """stepscope_exporter_cpu_seconds_total by part, from one scrape."""
     text = requests.get(url, timeout=10).text
     return {match.group(1): float(match.group(2)) for match in re.finditer(
-        r'^stepscope_exporter_thread_cpu_seconds_total\{thread="([^"]*)"\} (\S+)$', text, re.MULTILINE)}
+        r'^stepscope_exporter_cpu_seconds_total\{part="([^"]*)"\} (\S+)$', text, re.MULTILINE)}
 
 
 def paced_scrapes(targets: dict[str, tuple[str, int]], seconds: float) -> list[dict[str, Any]]:

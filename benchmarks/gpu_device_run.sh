@@ -2,7 +2,7 @@
 # What a session runs on a lent GPU machine (the device tool), in two calls that fit its 15 minutes:
 #   bash benchmarks/gpu_device_run.sh tests    # pytest -m gpu, then two workloads recorded
 #   bash benchmarks/gpu_device_run.sh record   # the saturated bf16 run judged live, and three more
-#   bash benchmarks/gpu_device_run.sh cost     # stepscope-exporter vs nvitop-exporter, CPU by thread (issue 20)
+#   bash benchmarks/gpu_device_run.sh cost     # stepscope-exporter vs nvitop-exporter, our CPU by part (issue 20)
 # The machine has torch, nvidia-ml-py, aiohttp, grpcio, pyyaml; bcrypt, nvitop and nvitop-exporter travel as
 # wheels in .whl/ (`pip download --no-deps bcrypt nvitop nvitop-exporter`) and
 # Debian's prometheus binary xz-compressed in .devbin/ (both ignored by git, named in the call's carry).

@@ -5,7 +5,7 @@ serving the last good snapshot of everything else. Each source re-renders only t
 changed since its last cycle and is published only when its text changed, so an idle node costs
 little more than the readings themselves. The self metrics (collector durations, errors, last
 success) change every cycle of every collector but are rendered only when a scrape after a cycle asks
-for them; each thread's CPU is read once an interval, on a collector's thread.
+for them; the exporter's CPU by part is read once an interval, on a collector's thread.
 """
 
 import logging
@@ -21,7 +21,7 @@ from stepscope.contract import families
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import CachedRenderer, Chunk, ExpositionStore
-from stepscope.exporter.thread_cpu import thread_cpu_seconds
+from stepscope.exporter.thread_cpu import CpuByPart, collector_thread_name
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class Scheduler:
         self._self_lock = threading.Lock()  # the renderer serves one scrape at a time
         self._stats_lock = threading.Lock()
         self._stats_version = 0  # counts changes of the stats, for the store's cache of this source
-        self._thread_cpu: dict[str, float] = {}  # thread name -> CPU seconds, read once an interval
-        self._thread_cpu_read = float("-inf")
+        self._cpu_by_part = CpuByPart()
+        self._cpu: dict[str, float] = {}  # part -> CPU seconds, read once an interval
+        self._cpu_read = float("-inf")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         store.attach("stepscope_exporter", self)
@@ -57,7 +58,7 @@ class Scheduler:
     def start(self) -> None:
         for collector in self._collectors:
             thread = threading.Thread(
-                target=self._loop, args=(collector,), name=f"collect-{collector.name}", daemon=True
+                target=self._loop, args=(collector,), name=collector_thread_name(collector.name), daemon=True
             )
             thread.start()
             self._threads.append(thread)
@@ -88,7 +89,7 @@ class Scheduler:
         duration = time.perf_counter() - started
         if changed:
             self._store.publish(collector.name, body)
-        self._read_thread_cpu(started)
+        self._read_cpu(started)
         with self._stats_lock:
             stats = self._stats[collector.name]
             stats.duration_seconds = duration
@@ -104,14 +105,14 @@ class Scheduler:
             stats.last_error = error
             self._stats_version += 1
 
-    def _read_thread_cpu(self, now: float) -> None:
-        """Each thread's CPU, at most once an interval and on a collector's thread: never in a scrape."""
-        if now - self._thread_cpu_read < self._interval:
+    def _read_cpu(self, now: float) -> None:
+        """The exporter's CPU by part, at most once an interval and on a collector's thread: never in a scrape."""
+        if now - self._cpu_read < self._interval:
             return
-        self._thread_cpu_read = now  # two collectors ending at once may both read: harmless
-        seconds = thread_cpu_seconds()
+        self._cpu_read = now  # two collectors ending at once may both read: harmless
+        seconds = self._cpu_by_part.read()
         with self._stats_lock:
-            self._thread_cpu = seconds
+            self._cpu = seconds
 
     def _loop(self, collector: Collector) -> None:
         next_run = time.monotonic()
@@ -155,21 +156,21 @@ class Scheduler:
                 duration.add_metric([name], stats.duration_seconds)
                 errors.add_metric([name], stats.errors)
                 last_success.add_metric([name], stats.last_success)
-            threads = _thread_cpu(self._thread_cpu)
+            cpu = _cpu_by_part(self._cpu)
         build = InfoMetricFamily(families.BUILD_INFO.removesuffix("_info"), "Exporter version and runtime.")
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
-        return [build, duration, errors, last_success, *threads]
+        return [build, duration, errors, last_success, *cpu]
 
 
-def _thread_cpu(seconds: dict[str, float]) -> list[Metric]:
-    """CPU of each exporter thread (Linux): what the exporter costs the node, and which job costs it."""
+def _cpu_by_part(seconds: dict[str, float]) -> list[Metric]:
+    """The exporter's CPU by part (Linux): what it costs the node, and which part costs it."""
     if not seconds:
         return []
     family = CounterMetricFamily(
-        families.EXPORTER_THREAD_CPU,
-        "CPU time (user + system) of each exporter thread: collect-<collector> for a collector's cycles, "
-        "nvml-slow-readings and nvml-xid-events for the GPU collector's helpers, MainThread for HTTP and pushes.",
-        labels=["thread"],
+        families.EXPORTER_CPU,
+        "CPU time (user + system) of the exporter by part: a collector's (its cycles and helper threads), "
+        "or server (HTTP: scrapes, pushes, password checks).",
+        labels=["part"],
     )
     for name in sorted(seconds):
         family.add_metric([name], seconds[name])

@@ -1,16 +1,19 @@
-"""The exporter's CPU time per thread, from the kernel's accounting.
+"""The exporter's CPU time by part, from the kernel's per-thread accounting.
 
-Each job of the exporter runs on a thread of its own (a collector's timer, the slow NVML readings, the
-XID events, the HTTP server and push parsing on the main thread), so CPU per thread says what the
-exporter costs the node it watches and which part costs it, without instrumenting any of them: the
-kernel already accounts every thread (/proc/self/task/<tid>/stat). Linux only; elsewhere nothing.
+Every job of the exporter runs on threads of its own, named for it: a collector's timer thread and its
+helpers are `collect-<collector>[-<helper>]` (the GPU collector's slow readings and XID events), and the
+rest serve HTTP (the event loop on the main thread: scrapes and pushes; the pools that parse large pushes
+and check passwords; the expiry of push groups). Summing the threads' CPU by part says what the exporter
+costs the node it watches and which part to turn down, without instrumenting any of them: the kernel
+already accounts every thread (/proc/self/task/<tid>/stat). Linux only; elsewhere nothing.
 """
 
 import os
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 
+SERVER_PART = "server"
+_COLLECTOR_THREAD = "collect-"
 _TASKS = Path("/proc/self/task")
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # Fields of /proc/<pid>/task/<tid>/stat after the ")" that ends the command name: utime is the 12th, stime
@@ -18,19 +21,45 @@ _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _UTIME, _STIME = 11, 12
 
 
-def thread_cpu_seconds() -> Mapping[str, float]:
-    """User plus system CPU seconds of each live Python thread, by thread name; empty off Linux.
+def collector_thread_name(collector: str, helper: str = "") -> str:
+    """The name of a collector's thread, or of one of its helpers: what `part_of` counts for the collector."""
+    return f"{_COLLECTOR_THREAD}{collector}" + (f"-{helper}" if helper else "")
 
-    Threads of one name (a pool's, say) are summed. Native threads Python did not start are left
-    out: their names would not be the exporter's.
-    """
-    names = {thread.native_id: thread.name for thread in threading.enumerate() if thread.native_id is not None}
-    seconds: dict[str, float] = {}
-    for native_id, name in names.items():
-        ticks = _thread_ticks(native_id)
-        if ticks is not None:
-            seconds[name] = seconds.get(name, 0.0) + ticks / _TICKS_PER_SECOND
-    return seconds
+
+def part_of(thread_name: str) -> str:
+    """The collector a thread works for, or SERVER_PART."""
+    if thread_name.startswith(_COLLECTOR_THREAD):
+        return thread_name.removeprefix(_COLLECTOR_THREAD).split("-", 1)[0]
+    return SERVER_PART
+
+
+class CpuByPart:
+    """The live Python threads' CPU seconds summed by part, plus what ended threads had spent when last
+    read, so each part's total only grows (a counter that fell when a thread ended would read to
+    Prometheus as a reset, and rate() would count the whole total again). Empty off Linux; native
+    threads Python did not start are left out: their names are not the exporter's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: dict[tuple[int, int], tuple[str, int]] = {}  # (native id, object id) -> (part, ticks)
+        self._ended: dict[str, int] = {}  # part -> ticks of its threads that ended
+
+    def read(self) -> dict[str, float]:
+        live = {}
+        for thread in threading.enumerate():
+            ticks = _thread_ticks(thread.native_id) if thread.native_id is not None else None
+            if ticks is not None:
+                live[(thread.native_id, id(thread))] = (part_of(thread.name), ticks)
+        with self._lock:
+            for key, (part, ticks) in self._threads.items():
+                now = live.get(key)
+                if now is None or now[1] < ticks:  # ended (or its id taken by a new thread since)
+                    self._ended[part] = self._ended.get(part, 0) + ticks
+            self._threads = live
+            totals = dict(self._ended)
+        for part, ticks in live.values():
+            totals[part] = totals.get(part, 0) + ticks
+        return {part: ticks / _TICKS_PER_SECOND for part, ticks in totals.items()}
 
 
 def _thread_ticks(native_id: int) -> int | None:

@@ -83,7 +83,7 @@ INGEST_ACCEPTED = "stepscope_exporter_ingest_accepted_total"
 INGEST_REJECTED = "stepscope_exporter_ingest_rejected_total"
 INGEST_GROUPS = "stepscope_exporter_ingest_groups"
 TLS_CERTIFICATE_EXPIRY = "stepscope_exporter_tls_certificate_expiry_timestamp_seconds"
-EXPORTER_THREAD_CPU = "stepscope_exporter_thread_cpu_seconds_total"
+EXPORTER_CPU = "stepscope_exporter_cpu_seconds_total"
 
 STEP_PHASE_SECONDS = "stepscope_step_phase_seconds"
 STEP_SECONDS = "stepscope_step_seconds"
@@ -221,10 +221,10 @@ _SELF = (
     Family(COLLECTOR_DURATION, "gauge", ("collector",), "last cycle's wall time"),
     Family(COLLECTOR_ERRORS, "counter", ("collector",), "failed cycles"),
     Family(COLLECTOR_LAST_SUCCESS, "gauge", ("collector",), "last good cycle"),
-    Family(EXPORTER_THREAD_CPU, "counter", ("thread",),
-           "CPU time of each exporter thread (Linux): `collect-node`, `collect-gpu`, `collect-process` (a "
-           "collector's cycles), `nvml-slow-readings`, `nvml-xid-events`, `MainThread` (HTTP and pushes); "
-           "read once a collect interval"),
+    Family(EXPORTER_CPU, "counter", ("part",),
+           "the exporter's CPU time by part (Linux), read once a collect interval: `node`, `gpu`, `process` "
+           "(a collector's cycles and its helper threads: the GPU's slow readings and XID events), `server` "
+           "(HTTP: scrapes, pushes, password checks)", label_notes={"part": "node, gpu, process, server"}),
     Family(BUILD_INFO, "gauge", ("version", "python_version"), "build", kind="info"),
     Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
     Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),

@@ -11,6 +11,7 @@ from stepscope.exporter import exposition
 from stepscope.exporter import scheduler as scheduler_module
 from stepscope.exporter.exposition import ExpositionStore
 from stepscope.exporter.scheduler import Scheduler
+from stepscope.exporter.thread_cpu import collector_thread_name
 from stepscope_testkit.processes import sample_values
 
 
@@ -228,28 +229,50 @@ class BurningCollector(CountingCollector):
         return super().collect()
 
 
-def test_each_thread_shows_the_cpu_it_spent_and_an_idle_one_next_to_none() -> None:
-    """The kernel's per-thread accounting says which job of the exporter costs the node what (Linux)."""
+def test_each_collector_shows_the_cpu_its_threads_spent_and_an_idle_one_next_to_none() -> None:
+    """The kernel's per-thread accounting, summed by part, says which part of the exporter costs the node
+    what (Linux): a collector's helper thread counts for it, the test's own thread for the server."""
     store = ExpositionStore()
     busy, idle = BurningCollector("busy", 0.1), CountingCollector("idle")
+    helper_stop = threading.Event()
+    spent: list[float] = []
+    helper = threading.Thread(target=_burn_until, args=(helper_stop, spent),
+                              name=collector_thread_name("idle", "helper"))
     scheduler = Scheduler([busy, idle], interval=0.05, store=store)
     scheduler.start()
     try:
         wait_until(lambda: busy.cycles >= 6 and idle.cycles >= 6)
         text = store.body().decode()
+        helper.start()
+        time.sleep(0.5)
+        helper_stop.set()
+        helper.join()
+        ended = busy.cycles
+        wait_until(lambda: busy.cycles >= ended + 2)  # read again after the helper ended
+        later = store.body().decode()
     finally:
         scheduler.stop()
-    [burnt] = sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="collect-busy")
-    [idled] = sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="collect-idle")
+    [burnt] = sample_values(text, "stepscope_exporter_cpu_seconds_total", part="busy")
+    [idled] = sample_values(text, "stepscope_exporter_cpu_seconds_total", part="idle")
     assert 0.3 <= burnt <= 2.0, burnt  # read once an interval: at least 4 whole cycles of 0.1 s by then
     assert idled <= 0.05, idled
-    assert sample_values(text, "stepscope_exporter_thread_cpu_seconds_total", thread="MainThread")
+    assert sample_values(text, "stepscope_exporter_cpu_seconds_total", part="server")  # this test's thread
+    [helped] = sample_values(later, "stepscope_exporter_cpu_seconds_total", part="idle")
+    # its helper ended: what it spent stays counted (up to the last read before its end, 0.05 s at most)
+    assert spent[0] > 0.1 and spent[0] - 0.08 <= helped - idled <= spent[0] + 0.02, (helped, idled, spent)
 
 
-def test_thread_cpu_is_read_once_an_interval_on_a_collectors_thread_never_in_a_scrape(monkeypatch) -> None:
+def _burn_until(stop: threading.Event, spent: list[float]) -> None:
+    """Spins (sharing the GIL with the busy collector) until `stop`; appends the CPU it spent."""
+    while not stop.is_set():
+        pass
+    spent.append(time.thread_time())
+
+
+def test_cpu_is_read_once_an_interval_on_a_collectors_thread_never_in_a_scrape(monkeypatch) -> None:
     reads: list[str] = []
-    monkeypatch.setattr(scheduler_module, "thread_cpu_seconds",
-                        lambda: (reads.append(threading.current_thread().name), {"collect-a": 0.5})[1])
+    monkeypatch.setattr(scheduler_module.CpuByPart, "read",
+                        lambda self: (reads.append(threading.current_thread().name), {"a": 0.5})[1])
     store = ExpositionStore()
     collectors = [CountingCollector("a"), CountingCollector("b")]
     scheduler = Scheduler(collectors, interval=60, store=store)
@@ -258,5 +281,4 @@ def test_thread_cpu_is_read_once_an_interval_on_a_collectors_thread_never_in_a_s
             scheduler.run_once(collector)
             store.body()
     assert len(reads) == 1  # six cycles and six scrapes within one interval
-    assert sample_values(store.body().decode(), "stepscope_exporter_thread_cpu_seconds_total",
-                         thread="collect-a") == [0.5]
+    assert sample_values(store.body().decode(), "stepscope_exporter_cpu_seconds_total", part="a") == [0.5]

@@ -11,6 +11,8 @@ import time
 from types import ModuleType
 from typing import Any
 
+from stepscope.exporter.thread_cpu import collector_thread_name
+
 log = logging.getLogger(__name__)
 
 WAIT_TIMEOUT_MS = 1000  # bounds how long close() waits for the thread
@@ -27,7 +29,8 @@ class XidWatcher:
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str, str], tuple[int, float]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nvml-xid-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=collector_thread_name("gpu", "xid-events"),
+                                        daemon=True)
 
     @classmethod
     def start(cls, nvml: ModuleType, gpus: list[tuple[str, str, Any]]) -> "XidWatcher | None":

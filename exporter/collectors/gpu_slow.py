@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from stepscope.contract import families as fam
+from stepscope.exporter.thread_cpu import collector_thread_name
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class SlowReadings:
         self._gpus: Sequence[GpuRef] = ()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nvml-slow-readings", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=collector_thread_name("gpu", "slow-readings"),
+                                        daemon=True)
 
     def start(self, gpus: Sequence[GpuRef]) -> None:
         """Reads every GPU once now, then every interval on the thread."""

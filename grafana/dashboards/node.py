@@ -583,11 +583,11 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         )
         .with_panel(
             timeseries_panel(
-                "Exporter CPU by thread",
-                "What the exporter costs this node, by job: collect-<collector> is that collector's cycles, "
-                "nvml-slow-readings and nvml-xid-events the GPU collector's helpers, MainThread serves scrapes "
-                "and parses pushes. 0.01 is 1% of one core.",
-                [Q(f"rate({sel(fam.EXPORTER_THREAD_CPU, NODE)}[1m])", "{{thread}}")],
+                "Exporter CPU by part",
+                "What the exporter costs this node, by part: each collector (its cycles and helper threads; "
+                "--collectors turns one off, --collect-interval spaces them) and the server (scrapes, pushes, "
+                "password checks). 0.01 is 1% of one core.",
+                [Q(f"rate({sel(fam.EXPORTER_CPU, NODE)}[1m])", "{{part}}")],
                 "percentunit",
                 limits=(0, None),
                 width=16,
