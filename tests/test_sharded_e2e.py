@@ -205,12 +205,21 @@ def test_no_shard_alone_sees_the_run(layout: Layout) -> None:
 
 def test_global_layer_names_the_verdict_of_the_whole_run(layout: Layout) -> None:
     assert _verdict(layout.global_url) == "gpu_bound"
-    # the run's step rate is its slowest rank's, each rank sent by its own shard (within a cycle or two
-    # of lag while the young series' rates still grow); its samples/s is both ranks'
-    both = ("run:stepscope_steps:rate1m / on (run) min by (run) (run_rank:stepscope_steps:rate1m)"
-            " * run:stepscope_samples:rate1m / on (run) sum by (run) (run_rank:stepscope_samples:rate1m)")
-    (ratio,) = query(layout.global_url, both)
-    assert float(ratio["value"][1]) == pytest.approx(1, abs=0.2)
+    # the run's step rate is its slowest rank's, each rank sent by its own shard; its samples/s is both
+    # ranks'. The run's recordings trail the ranks' by a cycle or two while the young series' rates still
+    # grow, more on a loaded machine (0.79 once in a clean-clone CI run): within 20 s of evaluations the
+    # ratios must meet (a sum where a min belongs would hold them at 2, a missing shard's rank at 0.5).
+    steps = "run:stepscope_steps:rate1m / on (run) min by (run) (run_rank:stepscope_steps:rate1m)"
+    samples = "run:stepscope_samples:rate1m / on (run) sum by (run) (run_rank:stepscope_samples:rate1m)"
+    ratios: dict[str, float] = {}
+
+    def settled() -> bool:
+        for name, expr in (("steps", steps), ("samples", samples)):
+            (ratio,) = query(layout.global_url, expr)
+            ratios[name] = float(ratio["value"][1])
+        return all(value == pytest.approx(1, abs=0.1) for value in ratios.values())
+
+    assert wait_for(settled, timeout=20), ratios
     (ranks,) = query(layout.global_url, f'run:stepscope_training_ranks:count{{run="{RUN}"}}')
     assert ranks["value"][1] == "2"
 
