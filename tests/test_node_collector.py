@@ -105,6 +105,14 @@ def test_filesystem_paths_and_missing_path_logged_once(
     assert avail.value == pytest.approx(usage.free, abs=256 * MiB)  # other writers share the disk
 
 
+def test_shaping_blocks_are_left_out_their_bytes_are_a_real_interfaces_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = psutil.net_io_counters()._replace(bytes_sent=5, bytes_recv=7)
+    monkeypatch.setattr(psutil, "net_io_counters", lambda pernic=False, nowrap=True: {
+        "eth0": counters, "ifb0": counters, "ifb1": counters, "ifbr0": counters})
+    by_name = collected(NodeCollector([]))
+    assert {s.labels["device"] for s in by_name["stepscope_node_network_receive_bytes_total"]} == {"eth0", "ifbr0"}
+
+
 @linux_only
 def test_a_path_moved_to_another_filesystem_gets_its_mountpoint_at_the_next_cycle_and_the_table_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # node_exporter's default: partitions (their disk is already counted) and loop/ram devices.
 _IGNORED_DISKS = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$")
+# Intermediate functional blocks (tc's ifb): each receives traffic redirected from a real interface to
+# shape it, so its bytes are that interface's again.
+_IGNORED_NICS = re.compile(r"^ifb\d+$")
 # Already included in user/nice on Linux: publishing them too would double count guest time and
 # break "the modes add up to all CPU time", which utilization queries rely on.
 _OVERLAPPING_CPU_MODES = frozenset({"guest", "guest_nice"})
@@ -96,7 +99,8 @@ class NodeCollector:
                 yield family
 
     def _network(self) -> Iterable[Metric]:
-        nics = psutil.net_io_counters(pernic=True, nowrap=False)
+        nics = {name: io for name, io in psutil.net_io_counters(pernic=True, nowrap=False).items()
+                if not _IGNORED_NICS.match(name)}
         receive = CounterMetricFamily(families.NODE_NETWORK_RECEIVE,
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
