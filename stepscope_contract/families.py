@@ -176,7 +176,8 @@ _NODE = (
     *(Family(n, "counter", ("device",), "disk throughput") for n in (NODE_DISK_READ_BYTES, NODE_DISK_WRITTEN_BYTES)),
     *(Family(n, "counter", ("device",), "disk IOPS") for n in (NODE_DISK_READS, NODE_DISK_WRITES)),
     Family(NODE_DISK_IO_TIME, "counter", ("device",), "time the disk was busy"),
-    *(Family(n, "counter", ("device",), "network throughput") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
+    *(Family(n, "counter", ("device",), "network throughput (tc's ifb devices left out: their bytes are another "
+             "interface's)") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
     *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`")
       for n in (NODE_FILESYSTEM_SIZE, NODE_FILESYSTEM_AVAIL)),
 )
