@@ -13,6 +13,7 @@ a table of medians and spread.
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60   # this tree: by thread and category
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --collector-sets   # one H100: each collector's share
 
 Each run appends its section to benchmarks/results/exporter_cpu.md.
 
@@ -45,7 +46,7 @@ import requests
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
-from bench_gpu import baseline_tree, commit_of  # noqa: E402
+from bench_gpu import baseline_tree, commit_of, cpu_by_part  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, make_scenario, write_scenario  # noqa: E402
@@ -113,11 +114,11 @@ def exporter_argv(port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def exporter(tree: Path, scenario: Path, log_dir: Path) -> Iterator[tuple[str, int]]:
-    """The tree's exporter on fake NVML: (base URL, pid)."""
+def exporter(tree: Path, scenario: Path, log_dir: Path, *flags: str) -> Iterator[tuple[str, int]]:
+    """The tree's exporter on fake NVML, with `flags` added: (base URL, pid)."""
     port = free_port()
     env = {"PYTHONPATH": f"{FAKE_NVML_DIR}{os.pathsep}{tree}", "STEPSCOPE_FAKE_NVML_SCENARIO": str(scenario)}
-    with running(exporter_argv(port), f"http://127.0.0.1:{port}/-/ready", log_dir / f"exporter-{port}.log",
+    with running([*exporter_argv(port), *flags], f"http://127.0.0.1:{port}/-/ready", log_dir / f"exporter-{port}.log",
                  env=env, base_url=f"http://127.0.0.1:{port}") as proc:
         yield proc.url, proc.process.pid
 
@@ -377,6 +378,42 @@ def compare(trees: dict[str, Path], windows: int, window: float, tmp: Path, scen
             f"{min(scrapes)}-{max(scrapes)} scrapes each); RSS at the end.")
 
 
+COLLECTOR_SETS = {"none": "", "node": "node", "process": "process", "gpu": "gpu", "all (the default)": None}
+
+
+def scrape_until(url: str, interval: float, stop: threading.Event) -> None:
+    session = requests.Session()
+    while not stop.wait(interval):
+        session.get(f"{url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10).raise_for_status()
+
+
+def collector_sets(windows: int, window: float, tmp: Path, scenario: Path, scrape_interval: float) -> str:
+    """One exporter per collector set, side by side, each scraped with gzip and none pushed to (as beside
+    nvitop-exporter in bench_gpu.py): what each collector adds, and the default one's CPU by part
+    (its stepscope_exporter_cpu_seconds_total) over the same windows."""
+    with contextlib.ExitStack() as stack:
+        pids, urls = {}, {}
+        for name, collectors in COLLECTOR_SETS.items():
+            flags = () if collectors is None else ("--collectors", collectors)
+            urls[name], pids[name] = stack.enter_context(exporter(REPO_ROOT, scenario, tmp, *flags))
+        stop = threading.Event()
+        stack.callback(stop.set)
+        for url in urls.values():
+            threading.Thread(target=scrape_until, args=(url, scrape_interval, stop), daemon=True).start()
+        time.sleep(10)
+        default = f"{urls['all (the default)']}/metrics"
+        parts_before, started = cpu_by_part(default), time.monotonic()
+        per_window = measure(pids, windows, window)
+        parts_after, wall = cpu_by_part(default), time.monotonic() - started
+        rss = {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
+    by_part = "\n".join(["| part | CPU ms/s |", "|---|---:|"] + [
+        f"| {part} | {(seconds - parts_before.get(part, 0.0)) / wall * 1e3:.2f} |"
+        for part, seconds in sorted(parts_after.items())])
+    return (cpu_table(per_window, rss) + f"\n\n{windows} windows of {window:g} s, every exporter at once, a gzip "
+            f"scrape every {scrape_interval:g} s each, no pushes; `--collectors` as named. The default exporter "
+            f"by part over the same windows (10 ms ticks):\n\n{by_part}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-rev", default=None, help="the 'before' tree (a git revision); none: this tree only")
@@ -399,13 +436,16 @@ def main() -> int:
     parser.add_argument("--scrape-interval", type=float, default=1.0,
                         help="seconds between gzip scrapes (1: as bench_gpu.py beside nvitop; 15: Prometheus' usual)")
     parser.add_argument("--raw", type=Path, default=None, help="with --profile: keep py-spy's stacks in this file")
+    parser.add_argument("--collector-sets", action="store_true",
+                        help="instead: one H100, an exporter per collector set side by side, the default's CPU by part")
     args = parser.parse_args()
     if args.windows < 4:
         parser.error("--windows must be at least 4")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        readings = make_scenario(8, 8, latency_ms=None if args.no_latency else H100_LATENCY_MS)
-        scenario = write_scenario(tmp / "h100x8.json", readings)
+        gpus = 1 if args.collector_sets else 8  # one: as the H100 beside nvitop-exporter
+        readings = make_scenario(gpus, 8, latency_ms=None if args.no_latency else H100_LATENCY_MS)
+        scenario = write_scenario(tmp / f"h100x{gpus}.json", readings)
         busy = BusyGpus(scenario, readings)
         nvml = "NVML without latency" if args.no_latency else "H100 NVML latencies"
         header = (f"{nvml}, {psutil.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start, "
@@ -414,6 +454,9 @@ def main() -> int:
             report = f"## Rendering a busy GPU's families ({header})\n\n" + render_cost(args.render, scenario)
         elif args.process_table:
             report = f"## The process table ({header})\n\n" + process_table(args.process_table)
+        elif args.collector_sets:
+            report = (f"## One H100: each collector's share ({header})\n\n"
+                      + collector_sets(args.windows, args.window, tmp, scenario, args.scrape_interval))
         elif args.profile:
             report = f"## Where the CPU goes ({header})\n\n" + profile(args.profile, tmp, scenario, args.raw,
                                                                          args.scrape_interval)
