@@ -14,6 +14,7 @@ a table of medians and spread.
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --collector-sets   # one H100: each collector's share
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --node-cycle 300 --baseline-rev c22a304   # cold cycles
 
 Each run appends its section to benchmarks/results/exporter_cpu.md.
 
@@ -378,6 +379,42 @@ def compare(trees: dict[str, Path], windows: int, window: float, tmp: Path, scen
             f"{min(scrapes)}-{max(scrapes)} scrapes each); RSS at the end.")
 
 
+def node_cycle(rounds: int, rev: str, tmp: Path) -> str:
+    """The node collector's cycle at `rev` and in this tree, alternating in one process with 0.1 s between
+    cycles (so each starts with its caches cold, as on the 1 s timer), CPU time of each cycle and render."""
+    from stepscope.exporter.collectors.node import NodeCollector
+    from stepscope.exporter.exposition import ExpositionStore
+    from stepscope.exporter.scheduler import Scheduler
+
+    source = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{rev}:exporter/collectors/node.py"],
+                            capture_output=True, text=True, check=True).stdout
+    (tmp / "node_before.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("node_before", tmp / "node_before.py")
+    assert spec is not None and spec.loader is not None
+    before_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before_module)
+    collectors = {f"before ({commit_of(rev)})": before_module.NodeCollector(["/"]),
+                  f"this tree ({commit_of('HEAD')}+)": NodeCollector(["/"])}
+    for name, collector in collectors.items():
+        collector.name = name
+    scheduler = Scheduler(list(collectors.values()), 1, ExpositionStore())
+    spent: dict[str, list[float]] = {name: [] for name in collectors}
+    for cycle in range(rounds):
+        for collector in list(collectors.values())[:: 1 if cycle % 2 else -1]:
+            time.sleep(0.1)
+            started = time.thread_time()
+            scheduler.run_once(collector)
+            spent[collector.name].append((time.thread_time() - started) * 1e3)
+    names = list(spent)
+    ratios = [after / before for before, after in zip(spent[names[0]], spent[names[1]], strict=True)]
+    lines = ["| node collector | ms per cycle, median | p10 | p90 |", "|---|---:|---:|---:|"]
+    for name, values in spent.items():
+        deciles = statistics.quantiles(values, n=10)
+        lines.append(f"| {name} | {statistics.median(values):.3f} | {deciles[0]:.3f} | {deciles[-1]:.3f} |")
+    return (f"{rounds} cycles each, alternating, 0.1 s apart, `--filesystem-paths /`; this tree over before, "
+            f"cycle by cycle: median {statistics.median(ratios):.2f}x\n\n" + "\n".join(lines))
+
+
 COLLECTOR_SETS = {"none": "", "node": "node", "process": "process", "gpu": "gpu", "all (the default)": None}
 
 
@@ -436,6 +473,8 @@ def main() -> int:
     parser.add_argument("--scrape-interval", type=float, default=1.0,
                         help="seconds between gzip scrapes (1: as bench_gpu.py beside nvitop; 15: Prometheus' usual)")
     parser.add_argument("--raw", type=Path, default=None, help="with --profile: keep py-spy's stacks in this file")
+    parser.add_argument("--node-cycle", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the node collector's cold cycle, --baseline-rev's against this tree's")
     parser.add_argument("--collector-sets", action="store_true",
                         help="instead: one H100, an exporter per collector set side by side, the default's CPU by part")
     args = parser.parse_args()
@@ -454,6 +493,9 @@ def main() -> int:
             report = f"## Rendering a busy GPU's families ({header})\n\n" + render_cost(args.render, scenario)
         elif args.process_table:
             report = f"## The process table ({header})\n\n" + process_table(args.process_table)
+        elif args.node_cycle:
+            report = (f"## The node collector's cycle ({header})\n\n"
+                      + node_cycle(args.node_cycle, args.baseline_rev or "HEAD", tmp))
         elif args.collector_sets:
             report = (f"## One H100: each collector's share ({header})\n\n"
                       + collector_sets(args.windows, args.window, tmp, scenario, args.scrape_interval))
