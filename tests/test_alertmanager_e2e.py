@@ -164,12 +164,17 @@ def test_a_gpu_bound_run_pages_nobody(stack: Stack) -> None:
     assert stack.inbox.webhooks("gpubound") == []
 
 
-def test_a_run_on_two_nodes_is_one_notification_per_alert(stack: Stack) -> None:
+def test_a_run_on_two_nodes_is_one_alert_group_per_alert(stack: Stack) -> None:
+    """Both nodes' alerts go to one group (alertname, run), so a person gets them in one notification. When
+    the second node's alert fires after the group_wait (scaled down here to 2 s: a clean-clone CI run once
+    fired them further apart) the group notifies first with one, then with both: never in two groups."""
     got = wait_for(lambda: [n for n in stack.inbox.webhooks("spread") if len(n.body["alerts"]) == 2], 90, interval=0.5)
     assert got, alertnames(stack.inbox.webhooks("spread"))
-    (notification,) = stack.inbox.webhooks("spread")
-    assert notification.body["groupLabels"] == {"alertname": "StepscopeDataLoadingBottleneck", "run": "spread"}
-    assert sorted(a["labels"]["instance"] for a in notification.body["alerts"]) == ["node-a", "node-b"]
+    notifications = stack.inbox.webhooks("spread")
+    assert {n.body["groupKey"] for n in notifications} == {got[0].body["groupKey"]}
+    for notification in notifications:
+        assert notification.body["groupLabels"] == {"alertname": "StepscopeDataLoadingBottleneck", "run": "spread"}
+    assert sorted(a["labels"]["instance"] for a in got[0].body["alerts"]) == ["node-a", "node-b"]
 
 
 def test_a_stalled_run_pages_for_itself_and_holds_back_nobody(stack: Stack) -> None:
