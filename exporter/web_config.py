@@ -37,6 +37,7 @@ HEADER_VALUES: dict[str, tuple[str, ...]] = {
     "X-XSS-Protection": (),
     "Content-Security-Policy": (),
 }
+HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")  # what a response header carries as it is: no line breaks, no UTF-8
 BCRYPT_HASH = re.compile(r"\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}")
 
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version",
@@ -198,6 +199,9 @@ def _headers(section: dict[str, Any] | None) -> dict[str, str] | None:
         if value is None:  # `Name:` and nothing after it, as a file cut short mid-write reads
             raise WebConfigError(f"http_server_config.headers.{name}: no value")
         allowed = HEADER_VALUES[name]
+        if not HEADER_VALUE.fullmatch(str(value)):
+            raise WebConfigError(f"http_server_config.headers.{name}: {value!r} holds characters a response header "
+                                 "can not carry (visible ASCII, spaces and tabs only)")
         if allowed and value not in allowed:
             raise WebConfigError(f"http_server_config.headers.{name}: {value!r} is not one of {', '.join(allowed)}")
     return {str(name): str(value) for name, value in headers.items() if value != ""}
