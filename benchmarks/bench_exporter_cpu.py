@@ -72,7 +72,7 @@ CATEGORIES = (
     ("scheduler (self metrics, loop)", "scheduler.py"),
     ("push parsing and storing (ingest)", "exporter/ingest/"),
     ("scrape handler (/metrics)", "_metrics (stepscope/exporter/server.py"),
-    ("HTTP server (aiohttp, asyncio)", "aiohttp/"),
+    ("HTTP/1.1 on connections (exporter/http_exchange.py, h11)", "http_exchange.py"),
     ("asyncio loop", "asyncio/"),
 )
 

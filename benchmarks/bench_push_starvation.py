@@ -205,7 +205,7 @@ def report(measured: dict[tuple[str, str, str], Outcomes], rounds: int, base: st
                              f"{got.refused} ({100 * got.refused / max(total, 1):.0f} %)",
                              f"{got.failed} ({100 * got.failed / max(total, 1):.0f} %)"])
     return (f"# Legitimate clients under attack: old code vs new\n\n"
-            f"{results.machine(f'aiohttp {_aiohttp_version()}')}, {results.load_average()} at the end (shared "
+            f"{results.machine(f'h11 {_h11_version()}')}, {results.load_average()} at the end (shared "
             f"machine); total {seconds:.0f} s. Old code: {base}; new: this checkout.\n\n"
             f"{rounds} rounds; each round measures every attack {WINDOW_SECONDS:g} s against each code, in "
             "alternating order. Latency over every request of the row (refused and failed ones included, a "
@@ -226,10 +226,10 @@ def _commit(checkout: Path) -> str:
                           text=True).stdout.strip() or "an unknown commit"
 
 
-def _aiohttp_version() -> str:
-    import aiohttp
+def _h11_version() -> str:
+    import h11
 
-    return aiohttp.__version__
+    return h11.__version__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_device_run.sh tests    # pytest -m gpu, then two workloads recorded
 #   bash benchmarks/gpu_device_run.sh record   # the saturated bf16 run judged live, and three more
 #   bash benchmarks/gpu_device_run.sh cost     # stepscope-exporter vs nvitop-exporter, our CPU by part (issue 20)
-# The machine has torch, nvidia-ml-py, aiohttp, grpcio, pyyaml; bcrypt, nvitop and nvitop-exporter travel as
-# wheels in .whl/ (`pip download --no-deps bcrypt nvitop nvitop-exporter`) and
+# The machine has torch, nvidia-ml-py, grpcio, pyyaml; h11, bcrypt, nvitop and nvitop-exporter travel as
+# wheels in .whl/ (`pip download --no-deps h11 bcrypt nvitop nvitop-exporter`) and
 # Debian's prometheus binary xz-compressed in .devbin/ (both ignored by git, named in the call's carry).
 # Results land in $OUT: the pytest log, nvidia-smi, and a recording (benchmarks/record_gpu_corpus.py).
 set -u

@@ -8,7 +8,7 @@ line and exit 2, not end in an ImportError traceback from deep inside the server
 import importlib.util
 import sys
 
-EXTRA_MODULES = {"aiohttp": "aiohttp", "bcrypt": "bcrypt", "yaml": "pyyaml", "pynvml": "nvidia-ml-py",
+EXTRA_MODULES = {"h11": "h11", "bcrypt": "bcrypt", "yaml": "pyyaml", "pynvml": "nvidia-ml-py",
                  "grpc": "grpcio"}
 
 

@@ -44,7 +44,7 @@ RULES = Path("grafana") / "rules_out"  # in the checkout, where `python -m grafa
 INSTALL_PROMETHEUS = "sudo apt-get install prometheus"
 INSTALL_EXTRAS = ("pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU build), then "
                   "pip install '.[exporter,torch,report]'")
-NEEDED_MODULES = {"aiohttp": "the exporter", "torch": "the demo training", "matplotlib": "the report"}
+NEEDED_MODULES = {"h11": "the exporter", "torch": "the demo training", "matplotlib": "the report"}
 DEMO = ("--run", RUN, "--slow-loader", "0.05", "--extra-step-seconds", "0.03", "--push-interval", "1")
 ACTS = (  # (what it shows, demo flags on top of DEMO, the verdict that ends it)
     ("act 1, data-bound: the loader sleeps 50 ms per batch", (), v.DATA_BOUND),

@@ -197,7 +197,7 @@ def test_imports_and_works_without_torch_and_exporter() -> None:
     """The hooks alone (`pip install stepscope`, no extras): no torch, no exporter, no server library."""
     code = textwrap.dedent("""
         import sys
-        for absent in ("torch", "stepscope.exporter", "aiohttp", "bcrypt", "yaml", "pynvml"):
+        for absent in ("torch", "stepscope.exporter", "h11", "bcrypt", "yaml", "pynvml"):
             sys.modules[absent] = None
         import stepscope.hooks as th
         t = th.init(run="no-torch", push_url="")

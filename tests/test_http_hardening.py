@@ -237,7 +237,7 @@ def test_a_raw_utf8_path_is_refused_and_an_encoded_one_read_as_utf8(exporter: Ru
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         reply, _ = exchange(port_of(exporter), head + body, wait=3)
         # raw bytes outside ASCII are no valid request target (RFC 9112): a 400 in plain text, not a guess
-        assert reply.startswith(b"HTTP/1.1 200" if "%" in run else b"HTTP/1.0 400"), reply
+        assert reply.startswith(b"HTTP/1.1 200" if "%" in run else b"HTTP/1.1 400"), reply
     text = scrape(exporter.url)
     assert steps_of(exporter, "lr-ü-é") == 5
     assert "Ã" not in text
@@ -400,3 +400,83 @@ def test_gzip_scrape_is_one_valid_member_equal_to_the_plain_body(exporter: Runni
     assert gzip.decompress(raw) == plain
     assert raw[:2] == b"\x1f\x8b" and len(raw) < len(plain)
 
+
+
+# --- HTTP/1.1 framing on one connection (exporter.http_exchange) ------------------------------------
+
+def responses_in(data: bytes, methods: list[str]) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """(status line, headers with lower-case names, body) of each response in a byte stream, answering
+    `methods` in turn: a body is Content-Length bytes, none after a HEAD."""
+    found = []
+    for method in methods:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        status, *lines = head.split(b"\r\n")
+        headers = {name.lower(): value.strip() for name, _, value in (line.partition(b":") for line in lines)}
+        length = int(headers[b"content-length"]) if method != "HEAD" else 0
+        found.append((status, headers, rest[:length]))
+        data = rest[length:]
+    assert data == b"", data[:200]
+    return found
+
+
+def test_pipelined_requests_are_answered_in_order_and_head_sends_no_body(exporter: Running) -> None:
+    put(exporter, "pipe", counter("stepscope_steps_total", 7))
+    body = counter("stepscope_steps_total", 8).encode()
+    requests_sent = (b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: identity\r\n\r\n"
+                     b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n"
+                     + f"PUT {GROUP.format(run='pipe', rank='0')} HTTP/1.1\r\nHost: x\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+                     + b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    reply, closed = exchange(port_of(exporter), requests_sent, wait=5)
+    assert closed
+    head, healthy, pushed, missing = responses_in(reply, ["HEAD", "GET", "PUT", "GET"])
+    assert head[0] == b"HTTP/1.1 200 OK" and head[2] == b""
+    assert int(head[1][b"content-length"]) > 1000  # the length a GET would get
+    assert healthy[0] == b"HTTP/1.1 200 OK" and healthy[2] == b"OK\n"
+    assert pushed[0] == b"HTTP/1.1 200 OK"
+    assert missing[0] == b"HTTP/1.1 404 Not Found" and missing[1][b"connection"] == b"close"
+    assert steps_of(exporter, "pipe") == 8
+
+
+def test_a_kept_alive_connection_serves_scrapes_until_the_client_ends_it(exporter: Running) -> None:
+    with socket.create_connection(("127.0.0.1", port_of(exporter)), timeout=5) as sock:
+        for _ in range(3):
+            sock.sendall(b"GET /-/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b"\r\n\r\nOK\n"):
+                chunk = sock.recv(65536)
+                assert chunk, reply  # closed before the answer
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and b"Connection: close" not in reply
+
+
+@pytest.mark.parametrize(("name", "data", "status"), [
+    ("no Host in HTTP/1.1", b"GET /metrics HTTP/1.1\r\n\r\n", b"400"),
+    ("a head over 16 KiB", b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n", b"431"),
+    ("two different Content-Lengths", f"PUT {GROUP.format(run='cl', rank='0')} HTTP/1.1\r\nHost: x\r\n"
+     "Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd".encode(), b"400"),
+])
+def test_malformed_heads_are_answered_and_closed(exporter: Running, name: str, data: bytes, status: bytes) -> None:
+    reply, closed = exchange(port_of(exporter), data, wait=5)
+    assert reply.startswith(b"HTTP/1.1 " + status), (name, reply[:200])
+    assert closed, name
+    assert steps_of(exporter, "cl") is None
+
+
+def test_expect_100_continue_is_answered_only_when_the_body_is_wanted(tmp_path: Path) -> None:
+    """curl sends `Expect: 100-continue` with larger bodies and waits for it (up to 1 s) before sending."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    body = counter("stepscope_steps_total", 9).encode()
+    with running_exporter(tmp_path, *NO_COLLECTORS, "--ingest-token-file", str(token_file)) as exp:
+        for token, expected in (("wrong", b"HTTP/1.1 401"), ("s3cret", b"HTTP/1.1 100 Continue\r\n\r\n")):
+            with socket.create_connection(("127.0.0.1", port_of(exp)), timeout=5) as sock:
+                sock.sendall(f"PUT {GROUP.format(run='expect', rank='0')} HTTP/1.1\r\nHost: x\r\n"
+                             f"Authorization: Bearer {token}\r\nExpect: 100-continue\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n".encode())
+                assert sock.recv(65536).startswith(expected)
+                if token == "s3cret":
+                    sock.sendall(body)
+                    assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        assert samples(scrape(exp.url))[
+            ("stepscope_steps_total", frozenset({("run", "expect"), ("rank", "0")}))] == 9

@@ -14,7 +14,7 @@ import pytest
 from stepscope_testkit.processes import REPO_ROOT
 
 OLD_NAMES = ("exporter", "training_hooks", "run_report", "stepscope_contract")
-SERVER_DISTRIBUTIONS = {"aiohttp", "bcrypt", "pyyaml", "nvidia-ml-py"}
+SERVER_DISTRIBUTIONS = {"h11", "bcrypt", "pyyaml", "nvidia-ml-py"}
 
 
 def tracked_text_files() -> list[Path]:
@@ -57,12 +57,12 @@ def test_the_exporter_without_its_extra_says_how_to_install_it() -> None:
     cannot import): one line naming the extra, exit code 2, no traceback."""
     code = textwrap.dedent("""
         import sys
-        sys.modules["aiohttp"] = None
+        sys.modules["h11"] = None
         sys.modules["bcrypt"] = None
         from stepscope.exporter.launch import main
         main()
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 2
-    assert result.stderr == ("stepscope-exporter: needs the exporter extra (missing aiohttp, bcrypt): "
+    assert result.stderr == ("stepscope-exporter: needs the exporter extra (missing h11, bcrypt): "
                              "pip install 'stepscope[exporter]'\n")

@@ -274,7 +274,9 @@ def test_a_scrape_then_half_close_is_answered(exporter: Running) -> None:
         sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
         sock.shutdown(socket.SHUT_WR)
         reply = read_reply(sock)
-    assert reply.startswith(b"HTTP/1.0 200"), reply[:200]  # aiohttp answers in the version asked
+    # an HTTP/1.1 server answers in its own version (RFC 9110 6.2), and a 1.0 client's connection closes
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    assert b"\r\nConnection: close\r\n" in reply.split(b"\r\n\r\n", 1)[0] + b"\r\n"
     assert b"stepscope_exporter_build_info" in reply
 
 
