@@ -61,6 +61,10 @@ class Response:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+class DeadlinePassed(Exception):
+    """The head or body did not arrive in time."""
+
+
 class BodyEvicted(Exception):
     """The body's read was ended: it fell behind the pace while other pushes needed its room."""
 
@@ -106,13 +110,16 @@ class Exchange:
         self._line_checked = False
         self._head_bytes = 0
         self.body_received = 0
+        deadline = self._deadline(HEADER_TIMEOUT_SECONDS)
         try:
-            event = await asyncio.wait_for(self._next_event(head=True), HEADER_TIMEOUT_SECONDS)
-        except asyncio.TimeoutError:
+            event = await self._next_event(head=True)
+        except DeadlinePassed:
             return None
         except h11.RemoteProtocolError as error:
             await self._refuse(error)
             return None
+        finally:
+            deadline.cancel()
         if not isinstance(event, h11.Request):
             return None  # ConnectionClosed
         request = self._request(event)
@@ -130,9 +137,18 @@ class Exchange:
         self._reader.set_exception(BodyEvicted())
 
     async def read_body(self) -> bytes:
-        """The request's body: asyncio.TimeoutError after BODY_TIMEOUT_SECONDS, BodyCutShort when the
-        client ends it early, BodyEvicted when evict_body() was called."""
-        return await asyncio.wait_for(self._body(), BODY_TIMEOUT_SECONDS)
+        """The request's body: DeadlinePassed after BODY_TIMEOUT_SECONDS, BodyCutShort when the client
+        ends it early, BodyEvicted when evict_body() was called."""
+        deadline = self._deadline(BODY_TIMEOUT_SECONDS)
+        try:
+            return await self._body()
+        finally:
+            deadline.cancel()
+
+    def _deadline(self, seconds: float) -> asyncio.TimerHandle:
+        """Fails the connection's reads once `seconds` have passed: a timer, where asyncio.wait_for would
+        add a task per request (a thousand idle connections churning pay for each)."""
+        return asyncio.get_running_loop().call_later(seconds, self._reader.set_exception, DeadlinePassed())
 
     async def _body(self) -> bytes:
         if self._http.they_are_waiting_for_100_continue:  # curl's `Expect: 100-continue`: the body is wanted

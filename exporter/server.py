@@ -28,6 +28,7 @@ from stepscope.exporter.http_exchange import (
     BODY_TIMEOUT_SECONDS,
     BodyCutShort,
     BodyEvicted,
+    DeadlinePassed,
     Exchange,
     Request,
     Response,
@@ -352,7 +353,7 @@ class ExporterServer:
                 return _answer(answer, headers={"Retry-After": "1"})
         try:
             body = await exchange.read_body()
-        except asyncio.TimeoutError:
+        except DeadlinePassed:
             return _answer(handler.refuse(push, 408, "incomplete_body",
                                           f"the body did not arrive within {BODY_TIMEOUT_SECONDS:g}s; nothing stored"))
         except BodyEvicted:
