@@ -46,8 +46,6 @@ from dataclasses import dataclass
 from math import ceil
 from typing import Protocol
 
-import bcrypt
-
 from stepscope.exporter.web_auth_known import KnownGroups
 
 GRANTED_CACHE_SIZE = 64  # right passwords only: as many as users and their rotations need
@@ -257,6 +255,8 @@ class _BoundedHasher:
         if not connected():  # read from this thread: at worst one hash for a client leaving right now
             return None
         self.calls += 1
+        import bcrypt  # here: an exporter without basic auth never loads it (0.4 MiB of RSS)
+
         return bcrypt.checkpw(password, hashed)
 
 
