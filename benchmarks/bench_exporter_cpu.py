@@ -188,10 +188,12 @@ def cpu_table(per_window: dict[str, list[float]], rss: dict[str, float]) -> str:
     first = next(iter(per_window.values()))
     for name, values in per_window.items():
         quartiles = statistics.quantiles(values, n=4)
-        ratios = [value / base for value, base in zip(values, first, strict=True)]
+        # a window where the first used no CPU tick (10 ms) has no ratio: an idle exporter can read 0
+        ratios = [value / base for value, base in zip(values, first, strict=True) if base > 0]
+        ratio = (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios
+                 else "no ratio (the first read 0)")
         lines.append(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} | "
-                     f"{quartiles[0]:.2f}-{quartiles[2]:.2f} | {statistics.median(ratios):.2f}x "
-                     f"({min(ratios):.2f}-{max(ratios):.2f}) | {rss[name]:.1f} |")
+                     f"{quartiles[0]:.2f}-{quartiles[2]:.2f} | {ratio} | {rss[name]:.1f} |")
     return "\n".join(lines)
 
 
