@@ -84,7 +84,7 @@ class Exchange:
         self._reader = reader
         self._writer = writer
         self._http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
-        self._line_checked = False
+        self._line_tail: bytes | None = b""  # the first line's last bytes so far; None once it passed
         self._head_bytes = 0  # read since this request's head began
         self._method: bytes | None = None  # the current request's (a HEAD gets no body)
         self.body_received = 0  # bytes of the current request's body read so far
@@ -107,11 +107,13 @@ class Exchange:
             if http.their_state is not h11.DONE:
                 return None
             http.start_next_cycle()
-        self._line_checked = False
+        self._line_tail = b""
         self._head_bytes = 0
         self.body_received = 0
         deadline = self._deadline(HEADER_TIMEOUT_SECONDS)
         try:
+            pipelined, _closed = http.trailing_data  # sent after the last request's end, before this read
+            self._check_request_line(pipelined)
             event = await self._next_event(head=True)
         except DeadlinePassed:
             return None
@@ -206,21 +208,34 @@ class Exchange:
             if head and self._head_bytes >= MAX_HEAD_BYTES:  # h11 checks only what one read leaves incomplete
                 raise h11.RemoteProtocolError(f"request head over {MAX_HEAD_BYTES} bytes", error_status_hint=431)
             data = await self._reader.read(MAX_HEAD_BYTES if head else READ_BYTES)  # a longer head: 431
-            http.receive_data(data)  # b"": the client closed its side
             if head and data:
                 self._head_bytes += len(data)
-                if not self._line_checked:
-                    self._check_request_line()
+                data = self._check_request_line(data)
+                if not data:
+                    continue  # blank lines only, so far
+            http.receive_data(data)  # b"": the client closed its side
 
-    def _check_request_line(self) -> None:
-        """Refuses at once what cannot become an HTTP/1.x request line; h11 would wait for the head's end."""
-        data, _closed = self._http.trailing_data
-        data = data.lstrip(b"\r\n")
+    def _check_request_line(self, data: bytes) -> bytes:
+        """Refuses at once what cannot become an HTTP/1.x request line; h11 would wait for the head's end.
+        `data` continues the bytes seen so far; each byte is looked at once, so a first line sent a byte
+        at a time costs no more than one sent whole. Returns `data` less blank lines before the request
+        line, which RFC 9112 (2.2) says to ignore and h11 refuses."""
+        if self._line_tail is None:
+            return data
+        if not self._line_tail:
+            data = data.lstrip(b"\r\n")
         end = data.find(b"\n")
-        line = data if end < 0 else data[:end].rstrip(b"\r")
-        if _NOT_A_REQUEST_LINE.search(line) or (end >= 0 and not line.endswith(_HTTP_1X)):
+        piece = data if end < 0 else data[:end]
+        if _NOT_A_REQUEST_LINE.search(piece):
             raise h11.RemoteProtocolError("not an HTTP/1.x request line", error_status_hint=400)
-        self._line_checked = end >= 0
+        tail = (self._line_tail + piece)[-len(b" HTTP/1.1\r"):]
+        if end < 0:
+            self._line_tail = tail
+        elif tail.rstrip(b"\r").endswith(_HTTP_1X):
+            self._line_tail = None
+        else:
+            raise h11.RemoteProtocolError("not an HTTP/1.x request line", error_status_hint=400)
+        return data
 
     def _request(self, event: h11.Request) -> Request:
         self._method = event.method

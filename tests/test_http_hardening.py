@@ -480,3 +480,29 @@ def test_expect_100_continue_is_answered_only_when_the_body_is_wanted(tmp_path: 
                     assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
         assert samples(scrape(exp.url))[
             ("stepscope_steps_total", frozenset({("run", "expect"), ("rank", "0")}))] == 9
+
+
+def test_a_request_sent_a_byte_at_a_time_is_answered_and_a_split_http09_line_refused(exporter: Running) -> None:
+    """The first line is checked as it arrives, piece by piece (exporter.http_exchange)."""
+    for request, expected in ((b"\r\nGET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"HTTP/1.1 200"),
+                              (b"GET /metrics\r\n", b"HTTP/1.1 400")):
+        with socket.create_connection(("127.0.0.1", port_of(exporter)), timeout=5) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for byte in request:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.002)  # each its own segment, mostly its own read
+            assert sock.recv(65536).startswith(expected), request
+
+
+def test_a_pipelined_request_whose_head_ends_in_a_later_read_is_answered(exporter: Running) -> None:
+    """The second request's first line arrives with the first request; its head's end comes later."""
+    with socket.create_connection(("127.0.0.1", port_of(exporter)), timeout=5) as sock:
+        sock.sendall(b"GET /-/ready HTTP/1.1\r\nHost: x\r\n\r\nGET /-/healthy HTTP/1.1\r\nHo")
+        time.sleep(0.2)
+        sock.sendall(b"st: x\r\nConnection: close\r\n\r\n")
+        reply, closed = b"", False
+        while not closed:
+            chunk = sock.recv(65536)
+            reply, closed = reply + chunk, not chunk
+    ready, healthy = responses_in(reply, ["GET", "GET"])
+    assert ready[0] == healthy[0] == b"HTTP/1.1 200 OK"
