@@ -160,7 +160,7 @@ class Exchange:
         while True:
             try:
                 event = await self._next_event(head=False)
-            except (h11.RemoteProtocolError, ConnectionError) as error:
+            except (h11.RemoteProtocolError, OSError) as error:  # a reset, a broken TLS record
                 raise BodyCutShort(self.body_received) from error
             if isinstance(event, h11.Data):
                 chunks.append(event.data)
@@ -258,6 +258,6 @@ class Exchange:
         status = error.error_status_hint
         message = f"{HTTPStatus(status).phrase.lower()}: {error}\n".encode()
         self._method = None
-        with contextlib.suppress(h11.LocalProtocolError, ConnectionError):
+        with contextlib.suppress(h11.LocalProtocolError, OSError):
             await self.respond(Response(status, message, {"Content-Type": "text/plain; charset=utf-8"}),
                                close=True, waiting=lambda _slow: None)

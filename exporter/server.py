@@ -130,10 +130,12 @@ class _Connection(asyncio.StreamReaderProtocol):
         super().__init__(asyncio.StreamReader(limit=READ_BUFFER_BYTES),
                          lambda reader, writer: serve(self, Exchange(reader, writer)))
         self._slots = slots
+        self._client_transport: asyncio.BaseTransport | None = None
         self._started = False
         self.serving = False  # a request is being answered: the graceful stop lets it finish
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._client_transport = transport
         self._slots.opened(self)
         super().connection_made(transport)
 
@@ -149,8 +151,8 @@ class _Connection(asyncio.StreamReaderProtocol):
 
     def evict(self) -> None:
         """Gives up its slot to a newer connection (or to the graceful stop): closed at once."""
-        if self._transport is not None:
-            self._transport.abort()
+        if isinstance(self._client_transport, asyncio.Transport):
+            self._client_transport.abort()
 
 
 def _listen(address: tuple[str, int]) -> socket.socket:
@@ -266,8 +268,8 @@ class ExporterServer:
                     break
                 if not await self._answer(connection, exchange, request):
                     break
-        except ConnectionError:
-            pass  # the client went away mid-response
+        except OSError:
+            pass  # the client went away (a reset, a TLS record that failed) while we read or wrote
         finally:
             del self._connections[connection]
             exchange.close()

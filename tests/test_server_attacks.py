@@ -312,3 +312,27 @@ def test_deeply_nested_json_is_a_400_without_a_traceback(exporter: Running) -> N
     assert push.status_code == 200, push.text
     time.sleep(0.2)
     assert "Traceback" not in exporter.log()
+
+
+def test_a_broken_tls_record_after_the_handshake_logs_nothing(tmp_path: Path) -> None:
+    """Bytes that are no TLS record, sent on a connection after its handshake, fail the read with an
+    SSLError: the connection closes, and nothing (no 'Unhandled exception', no traceback) is logged."""
+    cert, key = make_cert(tmp_path, "127.0.0.1")
+    port = free_port()
+    argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
+            "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
+                 verify=False) as exp:
+        context = ssl.create_default_context(cafile=str(cert))
+        for _ in range(3):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+            tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+            tls.sendall(b"GET /metrics HTTP/1.1\r\nHo")  # a head begun: the exporter is reading
+            raw_again = socket.socket(fileno=tls.detach())  # the same TCP connection, TLS left aside
+            raw_again.sendall(b"\x17\x03\x03\x00\x10" + bytes(16))  # an application record that fails to decrypt
+            with contextlib.suppress(OSError):
+                assert raw_again.recv(65536) is not None
+            raw_again.close()
+        assert requests.get(f"https://127.0.0.1:{port}/-/healthy", verify=False, timeout=5).status_code == 200
+        time.sleep(0.5)
+        assert "Traceback" not in exp.log() and "Unhandled exception" not in exp.log(), exp.log()[-2000:]
