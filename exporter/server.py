@@ -279,11 +279,17 @@ class ExporterServer:
         assert self._stop is not None
         connection.serving = True
         self._slots.busy(connection)  # a connection serving a request keeps its slot
+        failed = False
         try:
-            response = await self._route(exchange, request)
+            try:
+                response = await self._route(exchange, request)
+            except Exception:  # a bug of ours: the client gets a 500, the connection closes, serving goes on
+                log.exception("answering %s %s failed", request.method, request.path)
+                response = _text(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error: see the exporter's log")
+                failed = True
             headers = {"Server": f"stepscope-exporter/{__version__}", **self.options.headers(), **response.headers}
             return await exchange.respond(Response(response.status, response.body, headers),
-                                          close=self._stop.is_set(),
+                                          close=failed or self._stop.is_set(),
                                           waiting=lambda slow: self._client_pace(connection, slow))
         finally:
             connection.serving = False

@@ -129,3 +129,38 @@ def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
         time.sleep(1.5)
         assert _served_common_name(port) == "second"
         assert "TLS reload failed" in exporter.log()
+
+
+FAULTY_HANDLER = """
+import logging, sys
+from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.server import ExporterServer
+
+class Faulty:
+    def check(self, request):
+        return None
+    def handle(self, request, body):
+        raise RuntimeError("a bug in the push handler")
+    def refuse(self, request, status, reason, message):
+        raise AssertionError("not reached")
+
+logging.basicConfig(level=logging.INFO)
+ExporterServer(("127.0.0.1", int(sys.argv[1])), ExpositionStore(), lambda: True, Faulty()).serve()
+"""
+
+
+def test_a_handler_that_raises_is_a_500_and_serving_goes_on(tmp_path: Path) -> None:
+    """A bug behind a route answers that request 500 and closes its connection, with one traceback in
+    the log; the next requests are served."""
+    port = free_port()
+    argv = [sys.executable, "-c", FAULTY_HANDLER, str(port)]
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / "faulty.log", env=exporter_env(),
+                 base_url=f"http://127.0.0.1:{port}") as server:
+        for _ in range(2):
+            response = requests.put(f"{server.url}/metrics/job/stepscope/run/r/rank/0", data=b"x 1\n", timeout=5)
+            assert response.status_code == 500
+            assert response.headers["Connection"] == "close"
+        assert requests.get(f"{server.url}/-/healthy", timeout=5).text == "OK\n"
+    log = server.log()
+    assert log.count("Traceback") == 2 and log.count("answering PUT /metrics/job/stepscope/run/r/rank/0 failed") == 2
+    assert "Unhandled exception" not in log
