@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -63,7 +64,7 @@ PHASES = ("dataloader_next", "to_device", "forward", "backward", "optimizer_step
 CATEGORIES = (
     ("GPU collector: fake NVML calls (the driver's share)", "fake_nvml/pynvml.py"),
     ("deflate of published text (Chunk: collectors' bodies, pushed groups)", "Chunk.__init__ ("),
-    ("rendering families (CachedRenderer, prometheus_client)", "exposition.py"),
+    ("rendering families (CachedRenderer, metric_families)", "exposition.py"),
     ("GPU slow readings thread", "gpu_slow.py"),
     ("GPU collector: its own Python", "collectors/gpu"),
     ("node collector (psutil)", "collectors/node.py"),
@@ -326,9 +327,22 @@ def process_table(rounds: int) -> str:
             "here: other sessions run tests):\n\n" + "\n".join(lines))
 
 
+class _Collected:
+    """What generate_latest reads families from."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
 def render_cost(rounds: int, scenario: Path) -> str:
     """The GPU collector's families with every value changed each cycle (a busy GPU), rendered by the
-    CachedRenderer (kept prefixes) and by generate_latest per family (before), alternating; CPU time."""
+    CachedRenderer (kept prefixes), by exporter.metric_families' render per family, and by prometheus_client's
+    generate_latest per family (the exporter's renderer before both), in turn; CPU time."""
+    from prometheus_client.exposition import generate_latest
+
     from stepscope.exporter.collectors.gpu import GpuCollector
     from stepscope.exporter.exposition import CachedRenderer, render
     from stepscope.exporter.gpu_processes import GpuProcessTable
@@ -341,18 +355,23 @@ def render_cost(rounds: int, scenario: Path) -> str:
     collector = GpuCollector(GpuProcessTable(), nvml=fake, slow_interval=3600)
     collector.collect()
     families = collector.collect()
-    renderer, spent = CachedRenderer(), {"kept prefixes (after)": [], "generate_latest per family (before)": []}
+    renderer = CachedRenderer()
+    spent: dict[str, list[float]] = {"kept prefixes (CachedRenderer)": [], "metric_families.render per family": [],
+                                     "prometheus_client generate_latest per family": []}
     renderer.render(families)
     for cycle in range(1, rounds + 1):
         for family in families:
             family.samples = [sample._replace(value=sample.value + cycle) for sample in family.samples]
         started = time.process_time()
         body, _ = renderer.render(families)
-        middle = time.process_time()
-        before = b"".join(render([family]) for family in families)
-        spent["kept prefixes (after)"].append((middle - started) * 1e3)
-        spent["generate_latest per family (before)"].append((time.process_time() - middle) * 1e3)
-        assert body == before, "the kept prefixes wrote other text than generate_latest"
+        kept = time.process_time()
+        ours = b"".join(render([family]) for family in families)
+        rendered = time.process_time()
+        theirs = b"".join(generate_latest(_Collected([family])) for family in families)  # type: ignore[arg-type]
+        spent["kept prefixes (CachedRenderer)"].append((kept - started) * 1e3)
+        spent["metric_families.render per family"].append((rendered - kept) * 1e3)
+        spent["prometheus_client generate_latest per family"].append((time.process_time() - rendered) * 1e3)
+        assert body == ours == theirs, "the renderers wrote different text"
     collector.close()
     lines = ["| renderer | ms per cycle, median | p90 |", "|---|---:|---:|"]
     lines += [f"| {name} | {statistics.median(values):.3f} | {statistics.quantiles(values, n=10)[-1]:.3f} |"
@@ -471,7 +490,7 @@ def main() -> int:
     parser.add_argument("--no-latency", action="store_true",
                         help="NVML calls return at once: what is left is the exporter's Python (and the fake's)")
     parser.add_argument("--render", type=int, default=0, metavar="ROUNDS",
-                        help="instead: the GPU families' render, kept prefixes against generate_latest")
+                        help="instead: the GPU families' render: kept prefixes, metric_families, generate_latest")
     parser.add_argument("--scrape-interval", type=float, default=1.0,
                         help="seconds between gzip scrapes (1: as bench_gpu.py beside nvitop; 15: Prometheus' usual)")
     parser.add_argument("--raw", type=Path, default=None, help="with --profile: keep py-spy's stacks in this file")

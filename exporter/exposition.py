@@ -7,28 +7,10 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.utils import floatToGoString
-
-
-class _Families:
-    """Adapter: generate_latest wants an object with collect()."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> Iterable[Metric]:
-        return self._families
-
-
-def render(families: Iterable[Metric]) -> bytes:
-    """Text exposition format 0.0.4 of the given families."""
-    return generate_latest(_Families(families))  # type: ignore[arg-type]
-
+from stepscope.exporter.metric_families import Metric, float_to_go_string, render
 
 _MINUS_INF = float("-inf")
-_OPENMETRICS_SUFFIXES = ("_created", "_gsum", "_gcount")  # generate_latest moves these to families of their own
+_OPENMETRICS_SUFFIXES = ("_created", "_gsum", "_gcount")  # render moves these to families of their own
 
 
 class _Rendered:
@@ -44,7 +26,7 @@ class _Rendered:
 
 
 def _plain(sample: Any, family_name: str) -> bool:
-    """A sample that generate_latest writes as `name{labels} value` in the family's order."""
+    """A sample that render writes as `name{labels} value` in the family's order."""
     return (sample.timestamp is None and sample.exemplar is None and getattr(sample, "native_histogram", None) is None
             and not any(sample.name == family_name + suffix for suffix in _OPENMETRICS_SUFFIXES))
 
@@ -62,8 +44,8 @@ class CachedRenderer:
     Most families of an idle node (GPU identity, memory totals, clocks, limits, temperatures) read
     the same from one cycle to the next: comparing a family's samples with the last cycle's costs a
     fraction of rendering them. A family that changed is written line by line from prefixes kept
-    since its last render (the series' name and labels, formatted by generate_latest once) and the
-    value (its floatToGoString), so its text stays byte for byte what generate_latest writes at a
+    since its last render (the series' name and labels, formatted by render once) and the
+    value (its float_to_go_string), so its text stays byte for byte what render writes at a
     fraction of the cost: a busy GPU changes most of its families every cycle. One caller at a time
     (each source has its own).
     """
@@ -105,8 +87,8 @@ class CachedRenderer:
                 prefix = line.removesuffix("0.0\n")
             prefixes[series] = prefix
             value = float(sample.value)
-            # floatToGoString is repr() for these; it differs only for infinities, NaN and 1e6 up
-            lines.append(f"{prefix}{repr(value) if _MINUS_INF < value < 1e6 else floatToGoString(value)}\n")
+            # float_to_go_string is repr() for these; it differs only for infinities, NaN and 1e6 up
+            lines.append(f"{prefix}{repr(value) if _MINUS_INF < value < 1e6 else float_to_go_string(value)}\n")
         return _Rendered(key, header, prefixes, "".join(lines).encode())
 
 

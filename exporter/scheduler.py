@@ -15,12 +15,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
-
 from stepscope.contract import families
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import CachedRenderer, Chunk, ExpositionStore
+from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from stepscope.exporter.thread_cpu import CpuByPart, collector_thread_name
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from prometheus_client.core import GaugeMetricFamily
-
 from stepscope.contract import families
 from stepscope.exporter.exposition import render
+from stepscope.exporter.metric_families import GaugeMetricFamily
 from stepscope.exporter.web_config import TlsSettings
 
 log = logging.getLogger(__name__)

@@ -66,3 +66,15 @@ def test_the_exporter_without_its_extra_says_how_to_install_it() -> None:
     assert result.returncode == 2
     assert result.stderr == ("stepscope-exporter: needs the exporter extra (missing h11, bcrypt): "
                              "pip install 'stepscope[exporter]'\n")
+
+
+def test_the_exporter_imports_only_what_it_serves_with() -> None:
+    """Each of these cost the exporter's RSS without serving it (issue 20: no more RSS than nvitop-exporter):
+    aiohttp (11 MiB) and prometheus_client (2 MiB, http.server and email with it) are not used, yaml and
+    bcrypt load only with a web config file and at the first password check."""
+    code = "import sys, stepscope.exporter.cli; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                            check=True)
+    loaded = set(result.stdout.split())
+    assert not loaded & {"aiohttp", "prometheus_client", "yaml", "bcrypt", "wsgiref", "email", "grpc"}, loaded
+    assert "h11" in loaded

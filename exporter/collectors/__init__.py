@@ -3,7 +3,7 @@
 from collections.abc import Iterable
 from typing import Protocol
 
-from prometheus_client.metrics_core import Metric
+from stepscope.exporter.metric_families import Metric
 
 
 class Collector(Protocol):

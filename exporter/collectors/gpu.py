@@ -18,13 +18,12 @@ from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-
 from stepscope.contract import families as fam
 from stepscope.exporter.collectors.gpu_events import XidWatcher
 from stepscope.exporter.collectors.gpu_gpm import GpmSampler
 from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings, SlowRound
 from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:  # pods.py needs grpc, which only pod attribution installs
     from stepscope.exporter.collectors.pods import PodAttribution

@@ -13,10 +13,9 @@ import time
 from collections.abc import Iterable
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
 
 from stepscope.contract import families
+from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 
 log = logging.getLogger(__name__)
 

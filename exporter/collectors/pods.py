@@ -33,11 +33,10 @@ from types import MappingProxyType
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
 
 from stepscope.contract import families
 from stepscope.exporter.collectors.pid_namespaces import PidResolver
+from stepscope.exporter.metric_families import GaugeMetricFamily, Metric
 from stepscope.exporter.registered import RegisteredProcess
 
 log = logging.getLogger(__name__)

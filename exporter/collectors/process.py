@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
 
 from stepscope.contract import families
 from stepscope.exporter.collectors.pid_namespaces import PidResolver
 from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 from stepscope.exporter.registered import RegisteredProcess
 
 if TYPE_CHECKING:  # pods.py needs grpc, which only pod attribution installs

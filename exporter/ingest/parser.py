@@ -18,8 +18,6 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client.utils import floatToGoString
-
 from stepscope.exporter.ingest.errors import Rejected, clip
 from stepscope.exporter.ingest.families import (
     FAMILIES,
@@ -31,6 +29,7 @@ from stepscope.exporter.ingest.families import (
     RESERVED_LABELS,
     FamilySpec,
 )
+from stepscope.exporter.metric_families import float_to_go_string
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -250,7 +249,7 @@ class _FamilyBuilder:
                 raise Rejected(400, "malformed", f"{_show(name, labels)}: le is not a number") from None
             if math.isnan(bound):
                 raise Rejected(400, "malformed", f"{_show(name, labels)}: NaN or duplicate le")
-            cached = self._le_cache[le] = (bound, floatToGoString(bound))
+            cached = self._le_cache[le] = (bound, float_to_go_string(bound))
         return cached
 
     def _label_text(self, values: dict[str, str]) -> str:

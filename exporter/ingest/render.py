@@ -13,13 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-
 from stepscope.contract import families, family
 from stepscope.exporter.exposition import Chunk, render
 from stepscope.exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
 from stepscope.exporter.ingest.parser import escape_label_value
 from stepscope.exporter.ingest.store import Group, GroupStore
+from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 def _header(spec: FamilySpec) -> Chunk:
