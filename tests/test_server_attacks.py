@@ -280,16 +280,22 @@ def test_a_scrape_then_half_close_is_answered(exporter: Running) -> None:
     assert b"stepscope_exporter_build_info" in reply
 
 
-def test_a_tls_client_that_half_closes_logs_nothing(tmp_path: Path) -> None:
-    """TLS transports close on EOF whatever the protocol asks, and warn if asked to stay open: a
-    half-closing TLS client (a flood of them) must not write to the log."""
+@contextlib.contextmanager
+def tls_exporter(tmp_path: Path) -> Iterator[tuple[Running, int, ssl.SSLContext]]:
+    """An exporter serving TLS with a fresh certificate; its port and a client context trusting it."""
     cert, key = make_cert(tmp_path, "127.0.0.1")
     port = free_port()
     argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
             "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
     with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
                  verify=False) as exp:
-        context = ssl.create_default_context(cafile=str(cert))
+        yield exp, port, ssl.create_default_context(cafile=str(cert))
+
+
+def test_a_tls_client_that_half_closes_logs_nothing(tmp_path: Path) -> None:
+    """TLS transports close on EOF whatever the protocol asks, and warn if asked to stay open: a
+    half-closing TLS client (a flood of them) must not write to the log."""
+    with tls_exporter(tmp_path) as (exp, port, context):
         for _ in range(3):
             raw = socket.create_connection(("127.0.0.1", port))
             with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
@@ -317,13 +323,7 @@ def test_deeply_nested_json_is_a_400_without_a_traceback(exporter: Running) -> N
 def test_a_broken_tls_record_after_the_handshake_logs_nothing(tmp_path: Path) -> None:
     """Bytes that are no TLS record, sent on a connection after its handshake, fail the read with an
     SSLError: the connection closes, and nothing (no 'Unhandled exception', no traceback) is logged."""
-    cert, key = make_cert(tmp_path, "127.0.0.1")
-    port = free_port()
-    argv = [sys.executable, "-m", "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", *NO_COLLECTORS,
-            "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
-    with running(argv, f"https://127.0.0.1:{port}/-/ready", tmp_path / "tls.log", env=exporter_env(),
-                 verify=False) as exp:
-        context = ssl.create_default_context(cafile=str(cert))
+    with tls_exporter(tmp_path) as (exp, port, context):
         for _ in range(3):
             raw = socket.create_connection(("127.0.0.1", port), timeout=5)
             tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
