@@ -61,6 +61,13 @@ class Response:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # a code http.HTTPStatus does not name: the phrase is optional (RFC 9112 4)
+        return ""
+
+
 class DeadlinePassed(Exception):
     """The head or body did not arrive in time."""
 
@@ -115,7 +122,7 @@ class Exchange:
             pipelined, _closed = http.trailing_data  # sent after the last request's end, before this read
             self._check_request_line(pipelined)
             event = await self._next_event(head=True)
-        except DeadlinePassed:
+        except (DeadlinePassed, BodyEvicted):  # this head's deadline, or the last body's eviction come late
             return None
         except h11.RemoteProtocolError as error:
             await self._refuse(error)
@@ -175,7 +182,7 @@ class Exchange:
         headers = [*response.headers.items(), ("Content-Length", str(len(response.body)))]
         if close or http.their_state is not h11.DONE:  # an unread body must not become the next request
             headers.append(("Connection", "close"))
-        phrase = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
+        phrase = _phrase(response.status)
         parts: list[bytes | memoryview] = [http.send(h11.Response(status_code=response.status, headers=headers,
                                                                   reason=phrase)) or b""]
         if response.body and self._method != b"HEAD":
@@ -256,7 +263,7 @@ class Exchange:
         if self._http.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         status = error.error_status_hint
-        message = f"{HTTPStatus(status).phrase.lower()}: {error}\n".encode()
+        message = f"{_phrase(status).lower() or status}: {error}\n".encode()
         self._method = None
         with contextlib.suppress(h11.LocalProtocolError, OSError):
             await self.respond(Response(status, message, {"Content-Type": "text/plain; charset=utf-8"}),

@@ -45,7 +45,7 @@ SHUTDOWN_TIMEOUT_SECONDS = 5.0  # per stage: in-flight responses finish, then th
 LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 LARGE_BODY_BYTES = 64 * 1024  # parsed off the event loop, one at a time
 RECEIVE_BUFFER_BYTES = 64 * 1024
-READ_BUFFER_BYTES = 64 * 1024  # a connection's socket is not read while twice this waits unparsed
+READ_BUFFER_BYTES = 16 * 1024  # a connection's socket is not read while twice this waits: 16 MiB for 512
 PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 INDEX_PAGE = """<!doctype html>
