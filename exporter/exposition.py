@@ -7,10 +7,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from stepscope.exporter.metric_families import Metric, float_to_go_string, render
+from stepscope.exporter.metric_families import OPENMETRICS_SUFFIXES, Metric, float_to_go_string, render
 
 _MINUS_INF = float("-inf")
-_OPENMETRICS_SUFFIXES = ("_created", "_gsum", "_gcount")  # render moves these to families of their own
 
 
 class _Rendered:
@@ -26,9 +25,9 @@ class _Rendered:
 
 
 def _plain(sample: Any, family_name: str) -> bool:
-    """A sample that render writes as `name{labels} value` in the family's order."""
+    """A sample that render writes as `name{labels} value` in the family's order (not moved to a family apart)."""
     return (sample.timestamp is None and sample.exemplar is None and getattr(sample, "native_histogram", None) is None
-            and not any(sample.name == family_name + suffix for suffix in _OPENMETRICS_SUFFIXES))
+            and not any(sample.name == family_name + suffix for suffix in OPENMETRICS_SUFFIXES))
 
 
 def _alone(family: Metric, samples: list[Any]) -> Metric:

@@ -98,7 +98,7 @@ def float_to_go_string(value: float) -> str:
 # the OpenMetrics type each becomes in format 0.0.4, and the name suffix it takes
 _TEXT_TYPE = {"info": ("gauge", "_info"), "stateset": ("gauge", ""), "gaugehistogram": ("histogram", ""),
               "unknown": ("untyped", ""), "counter": ("counter", "_total")}
-_OPENMETRICS_SUFFIXES = ("_created", "_gsum", "_gcount")  # written as gauge families of their own, after
+OPENMETRICS_SUFFIXES = ("_created", "_gsum", "_gcount")  # written as gauge families of their own, after
 
 
 def _escape_help(text: str) -> str:
@@ -125,7 +125,7 @@ def render(families: Iterable[Metric]) -> bytes:
         out += [f"# HELP {name} {_escape_help(family.documentation)}\n", f"# TYPE {name} {text_type}\n"]
         apart: dict[str, list[str]] = {}
         for sample in family.samples:
-            kept = next((s for s in _OPENMETRICS_SUFFIXES if sample.name == family.name + s), None)
+            kept = next((s for s in OPENMETRICS_SUFFIXES if sample.name == family.name + s), None)
             if kept is None:
                 out.append(sample_line(sample))
             else:
