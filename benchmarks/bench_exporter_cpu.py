@@ -24,13 +24,10 @@ The side by side with nvitop-exporter needs a GPU: `benchmarks/bench_gpu.py`.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import importlib.util
-import linecache
 import os
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -49,6 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_gpu import baseline_tree, commit_of, cpu_by_part  # noqa: E402
+from exporter_profile import cpu_seconds, profile_pid  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, make_scenario, write_scenario  # noqa: E402
@@ -60,25 +58,6 @@ PUSH_INTERVAL = 5.0
 STEP_SECONDS = 0.05
 PHASES = ("dataloader_next", "to_device", "forward", "backward", "optimizer_step")
 
-# py-spy stack categories, first match wins: (label, substring of a frame "function (file:line)")
-CATEGORIES = (
-    ("GPU collector: fake NVML calls (the driver's share)", "fake_nvml/pynvml.py"),
-    ("deflate of published text (Chunk: collectors' bodies, pushed groups)", "Chunk.__init__ ("),
-    ("rendering families (CachedRenderer, metric_families)", "exposition.py"),
-    ("GPU slow readings thread", "gpu_slow.py"),
-    ("GPU collector: its own Python", "collectors/gpu"),
-    ("node collector (psutil)", "collectors/node.py"),
-    ("process collector (psutil, /proc)", "collectors/process.py"),
-    ("pid namespaces", "pid_namespaces.py"),
-    ("scheduler (self metrics, loop)", "scheduler.py"),
-    ("push parsing and storing (ingest)", "exporter/ingest/"),
-    ("scrape handler (/metrics)", "_metrics (stepscope/exporter/server.py"),
-    ("HTTP/1.1 on connections (exporter/http_exchange.py, h11)", "http_exchange.py"),
-    ("asyncio loop", "asyncio/"),
-)
-
-
-IDLE_LINE = re.compile(r"\bsleep\(|\.wait\(|\.select\(|\.poll\(|\.acquire\(")
 
 
 class BusyGpus:
@@ -164,11 +143,6 @@ class Load:
             tracker.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
 def measure(pids: dict[str, int], windows: int, window: float) -> dict[str, list[float]]:
     """CPU ms per second of each exporter, window by window, all measured over the same windows."""
     per_window: dict[str, list[float]] = {name: [] for name in pids}
@@ -198,83 +172,15 @@ def cpu_table(per_window: dict[str, list[float]], rss: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def idle(leaf: str) -> bool:
-    """A leaf frame that sleeps or waits: py-spy sometimes samples a thread entering or leaving one as active."""
-    match = re.search(r"\((.+):(\d+)\)$", leaf)
-    if match is None:
-        return False
-    path = next((str(Path(root) / match[1]) for root in sys.path if (Path(root) / match[1]).is_file()), match[1])
-    return bool(IDLE_LINE.search(linecache.getline(path, int(match[2]))))
-
-
-def categorize(raw: Path) -> collections.Counter[str]:
-    """py-spy's raw (collapsed) stacks counted by CATEGORIES; the rest by their thread's leaf frame."""
-    counts: collections.Counter[str] = collections.Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if idle(stack.rsplit(";", 1)[-1]):
-            continue
-        label = next((name for name, marker in CATEGORIES if marker in stack), None)
-        if label is None:
-            leaf = stack.rsplit(";", 1)[-1]
-            label = f"other: {leaf.split(' (')[0]} ({leaf.rsplit('/', 1)[-1].rstrip(')')})"
-        counts[label] += int(count)
-    return counts
-
-
-def thread_names(pid: int) -> dict[int, str]:
-    """{native thread id: Python thread name}, from `py-spy dump` ('Thread 1100 (idle): "collect-gpu"')."""
-    dump = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(pid)],
-                          capture_output=True, text=True, check=True).stdout
-    return {int(match[1]): match[2] for match in re.finditer(r'^Thread (\d+) \([a-z]+\): "(.*)"$', dump, re.M)}
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    return {thread.id: thread.user_time + thread.system_time for thread in psutil.Process(pid).threads()}
-
-
-def by_thread(names: dict[int, str], before: dict[int, float], after: dict[int, float], wall: float) -> str:
-    """Exact CPU ms per second of each thread over the window (the kernel's accounting, not sampled)."""
-    spent: collections.Counter[str] = collections.Counter()
-    for tid, seconds in after.items():
-        name = re.sub(r"_\d+$", "_N", names.get(tid, "a thread started during the window"))
-        spent[name] += (seconds - before.get(tid, 0.0)) / wall * 1e3
-    lines = ["| thread | CPU ms/s |", "|---|---:|"]
-    lines += [f"| {name} | {ms:.2f} |" for name, ms in spent.most_common() if ms >= 0.005]
-    return "\n".join(lines)
-
-
 def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None, scrape_interval: float) -> str:
-    """py-spy of this tree's exporter under the load: CPU ms per second by thread (exact) and by category
-    (py-spy's samples; stacks kept in `raw`)."""
-    raw = raw or tmp / "pyspy.txt"
-    rate = 250
+    """py-spy of this tree's exporter under the load (exporter_profile.profile_pid; stacks kept in `raw`)."""
     with exporter(REPO_ROOT, scenario, tmp) as (url, pid):
         load = Load(url, scrape_interval)
         try:
             time.sleep(2 * PUSH_INTERVAL)
-            names = thread_names(pid)
-            cpu0, threads0, started = cpu_seconds(pid), thread_cpu(pid), time.monotonic()
-            subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate",
-                            str(rate), "--duration", str(int(seconds)), "--format", "raw", "--nonblocking",
-                            "--output", str(raw)], check=True, capture_output=True)
-            wall = time.monotonic() - started
-            cpu_ms, threads = (cpu_seconds(pid) - cpu0) / wall * 1e3, by_thread(names, threads0, thread_cpu(pid), wall)
+            return profile_pid(pid, seconds, raw or tmp / "pyspy.txt")
         finally:
             load.close()
-    counts = categorize(raw)
-    total = sum(counts.values())
-    lines = ["| where | samples | share | CPU ms/s |", "|---|---:|---:|---:|"]
-    for label, count in counts.most_common():
-        if count / total >= 0.005:
-            lines.append(f"| {label} | {count} | {count / total:.1%} | {count / total * cpu_ms:.2f} |")
-    rest = sum(c for c in counts.values() if c / total < 0.005)
-    lines.append(f"| everything under 0.5% each | {rest} | {rest / total:.1%} | {rest / total * cpu_ms:.2f} |")
-    return (f"Exporter CPU over the profile: **{cpu_ms:.2f} ms/s** (psutil), {seconds:.0f} s.\n\nBy thread (the "
-            f"kernel's per-thread CPU time):\n\n{threads}\n\nBy category: py-spy at {rate} Hz, idle samples left "
-            f"out (and those whose leaf line sleeps or waits), {total} samples, shared out in proportion of "
-            "the process's CPU. On a loaded machine a thread waiting for a CPU samples as active, so shares lean "
-            "towards code that runs right after a wake-up (socket writes, the event loop).\n\n" + "\n".join(lines))
 
 
 def this_tree_with(rev: str, paths: list[str], tmp: Path) -> Path:

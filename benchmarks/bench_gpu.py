@@ -8,6 +8,7 @@ On a GPU (an NVIDIA driver for NVML and torch with CUDA); without one it says so
    the slow-readings thread;
 2. stepscope-exporter vs nvitop-exporter, both at a 1 s interval, running at once while a bf16 matmul
    loop keeps GPU 0 busy: CPU of a core, RSS, scrape p50/p99 (one scrape each per second, in turn);
+   then, where py-spy is installed, stepscope-exporter's CPU by thread and by code (--profile-seconds);
 3. the hooks off / CUDA events / host timing / sync at ~1.3, ~2.8 and ~49 ms steps with six phases,
    interleaved rounds with per-round spread, an A/A control (off vs off), and event-timed against
    synchronized phase sums.
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,6 +53,7 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
+from exporter_profile import profile_pid, py_spy  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
@@ -361,8 +364,9 @@ while True:
 """
 
 
-def exporters_side_by_side(tmp: Path, seconds: float) -> str:
-    """Both exporters at 1 s, scraped once per second each in turn, while a matmul loop runs."""
+def exporters_side_by_side(tmp: Path, seconds: float, profile_seconds: float = 60.0) -> str:
+    """Both exporters at 1 s, scraped once per second each in turn, while a matmul loop runs; then, where
+    py-spy is installed, stepscope-exporter alone profiled for `profile_seconds` under the same scrapes."""
     with contextlib.ExitStack() as stack:
         load = subprocess.Popen([sys.executable, "-c", MATMUL_LOOP])
         stack.callback(lambda: (load.terminate(), load.wait(10)))
@@ -384,6 +388,7 @@ def exporters_side_by_side(tmp: Path, seconds: float) -> str:
         parts_before, started = cpu_by_part(f"{ours.url}/metrics"), time.monotonic()
         rows = paced_scrapes(targets, seconds)
         parts_after, wall = cpu_by_part(f"{ours.url}/metrics"), time.monotonic() - started
+        profiled = profile_after(ours.url, ours.process.pid, profile_seconds, tmp)
     base = rows[-1] if command else rows[0]
     lines = [[r["target"], f"{r['cpu']:.2f}", f"{r['cpu'] / base['cpu']:.2f}x", f"{r['rss']:.0f}",
               f"{r['p50']:.2f}", f"{r['p99']:.2f}", str(r["series"])] for r in rows]
@@ -394,7 +399,35 @@ def exporters_side_by_side(tmp: Path, seconds: float) -> str:
         f"\n\n{seconds:.0f} s window after 10 s of warm-up; a bf16 8192x8192 matmul loop on GPU 0 all along; "
         "one gzip scrape per target per second, in turn; CPU is user+system of the exporter process.\n\n"
         "Where stepscope-exporter's CPU went, by part (its stepscope_exporter_cpu_seconds_total over the same "
-        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part)
+        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part) + profiled
+
+
+def profile_after(url: str, pid: int, seconds: float, tmp: Path) -> str:
+    """stepscope-exporter's CPU by thread and by code (exporter_profile.profile_pid), a gzip scrape a second
+    as in the side by side; a note instead where py-spy is absent or may not attach."""
+    if seconds <= 0:
+        return ""
+    if py_spy() is None:
+        return "\n\nNo profile: py-spy is not installed (its wheel travels in .whl/ like nvitop's)."
+    stop = threading.Event()
+    scraper = threading.Thread(target=scrape_every_second, args=(f"{url}/metrics", stop), daemon=True)
+    scraper.start()
+    try:
+        profiled = profile_pid(pid, seconds, tmp / "spy.txt")
+        return f"\n\n### stepscope-exporter profiled afterwards, the only one scraped\n\n{profiled}"
+    except (RuntimeError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        return f"\n\nNo profile: py-spy failed ({error}; {detail.decode(errors='replace').strip()[-300:]})."
+    finally:
+        stop.set()
+        scraper.join(timeout=5)
+
+
+def scrape_every_second(url: str, stop: threading.Event) -> None:
+    with requests.Session() as session:
+        while not stop.wait(1.0):
+            with contextlib.suppress(requests.RequestException):
+                session.get(url, headers={"Accept-Encoding": "gzip"}, timeout=5)
 
 
 def cpu_by_part(url: str) -> dict[str, float]:
@@ -849,13 +882,13 @@ def gpu_benchmark(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp, push_target(Path(tmp)) as push_url:
         if args.side_by_side:
             sections = [("stepscope-exporter vs nvitop-exporter at a 1 s interval",
-                         exporters_side_by_side(Path(tmp), args.window))]
+                         exporters_side_by_side(Path(tmp), args.window, args.profile_seconds))]
             return (f"# GPU benchmark on {device}: the exporters side by side\n\n{machine()}; total "
                     f"{time.perf_counter() - started:.0f} s.\n" + results.sections(sections))
         sections = [("GPU collector, per NVML call", collector_per_call()),
                     ("GPU collector, per cycle", collector_per_cycle()),
                     ("stepscope-exporter vs nvitop-exporter at a 1 s interval",
-                     exporters_side_by_side(Path(tmp), args.window)),
+                     exporters_side_by_side(Path(tmp), args.window, args.profile_seconds)),
                     ("Hooks: off / CUDA events / host / sync, six phases per step",
                      hooks_on_gpu(push_url, args.rounds))]
     return (f"# GPU benchmark on {device}\n\n{machine()}; total {time.perf_counter() - started:.0f} s.\n"
@@ -891,6 +924,8 @@ def main() -> int:
                         help="seconds of exporter CPU measurement (120 on a GPU, 60 for the cost model)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="on a GPU: only stepscope-exporter vs nvitop-exporter (results/gpu-side-by-side.md)")
+    parser.add_argument("--profile-seconds", type=float, default=60.0,
+                        help="after the side by side: py-spy stepscope-exporter alone this long (0: no profile)")
     parser.add_argument("--baseline-rev", default=None,
                         help="git revision for the cost model's 'before' (default: where this branch left main)")
     args = parser.parse_args()
