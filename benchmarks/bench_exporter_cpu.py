@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_gpu import baseline_tree, commit_of, cpu_by_part  # noqa: E402
-from exporter_profile import cpu_seconds, profile_pid  # noqa: E402
+from exporter_profile import cpu_seconds, profile_pid, scrape_until  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, make_scenario, write_scenario  # noqa: E402
@@ -343,12 +343,6 @@ def node_cycle(rounds: int, rev: str, tmp: Path) -> str:
 
 
 COLLECTOR_SETS = {"none": "", "node": "node", "process": "process", "gpu": "gpu", "all (the default)": None}
-
-
-def scrape_until(url: str, interval: float, stop: threading.Event) -> None:
-    session = requests.Session()
-    while not stop.wait(interval):
-        session.get(f"{url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10).raise_for_status()
 
 
 def collector_sets(windows: int, window: float, tmp: Path, scenario: Path, scrape_interval: float) -> str:

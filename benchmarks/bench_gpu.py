@@ -53,7 +53,7 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
-from exporter_profile import profile_pid, py_spy  # noqa: E402
+from exporter_profile import profile_pid, py_spy, scrape_until  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
@@ -410,7 +410,7 @@ def profile_after(url: str, pid: int, seconds: float, tmp: Path) -> str:
     if py_spy() is None:
         return "\n\nNo profile: py-spy is not installed (its wheel travels in .whl/ like nvitop's)."
     stop = threading.Event()
-    scraper = threading.Thread(target=scrape_every_second, args=(f"{url}/metrics", stop), daemon=True)
+    scraper = threading.Thread(target=scrape_until, args=(url, 1.0, stop), daemon=True)
     scraper.start()
     try:
         profiled = profile_pid(pid, seconds, tmp / "spy.txt")
@@ -421,13 +421,6 @@ def profile_after(url: str, pid: int, seconds: float, tmp: Path) -> str:
     finally:
         stop.set()
         scraper.join(timeout=5)
-
-
-def scrape_every_second(url: str, stop: threading.Event) -> None:
-    with requests.Session() as session:
-        while not stop.wait(1.0):
-            with contextlib.suppress(requests.RequestException):
-                session.get(url, headers={"Accept-Encoding": "gzip"}, timeout=5)
 
 
 def cpu_by_part(url: str) -> dict[str, float]:

@@ -5,15 +5,18 @@ when py-spy is installed), so both split the same way."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import linecache
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
+import requests
 
 RATE_HZ = 250
 
@@ -123,3 +126,12 @@ def profile_pid(pid: int, seconds: float, raw: Path) -> str:
             "proportion of the process's CPU. On a loaded machine a thread waiting for a CPU samples as active, so "
             "shares lean towards code that runs right after a wake-up (socket writes, the event loop).\n\n"
             + "\n".join(lines))
+
+
+def scrape_until(url: str, interval: float, stop: threading.Event) -> None:
+    """A Prometheus-like gzip scrape of `url`/metrics every `interval` s on one connection until `stop`; a
+    failed scrape is skipped, not the end of the load."""
+    with requests.Session() as session:
+        while not stop.wait(interval):
+            with contextlib.suppress(requests.RequestException):
+                session.get(f"{url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10)
