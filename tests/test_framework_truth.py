@@ -27,12 +27,10 @@ from tests.support.framework_truth import (
 
 STEPS = EPOCHS * 5  # 18 batches an epoch: 4 + 4 + 4 + 4 + 2
 MICRO_BATCHES = EPOCHS * 18
-SHARE_TOLERANCE = 0.02
-# Hugging Face under torchrun: accelerate's DataLoaderShard (a batch ahead, the distributed sampler, even-batch
-# padding) runs inside dataloader_next but outside the truth's Dataset and collate timing, and two ranks on two
-# shared cores stretch it: +0.009..+0.017 at load 2 (benchmarks/results/framework_truth.md), +0.0217 in a
-# clean-clone CI run beside the rest of the suite.
-HF_DDP_SHARE_TOLERANCE = 0.03
+SHARE_TOLERANCE = 0.02  # the loading share against the Dataset and collate time
+# Against each fetch timed where accelerate's DataLoaderShard yields it: only the hook's own generator lies
+# between (+0.0001 measured, idle and beside 3 busy loops).
+FETCH_SHARE_TOLERANCE = 0.005
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +46,22 @@ def pushed(text: str, run: str, rank: str = "0") -> Callable[..., float]:
     return value
 
 
-def check_against_truth(value: Callable[..., float], truth: Truth, share_tolerance: float = SHARE_TOLERANCE) -> None:
-    """Steps, micro-batches and samples exact; loading share within 0.02; every eval and save in its state."""
+def check_against_truth(value: Callable[..., float], truth: Truth,
+                        share_tolerance: float | None = SHARE_TOLERANCE) -> None:
+    """Steps, micro-batches and samples exact; the loading share within `share_tolerance` of the Dataset and
+    collate time (None: only at least it) and, where the truth timed the fetches, within 0.005 of them; every
+    eval and save in its state."""
     assert value("stepscope_steps_total") == truth.optimizer_steps
     assert value("stepscope_micro_batches_total") == truth.forwards
     assert value("stepscope_samples_total") == truth.samples
     assert value("stepscope_step_phase_seconds_count", phase="optimizer_step") == truth.optimizer_steps
     step_seconds = value("stepscope_step_seconds_sum")
     share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / step_seconds
-    assert share == pytest.approx(truth.loading / step_seconds, abs=share_tolerance)
+    assert share >= truth.loading / step_seconds - FETCH_SHARE_TOLERANCE  # every fetch holds its Dataset and collate
+    if share_tolerance is not None:
+        assert share == pytest.approx(truth.loading / step_seconds, abs=share_tolerance)
+    if truth.fetching:
+        assert share == pytest.approx(truth.fetching / step_seconds, abs=FETCH_SHARE_TOLERANCE)
     for state, spans in truth.spans.items():
         assert spans, state
         seconds = value("stepscope_state_seconds_total", state=state)
@@ -148,5 +153,9 @@ def test_huggingface_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> N
         truth = Truth.load(tmp_path / f"truth-{rank}.json")
         # accelerate's even batches: a rank's 35 items of an epoch padded to 36 from the start (4 + 4 + 1 batches)
         assert (truth.samples, truth.optimizer_steps) == (EPOCHS * 36, EPOCHS * 3)
-        check_against_truth(pushed(text, "hf-ddp", rank), truth, HF_DDP_SHARE_TOLERANCE)
+        # two ranks on shared cores stretch accelerate's own work and the OS's preemption inside each fetch
+        # (+0.03 of the step beside the rest of the suite in CI), which the Dataset's truth cannot see: the
+        # share is held to the timed fetches instead
+        check_against_truth(pushed(text, "hf-ddp", rank), truth, share_tolerance=None)
+        assert truth.fetching > truth.loading
         assert sample_values(text, "stepscope_training_info", run="hf-ddp", rank=rank, world_size="2")

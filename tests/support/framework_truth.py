@@ -5,17 +5,19 @@ Every run accumulates gradients over 4 batches, ends every epoch on a partial ba
 accumulation, validates, saves checkpoints and has a neighbour callback that spends time at every batch
 end (as `max_time`'s Timer does with its broadcast under DDP). The truth comes from the frameworks' own
 objects, not from stepscope: optimizer steps from an optimizer step post-hook, micro-batches and samples
-from the model's training forwards, loading time from the Dataset and the collate function, evaluation
+from the model's training forwards, loading time from the Dataset and the collate function (and, for Hugging
+Face, each fetch where accelerate's DataLoaderShard yields it), evaluation
 and checkpoint spans from the trainers' own methods.
 """
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -38,6 +40,7 @@ class Truth:
     """What the job really did, measured without stepscope."""
 
     loading: float = 0.0
+    fetching: float = 0.0  # Hugging Face: each next() on the training loader as the Trainer calls it
     optimizer_steps: int = 0
     forwards: int = 0
     samples: int = 0
@@ -66,6 +69,28 @@ class Truth:
         result = default_collate(batch)
         self.loading += perf_counter() - start
         return result
+
+    def timed_fetches(self, shard_iter: Callable[[Any], Iterator[Any]]) -> Callable[[Any], Iterator[Any]]:
+        """Wraps accelerate's `DataLoaderShard.__iter__` so each batch of the training set's loader adds its
+        next() to `fetching`: the Dataset and the collate plus the shard's own work (a batch ahead, even-batch
+        padding) and whatever the OS takes from the process meanwhile, which `loading` cannot see. The last
+        next(), which only ends the epoch, is no fetch."""
+        truth = self
+
+        def __iter__(loader: Any) -> Iterator[Any]:
+            batches = shard_iter(loader)
+            if getattr(loader.dataset, "truth", None) is not truth:  # the eval loader
+                yield from batches
+                return
+            while True:
+                start = perf_counter()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                truth.fetching += perf_counter() - start
+                yield batch
+        return __iter__
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -186,5 +211,8 @@ def huggingface_train(truth: Truth, root: Path, callback: Any) -> Any:
     )
     trainer._evaluate = truth.timed("eval", trainer._evaluate)
     trainer._save_checkpoint = truth.timed("checkpoint", trainer._save_checkpoint)
-    trainer.train()
+    from accelerate.data_loader import DataLoaderShard
+
+    with mock.patch.object(DataLoaderShard, "__iter__", truth.timed_fetches(DataLoaderShard.__iter__)):
+        trainer.train()
     return trainer
