@@ -11,6 +11,7 @@ a table of medians and spread.
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py [--baseline-rev REV [--baseline-paths P,..]
         [--whole-process-table]] [--windows 8] [--window 15] [--no-latency]
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60   # this tree: by thread and category
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60 --one-gpu   # bench_gpu's side-by-side load
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --collector-sets   # one H100: each collector's share
@@ -172,15 +173,24 @@ def cpu_table(per_window: dict[str, list[float]], rss: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None, scrape_interval: float) -> str:
-    """py-spy of this tree's exporter under the load (exporter_profile.profile_pid; stacks kept in `raw`)."""
+def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None, scrape_interval: float,
+            pushes: bool) -> str:
+    """py-spy of this tree's exporter under the load, or under scrapes alone without `pushes`
+    (exporter_profile.profile_pid; stacks kept in `raw`)."""
     with exporter(REPO_ROOT, scenario, tmp) as (url, pid):
-        load = Load(url, scrape_interval)
+        if pushes:
+            load = Load(url, scrape_interval)
+            stop = load.close
+        else:
+            stopped = threading.Event()
+            scraper = threading.Thread(target=scrape_until, args=(url, scrape_interval, stopped), daemon=True)
+            scraper.start()
+            stop = stopped.set
         try:
             time.sleep(2 * PUSH_INTERVAL)
             return profile_pid(pid, seconds, raw or tmp / "pyspy.txt")
         finally:
-            load.close()
+            stop()
 
 
 def this_tree_with(rev: str, paths: list[str], tmp: Path) -> Path:
@@ -398,12 +408,17 @@ def main() -> int:
                         help="instead: the node collector's cold cycle, --baseline-rev's against this tree's")
     parser.add_argument("--collector-sets", action="store_true",
                         help="instead: one H100, an exporter per collector set side by side, the default's CPU by part")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="with --profile: one H100 and no pushes, bench_gpu.py --side-by-side's load, to set "
+                             "beside the profile a GPU run prints")
     args = parser.parse_args()
     if args.windows < 4:
         parser.error("--windows must be at least 4")
+    if args.one_gpu and not args.profile:
+        parser.error("--one-gpu goes with --profile SECONDS")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        gpus = 1 if args.collector_sets else 8  # one: as the H100 beside nvitop-exporter
+        gpus = 1 if args.collector_sets or args.one_gpu else 8  # one: as the H100 beside nvitop-exporter
         readings = make_scenario(gpus, 8, latency_ms=None if args.no_latency else H100_LATENCY_MS)
         scenario = write_scenario(tmp / f"h100x{gpus}.json", readings)
         busy = BusyGpus(scenario, readings)
@@ -421,8 +436,9 @@ def main() -> int:
             report = (f"## One H100: each collector's share ({header})\n\n"
                       + collector_sets(args.windows, args.window, tmp, scenario, args.scrape_interval))
         elif args.profile:
-            report = f"## Where the CPU goes ({header})\n\n" + profile(args.profile, tmp, scenario, args.raw,
-                                                                         args.scrape_interval)
+            load = "one H100, scrapes alone, " if args.one_gpu else ""
+            report = f"## Where the CPU goes ({load}{header})\n\n" + profile(
+                args.profile, tmp, scenario, args.raw, args.scrape_interval, pushes=not args.one_gpu)
         else:
             trees = {f"this tree ({commit_of('HEAD')}+)": REPO_ROOT}
             if args.baseline_rev:
