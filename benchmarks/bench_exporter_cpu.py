@@ -47,7 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_gpu import baseline_tree, commit_of, cpu_by_part  # noqa: E402
-from exporter_profile import cpu_seconds, profile_pid, scrape_until  # noqa: E402
+from exporter_profile import cpu_seconds, profile_pid, scraping  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, make_scenario, write_scenario  # noqa: E402
@@ -177,20 +177,10 @@ def profile(seconds: float, tmp: Path, scenario: Path, raw: Path | None, scrape_
             pushes: bool) -> str:
     """py-spy of this tree's exporter under the load, or under scrapes alone without `pushes`
     (exporter_profile.profile_pid; stacks kept in `raw`)."""
-    with exporter(REPO_ROOT, scenario, tmp) as (url, pid):
-        if pushes:
-            load = Load(url, scrape_interval)
-            stop = load.close
-        else:
-            stopped = threading.Event()
-            scraper = threading.Thread(target=scrape_until, args=(url, scrape_interval, stopped), daemon=True)
-            scraper.start()
-            stop = stopped.set
-        try:
-            time.sleep(2 * PUSH_INTERVAL)
-            return profile_pid(pid, seconds, raw or tmp / "pyspy.txt")
-        finally:
-            stop()
+    with exporter(REPO_ROOT, scenario, tmp) as (url, pid), (
+            contextlib.closing(Load(url, scrape_interval)) if pushes else scraping(url, scrape_interval)):
+        time.sleep(2 * PUSH_INTERVAL)
+        return profile_pid(pid, seconds, raw or tmp / "pyspy.txt")
 
 
 def this_tree_with(rev: str, paths: list[str], tmp: Path) -> Path:
@@ -364,10 +354,8 @@ def collector_sets(windows: int, window: float, tmp: Path, scenario: Path, scrap
         for name, collectors in COLLECTOR_SETS.items():
             flags = () if collectors is None else ("--collectors", collectors)
             urls[name], pids[name] = stack.enter_context(exporter(REPO_ROOT, scenario, tmp, *flags))
-        stop = threading.Event()
-        stack.callback(stop.set)
         for url in urls.values():
-            threading.Thread(target=scrape_until, args=(url, scrape_interval, stop), daemon=True).start()
+            stack.enter_context(scraping(url, scrape_interval))
         time.sleep(10)
         default = f"{urls['all (the default)']}/metrics"
         parts_before, started = cpu_by_part(default), time.monotonic()

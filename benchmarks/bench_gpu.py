@@ -39,7 +39,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,7 +52,7 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
-from exporter_profile import profile_pid, py_spy, scrape_until  # noqa: E402
+from exporter_profile import profile_pid, py_spy, scraping  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
@@ -409,18 +408,13 @@ def profile_after(url: str, pid: int, seconds: float, tmp: Path) -> str:
         return ""
     if py_spy() is None:
         return "\n\nNo profile: py-spy is not installed (its wheel travels in .whl/ like nvitop's)."
-    stop = threading.Event()
-    scraper = threading.Thread(target=scrape_until, args=(url, 1.0, stop), daemon=True)
-    scraper.start()
     try:
-        profiled = profile_pid(pid, seconds, tmp / "spy.txt")
+        with scraping(url, 1.0):
+            profiled = profile_pid(pid, seconds, tmp / "spy.txt")
         return f"\n\n### stepscope-exporter profiled afterwards, the only one scraped\n\n{profiled}"
     except (RuntimeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         return f"\n\nNo profile: py-spy failed ({error}; {detail.decode(errors='replace').strip()[-300:]})."
-    finally:
-        stop.set()
-        scraper.join(timeout=5)
 
 
 def cpu_by_part(url: str) -> dict[str, float]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -128,10 +129,22 @@ def profile_pid(pid: int, seconds: float, raw: Path) -> str:
             + "\n".join(lines))
 
 
-def scrape_until(url: str, interval: float, stop: threading.Event) -> None:
-    """A Prometheus-like gzip scrape of `url`/metrics every `interval` s on one connection until `stop`; a
-    failed scrape is skipped, not the end of the load."""
-    with requests.Session() as session:
-        while not stop.wait(interval):
-            with contextlib.suppress(requests.RequestException):
-                session.get(f"{url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10)
+@contextlib.contextmanager
+def scraping(url: str, interval: float) -> Iterator[None]:
+    """For the block: a Prometheus-like gzip scrape of `url`/metrics every `interval` s on one connection,
+    on a thread of its own; a failed scrape is skipped, not the end of the load."""
+    stop = threading.Event()
+
+    def scrape() -> None:
+        with requests.Session() as session:
+            while not stop.wait(interval):
+                with contextlib.suppress(requests.RequestException):
+                    session.get(f"{url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10)
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=15)
