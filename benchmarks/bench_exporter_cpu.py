@@ -13,6 +13,7 @@ a table of medians and spread.
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60   # this tree: by thread and category
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60 --one-gpu   # bench_gpu's side-by-side load
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --exited-registered 300   # a finished rank's pid lookup
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --collector-sets   # one H100: each collector's share
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --node-cycle 300 --baseline-rev c22a304   # cold cycles
@@ -233,6 +234,32 @@ def process_table(rounds: int) -> str:
             "here: other sessions run tests):\n\n" + "\n".join(lines))
 
 
+def exited_registered(rounds: int) -> str:
+    """The pid lookup of a registered process that exited (its group stays until the ingest TTL): a /proc
+    scan every cycle, as before (a fresh resolver each cycle), against this tree's resolver, alternating in
+    one loop, CPU time of each call."""
+    from stepscope.exporter.collectors.pid_namespaces import PidResolver
+
+    report_and_exit = "import os, psutil; print(os.getpid(), psutil.Process().create_time())"
+    ran = subprocess.run([sys.executable, "-c", report_and_exit], capture_output=True, text=True, check=True)
+    pid, start_time = ran.stdout.split()
+    exited = (int(pid), float(start_time))
+    kept, spent = PidResolver(), {"scanned every cycle (before)": [], "this tree": []}
+    for _ in range(rounds):
+        started = time.process_time()
+        PidResolver().resolve([exited])
+        middle = time.process_time()
+        kept.resolve([exited])
+        spent["scanned every cycle (before)"].append((middle - started) * 1e6)
+        spent["this tree"].append((time.process_time() - middle) * 1e6)
+        time.sleep(0.02)
+    lines = ["| pid lookup of an exited registered process | µs per cycle, median | p90 |", "|---|---:|---:|"]
+    lines += [f"| {name} | {statistics.median(values):.0f} | {statistics.quantiles(values, n=10)[-1]:.0f} |"
+              for name, values in spent.items()]
+    return (f"{len(psutil.pids())} processes on this machine, {rounds} rounds 20 ms apart (one scan per "
+            "RETRY_SECONDS in this tree's column):\n\n" + "\n".join(lines))
+
+
 class _Collected:
     """What generate_latest reads families from."""
 
@@ -385,6 +412,9 @@ def main() -> int:
                         help="instead: py-spy this tree's exporter for SECONDS and print CPU by category")
     parser.add_argument("--process-table", type=int, default=0, metavar="ROUNDS",
                         help="instead: the process collector's children map, whole table against kept")
+    parser.add_argument("--exited-registered", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the pid lookup of a registered process that exited, scanned every cycle "
+                             "against this tree's")
     parser.add_argument("--no-latency", action="store_true",
                         help="NVML calls return at once: what is left is the exporter's Python (and the fake's)")
     parser.add_argument("--render", type=int, default=0, metavar="ROUNDS",
@@ -417,6 +447,9 @@ def main() -> int:
             report = f"## Rendering a busy GPU's families ({header})\n\n" + render_cost(args.render, scenario)
         elif args.process_table:
             report = f"## The process table ({header})\n\n" + process_table(args.process_table)
+        elif args.exited_registered:
+            report = (f"## A registered process that exited ({header})\n\n"
+                      + exited_registered(args.exited_registered))
         elif args.node_cycle:
             report = (f"## The node collector's cycle ({header})\n\n"
                       + node_cycle(args.node_cycle, args.baseline_rev or "HEAD", tmp))
