@@ -30,8 +30,10 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]'
 
 .venv/bin/ruff check .
-# Most tests wait on real processes (Prometheus scrapes, training runs, deadlines), half their wall time
-# idle: three workers, each taking whole modules so a module's Prometheus and training runs start once
-# (tests/conftest.py starts the longest modules first). On 2 cores: -n 2 737 s, -n 3 522 s, -n 4 438 s
-# (all passed; an earlier -n 4 run lost two dcgm tests to the load); `-n 0` runs everything in this process.
-.venv/bin/python -m pytest -n 3 --dist loadfile "$@"
+# Most tests wait on real processes (Prometheus scrapes, training runs, deadlines), two thirds of their wall time
+# idle: six workers, each taking whole modules so a module's Prometheus and training runs start once, in
+# tests/conftest.py's order, longest first (--no-loadscope-reorder: xdist's default order, most tests first,
+# left the long few-test modules to start last). On 2 cores: -n 3 524 s and -n 6 373 s in xdist's order; -n 5
+# 384 s and -n 6 353-355 s in ours (three runs; one lost a CPU-accounting test to the load, since mended);
+# `-n 0` runs everything in this process.
+.venv/bin/python -m pytest -n 6 --dist loadfile --no-loadscope-reorder "$@"

@@ -1,30 +1,35 @@
 """Collection order: the modules with the longest chains of real processes first.
 
 `scripts/test.sh` runs the suite on pytest-xdist workers, each taking whole modules (--dist loadfile:
-module fixtures such as a Prometheus fed by training runs start once). A long module that starts
+module fixtures such as a Prometheus fed by training runs start once), in this order
+(--no-loadscope-reorder: xdist's default hands out the modules with the most tests first, which left
+the long few-test modules here to start last and run alone at the end). A long module that starts
 last keeps one worker busy after the others finish; starting those first lets the short modules fill
 the gaps. The order changes only the wall time, never what runs.
 """
 
 import pytest
 
-LONGEST_FIRST = (  # seconds on a 2-core machine: set up + tests, roughly
-    "test_gpu_signals_e2e.py",   # ~165: 1m GPU averages turning over twice after a scenario change
-    "test_quickstart.py",        # ~130: the quickstart's two acts (each waits for its verdict), Ctrl-C, SIGKILL
-    "test_framework_quantiles.py",  # ~145: a Lightning fit and a Trainer run of 100 s at once, read via Prometheus
-    "test_corpus_verdicts.py",   # ~165: the H100 and H200 recordings replayed at their pace, two engines at once
-    "test_dcgm_source.py",       # ~90: the same, dcgm-exporter as the GPU source
-    "test_report_e2e.py",        # ~80: two training runs of 45 s (the verdict waits 30 s), reports
-    "test_pod_labels.py",        # ~45: two exporters, a run on each, until both have their verdict (30 s)
-    "test_pod_labels_rules.py",  # ~35: every promtool file again, with pod labels on its inputs
-    "test_readme_install.py",    # ~30: a fresh venv (pip, mostly waiting)
-    "test_http_hardening.py",    # ~45: 512 groups, shutdown deadlines
-    "test_bundle_e2e.py",        # ~30: training runs, Prometheus, every rule and panel query
-    "test_readme_commands.py",   # ~25: every demo command at once, a CPU burst: not beside the report
-                                 # module's training runs, whose state timeline the report tests time
-    "test_hooks_demo_ddp.py",    # ~20: DDP over gloo
-    "test_profile_e2e.py",       # ~25: traces of live ranks
-    "test_hooks_sigterm.py",     # ~20
+LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up + tests), CPU seconds beside
+    "test_corpus_verdicts.py",      # 146 (CPU 53): the H100 and H200 recordings replayed at their pace, two engines
+    "test_quantiles_e2e.py",        # 108 (29): VictoriaMetrics' verdict lag dominates
+    "test_framework_quantiles.py",  # 105 (24): a Lightning fit and a Trainer run of 100 s at once, via Prometheus
+    "test_gpu_signals_e2e.py",      # 101 (7): 1m GPU averages turning over twice after a scenario change
+    "test_quickstart.py",           # 100 (15): the quickstart's two acts (each waits for its verdict), Ctrl-C, SIGKILL
+    "test_sharded_e2e.py",          # 97 (13): the shard layout, once per global engine
+    "test_stall_e2e.py",            # 92 (26): a hung run named within two minutes
+    "test_dcgm_source.py",          # 82 (8): the corpus again, dcgm-exporter as the GPU source
+    "test_report_e2e.py",           # 72 (35): two training runs of 45 s (the verdict waits 30 s), reports
+    "test_goodput_e2e.py",          # 45 (4)
+    "test_bundle_e2e.py",           # 43 (34): training runs, Prometheus, every rule and panel query
+    "test_alertmanager_e2e.py",     # 42 (5)
+    "test_pod_labels.py",           # 39 (9): two exporters, a run on each, until both have their verdict
+    "test_energy_e2e.py",           # 36 (4)
+    "test_framework_truth.py",      # 23 (17)
+    "test_readme_commands.py",      # 20 (29): every demo command at once, a CPU burst
+    "test_http_hardening.py",       # 17 (13): 512 groups, shutdown deadlines
+    "test_helm_chart.py",           # 15 (15)
+    "test_pod_labels_rules.py",     # 15 (15): every promtool file again, with pod labels on its inputs
 )
 
 
