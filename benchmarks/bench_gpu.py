@@ -52,7 +52,7 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_hooks import table  # noqa: E402
 from bench_scrape import percentile  # noqa: E402
-from exporter_profile import profile_pid, py_spy, scraping  # noqa: E402
+from exporter_profile import memory_table, profile_pid, py_spy, scraping  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
@@ -387,6 +387,7 @@ def exporters_side_by_side(tmp: Path, seconds: float, profile_seconds: float = 6
         parts_before, started = cpu_by_part(f"{ours.url}/metrics"), time.monotonic()
         rows = paced_scrapes(targets, seconds)
         parts_after, wall = cpu_by_part(f"{ours.url}/metrics"), time.monotonic() - started
+        memory = memory_table({name.split(" (")[0]: pid for name, (_, pid) in targets.items()})
         profiled = profile_after(ours.url, ours.process.pid, profile_seconds, tmp)
     base = rows[-1] if command else rows[0]
     lines = [[r["target"], f"{r['cpu']:.2f}", f"{r['cpu'] / base['cpu']:.2f}x", f"{r['rss']:.0f}",
@@ -398,7 +399,9 @@ def exporters_side_by_side(tmp: Path, seconds: float, profile_seconds: float = 6
         f"\n\n{seconds:.0f} s window after 10 s of warm-up; a bf16 8192x8192 matmul loop on GPU 0 all along; "
         "one gzip scrape per target per second, in turn; CPU is user+system of the exporter process.\n\n"
         "Where stepscope-exporter's CPU went, by part (its stepscope_exporter_cpu_seconds_total over the same "
-        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part) + profiled
+        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part) + (
+        "\n\nWhat each exporter's RSS is made of at the end of the window (/proc/PID/smaps, MiB):\n\n"
+        + memory) + profiled
 
 
 def profile_after(url: str, pid: int, seconds: float, tmp: Path) -> str:

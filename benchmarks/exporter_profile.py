@@ -42,6 +42,8 @@ CATEGORIES = (
 
 
 IDLE_LINE = re.compile(r"\bsleep\(|\.wait\(|\.select\(|\.poll\(|\.acquire\(")
+MAPPING_LINE = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")  # an smaps entry's first line: address range, perms, ...
+ANONYMOUS = "[anonymous]"
 
 
 def idle(leaf: str) -> bool:
@@ -127,6 +129,42 @@ def profile_pid(pid: int, seconds: float, raw: Path) -> str:
             "proportion of the process's CPU. On a loaded machine a thread waiting for a CPU samples as active, so "
             "shares lean towards code that runs right after a wake-up (socket writes, the event loop).\n\n"
             + "\n".join(lines))
+
+
+def memory_by_mapping(pid: int) -> collections.Counter[str]:
+    """Resident KiB of process `pid` by what is mapped (/proc/PID/smaps): each file by its name (libpython,
+    libnvidia-ml, ...), the heap and stacks as the kernel names them, and anonymous memory (Python's objects
+    outside the heap, malloc arenas of threads): what an RSS gap between two exporters is made of."""
+    resident: collections.Counter[str] = collections.Counter()
+    mapping = ANONYMOUS
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            if MAPPING_LINE.match(line):
+                fields = line.split(maxsplit=5)
+                mapping = Path(fields[5].strip()).name if len(fields) > 5 else ANONYMOUS
+            elif line.startswith("Rss:"):
+                resident[mapping] += int(line.split()[1])
+    return resident
+
+
+def memory_table(pids: dict[str, int], rows: int = 8) -> str:
+    """Markdown: each process's RSS in MiB by mapping, the `rows` largest mappings of any of them, the rest
+    summed, and the total."""
+    by_process = {name: memory_by_mapping(pid) for name, pid in pids.items()}
+    largest = collections.Counter[str]()
+    for resident in by_process.values():
+        largest |= resident  # keeps each mapping's largest size among the processes
+    shown = [mapping for mapping, _ in largest.most_common(rows)]
+
+    def mib(kib: int) -> str:
+        return f"{kib / 1024:.1f}"
+
+    lines = ["| mapping | " + " | ".join(pids) + " |", "|---|" + "---:|" * len(pids)]
+    lines += [f"| {mapping} | " + " | ".join(mib(r[mapping]) for r in by_process.values()) + " |" for mapping in shown]
+    lines.append("| everything else | " + " | ".join(
+        mib(sum(kib for m, kib in r.items() if m not in shown)) for r in by_process.values()) + " |")
+    lines.append("| RSS | " + " | ".join(mib(sum(r.values())) for r in by_process.values()) + " |")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
