@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,26 +212,33 @@ def whole_process_table(tree: Path) -> str:
     return ", process table read whole each cycle"
 
 
+def alternating(calls: dict[str, Callable[[], object]], rounds: int, what: str) -> str:
+    """Markdown: the CPU time of each call (µs, median and p90), the calls taken in turn `rounds` times,
+    20 ms apart, so that both meet the same machine."""
+    spent: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            started = time.process_time()
+            call()
+            spent[name].append((time.process_time() - started) * 1e6)
+        time.sleep(0.02)
+    lines = [f"| {what} | µs per cycle, median | p90 |", "|---|---:|---:|"]
+    lines += [f"| {name} | {statistics.median(values):.0f} | {statistics.quantiles(values, n=10)[-1]:.0f} |"
+              for name, values in spent.items()]
+    return "\n".join(lines)
+
+
 def process_table(rounds: int) -> str:
     """The process collector's children map per cycle: the whole table read (before) against the kept one
     (after), alternating in one loop on this machine's processes, CPU time of each call."""
     from stepscope.exporter.collectors.process import _children_of, _ChildrenMap
 
-    kept, spent = _ChildrenMap(), {"whole table": [], "kept": []}
+    kept = _ChildrenMap()
     kept.get()
-    for _ in range(rounds):
-        started = time.process_time()
-        _children_of(psutil._ppid_map())
-        middle = time.process_time()
-        kept.get()
-        spent["whole table"].append((middle - started) * 1e6)
-        spent["kept"].append((time.process_time() - middle) * 1e6)
-        time.sleep(0.02)
-    lines = ["| children map | µs per cycle, median | p90 |", "|---|---:|---:|"]
-    lines += [f"| {name} | {statistics.median(values):.0f} | {statistics.quantiles(values, n=10)[-1]:.0f} |"
-              for name, values in spent.items()]
+    table = alternating({"whole table": lambda: _children_of(psutil._ppid_map()), "kept": kept.get}, rounds,
+                        "children map")
     return (f"{len(psutil.pids())} processes on this machine, {rounds} rounds 20 ms apart (processes come and go "
-            "here: other sessions run tests):\n\n" + "\n".join(lines))
+            "here: other sessions run tests):\n\n" + table)
 
 
 def exited_registered(rounds: int) -> str:
@@ -243,21 +250,12 @@ def exited_registered(rounds: int) -> str:
     report_and_exit = "import os, psutil; print(os.getpid(), psutil.Process().create_time())"
     ran = subprocess.run([sys.executable, "-c", report_and_exit], capture_output=True, text=True, check=True)
     pid, start_time = ran.stdout.split()
-    exited = (int(pid), float(start_time))
-    kept, spent = PidResolver(), {"scanned every cycle (before)": [], "this tree": []}
-    for _ in range(rounds):
-        started = time.process_time()
-        PidResolver().resolve([exited])
-        middle = time.process_time()
-        kept.resolve([exited])
-        spent["scanned every cycle (before)"].append((middle - started) * 1e6)
-        spent["this tree"].append((time.process_time() - middle) * 1e6)
-        time.sleep(0.02)
-    lines = ["| pid lookup of an exited registered process | µs per cycle, median | p90 |", "|---|---:|---:|"]
-    lines += [f"| {name} | {statistics.median(values):.0f} | {statistics.quantiles(values, n=10)[-1]:.0f} |"
-              for name, values in spent.items()]
+    exited, kept = (int(pid), float(start_time)), PidResolver()
+    table = alternating({"scanned every cycle (before)": lambda: PidResolver().resolve([exited]),
+                         "this tree": lambda: kept.resolve([exited])}, rounds,
+                        "pid lookup of an exited registered process")
     return (f"{len(psutil.pids())} processes on this machine, {rounds} rounds 20 ms apart (one scan per "
-            "RETRY_SECONDS in this tree's column):\n\n" + "\n".join(lines))
+            "RETRY_SECONDS in this tree's column):\n\n" + table)
 
 
 class _Collected:
