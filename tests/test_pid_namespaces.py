@@ -133,7 +133,7 @@ def test_resolutions_are_cached_and_scans_happen_once_per_call_at_most(namespace
 
 def test_a_registered_process_that_exited_costs_one_scan_per_retry_time_not_one_per_cycle() -> None:
     """Its group stays registered until the ingest TTL (10 minutes) after the run: the H100 corpus's
-    process collector spent 6.25 ms a cycle scanning /proc for such processes."""
+    process collector's cycle took 6.25 ms of wall time scanning /proc for such processes."""
     exited = subprocess.run([sys.executable, "-c", "import os, psutil; print(os.getpid(), "
                              "psutil.Process().create_time())"], capture_output=True, text=True, check=True)
     pid, start_time = exited.stdout.split()
