@@ -14,6 +14,7 @@ a table of medians and spread.
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60 --one-gpu   # bench_gpu's side-by-side load
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --exited-registered 300   # a finished rank's pid lookup
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --worker-tree 300 --baseline-rev HEAD   # a rank's workers
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --collector-sets   # one H100: each collector's share
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --node-cycle 300 --baseline-rev c22a304   # cold cycles
@@ -39,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psutil
@@ -241,6 +243,39 @@ def process_table(rounds: int) -> str:
             "here: other sessions run tests):\n\n" + table)
 
 
+def module_at(rev: str, path: str, tmp: Path) -> ModuleType:
+    """The module at `path` as it was at `rev`, loaded beside this tree's (it imports this tree's others)."""
+    source = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{rev}:{path}"],
+                            capture_output=True, text=True, check=True).stdout
+    name = Path(path).stem + "_before"
+    (tmp / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, tmp / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def worker_tree(rounds: int, rev: str, tmp: Path, workers: int = 16) -> str:
+    """A rank with `workers` data-loader workers read as the process collector reads it each cycle, the
+    collector at `rev` against this tree's, alternating in one loop, CPU time of each read."""
+    from stepscope.exporter.collectors import process as this_tree
+
+    before = module_at(rev, "exporter/collectors/process.py", tmp)
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"]) for _ in range(workers)]
+    try:
+        time.sleep(1)
+        rank, kept = psutil.Process(), this_tree._ChildrenMap()
+        table = alternating({f"before ({commit_of(rev)})": lambda: before._read_tree(rank, kept.get()),
+                             f"this tree ({commit_of('HEAD')}+)": lambda: this_tree._read_tree(rank, kept.get())},
+                            rounds, f"a rank and its {workers} workers")
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    return f"{rounds} rounds 20 ms apart, the children map kept (read in each column):\n\n" + table
+
+
 def exited_registered(rounds: int) -> str:
     """The pid lookup of a registered process that exited (its group stays until the ingest TTL): a /proc
     scan every cycle, as before (a fresh resolver each cycle), against this tree's resolver, alternating in
@@ -338,13 +373,7 @@ def node_cycle(rounds: int, rev: str, tmp: Path) -> str:
     from stepscope.exporter.exposition import ExpositionStore
     from stepscope.exporter.scheduler import Scheduler
 
-    source = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{rev}:exporter/collectors/node.py"],
-                            capture_output=True, text=True, check=True).stdout
-    (tmp / "node_before.py").write_text(source)
-    spec = importlib.util.spec_from_file_location("node_before", tmp / "node_before.py")
-    assert spec is not None and spec.loader is not None
-    before_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(before_module)
+    before_module = module_at(rev, "exporter/collectors/node.py", tmp)
     collectors = {f"before ({commit_of(rev)})": before_module.NodeCollector(["/"]),
                   f"this tree ({commit_of('HEAD')}+)": NodeCollector(["/"])}
     for name, collector in collectors.items():
@@ -410,6 +439,9 @@ def main() -> int:
                         help="instead: py-spy this tree's exporter for SECONDS and print CPU by category")
     parser.add_argument("--process-table", type=int, default=0, metavar="ROUNDS",
                         help="instead: the process collector's children map, whole table against kept")
+    parser.add_argument("--worker-tree", type=int, default=0, metavar="ROUNDS",
+                        help="instead: a rank with 16 workers read by the process collector, --baseline-rev's "
+                             "against this tree's")
     parser.add_argument("--exited-registered", type=int, default=0, metavar="ROUNDS",
                         help="instead: the pid lookup of a registered process that exited, scanned every cycle "
                              "against this tree's")
@@ -445,6 +477,9 @@ def main() -> int:
             report = f"## Rendering a busy GPU's families ({header})\n\n" + render_cost(args.render, scenario)
         elif args.process_table:
             report = f"## The process table ({header})\n\n" + process_table(args.process_table)
+        elif args.worker_tree:
+            report = (f"## A rank's data-loader workers ({header})\n\n"
+                      + worker_tree(args.worker_tree, args.baseline_rev or "HEAD", tmp))
         elif args.exited_registered:
             report = (f"## A registered process that exited ({header})\n\n"
                       + exited_registered(args.exited_registered))

@@ -25,6 +25,7 @@ import psutil
 
 from stepscope.contract import families
 from stepscope.exporter.collectors.pid_namespaces import PidResolver
+from stepscope.exporter.collectors.proc_stat import ProcStat, io_of, stat_of
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 from stepscope.exporter.registered import RegisteredProcess
@@ -216,13 +217,9 @@ class _ChildrenMap:
 
 
 def _parent_of(pid: int) -> int | None:
-    """The parent pid from /proc/PID/stat (the field after the state, after the name's last ')')."""
-    try:
-        with open(f"{psutil.PROCFS_PATH}/{pid}/stat", "rb") as stat:
-            data = stat.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(data[data.rfind(b")") + 2:].split(maxsplit=2)[1])
+    """The parent pid, or None when the process is gone."""
+    found = stat_of(pid)
+    return None if found is None else found.parent
 
 
 def _children_of(parents: dict[int, int]) -> dict[int, list[int]]:
@@ -233,57 +230,39 @@ def _children_of(parents: dict[int, int]) -> dict[int, list[int]]:
     return dict(children)
 
 
-def _descendants(process: psutil.Process, children_of: dict[int, list[int]]) -> list[psutil.Process]:
-    """As `process.children(recursive=True)`: only children created after their parent (no reused pid)."""
-    found, stack, seen = [], [(process.pid, process.create_time())], set()
+def _descendants(pid: int, started: float, children_of: dict[int, list[int]]) -> list[tuple[int, ProcStat]]:
+    """(pid, readings) of each descendant, as `children(recursive=True)`: only children started after their
+    parent (no reused pid)."""
+    found: list[tuple[int, ProcStat]] = []
+    stack, seen = [(pid, started)], set()
     while stack:
-        pid, created = stack.pop()
-        if pid in seen:
+        parent, parent_started = stack.pop()
+        if parent in seen:
             continue
-        seen.add(pid)
-        for child_pid in children_of.get(pid, ()):
-            try:
-                child = psutil.Process(child_pid)
-                if created <= child.create_time():
-                    found.append(child)
-                    stack.append((child_pid, child.create_time()))
-            except psutil.NoSuchProcess:  # ZombieProcess included
-                continue
+        seen.add(parent)
+        for child_pid in children_of.get(parent, ()):
+            child = stat_of(child_pid)
+            if child is not None and parent_started <= child.started:
+                found.append((child_pid, child))
+                stack.append((child_pid, child.started))
     return found
 
 
 def _read_tree(process: psutil.Process, children_of: dict[int, list[int]]) -> _Reading:
     """Sums the process and its live descendants; a descendant that exits mid-read is left out."""
-    with process.oneshot():
-        times = process.cpu_times()
-        cpu_seconds = times.user + times.system + times.children_user + times.children_system
-        rss = process.memory_info().rss
-        io = _io_bytes(process)
-        descendants = _descendants(process, children_of)
-    live = 0
-    for child in descendants:
-        try:
-            with child.oneshot():
-                times = child.cpu_times()
-                cpu_seconds += times.user + times.system + times.children_user + times.children_system
-                if child.status() == psutil.STATUS_ZOMBIE:  # exited, its time not yet in the parent's
-                    continue
-                rss += child.memory_info().rss
-                child_io = _io_bytes(child) if io is not None else None
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+    own = stat_of(process.pid)
+    if own is None:
+        raise psutil.NoSuchProcess(process.pid)
+    cpu_seconds, rss, live, io = own.cpu_seconds, own.rss, 0, io_of(process.pid)
+    for pid, child in _descendants(process.pid, own.started, children_of):
+        cpu_seconds += child.cpu_seconds
+        if child.zombie:  # exited, its time not yet in the parent's
             continue
+        try:
+            child_io = io_of(pid) if io is not None else None
+        except psutil.NoSuchProcess:
+            continue
+        rss += child.rss
         live += 1
         io = (io[0] + child_io[0], io[1] + child_io[1]) if io is not None and child_io is not None else None
     return _Reading(cpu_seconds, rss, live, io)
-
-
-def _io_bytes(process: psutil.Process) -> tuple[int, int] | None:
-    """(read, written) storage bytes, or None where psutil has no io_counters or may not read them."""
-    io_counters = getattr(process, "io_counters", None)  # absent on macOS
-    if io_counters is None:
-        return None
-    try:
-        counters = io_counters()
-    except psutil.AccessDenied:
-        return None
-    return counters.read_bytes, counters.write_bytes
