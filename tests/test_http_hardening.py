@@ -346,17 +346,18 @@ def test_the_exporter_stays_under_256_mib_at_every_default_limit(tmp_path: Path)
 
 # --- 9. SIGTERM finishes the scrapes in flight --------------------------------------------------
 
-def _read_response(sock: socket.socket, signalled: threading.Event) -> bytes:
-    """The body of one response, up to its Content-Length: its head first, the rest only once the exporter
-    was signalled, so every response is in flight then however loaded the machine. Read 16 KiB every 5 ms
-    throughout, two of five did not finish within the exporter's 5 s for in-flight responses in a
-    clean-clone CI run at -n 6 (cut at 94% and 93%): the pace was the test's, not the exporter's."""
+def _read_response(sock: socket.socket, begun: threading.Barrier, signalled: threading.Event) -> bytes:
+    """The body of one response, up to its Content-Length: its head first (then `begun`), the rest only once
+    the exporter was signalled, so every response is in flight then however loaded the machine. Read 16 KiB
+    every 5 ms throughout after a fixed 0.5 s, two of five did not finish within the exporter's 5 s for
+    in-flight responses in a clean-clone CI run at -n 6 (cut at 94% and 93%): the pace was the test's."""
     data = b""
     while b"\r\n\r\n" not in data:
         data += sock.recv(16384)
     head, _, body = data.partition(b"\r\n\r\n")
     lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
     length = int(lengths[0])
+    begun.wait(30)
     signalled.wait(30)
     while len(body) < length:
         chunk = sock.recv(1 << 16)
@@ -381,10 +382,10 @@ def test_sigterm_finishes_large_scrapes_in_flight(tmp_path: Path) -> None:
             scrapes.append(sock)
         stuck = socket.create_connection(("127.0.0.1", port_of(exp)))  # never reads: shutdown stays bounded
         stuck.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        signalled = threading.Event()
-        with ThreadPoolExecutor(max_workers=5) as pool:
-            reading = [pool.submit(_read_response, sock, signalled) for sock in scrapes]
-            time.sleep(0.5)  # each response begun, held by its full socket buffers
+        begun, signalled = threading.Barrier(len(scrapes) + 1), threading.Event()
+        with ThreadPoolExecutor(max_workers=len(scrapes)) as pool:
+            reading = [pool.submit(_read_response, sock, begun, signalled) for sock in scrapes]
+            begun.wait(30)  # every response begun, held by its full socket buffers
             exp.process.send_signal(signal.SIGTERM)
             signalled.set()
             received = [future.result() for future in reading]
