@@ -14,7 +14,7 @@ a table of medians and spread.
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --profile 60 --one-gpu   # bench_gpu's side-by-side load
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --process-table 300   # children map, whole vs kept
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --exited-registered 300   # a finished rank's pid lookup
-    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --worker-tree 300 --baseline-rev HEAD   # a rank's workers
+    PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --worker-tree 300 --baseline-rev e5c55cb [--workers 64]
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --render 200 --no-latency   # busy GPU's render
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --collector-sets   # one H100: each collector's share
     PYTHONPATH=. python benchmarks/bench_exporter_cpu.py --node-cycle 300 --baseline-rev c22a304   # cold cycles
@@ -440,8 +440,9 @@ def main() -> int:
     parser.add_argument("--process-table", type=int, default=0, metavar="ROUNDS",
                         help="instead: the process collector's children map, whole table against kept")
     parser.add_argument("--worker-tree", type=int, default=0, metavar="ROUNDS",
-                        help="instead: a rank with 16 workers read by the process collector, --baseline-rev's "
-                             "against this tree's")
+                        help="instead: a rank with --workers data-loader workers read by the process collector, "
+                             "--baseline-rev's against this tree's (e5c55cb: before one /proc read per worker)")
+    parser.add_argument("--workers", type=int, default=16, help="with --worker-tree: the rank's workers")
     parser.add_argument("--exited-registered", type=int, default=0, metavar="ROUNDS",
                         help="instead: the pid lookup of a registered process that exited, scanned every cycle "
                              "against this tree's")
@@ -479,7 +480,7 @@ def main() -> int:
             report = f"## The process table ({header})\n\n" + process_table(args.process_table)
         elif args.worker_tree:
             report = (f"## A rank's data-loader workers ({header})\n\n"
-                      + worker_tree(args.worker_tree, args.baseline_rev or "HEAD", tmp))
+                      + worker_tree(args.worker_tree, args.baseline_rev or "HEAD", tmp, args.workers))
         elif args.exited_registered:
             report = (f"## A registered process that exited ({header})\n\n"
                       + exited_registered(args.exited_registered))
