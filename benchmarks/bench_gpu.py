@@ -41,6 +41,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from bench_scrape import percentile  # noqa: E402
 from exporter_profile import memory_table, profile_pid, py_spy, scraping  # noqa: E402
 
 import stepscope.hooks as th  # noqa: E402
+from stepscope.exporter.collectors.gpu_slow import VIOLATION_POLICIES  # noqa: E402
 from stepscope_testkit import results  # noqa: E402
 from stepscope_testkit.processes import FAKE_NVML_DIR, exporter_env, free_port, running  # noqa: E402
 
@@ -253,12 +255,19 @@ def phase_sums_vs_sync(events: th.Tracker, synced: th.Tracker) -> str:
 
 
 def timed_ms(call: Callable[[], Any], repeats: int) -> list[float]:
-    times = []
+    return timed(call, repeats)[0]
+
+
+def timed(call: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and this thread's CPU (user + system) per call, in ms: a driver call that waits costs wall, one
+    that spins or copies in the kernel costs the node CPU, and only CPU counts against the exporter."""
+    walls, cpus = [], []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         call()
-        times.append((time.perf_counter() - started) * 1e3)
-    return times
+        walls.append((time.perf_counter() - started) * 1e3)
+        cpus.append((time.thread_time() - cpu) * 1e3)
+    return walls, cpus
 
 
 def nvml_calls(nvml: Any, handle: Any, gpm: Any) -> list[tuple[str, str, Callable[[], Any]]]:
@@ -271,14 +280,19 @@ def nvml_calls(nvml: Any, handle: Any, gpm: Any) -> list[tuple[str, str, Callabl
         ("nvmlDeviceGetPowerUsage", "cycle", lambda: nvml.nvmlDeviceGetPowerUsage(h)),
         ("nvmlDeviceGetEnforcedPowerLimit", "cycle", lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h)),
         ("nvmlDeviceGetClockInfo (SM)", "cycle", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)),
+        ("nvmlDeviceGetClockInfo (memory)", "cycle", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM)),
+        ("nvmlDeviceGetMaxClockInfo (SM)", "cycle", lambda: nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)),
         ("nvmlDeviceGetCurrentClocksEventReasons", "cycle",
          lambda: nvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
-        ("nvmlDeviceGetTotalEccErrors", "cycle", lambda: nvml.nvmlDeviceGetTotalEccErrors(
+        ("nvmlDeviceGetTotalEccErrors (corrected)", "cycle", lambda: nvml.nvmlDeviceGetTotalEccErrors(
             h, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_AGGREGATE_ECC)),
+        ("nvmlDeviceGetTotalEccErrors (uncorrected)", "cycle", lambda: nvml.nvmlDeviceGetTotalEccErrors(
+            h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_AGGREGATE_ECC)),
         ("nvmlDeviceGetComputeRunningProcesses", "cycle", lambda: nvml.nvmlDeviceGetComputeRunningProcesses(h)),
         ("nvmlDeviceGetTotalEnergyConsumption", "slow thread", lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h)),
-        ("nvmlDeviceGetViolationStatus (one policy)", "slow thread",
-         lambda: nvml.nvmlDeviceGetViolationStatus(h, nvml.NVML_PERF_POLICY_POWER)),
+        *((f"nvmlDeviceGetViolationStatus ({reason})", "slow thread",
+           partial(nvml.nvmlDeviceGetViolationStatus, h, getattr(nvml, policy)))
+          for reason, policy in VIOLATION_POLICIES),
         ("nvmlDeviceGetPcieThroughput (RX)", pcie, lambda: nvml.nvmlDeviceGetPcieThroughput(
             h, nvml.NVML_PCIE_UTIL_RX_BYTES)),
     ]
@@ -304,39 +318,58 @@ def collector_per_call(repeats: int = 50) -> str:
             gpm = GpmSampler.open(pynvml, handle)
             for name, where, call in nvml_calls(pynvml, handle, gpm):
                 try:
-                    times = timed_ms(call, repeats if "Pcie" not in name else 10)
+                    walls, cpus = timed(call, repeats if "Pcie" not in name else 10)
                 except pynvml.NVMLError as exc:
-                    rows.append([str(index), name, where, f"n/a ({exc})", ""])
+                    rows.append([str(index), name, where, f"n/a ({exc})", "", "", ""])
                     continue
-                rows.append([str(index), name, where, f"{median(times):.4f}", f"{percentile(times, 0.9):.4f}"])
+                rows.append([str(index), name, where, f"{median(walls):.4f}", f"{percentile(walls, 0.9):.4f}",
+                             f"{median(cpus):.4f}", f"{percentile(cpus, 0.9):.4f}"])
             if gpm is not None:
                 gpm.close()
     finally:
         pynvml.nvmlShutdown()
-    return table(["GPU", "NVML call", "where the collector makes it", "median ms", "p90 ms"], rows)
+    return table(["GPU", "NVML call", "where the collector makes it", "wall ms (median)", "wall p90",
+                  "CPU ms (median)", "CPU p90"], rows)
 
 
 def collector_per_cycle(cycles: int = 30) -> str:
+    """What each collector's thread spends per cycle (the scheduler's run_once: collect, render, publish), in
+    wall and CPU, with the GPU's slow round and one /proc read beside them for this host's syscall cost."""
     from stepscope.exporter.collectors.gpu import GpuCollector
+    from stepscope.exporter.collectors.node import NodeCollector
+    from stepscope.exporter.collectors.process import ProcessCollector
+    from stepscope.exporter.exposition import ExpositionStore
     from stepscope.exporter.gpu_processes import GpuProcessTable
+    from stepscope.exporter.scheduler import Scheduler
+    from stepscope.exporter.thread_cpu import CpuByPart
 
-    collector = GpuCollector(GpuProcessTable())
+    table_ = GpuProcessTable()
+    gpu = GpuCollector(table_)
+    collectors = [gpu, NodeCollector(["/"]), ProcessCollector(table_, registered=list)]
+    scheduler = Scheduler(collectors, 1.0, ExpositionStore())
+    rows = []
     try:
-        collector.collect()
-        gpus = len(collector._gpus or ())
-        per_gpu = []
+        gpu.collect()
+        gpus = len(gpu._gpus or ())
+        measured: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in collectors}
         for _ in range(cycles):
             time.sleep(0.5)
-            per_gpu.append(timed_ms(collector.collect, 1)[0] / gpus)
-        slow = [ms / gpus for ms in timed_ms(collector._slow.read_all, 5)] if collector._slow else []
+            for collector in collectors:
+                walls, cpus = timed(partial(scheduler.run_once, collector), 1)
+                measured[collector.name][0].extend(walls)
+                measured[collector.name][1].extend(cpus)
+        measured["gpu slow round (every 10 s, own thread)"] = timed(gpu._slow.read_all, 5) if gpu._slow else ([], [])
+        measured["CpuByPart.read (once a second)"] = timed(CpuByPart().read, 50)
+        measured["one /proc/self/stat read"] = timed(Path("/proc/self/stat").read_bytes, 200)
     finally:
-        collector.close()
-    rows = [["cycle (collector thread)", f"{median(per_gpu):.3f}", f"{percentile(per_gpu, 0.9):.3f}",
-             f"{max(per_gpu):.3f}"],
-            ["slow round (every 10 s, own thread)", f"{median(slow):.3f}", f"{percentile(slow, 0.9):.3f}",
-             f"{max(slow):.3f}"]]
-    return (table(["path", "ms per GPU (median)", "p90", "max"], rows)
-            + f"\n\n{gpus} GPU(s), {cycles} cycles 0.5 s apart; the issue measured 50-52 ms median, 190 ms max.")
+        gpu.close()
+    for name, (walls, cpus) in measured.items():
+        if walls:
+            rows.append([name, f"{median(walls):.3f}", f"{percentile(walls, 0.9):.3f}", f"{median(cpus):.3f}",
+                         f"{percentile(cpus, 0.9):.3f}"])
+    return (table(["path", "wall ms (median)", "wall p90", "CPU ms (median)", "CPU p90"], rows)
+            + f"\n\n{gpus} GPU(s), {cycles} cycles 0.5 s apart; collectors' rows are whole cycles (all GPUs), "
+            "CPU is the calling thread's (time.thread_time).")
 
 
 # -- stepscope-exporter vs nvitop-exporter ----------------------------------------------------------
@@ -828,11 +861,10 @@ def host_timing_on_cpu(push_url: str, rounds: int) -> str:
 # -- main ---------------------------------------------------------------------------------------------
 
 
-def gpu_missing() -> str | None:
-    """Why this machine cannot run the GPU benchmark, or None."""
+def gpu_missing(cuda: bool = True) -> str | None:
+    """Why this machine cannot run the GPU benchmark (without `cuda`: only NVML's part), or None."""
     try:
         import pynvml
-        import torch
     except ImportError as exc:
         return f"{exc.name} is not installed"
     try:
@@ -840,6 +872,12 @@ def gpu_missing() -> str | None:
         pynvml.nvmlShutdown()
     except pynvml.NVMLError as exc:
         return f"NVML is unavailable ({exc})"
+    if not cuda:
+        return None
+    try:
+        import torch
+    except ImportError as exc:
+        return f"{exc.name} is not installed"
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device"
     return None
@@ -861,14 +899,22 @@ def machine() -> str:
 
 def gpu_benchmark(args: argparse.Namespace) -> str:
     import pynvml
-    import torch
 
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     device = (f"{pynvml.nvmlDeviceGetName(handle)} x {pynvml.nvmlDeviceGetCount()}, driver "
-              f"{pynvml.nvmlSystemGetDriverVersion()}, torch {torch.__version__} + CUDA {torch.version.cuda}")
+              f"{pynvml.nvmlSystemGetDriverVersion()}")
     pynvml.nvmlShutdown()
+    if not args.per_call:
+        import torch
+
+        device += f", torch {torch.__version__} + CUDA {torch.version.cuda}"
     started = time.perf_counter()
+    if args.per_call:
+        sections = [("GPU collector, per NVML call", collector_per_call()),
+                    ("Each collector's thread, per cycle", collector_per_cycle())]
+        return (f"# GPU benchmark on {device}: what each NVML call and each collector cycle costs\n\n{machine()}; "
+                f"total {time.perf_counter() - started:.0f} s.\n" + results.sections(sections))
     with tempfile.TemporaryDirectory() as tmp, push_target(Path(tmp)) as push_url:
         if args.side_by_side:
             sections = [("stepscope-exporter vs nvitop-exporter at a 1 s interval",
@@ -914,6 +960,9 @@ def main() -> int:
                         help="seconds of exporter CPU measurement (120 on a GPU, 60 for the cost model)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="on a GPU: only stepscope-exporter vs nvitop-exporter (results/gpu-side-by-side.md)")
+    parser.add_argument("--per-call", action="store_true",
+                        help="on a GPU (NVML only): each NVML call's and each collector cycle's wall and CPU "
+                             "(results/gpu-per-call.md)")
     parser.add_argument("--profile-seconds", type=float, default=60.0,
                         help="after the side by side: py-spy stepscope-exporter alone this long (0: no profile)")
     parser.add_argument("--baseline-rev", default=None,
@@ -926,13 +975,14 @@ def main() -> int:
         args.baseline_rev = args.baseline_rev or fork_point()
         report, output = cost_model(args), RESULTS / "gpu_cost_model.md"
     else:
-        reason = gpu_missing()
+        reason = gpu_missing(cuda=not args.per_call)
         if reason:
             print(f"no GPU: {reason}. Nothing measured; `--cost-model` runs the CPU-side cost model instead.")
             return 0
         args.window = args.window or 120.0
         report = gpu_benchmark(args)
-        output = RESULTS / ("gpu-side-by-side.md" if args.side_by_side else "gpu.md")
+        output = RESULTS / ("gpu-per-call.md" if args.per_call else
+                            "gpu-side-by-side.md" if args.side_by_side else "gpu.md")
     print(report)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report)
