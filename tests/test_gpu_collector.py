@@ -244,6 +244,25 @@ def test_unsupported_or_failing_field_is_left_out_for_that_gpu_only(harness: Cal
         [MIXED["gpus"][g]["power_usage_mw"] / 1000 for g in (0, 2)])
 
 
+def test_maximum_sm_clock_is_read_once_per_gpu_and_published_every_cycle(harness: Callable[..., Harness]) -> None:
+    """nvmlDeviceGetMaxClockInfo spent 1.46 ms of CPU per call on an H100, half of a cycle's; the value is the
+    board's and never changes, so it is read when a GPU is identified. One the GPU refuses stays absent."""
+    scenario = load_scenario("mixed")
+    scenario["gpus"][2].setdefault("errors", {})["max_clocks_mhz"] = "NotSupported"
+    h = harness(scenario)
+    h.nvml.reset_call_counts()
+    for _ in range(4):
+        text = h.scrape()
+        assert one(text, "stepscope_gpu_sm_clock_max_hertz", gpu="0") == pytest.approx(1.98e9)
+        assert one(text, "stepscope_gpu_sm_clock_max_hertz", gpu="1") == pytest.approx(
+            MIXED["gpus"][1]["max_clocks_mhz"]["sm"] * 1e6)
+        assert sample_values(text, "stepscope_gpu_sm_clock_max_hertz", gpu="2") == []
+        assert one(text, "stepscope_gpu_sm_clock_hertz", gpu="2") > 0  # the current clock, read every cycle
+    counts = h.nvml.call_counts()
+    assert counts["nvmlDeviceGetMaxClockInfo"] == 3  # once per GPU, the refusal included
+    assert counts["nvmlDeviceGetClockInfo"] == 4 * 3 * 2  # SM and memory, every cycle
+
+
 def test_older_bindings_without_event_reasons_or_memory_v2(
     harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,7 +30,7 @@ from stepscope_testkit.processes import sample_values
 
 SCENARIO_ENV = "STEPSCOPE_FAKE_NVML_SCENARIO"
 CYCLE_BUDGET_MS_PER_GPU = 5.0
-BLOCKING_MS = 1.0  # no single call on the cycle path may take this long per GPU... except GPM's pair
+BLOCKING_MS = 1.0  # no single call on the cycle path may take this long per GPU
 SLOW_CALLS = {"nvmlDeviceGetPcieThroughput", "nvmlDeviceGetTotalEnergyConsumption",
               "nvmlDeviceGetViolationStatus", "nvmlDeviceGetFieldValues"}
 PCIE = ("stepscope_gpu_pcie_receive_bytes_per_second", "stepscope_gpu_pcie_transmit_bytes_per_second")
@@ -56,8 +56,10 @@ def test_cycle_costs_at_most_5_ms_per_gpu_at_8_gpus(scenario_path: Path, model: 
     assert cost.cycle.calls["nvmlDeviceGetMemoryInfo"] == 8
     if model != "A100":  # GPM: one sample and one metrics read per GPU (NVLink and C2C included)
         assert cost.cycle.calls["nvmlGpmSampleGet"] == cost.cycle.calls["nvmlGpmMetricsGet"] == 8
+    # at the H100's measured latencies, not even GPM's pair (0.055 ms); the maximum SM clock (1.46 ms of CPU)
+    # is read when the GPU is identified, not every cycle
     expensive = {name for name, _, ms, _ in cost.cycle.rows() if ms >= BLOCKING_MS}
-    assert expensive <= {"nvmlGpmMetricsGet"}
+    assert not expensive
 
 
 @pytest.mark.parametrize(("model", "pcie_polls"), [("H100", 0), ("GH200", 0), ("A100", 2)])

@@ -129,9 +129,10 @@ SCALAR_FIELDS: tuple[tuple[str, float, Callable[[ModuleType, Any], float]], ...]
     (fam.GPU_POWER, 1e-3, lambda n, h: n.nvmlDeviceGetPowerUsage(h)),  # mW
     (fam.GPU_POWER_LIMIT, 1e-3, lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h)),  # mW
     (fam.GPU_SM_CLOCK, 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
-    (fam.GPU_SM_CLOCK_MAX, 1e6, lambda n, h: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM)),  # MHz
     (fam.GPU_MEMORY_CLOCK, 1e6, lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
 )
+_sm_clock_max = partial(_scaled, fam.GPU_SM_CLOCK_MAX, 1e6,
+                        lambda n, h: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM))  # MHz
 # Basic queries first: driver-level errors there mean the GPU is gone, elsewhere just a missing field.
 BASIC_READERS: tuple[tuple[str, Reader], ...] = (("utilization", _utilization), ("memory", _memory))
 READERS: tuple[tuple[str, Reader], ...] = (
@@ -155,6 +156,7 @@ class _Gpu:
     name: str = ""
     pci_bus_id: str = ""
     gpm: GpmSampler | None = None
+    sm_clock_max: list[Sample] = field(default_factory=list)  # read when identified (see _identify)
     up: bool = True
     failed_fields: set[tuple[str, str]] = field(default_factory=set)
 
@@ -296,6 +298,12 @@ class GpuCollector:
             raise _GpuDown(str(exc)) from None
         gpu.handle, gpu.uuid, gpu.name = handle, uuid, name
         gpu.pci_bus_id = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
+        try:  # read once: the board's maximum never changes while the driver is loaded, and on an H100 (driver
+            # 580) the call spends 1.46 ms of CPU, half of a whole cycle's (benchmarks/results/gpu-per-call.md)
+            gpu.sm_clock_max = self._read(gpu, "sm_clock_max", _sm_clock_max) or []
+        except _GpuDown:
+            gpu.handle = None  # identified again by the next cycle
+            raise
         gpu.gpm = GpmSampler.open(nvml, handle)
 
     def _collect_gpu(self, gpu: _Gpu, now: float, out: _Output, processes: dict[int, dict[str, int]],
@@ -328,6 +336,7 @@ class GpuCollector:
         labels = (gpu.index, gpu.uuid)
         out.add(fam.GPU_UP, labels, 1)
         self._add_info(gpu, out)
+        samples += gpu.sm_clock_max
         samples += slow.samples(gpu.index, now)
         for key, extra, value in samples:
             out.add(key, (*labels, *extra), value)

@@ -76,19 +76,22 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Median NVML call latencies on an H100 80GB HBM3, driver 580.159 (issue 9's cProfile of a collector
-# cycle), for the fake's "latency_ms". Fast getters (utilization, memory, temperature, power, clocks,
-# processes, ECC, clock-event reasons) took 0.001-0.015 ms: "default" is the top of that range.
-# nvmlGpmMetricsGet took 1.1-4 ms for 14 metrics: the top again. nvmlGpmSampleGet was not measured
-# on its own; the 50-52 ms cycle left 1-3 ms beside the calls listed, so 0.5 ms is an assumption.
+# Median NVML call latencies on an H100 80GB HBM3, driver 580.159.04, measured by `bench_gpu.py --per-call`
+# (benchmarks/results/gpu-per-call.md, 2026-11-27), for the fake's "latency_ms". Each call's CPU equalled its
+# wall time except the PCIe poll (20.6 ms of wall, 0.55 ms of CPU: NVML sleeps while it samples the link).
+# The fast getters (utilization, temperature, power, clocks, clock-event reasons, ECC) took 0.0015-0.0035 ms:
+# "default" is the top of that range. nvmlDeviceGetMaxClockInfo is not fast: 1.46 ms (p90 2.1) of CPU.
 H100_LATENCY_MS: dict[str, float] = {
-    "nvmlDeviceGetPcieThroughput": 21.0,  # NVML samples the link for 20 ms
-    "nvmlDeviceGetTotalEnergyConsumption": 3.2,
-    "nvmlDeviceGetViolationStatus": 0.5,  # per policy
-    "nvmlDeviceGetFieldValues": 4.0,  # 15 fields in one call
-    "nvmlGpmMetricsGet": 4.0,
-    "nvmlGpmSampleGet": 0.5,  # assumed, see above
-    "default": 0.015,
+    "nvmlDeviceGetPcieThroughput": 20.6,  # NVML samples the link for 20 ms
+    "nvmlDeviceGetTotalEnergyConsumption": 3.06,
+    "nvmlDeviceGetMaxClockInfo": 1.46,
+    "nvmlDeviceGetViolationStatus": 0.7,  # per policy: 0.58 (thermal) to 0.87 (board limit)
+    "nvmlDeviceGetFieldValues": 4.0,  # 15 fields in one call (issue 9; not called by the collector)
+    "nvmlGpmSampleGet": 0.034,
+    "nvmlGpmMetricsGet": 0.021,  # 10 metrics in one call
+    "nvmlDeviceGetMemoryInfo": 0.010,
+    "nvmlDeviceGetComputeRunningProcesses": 0.007,
+    "default": 0.0035,
 }
 
 
