@@ -263,6 +263,39 @@ def test_maximum_sm_clock_is_read_once_per_gpu_and_published_every_cycle(harness
     assert counts["nvmlDeviceGetClockInfo"] == 4 * 3 * 2  # SM and memory, every cycle
 
 
+@pytest.mark.parametrize("batch", ["answers", "FunctionNotFound"])
+def test_slow_counters_come_from_one_field_values_call_or_one_call_each(
+    harness: Callable[..., Harness], batch: str
+) -> None:
+    """Energy and the 8 policies' violation time: one nvmlDeviceGetFieldValues call per GPU (2.9 ms of CPU on
+    an H100 against 8.7 ms as nine calls); a driver without it, or a field it refuses, is read one call each,
+    to the same values."""
+    scenario = load_scenario("mixed")
+    for index, gpu in enumerate(scenario["gpus"]):  # fixed counters: both paths must read the same numbers
+        gpu["total_energy_mj"] = 5_000_000_000 + index
+        gpu["violation_ns"] = {name: 1_000_000_000 * (slot + 1) + index
+                               for slot, name in enumerate(gpu.get("violation_ns", {}))}
+        if batch != "answers":
+            gpu.setdefault("errors", {})["field_values"] = batch
+    h = harness(scenario)
+    h.scrape()
+    h.nvml.reset_call_counts()
+    h.collector._slow.read_all()
+    text = h.scrape()
+    calls = h.nvml.call_counts()
+    assert calls["nvmlDeviceGetFieldValues"] == 3  # one per GPU, refused or not
+    if batch == "answers":  # only the T4's board limit, which the batch refuses, is asked again on its own
+        assert (calls["nvmlDeviceGetTotalEnergyConsumption"], calls["nvmlDeviceGetViolationStatus"]) == (0, 1)
+    else:
+        assert (calls["nvmlDeviceGetTotalEnergyConsumption"], calls["nvmlDeviceGetViolationStatus"]) == (3, 24)
+    for index, gpu in enumerate(scenario["gpus"]):
+        assert one(text, "stepscope_gpu_energy_joules_total", gpu=str(index)) == pytest.approx(5_000_000 + index / 1e3)
+        published = {reason: one(text, "stepscope_gpu_clock_event_seconds_total", gpu=str(index), reason=reason)
+                     for reason, _ in VIOLATION_POLICIES if reason in gpu["violation_ns"]}
+        assert published == pytest.approx({name: ns / 1e9 for name, ns in gpu["violation_ns"].items()})
+    assert sample_values(text, "stepscope_gpu_clock_event_seconds_total", gpu="2", reason="board_limit") == []
+
+
 def test_older_bindings_without_event_reasons_or_memory_v2(
     harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
 ) -> None:

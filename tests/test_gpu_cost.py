@@ -68,13 +68,14 @@ def test_slow_round_reads_counters_and_polls_pcie_only_without_gpm(
 ) -> None:
     cost = price_collector(scenario_path, model, H100_LATENCY_MS, gpus=8)
     calls = cost.slow_round.calls
-    assert calls["nvmlDeviceGetTotalEnergyConsumption"] == 8
-    assert calls["nvmlDeviceGetViolationStatus"] == 8 * 8  # 8 policies per GPU
+    # energy and the 8 policies' violation time in one nvmlDeviceGetFieldValues call per GPU, not nine calls
+    assert calls["nvmlDeviceGetFieldValues"] == 8
+    assert calls["nvmlDeviceGetTotalEnergyConsumption"] == calls["nvmlDeviceGetViolationStatus"] == 0
     assert calls["nvmlDeviceGetPcieThroughput"] == 8 * pcie_polls  # TX and RX on pre-Hopper GPUs
-    # amortized over the 10 s interval, the slow round stays below a millisecond per GPU and second on
-    # Hopper; pre-Hopper pays 42 ms of blocking PCIe sampling per GPU per round, off the cycle path
+    # amortized over the 10 s interval at the H100's measured latencies: 0.29 ms per GPU and second on Hopper
+    # (0.87 as nine calls); pre-Hopper pays 41 ms of blocking PCIe sampling per GPU per round, off the cycle path
     per_second = cost.slow_round.ms_per_gpu / 10
-    assert per_second < (5.0 if pcie_polls else 1.0)
+    assert per_second < (5.0 if pcie_polls else 0.5)
 
 
 def test_pcie_poll_can_be_switched_off(scenario_path: Path) -> None:

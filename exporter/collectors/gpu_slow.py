@@ -1,7 +1,7 @@
 """GPU readings too slow for every cycle, taken on a thread of their own.
 
-On an H100 most NVML getters return in 1-15 µs, but `nvmlDeviceGetTotalEnergyConsumption` takes
-about 3 ms, `nvmlDeviceGetViolationStatus` 0.5 ms per policy (8 policies), and
+On an H100 most NVML getters return in 1.5-10 µs, but energy and the eight policies' violation time take
+2.9 ms of CPU together, read in one `nvmlDeviceGetFieldValues` call (8.7 ms as nine calls), and
 `nvmlDeviceGetPcieThroughput` blocks 20 ms per direction while NVML samples the link. Energy and
 violation time are cumulative counters, so reading them every `interval` seconds (10 by default)
 loses nothing but resolution; PCIe throughput is read here only for GPUs whose GPM cannot give it
@@ -52,23 +52,44 @@ class GpuRef(Protocol):
     gpm: Any  # GpmSampler | None; its `gives_pcie` says whether GPM covers PCIe
 
 
-def _energy(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
-    return [(fam.GPU_ENERGY, (), nvml.nvmlDeviceGetTotalEnergyConsumption(handle) * 1e-3)]  # mJ
+@dataclass(frozen=True)
+class Counter:
+    """A cumulative reading: one field of the round's nvmlDeviceGetFieldValues call, or its own call where
+    that field (or the call) is refused."""
+
+    what: str  # names it in logs
+    field_id: str  # its pynvml NVML_FI_* constant
+    key: str  # the family it goes to
+    labels: tuple[str, ...]
+    scale: float  # NVML's unit to the family's
+    call: Callable[[ModuleType, Any], int]  # the single call
+
+    def sample(self, raw: float) -> Sample:
+        return self.key, self.labels, raw * self.scale
+
+    def read(self, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
+        return [self.sample(self.call(nvml, handle))]
 
 
-def _violation(reason: str, policy: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
-    spent = nvml.nvmlDeviceGetViolationStatus(handle, getattr(nvml, policy))
-    return [(fam.GPU_CLOCK_EVENT_SECONDS, (reason,), spent.violationTime / 1e9)]  # ns
+def _violation_ns(policy: str, nvml: ModuleType, handle: Any) -> int:
+    return nvml.nvmlDeviceGetViolationStatus(handle, getattr(nvml, policy)).violationTime
+
+
+# One nvmlDeviceGetFieldValues call reads all nine: 2.87 ms of CPU on an H100 (driver 580), against 3.06 ms
+# for the energy call and 0.58-0.87 ms for each policy's (8.7 ms a round; benchmarks/results/gpu-per-call.md
+# and exporter_cpu.md). The values are the same counters in the same units (mJ, ns).
+COUNTERS: tuple[Counter, ...] = (
+    Counter("energy", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION", fam.GPU_ENERGY, (), 1e-3,  # mJ
+            lambda nvml, handle: nvml.nvmlDeviceGetTotalEnergyConsumption(handle)),
+    *(Counter(f"violation_{reason}", f"NVML_FI_DEV_{policy.removeprefix('NVML_')}", fam.GPU_CLOCK_EVENT_SECONDS,
+              (reason,), 1e-9, partial(_violation_ns, policy)) for reason, policy in VIOLATION_POLICIES),  # ns
+)
 
 
 def _pcie(key: str, counter: str, nvml: ModuleType, handle: Any) -> Iterable[Sample]:
     return [(key, (), nvml.nvmlDeviceGetPcieThroughput(handle, getattr(nvml, counter)) * 1024)]  # KB/s
 
 
-COUNTER_READERS: tuple[tuple[str, Reader], ...] = (
-    ("energy", _energy),
-    *((f"violation_{reason}", partial(_violation, reason, policy)) for reason, policy in VIOLATION_POLICIES),
-)
 PCIE_READERS: tuple[tuple[str, Reader], ...] = (
     ("pcie_receive", partial(_pcie, fam.GPU_PCIE_RECEIVE, "NVML_PCIE_UTIL_RX_BYTES")),
     ("pcie_transmit", partial(_pcie, fam.GPU_PCIE_TRANSMIT, "NVML_PCIE_UTIL_TX_BYTES")),
@@ -151,13 +172,41 @@ class SlowReadings:
             handle = gpu.handle
             if handle is None:  # not identified yet: the collector retries, the next round reads it
                 continue
-            readers = COUNTER_READERS
+            readers: tuple[tuple[str, Reader], ...] = ()
             if self._poll_pcie and (gpu.gpm is None or gpu.gpm.gives_pcie is False):
                 readers += PCIE_READERS
-            samples = self._read_gpu(gpu.index, handle, readers)
-            if samples is not None:  # None: lost, its readings drop
-                gpus[gpu.index] = samples
+            try:
+                samples, missed = self._read_batch(gpu.index, handle)
+            except self._nvml.NVMLError_GpuIsLost:
+                continue  # lost: its readings drop
+            samples_too = self._read_gpu(gpu.index, handle, (*((c.what, c.read) for c in missed), *readers))
+            if samples_too is not None:
+                gpus[gpu.index] = samples + samples_too
         self._latest = SlowRound(read_at, read_time, gpus, STALE_INTERVALS * self._interval)
+
+    def _read_batch(self, index: str, handle: Any) -> tuple[list[Sample], list[Counter]]:
+        """The counters one nvmlDeviceGetFieldValues call gave, and those it did not (read one by one: a
+        driver or bindings without the call or a field id, a field refused); raises NVMLError_GpuIsLost."""
+        nvml = self._nvml
+        asked = [(counter, getattr(nvml, counter.field_id, None)) for counter in COUNTERS]
+        batch = [(counter, field_id) for counter, field_id in asked if field_id is not None]
+        try:
+            values = nvml.nvmlDeviceGetFieldValues(handle, [field_id for _, field_id in batch]) if batch else []
+        except nvml.NVMLError_GpuIsLost:
+            raise
+        except (AttributeError, nvml.NVMLError) as exc:
+            self._log_once(index, "field_values", exc)
+            values = []
+        whole = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
+        given = {counter.what: value.value.ullVal for (counter, _), value in zip(batch, values, strict=False)
+                 if value.nvmlReturn == nvml.NVML_SUCCESS and value.valueType == whole}
+        return ([counter.sample(given[counter.what]) for counter in COUNTERS if counter.what in given],
+                [counter for counter in COUNTERS if counter.what not in given])
+
+    def _log_once(self, index: str, what: str, exc: Exception) -> None:
+        if (index, what, type(exc).__name__) not in self._failed:
+            self._failed.add((index, what, type(exc).__name__))
+            log.debug("GPU %s: %s unavailable (%s): left out", index, what, exc)
 
     def _read_gpu(self, index: str, handle: Any, readers: Iterable[tuple[str, Reader]]) -> list[Sample] | None:
         """Every reading NVML gives for the GPU; None when it stopped answering."""
@@ -169,7 +218,5 @@ class SlowReadings:
             except nvml.NVMLError_GpuIsLost:
                 return None
             except nvml.NVMLError as exc:
-                if (index, what, type(exc).__name__) not in self._failed:
-                    self._failed.add((index, what, type(exc).__name__))
-                    log.debug("GPU %s: %s unavailable (%s): left out", index, what, exc)
+                self._log_once(index, what, exc)
         return samples

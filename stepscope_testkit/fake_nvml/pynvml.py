@@ -43,7 +43,8 @@ GPU (every key optional; a missing field raises NVMLError_NotSupported, like a G
                                                    # = unsupported (pre-Hopper)
     "errors": {"power_usage_mw": "Unknown", ...}   # force NVMLError_<Name> for one field; fields are
                                                    # the keys above plus "memory_v2", "gpm_sample",
-                                                   # "register_events"
+                                                   # "register_events", "field_values" (the whole
+                                                   # nvmlDeviceGetFieldValues call)
 
 COUNTER is a number or {"start": n, "per_second": r}: it grows from when this module was imported,
 so Prometheus rates are nonzero. `stepscope_testkit/fake_nvml/scenario.py` builds scenarios (`make_scenario`).
@@ -95,6 +96,17 @@ NVML_PERF_POLICY_LOW_UTILIZATION = 4
 NVML_PERF_POLICY_RELIABILITY = 5
 NVML_PERF_POLICY_TOTAL_APP_CLOCKS = 10
 NVML_PERF_POLICY_TOTAL_BASE_CLOCKS = 11
+NVML_FI_DEV_PERF_POLICY_POWER = 74  # field ids of nvmlDeviceGetFieldValues (nvml.h): the policies' counters
+NVML_FI_DEV_PERF_POLICY_THERMAL = 75
+NVML_FI_DEV_PERF_POLICY_SYNC_BOOST = 76
+NVML_FI_DEV_PERF_POLICY_BOARD_LIMIT = 77
+NVML_FI_DEV_PERF_POLICY_LOW_UTILIZATION = 78
+NVML_FI_DEV_PERF_POLICY_RELIABILITY = 79
+NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS = 80
+NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS = 81
+NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION = 83
+NVML_VALUE_TYPE_DOUBLE = 0
+NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
 nvmlMemory_v2 = 0x02000028
 nvmlEventTypeXidCriticalError = 0x8
 
@@ -142,6 +154,12 @@ POLICIES = {
     NVML_PERF_POLICY_RELIABILITY: "reliability",
     NVML_PERF_POLICY_TOTAL_APP_CLOCKS: "app_clocks",
     NVML_PERF_POLICY_TOTAL_BASE_CLOCKS: "base_clocks",
+}
+FIELD_VALUES = {  # field id -> (scenario key, key within it): the same counters as the single calls
+    NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: ("total_energy_mj", None),
+    **{NVML_FI_DEV_PERF_POLICY_POWER + offset: ("violation_ns", name) for offset, name in enumerate(
+        ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability", "app_clocks",
+         "base_clocks"))},
 }
 GPM_KEYS = {
     NVML_GPM_METRIC_SM_UTIL: "sm_util",
@@ -477,6 +495,29 @@ def nvmlDeviceGetEnforcedPowerLimit(handle: _Device) -> int:
 
 def nvmlDeviceGetTotalEnergyConsumption(handle: _Device) -> int:
     return int(_counter(_field(handle, "total_energy_mj")))
+
+
+def nvmlDeviceGetFieldValues(handle: _Device, field_ids: list[int]) -> list[_Struct]:
+    """One value per id, each with its own nvmlReturn, as NVML fills them; "errors": {"field_values": ...}
+    fails the whole call (a driver without it), an error forced on a field's key fails that field only."""
+    _gpu(handle, "field_values")
+    return [_field_value(handle, field_id) for field_id in field_ids]
+
+
+def _field_value(handle: _Device, field_id: int) -> _Struct:
+    value, status = _Struct(ullVal=0, dVal=0.0), NVML_SUCCESS
+    try:
+        if field_id not in FIELD_VALUES:
+            raise NVMLError_NotSupported()
+        key, within = FIELD_VALUES[field_id]
+        reading = _field(handle, key)
+        value.ullVal = int(_counter(reading if within is None else _key(reading, within)))
+    except NVMLError_GpuIsLost:
+        raise
+    except NVMLError as exc:
+        status = exc.value
+    return _Struct(fieldId=field_id, scopeId=0, timestamp=time.time_ns() // 1000, latencyUsec=0,
+                   valueType=NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlReturn=status, value=value)
 
 
 def _clock(handle: _Device, field: str, clock_type: int) -> int:
