@@ -43,9 +43,10 @@ MISSING_RETRY_SECONDS = 30.0
 
 @dataclass
 class _Tracked:
-    """A cached psutil handle plus the peak of each published counter, which keeps them monotonic."""
+    """A process by its start time (a pid that names another process starts afresh), plus the peak of each
+    published counter, which keeps them monotonic."""
 
-    process: psutil.Process
+    started: float
     peaks: dict[str, float] = field(default_factory=dict)
 
     def monotonic(self, counter: str, value: float) -> float:
@@ -113,13 +114,14 @@ class ProcessCollector:
             labels = [str(pid), *identities.get(pid, ("", ""))]
             for gpu, used in sorted(gpu_table.get(pid, {}).items()):
                 gpu_memory.add_metric([*labels, gpu], used)
-            tracked = self._track(pid)
-            if tracked is None:
+            found = self._track(pid)
+            if found is None:
                 continue
+            tracked, own = found
             if children_of is None:
                 children_of = self._children.get()
             try:
-                reading = _read_tree(tracked.process, children_of)
+                reading = _read_tree(pid, own, children_of)
             except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
                 log.debug("process %d skipped: %s", pid, exc)
                 if isinstance(exc, psutil.NoSuchProcess):
@@ -156,27 +158,27 @@ class ProcessCollector:
                 latest[pid] = process
         return {pid: (process.run, process.rank) for pid, process in latest.items()}
 
-    def _track(self, pid: int) -> _Tracked | None:
-        """The cached handle for pid, replaced when the pid now names a different process."""
+    def _track(self, pid: int) -> tuple[_Tracked, ProcStat] | None:
+        """pid's tracking and this cycle's reading of it, from one /proc/PID/stat read; tracked afresh when
+        the pid now names a different process (another start time)."""
         tracked = self._tracked.get(pid)
-        if tracked is not None and tracked.process.is_running():
-            return tracked
-        self._tracked.pop(pid, None)
         now = time.monotonic()
-        if now - self._missing.get(pid, -MISSING_RETRY_SECONDS) < MISSING_RETRY_SECONDS:
+        if tracked is None and now - self._missing.get(pid, -MISSING_RETRY_SECONDS) < MISSING_RETRY_SECONDS:
             return None
         try:
-            tracked = _Tracked(psutil.Process(pid))
-        except psutil.NoSuchProcess as exc:
-            log.debug("process %d skipped for %gs: %s", pid, MISSING_RETRY_SECONDS, exc)
-            self._missing[pid] = now
-            return None
-        except psutil.AccessDenied as exc:
+            own = stat_of(pid)
+        except (PermissionError, psutil.AccessDenied) as exc:  # hidden by hidepid, or a platform's refusal
             log.debug("process %d skipped: %s", pid, exc)
             return None
+        if own is None:
+            self._tracked.pop(pid, None)
+            log.debug("process %d skipped for %gs: gone", pid, MISSING_RETRY_SECONDS)
+            self._missing[pid] = now
+            return None
+        if tracked is None or tracked.started != own.started:
+            tracked = self._tracked[pid] = _Tracked(own.started)
         self._missing.pop(pid, None)
-        self._tracked[pid] = tracked
-        return tracked
+        return tracked, own
 
 
 class _ChildrenMap:
@@ -248,13 +250,11 @@ def _descendants(pid: int, started: float, children_of: dict[int, list[int]]) ->
     return found
 
 
-def _read_tree(process: psutil.Process, children_of: dict[int, list[int]]) -> _Reading:
-    """Sums the process and its live descendants; a descendant that exits mid-read is left out."""
-    own = stat_of(process.pid)
-    if own is None:
-        raise psutil.NoSuchProcess(process.pid)
-    cpu_seconds, rss, live, io = own.cpu_seconds, own.rss, 0, io_of(process.pid)
-    for pid, child in _descendants(process.pid, own.started, children_of):
+def _read_tree(root: int, own: ProcStat, children_of: dict[int, list[int]]) -> _Reading:
+    """Sums the process (`own`: its reading this cycle) and its live descendants; a descendant that exits
+    mid-read is left out."""
+    cpu_seconds, rss, live, io = own.cpu_seconds, own.rss, 0, io_of(root)
+    for pid, child in _descendants(root, own.started, children_of):
         cpu_seconds += child.cpu_seconds
         if child.zombie:  # exited, its time not yet in the parent's
             continue
