@@ -3,6 +3,7 @@
 import base64
 import ipaddress
 import os
+import time
 
 import pytest
 from prometheus_client.metrics_core import Metric
@@ -332,3 +333,32 @@ def test_push_api_publishes_nothing_for_a_refused_push() -> None:
     counted = 'stepscope_exporter_ingest_rejected_total{reason="body_too_large"} 2.0'
     assert counted in exposition.body().decode()
     assert api.registered_processes() == [RegisteredProcess(os.getpid(), "r", "0", None, 1000.0)]
+
+
+def test_expiry_sleeps_until_a_group_can_expire_not_a_second_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TTL is every group's, so no push brings the next deadline closer: with no group stored none can
+    expire within one TTL, and the expiry thread of an idle exporter has no reason to wake every second (each
+    wake-up is a thread switch, which a VM pays for)."""
+    now = [100.0]
+    store = GroupStore(LIMITS, clock=lambda: now[0], wall_clock=lambda: 1000.0)
+    assert store.next_expiry() == 110.0  # none stored: one TTL from now
+    body = parse_push(full_body().encode(), "r", "0", 128)
+    store.push("r", "0", body, last_push_line("r", "0"), replace=True)
+    now[0] = 103.0
+    store.push("r", "1", body, last_push_line("r", "1"), replace=True)
+    assert store.next_expiry() == 110.0  # the first group's deadline, not the later one's
+    store.push("r", "0", body, last_push_line("r", "0"), replace=True)  # pushed again: its deadline moves later
+    assert store.next_expiry() == 113.0
+
+    idle = GroupStore(StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=600))
+    asked: list[float] = []
+    real_next_expiry = idle.next_expiry
+    monkeypatch.setattr(idle, "next_expiry", lambda: (asked.append(1.0), real_next_expiry())[1])
+    api = PushApi(ExpositionStore(), idle, AccessPolicy(), max_body_bytes=10_000,
+                  limits=PushLimits(128, max_series=40, max_phases=4))
+    api.start()
+    try:
+        time.sleep(2.5)
+    finally:
+        api.stop()
+    assert len(asked) == 1  # one sleep of a TTL (a wake a second: 3)

@@ -218,10 +218,11 @@ class PushApi:
         return accepted, rejected, len(self._groups.snapshot()[1])
 
     def _expire_loop(self) -> None:
+        """Sleeps until a group can expire (a TTL while none is stored), not a second at a time: each wake-up
+        of an idle exporter is a thread switch, which a VM pays for."""
         while True:
-            next_expiry = self._groups.next_expiry()
-            delay = 1.0 if next_expiry is None else max(0.0, next_expiry - time.monotonic()) + 0.01
-            if self._stop.wait(min(delay, 1.0)):
+            delay = max(0.0, self._groups.next_expiry() - time.monotonic()) + 0.01
+            if self._stop.wait(delay):
                 return
             if self._groups.expire():
                 self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])

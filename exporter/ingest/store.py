@@ -146,10 +146,11 @@ class GroupStore:
                                                    float(start_time) if start_time else None, group.pushed_at))
         return processes
 
-    def next_expiry(self) -> float | None:
-        """Monotonic time at which the next group expires, None when there are none."""
+    def next_expiry(self) -> float:
+        """The earliest (store clock) time a group can expire: the first stored group's deadline, or one TTL
+        from now with none stored. Every group has the same TTL, so no push can bring that time closer."""
         with self._lock:
-            return min((g.expires_at for g in self._groups.values()), default=None)
+            return min((g.expires_at for g in self._groups.values()), default=self._clock() + self._limits.ttl_seconds)
 
     def _check_phases(self, run: str, rank: str, merged: Mapping[str, StoredFamily]) -> None:
         phase_family = merged.get(PHASE_FAMILY)
