@@ -28,6 +28,9 @@ def _require_extra(command: str) -> None:
 def main() -> int:
     """`stepscope-exporter` and `python -m stepscope.exporter`."""
     _require_extra("stepscope-exporter")
+    from stepscope.exporter.malloc_arenas import cap_malloc_arenas
+
+    cap_malloc_arenas()  # before any thread starts
     from stepscope.exporter.cli import main as exporter_main
     return exporter_main()
 
