@@ -244,7 +244,7 @@ def test_each_collector_shows_the_cpu_its_threads_spent_and_an_idle_one_next_to_
     scheduler = Scheduler([busy, idle], interval=0.05, store=store)
     scheduler.start()
     try:
-        wait_until(lambda: busy.cycles >= 6 and idle.cycles >= 6)
+        wait_until(lambda: busy.cycles >= 6 and idle.cycles >= 6, timeout=30)  # 0.6 s of CPU, however loaded
         text = store.body().decode()
         helper.start()
         assert burnt_enough.wait(30)
