@@ -23,6 +23,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_gpu
+from bench_scrape import percentile
+
 from stepscope.exporter.collectors.gpu import GpuCollector
 from stepscope.exporter.collectors.gpu_slow import COUNTERS, VIOLATION_POLICIES
 from stepscope.exporter.collectors.node import NodeCollector
@@ -36,16 +39,10 @@ HOLD_GPU_MEMORY = ("import torch, time; x = torch.ones(1 << 28, device='cuda'); 
 
 
 def timed(call: Callable[[], object], repeats: int) -> str:
-    """Median wall and CPU of the calling thread, and the CPU's p90, in ms."""
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.thread_time()
-        call()
-        walls.append((time.perf_counter() - wall) * 1e3)
-        cpus.append((time.thread_time() - cpu) * 1e3)
-    walls.sort()
-    cpus.sort()
-    return f"wall {walls[repeats // 2]:.4f} ms, CPU {cpus[repeats // 2]:.4f} ms (p90 {cpus[int(repeats * .9)]:.4f})"
+    """Median wall and CPU of the calling thread (bench_gpu.timed), and the CPU's p90, in ms."""
+    walls, cpus = bench_gpu.timed(call, repeats)
+    return (f"wall {bench_gpu.median(walls):.4f} ms, CPU {bench_gpu.median(cpus):.4f} ms "
+            f"(p90 {percentile(cpus, 0.9):.4f})")
 
 
 def field_values(nvml: Any, handle: Any) -> None:
