@@ -11,7 +11,6 @@ hooks push when training ends: no step would ever take it).
 """
 
 import json
-import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -155,6 +154,8 @@ class ProfileRequests:
             if problems:
                 raise ProfileError(problems[0][0], "; ".join(message for _, message in problems))
             now = self._clock()
+            import secrets  # here: it loads hashlib (0.74 MiB of RSS), which an exporter never asked for a trace lacks
+
             created = [ProfileRequest(secrets.token_hex(8), run, rank, steps, now) for rank in targets]
             for request in created:
                 self._active[(run, request.rank)] = request
