@@ -1,8 +1,8 @@
 """The exporter's own CPU at a 1 s interval on fake H100s, and where it goes (issue 20, "The exporter's own cost").
 
 Each tree's exporter (default collectors, `--collect-interval 1`) reads 8 fake H100s x 8 processes whose
-NVML calls take the H100's latencies (`scenario.H100_LATENCY_MS`: sleeps from 1 ms up, busy-waits below,
-so the fake's short calls cost CPU as the driver's would), is scraped every second with gzip over a
+NVML calls take the H100's latencies (`scenario.H100_LATENCY_MS`: busy-waited below 10 ms, slept from there
+up, so the fake's calls cost CPU as the driver's did on an H100), is scraped every second with gzip over a
 keep-alive connection (as Prometheus does) and receives 8 ranks' pushes every 5 s from real trackers
 (`stepscope.hooks`) stepping every 50 ms. Every tree runs at the same time under the same load, so
 the windows are interleaved by construction; each window's CPU ms per second and the end RSS go into

@@ -576,8 +576,8 @@ def spent_cycles(tmp: Path, trees: dict[str, Path], cycles: int = 12) -> str:
     return table(["GPUs", "collector", "cycle ms per GPU, no latency", "with H100 latencies (median)", "max",
                   "slow round ms per GPU"], rows) + (
         f"\n\n{cycles} cycles 0.15 s apart, in a subprocess per tree. \"No latency\" is the collector's and the "
-        "fake's own Python; with latencies the fake sleeps those from 1 ms up (about 0.1 ms overshoot here) and "
-        "busy-waits shorter ones, on a shared machine: wall time with the H100's latencies, not an H100.")
+        "fake's own Python; with latencies the fake busy-waits those under 10 ms and sleeps longer ones (the "
+        "PCIe poll), on a shared machine: wall time with the H100's latencies, not an H100.")
 
 
 def probe_cycles(tmp: Path, tree: Path, model: str, latency_ms: dict[str, float] | None,

@@ -154,7 +154,7 @@ class ProfileRequests:
             if problems:
                 raise ProfileError(problems[0][0], "; ".join(message for _, message in problems))
             now = self._clock()
-            import secrets  # here: it loads hashlib (0.74 MiB of RSS), which an exporter never asked for a trace lacks
+            import secrets  # here: secrets loads hashlib (0.74 MiB of RSS), needed once a trace is asked for
 
             created = [ProfileRequest(secrets.token_hex(8), run, rank, steps, now) for rank in targets]
             for request in created:

@@ -51,9 +51,10 @@ so Prometheus rates are nonzero. `stepscope_testkit/fake_nvml/scenario.py` build
 
 Cost model: every `nvml*` call is counted per calling thread (`call_counts()`, `reset_call_counts()`),
 so a test can price what one collector cycle asks of NVML. A scenario key
-`"latency_ms": {"nvmlDeviceGetPcieThroughput": 21.0, ..., "default": 0.015}` makes each call really
-take that long (`scenario.H100_LATENCY_MS` holds the figures measured on an H100): a sleep from 1 ms
-up, as NVML waits in the driver, a busy wait below (sleeps that short overshoot by ~50 µs).
+`"latency_ms": {"nvmlDeviceGetPcieThroughput": 20.6, ..., "default": 0.0035}` makes each call really
+take that long (`scenario.H100_LATENCY_MS` holds the figures measured on an H100): a busy wait below
+10 ms, as the driver spent each call's latency on the CPU, a sleep from there up (the PCIe poll, which
+NVML sleeps through while it samples the link).
 """
 
 import functools
@@ -157,9 +158,8 @@ POLICIES = {
 }
 FIELD_VALUES = {  # field id -> (scenario key, key within it): the same counters as the single calls
     NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: ("total_energy_mj", None),
-    **{NVML_FI_DEV_PERF_POLICY_POWER + offset: ("violation_ns", name) for offset, name in enumerate(
-        ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability", "app_clocks",
-         "base_clocks"))},
+    # nvml.h numbers the policies' fields 74-81 in POLICIES' order (power ... total base clocks)
+    **{NVML_FI_DEV_PERF_POLICY_POWER + offset: ("violation_ns", name) for offset, name in enumerate(POLICIES.values())},
 }
 GPM_KEYS = {
     NVML_GPM_METRIC_SM_UTIL: "sm_util",
