@@ -678,7 +678,7 @@ def fake_modes(cuda: Any, baseline: Path | None) -> tuple[dict[str, tuple[Any, A
         from stepscope.hooks.timing import Histogram
 
         timer = old.CudaTimer(cuda)
-        phases = {name: old.CudaPhase(name, Histogram(th.DEFAULT_BUCKETS), timer) for name in PHASES}
+        phases = {name: old.CudaPhase(name, Histogram(()), timer) for name in PHASES}
         modes["events, before (2 per phase, every step)"] = (
             phases.__getitem__, lambda: timer.pending and timer.resolve())
     return modes, trackers
@@ -731,7 +731,7 @@ def counted_timer(cuda: Any, old: Any) -> tuple[Any, list[Any], Callable[[int], 
     else:
         CudaPhase, timer = old.CudaPhase, old.CudaTimer(cuda)  # a class, from the baseline
         step_end = lambda _ns: timer.pending and timer.resolve()  # noqa: E731 (what its tracker did)
-    return timer, [CudaPhase(name, Histogram(th.DEFAULT_BUCKETS), timer) for name in PHASES], step_end
+    return timer, [CudaPhase(name, Histogram(()), timer) for name in PHASES], step_end
 
 
 def virtual_steps(cuda: Any, phases: list[Any], step_end: Callable[[int], None], step_ms: float,
@@ -947,8 +947,9 @@ def cost_model(args: argparse.Namespace) -> str:
             ("Host timing at ~1.3 ms steps on the CPU: noise floor, pusher, order", host_timing_on_cpu(push_url, 120)),
         ]
     return ("# GPU cost model (no GPU: fake NVML and fake torch.cuda at H100 costs)\n\n"
-            f"Modeled, not measured on a GPU: the real-GPU run (`python benchmarks/bench_gpu.py`, results/gpu.md) is "
-            f"pending. {machine()}; total {time.perf_counter() - started:.0f} s.\n"
+            "Modeled, not measured on a GPU, at the NVML prices measured on an H100 (results/gpu-per-call.md; the "
+            "exporter beside nvitop-exporter there: results/gpu-side-by-side.md). "
+            f"{machine()}; total {time.perf_counter() - started:.0f} s.\n"
             + results.sections(sections))
 
 
