@@ -41,8 +41,12 @@ SCRAPE = (b"GET {path} HTTP/1.1\r\nHost: x\r\nUser-Agent: Prometheus/2.42\r\nAcc
 
 
 def import_rss(tree: Path) -> float:
-    """MiB of RSS after `import stepscope.exporter.cli` in a fresh interpreter."""
-    code = "import psutil, stepscope.exporter.cli; print(psutil.Process().memory_info().rss)"
+    """MiB of RSS in a fresh interpreter after importing what a plain-HTTP exporter of `tree` serves with: its
+    cli, then (where the tree has them) ssl kept out as the cli does and the daemon it imports after that."""
+    code = ("import importlib.util, psutil, stepscope.exporter.cli as cli\n"
+            "getattr(cli, 'keep_ssl_unloaded', lambda: None)()\n"
+            "if importlib.util.find_spec('stepscope.exporter.daemon'): import stepscope.exporter.daemon\n"
+            "print(psutil.Process().memory_info().rss)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree).stdout
     return int(out) / 2**20

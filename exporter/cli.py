@@ -1,15 +1,16 @@
-"""`stepscope-exporter`: flags, wiring, and the clear one-line failures for bad configuration."""
+"""`stepscope-exporter`: flags, the clear one-line failures for bad configuration, and what to load.
+
+Everything here runs before the server's modules are imported: with no TLS configured, `ssl` is kept
+unloaded (exporter.plain_http) before asyncio would load it. `exporter.daemon` wires and serves.
+"""
 
 import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from stepscope.exporter import __version__, ingest
-from stepscope.exporter.collectors import Collector
 from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS
-from stepscope.exporter.exposition import ExpositionStore
 from stepscope.exporter.flags import (
     OneLineErrorParser,
     add_flag,
@@ -23,23 +24,13 @@ from stepscope.exporter.flags import (
     readable_file,
     source_of,
 )
-from stepscope.exporter.gpu_processes import GpuProcessTable
-from stepscope.exporter.scheduler import Scheduler
-from stepscope.exporter.server import PROFILE_PREFIX, ExporterServer, WebLimits, WebOptions
-from stepscope.exporter.web_auth import Authenticator, PasswordFileUser
-from stepscope.exporter.web_auth_known import KnownGroups
+from stepscope.exporter.ingest import PROFILE_PREFIX
+from stepscope.exporter.plain_http import keep_ssl_unloaded
 from stepscope.exporter.web_config import TlsSettings, WebConfig, WebConfigError, load
-from stepscope.exporter.web_reload import ReloadingUsers, WebConfigSource
-from stepscope.exporter.web_tls import TlsContextSource
-
-if TYPE_CHECKING:  # pods.py needs grpc, imported only with --kubelet-pod-resources-socket
-    from stepscope.exporter.collectors.pods import PodCollector
 
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
 RESERVED_PATHS = ("/", "/-/healthy", "/-/ready", PROFILE_PREFIX)
-
-log = logging.getLogger("exporter")
 
 
 def collector_list(text: str) -> list[str]:
@@ -149,22 +140,11 @@ def enabled_collectors(args: argparse.Namespace) -> list[str]:
     return [name for name in COLLECTOR_NAMES if name in enabled]
 
 
-def _known_groups(args: argparse.Namespace) -> KnownGroups:
-    """The address groups basic auth let in, read from --web.auth.state-file and written back at once, so
-    a path the exporter cannot write is one line at start, not a surprise at the next restart."""
-    known = KnownGroups(args.web_auth_state_file or None)
-    try:
-        known.save()
-    except OSError as exc:
-        fail(f"cannot write --web.auth.state-file {args.web_auth_state_file!r}: {exc.strerror or exc}")
-    return known
-
-
-def _web_options(args: argparse.Namespace) -> WebOptions:
-    """TLS, basic auth and headers from --web.config.file or the older flags; one line on conflict."""
+def _web_config(args: argparse.Namespace) -> tuple[WebConfig, TlsSettings | None]:
+    """--web.config.file or the older flags, checked (one line on conflict), and the TLS they configure."""
     legacy = [flag for flag in ("--tls-cert-file", "--tls-key-file", "--basic-auth-user", "--basic-auth-password-file")
               if getattr(args, flag[2:].replace("-", "_"))]
-    config, source = WebConfig(), None
+    config = WebConfig()
     if args.web_config_file:
         if legacy:
             fail(f"{legacy[0]} and --web.config.file both configure the web server: put it in the web config file")
@@ -172,67 +152,11 @@ def _web_options(args: argparse.Namespace) -> WebOptions:
             config = load(args.web_config_file)
         except WebConfigError as exc:
             fail(f"--web.config.file {args.web_config_file}: {exc}")
-        source = WebConfigSource(args.web_config_file, config)
     elif bool(args.tls_cert_file) != bool(args.tls_key_file):
         fail("--tls-cert-file and --tls-key-file must be given together")
     elif bool(args.basic_auth_user) != bool(args.basic_auth_password_file):
         fail("--basic-auth-user and --basic-auth-password-file must be given together")
-    tls_settings = config.tls or (TlsSettings(args.tls_cert_file, args.tls_key_file) if args.tls_cert_file else None)
-    tls = None
-    if tls_settings is not None:
-        try:
-            tls = TlsContextSource(tls_settings)
-        except (OSError, ValueError) as exc:
-            fail(f"cannot load TLS certificate/key: {exc}")
-    auth: Authenticator | None = ReloadingUsers(source, _known_groups(args)) if source is not None else None
-    if args.basic_auth_user:
-        with open(args.basic_auth_password_file, encoding="utf-8") as handle:
-            password = handle.read().rstrip("\r\n")
-        if not password:
-            fail(f"--basic-auth-password-file {args.basic_auth_password_file!r} is empty")
-        auth = PasswordFileUser(args.basic_auth_user, password)
-    limits = WebLimits(max_connections=args.web_max_connections,
-                       max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
-    headers = source.headers if source is not None else dict
-    return WebOptions(telemetry_path=args.telemetry_path, tls=tls, auth=auth, headers=headers, limits=limits)
-
-
-def _build_collectors(
-    args: argparse.Namespace, push_api: ingest.PushApi
-) -> list[Collector]:
-    gpu_processes = GpuProcessTable()
-    collectors: list[Collector] = []
-    pods = _pod_collector(args, push_api)
-    attribution = pods.attribution if pods is not None else None
-    if "node" in args.collectors:
-        from stepscope.exporter.collectors.node import NodeCollector
-
-        collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths))
-    if "gpu" in args.collectors:
-        from stepscope.exporter.collectors.gpu import GpuCollector
-
-        collectors.append(GpuCollector(gpu_processes=gpu_processes, poll_pcie=args.gpu_pcie_poll, pods=attribution,
-                                       slow_interval=args.gpu_slow_interval))
-    if "process" in args.collectors:
-        from stepscope.exporter.collectors.process import ProcessCollector
-
-        collectors.append(ProcessCollector(gpu_processes=gpu_processes, registered=push_api.registered_processes,
-                                           pods=attribution))
-    return [*collectors, pods] if pods is not None else collectors
-
-
-def _pod_collector(args: argparse.Namespace, push_api: ingest.PushApi) -> "PodCollector | None":
-    """With --kubelet-pod-resources-socket: the pods collector, its first List done, its answer labelling the
-    GPU, process and pushed series; None off Kubernetes, where nothing of it runs."""
-    if not args.kubelet_pod_resources_socket:
-        return None
-    from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
-
-    pods = PodCollector(PodResourcesClient(args.kubelet_pod_resources_socket),
-                        registered=push_api.registered_processes)
-    pods.prime()
-    push_api.label_pods(pods.attribution)
-    return pods
+    return config, config.tls or (TlsSettings(args.tls_cert_file, args.tls_key_file) if args.tls_cert_file else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,27 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    options = _web_options(args)
-    store = ExpositionStore()
-    if options.tls is not None:
-        options.tls.publish_expiry(lambda body: store.publish("stepscope_exporter_tls", body))
-    push_api, profile_api = ingest.build(args, store)
-    collectors = _build_collectors(args, push_api)
-    scheduler = Scheduler(collectors, args.collect_interval, store)
-    host, port = args.listen_address
-    try:
-        server = ExporterServer((host, port), store, scheduler.ready, push_api, options, profile_handler=profile_api)
-    except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    config, tls_settings = _web_config(args)
+    if tls_settings is None:
+        keep_ssl_unloaded()
+    from stepscope.exporter.daemon import serve  # after that choice: the server's asyncio imports ssl
 
-    scheduler.start()
-    push_api.start()
-    scheme = "https" if options.tls else "http"
-    log.info("stepscope-exporter %s serving %s://%s:%d%s (collectors: %s)", __version__, scheme, host,
-             server.server_address[1], options.telemetry_path, ", ".join(args.collectors) or "none")
-    try:
-        server.serve()  # until SIGTERM or SIGINT; in-flight responses finish first
-    finally:
-        push_api.stop()
-        scheduler.stop()
-    return 0
+    return serve(args, config, tls_settings)

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from stepscope.exporter import __version__
 from stepscope.exporter.exposition import ExpositionStore
@@ -33,9 +33,12 @@ from stepscope.exporter.http_exchange import (
     Request,
     Response,
 )
+from stepscope.exporter.ingest import PROFILE_PREFIX
 from stepscope.exporter.server_limits import MIN_BODY_RATE, AcceptErrorLog, BodyBudget, ConnectionSlots, fit_connections
 from stepscope.exporter.web_auth import AuthBusy, Authenticator, Client
-from stepscope.exporter.web_tls import TlsContextSource
+
+if TYPE_CHECKING:  # web_tls imports ssl, which a plain-HTTP exporter keeps unloaded (exporter.plain_http)
+    from stepscope.exporter.web_tls import TlsContextSource
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,6 @@ LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 LARGE_BODY_BYTES = 64 * 1024  # parsed off the event loop, one at a time
 RECEIVE_BUFFER_BYTES = 64 * 1024
 READ_BUFFER_BYTES = 16 * 1024  # a connection's socket is not read while twice this waits: 16 MiB for 512
-PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 INDEX_PAGE = """<!doctype html>
 <html><head><title>stepscope exporter</title></head>
@@ -105,7 +107,7 @@ class WebOptions:
     """What the flags and the web config file say about serving, beyond the address."""
 
     telemetry_path: str = "/metrics"
-    tls: TlsContextSource | None = None
+    tls: "TlsContextSource | None" = None
     auth: Authenticator | None = None
     headers: Callable[[], Mapping[str, str]] = dict  # the headers to add to every response now
     limits: WebLimits = WebLimits()

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -77,6 +76,8 @@ class KnownGroups:
         now = self._clock()
         groups = {group: at for group, at in self._groups.items() if now - at < REMEMBER_SECONDS}
         text = json.dumps({"version": FORMAT_VERSION, "groups": groups}, separators=(",", ":"))
+        import tempfile  # here: only with --web.auth.state-file; it brings shutil and random (0.3 MiB of RSS)
+
         handle, temporary = tempfile.mkstemp(prefix=f".{self._path.name}.", dir=self._path.parent)
         try:
             with os.fdopen(handle, "w", encoding="utf-8") as out:

@@ -5,10 +5,11 @@ fleet. Keys are checked as strictly as exporter-toolkit does (an unknown key is 
 and its line, never ignored); relative file names are relative to the file's directory. The few
 exporter-toolkit keys that Python's `ssl` cannot honour the same way (Go cipher suite and curve
 names, inline PEM, SAN allow-lists, rate limits) are refused by name rather than half-applied.
+The TLS settings keep exporter-toolkit's names; `exporter.web_tls` turns them into `ssl`'s values, so
+reading a file without TLS never loads `ssl` (see `exporter.plain_http`).
 """
 
 import re
-import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,19 +19,10 @@ if TYPE_CHECKING:
     import yaml
 
 
-TLS_VERSIONS = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
-}
+TLS_VERSIONS = ("TLS10", "TLS11", "TLS12", "TLS13")  # oldest first
 # exporter-toolkit's client_auth_type values that Python's ssl can enforce; the two that accept an
 # unverified certificate (RequestClientCert, RequireClientCert) have no ssl equivalent
-CLIENT_AUTH = {
-    "NoClientCert": ssl.CERT_NONE,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
-}
+CLIENT_AUTH_TYPES = ("NoClientCert", "VerifyClientCertIfGiven", "RequireAndVerifyClientCert")
 # exporter-toolkit allows only these response headers, some with fixed values
 HEADER_VALUES: dict[str, tuple[str, ...]] = {
     "Strict-Transport-Security": (),
@@ -70,9 +62,9 @@ class TlsSettings:
     cert_file: str
     key_file: str
     client_ca_file: str | None = None
-    client_auth: ssl.VerifyMode = ssl.CERT_NONE
-    min_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
-    max_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_3
+    client_auth_type: str = "NoClientCert"  # one of CLIENT_AUTH_TYPES
+    min_version: str = "TLS12"  # one of TLS_VERSIONS
+    max_version: str = "TLS13"
     prefer_server_ciphers: bool = True
 
 
@@ -138,23 +130,23 @@ def _tls(section: dict[str, Any] | None, base: Path) -> TlsSettings | None:
         missing = "cert_file" if not files["cert_file"] else "key_file"
         raise WebConfigError(f"tls_server_config: missing {missing}")
     auth_name = str(section.get("client_auth_type") or "NoClientCert")
-    if auth_name not in CLIENT_AUTH:
+    if auth_name not in CLIENT_AUTH_TYPES:
         raise WebConfigError(f"tls_server_config.client_auth_type {auth_name!r} is not one of "
-                             f"{', '.join(CLIENT_AUTH)} (certificates that are not verified are not accepted)")
-    if files["client_ca_file"] and CLIENT_AUTH[auth_name] == ssl.CERT_NONE:
+                             f"{', '.join(CLIENT_AUTH_TYPES)} (certificates that are not verified are not accepted)")
+    if files["client_ca_file"] and auth_name == "NoClientCert":
         raise WebConfigError("tls_server_config: client_ca_file is set but client_auth_type is NoClientCert: "
                              "set client_auth_type: RequireAndVerifyClientCert")
-    if CLIENT_AUTH[auth_name] != ssl.CERT_NONE and not files["client_ca_file"]:
+    if auth_name != "NoClientCert" and not files["client_ca_file"]:
         raise WebConfigError(f"tls_server_config: client_auth_type {auth_name} needs client_ca_file")
     prefer = section.get("prefer_server_cipher_suites", True)
     if not isinstance(prefer, bool):
         raise WebConfigError("tls_server_config.prefer_server_cipher_suites must be true or false")
     settings = TlsSettings(
         cert_file=files["cert_file"], key_file=files["key_file"], client_ca_file=files["client_ca_file"],
-        client_auth=CLIENT_AUTH[auth_name], min_version=_version(section, "min_version", "TLS12"),
+        client_auth_type=auth_name, min_version=_version(section, "min_version", "TLS12"),
         max_version=_version(section, "max_version", "TLS13"), prefer_server_ciphers=prefer,
     )
-    if settings.min_version > settings.max_version:
+    if TLS_VERSIONS.index(settings.min_version) > TLS_VERSIONS.index(settings.max_version):
         raise WebConfigError("tls_server_config: min_version is above max_version")
     return settings
 
@@ -168,11 +160,11 @@ def _path(section: dict[str, Any], name: str, base: Path) -> str | None:
     return str(base / value)
 
 
-def _version(section: dict[str, Any], name: str, default: str) -> ssl.TLSVersion:
+def _version(section: dict[str, Any], name: str, default: str) -> str:
     value = str(section.get(name) or default)
     if value not in TLS_VERSIONS:
         raise WebConfigError(f"tls_server_config.{name} {value!r} is not one of {', '.join(TLS_VERSIONS)}")
-    return TLS_VERSIONS[value]
+    return value
 
 
 def _users(section: dict[str, Any] | None) -> dict[str, str] | None:

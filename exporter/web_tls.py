@@ -17,11 +17,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from stepscope.contract import families
+from stepscope.exporter import web_config
 from stepscope.exporter.exposition import render
 from stepscope.exporter.metric_families import GaugeMetricFamily
 from stepscope.exporter.web_config import TlsSettings
 
 log = logging.getLogger(__name__)
+# web_config's names in ssl's terms: the versions oldest first; NoClientCert, VerifyClientCertIfGiven and
+# RequireAndVerifyClientCert
+TLS_VERSIONS = dict(zip(web_config.TLS_VERSIONS, (ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1,
+                                                  ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3), strict=True))
+VERIFY_MODES = dict(zip(web_config.CLIENT_AUTH_TYPES, (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED),
+                        strict=True))
 PEM_BEGIN, PEM_END = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
 
 
@@ -92,14 +99,14 @@ class TlsContextSource:
     def _build(self) -> ssl.SSLContext:
         settings = self._settings
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = settings.min_version
-        context.maximum_version = settings.max_version
+        context.minimum_version = TLS_VERSIONS[settings.min_version]
+        context.maximum_version = TLS_VERSIONS[settings.max_version]
         if settings.prefer_server_ciphers:
             context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
         context.load_cert_chain(settings.cert_file, settings.key_file, password=self._refuse_passphrase)
         if settings.client_ca_file:
             context.load_verify_locations(cafile=settings.client_ca_file)
-        context.verify_mode = settings.client_auth
+        context.verify_mode = VERIFY_MODES[settings.client_auth_type]
         return context
 
     def _note_expiry(self) -> float | None:

@@ -72,7 +72,8 @@ def test_the_exporter_imports_only_what_it_serves_with() -> None:
     """Each of these cost the exporter's RSS without serving it (issue 20: no more RSS than nvitop-exporter):
     aiohttp (11 MiB) and prometheus_client (2 MiB, http.server and email with it) are not used, yaml and
     bcrypt load only with a web config file and at the first password check."""
-    code = "import sys, stepscope.exporter.cli; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    code = ("import sys, stepscope.exporter.cli, stepscope.exporter.daemon; "
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
                             check=True)
     loaded = set(result.stdout.split())

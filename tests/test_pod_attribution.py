@@ -164,8 +164,10 @@ def test_an_unreachable_kubelet_fails_the_pods_collector_alone(tmp_path: Path) -
 
 
 def test_the_pod_families_are_the_contract_s(cluster: Cluster) -> None:
-    """tests/test_metric_contract.py checks every other family of a full scrape; these need a kubelet."""
-    text = scrape(cluster.exporter.url)
+    """tests/test_metric_contract.py checks every other family of a full scrape; these need a kubelet (and,
+    for the process family, the trainer's first pass through the process collector)."""
+    text = _wait(lambda: _scrape_once(cluster.exporter.url, lambda body: all(
+        _named(body, family) for family in (families.GPU_POD_INFO, families.PROCESS_POD_INFO))))
     for family in text_string_to_metric_families(text):
         if family.name in (families.GPU_POD_INFO, families.PROCESS_POD_INFO):
             spec = FAMILIES[family.name]

@@ -16,7 +16,8 @@ trace: stepscope_profile_trace_bytes, _steps and _timestamp_seconds, each labell
 /metrics then shows every family once, samples of all groups merged, plus
 stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
 
-Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below).
+Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below). This
+package's own module holds only them, so the flags are parsed before the server's asyncio is loaded.
 
 Without a token or allow-list only loopback clients may push (403 otherwise); with a token every
 client sends it (401 otherwise) except those in --ingest-allow-without-token, so an exporter
@@ -36,15 +37,9 @@ too_many_phases, too_many_series (per group). A refused push changes nothing sto
 
 import argparse
 
-from stepscope.exporter.exposition import ExpositionStore
-from stepscope.exporter.flags import add_flag, cidr_list, fail, positive_float, positive_int, readable_file
-from stepscope.exporter.ingest.access import AccessPolicy
-from stepscope.exporter.ingest.api import PushApi
-from stepscope.exporter.ingest.parser import PushLimits
-from stepscope.exporter.ingest.profile_api import ProfileApi
-from stepscope.exporter.ingest.store import GroupStore, StoreLimits
+from stepscope.exporter.flags import add_flag, cidr_list, positive_float, positive_int, readable_file
 
-__all__ = ["ProfileApi", "PushApi", "add_flags", "build"]
+PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 
 def add_flags(group: argparse._ArgumentGroup) -> None:
@@ -75,32 +70,3 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
              help="most push-body bytes received at once, by Content-Length; a push beyond it gets 503 "
                   "before its body is read, so pushes never crowd out scrapes")
 
-
-def build(args: argparse.Namespace, store: ExpositionStore) -> tuple[PushApi, ProfileApi]:
-    """The push API and the profile-request API for parsed flags; ends the program with one line when
-    the token file is unusable."""
-    token = None
-    if args.ingest_token_file:
-        try:
-            with open(args.ingest_token_file, encoding="utf-8") as handle:
-                token = handle.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            fail(f"cannot read --ingest-token-file {args.ingest_token_file!r}: {exc}")
-        if not token:
-            fail(f"--ingest-token-file {args.ingest_token_file!r} is empty")
-    limits = StoreLimits(
-        max_groups=args.ingest_max_groups,
-        max_series_per_group=args.ingest_max_series_per_group,
-        max_phases=args.ingest_max_phases,
-        ttl_seconds=args.ingest_ttl,
-        max_series=args.ingest_max_series,
-    )
-    push_limits = PushLimits(
-        max_label_length=args.ingest_max_label_value_length,
-        max_series=args.ingest_max_series_per_group,
-        max_phases=args.ingest_max_phases,
-    )
-    access = AccessPolicy(token, tuple(args.ingest_allow), tuple(args.ingest_allow_without_token))
-    push_api = PushApi(store, GroupStore(limits), access, max_body_bytes=args.ingest_max_body_bytes,
-                       limits=push_limits)
-    return push_api, ProfileApi(push_api.profiles, access)

@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+from stepscope.exporter.ingest import PROFILE_PREFIX
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import Rejected, clip
 from stepscope.exporter.ingest.profiles import ProfileError, ProfileRequests
-from stepscope.exporter.server import PROFILE_PREFIX, PushRequest, PushResponse
+from stepscope.exporter.server import PushRequest, PushResponse
 
 log = logging.getLogger(__name__)
 
