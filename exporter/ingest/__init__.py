@@ -17,7 +17,8 @@ trace: stepscope_profile_trace_bytes, _steps and _timestamp_seconds, each labell
 stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
 
 Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below). This
-package's own module holds only them, so the flags are parsed before the server's asyncio is loaded.
+module holds only them and the profile API's path: the cli parses the flags before the server's asyncio
+is imported (exporter.plain_http); exporter.daemon builds the APIs from them.
 
 Without a token or allow-list only loopback clients may push (403 otherwise); with a token every
 client sends it (401 otherwise) except those in --ingest-allow-without-token, so an exporter
