@@ -51,16 +51,12 @@ sys.path[:0] = [str(REPO_ROOT), str(Path(__file__).resolve().parent)]
 
 from bench_gpu import baseline_tree, commit_of, cpu_by_part  # noqa: E402
 from exporter_profile import cpu_seconds, profile_pid, scraping  # noqa: E402
+from pushing_ranks import PUSH_INTERVAL, RANKS, PushingRanks  # noqa: E402
 
-import stepscope.hooks as th  # noqa: E402
 from stepscope_testkit.fake_nvml.scenario import H100_LATENCY_MS, make_scenario, write_scenario  # noqa: E402
 from stepscope_testkit.processes import FAKE_NVML_DIR, free_port, running  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "exporter_cpu.md"
-RANKS = 8
-PUSH_INTERVAL = 5.0
-STEP_SECONDS = 0.05
-PHASES = ("dataloader_next", "to_device", "forward", "backward", "optimizer_step")
 
 
 
@@ -114,14 +110,11 @@ class Load:
     def __init__(self, url: str, scrape_interval: float) -> None:
         self.url = url
         self.scrape_interval = scrape_interval
-        self.trackers = [th.init(run="bench", rank=rank, local_rank=rank, world_size=RANKS, push_url=url,
-                                 push_interval=PUSH_INTERVAL, handle_sigterm=False) for rank in range(RANKS)]
+        self.ranks = PushingRanks(url)
         self.scrapes = 0
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._scrape, daemon=True),
-                        threading.Thread(target=self._train, daemon=True)]
-        for thread in self.threads:
-            thread.start()
+        self.thread = threading.Thread(target=self._scrape, daemon=True)
+        self.thread.start()
 
     def _scrape(self) -> None:
         session = requests.Session()
@@ -129,22 +122,10 @@ class Load:
             session.get(f"{self.url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=10).raise_for_status()
             self.scrapes += 1
 
-    def _train(self) -> None:
-        for tracker in self.trackers:
-            tracker.state("train")
-        while not self.stop.wait(STEP_SECONDS):
-            for tracker in self.trackers:
-                for phase in PHASES:
-                    with tracker.phase(phase):
-                        pass
-                tracker.step(samples=32)
-
     def close(self) -> None:
         self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=15)
-        for tracker in self.trackers:
-            tracker.close()
+        self.thread.join(timeout=15)
+        self.ranks.close()
 
 
 def measure(pids: dict[str, int], windows: int, window: float) -> dict[str, list[float]]:
