@@ -7,9 +7,9 @@ On a GPU (an NVIDIA driver for NVML and torch with CUDA); without one it says so
 1. the collector per NVML call (median, p90, on which path) and per cycle (per GPU), and one round of
    the slow-readings thread;
 2. stepscope-exporter vs nvitop-exporter, both at a 1 s interval, running at once while a bf16 matmul
-   loop keeps GPU 0 busy and 8 ranks push to stepscope-exporter every 5 s (nvitop-exporter has no push
-   API): CPU of a core, RSS (median and max of a reading a second), scrape p50/p99 (one scrape each per
-   second, in turn);
+   loop keeps GPU 0 busy, in a window without pushes and one with 8 ranks pushing to stepscope-exporter
+   every 5 s (nvitop-exporter has no push API): CPU of a core, RSS (median and max of a reading a
+   second), scrape p50/p99 (one scrape each per second, in turn);
    then, where py-spy is installed, stepscope-exporter's CPU by thread and by code (--profile-seconds);
 3. the hooks off / CUDA events / host timing / sync at ~1.3, ~2.8 and ~49 ms steps with six phases,
    interleaved rounds with per-round spread, an A/A control (off vs off), and event-timed against
@@ -400,9 +400,10 @@ while True:
 
 
 def exporters_side_by_side(tmp: Path, seconds: float, profile_seconds: float = 60.0) -> str:
-    """Both exporters at 1 s, scraped once per second each in turn, while a matmul loop runs and RANKS ranks
-    push to stepscope-exporter (nvitop-exporter has no push API); then, where py-spy is installed,
-    stepscope-exporter alone profiled for `profile_seconds` under the same scrapes and pushes."""
+    """Both exporters at 1 s, scraped once per second each in turn, while a matmul loop runs: a window with
+    no pushes (nvitop-exporter's job), then one with RANKS ranks pushing to stepscope-exporter (it alone
+    has a push API); then, where py-spy is installed, stepscope-exporter alone profiled for
+    `profile_seconds` under the same scrapes and pushes."""
     with contextlib.ExitStack() as stack:
         load = subprocess.Popen([sys.executable, "-c", MATMUL_LOOP])
         stack.callback(lambda: (load.terminate(), load.wait(10)))
@@ -412,7 +413,6 @@ def exporters_side_by_side(tmp: Path, seconds: float, profile_seconds: float = 6
              "--collect-interval", "1"],
             f"http://127.0.0.1:{port}/-/ready", tmp / "stepscope.log", env=exporter_env(),
             base_url=f"http://127.0.0.1:{port}"))
-        stack.enter_context(contextlib.closing(PushingRanks(ours.url)))
         targets = {"stepscope-exporter (node, gpu, process collectors)": (f"{ours.url}/metrics", ours.process.pid)}
         port = free_port()
         command = nvitop_command(port)
@@ -421,27 +421,37 @@ def exporters_side_by_side(tmp: Path, seconds: float, profile_seconds: float = 6
         if command:
             nvitop = stack.enter_context(running(command, f"http://127.0.0.1:{port}/metrics", tmp / "nvitop.log"))
             targets["nvitop-exporter --interval 1"] = (nvitop.url + "/metrics", nvitop.process.pid)
+        time.sleep(10)
+        alone = measured_window(targets, seconds, ours.url)
+        stack.enter_context(contextlib.closing(PushingRanks(ours.url)))
         time.sleep(2 * PUSH_INTERVAL)  # every rank pushed
-        parts_before, started = cpu_by_part(f"{ours.url}/metrics"), time.monotonic()
-        rows = paced_scrapes(targets, seconds)
-        parts_after, wall = cpu_by_part(f"{ours.url}/metrics"), time.monotonic() - started
+        pushed = measured_window(targets, seconds, ours.url)
         memory = memory_table({name.split(" (")[0]: pid for name, (_, pid) in targets.items()})
         profiled = profile_after(ours.url, ours.process.pid, profile_seconds, tmp)
-    base = rows[-1] if command else rows[0]
-    lines = [[r["target"], f"{r['cpu']:.2f}", f"{r['cpu'] / base['cpu']:.2f}x", f"{r['rss']:.1f} ({r['rss_max']:.1f})",
-              f"{r['p50']:.2f}", f"{r['p99']:.2f}", str(r["series"])] for r in rows]
+    return note + (
+        f"{seconds:.0f} s windows; a bf16 8192x8192 matmul loop on GPU 0 all along; one gzip scrape per target "
+        "per second, in turn; CPU is user+system of the exporter process; RSS read each second of the window."
+        "\n\n### No pushes (after 10 s of warm-up)\n\n") + alone + (
+        f"\n\n### {RANKS} ranks pushing to stepscope-exporter every {PUSH_INTERVAL:.0f} s (stepscope.hooks trackers "
+        f"in the benchmark's process; the window starts {2 * PUSH_INTERVAL:.0f} s after they do)\n\n") + pushed + (
+        "\n\nWhat each exporter's RSS is made of at the end (/proc/PID/smaps, MiB):\n\n" + memory) + profiled
+
+
+def measured_window(targets: dict[str, tuple[str, int]], seconds: float, our_url: str) -> str:
+    """One window of paced scrapes: each exporter's CPU (against the last one's, nvitop-exporter where it runs),
+    RSS and scrape latency, then stepscope-exporter's CPU by part over the same window."""
+    parts_before, started = cpu_by_part(f"{our_url}/metrics"), time.monotonic()
+    rows = paced_scrapes(targets, seconds)
+    parts_after, wall = cpu_by_part(f"{our_url}/metrics"), time.monotonic() - started
+    lines = [[r["target"], f"{r['cpu']:.2f}", f"{r['cpu'] / rows[-1]['cpu']:.2f}x",
+              f"{r['rss']:.1f} ({r['rss_max']:.1f})", f"{r['p50']:.2f}", f"{r['p99']:.2f}", str(r["series"])]
+             for r in rows]
     by_part = [[name, f"{(parts_after[name] - parts_before.get(name, 0.0)) / wall * 1e3:.2f}"]
                for name in sorted(parts_after)]
-    return note + table(["exporter", "CPU % of a core", "vs nvitop-exporter", "RSS MiB, median (max)",
-                         "scrape p50 ms", "scrape p99 ms", "series"], lines) + (
-        f"\n\n{seconds:.0f} s window after {2 * PUSH_INTERVAL:.0f} s of warm-up; a bf16 8192x8192 matmul loop on GPU 0 "
-        f"all along; {RANKS} ranks (stepscope.hooks trackers in the benchmark's process) pushing to "
-        f"stepscope-exporter every {PUSH_INTERVAL:.0f} s; one gzip scrape per target per second, in turn; CPU is "
-        "user+system of the exporter process; RSS read each second of the window.\n\n"
-        "Where stepscope-exporter's CPU went, by part (its stepscope_exporter_cpu_seconds_total over the same "
-        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part) + (
-        "\n\nWhat each exporter's RSS is made of at the end of the window (/proc/PID/smaps, MiB):\n\n"
-        + memory) + profiled
+    return table(["exporter", "CPU % of a core", "vs nvitop-exporter", "RSS MiB, median (max)", "scrape p50 ms",
+                  "scrape p99 ms", "series"], lines) + (
+        "\n\nWhere stepscope-exporter's CPU went, by part (its stepscope_exporter_cpu_seconds_total over the "
+        "window, 10 ms ticks):\n\n") + table(["part", "CPU ms/s"], by_part)
 
 
 def profile_after(url: str, pid: int, seconds: float, tmp: Path) -> str:

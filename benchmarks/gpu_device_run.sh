@@ -2,8 +2,9 @@
 # What a session runs on a lent GPU machine (the device tool), in two calls that fit its 15 minutes:
 #   bash benchmarks/gpu_device_run.sh tests    # pytest -m gpu, then two workloads recorded
 #   bash benchmarks/gpu_device_run.sh record   # the saturated bf16 run judged live, and three more
-#   bash benchmarks/gpu_device_run.sh cost     # stepscope-exporter vs nvitop-exporter, our CPU by part and by code (issue 20);
-#                                              WINDOW=150 PROFILE=30 for a shorter run (default 200 s and 60 s)
+#   bash benchmarks/gpu_device_run.sh cost     # stepscope-exporter vs nvitop-exporter in two windows (no pushes, then
+#                                              8 ranks pushing to ours), our CPU by part and by code (issue 20);
+#                                              WINDOW=80 PROFILE=30 for a shorter run (default 120 s each and 60 s)
 # The machine has torch, nvidia-ml-py, grpcio, pyyaml; h11, bcrypt, py-spy, nvitop and nvitop-exporter travel as
 # wheels in .whl/ (`pip download --no-deps h11 bcrypt py-spy nvitop nvitop-exporter`) and
 # Debian's prometheus binary xz-compressed in .devbin/ (both ignored by git, named in the call's carry).
@@ -29,7 +30,7 @@ case "${1:-}" in
       mlp_bf16=120 conv_bf16=60 ddp_two_ranks=60 2>&1 | tail -20
     ;;
   cost)
-    timeout 400 python3 benchmarks/bench_gpu.py --side-by-side --window "${WINDOW:-200}" \
+    timeout 400 python3 benchmarks/bench_gpu.py --side-by-side --window "${WINDOW:-120}" \
       --profile-seconds "${PROFILE:-60}" 2>&1 | tail -80
     cp benchmarks/results/gpu-side-by-side.md "$OUT/"
     ;;
