@@ -4,6 +4,7 @@ older flags kept as aliases."""
 
 import asyncio
 import base64
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import requests
 from stepscope.exporter.cli import build_parser, enabled_collectors
 from stepscope.exporter.web_auth import BcryptUsers, Client
 from stepscope.exporter.web_config import WebConfigError, load
+from stepscope.exporter.web_tls import TlsContextSource
 from stepscope_testkit.processes import exporter_env, free_port, running, running_exporter, sample_values, scrape
 from tests.support.certs import make_cert, make_client_cert
 from tests.test_cli import assert_clean_failure, run_exporter
@@ -126,6 +128,8 @@ def test_wrong_web_config_fails_in_one_line_naming_the_key(tmp_path: Path) -> No
          "holds characters a response header can not carry"),
         ("basic_auth_users: {prometheus: plaintext}\n", "basic_auth_users.prometheus: not a bcrypt hash"),
         ("tls_server_config: {cert_file: a, key_file: b, min_version: TLS14}\n", "'TLS14' is not one of"),
+        ("tls_server_config: {cert_file: a, key_file: b, min_version: TLS13, max_version: TLS12}\n",
+         "min_version is above max_version"),
         ("tls_server_config: {cert_file: a, key_file: b, client_auth_type: RequireClientCert}\n",
          "'RequireClientCert' is not one of"),
         ("tls_server_config: {cert_file: a, key_file: b, client_ca_file: ca}\n", "client_auth_type is NoClientCert"),
@@ -141,6 +145,24 @@ def test_web_config_checks(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(WebConfigError) as caught:
         load(str(config))
     assert expected in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("versions", "expected"), [
+    ("", (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3)),
+    ("min_version: TLS13, ", (ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_3)),
+    ("min_version: TLS12, max_version: TLS12, ", (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_2)),
+])
+def test_the_files_tls_names_reach_the_served_context(tmp_path: Path, versions: str, expected: tuple) -> None:
+    """web_config keeps exporter-toolkit's names (so that reading it never loads ssl); web_tls turns them into
+    the context's versions and client verification."""
+    make_cert(tmp_path, "stepscope")
+    ca, _, _ = make_client_cert(tmp_path)
+    config = tmp_path / "web.yml"
+    config.write_text(f"tls_server_config: {{cert_file: tls.crt, key_file: tls.key, {versions}"
+                      f"client_auth_type: VerifyClientCertIfGiven, client_ca_file: {ca}}}\n")
+    context = TlsContextSource(load(str(config)).tls).context()
+    assert (context.minimum_version, context.maximum_version) == expected
+    assert context.verify_mode == ssl.CERT_OPTIONAL
 
 
 def test_an_empty_web_config_changes_nothing(tmp_path: Path) -> None:
