@@ -2,7 +2,7 @@
 nvitop-exporter; the server moved from aiohttp to h11 at e4bfa3d): RSS after importing the exporter,
 CPU per keep-alive request and CPU per connection churned over the connection cap.
 
-    PYTHONPATH=. python benchmarks/bench_http_cost.py --baseline-rev 6fb22ff [--rounds 3]
+    PYTHONPATH=. python benchmarks/bench_http_cost.py --baseline-rev 6fb22ff [--rounds 3] [--peer-python PYTHON]
 
 Each round measures both trees one after the other, alternating which goes first; an exporter runs
 with no collectors so only the HTTP layer spends CPU. Results: benchmarks/results/http_cost.md.
@@ -50,6 +50,14 @@ def import_rss(tree: Path) -> float:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree).stdout
     return int(out) / 2**20
+
+
+def peer_import_rss(python: str) -> float | None:
+    """MiB of RSS in a fresh `python` after importing nvitop-exporter's command, as import_rss reads ours (before
+    NVML is loaded); None where that Python cannot import it."""
+    code = "import psutil, nvitop_exporter.cli; print(psutil.Process().memory_info().rss)"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return int(done.stdout) / 2**20 if done.returncode == 0 else None
 
 
 @contextmanager
@@ -118,10 +126,20 @@ def report(measured: dict[str, list[dict[str, float]]], names: dict[str, str]) -
     return "\n".join(lines)
 
 
+def peer_line(python: str, rounds: int) -> str:
+    values = [peer_import_rss(python) for _ in range(rounds)]
+    if None in values:
+        return f"nvitop-exporter's imports: not measured ({python} cannot import nvitop_exporter; --peer-python)."
+    return (f"nvitop-exporter's imports, read the same way with {python}: "
+            f"{statistics.median(values):.3g} MiB ({min(values):.3g}-{max(values):.3g}).")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-rev", required=True, help="the 'before' tree (a git revision)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peer-python", default=sys.executable,
+                        help="a Python with nvitop-exporter installed, for its imports' RSS beside ours")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = baseline_tree(args.baseline_rev, Path(tmp))
@@ -136,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         text = (f"## HTTP cost: {names['this']} against {names['base']} ({results.machine()}, "
                 f"{results.load_average()})\n\n"
                 f"`PYTHONPATH=. python benchmarks/bench_http_cost.py --baseline-rev {args.baseline_rev} "
-                f"--rounds {args.rounds}`: median (min-max) of {args.rounds} rounds, the trees alternating. "
+                f"--rounds {args.rounds}"
+                + (f" --peer-python {args.peer_python}" if args.peer_python != sys.executable else "")
+                + f"`: median (min-max) of {args.rounds} rounds, the trees alternating. "
                 f"No collectors; {REQUESTS} keep-alive requests pipelined {PIPELINED} at a time; "
                 f"{CHURN_ROUNDS} x {CHURN_BATCH} connections opened and closed against a cap of {CAP}.\n\n"
-                + report(measured, names) + "\n")
+                + report(measured, names) + "\n\n" + peer_line(args.peer_python, args.rounds) + "\n")
     results.publish(RESULTS, text)
     return 0
 
