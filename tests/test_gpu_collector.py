@@ -296,6 +296,35 @@ def test_slow_counters_come_from_one_field_values_call_or_one_call_each(
     assert sample_values(text, "stepscope_gpu_clock_event_seconds_total", gpu="2", reason="board_limit") == []
 
 
+def test_the_energy_read_time_is_when_the_driver_read_the_counter(
+    harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watts divide each energy counter's increase by the read time's increase. Stamped by the reading thread
+    at the round's start, the read time missed the time the thread then waited for a CPU (test_energy_e2e read
+    686.1 W for 688.456 in a loaded CI run). A round now carries NVML's timestamp of the energy field."""
+    scenario = make_scenario(gpus=1, processes_per_gpu=0)
+    watts = scenario["gpus"][0]["total_energy_mj"]["per_second"] / 1e3
+    h = harness(scenario, slow_interval=3600)
+    h.scrape()  # identified, first round read
+    slow = h.collector._slow
+    batched = h.nvml.nvmlDeviceGetFieldValues
+    waits = iter([0.0, 0.3])  # the second round's thread waits 0.3 s between its start and the driver's read
+
+    def late(handle: Any, field_ids: list[int]) -> Any:
+        time.sleep(next(waits))
+        return batched(handle, field_ids)
+
+    monkeypatch.setattr(h.nvml, "nvmlDeviceGetFieldValues", late)
+    rounds = []
+    for _ in range(2):
+        slow.read_all()
+        rounds.append(slow.latest())
+        time.sleep(0.2)
+    joules = [next(value for key, _, value in r.gpus["0"] if key == "stepscope_gpu_energy_joules_total")
+              for r in rounds]
+    assert (joules[1] - joules[0]) / (rounds[1].read_time - rounds[0].read_time) == pytest.approx(watts, rel=1e-3)
+
+
 def test_older_bindings_without_event_reasons_or_memory_v2(
     harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
 ) -> None:

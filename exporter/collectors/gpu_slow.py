@@ -32,6 +32,9 @@ Reader = Callable[[ModuleType, Any], Iterable[Sample]]
 
 DEFAULT_INTERVAL_SECONDS = 10.0
 STALE_INTERVALS = 3
+# NVML's timestamp of a field stands for the round's read time only this close to the exporter's clock: a driver
+# that leaves it 0, or stamps in another clock, leaves the round on time.time().
+STAMP_TRUSTED_WITHIN_SECONDS = 1.0
 VIOLATION_POLICIES = (
     ("power", "NVML_PERF_POLICY_POWER"),
     ("thermal", "NVML_PERF_POLICY_THERMAL"),
@@ -103,7 +106,11 @@ class SlowRound:
     of the same round, or the rules' watts (each counter's increase over the read time's) would mix two."""
 
     read_at: float = 0.0  # time.monotonic() when the round started
-    read_time: float | None = None  # time.time() then; None before the first round
+    # When the round's energy was read, in Unix seconds; None before the first round. NVML's own timestamp of
+    # the first GPU's energy field where the batched read gives one, else time.time() at the round's start: the
+    # watts divide each counter's increase by this time's, and a stamp taken by this thread would add the
+    # time the thread waited for a CPU between its clock and the driver's read (0.3% of a 1 s round under load).
+    read_time: float | None = None
     gpus: dict[str, list[Sample]] = field(default_factory=dict)  # index -> samples
     stale_after: float = 0.0
 
@@ -167,6 +174,7 @@ class SlowReadings:
     def read_all(self) -> None:
         """One round: every identified GPU's slow readings, now, on the calling thread."""
         read_at, read_time = time.monotonic(), time.time()
+        stamped = False
         gpus: dict[str, list[Sample]] = {}
         for gpu in list(self._gpus):
             handle = gpu.handle
@@ -176,17 +184,20 @@ class SlowReadings:
             if self._poll_pcie and (gpu.gpm is None or gpu.gpm.gives_pcie is False):
                 readers += PCIE_READERS
             try:
-                samples, missed = self._read_batch(gpu.index, handle)
+                samples, missed, stamp = self._read_batch(gpu.index, handle)
             except self._nvml.NVMLError_GpuIsLost:
                 continue  # lost: its readings drop
+            if not stamped and stamp is not None and abs(stamp - read_time) < STAMP_TRUSTED_WITHIN_SECONDS:
+                read_time, stamped = stamp, True
             samples_too = self._read_gpu(gpu.index, handle, (*((c.what, c.read) for c in missed), *readers))
             if samples_too is not None:
                 gpus[gpu.index] = samples + samples_too
         self._latest = SlowRound(read_at, read_time, gpus, STALE_INTERVALS * self._interval)
 
-    def _read_batch(self, index: str, handle: Any) -> tuple[list[Sample], list[Counter]]:
-        """The counters one nvmlDeviceGetFieldValues call gave, and those it did not (read one by one: a
-        driver or bindings without the call or a field id, a field refused); raises NVMLError_GpuIsLost."""
+    def _read_batch(self, index: str, handle: Any) -> tuple[list[Sample], list[Counter], float | None]:
+        """The counters one nvmlDeviceGetFieldValues call gave, those it did not (read one by one: a driver or
+        bindings without the call or a field id, a field refused), and NVML's timestamp of the energy it gave
+        (Unix seconds; None without one); raises NVMLError_GpuIsLost."""
         nvml = self._nvml
         asked = [(counter, getattr(nvml, counter.field_id, None)) for counter in COUNTERS]
         batch = [(counter, field_id) for counter, field_id in asked if field_id is not None]
@@ -198,10 +209,11 @@ class SlowReadings:
             self._log_once(index, "field_values", exc)
             values = []
         whole = getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3)
-        given = {counter.what: value.value.ullVal for (counter, _), value in zip(batch, values, strict=False)
-                 if value.nvmlReturn == nvml.NVML_SUCCESS and value.valueType == whole}
-        return ([counter.sample(given[counter.what]) for counter in COUNTERS if counter.what in given],
-                [counter for counter in COUNTERS if counter.what not in given])
+        answered = {counter.what: value for (counter, _), value in zip(batch, values, strict=False)
+                    if value.nvmlReturn == nvml.NVML_SUCCESS and value.valueType == whole}
+        stamp = answered["energy"].timestamp / 1e6 if "energy" in answered else None  # µs
+        return ([counter.sample(answered[counter.what].value.ullVal) for counter in COUNTERS
+                 if counter.what in answered], [counter for counter in COUNTERS if counter.what not in answered], stamp)
 
     def _log_once(self, index: str, what: str, exc: Exception) -> None:
         if (index, what, type(exc).__name__) not in self._failed:

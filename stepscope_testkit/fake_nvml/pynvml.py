@@ -366,9 +366,10 @@ def _key(mapping: dict[str, Any], key: str) -> Any:
     return mapping[key]
 
 
-def _counter(value: Any) -> float:
+def _counter(value: Any, at: float | None = None) -> float:
+    """A counter's value now, or at the time.monotonic() instant `at`."""
     if isinstance(value, dict):
-        return value.get("start", 0) + value.get("per_second", 0) * (time.monotonic() - _STARTED)
+        return value.get("start", 0) + value.get("per_second", 0) * ((at or time.monotonic()) - _STARTED)
     return value
 
 
@@ -505,18 +506,23 @@ def nvmlDeviceGetFieldValues(handle: _Device, field_ids: list[int]) -> list[_Str
 
 
 def _field_value(handle: _Device, field_id: int) -> _Struct:
+    """One field, stamped (Unix µs) at the instant its value is taken, as the driver stamps its samples."""
     value, status = _Struct(ullVal=0, dVal=0.0), NVML_SUCCESS
+    counter = None
     try:
         if field_id not in FIELD_VALUES:
             raise NVMLError_NotSupported()
         key, within = FIELD_VALUES[field_id]
-        reading = _field(handle, key)
-        value.ullVal = int(_counter(reading if within is None else _key(reading, within)))
+        counter = _field(handle, key)
+        counter = counter if within is None else _key(counter, within)
     except NVMLError_GpuIsLost:
         raise
     except NVMLError as exc:
         status = exc.value
-    return _Struct(fieldId=field_id, scopeId=0, timestamp=time.time_ns() // 1000, latencyUsec=0,
+    at, stamp_us = time.monotonic(), time.time_ns() // 1000
+    if status == NVML_SUCCESS:
+        value.ullVal = int(_counter(counter, at))
+    return _Struct(fieldId=field_id, scopeId=0, timestamp=stamp_us, latencyUsec=0,
                    valueType=NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlReturn=status, value=value)
 
 
