@@ -71,9 +71,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     flags = ("--collectors=node,process", f"--kubelet-pod-resources-socket={socket}")
     with serving(socket, PODS) as kubelet, running_exporter(tmp, *flags) as exporter, \
             replaying({NODE: dcgm}) as dcgm_target:
-        ranks = {"0": start_demo(RUN, 0, 2, exporter.url, tmp / "rank0.log", "--steps", "0",
+        paced = ("--steps", "0", "--slow-loader", "0.05")  # labelling needs no speed: 2% of a core each, not 100%
+        ranks = {"0": start_demo(RUN, 0, 2, exporter.url, tmp / "rank0.log", *paced,
                                  env={"NVIDIA_VISIBLE_DEVICES": f"{UUID},{SECOND_GPU}"}),
-                 "1": start_demo(RUN, 1, 2, exporter.url, tmp / "rank1.log", "--steps", "0")}
+                 "1": start_demo(RUN, 1, 2, exporter.url, tmp / "rank1.log", *paced)}
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                   "rule_files": [str(path) for path in RULE_FILES],
                   "scrape_configs": [

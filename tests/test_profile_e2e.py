@@ -59,8 +59,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     tmp = tmp_path_factory.mktemp("profile-e2e")
     traces = tmp / "traces"
     with running_exporter(tmp) as exporter:
+        # steps of 5+ ms (~150 a second): a few to trace within a push, without the demo taking a whole core
         demo = start_demo(RUN, 0, 2, exporter.url, tmp / "demo.log", "--push-interval", PUSH_INTERVAL,
-                          env={"STEPSCOPE_TRACE_DIR": str(traces)})
+                          "--extra-step-seconds", "0.005", env={"STEPSCOPE_TRACE_DIR": str(traces)})
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "STEPSCOPE_PUSH_URL": exporter.url}
         no_torch = subprocess.Popen([sys.executable, "-c", NO_TORCH_RANK], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env=env)
