@@ -18,11 +18,14 @@ import re
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "corpus"
 EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,6 +68,22 @@ class Workload:
         marker = f'stepscope_training_state{{rank="0",run="{self.run}",state="train"}} 1.0'
         training = [offset for offset, body in zip(self.offsets, self.bodies, strict=True) if marker in body]
         return training[0], training[-1]
+
+
+def named_samples(body: str, names: Collection[str]) -> list[Sample]:
+    """The samples of one recorded scrape whose names are in `names`, read by prometheus_client's parser
+    from their own lines and their families' comments only: on a whole H100 scrape it takes ~1 ms, and
+    the corpus checks read every scrape of every workload (the bulk of their CPU)."""
+    kept = []
+    for line in body.splitlines():
+        if line.startswith("#"):
+            fields = line.split(None, 3)  # '# TYPE family type': a histogram's family names its _bucket
+            if len(fields) > 2 and any(name.startswith(fields[2]) for name in names):
+                kept.append(line)
+        elif line.partition("{")[0].partition(" ")[0] in names:
+            kept.append(line)
+    return [sample for family in text_string_to_metric_families("\n".join(kept) + "\n")
+            for sample in family.samples if sample.name in names]
 
 
 @dataclass(frozen=True)

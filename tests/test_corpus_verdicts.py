@@ -21,10 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stepscope.contract import THRESHOLDS, families, verdicts
-from stepscope_testkit.replay import Recording, Workload, recordings
+from stepscope_testkit.replay import Recording, Workload, named_samples, recordings
 from tests.support.replay_judge import ENGINES, Judged, judge
 
 pytestmark = pytest.mark.timeout(300)
@@ -137,8 +136,7 @@ def _steady(workload: Workload, name: str) -> list[float]:
     values = []
     for offset, body in zip(workload.offsets, workload.bodies, strict=True):
         if (first + last) / 2 <= offset <= last:
-            values += [sample.value for family in text_string_to_metric_families(body)
-                       for sample in family.samples if sample.name == name]
+            values += [sample.value for sample in named_samples(body, (name,))]
     return values
 
 

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stepscope.contract import families
-from stepscope_testkit.replay import Recording, Workload, recordings
+from stepscope_testkit.replay import Recording, Workload, named_samples, recordings
 
 RECORDINGS = recordings()
 WORKLOADS = [(recording, name) for recording in RECORDINGS for name in recording.workloads]
@@ -40,8 +39,8 @@ def readings(workload: Workload) -> list[tuple[float, float, float]]:
     """(Unix time, energy counter, power) of every scrape of the workload."""
     found = []
     for offset, body in zip(workload.offsets, workload.bodies, strict=True):
-        values = {sample.name: sample.value for family in text_string_to_metric_families(body)
-                  for sample in family.samples if sample.name in (families.GPU_ENERGY, families.GPU_POWER)}
+        values = {sample.name: sample.value
+                  for sample in named_samples(body, (families.GPU_ENERGY, families.GPU_POWER))}
         found.append((workload.started + offset, values[families.GPU_ENERGY], values[families.GPU_POWER]))
     return found
 

@@ -9,15 +9,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.flop_counter import FlopCounterMode
 
 from stepscope.contract import THRESHOLDS, families
 from stepscope.contract.peak_flops import peak_flops
-from stepscope_testkit.replay import Workload, recordings
+from stepscope_testkit.replay import Workload, named_samples, recordings
 
 (H100,) = [recording for recording in recordings() if recording.name == "h100-2026-11-24"]
 SHARE = THRESHOLDS["mfu_tensor_share"].value
+READ = (families.STEPS_TOTAL, families.GPU_INFO, families.GPU_TENSOR_ACTIVE)  # what _readings takes from scrapes
 
 
 def _mlp_step() -> None:
@@ -51,9 +51,8 @@ def _steady(workload: Workload) -> list[tuple[float, dict[str, list[tuple[dict, 
     for offset, body in zip(workload.offsets, workload.bodies, strict=True):
         if (first + last) / 2 <= offset <= last:
             samples: dict[str, list[tuple[dict, float]]] = {}
-            for family in text_string_to_metric_families(body):
-                for sample in family.samples:
-                    samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+            for sample in named_samples(body, READ):
+                samples.setdefault(sample.name, []).append((sample.labels, sample.value))
             scrapes.append((offset, samples))
     return scrapes
 
