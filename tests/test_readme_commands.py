@@ -145,8 +145,10 @@ def test_the_demo_and_profile_commands(tmp_path: Path) -> None:
             wait_http_ok(f"{gateway}/-/ready", shells["pushgateway"])
             demos = dict(zip(["demo", "straggler", "slow", "fixed", "ddp", "pushgateway-demo"],
                              [*demo_lines, pushgateway_block[1]], strict=True))
-            # a rank 3 of run resnet-a, for the profile commands (not a README command: the user's job)
-            demos["resnet-a"] = "python -m stepscope.hooks.demo --run resnet-a --rank 3 --world-size 4"
+            # a rank 3 of run resnet-a, for the profile commands (not a README command: the user's job), in
+            # steps of 5+ ms so that it does not take a core while they trace
+            demos["resnet-a"] = ("python -m stepscope.hooks.demo --run resnet-a --rank 3 --world-size 4"
+                                 " --extra-step-seconds 0.005")
             shells.update({name: start_shell(line, tmp_path / f"{name}.log", env) for name, line in demos.items()})
 
             def pushed(*groups: tuple[str, str]) -> Callable[[str], bool]:
