@@ -23,7 +23,8 @@ RELEASE = "rel"
 NAMESPACE = "monitoring"
 OPERATOR_API = "monitoring.coreos.com/v1"
 # libyaml's safe loader where PyYAML was built with it (PyPI's wheels are): the rendered dashboards and rules
-# take pure-Python PyYAML 0.2 s a render, three quarters of the chart tests' CPU.
+# took pure-Python PyYAML 0.08 s for the default render, three quarters of the chart tests' CPU (27 of 34 s
+# under cProfile).
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
