@@ -52,6 +52,7 @@ class Scheduler:
         self._cpu_read = float("-inf")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._started = time.time()  # before the first scrape can be served
         store.attach("stepscope_exporter", self)
 
     def start(self) -> None:
@@ -168,7 +169,12 @@ class Scheduler:
             cpu = _cpu_by_part(self._cpu)
         build = InfoMetricFamily(families.BUILD_INFO.removesuffix("_info"), "Exporter version and runtime.")
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
-        return [build, duration, errors, last_success, *cpu]
+        started = GaugeMetricFamily(
+            families.EXPORTER_START_TIME,
+            "Unix time the exporter started: the rules hold a target's readings until its ranks push again.",
+            value=self._started,
+        )
+        return [build, started, duration, errors, last_success, *cpu]
 
 
 def _cpu_by_part(seconds: dict[str, float]) -> list[Metric]:

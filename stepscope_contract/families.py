@@ -79,6 +79,7 @@ COLLECTOR_DURATION = "stepscope_exporter_collector_duration_seconds"
 COLLECTOR_ERRORS = "stepscope_exporter_collector_errors_total"
 COLLECTOR_LAST_SUCCESS = "stepscope_exporter_collector_last_success_timestamp_seconds"
 BUILD_INFO = "stepscope_exporter_build_info"
+EXPORTER_START_TIME = "stepscope_exporter_start_time_seconds"
 INGEST_ACCEPTED = "stepscope_exporter_ingest_accepted_total"
 INGEST_REJECTED = "stepscope_exporter_ingest_rejected_total"
 INGEST_GROUPS = "stepscope_exporter_ingest_groups"
@@ -228,6 +229,9 @@ _SELF = (
            "(a collector's cycles and its helper threads: the GPU's slow readings and XID events), `server` "
            "(HTTP: scrapes, pushes, password checks)", label_notes={"part": "node, gpu, process, server"}),
     Family(BUILD_INFO, "gauge", ("version", "python_version"), "build", kind="info"),
+    Family(EXPORTER_START_TIME, "gauge", (),
+           "when the exporter started (Unix seconds): the rules hold a target's last readings for a while "
+           "after it, until every rank has pushed again ([alerts](alerts.md#scrape-gaps))"),
     Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
     Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),
     Family(INGEST_GROUPS, "gauge", (), "(run, rank) groups stored"),

@@ -6,10 +6,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES
+from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES, SOURCES_DIR
 from grafana.rules import rules as rules_of
+from grafana.rules.render import UnknownPlaceholder, fill_placeholders, held, render
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
@@ -110,6 +112,53 @@ def test_rules_read_only_published_metrics_and_recording_rules() -> None:
         read |= set(METRIC_NAME.findall(RULE_NAME.sub("", rule["expr"])))
     assert "stepscope_steps_total" in read
     assert read <= EXPORTER_METRICS, f"neither published nor recorded: {sorted(read - EXPORTER_METRICS)}"
+
+
+# Rules that read a target's series at the evaluation without held(...) (stepscope_contract/scrape_gaps.py),
+# and why: a gap must end them, or holding would lie.
+UNHELD = {
+    # time() minus a held push or success time grows through the gap: the rank or collector would look lost
+    "StepscopeRankLost": "time() - the last push: held, every rank of a down exporter would look lost",
+    "run_rank_cause:stepscope_time_seconds:rate1m": "goodput's lost and stalled time count from time() too",
+    "run_rank:stepscope_training_stalled:seconds": "goodput's stalled time counts from time() too",
+    "StepscopeExporterCollectionStale": "time() - the last success: held, it would read stale in a gap",
+    "StepscopeExporterDown": "reads `up`, the gap itself",
+    # dcgm-exporter's own target health, built on `up` and last_over_time already
+    "instance_gpu:stepscope_gpu_up:dcgm": "up == 1 and last_over_time over 1h",
+    "instance_gpu_xid:stepscope_gpu_xid_last_seen_timestamp_seconds:dcgm": "an XID is a change against 1m before",
+}
+# stepscope-gpu-readings: dcgm-exporter's fill-ins for the Node dashboard's panels, read by no alert
+UNHELD_GROUPS = {"stepscope-gpu-readings"}
+INSTANT_READ = re.compile(r'(?<![\w:("|])(?<!held\()'
+                          r'((?:stepscope_[a-z_]+|DCGM_FI_\w+)(?:\{[^{}]*\})?|\{__name__=~"DCGM[^"]*"\})(?!\s*\[|[\w:])')
+
+
+def test_every_instant_read_of_a_target_is_held_through_a_scrape_gap() -> None:
+    """A failed scrape or an exporter restart empties every instant read of the target's series for an
+    evaluation: a firing alert would resolve and a pending one start its `for` again
+    (grafana/rules/tests/scrape_gaps.yml shows it). Each such read is held(...) but those UNHELD says why."""
+    unheld = []
+    for source in sorted(SOURCES_DIR.glob("*.rules.yml")):
+        document = yaml.safe_load(fill_placeholders(source.read_text(), source.name))
+        for group in document["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("record") or rule["alert"]
+                reads = INSTANT_READ.findall(rule["expr"])
+                if reads and group["name"] not in UNHELD_GROUPS and name not in UNHELD:
+                    unheld.append(f"{name}: {sorted(set(reads))}")
+    assert not unheld, "instant reads without held(...):\n" + "\n".join(unheld)
+    held_rules = {rule.get("record") or rule["alert"] for rule in rules() if "last_over_time(" in rule["expr"]}
+    assert {"StepscopeGpuUnderutilized", "StepscopeTrainingStalled", recordings.RUN_TRAINING_RANKS} <= held_rules
+
+
+def test_held_expands_a_selector_and_its_offset_and_refuses_anything_else() -> None:
+    expr = render('held(<<family:TRAINING_STATE>>{state="train"} offset 1m) == held({__name__=~"DCGM_X"})\n', "f")
+    selector, dcgm = 'stepscope_training_state{state="train"}', '{__name__=~"DCGM_X"}'
+    assert expr == f"{held(selector, 60)} == {held(dcgm)}\n"
+    assert held(selector, 60).startswith(f"({selector} offset 60s or (last_over_time({selector}[60s] offset 60s) ")
+    assert "up offset 60s == 1" in held(selector, 60) and "time() - 60 -" in held(selector, 60)
+    with pytest.raises(UnknownPlaceholder, match=r"f: held\(\.\.\.\) near rendered line 2 must hold one selector"):
+        render("a\nheld(rate(m[1m]))\n", "f")
 
 
 def names_read(expr: str) -> set[str]:

@@ -15,14 +15,23 @@
                                        (several lines, each indented as the placeholder's line)
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
+
+After the placeholders, `held(SELECTOR)` or `held(SELECTOR offset D)` becomes the selector, or where its
+target's latest scrape failed or its exporter started less than SETTLE_SECONDS before, its last value
+from the last HOLD_SECONDS (stepscope_contract/scrape_gaps.py says why): a scrape gap then changes no
+alert. The selector keeps its `instance` and `job` labels for that (read it inside any aggregation).
 """
 
 import re
 from collections.abc import Callable
 
 from stepscope.contract import THRESHOLDS, families, peak_flops, recordings, training, verdicts
+from stepscope.contract.scrape_gaps import HOLD_SECONDS, SETTLE_SECONDS
 
 PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
+HELD_CALL = re.compile(r"\bheld\(")
+HELD = re.compile(r"held\(\s*(?P<selector>[A-Za-z_:][\w:]*(?:\{[^{}]*\})?|\{[^{}]*\})"
+                  r"(?:\s+offset\s+(?P<offset>\d+)(?P<unit>[sm]))?\s*\)")
 
 
 class UnknownPlaceholder(ValueError):
@@ -55,7 +64,33 @@ KINDS: dict[str, Callable[[str], str]] = {
 
 
 def render(source: str, where: str) -> str:
-    """`source` with every placeholder filled; UnknownPlaceholder names `where` and the line."""
+    """`source` with every placeholder filled and every held(...) expanded; UnknownPlaceholder names
+    `where` and the line."""
+    return _expand_held(fill_placeholders(source, where), where)
+
+
+def held(selector: str, offset_seconds: int = 0) -> str:
+    """`selector` (at `offset_seconds` before the evaluation), or where its target is not fresh its last
+    value within HOLD_SECONDS: the target's scrape failed (`up` 0, or no target: it left discovery while
+    its exporter restarts), or its exporter started less than SETTLE_SECONDS before."""
+    at = f" offset {offset_seconds}s" if offset_seconds else ""
+    now = f"time() - {offset_seconds}" if offset_seconds else "time()"
+    fresh = (f"up{at} == 1 unless on (instance, job) "
+             f"{now} - {families.EXPORTER_START_TIME}{at} < {SETTLE_SECONDS}")
+    return f"({selector}{at} or (last_over_time({selector}[{HOLD_SECONDS}s]{at}) unless on (instance, job) ({fresh})))"
+
+
+def _expand_held(text: str, where: str) -> str:
+    expanded = HELD.sub(lambda m: held(m["selector"], int(m["offset"] or 0) * (60 if m["unit"] == "m" else 1)), text)
+    if leftover := HELD_CALL.search(expanded):
+        line = expanded.count("\n", 0, leftover.start()) + 1
+        raise UnknownPlaceholder(f"{where}: held(...) near rendered line {line} must hold one selector "
+                                 "(metric{labels}, optionally `offset Ns`)")
+    return expanded
+
+
+def fill_placeholders(source: str, where: str) -> str:
+    """`source` with every placeholder filled, held(...) as written."""
     def fill(match: re.Match[str], line: int, indent: str) -> str:
         kind, name = match.groups()
         try:
