@@ -1,0 +1,127 @@
+"""End to end: an exporter restart resolves no alert and restarts no `for`, on both engines.
+
+A real exporter (fake NVML: the run's GPU at 25%), a data-bound training process pushing to it every
+0.5 s, and both engines scraping it every second: Prometheus with the shipped rule files, and
+VictoriaMetrics with vmalert evaluating the same files. Each engine also loads the alerts with `for: 0s`
+(tests/support/replay_judge.py), so an alert's condition is visible at once: the copy fires while it
+holds. Once both copies fire, the exporter is stopped, left down for GAP_SECONDS (failed scrapes: every
+series of the target is marked stale) and started again on the same port (it serves the rank's pushed
+series only after the rank's retry, which its backoff puts seconds later). The copies must fire at every
+look through the gap, and the shipped alerts stay pending since the same moment: no `resolved`, no new
+`for` (stepscope_contract/scrape_gaps.py; grafana/rules/tests/scrape_gaps.yml has the same in promtool).
+"""
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import requests
+
+from grafana.rules import RULE_FILES
+from stepscope.contract import families
+from stepscope_testkit.fake_nvml.scenario import write_scenario
+from stepscope_testkit.processes import free_port, running_exporter
+from tests.support.alerting import start_trainer
+from tests.support.demos import gpus_for_runs
+from tests.support.prometheus import query, running_prometheus_config, wait_for
+from tests.support.replay_judge import alerts_without_for
+from tests.support.victoria import running_victoria, running_vmalert
+
+RUN = "databound"
+ALERTS = ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized")
+GAP_SECONDS = 3  # three failed scrapes at 1 s
+WATCH_SECONDS = 20  # from the stop: the gap, the restart, the rank's retry, and some steady time after
+LAYOUT = {0: (25, 10, (RUN, 0))}  # GPU 0 waits for the data-bound rank
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def alert_states(url: str) -> dict[tuple[str, str], set[str]]:
+    """(alertname, state) -> the activeAt of each of the run's alerts in that state, from Prometheus'
+    or vmalert's /api/v1/alerts."""
+    response = requests.get(f"{url}/api/v1/alerts", timeout=10)
+    response.raise_for_status()
+    found: dict[tuple[str, str], set[str]] = {}
+    for alert in response.json()["data"]["alerts"] or []:
+        if alert["labels"].get("run") == RUN and alert["labels"]["alertname"] in ALERTS:
+            found.setdefault((alert["labels"]["alertname"], alert["state"]), set()).add(alert["activeAt"])
+    return found
+
+
+def firing_and_pending(states: dict[tuple[str, str], set[str]]) -> bool:
+    return all((name, state) in states for name in ALERTS for state in ("firing", "pending"))
+
+
+def pending_since(states: dict[tuple[str, str], set[str]]) -> dict[str, set[str]]:
+    return {name: states.get((name, "pending"), set()) for name in ALERTS}
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[tuple[ExitStack, int, dict[str, tuple[str, str]]]]:
+    """The exporter (in its own stack, to stop and start again), and per engine (query URL, alerts URL)."""
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, {}))  # the GPU from the start: read once
+    rules = [*RULE_FILES, alerts_without_for(tmp_path)]
+    scrape = [{"job_name": "stepscope", "static_configs": [{"targets": [target], "labels": {"instance": "node-a"}}]}]
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(path) for path in rules], "scrape_configs": scrape}
+    with ExitStack() as stack:
+        exporter = stack.enter_context(ExitStack())
+        exporter.enter_context(running_exporter(tmp_path, fake_nvml_scenario=tmp_path / "gpus.json", port=port))
+        (tmp_path / "prometheus").mkdir()
+        prometheus = stack.enter_context(running_prometheus_config(tmp_path / "prometheus", config))
+        victoria = stack.enter_context(running_victoria(tmp_path / "victoria", scrape))
+        vmalert = stack.enter_context(running_vmalert(tmp_path / "vmalert", victoria.url, rules))
+        yield exporter, port, {"prometheus": (prometheus.url, prometheus.url),
+                               "victoriametrics": (victoria.url, vmalert.url)}
+
+
+def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Path, engines) -> None:
+    exporter, port, urls = engines
+    trainer = start_trainer(RUN, 0, f"http://127.0.0.1:{port}", 0.06, 0.01)
+    try:
+        write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, {(RUN, 0): trainer.pid}))
+        for engine, (_, alerts_url) in urls.items():
+            assert wait_for(lambda u=alerts_url: firing_and_pending(alert_states(u)), 120, interval=1), \
+                f"{engine}: {alert_states(alerts_url)}"
+        before = {engine: pending_since(alert_states(alerts_url)) for engine, (_, alerts_url) in urls.items()}
+
+        looks = 0
+        missing: dict[tuple[str, str], list[float]] = {}  # (engine, alert) -> seconds after the stop
+
+        def look_until(seconds: float) -> None:
+            nonlocal looks
+            while time.monotonic() - stopped < seconds:
+                looks += 1
+                for engine, (_, alerts_url) in urls.items():
+                    states = alert_states(alerts_url)
+                    for name in ALERTS:
+                        if (name, "firing") not in states:
+                            missing.setdefault((engine, name), []).append(time.monotonic() - stopped)
+                time.sleep(0.5)
+
+        stopped = time.monotonic()
+        exporter.close()
+        look_until(GAP_SECONDS)
+        exporter.enter_context(running_exporter(tmp_path, fake_nvml_scenario=tmp_path / "gpus.json", port=port))
+        look_until(WATCH_SECONDS)
+        assert trainer.poll() is None, "the training process died"
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+    print(f"{looks} looks per engine over {WATCH_SECONDS} s from the stop")
+    assert not missing, "\n".join(f"{engine} {name}: not firing at {len(seconds)} of {looks} looks, "
+                                  f"{seconds[0]:.1f}-{seconds[-1]:.1f} s after the stop"
+                                  for (engine, name), seconds in missing.items())
+    for engine, (query_url, alerts_url) in urls.items():
+        assert pending_since(alert_states(alerts_url)) == before[engine], f"{engine}: a `for` started again"
+        # the gap was real: failed scrapes, and a new exporter process
+        (up,) = query(query_url, 'min_over_time(up{instance="node-a"}[1m])')
+        assert float(up["value"][1]) == 0, engine
+        (starts,) = query(query_url, f'count_over_time({families.EXPORTER_START_TIME}[1m]) '
+                                     f'and changes({families.EXPORTER_START_TIME}[1m]) > 0')
+        assert float(starts["value"][1]) > 0, engine
