@@ -34,6 +34,8 @@ ALERTS = ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized")
 GAP_SECONDS = 3  # three failed scrapes at 1 s
 WATCH_SECONDS = 20  # from the stop: the gap, the restart, the rank's retry, and some steady time after
 LAYOUT = {0: (25, 10, (RUN, 0))}  # GPU 0 waits for the data-bound rank
+# the exporter (a stack of its own, to stop and start again), its port, engine -> (query URL, alerts URL)
+Engines = tuple[ExitStack, int, dict[str, tuple[str, str]]]
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,8 +61,8 @@ def pending_since(states: dict[tuple[str, str], set[str]]) -> dict[str, set[str]
 
 
 @pytest.fixture
-def engines(tmp_path: Path) -> Iterator[tuple[ExitStack, int, dict[str, tuple[str, str]]]]:
-    """The exporter (in its own stack, to stop and start again), and per engine (query URL, alerts URL)."""
+def engines(tmp_path: Path) -> Iterator[Engines]:
+    """The exporter and both engines scraping it, each loading the rules and their `for: 0s` copy."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, {}))  # the GPU from the start: read once
@@ -79,7 +81,7 @@ def engines(tmp_path: Path) -> Iterator[tuple[ExitStack, int, dict[str, tuple[st
                                "victoriametrics": (victoria.url, vmalert.url)}
 
 
-def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Path, engines) -> None:
+def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Path, engines: Engines) -> None:
     exporter, port, urls = engines
     trainer = start_trainer(RUN, 0, f"http://127.0.0.1:{port}", 0.06, 0.01)
     try:
