@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stepscope.contract import families
+from stepscope.contract.scrape_gaps import SETTLE_SECONDS
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import CachedRenderer, Chunk, ExpositionStore
@@ -171,7 +172,7 @@ class Scheduler:
         build.add_metric([], {"version": __version__, "python_version": platform.python_version()})
         started = GaugeMetricFamily(
             families.EXPORTER_START_TIME,
-            "Unix time the exporter started: the rules hold a target's readings until its ranks push again.",
+            f"Unix time the exporter started: the rules hold its readings {SETTLE_SECONDS} s after (ranks push again).",
             value=self._started,
         )
         return [build, started, duration, errors, last_success, *cpu]

@@ -8,6 +8,8 @@ that table from FAMILIES, merging neighbours that share type, labels and meaning
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stepscope.contract.scrape_gaps import SETTLE_SECONDS
+
 GPU = ("gpu", "uuid")
 PROCESS = ("pid", "run", "rank")
 RUN_RANK = ("run", "rank")
@@ -230,8 +232,8 @@ _SELF = (
            "(HTTP: scrapes, pushes, password checks)", label_notes={"part": "node, gpu, process, server"}),
     Family(BUILD_INFO, "gauge", ("version", "python_version"), "build", kind="info"),
     Family(EXPORTER_START_TIME, "gauge", (),
-           "when the exporter started (Unix seconds): the rules hold a target's last readings for a while "
-           "after it, until every rank has pushed again ([alerts](alerts.md#scrape-gaps))"),
+           f"when the exporter started (Unix seconds): for {SETTLE_SECONDS} s after it the rules hold the readings "
+           "it does not serve yet, until every rank has pushed again ([alerts](alerts.md#scrape-gaps))"),
     Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
     Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),
     Family(INGEST_GROUPS, "gauge", (), "(run, rank) groups stored"),

@@ -5,10 +5,11 @@ restarted exporter serves no pushed series until each rank pushes again (the hoo
 after 10 s, after a second failure 20 s later). An instant read then finds nothing for that evaluation:
 a firing alert resolves and a pending one starts its `for` again, though nothing about the training
 changed.
+
 The rules read a target's gauges through `held(...)` (grafana/rules/render.py): where its latest
-scrape failed or its exporter started less than SETTLE_SECONDS ago, a series it no longer shows
-keeps its last value from the last HOLD_SECONDS. A series that leaves a healthy target's scrape
-leaves the rules at once, as before.
+scrape failed or its exporter started less than SETTLE_SECONDS ago, a series it no longer shows keeps
+its last value from the last HOLD_SECONDS. A series that leaves a healthy target's scrape leaves the
+rules at once, as before.
 """
 
 # As long as the rules' rate windows (1m): a longer gap empties those anyway, and is
