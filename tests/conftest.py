@@ -19,6 +19,7 @@ LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up +
     "test_sharded_e2e.py",          # 97 (13): the shard layout, once per global engine
     "test_stall_e2e.py",            # 92 (26): a hung run named within two minutes
     "test_dcgm_source.py",          # 82 (8): the corpus again, dcgm-exporter as the GPU source
+    "test_scrape_gap_e2e.py",       # 73 (15 at -n 0): until both engines fire, then an exporter restart watched 20 s
     "test_report_e2e.py",           # 72 (35): two training runs of 45 s (the verdict waits 30 s), reports
     "test_goodput_e2e.py",          # 45 (4)
     "test_bundle_e2e.py",           # 43 (34): training runs, Prometheus, every rule and panel query
