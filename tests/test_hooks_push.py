@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stepscope.hooks as th
+from stepscope.hooks.pusher import Pusher
 from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
 
@@ -176,3 +178,30 @@ def test_torch_loop_pushes_to_the_exporter(tmp_path: Path) -> None:
     labels = {"run": "to-exporter", "rank": "0"}
     assert sample_values(text, "stepscope_steps_total", **labels) == [6]
     assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward", **labels) == [6]
+
+
+def retry_delays(pusher: Pusher, count: int = 4) -> list[float]:
+    """The wait after each of the pusher's first `count` tries (its loop, run on this thread)."""
+    delays: list[float] = []
+
+    def wait(delay: float) -> bool:
+        delays.append(delay)
+        return len(delays) >= count  # True: stop
+
+    pusher._stop.wait = wait  # type: ignore[method-assign]
+    pusher._loop()
+    return delays
+
+
+def test_a_refused_push_is_retried_at_the_interval_and_a_timeout_backs_off() -> None:
+    """Nothing listening (an exporter restarting) costs nothing to try again: the next try comes at the
+    interval, so a restarted exporter has every rank again within one interval. A server that accepts and
+    never answers backs off, doubling up to max_backoff."""
+    refused = Pusher(f"http://127.0.0.1:{free_port()}", lambda: "", interval=5.0, timeout=0.05, max_backoff=60.0)
+    assert retry_delays(refused) == [5.0, 5.0, 5.0, 5.0]
+    assert refused.stats.failures == 4
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts into its backlog, never answers
+        hanging = Pusher(f"http://127.0.0.1:{silent.getsockname()[1]}", lambda: "", interval=5.0, timeout=0.05,
+                         max_backoff=60.0)
+        assert retry_delays(hanging) == [10.0, 20.0, 40.0, 60.0]
+    assert "ReadTimeout" in hanging.stats.last_error

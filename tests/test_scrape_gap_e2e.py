@@ -6,7 +6,7 @@ VictoriaMetrics with vmalert evaluating the same files. Each engine also loads t
 (tests/support/replay_judge.py), so an alert's condition is visible at once: the copy fires while it
 holds. Once both copies fire, the exporter is stopped, left down for GAP_SECONDS (failed scrapes: every
 series of the target is marked stale) and started again on the same port (it serves the rank's pushed
-series only after the rank's retry, which its backoff puts seconds later). The copies must fire at every
+series only after the rank's retry, at its push interval). The copies must fire at every
 look through the gap, and the shipped alerts stay pending since the same moment: no `resolved`, no new
 `for` (stepscope_contract/scrape_gaps.py; grafana/rules/tests/scrape_gaps.yml has the same in promtool).
 """

@@ -2,8 +2,11 @@
 
 Pushes are cumulative and replace the whole group (PUT), so they are idempotent: a failed push, an
 exporter restart or a Pushgateway that forgot everything loses resolution, never data. The pusher never
-raises into training: an unreachable endpoint (or a 5xx) is logged once and retried with exponential
-backoff up to `max_backoff`; a 4xx is a configuration problem, so the server's message is logged once.
+raises into training: a failure is logged once and retried, with exponential backoff up to `max_backoff`
+after a timeout or a 5xx; a 4xx is a configuration problem, so the server's message is logged once. A
+connection refused at once (nothing listens: an exporter restarting) is retried at the interval: trying
+costs neither side anything, and the exporter then has every rank's series within one interval of its
+start, as the rules' scrape-gap hold expects (stepscope_contract/scrape_gaps.py).
 
 Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
 hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
@@ -76,6 +79,7 @@ class Pusher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = ""  # the problem already logged, until the next success
+        self._refused = False  # the last push failed at once, nothing listening: no backoff
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
@@ -96,7 +100,7 @@ class Pusher:
         delay = self.interval  # never below the interval: max_backoff >= interval
         ok = self.push_once()  # at once: the exporter learns the pid before the first interval passes
         while True:
-            delay = self.interval if ok else min(delay * 2, self.max_backoff)
+            delay = self.interval if ok or self._refused else min(delay * 2, self.max_backoff)
             if self._stop.wait(delay):
                 return
             ok = self.push_once()
@@ -105,12 +109,14 @@ class Pusher:
         """One PUT of the current cumulative state; True when the server accepted it. Never raises."""
         self.stats.attempts += 1
         self.stats.threads.add(threading.get_ident())
+        self._refused = False
         try:
             headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
             response = self._session.put(self.url, data=self._body().encode(), headers=headers, timeout=self.timeout)
         except requests.RequestException as exc:
+            self._refused = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
             return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__}); "
-                                "retrying with backoff, training continues")
+                                "retrying, training continues")
         except Exception as exc:  # a bug in rendering must not kill the thread or the training
             return self._failed("error", f"push to {self.url} failed: {exc!r}")
         if response.status_code < 300:
