@@ -1,14 +1,16 @@
 """End to end: an exporter restart resolves no alert and restarts no `for`, on both engines.
 
-A real exporter (fake NVML: the run's GPU at 25%), a data-bound training process pushing to it every
-0.5 s, and both engines scraping it every second: Prometheus with the shipped rule files, and
-VictoriaMetrics with vmalert evaluating the same files. Each engine also loads the alerts with `for: 0s`
+A real exporter (fake NVML) on one node with two runs, each training process pushing every 0.5 s: a
+data-bound one (its GPU at 25%) and a GPU-bound one (its GPU at 98%, SM active 73%), and both engines
+scraping the exporter every second: Prometheus with the shipped rule files, and VictoriaMetrics with
+vmalert evaluating the same files. Each engine also loads the alerts with `for: 0s`
 (tests/support/replay_judge.py), so an alert's condition is visible at once: the copy fires while it
 holds. Once both copies fire, the exporter is stopped, left down for GAP_SECONDS (failed scrapes: every
 series of the target is marked stale) and started again on the same port (it serves the rank's pushed
-series only after the rank's retry, at its push interval). The copies must fire at every
-look through the gap, and the shipped alerts stay pending since the same moment: no `resolved`, no new
-`for` (stepscope_contract/scrape_gaps.py; grafana/rules/tests/scrape_gaps.yml has the same in promtool).
+series only after the rank's retry, at its push interval). The copies must fire at every look through
+the gap, the shipped alerts stay pending since the same moment (no `resolved`, no new `for`), and the
+GPU-bound run gets no alert at any look (stepscope_contract/scrape_gaps.py;
+grafana/rules/tests/scrape_gaps.yml has the same in promtool).
 """
 
 import time
@@ -20,7 +22,7 @@ import pytest
 import requests
 
 from grafana.rules import RULE_FILES
-from stepscope.contract import families
+from stepscope.contract import families, recordings
 from stepscope_testkit.fake_nvml.scenario import write_scenario
 from stepscope_testkit.processes import free_port, running_exporter
 from tests.support.alerting import start_trainer
@@ -29,25 +31,26 @@ from tests.support.prometheus import query, running_prometheus_config, wait_for
 from tests.support.replay_judge import alerts_without_for
 from tests.support.victoria import running_victoria, running_vmalert
 
-RUN = "databound"
+RUN, HEALTHY = "databound", "gpubound"
 ALERTS = ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized")
 GAP_SECONDS = 3  # three failed scrapes at 1 s
 WATCH_SECONDS = 20  # from the stop: the gap, the restart, the rank's retry, and some steady time after
-LAYOUT = {0: (25, 10, (RUN, 0))}  # GPU 0 waits for the data-bound rank
+LAYOUT = {0: (25, 10, (RUN, 0)), 1: (98, 73, (HEALTHY, 0))}  # GPU 0 waits for the data-bound rank
+TRAINERS = {RUN: (0.06, 0.01), HEALTHY: (0.0, 0.05)}  # run -> (loader, compute) seconds per step
 # the exporter (a stack of its own, to stop and start again), its port, engine -> (query URL, alerts URL)
 Engines = tuple[ExitStack, int, dict[str, tuple[str, str]]]
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def alert_states(url: str) -> dict[tuple[str, str], set[str]]:
-    """(alertname, state) -> the activeAt of each of the run's alerts in that state, from Prometheus'
-    or vmalert's /api/v1/alerts."""
+def alert_states(url: str, run: str = RUN) -> dict[tuple[str, str], set[str]]:
+    """(alertname, state) -> the activeAt of each of `run`'s alerts in that state, from Prometheus' or
+    vmalert's /api/v1/alerts."""
     response = requests.get(f"{url}/api/v1/alerts", timeout=10)
     response.raise_for_status()
     found: dict[tuple[str, str], set[str]] = {}
     for alert in response.json()["data"]["alerts"] or []:
-        if alert["labels"].get("run") == RUN and alert["labels"]["alertname"] in ALERTS:
+        if alert["labels"].get("run") == run:
             found.setdefault((alert["labels"]["alertname"], alert["state"]), set()).add(alert["activeAt"])
     return found
 
@@ -81,46 +84,58 @@ def engines(tmp_path: Path) -> Iterator[Engines]:
                                "victoriametrics": (victoria.url, vmalert.url)}
 
 
+def healthy_run_read(query_url: str) -> bool:
+    """The engine has the GPU-bound run's GPU readings (so its silence is a judgement, not blindness)."""
+    return bool(query(query_url, f'{recordings.RUN_GPU_UTILIZATION_BY_GPU}{{run="{HEALTHY}"}} > 0.9'))
+
+
 def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Path, engines: Engines) -> None:
     exporter, port, urls = engines
-    trainer = start_trainer(RUN, 0, f"http://127.0.0.1:{port}", 0.06, 0.01)
+    trainers = {run: start_trainer(run, 0, f"http://127.0.0.1:{port}", *pace) for run, pace in TRAINERS.items()}
+    looks = 0
+    missing: dict[tuple[str, str], list[float]] = {}  # (engine, alert) -> seconds after the stop
+    unexpected: set[str] = set()  # alerts of the GPU-bound run, pending or firing
+
+    def look_until(seconds: float) -> None:
+        nonlocal looks
+        while time.monotonic() - stopped < seconds:
+            looks += 1
+            for engine, (_, alerts_url) in urls.items():
+                states = alert_states(alerts_url)
+                for name in ALERTS:
+                    if (name, "firing") not in states:
+                        missing.setdefault((engine, name), []).append(time.monotonic() - stopped)
+                unexpected.update(f"{engine}: {name} {state}" for name, state in alert_states(alerts_url, HEALTHY))
+            time.sleep(0.5)
+
     try:
-        write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, {(RUN, 0): trainer.pid}))
-        for engine, (_, alerts_url) in urls.items():
+        pids = {(run, 0): trainer.pid for run, trainer in trainers.items()}
+        write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, pids))
+        for engine, (query_url, alerts_url) in urls.items():
             assert wait_for(lambda u=alerts_url: firing_and_pending(alert_states(u)), 120, interval=1), \
                 f"{engine}: {alert_states(alerts_url)}"
+            assert wait_for(lambda u=query_url: healthy_run_read(u), 60, interval=1), engine
         before = {engine: pending_since(alert_states(alerts_url)) for engine, (_, alerts_url) in urls.items()}
-
-        looks = 0
-        missing: dict[tuple[str, str], list[float]] = {}  # (engine, alert) -> seconds after the stop
-
-        def look_until(seconds: float) -> None:
-            nonlocal looks
-            while time.monotonic() - stopped < seconds:
-                looks += 1
-                for engine, (_, alerts_url) in urls.items():
-                    states = alert_states(alerts_url)
-                    for name in ALERTS:
-                        if (name, "firing") not in states:
-                            missing.setdefault((engine, name), []).append(time.monotonic() - stopped)
-                time.sleep(0.5)
 
         stopped = time.monotonic()
         exporter.close()
         look_until(GAP_SECONDS)
         exporter.enter_context(running_exporter(tmp_path, fake_nvml_scenario=tmp_path / "gpus.json", port=port))
         look_until(WATCH_SECONDS)
-        assert trainer.poll() is None, "the training process died"
+        assert all(trainer.poll() is None for trainer in trainers.values()), "a training process died"
     finally:
-        trainer.kill()
-        trainer.wait()
+        for trainer in trainers.values():
+            trainer.kill()
+            trainer.wait()
 
     print(f"{looks} looks per engine over {WATCH_SECONDS} s from the stop")
     assert not missing, "\n".join(f"{engine} {name}: not firing at {len(seconds)} of {looks} looks, "
                                   f"{seconds[0]:.1f}-{seconds[-1]:.1f} s after the stop"
                                   for (engine, name), seconds in missing.items())
+    assert not unexpected, sorted(unexpected)
     for engine, (query_url, alerts_url) in urls.items():
         assert pending_since(alert_states(alerts_url)) == before[engine], f"{engine}: a `for` started again"
+        assert healthy_run_read(query_url), engine
         # the gap was real: failed scrapes, and a new exporter process
         (up,) = query(query_url, 'min_over_time(up{instance="node-a"}[1m])')
         assert float(up["value"][1]) == 0, engine
