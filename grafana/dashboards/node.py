@@ -604,6 +604,23 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 width=8,
             )
         )
+        .with_panel(
+            stat_panel(
+                "Exporter restarts (24h)",
+                "Times the exporter started again in the last 24 hours. The rules hold its readings through each "
+                "restart (docs/alerts.md, Scrape gaps), but it forgets a rank that died before one.",
+                [Q(f"changes({sel(fam.EXPORTER_START_TIME, NODE)}[24h])", "restarts")],
+                "short",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Exporter up for",
+                "Time since the exporter on this node started.",
+                [Q(f"time() - {sel(fam.EXPORTER_START_TIME, NODE)}", "up for")],
+                "s",
+            )
+        )
     )
     return board
 
