@@ -4,9 +4,10 @@ Pushes are cumulative and replace the whole group (PUT), so they are idempotent:
 exporter restart or a Pushgateway that forgot everything loses resolution, never data. The pusher never
 raises into training: a failure is logged once and retried, with exponential backoff up to `max_backoff`
 after a timeout or a 5xx; a 4xx is a configuration problem, so the server's message is logged once. A
-connection refused at once (nothing listens: an exporter restarting) is retried at the interval: trying
-costs neither side anything, and the exporter then has every rank's series within one interval of its
-start, as the rules' scrape-gap hold expects (stepscope_contract/scrape_gaps.py).
+connection that fails at once (refused: nothing listens, an exporter restarting) is retried at the
+interval, the normal cadence: trying costs neither side more than pushing does, and the exporter then
+has every rank's series within one interval of its start, as the rules' scrape-gap hold expects
+(stepscope_contract/scrape_gaps.py).
 
 Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
 hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
@@ -79,7 +80,7 @@ class Pusher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = ""  # the problem already logged, until the next success
-        self._refused = False  # the last push failed at once, nothing listening: no backoff
+        self._refused = False  # the last push failed to connect at once (not a timeout): no backoff
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
