@@ -16,8 +16,8 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -223,6 +223,7 @@ def start_trainer(run: str, rank: int, url: str, loader: float, compute: float) 
 class TrainingStack:
     prometheus: str
     trainers: dict[tuple[str, int], subprocess.Popen]
+    restart_exporter: Callable[[str, float], None]  # (node, seconds down): stop it, wait, start it on its port
 
 
 @contextmanager
@@ -230,22 +231,34 @@ def running_training_stack(tmp: Path, alertmanager: str, grafana_url: str) -> It
     """Two exporters, Prometheus alerting to `alertmanager`, and the RANKS training on GPUS."""
     # the GPUs from the start (the fake's device count is read once), their processes once the trainers run
     scenarios = {node: write_scenario(tmp / f"{node}.json", gpus_for_runs(layout, {})) for node, layout in GPUS.items()}
-    with running_exporter(tmp, fake_nvml_scenario=scenarios["node-a"]) as node_a, \
-            running_exporter(tmp, fake_nvml_scenario=scenarios["node-b"]) as node_b:
-        urls = {"node-a": node_a.url, "node-b": node_b.url}
-        exporters = {node: url.removeprefix("http://") for node, url in urls.items()}
-        with running_prometheus_config(tmp, prometheus_config(tmp, exporters, alertmanager, grafana_url)) as prometheus:
-            trainers = {key: start_trainer(*key, urls[node], loader, compute)
-                        for key, (node, loader, compute) in RANKS.items()}
-            try:
-                pids = {key: proc.pid for key, proc in trainers.items()}
-                for node, layout in GPUS.items():  # now the trainers hold memory on their GPUs
-                    write_scenario(scenarios[node], gpus_for_runs(layout, pids))
-                yield TrainingStack(prometheus.url, trainers)
-            finally:
-                for proc in trainers.values():
-                    proc.kill()
-                    proc.wait()
+    ports = {node: free_port() for node in GPUS}
+    with ExitStack() as stack:
+        exporters = {node: stack.enter_context(ExitStack()) for node in GPUS}  # one each, to restart it alone
+
+        def start_exporter(node: str) -> None:
+            exporters[node].enter_context(running_exporter(tmp, fake_nvml_scenario=scenarios[node], port=ports[node]))
+
+        def restart_exporter(node: str, seconds_down: float) -> None:
+            exporters[node].close()
+            time.sleep(seconds_down)
+            start_exporter(node)
+
+        for node in GPUS:
+            start_exporter(node)
+        targets = {node: f"127.0.0.1:{port}" for node, port in ports.items()}
+        prometheus = stack.enter_context(
+            running_prometheus_config(tmp, prometheus_config(tmp, targets, alertmanager, grafana_url)))
+        trainers = {key: start_trainer(*key, f"http://{targets[node]}", loader, compute)
+                    for key, (node, loader, compute) in RANKS.items()}
+        try:
+            pids = {key: proc.pid for key, proc in trainers.items()}
+            for node, layout in GPUS.items():  # now the trainers hold memory on their GPUs
+                write_scenario(scenarios[node], gpus_for_runs(layout, pids))
+            yield TrainingStack(prometheus.url, trainers, restart_exporter)
+        finally:
+            for proc in trainers.values():
+                proc.kill()
+                proc.wait()
 
 
 def firing_in_prometheus(base_url: str, name: str, run: str) -> list[dict]:
