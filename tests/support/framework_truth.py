@@ -6,8 +6,9 @@ accumulation, validates, saves checkpoints and has a neighbour callback that spe
 end (as `max_time`'s Timer does with its broadcast under DDP). The truth comes from the frameworks' own
 objects, not from stepscope: optimizer steps from an optimizer step post-hook, micro-batches and samples
 from the model's training forwards, loading time from the Dataset and the collate function (and, for Hugging
-Face, each fetch where accelerate's DataLoaderShard yields it), evaluation
-and checkpoint spans from the trainers' own methods.
+Face, each fetch where accelerate's DataLoaderShard yields it), evaluation and checkpoint spans from the
+trainers' own methods (Lightning's checkpoint from its save until training goes on, the span its callback's
+checkpoint state is documented to cover).
 """
 
 import json
@@ -46,6 +47,9 @@ class Truth:
     samples: int = 0
     spans: dict[str, list[float]] = field(default_factory=lambda: {"eval": [], "checkpoint": []})
 
+    def __post_init__(self) -> None:
+        self._pending: tuple[str, float] | None = None  # (kind, start) of a span open until training goes on
+
     def count_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training:
             inputs = args[0] if args else kwargs["x"]
@@ -57,12 +61,30 @@ class Truth:
 
     def timed(self, kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.resumed()
             start = perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 self.spans[kind].append(perf_counter() - start)
         return wrapper
+
+    def timed_until_resumed(self, kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """Each call of `method` starts a span of `kind` that ends when training goes on (`resumed`): the
+        next training item loaded, a validation, or the fit's end. Lightning's checkpoint state stands for
+        that span, the save and then the rest of the batch's end (under DDP, waiting for the other rank)."""
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.resumed()
+            self._pending = (kind, perf_counter())
+            return method(*args, **kwargs)
+        return wrapper
+
+    def resumed(self) -> None:
+        """Ends the span that `timed_until_resumed` started, if one is open."""
+        if self._pending is not None:
+            kind, start = self._pending
+            self.spans[kind].append(perf_counter() - start)
+            self._pending = None
 
     def collate(self, batch: list) -> Any:
         start = perf_counter()
@@ -110,6 +132,8 @@ class Items(Dataset):
         return self.items
 
     def __getitem__(self, index: int) -> Any:
+        if self.truth is not None:
+            self.truth.resumed()
         start = perf_counter()
         time.sleep(ITEM_SECONDS if self.truth is not None else EVAL_ITEM_SECONDS)
         x = torch.full((8,), index / self.items)
@@ -173,9 +197,10 @@ def lightning_fit(truth: Truth, root: Path, callback: Any, **trainer_args: Any) 
     )
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     val_loop.run = truth.timed("eval", val_loop.run)  # the sanity check and every validation
-    trainer.save_checkpoint = truth.timed("checkpoint", trainer.save_checkpoint)
+    trainer.save_checkpoint = truth.timed_until_resumed("checkpoint", trainer.save_checkpoint)
     trainer.fit(Module(), DataLoader(Items(ITEMS, truth), batch_size=BATCH, collate_fn=truth.collate),
                 DataLoader(Items(8, None), batch_size=BATCH))
+    truth.resumed()
     return trainer
 
 
