@@ -118,6 +118,10 @@ RUN_MODEL_FLOPS_RATE = "run:stepscope_model_flops:rate1m"
 RUN_PEAK_FLOPS = "run:stepscope_peak_flops_per_second:sum"
 RUN_MFU = "run:stepscope_mfu:ratio_rate1m"
 
+# Seconds since each rank's last push while it has not closed (StepscopeRankLost's test): its last value tells
+# the alert whether a rank that left the scrape (a failed scrape, an exporter restart) was lost when last seen
+RANK_SINCE_LAST_PUSH = "run_rank:stepscope_training_since_last_push:seconds"
+
 # Where the GPU-hours go (docs/goodput.md). Seconds per second by cause (label `cause`: stepscope.contract.goodput)
 # per rank and per run, each cause's share of the run's and the goodput (the productive share); a rank's stall
 # now; the watts each run is charged on each GPU and per run, joules per sample; samples per second of training

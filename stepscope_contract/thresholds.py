@@ -71,6 +71,10 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
         ("StepscopeRankLost", "StepscopeTrainingStalled")),
+    "rank_lost_kept_seconds": Threshold(
+        600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "
+        "exporter restarted and forgot it: the exporter's default --ingest-ttl, as long as it keeps a group",
+        ("StepscopeRankLost",)),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),

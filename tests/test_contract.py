@@ -160,6 +160,13 @@ def test_rules_compare_with_the_contract_thresholds(name: str) -> None:
         assert number.search(by_name[user]["expr"]), f"{user} does not compare with {name} = {threshold.number}"
 
 
+def test_a_forgotten_lost_rank_is_kept_as_long_as_the_exporter_keeps_a_group() -> None:
+    """StepscopeRankLost keeps a rank that a restarted exporter forgot for the exporter's own --ingest-ttl."""
+    from stepscope.exporter.cli import build_parser
+
+    assert contract.THRESHOLDS["rank_lost_kept_seconds"].value == build_parser().parse_args([]).ingest_ttl
+
+
 def test_dashboards_select_only_contract_phases_and_states() -> None:
     for query in panel_queries():
         for phases in PHASE_SELECTOR.findall(query.raw_expr):

@@ -11,6 +11,10 @@ series only after the rank's retry, at its push interval). The copies must fire 
 the gap, the shipped alerts stay pending since the same moment (no `resolved`, no new `for`), and the
 GPU-bound run gets no alert at any look (stepscope_contract/scrape_gaps.py;
 grafana/rules/tests/scrape_gaps.yml has the same in promtool).
+
+A third rank, killed (SIGKILL) once it has pushed, is lost before the stop: the restarted exporter forgets
+it, and its StepscopeRankLost must fire at every look all the same, with the activeAt it had, while the
+live ranks get no StepscopeRankLost at any look.
 """
 
 import time
@@ -31,7 +35,8 @@ from tests.support.prometheus import query, running_prometheus_config, wait_for
 from tests.support.replay_judge import alerts_without_for
 from tests.support.victoria import running_victoria, running_vmalert
 
-RUN, HEALTHY = "databound", "gpubound"
+RUN, HEALTHY, LOST = "databound", "gpubound", "lost"
+RANK_LOST = "StepscopeRankLost"
 ALERTS = ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized")
 GAP_SECONDS = 3  # three failed scrapes at 1 s
 WATCH_SECONDS = 20  # from the stop: the gap, the restart, the rank's retry, and some steady time after
@@ -57,6 +62,12 @@ def alert_states(url: str, run: str = RUN) -> dict[tuple[str, str], set[str]]:
 
 def firing_and_pending(states: dict[tuple[str, str], set[str]]) -> bool:
     return all((name, state) in states for name in ALERTS for state in ("firing", "pending"))
+
+
+def active_since(states: dict[tuple[str, str], set[str]], name: str) -> set[str]:
+    """The activeAt of alert `name`, pending or firing: the shipped alert's and its `for: 0s` copy's, which
+    evaluate in different groups (and so at different moments)."""
+    return states.get((name, "pending"), set()) | states.get((name, "firing"), set())
 
 
 def pending_since(states: dict[tuple[str, str], set[str]]) -> dict[str, set[str]]:
@@ -91,10 +102,12 @@ def healthy_run_read(query_url: str) -> bool:
 
 def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Path, engines: Engines) -> None:
     exporter, port, urls = engines
-    trainers = {run: start_trainer(run, 0, f"http://127.0.0.1:{port}", *pace) for run, pace in TRAINERS.items()}
+    url = f"http://127.0.0.1:{port}"
+    lost = start_trainer(LOST, 0, url, 0.0, 0.05, world=1)
+    trainers = {run: start_trainer(run, 0, url, *pace) for run, pace in TRAINERS.items()}
     looks = 0
     missing: dict[tuple[str, str], list[float]] = {}  # (engine, alert) -> seconds after the stop
-    unexpected: set[str] = set()  # alerts of the GPU-bound run, pending or firing
+    unexpected: set[str] = set()  # alerts of the GPU-bound run, and StepscopeRankLost of a live rank
 
     def look_until(seconds: float) -> None:
         nonlocal looks
@@ -105,17 +118,27 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
                 for name in ALERTS:
                     if (name, "firing") not in states:
                         missing.setdefault((engine, name), []).append(time.monotonic() - stopped)
+                if (RANK_LOST, "firing") not in alert_states(alerts_url, LOST):
+                    missing.setdefault((engine, f"{RANK_LOST} of {LOST}"), []).append(time.monotonic() - stopped)
                 unexpected.update(f"{engine}: {name} {state}" for name, state in alert_states(alerts_url, HEALTHY))
+                unexpected.update(f"{engine}: {RUN} {state}" for name, state in states if name == RANK_LOST)
             time.sleep(0.5)
 
     try:
+        wait_for(lambda: bool(query(urls["prometheus"][0], f'{families.TRAINING_LAST_PUSH}{{run="{LOST}"}}')), 60)
+        lost.kill()
+        lost.wait()
         pids = {(run, 0): trainer.pid for run, trainer in trainers.items()}
         write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, pids))
         for engine, (query_url, alerts_url) in urls.items():
             assert wait_for(lambda u=alerts_url: firing_and_pending(alert_states(u)), 120, interval=1), \
                 f"{engine}: {alert_states(alerts_url)}"
             assert wait_for(lambda u=query_url: healthy_run_read(u), 60, interval=1), engine
+            assert wait_for(lambda u=alerts_url: (RANK_LOST, "firing") in alert_states(u, LOST), 120, interval=1), \
+                f"{engine}: {alert_states(alerts_url, LOST)}"
         before = {engine: pending_since(alert_states(alerts_url)) for engine, (_, alerts_url) in urls.items()}
+        lost_since = {engine: active_since(alert_states(alerts_url, LOST), RANK_LOST)
+                      for engine, (_, alerts_url) in urls.items()}
 
         stopped = time.monotonic()
         exporter.close()
@@ -135,6 +158,8 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
     assert not unexpected, sorted(unexpected)
     for engine, (query_url, alerts_url) in urls.items():
         assert pending_since(alert_states(alerts_url)) == before[engine], f"{engine}: a `for` started again"
+        assert active_since(alert_states(alerts_url, LOST), RANK_LOST) == lost_since[engine], engine
+        assert not query(query_url, f'{families.TRAINING_LAST_PUSH}{{run="{LOST}"}}'), f"{engine}: not forgotten"
         assert healthy_run_read(query_url), engine
         # the gap was real: failed scrapes, and a new exporter process
         (up,) = query(query_url, 'min_over_time(up{instance="node-a"}[1m])')

@@ -213,8 +213,10 @@ def prometheus_config(tmp: Path, exporters: dict[str, str], alertmanager: str, g
     }
 
 
-def start_trainer(run: str, rank: int, url: str, loader: float, compute: float) -> subprocess.Popen:
-    world = sum(1 for other, _ in RANKS if other == run)
+def start_trainer(run: str, rank: int, url: str, loader: float, compute: float,
+                  world: int | None = None) -> subprocess.Popen:
+    """One rank of `run` (its world size from RANKS unless given) pushing to `url` every 0.5 s."""
+    world = world or sum(1 for other, _ in RANKS if other == run)
     argv = [sys.executable, "-c", textwrap.dedent(TRAINER), run, str(rank), str(world), url, str(loader), str(compute)]
     return subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
