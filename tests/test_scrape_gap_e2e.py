@@ -121,11 +121,12 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
                 if (RANK_LOST, "firing") not in alert_states(alerts_url, LOST):
                     missing.setdefault((engine, f"{RANK_LOST} of {LOST}"), []).append(time.monotonic() - stopped)
                 unexpected.update(f"{engine}: {name} {state}" for name, state in alert_states(alerts_url, HEALTHY))
-                unexpected.update(f"{engine}: {RUN} {state}" for name, state in states if name == RANK_LOST)
+                unexpected.update(f"{engine}: {RUN} {name} {state}" for name, state in states if name == RANK_LOST)
             time.sleep(0.5)
 
     try:
-        wait_for(lambda: bool(query(urls["prometheus"][0], f'{families.TRAINING_LAST_PUSH}{{run="{LOST}"}}')), 60)
+        assert wait_for(lambda: bool(query(urls["prometheus"][0], f'{families.TRAINING_LAST_PUSH}{{run="{LOST}"}}')),
+                        60), "the rank to lose never pushed"
         lost.kill()
         lost.wait()
         pids = {(run, 0): trainer.pid for run, trainer in trainers.items()}
