@@ -34,7 +34,7 @@ python3 -m venv .venv
 # whole modules so a module's Prometheus and training runs start once, in tests/conftest.py's order, longest
 # first (--no-loadscope-reorder: xdist's default order, most tests first, left the long few-test modules to start
 # last). On 2 cores: -n 3 524 s and -n 6 373 s in xdist's order; in ours -n 5 384 s, -n 6 353-374 s and -n 8
-# 319-332 s (seven runs), where the machine is busy: 576 s of CPU in 327 s, 88% of both cores, so more workers only
+# 319-336 s (eight runs), where the machine is busy: 576 s of CPU in 327 s, 88% of both cores, so more workers only
 # add each one's collection (3.3 s of CPU).
 # `-n 0` runs everything in this process.
 # Bytecode is cached (in the git-ignored __pycache__/) even where the environment turns it off: every worker
