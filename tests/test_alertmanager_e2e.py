@@ -28,6 +28,7 @@ import requests
 import yaml
 
 from grafana.rules import rules
+from stepscope.contract.families import TRAINING_LAST_PUSH
 from stepscope_testkit.processes import REPO_ROOT
 from tests.support.alerting import (
     ALERTMANAGER_DIR,
@@ -40,11 +41,13 @@ from tests.support.alerting import (
     running_alertmanager,
     running_training_stack,
     seconds,
+    start_trainer,
     webhook_server,
 )
-from tests.support.prometheus import wait_for
+from tests.support.prometheus import query, wait_for
 
 GRAFANA_URL = "http://grafana.example:3000"
+LOST = "lost"  # a run across both nodes whose rank 1 (node-b) is killed
 ALERTS_PAGE_URL = "https://github.com/stepscope/stepscope/blob/main/docs/alerts.md"
 # The shipped group_wait 30s / group_interval 1m, scaled down alike for the test.
 GROUP_WAIT_SECONDS = 2
@@ -89,7 +92,13 @@ def alertmanager(tmp_path_factory: pytest.TempPathFactory, webhook: tuple[str, I
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, alertmanager: str, webhook: tuple[str, Inbox]) -> Iterator[Stack]:
+    """The training stack, and the run `lost` across both nodes: rank 0 trains on node-a, rank 1 is killed
+    (SIGKILL) on node-b once it has pushed, so it is lost by the time the restart test runs."""
     with running_training_stack(tmp_path_factory.mktemp("alerting"), alertmanager, GRAFANA_URL) as training:
+        for rank, node in enumerate(("node-a", "node-b")):  # the training stack kills them at its end
+            training.trainers[(LOST, rank)] = start_trainer(LOST, rank, training.push_urls[node], 0.0, 0.05, world=2)
+        assert wait_for(lambda: query(training.prometheus, f'{TRAINING_LAST_PUSH}{{run="{LOST}",rank="1"}}'), 60)
+        training.trainers[(LOST, 1)].kill()
         yield Stack(training.prometheus, alertmanager, webhook[1], training.trainers, training.restart_exporter)
 
 
@@ -183,8 +192,9 @@ def test_a_run_on_two_nodes_is_one_alert_group_per_alert(stack: Stack) -> None:
 
 def test_an_exporter_restart_sends_the_person_no_resolved(stack: Stack) -> None:
     """node-b's exporter stopped for 3 s and started again while the two-node run `spread` pages for both
-    nodes: Prometheus keeps node-b's alert firing since the same moment, and Alertmanager sends no
-    `resolved` for it (docs/alerts.md#scrape-gaps). Without the hold the alert resolved at the failed
+    nodes and the two-node run `lost` pages for its rank killed on node-b: Prometheus keeps both alerts
+    firing since the same moment, the lost rank's though the new exporter forgot the rank, and Alertmanager
+    sends no `resolved` for either (docs/alerts.md#scrape-gaps). Without the hold the alert resolved at the failed
     scrape, Alertmanager said so at its next group_interval, and the alert fired anew after its `for`."""
     assert wait_for(lambda: [n for n in stack.inbox.webhooks("spread") if len(n.body["alerts"]) == 2], 90, 0.5)
 
@@ -192,12 +202,22 @@ def test_an_exporter_restart_sends_the_person_no_resolved(stack: Stack) -> None:
         return [alert for alert in firing_in_prometheus(stack.prometheus, "StepscopeDataLoadingBottleneck", "spread")
                 if alert["labels"]["instance"] == "node-b"]
 
+    def rank_lost() -> list[dict]:
+        return firing_in_prometheus(stack.prometheus, "StepscopeRankLost", LOST)
+
+    assert wait_for(lambda: stack.inbox.webhooks(LOST, "firing"), 90, 0.5), "the lost rank was not paged"
     (before,) = node_b_alert()
-    sent = len(stack.inbox.webhooks("spread"))
+    (lost_before,) = rank_lost()
+    assert (lost_before["labels"]["instance"], lost_before["labels"]["rank"]) == ("node-b", "1")
+    sent = {run: len(stack.inbox.webhooks(run)) for run in ("spread", LOST)}
     stack.restart_exporter("node-b", 3)
     time.sleep(RESTART_WATCH_SECONDS)
     assert [alert["activeAt"] for alert in node_b_alert()] == [before["activeAt"]]
-    resolved = [alert["labels"]["instance"] for notification in stack.inbox.webhooks("spread")[sent:]
+    # the restarted exporter forgot the lost rank; its alert goes on, and rank 0 on node-a is never lost
+    assert not query(stack.prometheus, f'{TRAINING_LAST_PUSH}{{run="{LOST}",rank="1"}}')
+    assert [alert["activeAt"] for alert in rank_lost()] == [lost_before["activeAt"]]
+    resolved = [(run, alert["labels"]["instance"]) for run in sent
+                for notification in stack.inbox.webhooks(run)[sent[run]:]
                 for alert in notification.body["alerts"] if alert["status"] == "resolved"]
     assert resolved == []
 

@@ -226,6 +226,7 @@ class TrainingStack:
     prometheus: str
     trainers: dict[tuple[str, int], subprocess.Popen]
     restart_exporter: Callable[[str, float], None]  # (node, seconds down): stop it, wait, start it on its port
+    push_urls: dict[str, str]  # node -> its exporter's URL
 
 
 @contextmanager
@@ -256,7 +257,8 @@ def running_training_stack(tmp: Path, alertmanager: str, grafana_url: str) -> It
             pids = {key: proc.pid for key, proc in trainers.items()}
             for node, layout in GPUS.items():  # now the trainers hold memory on their GPUs
                 write_scenario(scenarios[node], gpus_for_runs(layout, pids))
-            yield TrainingStack(prometheus.url, trainers, restart_exporter)
+            yield TrainingStack(prometheus.url, trainers, restart_exporter,
+                                {node: f"http://{target}" for node, target in targets.items()})
         finally:
             for proc in trainers.values():
                 proc.kill()
