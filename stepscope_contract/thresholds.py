@@ -42,12 +42,15 @@ THRESHOLDS: Mapping[str, Threshold] = {
     # Set from the H100 recordings in ../shared/corpus (h100-2026-11-24, medians of steady training):
     # GPU-bound bf16 work read NVML utilization 0.98-1.00 with SM active 0.65-0.90 (0.73 at the 700 W
     # power cap); a data-bound loop 0.00; a launch-bound loop 0.14 (SM active 0.0009); one single-SM
-    # kernel per step 1.00 with SM active 0.008. tests/test_corpus_verdicts.py holds the thresholds to
-    # those readings and replays them through the rules.
+    # kernel per step 1.00 with SM active 0.008. Held to the H200's (benchmarks/corpus/h200-2026-11-26,
+    # every steady reading): the nearest busy GPU is one time-sharing two DDP ranks, 0.86-0.91 (SM active
+    # 0.67), the nearest waiting one a loop copying pageable memory, 0.18-0.21. tests/test_corpus_verdicts.py
+    # holds the thresholds to those readings and replays them through the rules.
     "gpu_bound_utilization": Threshold(
         0.8, "NVML utilization of a run's GPUs, averaged while it trains, at or above which they are busy "
         "(gpu_bound, or gpu_busy_idle when their SMs are idle) and below which they wait "
-        "(H100: busy 0.98-1.00, data-bound 0.00, launch-bound 0.14)",
+        "(H100 and H200: busy 0.98-1.00 alone, 0.86-0.91 time-shared by two DDP ranks; data-bound 0.00, "
+        "launch-bound 0.14, host-bound copies 0.21 at most)",
         (RUN_VERDICT, "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle")),
     "busy_idle_sm_active": Threshold(
         0.2, "SM active (GPM) below which a busy GPU does little: kernels too small for it "

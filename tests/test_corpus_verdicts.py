@@ -140,20 +140,22 @@ def _steady(workload: Workload, name: str) -> list[float]:
     return values
 
 
-def _median(expected: str, name: str) -> list[float]:
-    """The median of `name` over the steady training of each workload with the `expected` verdict."""
-    return [statistics.median(_steady(workload, name)) for recording in RECORDINGS
-            for workload in recording.workloads.values() if workload.expected_verdict == expected]
+def _readings(expected: str, name: str) -> list[float]:
+    """`name` in every scrape of the steady training of each workload with the `expected` verdict."""
+    return [value for recording in RECORDINGS for workload in recording.workloads.values()
+            if workload.expected_verdict == expected for value in _steady(workload, name)]
 
 
 def test_the_thresholds_separate_the_recorded_readings() -> None:
+    """Every steady reading, not a median: the nearest busy GPU is the H200 time-sharing two DDP ranks
+    (NVML 0.86-0.91), the nearest waiting one the H200 copying pageable memory (0.18-0.21)."""
     busy = THRESHOLDS["gpu_bound_utilization"].value
     idle_sms = THRESHOLDS["busy_idle_sm_active"].value
     util, sm = families.GPU_UTILIZATION, families.GPU_SM_ACTIVE
-    assert min(_median(verdicts.GPU_BOUND, util) + _median(verdicts.GPU_BUSY_IDLE, util)) >= busy + 0.1
-    assert max(_median(verdicts.DATA_BOUND, util) + _median(verdicts.HOST_BOUND, util)) <= busy - 0.3
-    assert min(_median(verdicts.GPU_BOUND, sm)) >= 2 * idle_sms
-    assert max(_median(verdicts.GPU_BUSY_IDLE, sm)) <= idle_sms / 10
+    assert min(_readings(verdicts.GPU_BOUND, util) + _readings(verdicts.GPU_BUSY_IDLE, util)) >= busy + 0.05
+    assert max(_readings(verdicts.DATA_BOUND, util) + _readings(verdicts.HOST_BOUND, util)) <= busy - 0.5
+    assert min(_readings(verdicts.GPU_BOUND, sm)) >= 2 * idle_sms
+    assert max(_readings(verdicts.GPU_BUSY_IDLE, sm)) <= idle_sms / 10
 
 
 def test_power_capping_at_full_load_keeps_the_clock_above_the_warning() -> None:
