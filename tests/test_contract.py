@@ -269,13 +269,14 @@ def test_a_rename_in_the_contract_is_followed_by_the_generated_rules(copy: Path)
     """A family the rules read, a phase and a threshold changed in the copy's contract: after the one
     generate command the rules and the Grafana alerts use the new ones, and promtool accepts the rules."""
     rename_in_contract(copy)
-    edit(copy / "stepscope_contract" / "families.py", '"stepscope_node_cpus"', '"stepscope_node_logical_cpus"')
+    edit(copy / "stepscope_contract" / "families.py",
+         '"stepscope_node_memory_total_bytes"', '"stepscope_node_memory_size_bytes"')
     assert run_in(copy, "-m", "grafana", "generate").returncode == 0
     rules = generated_rules(copy)
     text = "\n".join("\n".join([rule.get("record", ""), rule["expr"], *rule.get("annotations", {}).values()])
                      for rule in rules)
     names = set(METRIC_NAME.findall(text))
-    assert "stepscope_node_logical_cpus" in names and "stepscope_node_cpus" not in names
+    assert "stepscope_node_memory_size_bytes" in names and "stepscope_node_memory_total_bytes" not in names
     assert 'phase="fetch_batch"' in text and "dataloader_next" not in text
     by_name = {rule.get("record") or rule["alert"]: rule for rule in rules}
     loading = by_name["StepscopeDataLoadingBottleneck"]
