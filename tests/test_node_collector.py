@@ -16,6 +16,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from stepscope.exporter.collectors import node
 from stepscope.exporter.collectors.node import NodeCollector
 from stepscope.exporter.exposition import render
 from stepscope_testkit.processes import running_exporter, sample_values, scrape
@@ -103,6 +104,45 @@ def test_filesystem_paths_and_missing_path_logged_once(
     assert size.value == usage.total
     (avail,) = by_name["stepscope_node_filesystem_avail_bytes"]
     assert avail.value == pytest.approx(usage.free, abs=256 * MiB)  # other writers share the disk
+
+
+def test_a_hung_filesystem_path_is_skipped_and_the_cpu_and_memory_readings_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A path whose statvfs blocks (a hung NFS mount; here a read held until the test lets it go) costs the
+    cycle FILESYSTEM_READ_SECONDS once, then nothing until it answers: the other families, the CPU counters
+    above all, are read every cycle meanwhile, and the path comes back by itself."""
+    hung, answered = str(tmp_path / "hung"), threading.Event()
+    os.mkdir(hung)
+    disk_usage = psutil.disk_usage
+
+    def blocking_on_hung(path: str) -> object:
+        if path == hung:
+            answered.wait(30)
+        return disk_usage(path)
+
+    monkeypatch.setattr(node.psutil, "disk_usage", blocking_on_hung)
+    collector = NodeCollector([str(tmp_path), hung])
+    seconds, paths, cpu = [], [], []
+    with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
+        for _ in range(3):
+            began = time.monotonic()
+            by_name = collected(collector)
+            seconds.append(time.monotonic() - began)
+            paths.append({sample.labels["path"] for sample in by_name["stepscope_node_filesystem_size_bytes"]})
+            cpu.append(sum(sample.value for sample in by_name["stepscope_node_cpu_seconds_total"]))
+            time.sleep(0.1)
+        answered.set()
+        time.sleep(0.1)  # the blocked read returns
+        paths.append({sample.labels["path"] for sample in collected(collector)["stepscope_node_filesystem_size_bytes"]})
+    assert node.FILESYSTEM_READ_SECONDS <= seconds[0] < node.FILESYSTEM_READ_SECONDS + 0.5, seconds
+    assert max(seconds[1:]) < 0.5, seconds  # not waited for again
+    assert paths == [{str(tmp_path)}] * 3 + [{str(tmp_path), hung}]
+    assert cpu[0] < cpu[1] < cpu[2]  # the counters still move
+    assert [r.getMessage() for r in caplog.records if hung in r.getMessage()] == [
+        f"filesystem path {hung!r} skipped: no answer within 1 s (a hung mount?); read again once it answers",
+        f"filesystem path {hung!r} answers again",
+    ]
 
 
 def test_shaping_blocks_are_left_out_their_bytes_are_a_real_interfaces_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterable
 
@@ -30,6 +31,11 @@ _OVERLAPPING_CPU_MODES = frozenset({"guest", "guest_nice"})
 # The mount table is read again when a path's filesystem changed (its device) and at least this often,
 # for a bind mount of the same device over a path.
 MOUNT_TABLE_SECONDS = 60.0
+# How long the cycle waits for a path's statvfs and stat. A hung mount (NFS, Lustre, FUSE) blocks them in
+# the kernel: waited for, it stopped the whole node cycle, so CPU and memory froze with it (and frozen CPU
+# counters read as saturated). The path is skipped until its read comes back (node_exporter's
+# --collector.filesystem.mount-timeout does the same).
+FILESYSTEM_READ_SECONDS = 1.0
 
 
 class NodeCollector:
@@ -41,6 +47,7 @@ class NodeCollector:
         self._filesystem_paths = list(filesystem_paths)
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point)
+        self._hung: dict[str, _PathRead] = {}  # path -> its read that has not come back
         self._mounts_read = float("-inf")
 
     def collect(self) -> Iterable[Metric]:
@@ -116,17 +123,7 @@ class NodeCollector:
         avail = GaugeMetricFamily(families.NODE_FILESYSTEM_AVAIL,
                                   "Bytes available to unprivileged users on the filesystem holding the path.",
                                   labels=["path", "mountpoint"])
-        read: dict[str, tuple[int, int, int]] = {}  # path -> (its device, size, bytes available)
-        for path in self._filesystem_paths:
-            try:
-                usage = psutil.disk_usage(path)
-                read[path] = (os.stat(path).st_dev, usage.total, usage.free)
-            except OSError as exc:
-                if path not in self._missing_paths:
-                    log.warning("filesystem path %r skipped: %s", path, exc.strerror or exc)
-                    self._missing_paths.add(path)
-                continue
-            self._missing_paths.discard(path)
+        read = self._read_paths()
         self._find_mountpoints({path: device for path, (device, _, _) in read.items()})
         for path, (_, total, free) in read.items():
             labels = [path, self._mountpoints[path][1]]
@@ -134,6 +131,30 @@ class NodeCollector:
             avail.add_metric(labels, free)
         yield size
         yield avail
+
+    def _read_paths(self) -> dict[str, tuple[int, int, int]]:
+        """path -> (its device, size, bytes available) for each path that answered within
+        FILESYSTEM_READ_SECONDS; a path whose read has not come back since is not read again until it does."""
+        for path, hung in list(self._hung.items()):
+            if hung.done.is_set():
+                del self._hung[path]
+                log.warning("filesystem path %r answers again", path)
+        reads = {path: _PathRead(path) for path in self._filesystem_paths if path not in self._hung}
+        deadline = time.monotonic() + FILESYSTEM_READ_SECONDS
+        values: dict[str, tuple[int, int, int]] = {}
+        for path, pending in reads.items():
+            if not pending.done.wait(max(0.0, deadline - time.monotonic())):
+                self._hung[path] = pending
+                log.warning("filesystem path %r skipped: no answer within %g s (a hung mount?); read again once "
+                            "it answers", path, FILESYSTEM_READ_SECONDS)
+            elif pending.error is not None:
+                if path not in self._missing_paths:
+                    log.warning("filesystem path %r skipped: %s", path, pending.error.strerror or pending.error)
+                    self._missing_paths.add(path)
+            elif pending.value is not None:
+                self._missing_paths.discard(path)
+                values[path] = pending.value
+        return values
 
     def _find_mountpoints(self, devices: dict[str, int]) -> None:
         """Each path's mount point, from a mount table read again only when one may have changed (a path
@@ -145,6 +166,26 @@ class NodeCollector:
         table = [partition.mountpoint for partition in psutil.disk_partitions(all=True)]
         self._mountpoints = {path: (device, _mountpoint_of(path, table)) for path, device in devices.items()}
         self._mounts_read = now
+
+
+class _PathRead:
+    """One path's statvfs and stat on a daemon thread of its own: the cycle can stop waiting for a hung
+    mount, and the exporter can still exit while the thread stays blocked in the kernel."""
+
+    def __init__(self, path: str) -> None:
+        self.done = threading.Event()
+        self.value: tuple[int, int, int] | None = None  # (its device, size, bytes available)
+        self.error: OSError | None = None
+        threading.Thread(target=self._read, args=(path,), name=f"statvfs {path}", daemon=True).start()
+
+    def _read(self, path: str) -> None:
+        try:
+            usage = psutil.disk_usage(path)
+            self.value = (os.stat(path).st_dev, usage.total, usage.free)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def _mountpoint_of(path: str, mountpoints: list[str]) -> str:
