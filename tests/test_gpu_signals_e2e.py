@@ -153,6 +153,9 @@ def test_busy_but_idle_alert_fires_for_the_gpu_with_high_utilization_and_low_sm_
     assert alert["labels"]["instance"] == NODE and alert["labels"]["severity"] == "warning"
     # humanizePercentage of the least active GPU's SM activity (0.008 -> 0.8%)
     assert f"SMs were active only {tiny['gpm']['sm_util']:.4g}% of it" in alert["annotations"]["description"]
+    # the GPU and its rank, from the query the description makes
+    named = f"SMs idle: GPU {RUNS['tiny']} (rank 0) {tiny['gpm']['sm_util']:.4g}% active."
+    assert named in alert["annotations"]["description"]
     assert "CUDA graphs" in alert["annotations"]["runbook"] and "torch.compile" in alert["annotations"]["runbook"]
 
 
