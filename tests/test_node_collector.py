@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepscope.exporter.collectors import node
 from stepscope.exporter.collectors.node import NodeCollector
 from stepscope.exporter.exposition import render
+from stepscope_testkit.hung_mount import hung_mount, hung_mount_available
 from stepscope_testkit.processes import running_exporter, sample_values, scrape
 from tests.support.readme import doc_section
 
@@ -143,6 +144,31 @@ def test_a_hung_filesystem_path_is_skipped_and_the_cpu_and_memory_readings_go_on
         f"filesystem path {hung!r} skipped: no answer within 1 s (a hung mount?); read again once it answers",
         f"filesystem path {hung!r} answers again",
     ]
+
+
+def test_a_real_exporter_keeps_reading_the_node_beside_a_real_hung_mount(tmp_path: Path) -> None:
+    """A FUSE mount that never answers (stepscope_testkit.hung_mount: statvfs blocks in the kernel, as on a
+    dead NFS server) among --filesystem-paths: the exporter starts, its CPU counters and the node collector's
+    last success move on at every cycle, / is published and the hung path is not; before, the node cycle
+    waited on the mount for good and every node reading froze at start."""
+    reason = hung_mount_available()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "mnt").mkdir()
+    with hung_mount(tmp_path / "mnt") as hung, running_exporter(
+            tmp_path, "--collectors", "node", "--filesystem-paths", f"/,{hung}") as exporter:
+        texts = []
+        for _ in range(3):
+            time.sleep(1.2)  # more than a cycle (0.5 s) and the 1 s a hung read is waited for
+            texts.append(scrape(exporter.url))
+        log = exporter.log()
+    cpu = [sum(sample_values(text, "stepscope_node_cpu_seconds_total")) for text in texts]
+    success = [sample_values(text, "stepscope_exporter_collector_last_success_timestamp_seconds", collector="node")
+               for text in texts]
+    assert cpu[0] < cpu[1] < cpu[2] and success[0] < success[1] < success[2], (cpu, success)
+    assert [sample_values(text, "stepscope_node_filesystem_size_bytes", path=str(hung)) for text in texts] == [[]] * 3
+    assert all(sample_values(text, "stepscope_node_filesystem_size_bytes", path="/") for text in texts)
+    assert log.count(f"filesystem path {str(hung)!r} skipped: no answer within 1 s") == 1, log
 
 
 def test_shaping_blocks_are_left_out_their_bytes_are_a_real_interfaces_again(monkeypatch: pytest.MonkeyPatch) -> None:
