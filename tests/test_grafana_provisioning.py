@@ -100,6 +100,7 @@ def test_annotations_use_grafana_template_variables() -> None:
         for key, text in rule["annotations"].items():
             if re.search(r"\$value\b", prometheus[name]["annotations"][key]):
                 assert "$values.B.Value" in text, f"{name}.{key}: the alert's value was lost"
+            assert not re.search(r"\{\{-?\s*if\b[^}]*\}\}\{\{-?\s*end", text), f"{name}.{key}: an empty if"
             for template in TEMPLATE.findall(text):
                 assert not re.search(r"\$value\b", template), f"{name}.{key}: $value is a string in Grafana"
                 for variable in re.findall(r"\$\w+", template):

@@ -54,6 +54,7 @@ def rule_uid(alert: str) -> str:
 INSIDE = r"(?:(?!\}\}).)*?"  # an action's text: anything up to its closing braces (a query has `{...}`)
 QUERY_BLOCK = re.compile(r"\{\{-?\s*(?:with|range)\b" + INSIDE + r"\|\s*query\s*\}\}", re.DOTALL)
 ACTION = re.compile(r"\{\{-?\s*(with|range|if|else|end)\b" + INSIDE + r"\}\}", re.DOTALL)
+EMPTY_IF = re.compile(r"\s*\{\{-?\s*if\b" + INSIDE + r"\}\}\{\{-?\s*end\s*-?\}\}", re.DOTALL)
 # Prometheus' external label with Grafana's address; a Grafana-managed alert links relative to Grafana.
 GRAFANA_URL = "{{ $externalLabels.grafana_url }}"
 
@@ -76,7 +77,7 @@ def _without_queries(text: str) -> str:
         if match.group().startswith("{{-"):
             before = before.rstrip()
         text = before + replacement + text[position:]
-    return text
+    return EMPTY_IF.sub("", text)  # an `if` that only held a query block
 
 
 def grafana_template(text: str) -> str:
