@@ -6,6 +6,7 @@ unloaded (exporter.plain_http) before asyncio would load it. `exporter.daemon` w
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +32,11 @@ from stepscope.exporter.web_config import TlsSettings, WebConfig, WebConfigError
 COLLECTOR_NAMES = ("node", "gpu", "process")
 DEFAULT_PORT = 9847
 RESERVED_PATHS = ("/", "/-/healthy", "/-/ready", PROFILE_PREFIX)
+FILE_FLAGS = {"--web.config.file": "web_config_file", "--tls-cert-file": "tls_cert_file",
+              "--tls-key-file": "tls_key_file", "--basic-auth-password-file": "basic_auth_password_file",
+              "--ingest-token-file": "ingest_token_file",
+              "--kubelet-pod-resources-socket": "kubelet_pod_resources_socket"}
+TLS_FILES = ("cert_file", "key_file", "client_ca_file")
 
 
 def collector_list(text: str) -> list[str]:
@@ -159,6 +165,30 @@ def _web_config(args: argparse.Namespace) -> tuple[WebConfig, TlsSettings | None
     return config, config.tls or (TlsSettings(args.tls_cert_file, args.tls_key_file) if args.tls_cert_file else None)
 
 
+def _files_read(args: argparse.Namespace, tls_settings: TlsSettings | None) -> list[tuple[str, str]]:
+    """(setting, path) of every file the flags and the web config name for the exporter to read."""
+    named = [(flag, getattr(args, dest)) for flag, dest in FILE_FLAGS.items()]
+    if tls_settings is not None and args.web_config_file:
+        named += [(f"tls_server_config.{key} of --web.config.file", getattr(tls_settings, key)) for key in TLS_FILES]
+    return [(name, path) for name, path in named if path]
+
+
+def _check_state_file(args: argparse.Namespace, tls_settings: TlsSettings | None) -> None:
+    """--web.auth.state-file is replaced at the first login: where it is a file another setting names (the
+    web config given twice), that file would be lost, so it is one line at start instead."""
+    state_file = args.web_auth_state_file
+    if not state_file or not os.path.exists(state_file):
+        return
+    for name, path in _files_read(args, tls_settings):
+        try:
+            same = os.path.samefile(state_file, path)
+        except OSError:  # that file is missing: its own check says so
+            continue
+        if same:
+            fail(f"--web.auth.state-file {state_file!r} is the file of {name}: the exporter rewrites its state "
+                 "file, give it a path of its own")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.collectors = enabled_collectors(args)
@@ -168,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     config, tls_settings = _web_config(args)
+    _check_state_file(args, tls_settings)
     if tls_settings is None:
         keep_ssl_unloaded()
     from stepscope.exporter.daemon import serve  # after that choice: the server's asyncio imports ssl

@@ -21,7 +21,7 @@ from stepscope.exporter.ingest.store import GroupStore, StoreLimits
 from stepscope.exporter.scheduler import Scheduler
 from stepscope.exporter.server import ExporterServer, WebLimits, WebOptions
 from stepscope.exporter.web_auth import Authenticator, PasswordFileUser
-from stepscope.exporter.web_auth_known import KnownGroups
+from stepscope.exporter.web_auth_known import KnownGroups, StateFileError
 from stepscope.exporter.web_config import TlsSettings, WebConfig
 from stepscope.exporter.web_reload import ReloadingUsers, WebConfigSource
 
@@ -61,8 +61,12 @@ def serve(args: argparse.Namespace, config: WebConfig, tls_settings: TlsSettings
 
 def _known_groups(args: argparse.Namespace) -> KnownGroups:
     """The address groups basic auth let in, read from --web.auth.state-file and written back at once, so
-    a path the exporter cannot write is one line at start, not a surprise at the next restart."""
-    known = KnownGroups(args.web_auth_state_file or None)
+    a path the exporter cannot write, or a file it would destroy, is one line at start, not a surprise at
+    the first login or the next restart."""
+    try:
+        known = KnownGroups(args.web_auth_state_file or None)
+    except StateFileError as exc:
+        fail(f"--web.auth.state-file {args.web_auth_state_file!r}: {exc}")
     try:
         known.save()
     except OSError as exc:

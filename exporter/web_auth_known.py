@@ -8,10 +8,12 @@ last let in are kept, never a user, a password or a hash, so the file tells a re
 access log would.
 
 The file is JSON, replaced atomically (a temporary file beside it, then rename), at most KNOWN_GROUPS
-groups, each forgotten REMEMBER_SECONDS after it was last let in. One that cannot be read (corrupt,
-half-written by a crash, another program's) is ignored with one log line and rewritten at the next
-change: a bad file costs the priority, never the exporter. Let-ins of groups already known rewrite it
-at most once per REFRESH_SECONDS each, so a scrape with cached credentials costs no write.
+groups, each forgotten REMEMBER_SECONDS after it was last let in. An absent or empty file starts with no
+groups. Anything else that is not such a document is refused (StateFileError) rather than replaced: the
+exporter never leaves one half-written (it renames a complete file into place), so such content is
+another program's, or the path of another flag's file (a web config given twice), and the first let-in
+would overwrite it. Let-ins of groups already known rewrite it at most once per REFRESH_SECONDS each,
+so a scrape with cached credentials costs no write.
 """
 
 import json
@@ -31,6 +33,11 @@ REFRESH_SECONDS = 3600.0  # a known group's let-in time is written again at most
 MAX_FILE_BYTES = 256 * 1024  # well above KNOWN_GROUPS entries; a larger file is not ours
 MAX_GROUP_CHARS = 64  # an IPv6 /64 in full is 43 characters
 FORMAT_VERSION = 1
+
+
+class StateFileError(ValueError):
+    """The state file holds what this exporter did not write, or cannot be read: replacing it could destroy
+    someone's data, so the exporter stops instead."""
 
 
 class KnownGroups:
@@ -99,21 +106,22 @@ class KnownGroups:
             self._saved = dict(self._groups)  # tried: the next try comes with the next change, not the next scrape
 
     def _load(self, path: Path) -> "OrderedDict[str, float]":
-        """The groups in the file still within REMEMBER_SECONDS, oldest first; empty when there is no
-        file, and, with one log line, when it cannot be read."""
+        """The groups in the file still within REMEMBER_SECONDS, oldest first; empty when the file is absent
+        or empty. StateFileError when it cannot be read or holds anything else: save() would replace it."""
         try:
             with path.open("rb") as handle:
                 raw = handle.read(MAX_FILE_BYTES + 1)
         except FileNotFoundError:
             return OrderedDict()
         except OSError as exc:
-            log.warning("--web.auth.state-file %s: cannot read it (%s); starting with no known groups", path, exc)
+            raise StateFileError(f"cannot read it ({exc.strerror or exc})") from None
+        if not raw:
             return OrderedDict()
         try:
             groups = _parse(raw)
         except ValueError as exc:
-            log.warning("--web.auth.state-file %s: %s; ignored, starting with no known groups", path, exc)
-            return OrderedDict()
+            raise StateFileError(f"not a state file this exporter wrote ({exc}), so it will not overwrite it: "
+                                 "remove it or give a path of its own") from None
         now = self._clock()
         fresh = sorted((at, group) for group, at in groups.items() if 0 <= now - at < REMEMBER_SECONDS)
         return OrderedDict((group, at) for at, group in fresh[-self._size:])

@@ -10,6 +10,8 @@ exporter (SIGKILL) under a flood from 100 loopback addresses. Timings: benchmark
 import asyncio
 import json
 import logging
+import os
+import random
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ import requests
 
 from stepscope.exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client, _BoundedHasher
 from stepscope.exporter.web_auth_known import MAX_FILE_BYTES, REFRESH_SECONDS, REMEMBER_SECONDS, KnownGroups
-from stepscope_testkit.processes import exporter_env, free_port, running
+from stepscope_testkit.processes import exporter_env, free_port, running, wait_http_ok
 from tests.support.clock import ManualClock
 from tests.test_auth_backoff import guessing
 from tests.test_web_attacks import HASH, PASSWORD, SLOW_HASH, basic
@@ -125,27 +127,83 @@ def test_groups_are_bounded_forgotten_after_a_week_and_rewritten_at_most_hourly(
     assert KnownGroups(state, clock=clock).groups() == ["10.0.0.1"]
 
 
+def test_an_empty_state_file_starts_with_no_groups_and_is_rewritten(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Empty is what a file created and not yet written looks like (or one emptied by hand): nothing to lose."""
+    state = tmp_path / "auth-state.json"
+    state.write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        known = KnownGroups(state)
+    assert known.groups() == [] and caplog.records == []
+    known.let_in("10.0.2.1")
+    assert KnownGroups(state).groups() == ["10.0.2.1"]
+
+
 @pytest.mark.parametrize("content", [
-    b"",
-    b'{"version":1,"groups":{"10.0.2.1":17',  # cut short by a crash
+    b'{"version":1,"groups":{"10.0.2.1":17',  # cut short: never by the exporter, which renames a whole file in
     b"\xff\xfe\x00garbage",
     b'{"version":2,"groups":{}}',
     b'{"version":1,"groups":{"10.0.2.1":"yesterday"}}',
     b'{"version":1,"groups":{"10.0.2.1":true}}',
     b'{"version":1,"groups":{"' + b"x" * 65 + b'":1.0}}',
     b"[" * (MAX_FILE_BYTES + 1),
-], ids=["empty", "half-written", "binary", "other-version", "bad-time", "bool-time", "long-group", "too-large"])
-def test_a_state_file_that_cannot_be_read_is_ignored_with_one_log_line_and_rewritten(
-        tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
+], ids=["half-written", "binary", "other-version", "bad-time", "bool-time", "long-group", "too-large"])
+def test_a_state_file_the_exporter_did_not_write_is_refused_and_left_as_it_was(
+        tmp_path: Path, content: bytes) -> None:
+    """Before, such a file was ignored with a warning and replaced at the first let-in: whatever it held
+    (another program's file, a file named by mistake) was gone."""
     state = tmp_path / "auth-state.json"
     state.write_bytes(content)
-    with caplog.at_level(logging.WARNING):
-        known = KnownGroups(state)
-    assert known.groups() == []
-    assert [record.getMessage().count("\n") for record in caplog.records] == [0]
-    assert "ignored" in caplog.text and "Traceback" not in caplog.text
-    known.let_in("10.0.2.1")
-    assert KnownGroups(state).groups() == ["10.0.2.1"]
+    with pytest.raises(ValueError, match="not a state file this exporter wrote") as refused:  # StateFileError
+        KnownGroups(state)
+    assert "\n" not in str(refused.value)
+    assert state.read_bytes() == content
+
+
+def exporter_with_state_file(config: Path, state_file: Path) -> tuple[int, str]:
+    """A real exporter on `config` and `state_file`: its exit status and stderr. Where it serves instead of
+    refusing, basic auth lets one scrape in (the let-in that writes the state file) and it is stopped."""
+    port = free_port()
+    argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"127.0.0.1:{port}",
+            "--web.config.file", str(config), "--web.auth.state-file", str(state_file), "--collectors", ""]
+    process = subprocess.Popen(argv, env={**os.environ, **exporter_env()}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/-/ready", process)
+        requests.get(f"http://127.0.0.1:{port}/metrics", auth=("prometheus", PASSWORD), timeout=10)
+        process.terminate()
+    except RuntimeError:  # it ended before it was ready: the refusal
+        pass
+    _, stderr = process.communicate(timeout=30)
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize("config_text", [f"basic_auth_users: {{prometheus: '{HASH}'}}\n", ""],
+                         ids=["with-users", "empty"])
+def test_a_state_file_that_is_the_web_config_is_refused_at_start_and_the_config_kept(
+        tmp_path: Path, config_text: str) -> None:
+    """The audit's repro: the web config given as the state file too. Before, the first login (with an
+    empty config, the start) replaced it with the state JSON, the users and hashes gone."""
+    config = tmp_path / "web.yml"
+    config.write_text(config_text)
+    status, stderr = exporter_with_state_file(config, config)
+    assert config.read_text() == config_text
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    assert "--web.auth.state-file" in stderr and "--web.config.file" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("content", [random.Random(7).randbytes(2000), b'{"users": ["alice"]}\n'],
+                         ids=["random-bytes", "other-json"])
+def test_a_real_exporter_refuses_a_state_file_it_did_not_write_and_leaves_it_as_it_was(
+        tmp_path: Path, content: bytes) -> None:
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users: {{prometheus: '{HASH}'}}\n")
+    state = tmp_path / "precious.bin"
+    state.write_bytes(content)
+    status, stderr = exporter_with_state_file(config, state)
+    assert state.read_bytes() == content
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    assert "--web.auth.state-file" in stderr and "not a state file this exporter wrote" in stderr
 
 
 def test_a_state_file_that_can_no_longer_be_written_is_logged_once_and_groups_stay_known(
