@@ -181,8 +181,8 @@ _NODE = (
     Family(NODE_DISK_IO_TIME, "counter", ("device",), "time the disk was busy"),
     *(Family(n, "counter", ("device",), "network throughput (tc's ifb devices left out: their bytes are another "
              "interface's)") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
-    *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`; a path that does not answer "
-             "within 1 s (a hung mount) is left out, and logged, until it does")
+    *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`, read every 5 s at most; a path that "
+             "does not answer within 1 s (a hung mount) is left out, and logged, until it does")
       for n in (NODE_FILESYSTEM_SIZE, NODE_FILESYSTEM_AVAIL)),
 )
 _GPUS = (

@@ -123,6 +123,7 @@ def test_a_hung_filesystem_path_is_skipped_and_the_cpu_and_memory_readings_go_on
         return disk_usage(path)
 
     monkeypatch.setattr(node.psutil, "disk_usage", blocking_on_hung)
+    monkeypatch.setattr(node, "FILESYSTEM_EVERY_SECONDS", 0.0)  # the paths at every cycle
     collector = NodeCollector([str(tmp_path), hung])
     seconds, paths, cpu = [], [], []
     with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
@@ -144,6 +145,19 @@ def test_a_hung_filesystem_path_is_skipped_and_the_cpu_and_memory_readings_go_on
         f"filesystem path {hung!r} skipped: no answer within 1 s (a hung mount?); read again once it answers",
         f"filesystem path {hung!r} answers again",
     ]
+
+
+def test_the_paths_are_read_at_most_every_five_seconds_and_served_in_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sizes change slowly and a read is a handoff to the path's thread: three cycles in a row ask once, and
+    each publishes the path."""
+    asked: list[str] = []
+    disk_usage = psutil.disk_usage
+    monkeypatch.setattr(node.psutil, "disk_usage", lambda path: asked.append(path) or disk_usage(path))
+    collector = NodeCollector([str(tmp_path)])
+    published = [len(collected(collector)["stepscope_node_filesystem_size_bytes"]) for _ in range(3)]
+    assert (asked, published) == ([str(tmp_path)], [1, 1, 1])
 
 
 def test_a_real_exporter_keeps_reading_the_node_beside_a_real_hung_mount(tmp_path: Path) -> None:
@@ -187,6 +201,7 @@ def test_a_path_moved_to_another_filesystem_gets_its_mountpoint_at_the_next_cycl
     filesystem to /dev/shm's tmpfs), not every cycle: reading it was a fifth of the cycle."""
     if not os.path.ismount("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/").st_dev:
         pytest.skip("needs /dev/shm on a filesystem of its own")
+    monkeypatch.setattr(node, "FILESYSTEM_EVERY_SECONDS", 0.0)  # the paths at every cycle
     reads: list[int] = []
     real = psutil.disk_partitions
     monkeypatch.setattr(psutil, "disk_partitions", lambda all=False: (reads.append(1), real(all))[1])

@@ -7,6 +7,7 @@ on macOS, say) are simply absent.
 import logging
 import os
 import platform
+import queue
 import re
 import socket
 import threading
@@ -36,6 +37,9 @@ MOUNT_TABLE_SECONDS = 60.0
 # counters read as saturated). The path is skipped until its read comes back (node_exporter's
 # --collector.filesystem.mount-timeout does the same).
 FILESYSTEM_READ_SECONDS = 1.0
+# Sizes and free space change slowly, and a read is a handoff to a path's thread (~0.05 ms, a third of the
+# node cycle): read at most this often, every cycle's other readings aside; cycles in between serve the last.
+FILESYSTEM_EVERY_SECONDS = 5.0
 
 
 class NodeCollector:
@@ -44,11 +48,13 @@ class NodeCollector:
     name = "node"
 
     def __init__(self, filesystem_paths: list[str]) -> None:
-        self._filesystem_paths = list(filesystem_paths)
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point)
-        self._hung: dict[str, _PathRead] = {}  # path -> its read that has not come back
+        self._readers = {path: _PathReader(path) for path in dict.fromkeys(filesystem_paths)}
+        self._hung: set[str] = set()  # paths whose read has not come back
         self._mounts_read = float("-inf")
+        self._paths_read = float("-inf")
+        self._path_values: dict[str, tuple[int, int, int]] = {}  # the last _read_paths()
 
     def collect(self) -> Iterable[Metric]:
         yield from self._cpu()
@@ -123,7 +129,9 @@ class NodeCollector:
         avail = GaugeMetricFamily(families.NODE_FILESYSTEM_AVAIL,
                                   "Bytes available to unprivileged users on the filesystem holding the path.",
                                   labels=["path", "mountpoint"])
-        read = self._read_paths()
+        if time.monotonic() - self._paths_read >= FILESYSTEM_EVERY_SECONDS:
+            self._path_values, self._paths_read = self._read_paths(), time.monotonic()
+        read = self._path_values
         self._find_mountpoints({path: device for path, (device, _, _) in read.items()})
         for path, (_, total, free) in read.items():
             labels = [path, self._mountpoints[path][1]]
@@ -134,26 +142,28 @@ class NodeCollector:
 
     def _read_paths(self) -> dict[str, tuple[int, int, int]]:
         """path -> (its device, size, bytes available) for each path that answered within
-        FILESYSTEM_READ_SECONDS; a path whose read has not come back since is not read again until it does."""
-        for path, hung in list(self._hung.items()):
-            if hung.done.is_set():
-                del self._hung[path]
-                log.warning("filesystem path %r answers again", path)
-        reads = {path: _PathRead(path) for path in self._filesystem_paths if path not in self._hung}
+        FILESYSTEM_READ_SECONDS; a path whose read has not come back since is not asked again until it does."""
+        for path in [path for path in self._hung if self._readers[path].answer(0) is not None]:
+            self._hung.discard(path)
+            log.warning("filesystem path %r answers again", path)
+        asked = [(path, reader) for path, reader in self._readers.items() if path not in self._hung]
+        for _, reader in asked:
+            reader.ask()
         deadline = time.monotonic() + FILESYSTEM_READ_SECONDS
         values: dict[str, tuple[int, int, int]] = {}
-        for path, pending in reads.items():
-            if not pending.done.wait(max(0.0, deadline - time.monotonic())):
-                self._hung[path] = pending
+        for path, reader in asked:
+            found = reader.answer(deadline - time.monotonic())
+            if found is None:
+                self._hung.add(path)
                 log.warning("filesystem path %r skipped: no answer within %g s (a hung mount?); read again once "
                             "it answers", path, FILESYSTEM_READ_SECONDS)
-            elif pending.error is not None:
+            elif isinstance(found, OSError):
                 if path not in self._missing_paths:
-                    log.warning("filesystem path %r skipped: %s", path, pending.error.strerror or pending.error)
+                    log.warning("filesystem path %r skipped: %s", path, found.strerror or found)
                     self._missing_paths.add(path)
-            elif pending.value is not None:
+            else:
                 self._missing_paths.discard(path)
-                values[path] = pending.value
+                values[path] = found
         return values
 
     def _find_mountpoints(self, devices: dict[str, int]) -> None:
@@ -168,24 +178,37 @@ class NodeCollector:
         self._mounts_read = now
 
 
-class _PathRead:
-    """One path's statvfs and stat on a daemon thread of its own: the cycle can stop waiting for a hung
-    mount, and the exporter can still exit while the thread stays blocked in the kernel."""
+class _PathReader:
+    """Reads one path's statvfs and stat when asked, on a daemon thread of its own for the collector's life:
+    the cycle can stop waiting for a hung mount, and the exporter can still exit while the thread stays
+    blocked in the kernel. A thread started per read instead doubled the node cycle's CPU (0.15 -> 0.3 ms);
+    SimpleQueue's handoff, in C, costs less than an Event's."""
 
     def __init__(self, path: str) -> None:
-        self.done = threading.Event()
-        self.value: tuple[int, int, int] | None = None  # (its device, size, bytes available)
-        self.error: OSError | None = None
-        threading.Thread(target=self._read, args=(path,), name=f"statvfs {path}", daemon=True).start()
+        self._path = path
+        self._asked: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[int, int, int] | OSError] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=f"statvfs {path}", daemon=True).start()
 
-    def _read(self, path: str) -> None:
+    def ask(self) -> None:
+        self._asked.put(None)
+
+    def answer(self, timeout: float) -> tuple[int, int, int] | OSError | None:
+        """(its device, size, bytes available), the error it met, or None when it has not answered yet."""
         try:
-            usage = psutil.disk_usage(path)
-            self.value = (os.stat(path).st_dev, usage.total, usage.free)
-        except OSError as exc:
-            self.error = exc
-        finally:
-            self.done.set()
+            found = self._answers.get(timeout=timeout) if timeout > 0 else self._answers.get_nowait()
+        except queue.Empty:
+            return None
+        return found
+
+    def _serve(self) -> None:
+        while True:
+            self._asked.get()
+            try:
+                usage = psutil.disk_usage(self._path)
+                self._answers.put((os.stat(self._path).st_dev, usage.total, usage.free))
+            except OSError as exc:
+                self._answers.put(exc)
 
 
 def _mountpoint_of(path: str, mountpoints: list[str]) -> str:
