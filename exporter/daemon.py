@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import ExpositionStore
-from stepscope.exporter.flags import fail
+from stepscope.exporter.flags import fail, read_token
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi
@@ -142,12 +142,9 @@ def _push_apis(args: argparse.Namespace, store: ExpositionStore) -> tuple[PushAp
     token = None
     if args.ingest_token_file:
         try:
-            with open(args.ingest_token_file, encoding="utf-8") as handle:
-                token = handle.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            fail(f"cannot read --ingest-token-file {args.ingest_token_file!r}: {exc}")
-        if not token:
-            fail(f"--ingest-token-file {args.ingest_token_file!r} is empty")
+            token = read_token(args.ingest_token_file)
+        except ValueError as exc:
+            fail(f"--ingest-token-file {args.ingest_token_file!r}: {exc}")
     limits = StoreLimits(
         max_groups=args.ingest_max_groups,
         max_series_per_group=args.ingest_max_series_per_group,

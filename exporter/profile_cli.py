@@ -25,7 +25,7 @@ from typing import Any
 
 import requests
 
-from stepscope.exporter.flags import positive_float
+from stepscope.exporter.flags import check_token, positive_float, read_token
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
@@ -74,18 +74,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.exporter.startswith(("http://", "https://")):
         parser.error(f"--exporter must be an http:// or https:// URL, got {args.exporter!r}")
     args.exporter = args.exporter.rstrip("/")
-    try:
-        args.token = _token(args.token_file)
-    except OSError as exc:
-        parser.error(f"cannot read --token-file {args.token_file!r}: {exc.strerror or exc}")
+    args.token = _token(parser, args.token_file)
     return args
 
 
-def _token(path: str | None) -> str:
-    if path is None:
-        return os.environ.get("STEPSCOPE_PUSH_TOKEN", "").strip()
-    with open(path, encoding="utf-8") as handle:
-        return handle.read().strip()
+def _token(parser: argparse.ArgumentParser, path: str | None) -> str:
+    """The push token from --token-file or STEPSCOPE_PUSH_TOKEN (empty: none); one that cannot be read or
+    sent in a header ends the program with one line, before any request (http.client raised a traceback)."""
+    try:
+        if path is not None:
+            return read_token(path)
+        token = os.environ.get("STEPSCOPE_PUSH_TOKEN", "").strip()
+        check_token(token)
+        return token
+    except ValueError as exc:
+        source = f"--token-file {path!r}" if path is not None else "STEPSCOPE_PUSH_TOKEN"
+        parser.exit(2, f"{PROG}: error: {source}: {exc}\n")
 
 
 class ExporterApi:
