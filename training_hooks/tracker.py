@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
+import numbers
 import os
 import sys
 import threading
@@ -35,6 +37,9 @@ log = logging.getLogger("stepscope.hooks")
 
 Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
 BoundaryHook = Callable[[int], None]  # called at each step boundary with the step's duration in ns
+_PLAIN = (int, float)  # counts of these types pass step()'s cheap test; any other goes through _counts
+_INF = math.inf
+_OPTIONAL_COUNTS = frozenset({"flops", "global_step"})  # None: not given
 
 
 def _cuda_module() -> Any | None:
@@ -59,6 +64,28 @@ def _start_time(pid: int) -> str | None:
         return f"{psutil.Process(pid).create_time():.3f}"
     except (psutil.Error, OSError):
         return None
+
+
+def _counts(**counts: Any) -> tuple[Any, ...]:
+    """The counts passed to `step()` or `micro_batch()`, in order, as plain ints or floats (numpy's scalars
+    too); ValueError naming the first that is not a finite number >= 0 (flops and global_step may be None).
+
+    The exporter refuses a whole push that holds a negative or non-finite counter, so one bad count would
+    keep every later push of the rank (its final `idle` too) out: the call that passes it fails instead,
+    before anything is counted. Called only when the callers' one cheap test of plain ints and floats fails.
+    """
+    plain_counts = []
+    for name, value in counts.items():
+        if value is None and name in _OPTIONAL_COUNTS:
+            plain_counts.append(None)
+            continue
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            plain = int(value) if isinstance(value, numbers.Integral) else float(value)
+            if 0 <= plain < math.inf:  # False for a NaN too
+                plain_counts.append(plain)
+                continue
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return tuple(plain_counts)
 
 
 class _StateScope:
@@ -156,7 +183,14 @@ class Tracker:
         ones (flops_per_step, plus flops_per_sample for each of `samples`). `global_step`, the trainer's step
         count after this step (the framework callbacks pass it), is pushed as is: a restarted run that
         restores a checkpoint steps back, and the report counts the steps it redoes as lost progress.
+        Every count must be a finite number >= 0: anything else raises ValueError, and nothing is counted.
         """
+        if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
+                and type(micro_batches) is int and micro_batches >= 0
+                and (flops is None or (type(flops) in _PLAIN and 0 <= flops < _INF))
+                and (global_step is None or (type(global_step) is int and global_step >= 0))):  # the cheap test
+            samples, micro_batches, tokens, flops, global_step = _counts(
+                samples=samples, micro_batches=micro_batches, tokens=tokens, flops=flops, global_step=global_step)
         now = perf_counter_ns()
         duration = now - self._boundary
         if self._state == SETUP_STATE:
@@ -182,6 +216,9 @@ class Tracker:
         """Counts one batch fed to the model, its samples and tokens, inside a step that goes on (gradient
         accumulation): the step itself is counted by the `step()` that ends it. `flops` as in `step()`, but
         None counts only flops_per_sample (flops_per_step is the whole step's, counted by `step()`)."""
+        if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
+                and (flops is None or (type(flops) in _PLAIN and 0 <= flops < _INF))):  # as in step()
+            samples, tokens, flops = _counts(samples=samples, tokens=tokens, flops=flops)
         self._micro_batches += 1
         self._samples += samples
         self._tokens += tokens
