@@ -248,7 +248,7 @@ def read_token(path: str) -> str:
     try:
         token = raw.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+        raise ValueError(f"cannot read it as UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
     if not token:
         raise ValueError("the file is empty")
     check_token(token)

@@ -46,7 +46,7 @@ def assert_one_line_refusal(status: int | None, stderr: str, *words: str) -> Non
 
 
 @pytest.mark.parametrize("content, reason", [
-    (NOT_UTF8, "not UTF-8 text (byte 0xff at offset 3)"),
+    (NOT_UTF8, "cannot read it as UTF-8 text (byte 0xff at offset 3)"),
     (NOT_LATIN1, "the token holds '€' (U+20AC), which an HTTP header cannot carry"),
     (b"tok\nen\n", "the token holds '\\n'"),
     (b"", "the file is empty"),
