@@ -168,3 +168,41 @@ def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
     assert sample_values(text, "stepscope_training_info", framework="transformers", **group) == [1]
     assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
 
+
+
+def test_lightning_leaves_dataloader_next_when_an_unsized_loader_runs_out(tmp_path: Path) -> None:
+    """A loader without a length ends its epoch with a fetch that raises StopIteration: the phase is left
+    (the exporter shows no phase entered after the fit)."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+    from stepscope_testkit.processes import running_exporter, samples
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (Regression(STEPS * BATCH)[index] for index in range(STEPS * BATCH))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    with running_exporter(tmp_path) as exporter:
+        callback = StepscopeCallback(run="pl-stream", push_url=exporter.url, push_interval=0.2)
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                             enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             callbacks=[callback])
+        trainer.fit(Module(), DataLoader(Stream(), batch_size=BATCH))
+        text = scrape(exporter.url)
+    group = {"run": "pl-stream", "rank": "0"}
+    assert sample_values(text, "stepscope_steps_total", **group) == [STEPS]
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+    assert [name for name, labels in samples(text) if name == "stepscope_training_phase_entered_timestamp_seconds"
+            and ("run", "pl-stream") in labels] == []

@@ -1,6 +1,8 @@
 """What the hooks accept from the user: the counts of each step, the loader, and the settings."""
 
 import math
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 import stepscope.hooks as th
-from stepscope_testkit.processes import running_exporter, sample_values, scrape
+from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 RUN = {"run": "inputs", "rank": "0"}
 
@@ -72,3 +74,43 @@ def test_a_count_that_is_no_finite_number_at_least_zero_raises_before_anything_c
     assert str(raised.value).endswith(f"got {value!r}")
     assert counted(tracker) == before
     tracker.close()
+
+
+def entered_phases(text: str) -> list[str]:
+    """The phases the exporter says the rank is in (stepscope_training_phase_entered_timestamp_seconds)."""
+    return [dict(labels)["phase"] for name, labels in samples(text)
+            if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", RUN["run"]) in labels]
+
+
+def wait_for_pushes(tracker: th.Tracker, count: int = 2) -> None:
+    """Until `count` more pushes succeeded: the last of them holds what the training thread did before."""
+    target = tracker.pusher.stats.successes + count
+    deadline = time.monotonic() + 20
+    while tracker.pusher.stats.successes < target:
+        assert time.monotonic() < deadline, f"no push: {tracker.pusher.stats.last_error}"
+        time.sleep(0.02)
+
+
+def test_the_loader_phase_is_left_when_the_loader_runs_out(tmp_path: Path) -> None:
+    """docs/exporter.md: the entered phase is absent between phases. The next() that finds the loader empty
+    loads no batch: it is not observed (one dataloader_next per batch) and leaves the phase."""
+    with running_exporter(tmp_path) as exporter:
+        tracker = th.init(run="inputs", push_url=exporter.url, push_interval=0.05, handle_sigterm=False)
+
+        def batches() -> Iterator[int]:
+            yield 1
+            wait_for_pushes(tracker)  # the training thread waits in next(): the exporter shows where
+            assert entered_phases(scrape(exporter.url)) == ["dataloader_next"]
+            yield 2
+
+        for _ in tracker.loader(batches()):
+            tracker.step(samples=1)
+        wait_for_pushes(tracker)
+        after_the_loader = scrape(exporter.url)
+        tracker.close()
+        after_close = scrape(exporter.url)
+    assert entered_phases(after_the_loader) == []
+    assert sample_values(after_the_loader, "stepscope_step_phase_seconds_count", phase="dataloader_next",
+                         **RUN) == [2]
+    assert entered_phases(after_close) == []
+    assert sample_values(after_close, "stepscope_training_state", state="idle", **RUN) == [1]

@@ -130,7 +130,8 @@ class StepscopeCallback(Callback):
         """Times exactly the training fetcher's `next()` on the loader as dataloader_next.
 
         The fetcher calls the loop's `_on_before_fetch` right before `next(iterator)` and `_on_after_fetch`
-        in a `finally` right after; a fetch that ends the epoch (StopIteration) is no batch and is dropped.
+        in a `finally` right after; a fetch that ends the epoch (StopIteration) is no batch: the phase is left
+        without observing it.
         """
         loop = trainer.fit_loop.epoch_loop
         if not all(callable(getattr(loop, name, None)) for name in _FETCH_HOOKS):
@@ -147,8 +148,12 @@ class StepscopeCallback(Callback):
                 self._phase(DATA_LOADING_PHASE).start()
 
         def on_after_fetch() -> None:
-            if self.tracker is not None and sys.exc_info()[0] is None:
-                self._phase(DATA_LOADING_PHASE).end()
+            if self.tracker is not None:
+                phase = self._phase(DATA_LOADING_PHASE)
+                if sys.exc_info()[0] is None:
+                    phase.end()
+                else:  # the loader's end (StopIteration) or its error: left, not observed (as Tracker.loader)
+                    phase.leave()
             after()
 
         self._wrap(loop, _FETCH_HOOKS[0], on_before_fetch)

@@ -237,7 +237,8 @@ class Tracker:
             phase.start()
             try:
                 item = next(iterator)
-            except StopIteration:  # the end of an epoch is not a batch load: nothing recorded
+            except StopIteration:  # the loader's end loaded no batch: the phase is left, not observed
+                phase.leave()
                 return
             phase.end()
             yield item
