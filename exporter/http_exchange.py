@@ -147,7 +147,10 @@ class Exchange:
 
     async def read_body(self) -> bytes:
         """The request's body: DeadlinePassed after BODY_TIMEOUT_SECONDS, BodyCutShort when the client
-        ends it early, BodyEvicted when evict_body() was called."""
+        ends it early, BodyEvicted when evict_body() was called. b"" at once for a request without one:
+        its end came with its head, and waiting for more would only run into the deadline."""
+        if self._http.their_state is h11.DONE:
+            return b""
         deadline = self._deadline(BODY_TIMEOUT_SECONDS)
         try:
             return await self._body()

@@ -515,3 +515,28 @@ def test_a_pipelined_request_whose_head_ends_in_a_later_read_is_answered(exporte
             reply, closed = reply + chunk, not chunk
     ready, healthy = responses_in(reply, ["GET", "GET"])
     assert ready[0] == healthy[0] == b"HTTP/1.1 200 OK"
+
+
+@pytest.mark.parametrize(("target", "length_header", "answer"), [
+    (GROUP.format(run="empty", rank="0"), b"Content-Length: 0\r\n", b"has an empty body"),
+    (GROUP.format(run="empty", rank="0"), b"", b"has an empty body"),  # no length at all: no body (RFC 9112 6.3)
+    ("/api/v1/profiles", b"Content-Length: 0\r\n", b"the body is not JSON"),
+], ids=["push-length-0", "push-no-length", "profile-length-0"])
+def test_a_request_without_a_body_is_answered_at_once_with_a_pipelined_one_behind_it(
+        tmp_path: Path, target: str, length_header: bytes, answer: bytes) -> None:
+    """A PUT or POST with no body, a scrape pipelined behind it: a 400 and the scrape's 200 at once, and
+    the exporter goes on. Before, the handler waited for a body whose end h11 had already given with the
+    head: alone, 10 s and a 408; with a request behind it, h11 said PAUSED for ever and the event loop
+    spun at 100% CPU, no scrape or probe answered again (an exporter of its own: it would not recover)."""
+    with running_exporter(tmp_path, *NO_COLLECTORS) as exp:
+        methods = ["PUT", "POST"] if target.startswith("/metrics/") else ["POST"]
+        for method in methods:
+            empty = f"{method} {target} HTTP/1.1\r\nHost: x\r\n".encode() + length_header + b"\r\n"
+            started = time.monotonic()
+            reply, closed = exchange(port_of(exp), empty + b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n"
+                                                         b"Connection: close\r\n\r\n", wait=3)
+            assert closed and time.monotonic() - started < 2, (method, reply)
+            refused, healthy = responses_in(reply, [method, "GET"])
+            assert refused[0] == b"HTTP/1.1 400 Bad Request" and answer in refused[2], refused
+            assert healthy[0] == b"HTTP/1.1 200 OK"
+        assert requests.get(f"{exp.url}/-/healthy", timeout=3).status_code == 200

@@ -183,6 +183,9 @@ class PushApi:
         if "chunked" in headers.get("transfer-encoding", "").lower():
             raise Rejected(411, "length_required", "send the body with a Content-Length header "
                                                    "(chunked transfer encoding is not supported)")
+        if not request.length:  # PUT would replace the rank's series with nothing: a client's mistake, not a delete
+            raise Rejected(400, "empty_body", f"the {method} has an empty body; nothing stored: send the rank's "
+                                              "families in the text format (DELETE removes a group)")
         if (request.length or 0) > self.max_body_bytes:
             raise _too_large(request.length or 0, self.max_body_bytes)
         if "protobuf" in headers.get("content-type", ""):

@@ -8,6 +8,7 @@ REASONS = (
     "bad_path",
     "bad_value",
     "body_too_large",
+    "empty_body",
     "forbidden",
     "incomplete_body",
     "label_too_long",
