@@ -1,6 +1,7 @@
 """What the hooks accept from the user: the counts of each step, the loader, and the settings."""
 
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import stepscope.hooks as th
+from stepscope.hooks.config import Config
 from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 RUN = {"run": "inputs", "rank": "0"}
@@ -114,3 +116,55 @@ def test_the_loader_phase_is_left_when_the_loader_runs_out(tmp_path: Path) -> No
                          **RUN) == [2]
     assert entered_phases(after_close) == []
     assert sample_values(after_close, "stepscope_training_state", state="idle", **RUN) == [1]
+
+
+# Per environment variable the hooks read: a bad text for it, then the same setting as an argument with the
+# value that text stands for, and other settings either needs (rank against world size). The message shows
+# the text as set, or what is wrong with it where that says more (SHOWN).
+BAD_SETTINGS = [
+    ("STEPSCOPE_RUN", "r" * 129, "run", "r" * 129, {}),
+    ("STEPSCOPE_PUSH_URL", "localhost:9847", "push_url", "localhost:9847", {}),
+    ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act", "push_token", "s3cr\u20act", {}),
+    ("STEPSCOPE_PUSH_INTERVAL", "0", "push_interval", 0.0, {}),
+    ("STEPSCOPE_PUSH_INTERVAL", "nan", "push_interval", math.nan, {}),
+    ("STEPSCOPE_BUCKETS", "0.5,0.1", "buckets", (0.5, 0.1), {}),
+    ("STEPSCOPE_PHASE_BUCKETS", "maybe", "phase_buckets", "maybe", {}),
+    ("STEPSCOPE_SHARE_BOUNDS", "maybe", "share_bounds", "maybe", {}),
+    ("STEPSCOPE_TRACE_MAX_BYTES", "10", "trace_max_bytes", 10, {}),
+    ("STEPSCOPE_TRACE_KEEP", "0", "trace_keep", 0, {}),
+    ("STEPSCOPE_FLOPS_DTYPE", "int8", "flops_dtype", "int8", {}),
+    ("STEPSCOPE_PEAK_FLOPS", "-1", "peak_flops", -1.0, {}),
+    ("RANK", "4", "rank", 4, {"WORLD_SIZE": "4"}),
+    ("LOCAL_RANK", "-1", "local_rank", -1, {}),
+    ("WORLD_SIZE", "0", "world_size", 0, {}),
+]
+# Any text that is not blank is a usable directory path (a blank one is unset): the trace writer names the
+# variable when it cannot write there (stepscope.hooks.profiling).
+NO_BAD_TEXT = {"STEPSCOPE_TRACE_DIR"}
+SHOWN = {"STEPSCOPE_RUN": "got 129", "STEPSCOPE_PUSH_TOKEN": "U+20AC", "STEPSCOPE_BUCKETS": "got 0.5 then 0.1",
+         "RANK": "RANK 4 must be smaller than WORLD_SIZE 4"}
+
+
+def test_the_settings_cover_every_variable_the_hooks_read() -> None:
+    """Every STEPSCOPE_* variable the settings read, and torchrun's, has its case (a new one needs one)."""
+    read = set(re.findall(r"\bSTEPSCOPE_[A-Z_]+\b", Path(th.__file__).with_name("config.py").read_text()))
+    assert {case[0] for case in BAD_SETTINGS} | NO_BAD_TEXT == read | {"RANK", "LOCAL_RANK", "WORLD_SIZE"}
+
+
+@pytest.mark.parametrize(("variable", "text", "argument", "value", "other_env"), BAD_SETTINGS,
+                         ids=[f"{case[0]}={case[1][:12]}" for case in BAD_SETTINGS])
+def test_a_bad_setting_is_named_as_the_user_set_it(
+    variable: str, text: str, argument: str, value: object, other_env: dict[str, str]
+) -> None:
+    """docs/hooks.md: bad settings raise ValueError with the variable's name. A value from the environment
+    names the variable and shows its text; the same value passed to th.init names the argument."""
+    with pytest.raises(ValueError) as from_env:
+        Config.resolve(env={"STEPSCOPE_RUN": "r", **other_env, variable: text})
+    message = str(from_env.value)
+    assert message.startswith(f"{variable} "), message
+    assert SHOWN.get(variable, f"got {text!r}") in message, message
+    arguments = {key.lower(): int(raw) for key, raw in other_env.items()}
+    with pytest.raises(ValueError) as from_argument:
+        Config.resolve(env={"STEPSCOPE_RUN": "r"}, **arguments, **{argument: value})
+    assert str(from_argument.value).startswith(f"{argument} "), str(from_argument.value)
+    assert variable not in str(from_argument.value)

@@ -9,10 +9,10 @@ import re
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepscope.contract.peak_flops import DEFAULT_DTYPE, validate_dtype
+from stepscope.contract.peak_flops import DEFAULT_DTYPE, DTYPES
 
 DEFAULT_PUSH_URL = "http://127.0.0.1:9847"
 DEFAULT_PUSH_INTERVAL = 5.0
@@ -26,6 +26,16 @@ DEFAULT_TRACE_DIR = os.path.join(tempfile.gettempdir(), "stepscope-traces")
 DEFAULT_TRACE_MAX_BYTES = 200 * 1024 * 1024
 DEFAULT_TRACE_KEEP = 5
 
+# The environment variable of each setting it can come from (Config.resolve; errors name it).
+ENVIRONMENT: Mapping[str, str] = {
+    "run": "STEPSCOPE_RUN", "rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
+    "push_url": "STEPSCOPE_PUSH_URL", "push_token": "STEPSCOPE_PUSH_TOKEN",
+    "push_interval": "STEPSCOPE_PUSH_INTERVAL", "buckets": "STEPSCOPE_BUCKETS",
+    "phase_buckets": "STEPSCOPE_PHASE_BUCKETS", "share_bounds": "STEPSCOPE_SHARE_BOUNDS",
+    "trace_dir": "STEPSCOPE_TRACE_DIR", "trace_max_bytes": "STEPSCOPE_TRACE_MAX_BYTES",
+    "trace_keep": "STEPSCOPE_TRACE_KEEP", "flops_dtype": "STEPSCOPE_FLOPS_DTYPE", "peak_flops": "STEPSCOPE_PEAK_FLOPS",
+}
+
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -38,17 +48,17 @@ def log_buckets(low: float, high: float, count: int) -> tuple[float, ...]:
     return validate_buckets(bounds)
 
 
-def validate_buckets(bounds: Sequence[float]) -> tuple[float, ...]:
-    """Finite, positive, strictly increasing upper bounds (the +Inf bucket is implicit)."""
+def validate_buckets(bounds: Sequence[float], name: str = "buckets") -> tuple[float, ...]:
+    """Finite, positive, strictly increasing upper bounds (the +Inf bucket is implicit); errors say `name`."""
     values = tuple(float(b) for b in bounds)
     if not values:
-        raise ValueError("buckets must not be empty")
+        raise ValueError(f"{name} must not be empty")
     for value in values:
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"buckets must be finite and > 0 (+Inf is implicit), got {value!r}")
+            raise ValueError(f"{name} must be finite and > 0 (+Inf is implicit), got {value!r}")
     for lower, upper in itertools.pairwise(values):
         if upper <= lower:
-            raise ValueError(f"buckets must be strictly increasing, got {lower!r} then {upper!r}")
+            raise ValueError(f"{name} must be strictly increasing, got {lower!r} then {upper!r}")
     return values
 
 
@@ -89,6 +99,15 @@ def _bool_env(env: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{name} must be one of 1, true, yes, on, 0, false, no, off; got {env[name]!r}")
 
 
+def _check_token(token: str, name: str) -> None:
+    """ValueError naming the first character an HTTP header cannot carry (Latin-1 text without control
+    characters, as the exporter's own check): every push would fail with it, and training would go unseen."""
+    for character in token:
+        if not (character == "\t" or " " <= character <= "~" or "\xa0" <= character <= "\xff"):
+            raise ValueError(f"{name} holds {character!r} (U+{ord(character):04X}), which an HTTP header cannot "
+                             "carry: use printable ASCII")
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -127,12 +146,27 @@ class Config:
     flops_per_sample: float = 0
     flops_dtype: str = DEFAULT_DTYPE
     peak_flops: float | None = None
+    # Setting -> (environment variable, its text) for each value `resolve` took from the environment, so
+    # that an error names what the user set, not an argument they never passed.
+    from_env: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
+
+    def _named(self, setting: str) -> str:
+        """How errors name `setting`: its environment variable where the value came from one."""
+        return self.from_env[setting][0] if setting in self.from_env else setting
+
+    def _shown(self, setting: str) -> str:
+        """How errors show the value of `setting`: the variable's text as set, or the argument's repr."""
+        return repr(self.from_env[setting][1]) if setting in self.from_env else repr(getattr(self, setting))
+
+    def _invalid(self, setting: str, must: str) -> ValueError:
+        return ValueError(f"{self._named(setting)} must be {must}, got {self._shown(setting)}")
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
-            raise ValueError("run must be a non-empty string (argument run= or STEPSCOPE_RUN)")
+            raise self._invalid("run", "a non-empty string")
         if len(self.run) > MAX_LABEL_LENGTH:
-            raise ValueError(f"run must be at most {MAX_LABEL_LENGTH} characters, got {len(self.run)}")
+            raise ValueError(f"{self._named('run')} must be at most {MAX_LABEL_LENGTH} characters, got "
+                             f"{len(self.run)}")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -140,16 +174,19 @@ class Config:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
         if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} must be smaller than world_size {self.world_size}")
+            raise ValueError(f"{self._named('rank')} {self.rank} must be smaller than {self._named('world_size')} "
+                             f"{self.world_size}")
         if self.push_url and not re.match(r"^https?://[^/\s]+", self.push_url):
-            raise ValueError(f"push URL must start with http:// or https:// and a host, got {self.push_url!r}"
-                             " (empty disables pushing)")
+            raise ValueError(f"{self._named('push_url')} must start with http:// or https:// and a host (empty "
+                             f"disables pushing), got {self._shown('push_url')}")
+        if self.push_token is not None:
+            _check_token(self.push_token, self._named("push_token"))
         for name in ("push_interval", "push_timeout", "max_backoff"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a number > 0 seconds, got {value!r}")
+                raise self._invalid(name, "a number > 0 seconds")
         if self.buckets is not None:
-            object.__setattr__(self, "buckets", validate_buckets(self.buckets))
+            object.__setattr__(self, "buckets", validate_buckets(self.buckets, self._named("buckets")))
         for name in ("phase_buckets", "share_bounds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -171,9 +208,10 @@ class Config:
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0 (FLOPs), got {value!r}")
-        validate_dtype(self.flops_dtype)
+        if self.flops_dtype not in DTYPES:
+            raise self._invalid("flops_dtype", f"one of {', '.join(DTYPES)}")
         if self.peak_flops is not None and not (_is_number(self.peak_flops) and self.peak_flops > 0):
-            raise ValueError(f"peak_flops must be a number > 0 (FLOP/s of one GPU), got {self.peak_flops!r}")
+            raise self._invalid("peak_flops", "a number > 0 (FLOP/s of one GPU)")
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **given: object) -> Config:
@@ -186,6 +224,8 @@ class Config:
         """
         env = os.environ if env is None else env
         values = {k: v for k, v in given.items() if v is not None}
+        from_env = {setting: (variable, env[variable]) for setting, variable in ENVIRONMENT.items()
+                    if setting not in values and env.get(variable)}
         if "run" not in values:
             values["run"] = env.get("STEPSCOPE_RUN") or _default_run()
         values.setdefault("rank", _int_env(env, "RANK", 0, 0))
@@ -215,4 +255,4 @@ class Config:
             values["flops_dtype"] = env["STEPSCOPE_FLOPS_DTYPE"].strip()
         if "peak_flops" not in values and env.get("STEPSCOPE_PEAK_FLOPS", "").strip():
             values["peak_flops"] = _float_env(env, "STEPSCOPE_PEAK_FLOPS", "FLOP/s (a number like 989.4e12)")
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values, from_env=from_env)  # type: ignore[arg-type]
