@@ -84,7 +84,7 @@ def _web_options(args: argparse.Namespace, config: WebConfig, tls_settings: TlsS
         try:
             tls = TlsContextSource(tls_settings)
         except (OSError, ValueError) as exc:
-            fail(f"cannot load TLS certificate/key: {exc}")
+            fail(f"cannot load TLS: {exc}")
     auth: Authenticator | None = ReloadingUsers(source, _known_groups(args)) if source is not None else None
     if args.basic_auth_user:
         with open(args.basic_auth_password_file, encoding="utf-8") as handle:

@@ -9,6 +9,7 @@ so its expiry is logged at start and on every reload (an error once it has passe
 
 import logging
 import os
+import re
 import ssl
 import threading
 import time
@@ -103,11 +104,31 @@ class TlsContextSource:
         context.maximum_version = TLS_VERSIONS[settings.max_version]
         if settings.prefer_server_ciphers:
             context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-        context.load_cert_chain(settings.cert_file, settings.key_file, password=self._refuse_passphrase)
+        try:
+            context.load_cert_chain(settings.cert_file, settings.key_file, password=self._refuse_passphrase)
+        except ssl.SSLError as error:
+            raise self._chain_error(error) from None
         if settings.client_ca_file:
-            context.load_verify_locations(cafile=settings.client_ca_file)
+            try:
+                context.load_verify_locations(cafile=settings.client_ca_file)
+            except ssl.SSLError as error:
+                raise ValueError(f"client CA file {settings.client_ca_file!r} holds no PEM certificate "
+                                 f"({_openssl_reason(error)})") from None
         context.verify_mode = VERIFY_MODES[settings.client_auth_type]
         return context
+
+    def _chain_error(self, error: ssl.SSLError) -> ValueError:
+        """load_cert_chain's error, naming the file at fault: OpenSSL's (`[SSL] PEM lib`) names neither, so
+        the certificate is loaded alone to tell a bad certificate from a bad or mismatched key."""
+        cert_file, key_file = self._settings.cert_file, self._settings.key_file
+        reason = _openssl_reason(error)
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_file)
+        except ssl.SSLError:
+            return ValueError(f"certificate file {cert_file!r} is not a PEM certificate ({reason})")
+        if error.reason == "KEY_VALUES_MISMATCH":
+            return ValueError(f"key file {key_file!r} is not the key of certificate file {cert_file!r} ({reason})")
+        return ValueError(f"key file {key_file!r} is not a PEM private key ({reason})")
 
     def _note_expiry(self) -> float | None:
         """The certificate's notAfter (Unix seconds), logged: an error once passed, info before."""
@@ -137,6 +158,11 @@ class TlsContextSource:
     def _refuse_passphrase(self) -> bytes:
         raise ValueError(f"the key in {self._settings.key_file} is encrypted: give an unencrypted key "
                          "(openssl pkey -in KEY -out PLAIN_KEY)")
+
+
+def _openssl_reason(error: ssl.SSLError) -> str:
+    """OpenSSL's words without the line of CPython's C source they were raised on."""
+    return re.sub(r" \(_ssl\.c:\d+\)$", "", str(error))
 
 
 def certificate_expiry(path: str) -> float:

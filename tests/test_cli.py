@@ -77,7 +77,8 @@ def test_tls_files_must_come_in_pairs_and_parse(tmp_path: Path) -> None:
     cert.write_text("not a certificate")
     assert_clean_failure(run_exporter("--tls-cert-file", str(cert)), "must be given together")
     assert_clean_failure(
-        run_exporter("--tls-cert-file", str(cert), "--tls-key-file", str(cert)), "cannot load TLS certificate/key"
+        run_exporter("--tls-cert-file", str(cert), "--tls-key-file", str(cert)),
+        f"cannot load TLS: certificate file {str(cert)!r} is not a PEM certificate",
     )
 
 

@@ -308,7 +308,7 @@ def test_an_encrypted_tls_key_fails_with_one_line_and_never_prompts(tmp_path: Pa
     assert process.returncode == 2
     assert "pass phrase" not in text.lower()
     assert text.splitlines() == [text.splitlines()[0]]
-    assert text.startswith("stepscope-exporter: error: cannot load TLS certificate/key")
+    assert text.startswith("stepscope-exporter: error: cannot load TLS: ")
     assert "is encrypted" in text
 
 

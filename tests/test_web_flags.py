@@ -115,6 +115,30 @@ def test_wrong_web_config_fails_in_one_line_naming_the_key(tmp_path: Path) -> No
                          "--basic-auth-user and --web.config.file both configure the web server")
 
 
+@pytest.mark.parametrize(("broken", "expected"), [
+    ("cert_file", "certificate file {cert_file!r} is not a PEM certificate ([SSL] PEM lib)"),
+    ("key_file", "key file {key_file!r} is not a PEM private key ([SSL] PEM lib)"),
+    ("another_key", "key file {key_file!r} is not the key of certificate file {cert_file!r}"),
+    ("client_ca_file", "client CA file {client_ca_file!r} holds no PEM certificate"),
+], ids=["cert", "key", "another-key", "client-ca"])
+def test_a_tls_file_that_does_not_load_is_named_in_one_line(tmp_path: Path, broken: str, expected: str) -> None:
+    """Before, each was `cannot load TLS certificate/key: [SSL] PEM lib (_ssl.c:3926)`: no file, no kind."""
+    cert, key = make_cert(tmp_path, "served")
+    (tmp_path / "other").mkdir()
+    files = {"cert_file": cert, "key_file": key, "client_ca_file": cert}
+    if broken == "another_key":
+        files["key_file"] = make_cert(tmp_path / "other", "other")[1]
+    else:
+        files[broken] = tmp_path / "garbage.pem"
+        files[broken].write_bytes(bytes(range(256)) * 8)
+    config = tmp_path / "web.yml"
+    config.write_text("tls_server_config:\n  client_auth_type: RequireAndVerifyClientCert\n"
+                      + "".join(f"  {name}: {path}\n" for name, path in files.items()))
+    line = expected.format(**{name: str(path) for name, path in files.items()})
+    assert_clean_failure(run_exporter("--web.config.file", str(config), "--collectors", ""),
+                         f"stepscope-exporter: error: cannot load TLS: {line}")
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
