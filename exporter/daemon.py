@@ -44,19 +44,24 @@ def serve(args: argparse.Namespace, config: WebConfig, tls_settings: TlsSettings
     try:
         server = ExporterServer((host, port), store, scheduler.ready, push_api, options, profile_handler=profile_api)
     except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+        fail(f"cannot listen on {_authority(host, port)}: {exc.strerror or exc}")
 
     scheduler.start()
     push_api.start()
     scheme = "https" if options.tls else "http"
-    log.info("stepscope-exporter %s serving %s://%s:%d%s (collectors: %s)", __version__, scheme, host,
-             server.server_address[1], options.telemetry_path, ", ".join(args.collectors) or "none")
+    log.info("stepscope-exporter %s serving %s://%s%s (collectors: %s)", __version__, scheme,
+             _authority(host, server.server_address[1]), options.telemetry_path, ", ".join(args.collectors) or "none")
     try:
         server.serve()  # until SIGTERM or SIGINT; in-flight responses finish first
     finally:
         push_api.stop()
         scheduler.stop()
     return 0
+
+
+def _authority(host: str, port: int) -> str:
+    """HOST:PORT as a URL writes it: an IPv6 address in brackets (`[::1]:9847`), so the line can be pasted."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _known_groups(args: argparse.Namespace) -> KnownGroups:

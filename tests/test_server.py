@@ -39,6 +39,35 @@ def test_endpoints_and_self_metrics(tmp_path: Path) -> None:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_listen_address_is_logged_and_refused_in_brackets(tmp_path: Path) -> None:
+    """The logged URL can be pasted: `http://[::1]:PORT/metrics`, and a busy port reads `[::1]:PORT`.
+    Before, `http://::1:PORT/metrics`, which no client parses as that address."""
+    port = free_port()
+    argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f"[::1]:{port}", *NO_COLLECTORS]
+    with running(argv, f"http://[::1]:{port}/-/ready", tmp_path / "exporter.log", env=exporter_env()) as exporter:
+        served = f"http://[::1]:{port}/metrics"
+        assert f" serving {served} (collectors: none)" in exporter.log(), exporter.log()
+        assert requests.get(served, timeout=5).status_code == 200  # the logged URL, as written
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.bind(("::1", 0))
+        busy.listen()
+        busy_port = busy.getsockname()[1]
+        result = subprocess.run([*argv[:-3], f"[::1]:{busy_port}", *NO_COLLECTORS], capture_output=True, text=True,
+                                timeout=30, env={**exporter_env()})
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"stepscope-exporter: error: cannot listen on [::1]:{busy_port}: "), result.stderr
+
+
 def test_gzip_only_when_asked(tmp_path: Path) -> None:
     with running_exporter(tmp_path, *NO_COLLECTORS) as exporter:
         plain = requests.get(f"{exporter.url}/metrics", headers={"Accept-Encoding": "identity"}, timeout=5)
