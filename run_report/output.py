@@ -1,8 +1,9 @@
 """Writes the report into a temporary directory beside --out and renames it into place at the end, so
 a failed or interrupted report never leaves a directory that looks complete.
 
-An existing --out is replaced only when it is empty or an earlier report (its index.html names this
-generator); anything else there is left alone with an error.
+An existing --out is replaced only when it is empty or an earlier report: its index.html names this
+generator and it holds nothing but the files a report writes. Anything else there (the user's notes, a
+folder) is left alone with an error, since replacing the directory would delete it.
 """
 
 from __future__ import annotations
@@ -17,18 +18,37 @@ from pathlib import Path
 from stepscope.report.page import GENERATOR
 
 MARKER = f'<meta name="generator" content="{GENERATOR}">'
+SHOWN_ENTRIES = 3  # of what is in the way, named in the error
 
 
 class OutputError(Exception):
     """--out cannot be written; the message is one line."""
 
 
+def report_files() -> frozenset[str]:
+    """The names of the files a report writes. Imported here rather than at the top: the report module
+    needs matplotlib, whose absence the command line says in one line before it gets here."""
+    from stepscope.report.report import FILES
+
+    return frozenset(FILES)
+
+
 def is_report(directory: Path) -> bool:
+    """Whether `directory` holds an earlier report: its page names this generator."""
     try:
         with (directory / "index.html").open(encoding="utf-8", errors="replace") as page:
             return MARKER in page.read(4096)
     except OSError:
         return False
+
+
+def foreign_entries(directory: Path) -> list[str]:
+    """The entries of `directory` a report does not write (a folder, a link, another file), sorted; a
+    folder's name ends with /."""
+    ours = report_files()
+    with os.scandir(directory) as entries:
+        return sorted(f"{entry.name}/" if entry.is_dir(follow_symlinks=False) else entry.name
+                      for entry in entries if not (entry.name in ours and entry.is_file(follow_symlinks=False)))
 
 
 def check(out: Path) -> None:
@@ -37,8 +57,20 @@ def check(out: Path) -> None:
         return
     if not out.is_dir():
         raise OutputError(f"--out {out} exists and is not a directory")
-    if any(out.iterdir()) and not is_report(out):
-        raise OutputError(f"--out {out} holds files that are not a stepscope report; choose another directory")
+    try:
+        foreign, present = foreign_entries(out), sorted(os.listdir(out))
+    except OSError as exc:
+        raise OutputError(f"cannot read --out {out}: {exc.strerror or exc}") from None
+    if present and (foreign or not is_report(out)):
+        raise OutputError(f"--out {out} holds files that are not a stepscope report ({_listed(foreign or present)}); "
+                          "choose another directory")
+
+
+def _listed(names: list[str]) -> str:
+    """The first SHOWN_ENTRIES names, each on one line (a newline in a name is escaped), and how many more."""
+    shown = ", ".join(name if name.isprintable() else ascii(name) for name in names[:SHOWN_ENTRIES])
+    more = len(names) - SHOWN_ENTRIES
+    return f"{shown} and {more} more" if more > 0 else shown
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,8 @@ RUN_SUMMARY_HEADER = (
     "training_samples_per_second", "gpu_effective_utilization_ratio", "gpu_utilization_ratio", "verdict",
     "stragglers", "tokens", "tokens_per_second", "model_flops_per_second", "peak_flops_per_second", "mfu_ratio",
 )
+PAGE = "index.html"
+Table = tuple[Sequence[str], list[list[object]]]  # a CSV's header and rows
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ def write(report: Report, directory: Path) -> list[str]:
     """Writes the CSVs and index.html into `directory` (which exists and is empty); returns the names."""
     files = _write_csvs(report, directory)
     html = page.render(report, _images(report), files)
-    (directory / "index.html").write_text(html, encoding="utf-8")
-    return ["index.html", *files]
+    (directory / PAGE).write_text(html, encoding="utf-8")
+    return [PAGE, *files]
 
 
 def _images(report: Report) -> dict[str, tuple[str, bytes | str]]:
@@ -116,23 +118,31 @@ def _no_gpu_words(over: Mapping[str, list[Series]]) -> str:
 
 
 def _write_csvs(report: Report, directory: Path) -> list[str]:
-    over = report.data.over_time
-    tables: dict[str, tuple[list[str] | tuple[str, ...], list[list[object]]]] = {
-        "run_summary.csv": (RUN_SUMMARY_HEADER, [_run_row(report)]),
-        "rank_summary.csv": csvs.rank_rows(report.ranks, report.totals.phases),
-        "node_summary.csv": (csvs.NODE_SUMMARY_HEADER, csvs.node_rows(report.nodes)),
-        "state_timeline.csv": (csvs.STATE_TIMELINE_HEADER, csvs.state_rows(report.intervals)),
-        "critical_path.csv": (csvs.CRITICAL_PATH_HEADER, csvs.critical_path_rows(report.path)),
-        "goodput.csv": (GOODPUT_HEADER, report.goodput.csv_rows()),
-        "node_resource_usage.csv": csvs.over_time(over, csvs.NODE_RESOURCE_COLUMNS, {"node": "instance"}),
-        "process_resource_usage.csv": csvs.over_time(over, csvs.PROCESS_RESOURCE_COLUMNS,
-                                                     {"node": "instance", "rank": "rank", "pid": "pid"}),
-        "gpu_usage.csv": csvs.over_time(over, csvs.GPU_COLUMNS, {"node": "instance", "gpu": "gpu"},
-                                        {"source": "source"}),
-    }
-    for name, (header, rows) in tables.items():
-        csvs.write(directory / name, header, rows)
-    return list(tables)
+    for name, table in CSV_TABLES.items():
+        csvs.write(directory / name, *table(report))
+    return list(CSV_TABLES)
+
+
+def _over_time(columns: Mapping[str, str], keys: Mapping[str, str],
+               extra: Mapping[str, str] | None = None) -> Callable[[Report], Table]:
+    """A table of series over time: a row per time and key (csvs.over_time)."""
+    return lambda report: csvs.over_time(report.data.over_time, columns, keys, extra)
+
+
+CSV_TABLES: dict[str, Callable[[Report], Table]] = {  # file name -> (header, rows) of a report
+    "run_summary.csv": lambda report: (RUN_SUMMARY_HEADER, [_run_row(report)]),
+    "rank_summary.csv": lambda report: csvs.rank_rows(report.ranks, report.totals.phases),
+    "node_summary.csv": lambda report: (csvs.NODE_SUMMARY_HEADER, csvs.node_rows(report.nodes)),
+    "state_timeline.csv": lambda report: (csvs.STATE_TIMELINE_HEADER, csvs.state_rows(report.intervals)),
+    "critical_path.csv": lambda report: (csvs.CRITICAL_PATH_HEADER, csvs.critical_path_rows(report.path)),
+    "goodput.csv": lambda report: (GOODPUT_HEADER, report.goodput.csv_rows()),
+    "node_resource_usage.csv": _over_time(csvs.NODE_RESOURCE_COLUMNS, {"node": "instance"}),
+    "process_resource_usage.csv": _over_time(csvs.PROCESS_RESOURCE_COLUMNS,
+                                             {"node": "instance", "rank": "rank", "pid": "pid"}),
+    "gpu_usage.csv": _over_time(csvs.GPU_COLUMNS, {"node": "instance", "gpu": "gpu"}, {"source": "source"}),
+}
+# Every file write() puts in a report directory: output.py replaces a directory only when it holds no other
+FILES = (PAGE, *CSV_TABLES)
 
 
 def _run_row(report: Report) -> list[object]:

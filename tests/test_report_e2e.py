@@ -10,6 +10,7 @@ counters' final values, PromQL over the same window, and what the processes did.
 
 import csv
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -369,3 +370,31 @@ def test_the_readme_report_command(runs: Runs, tmp_path: Path) -> None:
                             env=shell_env())
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "report" / "index.html").is_file() and (tmp_path / "report" / "run_summary.csv").is_file()
+
+
+def _snapshot(directory: Path) -> dict[str, bytes | None]:
+    """Every entry under `directory` by relative path, with a file's bytes (None for a folder)."""
+    return {str(path.relative_to(directory)): path.read_bytes() if path.is_file() else None
+            for path in sorted(directory.rglob("*"))}
+
+
+def test_an_earlier_report_with_the_users_files_in_it_is_refused_and_left_as_it_was(
+        runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from stepscope.report import quickstart
+
+    out = tmp_path / "report"
+    shutil.copytree(runs.reports["data"], out)
+    (out / "notes.txt").write_text("notes\n")
+    (out / "sub").mkdir()
+    (out / "sub" / "plot.png").write_bytes(b"mine")
+    before = _snapshot(out)
+    for name, main in (("stepscope-report", lambda: cli.main(["--prometheus", runs.prometheus, "--run", "data",
+                                                                "--out", str(out)])),
+                       ("stepscope-quickstart", lambda: quickstart.main(["--out", str(out)]))):
+        assert main() == 2, name
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0] == (
+            f"{name}: error: --out {out} holds files that are not a stepscope report (notes.txt, sub/); "
+            "choose another directory"), lines
+        assert _snapshot(out) == before, name
+    assert [path.name for path in tmp_path.iterdir()] == ["report"]  # no staging directory left either
