@@ -78,6 +78,7 @@ def staged(out: Path) -> Iterator[Path]:
     """Yields an empty directory next to `out`; replaces `out` with it when the block succeeds and
     removes it when the block fails."""
     check(out)
+    out = out.resolve()  # `.` or `dir/..` has no name to put the staging directory beside
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from grafana.rules import RULE_FILES
-from stepscope.report import cli, csvs
+from stepscope.report import cli, csvs, report
 from stepscope.report.goodput import CSV_HEADER as GOODPUT_HEADER
 from stepscope.report.report import RUN_SUMMARY_HEADER
 from stepscope_testkit.processes import free_port, running_exporter
@@ -398,3 +398,19 @@ def test_an_earlier_report_with_the_users_files_in_it_is_refused_and_left_as_it_
             "choose another directory"), lines
         assert _snapshot(out) == before, name
     assert [path.name for path in tmp_path.iterdir()] == ["report"]  # no staging directory left either
+
+
+@pytest.mark.parametrize("dot", [".", "./"])
+def test_out_dot_writes_the_working_directory_and_then_replaces_the_report_in_it(runs: Runs, tmp_path: Path,
+                                                                                 dot: str) -> None:
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    pages = []
+    argv = [sys.executable, "-m", "stepscope.report", "--prometheus", runs.prometheus, "--run", "data", "--out", dot]
+    for _ in range(2):  # into the empty directory, then over the report the first one left there
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        assert sorted(path.name for path in cwd.iterdir()) == sorted(report.FILES)
+        pages.append((cwd / "index.html").read_text(encoding="utf-8"))
+    assert pages[0] != pages[1]  # the page says when it was made: the second replaced the first
+    assert [path.name for path in tmp_path.iterdir()] == ["here"]  # no staging or previous directory left
