@@ -7,12 +7,24 @@ import re
 
 _RELATIVE = re.compile(r"^now(?:-(\d+(?:\.\d+)?)([smhd]))?$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# The Unix seconds a time can be: those of years 1 to 9999, what RFC 3339 writes (iso)
+EARLIEST = datetime.datetime(1, 1, 1, tzinfo=datetime.timezone.utc).timestamp()
+LATEST = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc).timestamp()
+FORMS = "use RFC 3339 (2024-05-01T12:00:00Z), Unix seconds, now or now-2h"
 
 
 def parse_time(text: str, now: float) -> float:
     """Unix seconds from `2024-05-01T12:00:00Z` (RFC 3339; no zone means UTC), `1714564800`, `now`
-    or `now-2h`; ValueError with the accepted forms otherwise."""
-    text = text.strip()
+    or `now-2h`; ValueError with the accepted forms otherwise, and for a time outside years 1 to 9999
+    (inf, nan, 1e20), which no window or output could hold."""
+    seconds = _seconds(text.strip(), now)
+    if not EARLIEST <= seconds <= LATEST:  # also false for nan
+        raise ValueError(f"cannot read time {text.strip()!r}: it must lie between {EARLIEST:.0f} "
+                         f"({iso(EARLIEST)}) and {LATEST:.0f} ({iso(LATEST)}) in Unix seconds")
+    return seconds
+
+
+def _seconds(text: str, now: float) -> float:
     relative = _RELATIVE.match(text)
     if relative:
         amount, unit = relative.groups()
@@ -24,9 +36,7 @@ def parse_time(text: str, now: float) -> float:
     try:
         parsed = datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
-        raise ValueError(
-            f"cannot read time {text!r}: use RFC 3339 (2024-05-01T12:00:00Z), Unix seconds, now or now-2h"
-        ) from None
+        raise ValueError(f"cannot read time {text!r}: {FORMS}") from None
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=datetime.timezone.utc)
     return parsed.timestamp()

@@ -414,3 +414,15 @@ def test_out_dot_writes_the_working_directory_and_then_replaces_the_report_in_it
         pages.append((cwd / "index.html").read_text(encoding="utf-8"))
     assert pages[0] != pages[1]  # the page says when it was made: the second replaced the first
     assert [path.name for path in tmp_path.iterdir()] == ["here"]  # no staging or previous directory left
+
+
+@pytest.mark.parametrize("flag", ["--from", "--to"])
+def test_a_time_no_calendar_holds_is_one_line_exit_2(runs: Runs, tmp_path: Path, flag: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    for text in ("1e20", "inf", "-inf", "nan", "99999999999999999999", "now-9999999d"):
+        argv = ["--prometheus", runs.prometheus, "--run", "data", f"{flag}={text}", "--out", str(out)]
+        assert cli.main(argv) == 2, text
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"stepscope-report: error: cannot read time '{text}'"), lines
+        assert list(tmp_path.iterdir()) == [], text
