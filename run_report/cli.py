@@ -30,6 +30,7 @@ from stepscope.report.window import (
 
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
+RUN_EDGE_SCRAPES = 2  # --from/--to farther than this many scrapes outside the run's samples is cut to them
 
 
 class UsageError(Exception):
@@ -98,7 +99,7 @@ def _report(args: argparse.Namespace) -> int:
 
     data = fetch(prom, args.run, window, nodes)
     # the samples rate, not the verdict: the rules give no verdict in a run's first seconds of training
-    if data.totals["steps"] and not data.over_time["run_samples_rate"]:
+    if data.totals["steps"] and not data.over_time["run_samples_rate"] and not _recorded(prom, args.run, window):
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
                          f"({RUN_SAMPLES_RATE}): load the rule files of grafana/rules_out/ into Prometheus")
     built = report.build(data, _without_credentials(prom.base_url))
@@ -107,6 +108,12 @@ def _report(args: argparse.Namespace) -> int:
     print(f"{out / 'index.html'} and {len(files) - 1} CSVs for run {args.run} from {iso(window.start)} to "
           f"{iso(window.end)}: {built.assessment.headline}")
     return 0
+
+
+def _recorded(prom: Prometheus, run: str, window: Window) -> bool:
+    """Whether the rules recorded the run in the window at all, where the report's points found none."""
+    recorded = f"count_over_time({selector(RUN_SAMPLES_RATE, run_matcher(run))}[{window.range_ms}])"
+    return bool(prom.query(recorded, window.end))
 
 
 def _requested(args: argparse.Namespace, now: float) -> tuple[float, float]:
@@ -130,7 +137,8 @@ def _list_runs(prom: Prometheus, start: float, end: float) -> None:
 
 
 def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Window, list[str]]:
-    """The report's window: --from/--to, else the run's life (its idle tail cut to a minute)."""
+    """The report's window: --from/--to where they lie inside the run, else the run's life (its idle tail
+    cut to a minute)."""
     start, end = _requested(args, now)
     try:
         first, last, scrape_interval = run_life(prom, args.run, start, end)
@@ -140,15 +148,24 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
             raise NoData(f"run {args.run!r} has no samples between {iso(start)} and {iso(end)}") from None
         hint = f"runs seen in the last {SEARCH_DAYS} days: {', '.join(known)}" if known else "no run seen at all"
         raise NoData(f"no data for run {args.run!r} ({hint})") from None
-    start = start if args.start else first
-    end = end if args.end else last
+    start = first if _past_the_run(bool(args.start), first - start, scrape_interval) else start
+    to_run_end = _past_the_run(bool(args.end), end - last, scrape_interval)
+    end = last if to_run_end else end
     step = args.step or resolution(start, end, scrape_interval)
-    if not args.end:
+    if to_run_end:
         end = _cut_idle_tail(prom, args.run, start, end, step)
     window = aligned(start, max(end, start + step), step)
     nodes = sorted({labels.get("instance", "") for labels in
                     prom.series(selector(TRAINING_INFO, run_matcher(args.run)), window.start, window.end)})
     return window, nodes
+
+
+def _past_the_run(given: bool, gap: float, scrape_interval: float) -> bool:
+    """Whether the window's edge is the run's own: --from (--to) not given, or more than RUN_EDGE_SCRAPES
+    scrapes before its first (after its last) sample, `gap` seconds away. A window far wider than the run
+    would otherwise get a resolution far coarser than the run (a day for a minute of training: a point per
+    2 minutes), whose points miss the rules' recordings of it: no verdict, no shares."""
+    return not given or gap > RUN_EDGE_SCRAPES * scrape_interval
 
 
 def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: float) -> float:

@@ -426,3 +426,21 @@ def test_a_time_no_calendar_holds_is_one_line_exit_2(runs: Runs, tmp_path: Path,
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"stepscope-report: error: cannot read time '{text}'"), lines
         assert list(tmp_path.iterdir()) == [], text
+
+
+def test_a_from_long_before_a_short_run_reports_it_as_its_own_life(runs: Runs, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A day, two months and a year before the 45 s run `data`: the same window, verdict and numbers as the
+    run's own report, where the window's resolution (2 minutes for a day) used to miss its recordings."""
+    def summary(*extra: str) -> dict[str, str]:
+        out = tmp_path / f"report{''.join(extra)}"
+        code = cli.main(["--prometheus", runs.prometheus, "--run", "data", "--out", str(out), *extra])
+        assert code == 0, capsys.readouterr().err
+        return _csv(out / "run_summary.csv")[0]
+
+    own = summary()
+    assert own["verdict"] == "data_bound", own
+    for since in ("now-1d", "now-60d", "now-365d"):
+        got = summary("--from", since)
+        assert (got["verdict"], got["dataloader_share"]) == (own["verdict"], own["dataloader_share"]), since
+        assert got == own, since
