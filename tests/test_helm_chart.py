@@ -311,7 +311,8 @@ def test_instance_is_the_node_name(chart: Path, kind: str) -> None:
     relabelings = endpoints[0]["relabelings"]
     assert relabelings[0] == {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance",
                               "action": "replace"}
-    assert relabelings[1] == user_relabel   # the user's come after
+    assert relabelings[1] == {"regex": "namespace|pod|container", "action": "labeldrop"}
+    assert relabelings[2] == user_relabel   # the user's come after
 
 
 def test_pod_monitor_replaces_an_auto_service_monitor(chart: Path) -> None:

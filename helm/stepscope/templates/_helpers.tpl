@@ -17,6 +17,11 @@
 {{- end }}
 {{- end }}
 
+{{/* The namespace every object goes to: namespaceOverride (an umbrella chart's choice), else the release's. */}}
+{{- define "stepscope.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride }}
+{{- end }}
+
 {{- define "stepscope.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
@@ -43,8 +48,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* repository@digest when image.digest pins one (the tag is then only a note for people), else repository:tag. */}}
 {{- define "stepscope.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/* The Secret holding the ingest token: the user's, or the one this chart generates. */}}
@@ -91,13 +101,40 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- include "stepscope.operatorObjectEnabled" (list .Values.prometheusRule.enabled .) }}
 {{- end }}
 
-{{/* Scrape relabeling shared by the ServiceMonitor and the PodMonitor: the node is the instance. */}}
+{{/* Scrape relabeling shared by the ServiceMonitor and the PodMonitor: the node is the instance, and the
+operator's target labels namespace, pod and container (the exporter's own pod) are dropped, so that the
+training pod's namespace, pod and container the exporter publishes with pod attribution keep their names
+(with honorLabels false they became exported_namespace, ... and the rules' joins on them matched nothing).
+Called with the monitor's values (serviceMonitor or podMonitor). */}}
 {{- define "stepscope.relabelings" -}}
 - sourceLabels: [__meta_kubernetes_pod_node_name]
   targetLabel: instance
   action: replace
+- regex: namespace|pod|container
+  action: labeldrop
 {{- with .relabelings }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* A Prometheus duration (1m30s, 500ms) in milliseconds. */}}
+{{- define "stepscope.durationMs" -}}
+{{- $total := 0 }}
+{{- $units := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" . -1 }}
+{{- $unit := regexFind "(ms|s|m|h)$" . }}
+{{- $total = add $total (mul (trimSuffix $unit . | atoi) (get $units $unit)) }}
+{{- end }}
+{{- $total }}
+{{- end }}
+
+{{/* Fails when a monitor's scrapeTimeout is longer than its interval: Prometheus refuses the scrape config
+and the operator drops the monitor without a word where users look. (list "serviceMonitor" values) */}}
+{{- define "stepscope.checkScrapeTimeout" -}}
+{{- $name := index . 0 }}
+{{- $monitor := index . 1 }}
+{{- if gt (include "stepscope.durationMs" $monitor.scrapeTimeout | atoi) (include "stepscope.durationMs" $monitor.interval | atoi) }}
+{{- fail (printf "%s.scrapeTimeout %s is longer than %s.interval %s: Prometheus refuses such a scrape config, and the operator drops the monitor" $name $monitor.scrapeTimeout $name $monitor.interval) }}
 {{- end }}
 {{- end }}
 
@@ -124,7 +161,7 @@ apiVersion: monitoring.coreos.com/v1
 kind: PrometheusRule
 metadata:
   name: {{ index . 1 }}
-  namespace: {{ $root.Release.Namespace }}
+  namespace: {{ include "stepscope.namespace" $root }}
   labels:
     {{- include "stepscope.labels" $root | nindent 4 }}
     {{- with $root.Values.prometheusRule.additionalLabels }}
@@ -143,7 +180,7 @@ spec:
 dashboard links starting with alerting.grafanaUrl where it is set. */}}
 {{- define "stepscope.alertRouting" -}}
 {{- $alerting := (index . 0).Values.alerting }}
-{{- $namespace := (index . 0).Release.Namespace }}
+{{- $namespace := include "stepscope.namespace" (index . 0) }}
 {{- $groups := index . 1 }}
 {{- range $group := $groups }}
 {{- range $rule := $group.rules }}
@@ -177,7 +214,7 @@ dashboard links starting with alerting.grafanaUrl where it is set. */}}
 {{- if .Values.sharding.remoteWrite.url }}
 {{- .Values.sharding.remoteWrite.url }}
 {{- else if .Values.sharding.global.create }}
-{{- printf "http://%s.%s.svc:9090/api/v1/write" (include "stepscope.globalName" .) .Release.Namespace }}
+{{- printf "http://%s.%s.svc:9090/api/v1/write" (include "stepscope.globalName" .) (include "stepscope.namespace" .) }}
 {{- else }}
 {{- fail "sharding.remoteWrite.url is empty and sharding.global.create is false: say where the shards write" }}
 {{- end }}
@@ -259,7 +296,7 @@ tlsConfig:
     secret:
       name: {{ $web.tls.existingSecret }}
       key: {{ $web.tls.caKey }}
-  serverName: {{ default (printf "%s.%s.svc" (include "stepscope.fullname" .) .Release.Namespace) $web.tls.serverName }}
+  serverName: {{ default (printf "%s.%s.svc" (include "stepscope.fullname" .) (include "stepscope.namespace" .)) $web.tls.serverName }}
   {{- if $web.tls.insecureSkipVerify }}
   insecureSkipVerify: true
   {{- end }}

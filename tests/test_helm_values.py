@@ -1,0 +1,405 @@
+"""The chart as a GPU-cluster operator uses it: every value documented in the schema and used by a template,
+typos refused, an image pinned by digest, a namespace override, the monitors keeping the exporter's own pod
+attribution labels, and the combinations Kubernetes or the Prometheus Operator would refuse (or accept and
+then never converge on) refused at render time with one line."""
+
+import copy
+import http.server
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import requests
+import yaml
+
+from tests.support.helm_chart import (
+    CHART,
+    NAMESPACE,
+    OPERATOR_API,
+    by_kind,
+    exporter_container,
+    lint,
+    notes,
+    objects,
+    one,
+    render,
+)
+from tests.support.prometheus import running_prometheus_config
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+HASH = "$2y$10$" + "a" * 53
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+KUBE = kubernetes_validate.utils.latest_version()
+
+
+def schema_properties(node: dict[str, Any] = SCHEMA, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(dotted path, schema) of every named property, `[]` standing for an array item or a map value."""
+    for key, child in node.get("properties", {}).items():
+        yield f"{path}.{key}", child
+        yield from schema_properties(child, f"{path}.{key}")
+    for keyword in ("items", "additionalProperties"):
+        if isinstance(node.get(keyword), dict):
+            yield from schema_properties(node[keyword], f"{path}[]")
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+# ---- the values schema -----------------------------------------------------------------------------
+
+def test_every_schema_property_has_a_type_and_a_description() -> None:
+    """`helm show values`/IDEs/artifacthub read the schema: every property says what it holds and what it
+    is for (an enum alone left `helm lint` saying nothing of the type, and 200 properties had no word)."""
+    untyped = [path for path, node in schema_properties() if "type" not in node]
+    undescribed = [path for path, node in schema_properties() if not node.get("description", "").strip()]
+    assert not untyped, f"no type: {untyped}"
+    assert not undescribed, f"no description: {undescribed}"
+
+
+def leaves(values: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from leaves(value, (*path, key))
+        else:
+            yield (*path, key), value
+
+
+# A schema-valid value unlike the default, where changing the default generically would not be valid.
+CHANGED: dict[tuple[str, ...], Any] = {
+    ("image", "pullPolicy"): "Always", ("image", "digest"): DIGEST, ("gpuSource",): "dcgm", ("logLevel",): "debug",
+    ("collectors",): ["node"], ("filesystemPaths",): ["/data"], ("extraArgs",): ["--ingest-max-groups=9"],
+    ("extraEnv",): [{"name": "A", "value": "b"}], ("imagePullSecrets",): [{"name": "pull"}],
+    ("ingest", "allow"): ["10.0.0.0/8"], ("ingest", "ttl"): 100, ("service", "type"): "NodePort",
+    ("updateStrategy", "type"): "OnDelete", ("webConfig", "basicAuthUsers"): {"u": HASH},
+    ("serviceMonitor", "enabled"): False, ("prometheusRule", "enabled"): False, ("podMonitor", "enabled"): True,
+    ("serviceMonitor", "relabelings"): [{"action": "drop"}],
+    ("serviceMonitor", "metricRelabelings"): [{"action": "drop"}],
+    ("podMonitor", "relabelings"): [{"action": "drop"}], ("podMonitor", "metricRelabelings"): [{"action": "drop"}],
+    ("sharding", "alertmanagers"): [{"name": "am", "port": "web"}],
+    ("sharding", "remoteWrite", "url"): "http://mimir/api/v1/push", ("sharding", "vmalert", "url"): "http://vm:8428",
+    ("sharding", "vmalert", "notifierURL"): "http://am:9093", ("alerting", "grafanaUrl"): "https://grafana.example",
+    ("tolerations",): [], ("affinity",): {}, ("sharding", "prometheusVersion"): "v2.50.0",
+    ("webConfig", "authStateFile", "hostPath"): "/var/lib/stepscope",
+    ("alerting", "alertmanagerConfig", "receivers"): [{"name": "stepscope"}, {"name": "stepscope-info"}, {"name": "z"}],
+    ("sharding", "remoteWrite", "drop"): "foo", ("sharding", "remoteWrite", "keep"): "bar",
+    ("podSecurityContext", "seccompProfile", "type"): "Unconfined",
+    ("securityContext", "seccompProfile", "type"): "Unconfined",
+    ("sharding", "shards", "resources"): {"requests": {"cpu": "1"}},
+    ("sharding", "global", "resources"): {"requests": {"cpu": "1"}},
+    ("namespaceOverride",): "gpu-monitoring", ("updateStrategy", "rollingUpdate", "maxSurge"): 0,
+}
+# Where a value takes effect only beside others (monitors, web security, sharding, vmalert).
+CONTEXTS: list[dict[str, Any]] = [
+    {},
+    {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False}, "podResources": {"enabled": True},
+     "webConfig": {"basicAuthUsers": {"p": HASH}, "tls": {"existingSecret": "t"},
+                   "scrapeCredentials": {"existingSecret": "c"}}},
+    {"webConfig": {"existingSecret": "w"}},
+    {"sharding": {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}]},
+     "alerting": {"alertmanagerConfig": {"enabled": True}}},
+    {"sharding": {"enabled": True, "global": {"create": False}, "remoteWrite": {"url": "http://vm:8428/api/v1/write"},
+                  "vmalert": {"create": True, "url": "http://vm:8428", "notifierURL": "http://am:9093"}}},
+    {"updateStrategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, "ingest": {"hostPort": False}},
+]
+
+
+def changed(path: tuple[str, ...], value: Any) -> Any:
+    if path in CHANGED:
+        return CHANGED[path]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        number = re.fullmatch(r"(\d+)(\D+)", value)
+        return f"{int(number[1]) + 1}{number[2]}" if number else f"{value}x" if value else "x"
+    if isinstance(value, dict):
+        return {"example.com/k": "v"}
+    return []
+
+
+def test_every_value_changes_what_the_chart_renders() -> None:
+    """A value no template reads is a setting that silently does nothing: each default in values.yaml,
+    changed to another valid value, changes the rendered manifests in at least one setting it belongs to."""
+    rendered: dict[int, dict[str, str]] = {}
+    ignored = []
+    for path, value in leaves(DEFAULTS):
+        new = changed(path, value)
+        for index, context in enumerate(CONTEXTS):
+            base = merged(DEFAULTS, context)
+            if index not in rendered:
+                rendered[index] = render(CHART, base, api_versions=[OPERATOR_API])
+            values = copy.deepcopy(base)
+            node = values
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = new
+            try:
+                if render(CHART, values, api_versions=[OPERATOR_API]) != rendered[index]:
+                    break
+            except helm_python.HelmRenderError:
+                continue   # refused beside this setting (e.g. basic auth without scrape credentials)
+        else:
+            ignored.append(".".join(path))
+    assert not ignored, f"values no template reads: {ignored}"
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "efect": "NoSchedule"}]},
+     r"at '/tolerations/0': additional properties 'efect' not allowed"),
+    ({"webConfig": {"tls": {"existingsecret": "tls"}}}, r"at '/webConfig/tls': additional properties 'existingsecret'"),
+    ({"image": {"sha": DIGEST}}, r"at '/image': additional properties 'sha' not allowed"),
+    ({"namespaceOverides": "x"}, r"at '': additional properties 'namespaceOverides' not allowed"),
+    ({"image": {"digest": "0123abcd"}}, r"at '/image/digest'"),
+    ({"namespaceOverride": "GPU_Monitoring"}, r"at '/namespaceOverride'"),
+    ({"terminationGracePeriodSeconds": "30s"}, r"at '/terminationGracePeriodSeconds': got string, want integer"),
+])
+def test_a_typo_or_a_wrong_type_is_refused_by_lint_and_template(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match=message):
+        render(CHART, values)
+    report = lint(CHART, values)
+    assert any(re.search(message, m["error"]) for m in report["messages"] if m["severity"] == 3), report
+
+
+# ---- image and namespace ---------------------------------------------------------------------------
+
+def test_an_image_pinned_by_digest_runs_that_digest() -> None:
+    values = {"image": {"repository": "registry.example.com/mirror/stepscope-exporter", "tag": "0.1.0",
+                        "digest": DIGEST}}
+    image = exporter_container(objects(render(CHART, values)))["image"]
+    assert image == f"registry.example.com/mirror/stepscope-exporter@{DIGEST}"
+    assert exporter_container(objects(render(CHART)))["image"] == "ghcr.io/stepscope/stepscope-exporter:0.1.0"
+
+
+ANY_NAMESPACE = re.compile(r"\.(?P<ns>[a-z0-9-]+)\.svc\b")
+
+
+def namespaces_named(objs: list[dict[str, Any]], text: str) -> set[str]:
+    """Every namespace the objects live in or point at: metadata, monitors' namespaceSelector, role subjects,
+    Service DNS names in URLs and server names."""
+    found = {o["metadata"]["namespace"] for o in objs if "namespace" in o["metadata"]}
+    for obj in objs:
+        found |= set(obj.get("spec", {}).get("namespaceSelector", {}).get("matchNames", []))
+        found |= {s["namespace"] for s in obj.get("subjects", []) if "namespace" in s}
+    return found | {m["ns"] for m in ANY_NAMESPACE.finditer(text)}
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_namespace_override_moves_every_object_and_reference(layout: str) -> None:
+    """namespaceOverride (as dcgm-exporter's chart has it): an umbrella chart installs stepscope into its
+    own namespace; every object, the monitors' namespaceSelector, the TLS server name, the helm test URL,
+    the sharded layout's write URL and role binding, and NOTES follow it, and nothing names the release's."""
+    values: dict[str, Any] = {"namespaceOverride": "gpu-monitoring", "serviceMonitor": {"enabled": True},
+                              "webConfig": {"tls": {"existingSecret": "tls"}}}
+    if layout == "sharded":
+        values["sharding"] = {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}]}
+    rendered = render(CHART, values, api_versions=[OPERATOR_API])
+    objs = objects(rendered) + objects(rendered, tests=True)
+    text = "\n".join(t for p, t in rendered.items() if not p.endswith(".json"))
+    assert namespaces_named(objs, text) == {"gpu-monitoring"}
+    assert "-n gpu-monitoring port-forward" in notes(rendered)
+    dashboards = objects(render(CHART, {**values, "dashboards": {"namespace": "grafana"}}, api_versions=[OPERATOR_API]))
+    assert {o["metadata"]["namespace"] for o in by_kind(dashboards, "ConfigMap")} == {"grafana"}
+
+
+# ---- the DaemonSet ---------------------------------------------------------------------------------
+
+def tolerated(tolerations: list[dict[str, Any]], taint: dict[str, str]) -> bool:
+    """Kubernetes' ToleratesTaint."""
+    for toleration in tolerations:
+        if toleration.get("effect") and toleration["effect"] != taint["effect"]:
+            continue
+        if toleration.get("key") and toleration["key"] != taint["key"]:
+            continue
+        if toleration.get("operator", "Equal") == "Exists" or toleration.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+def test_tolerations_for_gpu_taints_are_configurable() -> None:
+    """The GPU Operator's and GKE's taint is tolerated by default; a site's own taint is a value away."""
+    pod = one(objects(render(CHART)), "DaemonSet")["spec"]["template"]["spec"]
+    assert tolerated(pod["tolerations"], {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"})
+    assert not tolerated(pod["tolerations"], {"key": "dedicated", "value": "training", "effect": "NoSchedule"})
+    own = [{"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"}]
+    pod = one(objects(render(CHART, {"tolerations": own})), "DaemonSet")["spec"]["template"]["spec"]
+    assert tolerated(pod["tolerations"], {"key": "dedicated", "value": "training", "effect": "NoSchedule"})
+
+
+def test_termination_grace_period_outlasts_the_exporters_bounded_shutdown() -> None:
+    """On SIGTERM the exporter drains in-flight responses (SHUTDOWN_TIMEOUT_SECONDS), cancels the rest
+    (as long again), then joins the push API and collector threads (2 s each): the kubelet must not
+    SIGKILL it before, and the value is the operator's to lower."""
+    from stepscope.exporter.server import SHUTDOWN_TIMEOUT_SECONDS
+    pod = one(objects(render(CHART)), "DaemonSet")["spec"]["template"]["spec"]
+    threads = 1 + len(DEFAULTS["collectors"])
+    assert pod["terminationGracePeriodSeconds"] >= 2 * SHUTDOWN_TIMEOUT_SECONDS + 2 * threads
+    pod = one(objects(render(CHART, {"terminationGracePeriodSeconds": 45})), "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 45
+
+
+@pytest.mark.parametrize("surge", [1, "10%"])
+@pytest.mark.parametrize("ports", [{}, {"hostNetwork": True}])
+def test_a_surge_rollout_with_a_host_port_is_refused(surge: Any, ports: dict[str, Any]) -> None:
+    """A surged pod needs the node's port the old pod holds: the scheduler never places it and the rollout
+    waits forever on every node. Kubernetes accepts the object, so the chart refuses it."""
+    rolling = {"maxUnavailable": 0, "maxSurge": surge}
+    values = {**ports, "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": rolling}}
+    with pytest.raises(helm_python.HelmRenderError, match=r"maxSurge.*hostPort"):
+        render(CHART, values)
+    no_host_port = {**values, "ingest": {"hostPort": False}} if not ports else None
+    if no_host_port:
+        spec = one(objects(render(CHART, no_host_port)), "DaemonSet")["spec"]["updateStrategy"]
+        assert spec["rollingUpdate"]["maxSurge"] == surge
+
+
+# ---- Service and monitors --------------------------------------------------------------------------
+
+def test_the_service_and_monitors_select_the_exporter_pods_alone() -> None:
+    """The helm test pod carried the exporter's selector labels: the Service's endpoints and a PodMonitor
+    picked it up while it ran."""
+    rendered = render(CHART, {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False}})
+    objs = objects(rendered)
+    selectors = [one(objs, "Service")["spec"]["selector"], one(objs, "PodMonitor")["spec"]["selector"]["matchLabels"]]
+    exporter_pod = one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    test_pod = one(objects(rendered, tests=True), "Pod")["metadata"]["labels"]
+    for selector in selectors:
+        assert selector.items() <= exporter_pod.items()
+        assert not selector.items() <= test_pod.items()
+
+
+class _Exposition(http.server.BaseHTTPRequestHandler):
+    """What an exporter with pod attribution serves: a GPU given to a training pod."""
+    body = (b'# TYPE stepscope_gpu_pod_info gauge\n'
+            b'stepscope_gpu_pod_info{uuid="GPU-1",namespace="team-a",pod="train-0",container="trainer"} 1\n')
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def serving_exposition() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def prometheus_relabel(rule: dict[str, Any]) -> dict[str, Any]:
+    """A Prometheus Operator RelabelConfig as prometheus.yml writes it."""
+    names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    out = {names.get(k, k): v for k, v in rule.items()}
+    if "action" in out:
+        out["action"] = out["action"].lower()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ServiceMonitor", "PodMonitor"])
+def test_the_monitors_keep_the_exporters_pod_attribution_labels(kind: str, tmp_path: Path) -> None:
+    """The Prometheus Operator gives every target `namespace`, `pod` and `container` (the exporter's own pod).
+    With honorLabels false they overwrote the training pod's labels the exporter publishes with pod
+    attribution (they became exported_namespace, ...), so every join of the rules on (namespace, pod,
+    container) -- dcgm-exporter's GPUs to the ranks of a pod -- matched nothing, and alerts named the exporter
+    pod. A real Prometheus scrapes with the target labels the operator attaches and the monitor's relabelings
+    and honorLabels: the series keep the training pod's labels, `instance` is the node."""
+    on = {"enabled": True}
+    values = {"serviceMonitor": on if kind == "ServiceMonitor" else {"enabled": False},
+              "podMonitor": on if kind == "PodMonitor" else {"enabled": False}, "podResources": {"enabled": True}}
+    monitor = one(objects(render(CHART, values)), kind)
+    (endpoint,) = monitor["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+    operator_labels = {"__meta_kubernetes_pod_node_name": "gpu-node-7", "namespace": NAMESPACE,
+                       "pod": "rel-stepscope-x7k2p", "container": "exporter", "endpoint": "http"}
+    if kind == "ServiceMonitor":
+        operator_labels["service"] = "rel-stepscope"
+    with serving_exposition() as address:
+        config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [{
+            "job_name": "stepscope", "honor_labels": endpoint["honorLabels"],
+            "static_configs": [{"targets": [address], "labels": operator_labels}],
+            "relabel_configs": [prometheus_relabel(r) for r in endpoint["relabelings"]]}]}
+        with running_prometheus_config(tmp_path, config) as prometheus:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                result = requests.get(f"{prometheus.url}/api/v1/query", params={"query": "stepscope_gpu_pod_info"},
+                                      timeout=10).json()["data"]["result"]
+                if result:
+                    break
+                time.sleep(0.2)
+    (series,) = result
+    labels = series["metric"]
+    assert (labels["namespace"], labels["pod"], labels["container"]) == ("team-a", "train-0", "trainer"), labels
+    assert labels["instance"] == "gpu-node-7" and not any(k.startswith("exported_") for k in labels), labels
+
+
+@pytest.mark.parametrize("kind", ["serviceMonitor", "podMonitor"])
+def test_a_scrape_timeout_longer_than_the_interval_is_refused(kind: str) -> None:
+    """Prometheus refuses such a scrape config and the operator then drops the monitor: no target, no
+    error anywhere the user looks."""
+    other = "podMonitor" if kind == "serviceMonitor" else "serviceMonitor"
+    values = {kind: {"enabled": True, "interval": "15s", "scrapeTimeout": "1m"}, other: {"enabled": False}}
+    with pytest.raises(helm_python.HelmRenderError, match=rf"{kind}.scrapeTimeout 1m is longer than .*interval 15s"):
+        render(CHART, values)
+    fine = {kind: {"enabled": True, "interval": "1m30s", "scrapeTimeout": "1m"}, other: {"enabled": False}}
+    assert objects(render(CHART, fine))
+
+
+# ---- every rendered object validates ---------------------------------------------------------------
+
+OPERATOR_GROUPS = ("monitoring.coreos.com/", "operator.victoriametrics.com/")
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "gpu-scheduling": {"nodeSelector": {"nvidia.com/gpu.present": "true"}, "affinity": {},
+                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"},
+                                       {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoExecute",
+                                        "tolerationSeconds": 300}],
+                       "priorityClassName": "system-node-critical",
+                       "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
+    "digest-namespace-extra": {"image": {"repository": "registry.example.com/stepscope", "digest": DIGEST},
+                               "namespaceOverride": "gpu-monitoring", "extraArgs": ["--ingest-max-groups=1024"],
+                               "extraEnv": [{"name": "TZ", "value": "UTC"}], "imagePullSecrets": [{"name": "pull"}]},
+    "secured-podmonitor-podresources": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False},
+                                        "podResources": {"enabled": True},
+                                        "webConfig": {"basicAuthUsers": {"prometheus": HASH},
+                                                      "tls": {"existingSecret": "tls"},
+                                                      "scrapeCredentials": {"existingSecret": "scrape"}}},
+    "monitors-off": {"serviceMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
+                     "dashboards": {"enabled": False}, "ingest": {"enabled": False}},
+    "dcgm-ondelete": {"gpuSource": "dcgm", "updateStrategy": {"type": "OnDelete"}},
+    "victoriametrics": {"sharding": {"enabled": True, "global": {"create": False},
+                                     "remoteWrite": {"url": "http://vm.monitoring.svc:8428/api/v1/write"},
+                                     "vmalert": {"create": True, "url": "http://vm.monitoring.svc:8428",
+                                                 "notifierURL": "http://am.monitoring.svc:9093"}}},
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_object_of_each_operator_scenario_validates(name: str) -> None:
+    rendered = render(CHART, SCENARIOS[name], api_versions=[OPERATOR_API], kube_version=f"v{KUBE}")
+    for obj in objects(rendered) + objects(rendered, tests=True):
+        if obj["apiVersion"].startswith(OPERATOR_GROUPS):
+            continue   # CRDs: shapes checked in test_helm_chart.py and test_victoria_chart.py
+        try:
+            kubernetes_validate.validate(obj, KUBE, strict=True)
+        except jsonschema.ValidationError as exc:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {KUBE}: {exc.message}")
