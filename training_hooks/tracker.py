@@ -130,6 +130,9 @@ class Tracker:
         self._flops_per_sample = config.flops_per_sample
         self._counts_flops = bool(self._flops_per_step or self._flops_per_sample)
         self._boundary = perf_counter_ns()
+        # When the loop left train for eval or a checkpoint with a step under way (None: it did not, or a
+        # setup/idle since ended it): re-entering train moves the step clock on by the time spent outside.
+        self._left_train: int | None = None
         self._state = SETUP_STATE
         # Time per state: nanoseconds of the states left, and when the current one began. The pusher reads
         # them under the lock, so each state's total only grows from push to push (a counter).
@@ -193,8 +196,13 @@ class Tracker:
                 samples=samples, micro_batches=micro_batches, tokens=tokens, flops=flops, global_step=global_step)
         now = perf_counter_ns()
         duration = now - self._boundary
-        if self._state == SETUP_STATE:
-            self._switch_state(TRAIN_STATE, now)
+        if self._state != TRAIN_STATE:  # the one test made here before: train pays no more
+            if self._state == SETUP_STATE:
+                self._switch_state(TRAIN_STATE, now)
+            else:
+                self._step_hist.observe_ns(duration)
+                if self._left_train is not None:  # a step() inside eval: the next step begins now, outside train
+                    self._left_train = now
         else:
             self._step_hist.observe_ns(duration)
         self._boundary = now
@@ -258,11 +266,12 @@ class Tracker:
         inside `train_step` count as usual, so pass a step without tracker calls. See
         `stepscope.hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
         """
+        began = perf_counter_ns()
         limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
                          samples_per_batch=samples_per_batch, cuda=_cuda_module())
         self._limits = limits
-        if self._state == TRAIN_STATE:
-            self._boundary = perf_counter_ns()
+        if self._state == TRAIN_STATE:  # as time outside train (state()): the step under way keeps its part
+            self._boundary += perf_counter_ns() - began
         log.info("stepscope: %s", limits)
         return limits
 
@@ -274,11 +283,12 @@ class Tracker:
         optimizer's own FLOPs are left out by convention). The step really runs, so pass one without
         tracker calls, and zero the gradients after it; its time is not a step.
         """
+        began = perf_counter_ns()
         flops = count_flops(train_step, *args, **kwargs)
         self._flops_per_step = flops
         self._counts_flops = True
-        if self._state == TRAIN_STATE:
-            self._boundary = perf_counter_ns()
+        if self._state == TRAIN_STATE:  # as in measure_limits
+            self._boundary += perf_counter_ns() - began
         log.info("stepscope: %d FLOPs per step (torch.utils.flop_counter)", flops)
         return flops
 
@@ -303,7 +313,12 @@ class Tracker:
     def state(self, name: str) -> _StateScope:
         """Sets the training state (setup, train, eval, checkpoint, idle).
 
-        Entering "train" restarts the step clock so time spent in eval or checkpointing is not a step.
+        Time outside "train" is no step's: leaving train notes when, and re-entering it moves the step clock
+        on by the time spent outside, so the step under way keeps the part it did before (an eval or a
+        checkpoint can come mid-step: Lightning's val_check_interval inside an accumulation, or after an
+        epoch's last step, before the next epoch's first). Restarting the clock instead dropped that part:
+        0.60 s of step time for 0.86 s of truth, a loading share of 70% for 48%. Entering train from setup
+        or idle (no step under way) starts the clock now.
         """
         if name not in STATES:
             raise ValueError(f"unknown training state {name!r}; known: {', '.join(STATES)}")
@@ -311,7 +326,13 @@ class Tracker:
         if name != previous:
             now = perf_counter_ns()
             if name == TRAIN_STATE:
-                self._boundary = now
+                left = self._left_train
+                self._boundary = now if left is None else self._boundary + (now - left)
+                self._left_train = None
+            elif name in (SETUP_STATE, IDLE_STATE):
+                self._left_train = None
+            elif previous == TRAIN_STATE:
+                self._left_train = now
             self._switch_state(name, now)
         return _StateScope(self, previous)
 
@@ -442,9 +463,10 @@ class Tracker:
         )
 
     def _progress(self) -> tuple[float | None, tuple[str, float] | None]:
-        """When the last step ended (Unix seconds; None before the first) and the phase entered last and
-        not left, with when it was entered: what names a rank that stopped stepping. Read from what the
-        training thread stores anyway (the step boundary, each host phase's start)."""
+        """When the last step ended (Unix seconds; None before the first), moved on by the time spent outside
+        train since, and the phase entered last and not left, with when it was entered: what names a rank
+        that stopped stepping. Read from what the training thread stores anyway (the step clock, each host
+        phase's start)."""
         perf_now, unix_now = perf_counter_ns(), time()
 
         def unix(perf_ns: int) -> float:
