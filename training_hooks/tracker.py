@@ -235,12 +235,14 @@ class Tracker:
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
 
-        Sets state "train" and restarts the step clock, so the first step does not include setup time.
+        Sets state "train": from setup that starts the step clock, so the first step does not include setup
+        time. Already in train (a loop calling loader() every epoch) the clock goes on, so the epoch's end and
+        the next epoch's `iter()` are in the step that holds them; restarting it there dropped them (0.77 s of
+        step time for 1.40 s of truth with 0.3 s of work at each epoch's end).
         """
         phase = self.phase("dataloader_next")
         iterator = iter(iterable)
         self.state(TRAIN_STATE)
-        self._boundary = perf_counter_ns()
         while True:
             phase.start()
             try:
