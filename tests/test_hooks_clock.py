@@ -3,6 +3,7 @@ real exporter: what a step is when eval or a checkpoint comes mid-step, when loa
 and what a phase entered twice before it is left records."""
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -190,3 +191,46 @@ def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(
     assert value("stepscope_step_seconds_sum") == pytest.approx(end - start, abs=0.01)  # 0.54 s; 0.33 before
     share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / value("stepscope_step_seconds_sum")
     assert share == pytest.approx(sum(loading) / (end - start), abs=0.02)
+
+
+def test_a_phase_entered_again_before_it_is_left_never_records_more_than_the_time_it_was_open(
+        exporter: Any) -> None:
+    """A helper timing `forward` inside the loop's `forward`, a second thread in the same phase, and an end()
+    with no start: before, the outer exit observed perf_counter_ns() - 0, the machine's uptime (294,301 s of
+    forward for 0.05 s)."""
+    t = tracker(exporter, "clock-nested")
+    t.state("train")
+    forward = t.phase("forward")
+    inner = outer = 0.0
+    for _ in range(5):
+        began = perf_counter()
+        with forward:
+            time.sleep(0.002)
+            start = perf_counter()
+            with t.phase("forward"):  # the same timer, as a helper gets it
+                time.sleep(0.01)
+            inner += perf_counter() - start
+        outer += perf_counter() - began
+        t.step()
+    t.phase("backward").end()  # an end whose start never came
+
+    entered = threading.Barrier(2)
+
+    def in_forward(seconds: float) -> None:
+        with forward:
+            entered.wait()
+            time.sleep(seconds)
+    began = perf_counter()
+    workers = [threading.Thread(target=in_forward, args=(seconds,)) for seconds in (0.01, 0.03)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    threads_open = perf_counter() - began
+    t.close()
+
+    value = pushed(exporter, "clock-nested")
+    assert inner <= value("stepscope_step_phase_seconds_sum", phase="forward") <= outer + threads_open
+    assert value("stepscope_step_phase_seconds_sum", phase="backward") == 0
+    assert value("stepscope_step_phase_seconds_count", phase="backward") == 0
+    assert value("stepscope_step_phase_seconds_count", phase="forward") == 5 + 1  # the inner spans, one thread's

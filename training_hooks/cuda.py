@@ -297,6 +297,8 @@ class SyncCudaPhase:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self._start:  # not open (see HostPhase): nothing to observe
+            return
         self._cuda.synchronize()
         self._hist.observe_ns(perf_counter_ns() - self._start)
         self._start = 0  # left (see HostPhase)
