@@ -206,3 +206,56 @@ def test_lightning_leaves_dataloader_next_when_an_unsized_loader_runs_out(tmp_pa
     assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
     assert [name for name, labels in samples(text) if name == "stepscope_training_phase_entered_timestamp_seconds"
             and ("run", "pl-stream") in labels] == []
+
+
+def test_huggingface_leaves_dataloader_next_when_an_iterable_dataset_runs_out(tmp_path: Path) -> None:
+    """A Trainer over an IterableDataset (no length) ends each pass with a `next()` that raises StopIteration:
+    the phase is left, so through the epoch's end work (a neighbour's 0.3 s here) the exporter shows the rank in
+    no phase, not in dataloader_next (where a stall alert would blame data loading)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from stepscope.hooks.huggingface import StepscopeCallback
+    from stepscope_testkit.processes import running_exporter, samples
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (Regression(10 * BATCH, as_dict=True)[index] for index in range(10 * BATCH))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    def entered(text: str) -> list[str]:
+        return [dict(labels)["phase"] for name, labels in samples(text)
+                if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", "hf-stream") in labels]
+
+    seen_at_epoch_end: list[list[str]] = []
+
+    class Neighbour(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs) -> None:
+            time.sleep(0.3)  # the epoch's end work
+            callback.tracker.pusher.push_once()
+            seen_at_epoch_end.append(entered(scrape(exporter.url)))
+
+    # 10 batches a pass, accumulation 2: 5 steps a pass, so the first pass ends on the loader's StopIteration
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=8, per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
+        report_to=[], use_cpu=True, logging_strategy="no", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    with running_exporter(tmp_path) as exporter:
+        callback = StepscopeCallback(run="hf-stream", push_url=exporter.url, push_interval=60)
+        Trainer(model=Model(), args=args, train_dataset=Stream(), callbacks=[callback, Neighbour()]).train()
+        text = scrape(exporter.url)
+    group = {"run": "hf-stream", "rank": "0"}
+    assert seen_at_epoch_end and seen_at_epoch_end[0] == [], seen_at_epoch_end
+    assert all(phases == [] for phases in seen_at_epoch_end), seen_at_epoch_end
+    assert sample_values(text, "stepscope_steps_total", **group) == [8]
+    assert sample_values(text, "stepscope_step_phase_seconds_count", phase="dataloader_next", **group) == [16]
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+    assert entered(text) == []

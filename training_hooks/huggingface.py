@@ -103,7 +103,13 @@ class StepscopeCallback(TrainerCallback):
         self._trainer = trainer
 
     def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """Yields from `batches`, timing each `next()` as dataloader_next (the epoch's end is no fetch)."""
+        """Yields from `batches`, timing each `next()` as dataloader_next.
+
+        The `next()` that ends the epoch (an unsized loader's: an IterableDataset) or raises loads no batch: the
+        phase is left, not observed, as Tracker.loader and the Lightning callback do. Left open, the exporter
+        showed the rank in dataloader_next through the epoch's end work (a save, an eval), and a stall alert
+        there would have blamed data loading.
+        """
         phase = self._phase(DATA_LOADING_PHASE)
         while True:
             if self.tracker.current_state != TRAIN_STATE:  # back from eval or a save: not a step's time
@@ -112,7 +118,11 @@ class StepscopeCallback(TrainerCallback):
             try:
                 batch = next(batches)
             except StopIteration:
+                phase.leave()
                 return
+            except BaseException:
+                phase.leave()
+                raise
             phase.end()
             tokens = _tokens(batch, self._main_input)
             per_token = None if self.tracker.flops_stated else self._flops_per_token
@@ -134,7 +144,7 @@ class StepscopeCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         if self.tracker.current_state != TRAIN_STATE:
-            self.tracker.state(TRAIN_STATE)  # restarts the step clock: eval/save time is not a step
+            self.tracker.state(TRAIN_STATE)  # eval/save time is not a step's (the step clock skips it)
         self._phase(TRAIN_BATCH_PHASE).start()
         self._in_step = True
 
