@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stepscope.hooks as th
-from stepscope_testkit.processes import running_exporter, sample_values, scrape
+from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 WORK = 0.02  # a step's own work on each side of an interruption
 OUTSIDE = 0.1  # an eval or a checkpoint, or an epoch's end
@@ -234,3 +234,51 @@ def test_a_phase_entered_again_before_it_is_left_never_records_more_than_the_tim
     assert value("stepscope_step_phase_seconds_sum", phase="backward") == 0
     assert value("stepscope_step_phase_seconds_count", phase="backward") == 0
     assert value("stepscope_step_phase_seconds_count", phase="forward") == 5 + 1  # the inner spans, one thread's
+
+
+def entered_phases(exporter: Any, run: str) -> list[str]:
+    return [dict(labels)["phase"] for name, labels in samples(scrape(exporter.url))
+            if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", run) in labels]
+
+
+class Corrupt(Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == 9:
+            raise OSError("corrupt sample 9")
+        return torch.zeros(8), torch.zeros(1)
+
+
+def test_a_rank_closed_after_an_exception_is_in_no_phase(exporter: Any) -> None:
+    """A loader that raises, and an exception between a phase's start() and end() (a callback's forward when
+    training_step raises): once closed the rank is idle and in no phase. Before, its last push still named
+    dataloader_next or forward, entered when the exception came."""
+    t = tracker(exporter, "clock-loader-error")
+    with pytest.raises(OSError, match="corrupt sample"):
+        for x, _y in t.loader(DataLoader(Corrupt(), batch_size=4)):
+            with t.phase("forward"):
+                x.sum()
+            t.step(samples=len(x))
+    t.close()
+    assert entered_phases(exporter, "clock-loader-error") == []
+
+    t = tracker(exporter, "clock-forward-error")
+    t.state("train")
+    deadline = time.monotonic() + 10
+    while t.pusher.stats.successes < 1:  # the pusher thread's first push is in: a later one holds the phase
+        assert time.monotonic() < deadline, "no first push"
+        time.sleep(0.01)
+    forward = t.phase("forward")
+    with pytest.raises(RuntimeError, match="NaN loss"):
+        forward.start()
+        raise RuntimeError("NaN loss")
+    t.pusher.push_once()  # a push while the exception is handled shows the phase it interrupted
+    assert entered_phases(exporter, "clock-forward-error") == ["forward"]
+    t.close()
+    assert entered_phases(exporter, "clock-forward-error") == []
+    value = pushed(exporter, "clock-forward-error")
+    assert value("stepscope_training_state", state="idle") == 1
+    forward.end()  # a phase exited after close observes nothing
+    assert t.snapshot().phases[0][2].count == 0

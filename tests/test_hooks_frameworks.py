@@ -259,3 +259,41 @@ def test_huggingface_leaves_dataloader_next_when_an_iterable_dataset_runs_out(tm
     assert sample_values(text, "stepscope_step_phase_seconds_count", phase="dataloader_next", **group) == [16]
     assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
     assert entered(text) == []
+
+
+def test_lightning_fit_ended_by_an_exception_leaves_the_rank_idle_in_no_phase(tmp_path: Path) -> None:
+    """training_step raises in the 4th batch, inside the callback's forward (entered at the batch start):
+    on_exception closes the tracker, whose final push shows the rank idle and in no phase (before: in forward)."""
+    import lightning.pytorch as pl
+    import pytest
+
+    from stepscope.hooks.lightning import StepscopeCallback
+    from stepscope_testkit.processes import running_exporter, samples
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    with running_exporter(tmp_path) as exporter:
+        callback = StepscopeCallback(run="pl-error", push_url=exporter.url, push_interval=60)
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                             enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             callbacks=[callback])
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            trainer.fit(Module(), DataLoader(Regression(STEPS * BATCH), batch_size=BATCH))
+        text = scrape(exporter.url)
+    group = {"run": "pl-error", "rank": "0"}
+    assert [dict(labels)["phase"] for name, labels in samples(text)
+            if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", "pl-error") in labels] == []
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+    assert sample_values(text, "stepscope_steps_total", **group) == [3]

@@ -279,6 +279,10 @@ class CudaPhase:
     def end(self) -> None:
         self.__exit__(None, None, None)
 
+    def leave(self) -> None:
+        """Leaves the phase without timing it (Tracker.close): its start event is dropped."""
+        self._start_event = None
+
 
 class SyncCudaPhase:
     """Debug mode (`sync=True`): synchronize before and after, then time on the host, for comparison."""
@@ -308,3 +312,6 @@ class SyncCudaPhase:
 
     def end(self) -> None:
         self.__exit__(None, None, None)
+
+    def leave(self) -> None:
+        self._start = 0  # left without observing (see HostPhase.leave)

@@ -250,6 +250,9 @@ class Tracker:
             except StopIteration:  # the loader's end loaded no batch: the phase is left, not observed
                 phase.leave()
                 return
+            except BaseException:  # nor did its error (a corrupt sample, Ctrl-C): not where the rank is after it
+                phase.leave()
+                raise
             phase.end()
             yield item
 
@@ -333,10 +336,19 @@ class Tracker:
                 self._left_train = None
             elif name in (SETUP_STATE, IDLE_STATE):
                 self._left_train = None
+                if name == IDLE_STATE:
+                    self._leave_phases()
             elif previous == TRAIN_STATE:
                 self._left_train = now
             self._switch_state(name, now)
         return _StateScope(self, previous)
+
+    def _leave_phases(self) -> None:
+        """Leaves every open phase without observing it: an idle rank (closed, or its fit ended by an exception
+        or Ctrl-C inside a phase) is in none. Before, the last push of a closed rank still named the phase the
+        exception left open (phase_entered{phase="forward"} with state idle)."""
+        for phase in (*self._host.values(), *self._gpu.values()):
+            phase.leave()
 
     def _switch_state(self, name: str, now: int) -> None:
         """Adds the time since the current state began to its total, then enters `name`."""
@@ -484,7 +496,8 @@ class Tracker:
         return render(self.snapshot())
 
     def close(self) -> None:
-        """Resolves outstanding GPU timings, sets state idle and pushes one final time. Idempotent.
+        """Resolves outstanding GPU timings, leaves every open phase, sets state idle and pushes one final time.
+        Idempotent.
 
         Runs at exit, and on SIGTERM before the signal goes on to its previous handler (`signals`).
         """
@@ -500,6 +513,8 @@ class Tracker:
                 log.warning("stepscope: could not resolve pending CUDA timings: %r", exc)
         if self.traces is not None:
             self.traces.close()  # a trace being recorded is written with the steps it has
+        self._leave_phases()
+        self._left_train = None
         self._switch_state(IDLE_STATE, perf_counter_ns())
         if self._run_bounds is not None:
             self._run_bounds.stop()
