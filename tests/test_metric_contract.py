@@ -82,9 +82,9 @@ def test_a_full_scrape_publishes_exactly_the_contract_families(tmp_path: Path, m
             if request_state(exporter.url, trace)["state"] in ("done", "failed"):
                 break
             time.sleep(0.05)
-        with tracker.phase("forward"):  # closed inside a phase (as by SIGTERM): the phase it is in is published
-            tracker.close()
-        text = wait_for_every_family(exporter.url, documented)
+        with tracker.phase("forward"):  # a push inside a phase publishes the phase it is in (none once closed)
+            text = wait_for_every_family(exporter.url, documented)
+        tracker.close()
     published = scraped_families(text)
     assert set(published) - documented == set(), "published but not in stepscope_contract"
     assert documented - set(published) == set(), "in stepscope_contract but not published"
