@@ -168,3 +168,21 @@ def test_a_bad_setting_is_named_as_the_user_set_it(
         Config.resolve(env={"STEPSCOPE_RUN": "r"}, **arguments, **{argument: value})
     assert str(from_argument.value).startswith(f"{argument} "), str(from_argument.value)
     assert variable not in str(from_argument.value)
+
+
+def test_a_second_open_tracker_for_the_same_rank_is_refused_and_the_first_keeps_its_steps(tmp_path: Path) -> None:
+    """Two trackers pushing one run and rank replace each other's group at every push: the exporter read the
+    steps 5, 10, ... 29, then 0, and after both closed 0 of 40. The second `init` raises while the first is
+    open; another rank, or the same once the first is closed, starts."""
+    with running_exporter(tmp_path) as exporter:
+        first = th.init(run="twice", push_url=exporter.url, push_interval=0.1, handle_sigterm=False)
+        for _ in range(40):
+            first.step(samples=1)
+        with pytest.raises(ValueError, match=r"^a tracker of this process already pushes run 'twice' rank 0: "):
+            th.init(run="twice", push_url=exporter.url, push_interval=0.1, handle_sigterm=False)
+        other_rank = th.init(run="twice", rank=1, world_size=2, push_url=exporter.url, handle_sigterm=False)
+        other_rank.close()
+        first.close()
+        steps = sample_values(scrape(exporter.url), "stepscope_steps_total", run="twice", rank="0")
+        th.init(run="twice", push_url=exporter.url, handle_sigterm=False).close()  # the first is closed
+    assert steps == [40]

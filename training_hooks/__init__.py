@@ -22,6 +22,9 @@ from stepscope.hooks.tracker import Tracker
 
 __all__ = ["STANDARD_PHASES", "STATES", "Config", "Tracker", "init", "log_buckets"]
 
+# The trackers `init` started in this process, by where they push: (push URL, run, rank).
+_started: dict[tuple[str, str, int], Tracker] = {}
+
 
 def init(
     run: str | None = None, *, push_url: str | None = None, push_token: str | None = None,
@@ -48,7 +51,9 @@ def init(
     the previous one). share_bounds (STEPSCOPE_SHARE_BOUNDS, on by default): the ranks of a run agree on
     their step-time bounds through torch.distributed's store (the default process group's once it is
     initialized, or `store`), so that a run's quantile sums the same bounds on every rank
-    (stepscope.hooks.run_bounds). Raises ValueError with a clear message on bad settings.
+    (stepscope.hooks.run_bounds). Raises ValueError with a clear message on bad settings, and when a tracker
+    of this process still open pushes the same run and rank: both would replace the exporter's group at each
+    push, its steps read as 40, 0, 40 (counter resets) and the last to close would win.
     """
     config = Config.resolve(
         run=run, push_url=push_url, push_token=push_token, push_interval=push_interval, rank=rank,
@@ -59,4 +64,10 @@ def init(
         flops_per_sample=flops_per_sample, flops_dtype=flops_dtype, peak_flops=peak_flops,
         share_bounds=share_bounds,
     )
-    return Tracker(config, store)
+    where = (config.push_url, config.run, config.rank)
+    open_one = _started.get(where)
+    if config.push_url and open_one is not None and not open_one.closed:
+        raise ValueError(f"a tracker of this process already pushes run {config.run!r} rank {config.rank}: pass it "
+                         "to the framework callback (tracker=...) or close() it before starting another")
+    _started[where] = tracker = Tracker(config, store)
+    return tracker

@@ -495,6 +495,11 @@ class Tracker:
     def render(self) -> str:
         return render(self.snapshot())
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran in this process (a forked data-loader worker's copy counts as closed)."""
+        return self._closed or os.getpid() != self._pid
+
     def close(self) -> None:
         """Resolves outstanding GPU timings, leaves every open phase, sets state idle and pushes one final time.
         Idempotent.
