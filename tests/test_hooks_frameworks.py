@@ -29,6 +29,42 @@ class Regression(Dataset):
         return {"x": x, "labels": y} if self.as_dict else (x, y)
 
 
+def fit_one_epoch(tmp_path: Path, run: str, dataset: Dataset,
+                  fail_at_batch: int | None = None) -> tuple[str, Exception | None]:
+    """A one-epoch Lightning fit of a linear model over `dataset` with the callback pushing `run` to a real
+    exporter only at its end (training_step raising at `fail_at_batch`): the exporter's text after it, and what
+    the fit raised."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+    from stepscope_testkit.processes import running_exporter
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == fail_at_batch:
+                raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    with running_exporter(tmp_path) as exporter:
+        callback = StepscopeCallback(run=run, push_url=exporter.url, push_interval=60)
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                             enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             callbacks=[callback])
+        try:
+            trainer.fit(Module(), DataLoader(dataset, batch_size=BATCH))
+        except RuntimeError as exc:
+            return scrape(exporter.url), exc
+        return scrape(exporter.url), None
+
+
 def test_lightning_callback_times_fit(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
@@ -173,34 +209,14 @@ def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
 def test_lightning_leaves_dataloader_next_when_an_unsized_loader_runs_out(tmp_path: Path) -> None:
     """A loader without a length ends its epoch with a fetch that raises StopIteration: the phase is left
     (the exporter shows no phase entered after the fit)."""
-    import lightning.pytorch as pl
-
-    from stepscope.hooks.lightning import StepscopeCallback
-    from stepscope_testkit.processes import running_exporter, samples
+    from stepscope_testkit.processes import samples
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return (Regression(STEPS * BATCH)[index] for index in range(STEPS * BATCH))
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    with running_exporter(tmp_path) as exporter:
-        callback = StepscopeCallback(run="pl-stream", push_url=exporter.url, push_interval=0.2)
-        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-                             enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
-                             callbacks=[callback])
-        trainer.fit(Module(), DataLoader(Stream(), batch_size=BATCH))
-        text = scrape(exporter.url)
+    text, raised = fit_one_epoch(tmp_path, "pl-stream", Stream())
+    assert raised is None
     group = {"run": "pl-stream", "rank": "0"}
     assert sample_values(text, "stepscope_steps_total", **group) == [STEPS]
     assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
@@ -264,34 +280,10 @@ def test_huggingface_leaves_dataloader_next_when_an_iterable_dataset_runs_out(tm
 def test_lightning_fit_ended_by_an_exception_leaves_the_rank_idle_in_no_phase(tmp_path: Path) -> None:
     """training_step raises in the 4th batch, inside the callback's forward (entered at the batch start):
     on_exception closes the tracker, whose final push shows the rank idle and in no phase (before: in forward)."""
-    import lightning.pytorch as pl
-    import pytest
+    from stepscope_testkit.processes import samples
 
-    from stepscope.hooks.lightning import StepscopeCallback
-    from stepscope_testkit.processes import running_exporter, samples
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            if batch_idx == 3:
-                raise RuntimeError("CUDA error: an illegal memory access (simulated)")
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    with running_exporter(tmp_path) as exporter:
-        callback = StepscopeCallback(run="pl-error", push_url=exporter.url, push_interval=60)
-        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-                             enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
-                             callbacks=[callback])
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            trainer.fit(Module(), DataLoader(Regression(STEPS * BATCH), batch_size=BATCH))
-        text = scrape(exporter.url)
+    text, raised = fit_one_epoch(tmp_path, "pl-error", Regression(STEPS * BATCH), fail_at_batch=3)
+    assert "illegal memory access" in str(raised)
     group = {"run": "pl-error", "rank": "0"}
     assert [dict(labels)["phase"] for name, labels in samples(text)
             if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", "pl-error") in labels] == []
