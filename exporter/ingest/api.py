@@ -186,8 +186,8 @@ class PushApi:
         if not request.length:  # PUT would replace the rank's series with nothing: a client's mistake, not a delete
             raise Rejected(400, "empty_body", f"the {method} has an empty body; nothing stored: send the rank's "
                                               "families in the text format (DELETE removes a group)")
-        if (request.length or 0) > self.max_body_bytes:
-            raise _too_large(request.length or 0, self.max_body_bytes)
+        if request.length > self.max_body_bytes:
+            raise _too_large(request.length, self.max_body_bytes)
         if "protobuf" in headers.get("content-type", ""):
             raise Rejected(415, "unsupported_media_type", "only the text exposition format 0.0.4 is accepted")
         encoding = headers.get("content-encoding", "identity")
