@@ -113,6 +113,7 @@ class RunTotals:
     p50: float | None
     p95: float | None
     phases: tuple[str, ...] = field(default=())  # in the order a step runs them
+    ranks: int = 1  # whose counts the totals add up
 
     @property
     def mean(self) -> float | None:
@@ -126,17 +127,19 @@ class RunTotals:
 
     @property
     def io_samples_per_second(self) -> float | None:
-        """Samples over the seconds spent waiting in `dataloader_next`: the rate loading keeps up with."""
+        """Samples over the seconds spent waiting in `dataloader_next`: the rate loading keeps up with, the run's
+        (its ranks load side by side: the seconds are a rank's, on average; summed over the ranks, the rate read
+        1/N of the run's, beside a dashboard's throughput of the whole run)."""
         loading = self.phase_seconds.get(DATA_LOADING_PHASE)
-        return self.samples / loading if loading else None
+        return self.samples / (loading / self.ranks) if loading else None
 
     @property
     def training_samples_per_second(self) -> float | None:
-        """Samples over the rest of the step time: the rate training consumes them at."""
+        """Samples over the rest of the step time: the rate training consumes them at, the run's (as above)."""
         loading = self.phase_seconds.get(DATA_LOADING_PHASE)
         if loading is None or self.step_seconds - loading <= 0:
             return None
-        return self.samples / (self.step_seconds - loading)
+        return self.samples / ((self.step_seconds - loading) / self.ranks)
 
 
 def rank_summaries(data: RunData) -> list[RankSummary]:
@@ -181,6 +184,7 @@ def run_totals(data: RunData, ranks: list[RankSummary]) -> RunTotals:
         p50=_finite(_only(data.totals["run_p50"])),
         p95=_finite(_only(data.totals["run_p95"])),
         phases=phase_order(phase_seconds),
+        ranks=max(1, len(ranks)),
     )
 
 

@@ -241,6 +241,10 @@ def test_verdicts_and_the_straggler(runs: Runs) -> None:
     assert math.isclose(float(data["gpu_effective_utilization_ratio"]), 0.22, abs_tol=0.01), data
     assert ddp["verdict"] == "gpu_bound" and ddp["stragglers"] == str(DDP_SLOW_RANK), ddp
     ranks = {row["rank"]: row for row in _csv(runs.reports["ddp"] / "rank_summary.csv")}
+    # the run's training rate is its ranks' together (as a dashboard's throughput), not a rank's: it read 1/2
+    trained = sum(float(row["samples"]) / (float(row["steps"]) * float(row["mean_step_seconds"])
+                                           * (1 - float(row["share_dataloader_next"]))) for row in ranks.values())
+    assert float(ddp["training_samples_per_second"]) == pytest.approx(trained, rel=0.05), (ddp, ranks)
     slow, fast = ranks[str(DDP_SLOW_RANK)], ranks[str(1 - DDP_SLOW_RANK)]
     assert float(slow["local_score"]) < 0.75 < 0.9 < float(fast["local_score"])
     assert abs(float(slow["step_time_score"]) - 1) < 0.1  # DDP equalises step times: that score is blind
