@@ -133,3 +133,32 @@ def test_every_query_parses_as_promql(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     result = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_process_registered_within_the_rate_window_has_one_row_in_the_process_table(tmp_path: Path) -> None:
+    """Every column of the Node dashboard's Processes table, evaluated by promtool: pid 41 registered by the
+    hooks at 5m (its series before had no run) is one row at 5m30s, not two (one with 0 CPU, still in the 1m
+    rate window); pid 42, never registered, keeps its one row."""
+    before, after = 'pid="41",run="",rank=""', 'pid="41",run="r",rank="0"'
+    inputs = []
+    for family in ("stepscope_process_cpu_seconds_total", "stepscope_process_io_read_bytes_total",
+                   "stepscope_process_io_write_bytes_total"):
+        inputs += [{"series": f'{family}{{instance="n",{before}}}', "values": "0+15x20"},
+                   {"series": f'{family}{{instance="n",{after}}}', "values": "_x20 300+15x10"},
+                   {"series": f'{family}{{instance="n",pid="42",run="",rank=""}}', "values": "0+15x40"}]
+    for family in ("stepscope_process_resident_memory_bytes", "stepscope_process_children",
+                   "stepscope_process_gpu_memory_bytes"):
+        inputs += [{"series": f'{family}{{instance="n",{after}}}', "values": "_x20 1x10"},
+                   {"series": f'{family}{{instance="n",pid="42",run="",rank=""}}', "values": "1x40"}]
+    rows = [{"labels": '{pid="41",run="r",rank="0"}', "value": 1}, {"labels": '{pid="42"}', "value": 1}]
+    columns = [query.expr for query in panel_queries() if (query.dashboard, query.panel) == (
+        "stepscope-node.json", "Processes")]
+    assert len(columns) == 6
+    tests = [{"expr": f"count by (pid, run, rank) ({expr})", "eval_time": "5m30s", "exp_samples": rows}
+             for expr in columns]  # the rows (partial rates where a series begins or ends in the window)
+    spec = {"rule_files": [], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
+    (tmp_path / "processes.yml").write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "processes.yml")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

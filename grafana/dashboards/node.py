@@ -39,8 +39,10 @@ STALE = contract.THRESHOLDS["collector_stale_seconds"]
 
 def _per_process(series: str) -> Q:
     """A column of the process table: one row per process, whose columns merge on (pid, run, rank);
-    GPU memory adds up the process's GPUs."""
-    return Q(f"sum by (pid, run, rank) ({series})", table=True)
+    GPU memory adds up the process's GPUs. A process the hooks registered less than a rate window ago still
+    has its row from before (no run, 0 CPU): left out where the pid has another (a pid's only row stays)."""
+    per_process = f"sum by (pid, run, rank) ({series})"
+    return Q(f"{per_process} unless on (pid, run) (count by (pid) ({per_process}) > 1)", table=True)
 
 
 def _filled(family: str, dcgm: str, matchers: str = GPUS, on: str = "instance, gpu", only: str = "") -> str:
