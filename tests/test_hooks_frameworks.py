@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from stepscope_testkit.processes import sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
+from tests.support.tiny_models import LinearRegressor
 
 STEPS = 6
 BATCH = 4
@@ -237,15 +238,6 @@ def test_huggingface_leaves_dataloader_next_when_an_iterable_dataset_runs_out(tm
         def __iter__(self):
             return (Regression(10 * BATCH, as_dict=True)[index] for index in range(10 * BATCH))
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def forward(self, x, labels=None):
-            out = self.net(x)
-            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
-
     def entered(text: str) -> list[str]:
         return [dict(labels)["phase"] for name, labels in samples(text)
                 if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", "hf-stream") in labels]
@@ -266,7 +258,7 @@ def test_huggingface_leaves_dataloader_next_when_an_iterable_dataset_runs_out(tm
     )
     with running_exporter(tmp_path) as exporter:
         callback = StepscopeCallback(run="hf-stream", push_url=exporter.url, push_interval=60)
-        Trainer(model=Model(), args=args, train_dataset=Stream(), callbacks=[callback, Neighbour()]).train()
+        Trainer(model=LinearRegressor(), args=args, train_dataset=Stream(), callbacks=[callback, Neighbour()]).train()
         text = scrape(exporter.url)
     group = {"run": "hf-stream", "rank": "0"}
     assert seen_at_epoch_end and seen_at_epoch_end[0] == [], seen_at_epoch_end

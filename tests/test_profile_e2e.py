@@ -33,6 +33,7 @@ from stepscope_testkit.traces import (
     wait_until,
 )
 from tests.support.demos import start_demo, stop
+from tests.support.tiny_models import LinearRegressor
 
 RUN = "prof"
 PUSH_INTERVAL = "0.2"
@@ -228,20 +229,11 @@ def transformers_train(tracker: th.Tracker, steps: int, tmp_path: Path) -> None:
 
     from stepscope.hooks.huggingface import StepscopeCallback
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def forward(self, x, labels=None):
-            out = self.net(x)
-            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
-
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=steps, per_device_train_batch_size=4,
                              report_to=[], use_cpu=True, logging_strategy="no", save_strategy="no", disable_tqdm=True,
                              dataloader_num_workers=0)
     callback = StepscopeCallback(tracker=tracker)
-    Trainer(model=Model(), args=args, train_dataset=Regression(), callbacks=[callback]).train()
+    Trainer(model=LinearRegressor(), args=args, train_dataset=Regression(), callbacks=[callback]).train()
 
 
 @pytest.mark.parametrize("fit", [lightning_fit, transformers_train], ids=["lightning", "transformers"])
