@@ -14,6 +14,7 @@ and `stepscope.hooks.huggingface`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from stepscope.contract import STANDARD_PHASES, STATES
@@ -22,8 +23,9 @@ from stepscope.hooks.tracker import Tracker
 
 __all__ = ["STANDARD_PHASES", "STATES", "Config", "Tracker", "init", "log_buckets"]
 
-# The trackers `init` started in this process, by where they push: (push URL, run, rank).
-_started: dict[tuple[str, str, int], Tracker] = {}
+# The trackers `init` started in this process, by where they push: (push URL, run, rank). Weak: an open
+# tracker is held by its atexit close anyway, and a closed one the user dropped is not kept for this.
+_started: weakref.WeakValueDictionary[tuple[str, str, int], Tracker] = weakref.WeakValueDictionary()
 
 
 def init(

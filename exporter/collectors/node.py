@@ -65,7 +65,8 @@ class NodeCollector:
         yield self._info()
 
     def close(self) -> None:
-        """Nothing to release: psutil holds no handles between calls."""
+        """Nothing to release: psutil holds no handles between calls, and the paths' reader threads are daemon
+        threads (one blocked on a hung mount must not hold up the exporter's exit)."""
 
     def _info(self) -> Metric:
         info = GaugeMetricFamily(families.NODE_INFO, "Node identity, for joins (value is always 1).",
