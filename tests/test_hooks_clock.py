@@ -80,6 +80,36 @@ class Items(Dataset):
         return x, x.sum(dim=0, keepdim=True)
 
 
+class TimedLoader(DataLoader):
+    """A DataLoader whose every batch's `next()` (fetching its items, collating them) is timed into `fetches`:
+    what dataloader_next times, where the items alone leave out the collation, which grows under load."""
+
+    fetches: list[float]
+
+    def __iter__(self) -> Iterator[Any]:
+        return _TimedIterator(super().__iter__(), self.fetches)
+
+
+class _TimedIterator:
+    def __init__(self, inner: Iterator[Any], fetches: list[float]) -> None:
+        self.inner, self.fetches = inner, fetches
+
+    def __iter__(self) -> "_TimedIterator":
+        return self
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __next__(self) -> Any:
+        start = perf_counter()
+        batch = next(self.inner)  # the epoch's end (StopIteration) is no batch
+        self.fetches.append(perf_counter() - start)
+        return batch
+
+
 def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and_compute(
         tmp_path: Path, exporter: Any) -> None:
     """val_check_interval=4 with accumulate_grad_batches=3 validates after the first batch of a step: the step
@@ -90,7 +120,7 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
 
     from stepscope.hooks.lightning import StepscopeCallback
 
-    loading: list[float] = []
+    loading: list[float] = []  # each training batch's fetch
     outside: list[tuple[float, float]] = []  # (start, end) of each validation, and of each checkpoint until resumed
     marks: list[float] = []  # the first epoch's start, then each optimizer step's end
     pending: list[float] = []
@@ -157,7 +187,9 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
         pending.append(perf_counter())
         return save(*args, **kwargs)
     trainer.save_checkpoint = timed_save
-    trainer.fit(Module(), DataLoader(Loaded(40, loading), batch_size=4), DataLoader(Items(8, []), batch_size=4))
+    train = TimedLoader(Loaded(40, []), batch_size=4)
+    train.fetches = loading
+    trainer.fit(Module(), train, DataLoader(Items(8, []), batch_size=4))
     resumed()
 
     steps = 0.0
