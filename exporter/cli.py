@@ -18,6 +18,7 @@ from stepscope.exporter.flags import (
     add_toggle,
     choice,
     comma_list,
+    directory,
     fail,
     listen_address,
     positive_float,
@@ -119,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "label GPUs and training processes with their pod, namespace and container; empty: off")
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "
-                  "and free space to publish")
+                  "and free space to publish, as the node names them (see --path.rootfs)")
+    add_flag(collection, "--path.rootfs", default="/", type=directory, dest="path_rootfs",
+             help="where the node's root filesystem is mounted in a container running the exporter (node_exporter's "
+                  "flag; the Helm chart mounts it at /host/root): --filesystem-paths are read under it, symbolic "
+                  "links followed as on the node, and labelled with the node's paths")
 
     ingest.add_flags(parser.add_argument_group("push API (training hooks)"))
 

@@ -113,7 +113,7 @@ def _build_collectors(
     if "node" in args.collectors:
         from stepscope.exporter.collectors.node import NodeCollector
 
-        collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths))
+        collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths, rootfs=args.path_rootfs))
     if "gpu" in args.collectors:
         from stepscope.exporter.collectors.gpu import GpuCollector
 

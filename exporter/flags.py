@@ -225,6 +225,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def directory(text: str) -> str:
+    """An existing directory, as an absolute path."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return os.path.abspath(text)
+
+
 def readable_file(text: str) -> str:
     try:
         with open(text, "rb"):

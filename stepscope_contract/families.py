@@ -182,7 +182,8 @@ _NODE = (
     *(Family(n, "counter", ("device",), "network throughput (tc's ifb devices left out: their bytes are another "
              "interface's)") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
     *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`, read every 5 s at most; a path that "
-             "does not answer within 1 s (a hung mount) is left out, and logged, until it does")
+             "does not answer within 1 s (a hung mount) is left out, and logged, until it does. Both labels are the "
+             "node's: in a container, the paths are read under `--path.rootfs` (the node's root mounted there)")
       for n in (NODE_FILESYSTEM_SIZE, NODE_FILESYSTEM_AVAIL)),
 )
 _GPUS = (

@@ -47,6 +47,7 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) ->
         (["--web.telemetry-path", "metrics"], ["--web.telemetry-path", "must be a path starting with '/'"]),
         (["--web.telemetry-path", "/metrics/job/x"], ["push and profile APIs"]),
         (["--web.config.file", "/nonexistent/web.yml"], ["cannot read '/nonexistent/web.yml'"]),
+        (["--path.rootfs", "/nonexistent/host"], ["--path.rootfs", "'/nonexistent/host' is not a directory"]),
     ],
 )
 def test_bad_flags(args: list[str], expected: list[str]) -> None:

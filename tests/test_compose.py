@@ -20,6 +20,7 @@ DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 PROMETHEUS_YML = DOCKER / "prometheus" / "prometheus.yml"
 GRAFANA = REPO / "grafana"
+HOST_ROOT = "/host/root"  # where the exporter's container sees the host's /
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -67,6 +68,8 @@ def test_bind_mounts_exist(compose: dict[str, Any]) -> None:
     for service, source, target in mounts:
         if source.is_relative_to(GRAFANA):
             continue   # test_grafana_bundle_mounts_exist
+        if (service, source, target) == ("exporter", Path("/"), HOST_ROOT):
+            continue   # test_the_exporter_reads_the_hosts_filesystems_under_its_root_mounted_read_only
         assert source.exists(), f"{service}: mount source {source} for {target} does not exist"
         assert source.is_relative_to(REPO), f"{service}: {source} lies outside the repository"
 
@@ -119,11 +122,24 @@ def test_exporter_reads_and_accepts_its_compose_environment(
     environment = {name: interpolate(value) for name, value in compose["services"]["exporter"]["environment"].items()}
     read = set(re.findall(r"\bSTEPSCOPE_\w+", build_parser().format_help()))
     assert environment.keys() <= read, f"the exporter does not read {sorted(environment.keys() - read)}"
+    assert environment["STEPSCOPE_PATH_ROOTFS"] == HOST_ROOT  # mounted in the container: here, this machine's /
+    environment["STEPSCOPE_PATH_ROOTFS"] = "/"
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     args = build_parser().parse_args([])
     assert args.collect_interval == 5
     assert args.ingest_allow
+    assert args.filesystem_paths == ["/"]
+
+
+def test_the_exporter_reads_the_hosts_filesystems_under_its_root_mounted_read_only(compose: dict[str, Any]) -> None:
+    """The container's own / is an overlay: the host's root, read-only and rslave (the host's later mounts
+    appear), is where --path.rootfs points, so STEPSCOPE_FILESYSTEM_PATHS are the host's paths."""
+    exporter = compose["services"]["exporter"]
+    assert "/:/host/root:ro,rslave" in exporter["volumes"]
+    assert exporter["environment"]["STEPSCOPE_PATH_ROOTFS"] == HOST_ROOT
+    assert interpolate(exporter["environment"]["STEPSCOPE_FILESYSTEM_PATHS"], {"STEPSCOPE_FILESYSTEM_PATHS": "/,/data"}
+                       ) == "/,/data"
 
 
 def test_demo_trainer_pushes_to_the_exporter(compose: dict[str, Any]) -> None:

@@ -42,7 +42,8 @@ def test_dcgm_mode_runs_without_the_gpu_collector_and_without_nvml() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and "NVIDIA_DRIVER_CAPABILITIES" not in env
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
-    build_parser().parse_args([a for a in container["args"] if not a.startswith("--ingest-token-file")])
+    build_parser().parse_args([a.replace("=/host/root", "=/") for a in container["args"]  # the node's root: ours
+                               if not a.startswith("--ingest-token-file")])
 
 
 def test_dcgm_mode_reads_the_pod_resources_socket_read_only_as_root_with_sys_ptrace_alone() -> None:
@@ -57,7 +58,7 @@ def test_dcgm_mode_reads_the_pod_resources_socket_read_only_as_root_with_sys_ptr
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
     assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
     assert "privileged" not in ctx and pod["automountServiceAccountToken"] is False  # no Kubernetes API access
-    assert {m["name"] for m in container["volumeMounts"]} == {"ingest-token", "pod-resources"}
+    assert {m["name"] for m in container["volumeMounts"]} == {"ingest-token", "pod-resources", "host-root"}
 
 
 def test_nvml_mode_keeps_the_gpu_collector_and_adds_pod_attribution_on_request() -> None:
@@ -74,8 +75,8 @@ def test_nvml_mode_keeps_the_gpu_collector_and_adds_pod_attribution_on_request()
 
 def test_pod_attribution_without_ingest_still_mounts_the_socket() -> None:
     pod, container = _daemonset({"gpuSource": "dcgm", "ingest": {"enabled": False}})
-    assert [v["name"] for v in pod["volumes"]] == ["pod-resources"]
-    assert [m["name"] for m in container["volumeMounts"]] == ["pod-resources"]
+    assert [v["name"] for v in pod["volumes"]] == ["pod-resources", "host-root"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["pod-resources", "host-root"]
 
 
 def test_the_ci_values_cover_both_modes() -> None:

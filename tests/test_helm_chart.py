@@ -171,11 +171,12 @@ def test_scheduled_on_gpu_nodes_without_taking_a_gpu(chart: Path) -> None:
 @pytest.mark.parametrize("values_file", CI_FILES, ids=lambda p: p.name)
 def test_exporter_accepts_the_rendered_args(chart: Path, values_file: Path, tmp_path: Path) -> None:
     """The chart's flags go through the exporter's own parser (the files mounted in the pod, the token
-    and the web config, are local files here): a value the schema admits but the exporter refuses is a
-    crash loop."""
+    and the web config, and the node's root are local here): a value the schema admits but the exporter
+    refuses is a crash loop."""
     mounted = {"--ingest-token-file": tmp_path / "token", "--web.config.file": tmp_path / "web-config.yml"}
     for path in mounted.values():
         path.write_text("secret\n")
+    mounted["--path.rootfs"] = tmp_path
     args = exporter_container(objects(render(chart, ci_values(values_file))))["args"]
     args = [f"{a.split('=', 1)[0]}={mounted[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in mounted else a
             for a in args]
@@ -257,7 +258,8 @@ def test_ingest_disabled_leaves_no_token_and_no_host_port(chart: Path) -> None:
     container = exporter_container(objs)
     assert not by_kind(objs, "Secret")
     assert not any(a.startswith("--ingest") for a in container["args"])
-    assert "hostPort" not in container["ports"][0] and "volumeMounts" not in container
+    assert "hostPort" not in container["ports"][0]
+    assert [mount["name"] for mount in container["volumeMounts"]] == ["host-root"]  # no token
     assert "push API is disabled" in notes(rendered)
 
 
@@ -648,7 +650,8 @@ def test_ingest_allow_admits_its_networks_without_the_token(chart: Path, tmp_pat
     token_file = tmp_path / "token"
     token_file.write_text(token)
     port = free_port()
-    local = {"--ingest-token-file": str(token_file), "--web.listen-address": f"127.0.0.1:{port}", "--collectors": ""}
+    local = {"--ingest-token-file": str(token_file), "--web.listen-address": f"127.0.0.1:{port}", "--collectors": "",
+             "--path.rootfs": "/"}  # the node's root: this machine's
     args = [f"{arg.split('=', 1)[0]}={local[arg.split('=', 1)[0]]}" if arg.split("=", 1)[0] in local else arg
             for arg in exporter_container(objs)["args"]]
     assert "--ingest-allow-without-token=127.0.0.2/32" in args

@@ -240,6 +240,24 @@ def test_tolerations_for_gpu_taints_are_configurable() -> None:
     assert tolerated(pod["tolerations"], {"key": "dedicated", "value": "training", "effect": "NoSchedule"})
 
 
+def test_filesystem_paths_are_the_nodes_read_under_its_root_mounted_read_only() -> None:
+    """By default the node's / is mounted read-only at /host/root (HostToContainer: the node's later mounts
+    show), and --path.rootfs names it, so filesystemPaths ["/", "/data"] are the node's root disk and /data,
+    never the container's overlay; hostRootfs off leaves neither the mount nor the flag."""
+    objs = objects(render(CHART, {"filesystemPaths": ["/", "/data"]}))
+    container, pod = exporter_container(objs), one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert {"--filesystem-paths=/,/data", "--path.rootfs=/host/root"} <= set(container["args"])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/host/root"]
+    assert (mount["readOnly"], mount["mountPropagation"]) == (True, "HostToContainer")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["hostPath"] == {"path": "/", "type": "Directory"}
+    kubernetes_validate.validate(one(objs, "DaemonSet"), KUBE, strict=True)
+    objs = objects(render(CHART, {"hostRootfs": {"enabled": False}, "ingest": {"enabled": False}}))
+    container, pod = exporter_container(objs), one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert not [arg for arg in container["args"] if arg.startswith("--path.rootfs")]
+    assert "volumeMounts" not in container and "volumes" not in pod
+
+
 def test_termination_grace_period_outlasts_the_exporters_bounded_shutdown() -> None:
     """On SIGTERM the exporter drains in-flight responses (SHUTDOWN_TIMEOUT_SECONDS), cancels the rest
     (as long again), then joins the push API and collector threads (2 s each): the kubelet must not

@@ -70,13 +70,13 @@ def test_off_by_default_and_basic_auth_alone(tmp_path: Path) -> None:
     the state file sits on an emptyDir, the probes stay plain HTTP and need no credentials."""
     plain = objects(render(CHART))
     assert not {"--web.config.file", "--web.auth.state-file"} & set(flags(plain))
-    assert set(mounts(plain)) == {"ingest-token"}
+    assert set(mounts(plain)) == {"ingest-token", "host-root"}
     objs = objects(render(CHART, {"webConfig": {"basicAuthUsers": {"prometheus": HASH}}}))
     assert web_config(objs) == {"basic_auth_users": {"prometheus": HASH}}
     assert flags(objs)["--web.config.file"] == "/etc/stepscope/web/web-config.yml"
     assert flags(objs)["--web.auth.state-file"] == "/var/lib/stepscope/auth-state.json"
     found = mounts(objs)
-    assert set(found) == {"ingest-token", "web-config", "auth-state"}
+    assert set(found) == {"ingest-token", "host-root", "web-config", "auth-state"}
     mount, volume = found["web-config"]
     assert mount == {"name": "web-config", "mountPath": "/etc/stepscope/web", "readOnly": True}
     assert volume["secret"] == {"secretName": "rel-stepscope-web-config", "defaultMode": 0o440}  # no items
@@ -224,7 +224,7 @@ class Pod:
     def localise(self, text: str) -> str:
         """Paths inside the pod -> paths under the root, in args and in files (the web config's cert_file)."""
         for mount_path in sorted(self.places, key=len, reverse=True):
-            text = text.replace(f"{mount_path}/", f"{self.places[mount_path]}/")
+            text = re.sub(f"{re.escape(mount_path)}(?=/|$)", str(self.places[mount_path]), text)
         return text
 
     def upgrade(self, objs: list[dict[str, Any]]) -> None:
@@ -239,6 +239,11 @@ class Pod:
             place = self.places[mount["mountPath"]]
             if "emptyDir" in volume:
                 place.mkdir(parents=True, exist_ok=True)
+                continue
+            if "hostPath" in volume:  # the node's directory itself: this machine's
+                if not place.is_symlink():
+                    place.parent.mkdir(parents=True, exist_ok=True)
+                    place.symlink_to(volume["hostPath"]["path"])
                 continue
             files = self.secrets[volume["secret"]["secretName"]]
             if "items" in volume["secret"]:

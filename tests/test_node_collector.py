@@ -220,6 +220,75 @@ def test_a_path_moved_to_another_filesystem_gets_its_mountpoint_at_the_next_cycl
     assert len(reads) == 2
 
 
+def node_root(tmp_path: Path) -> Path:
+    """A node's root as a container would see it mounted (--path.rootfs): /data is a symbolic link to the
+    node's /mnt/nvme, a path that this machine's own root does not hold."""
+    root = tmp_path / "node"
+    (root / "mnt" / "nvme").mkdir(parents=True)
+    (root / "data").symlink_to("/mnt/nvme")
+    assert not os.path.exists("/mnt/nvme")
+    return root
+
+
+def filesystem_labels(by_name: dict[str, list]) -> dict[str, tuple[str, float]]:
+    """path -> (its mountpoint label, its size) of one collection."""
+    return {sample.labels["path"]: (sample.labels["mountpoint"], sample.value)
+            for sample in by_name["stepscope_node_filesystem_size_bytes"]}
+
+
+@linux_only
+def test_paths_under_a_rootfs_are_the_nodes_each_link_followed_as_on_the_node(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--path.rootfs: the node's /data, a link to /mnt/nvme, is read at <rootfs>/mnt/nvme and published as
+    /data; followed in the container instead, as before, the link led to the container's /mnt/nvme, which
+    does not exist, and the path was skipped. The rootfs here is no mount point: its filesystem is the node's /."""
+    root = node_root(tmp_path)
+    collector = NodeCollector(["/", "/data", "/missing"], rootfs=str(root))
+    with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
+        published = filesystem_labels(collected(collector))
+    total = shutil.disk_usage(tmp_path).total
+    assert published == {"/": ("/", total), "/data": ("/", total)}
+    assert [record.getMessage() for record in caplog.records] == [
+        "filesystem path '/missing' skipped: No such file or directory"]
+
+
+@linux_only
+def test_a_mount_under_the_rootfs_is_labelled_with_the_nodes_mountpoint() -> None:
+    """/dev as the rootfs: the node's /shm is /dev/shm here, a tmpfs of its own, labelled mountpoint /shm."""
+    if not os.path.ismount("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/dev").st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    published = filesystem_labels(collected(NodeCollector(["/shm"], rootfs="/dev")))
+    assert published == {"/shm": ("/shm", shutil.disk_usage("/dev/shm").total)}
+
+
+def test_resolving_under_a_rootfs_follows_relative_and_absolute_links_and_stops_at_a_loop(tmp_path: Path) -> None:
+    root = node_root(tmp_path)
+    (root / "mnt" / "nvme" / "sets").mkdir()
+    (root / "mnt" / "current").symlink_to("nvme/sets")  # relative: from the link's own directory
+    (root / "up").symlink_to("mnt/nvme/../current")
+    (root / "loop").symlink_to("/loop")
+    resolve = node.resolve_on_node
+    assert resolve("/data", str(root)) == str(root / "mnt" / "nvme")
+    # ".." after a link is the parent of where it leads, as in the kernel: /data/.. is /mnt
+    assert resolve("/data/../current/x", str(root)) == str(root / "mnt" / "nvme" / "sets" / "x")
+    assert resolve("/up", str(root)) == str(root / "mnt" / "nvme" / "sets")
+    assert resolve("/../../data", str(root)) == str(root / "mnt" / "nvme")  # never above the node's root
+    assert resolve(str(root / "data"), "/") == "/mnt/nvme"  # without a rootfs, realpath()
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        resolve("/loop", str(root))
+
+
+def test_a_real_exporter_publishes_the_nodes_paths_under_its_rootfs(tmp_path: Path) -> None:
+    root = node_root(tmp_path)
+    with running_exporter(tmp_path, "--collectors", "node", "--path.rootfs", str(root),
+                          "--filesystem-paths", "/,/data") as exporter:
+        text = scrape(exporter.url)
+    total = shutil.disk_usage(tmp_path).total
+    for path in ("/", "/data"):
+        assert sample_values(text, "stepscope_node_filesystem_size_bytes", path=path, mountpoint="/") == [total]
+
+
 # --- accuracy through a real exporter -------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ psutil keeps this portable (no hand-parsed /proc); families a platform cannot gi
 on macOS, say) are simply absent.
 """
 
+import errno
 import logging
 import os
 import platform
@@ -13,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import psutil
 
@@ -40,6 +42,16 @@ FILESYSTEM_READ_SECONDS = 1.0
 # Sizes and free space change slowly, and a read is a handoff to a path's thread (~0.05 ms, a third of the
 # node cycle): read at most this often, every cycle's other readings aside; cycles in between serve the last.
 FILESYSTEM_EVERY_SECONDS = 5.0
+# Symbolic links followed when resolving a path under --path.rootfs, as the kernel's own limit (ELOOP).
+MAX_SYMLINKS = 40
+
+
+@dataclass(frozen=True)
+class PathReading:
+    device: int  # st_dev: a change means another filesystem is mounted there
+    size: int
+    available: int  # to unprivileged users
+    resolved: str  # where the path lies in this process's view, symbolic links followed
 
 
 class NodeCollector:
@@ -47,14 +59,17 @@ class NodeCollector:
 
     name = "node"
 
-    def __init__(self, filesystem_paths: list[str]) -> None:
+    def __init__(self, filesystem_paths: list[str], rootfs: str = "/") -> None:
+        """`rootfs`: where the node's root filesystem is mounted in this container (--path.rootfs), so that the
+        paths, read under it, are the node's; "/" where the exporter runs on the node itself."""
+        self._rootfs = os.path.abspath(rootfs)
         self._missing_paths: set[str] = set()
-        self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point)
-        self._readers = {path: _PathReader(path) for path in dict.fromkeys(filesystem_paths)}
+        self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point on the node)
+        self._readers = {path: _PathReader(path, self._rootfs) for path in dict.fromkeys(filesystem_paths)}
         self._hung: set[str] = set()  # paths whose read has not come back
         self._mounts_read = float("-inf")
         self._paths_read = float("-inf")
-        self._path_values: dict[str, tuple[int, int, int]] = {}  # the last _read_paths()
+        self._path_values: dict[str, PathReading] = {}  # the last _read_paths()
 
     def collect(self) -> Iterable[Metric]:
         yield from self._cpu()
@@ -133,16 +148,16 @@ class NodeCollector:
         if time.monotonic() - self._paths_read >= FILESYSTEM_EVERY_SECONDS:
             self._path_values, self._paths_read = self._read_paths(), time.monotonic()
         read = self._path_values
-        self._find_mountpoints({path: device for path, (device, _, _) in read.items()})
-        for path, (_, total, free) in read.items():
+        self._find_mountpoints(read)
+        for path, reading in read.items():
             labels = [path, self._mountpoints[path][1]]
-            size.add_metric(labels, total)
-            avail.add_metric(labels, free)
+            size.add_metric(labels, reading.size)
+            avail.add_metric(labels, reading.available)
         yield size
         yield avail
 
-    def _read_paths(self) -> dict[str, tuple[int, int, int]]:
-        """path -> (its device, size, bytes available) for each path that answered within
+    def _read_paths(self) -> dict[str, PathReading]:
+        """path -> its reading, for each path that answered within
         FILESYSTEM_READ_SECONDS; a path whose read has not come back since is not asked again until it does."""
         for path in [path for path in self._hung if self._readers[path].answer(0) is not None]:
             self._hung.discard(path)
@@ -151,7 +166,7 @@ class NodeCollector:
         for _, reader in asked:
             reader.ask()
         deadline = time.monotonic() + FILESYSTEM_READ_SECONDS
-        values: dict[str, tuple[int, int, int]] = {}
+        values: dict[str, PathReading] = {}
         for path, reader in asked:
             found = reader.answer(deadline - time.monotonic())
             if found is None:
@@ -167,15 +182,16 @@ class NodeCollector:
                 values[path] = found
         return values
 
-    def _find_mountpoints(self, devices: dict[str, int]) -> None:
-        """Each path's mount point, from a mount table read again only when one may have changed (a path
-        on another device, a minute gone): reading it, every mount of the node, was a fifth of the cycle."""
+    def _find_mountpoints(self, read: dict[str, PathReading]) -> None:
+        """Each path's mount point on the node, from a mount table read again only when one may have changed
+        (a path on another device, a minute gone): reading it, every mount of the node, was a fifth of the cycle."""
         now = time.monotonic()
         if now - self._mounts_read < MOUNT_TABLE_SECONDS and all(
-                self._mountpoints.get(path, (None, ""))[0] == device for path, device in devices.items()):
+                self._mountpoints.get(path, (None, ""))[0] == reading.device for path, reading in read.items()):
             return
         table = [partition.mountpoint for partition in psutil.disk_partitions(all=True)]
-        self._mountpoints = {path: (device, _mountpoint_of(path, table)) for path, device in devices.items()}
+        self._mountpoints = {path: (reading.device, _on_node(_mountpoint_of(reading.resolved, table), self._rootfs))
+                             for path, reading in read.items()}
         self._mounts_read = now
 
 
@@ -183,19 +199,20 @@ class _PathReader:
     """Reads one path's statvfs and stat when asked, on a daemon thread of its own for the collector's life:
     the cycle can stop waiting for a hung mount, and the exporter can still exit while the thread stays
     blocked in the kernel. A thread started per read instead doubled the node cycle's CPU (0.15 -> 0.3 ms);
-    SimpleQueue's handoff, in C, costs less than an Event's."""
+    SimpleQueue's handoff, in C, costs less than an Event's. Resolving the path is part of the read: a
+    symbolic link on a hung mount blocks as well."""
 
-    def __init__(self, path: str) -> None:
-        self._path = path
+    def __init__(self, path: str, rootfs: str) -> None:
+        self._path, self._rootfs = path, rootfs
         self._asked: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._answers: queue.SimpleQueue[tuple[int, int, int] | OSError] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[PathReading | OSError] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name=f"statvfs {path}", daemon=True).start()
 
     def ask(self) -> None:
         self._asked.put(None)
 
-    def answer(self, timeout: float) -> tuple[int, int, int] | OSError | None:
-        """(its device, size, bytes available), the error it met, or None when it has not answered yet."""
+    def answer(self, timeout: float) -> PathReading | OSError | None:
+        """The path's reading, the error it met, or None when it has not answered yet."""
         try:
             found = self._answers.get(timeout=timeout) if timeout > 0 else self._answers.get_nowait()
         except queue.Empty:
@@ -206,15 +223,52 @@ class _PathReader:
         while True:
             self._asked.get()
             try:
-                usage = psutil.disk_usage(self._path)
-                self._answers.put((os.stat(self._path).st_dev, usage.total, usage.free))
+                resolved = resolve_on_node(self._path, self._rootfs)
+                usage = psutil.disk_usage(resolved)
+                self._answers.put(PathReading(os.stat(resolved).st_dev, usage.total, usage.free, resolved))
             except OSError as exc:
                 self._answers.put(exc)
 
 
-def _mountpoint_of(path: str, mountpoints: list[str]) -> str:
-    """The deepest mount point containing path (symlinks resolved); path itself when none matches."""
-    real = os.path.realpath(path)
+def resolve_on_node(path: str, rootfs: str) -> str:
+    """Where the node's `path` lies in this process's view with the node's root mounted at `rootfs`, each
+    symbolic link followed as on the node: an absolute target is taken from the node's root, so a node's
+    `/data -> /mnt/nvme` reads its /mnt/nvme, never this container's. Under "/" that is realpath()."""
+    if rootfs == os.sep:
+        return os.path.realpath(path)
+    pending, resolved, links = [part for part in path.split(os.sep) if part], [], 0
+    while pending:
+        part = pending.pop(0)
+        if part in (".", ".."):
+            if part == ".." and resolved:
+                resolved.pop()
+            continue
+        try:
+            target = os.readlink(os.path.join(rootfs, *resolved, part))
+        except OSError:  # not a link, or missing: statvfs says which
+            resolved.append(part)
+            continue
+        links += 1
+        if links > MAX_SYMLINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        if target.startswith(os.sep):
+            resolved = []
+        pending[:0] = [part for part in target.split(os.sep) if part]
+    return os.path.join(rootfs, *resolved)
+
+
+def _on_node(mountpoint: str, rootfs: str) -> str:
+    """A mount point of this process's view as the node names it: under `rootfs`, without it; a mount above
+    it (the container's own, holding a rootfs that is no mount point of its own) is the node's root."""
+    if rootfs == os.sep:
+        return mountpoint
+    if mountpoint == rootfs or mountpoint.startswith(rootfs + os.sep):
+        return mountpoint[len(rootfs):] or os.sep
+    return os.sep
+
+
+def _mountpoint_of(real: str, mountpoints: list[str]) -> str:
+    """The deepest mount point containing `real` (a path with its symlinks resolved); itself when none does."""
     best = ""
     for mountpoint in mountpoints:
         prefix = mountpoint if mountpoint.endswith(os.sep) else mountpoint + os.sep
