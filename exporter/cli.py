@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "
                   "and free space to publish, as the node names them (see --path.rootfs)")
+    add_toggle(collection, "--collector.node.host-network", default=False, dest="node_host_network",
+               help="read the network counters of PID 1's namespace (/proc/1/net/dev): the node's, where the exporter "
+                    "shares the node's PID namespace but not its network (the Helm chart's hostPID without "
+                    "hostNetwork, compose's pid: host); off: the exporter's own namespace")
     add_flag(collection, "--path.rootfs", default="/", type=directory, dest="path_rootfs",
              help="where the node's root filesystem is mounted in a container running the exporter (node_exporter's "
                   "flag; the Helm chart mounts it at /host/root): --filesystem-paths are read under it, symbolic "
@@ -194,6 +198,19 @@ def _check_state_file(args: argparse.Namespace, tls_settings: TlsSettings | None
                  "file, give it a path of its own")
 
 
+def _check_node_network(args: argparse.Namespace) -> None:
+    """--collector.node.host-network reads PID 1's counters: one line at start where they cannot be read (no
+    Linux /proc), rather than a node collector failing at every cycle."""
+    if not (args.node_host_network and "node" in args.collectors):
+        return
+    from stepscope.exporter.collectors.node import NODE_NET_DEV, read_net_dev
+
+    try:
+        read_net_dev(NODE_NET_DEV)
+    except (OSError, ValueError, IndexError) as exc:
+        fail(f"--collector.node.host-network: cannot read {NODE_NET_DEV}: {getattr(exc, 'strerror', None) or exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.collectors = enabled_collectors(args)
@@ -204,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config, tls_settings = _web_config(args)
     _check_state_file(args, tls_settings)
+    _check_node_network(args)
     if tls_settings is None:
         keep_ssl_unloaded()
     from stepscope.exporter.daemon import serve  # after that choice: the server's asyncio imports ssl

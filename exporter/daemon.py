@@ -111,9 +111,10 @@ def _build_collectors(
     pods = _pod_collector(args, push_api)
     attribution = pods.attribution if pods is not None else None
     if "node" in args.collectors:
-        from stepscope.exporter.collectors.node import NodeCollector
+        from stepscope.exporter.collectors.node import NODE_NET_DEV, NodeCollector
 
-        collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths, rootfs=args.path_rootfs))
+        collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths, rootfs=args.path_rootfs,
+                                        net_dev=NODE_NET_DEV if args.node_host_network else None))
     if "gpu" in args.collectors:
         from stepscope.exporter.collectors.gpu import GpuCollector
 

@@ -142,6 +142,16 @@ def test_the_exporter_reads_the_hosts_filesystems_under_its_root_mounted_read_on
                        ) == "/,/data"
 
 
+def test_the_exporter_reads_the_hosts_interfaces_through_its_pid_1(compose: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's network is the stack's bridge; with the host's PID namespace, PID 1 shows the host's."""
+    exporter = compose["services"]["exporter"]
+    assert exporter["pid"] == "host" and "network_mode" not in exporter
+    variable = "STEPSCOPE_COLLECTOR_NODE_HOST_NETWORK"
+    monkeypatch.setenv(variable, exporter["environment"][variable])
+    assert build_parser().parse_args([]).node_host_network is True
+
+
 def test_demo_trainer_pushes_to_the_exporter(compose: dict[str, Any]) -> None:
     trainer = compose["services"]["trainer"]
     assert trainer["profiles"] == ["demo"] and trainer["build"]["target"] == "demo"

@@ -258,6 +258,16 @@ def test_filesystem_paths_are_the_nodes_read_under_its_root_mounted_read_only() 
     assert "volumeMounts" not in container and "volumes" not in pod
 
 
+@pytest.mark.parametrize(("values", "through_pid_1"), [
+    ({}, True),  # the pod's own network namespace, the node's PID namespace: the node's PID 1 has its interfaces
+    ({"hostNetwork": True}, False),  # the node's namespace already
+    ({"hostPID": False}, False),  # PID 1 is the pod's own: its counters are the pod's either way
+])
+def test_the_node_network_counters_are_the_nodes_interfaces(values: dict[str, Any], through_pid_1: bool) -> None:
+    args = exporter_container(objects(render(CHART, values)))["args"]
+    assert ("--collector.node.host-network" in args) == through_pid_1
+
+
 def test_termination_grace_period_outlasts_the_exporters_bounded_shutdown() -> None:
     """On SIGTERM the exporter drains in-flight responses (SHUTDOWN_TIMEOUT_SECONDS), cancels the rest
     (as long again), then joins the push API and collector threads (2 s each): the kubelet must not

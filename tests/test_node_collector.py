@@ -289,6 +289,57 @@ def test_a_real_exporter_publishes_the_nodes_paths_under_its_rootfs(tmp_path: Pa
         assert sample_values(text, "stepscope_node_filesystem_size_bytes", path=path, mountpoint="/") == [total]
 
 
+NET_DEV = """Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier
+    lo:    9110      51    0    0    0     0          0         0     9110      51    0    0    0     0       0  0
+ens5f0np0:123456789012345 1 0 0 0 0 0 0 98765432109876 2 0 0 0 0 0 0
+  ifb0:     700       7    0    0    0     0          0         0      700       7    0    0    0     0       0  0
+"""
+
+
+def test_network_counters_come_from_a_given_net_dev_file(tmp_path: Path) -> None:
+    """/proc/<pid>/net/dev as the kernel writes it, a long name running into its counters included."""
+    (tmp_path / "dev").write_text(NET_DEV)
+    assert node.read_net_dev(str(tmp_path / "dev")) == {
+        "lo": (9110, 9110), "ens5f0np0": (123456789012345, 98765432109876), "ifb0": (700, 700)}
+    by_name = collected(NodeCollector([], net_dev=str(tmp_path / "dev")))
+    assert {s.labels["device"]: s.value for s in by_name["stepscope_node_network_transmit_bytes_total"]} == {
+        "lo": 9110, "ens5f0np0": 98765432109876}
+
+
+OWN_NAMESPACE = """
+import json
+from stepscope.exporter.collectors.node import NODE_NET_DEV, NodeCollector
+from stepscope.exporter.exposition import render
+from prometheus_client.parser import text_string_to_metric_families
+found = {}
+for name, net_dev in (("own", None), ("node", NODE_NET_DEV)):
+    text = render(list(NodeCollector([], net_dev=net_dev).collect())).decode()
+    found[name] = {s.labels["device"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "stepscope_node_network_receive_bytes_total"}
+print(json.dumps(found))
+"""
+
+
+@linux_only
+def test_in_a_network_namespace_of_its_own_the_host_network_toggle_reads_the_nodes_interfaces() -> None:
+    """A collector in a network namespace of its own (`unshare --net`, as a pod without hostNetwork) sees only
+    its own loopback; reading through PID 1 (--collector.node.host-network) it sees the node's interfaces."""
+    import json
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode:
+        pytest.skip("cannot make a network namespace here (unshare --net needs root)")
+    node_before = {name: counters[0] for name, counters in node.read_net_dev(node.NODE_NET_DEV).items()
+                   if not name.startswith("ifb")}
+    result = subprocess.run(["unshare", "--net", sys.executable, "-c", OWN_NAMESPACE], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert set(found["own"]) == {"lo"} and set(node_before) - {"lo"}, (found, node_before)
+    assert set(found["node"]) == set(node_before)
+    assert all(found["node"][name] >= node_before[name] for name in node_before)
+
+
 # --- accuracy through a real exporter -------------------------------------------------------------
 
 

@@ -42,6 +42,10 @@ FILESYSTEM_READ_SECONDS = 1.0
 # Sizes and free space change slowly, and a read is a handoff to a path's thread (~0.05 ms, a third of the
 # node cycle): read at most this often, every cycle's other readings aside; cycles in between serve the last.
 FILESYSTEM_EVERY_SECONDS = 5.0
+# The node's network counters from a container that shares the node's PID namespace but has a network
+# namespace of its own (the Helm chart's hostPID, compose's pid: host): PID 1 is the node's init, and
+# /proc/<pid>/net/dev shows that process's namespace to any user.
+NODE_NET_DEV = "/proc/1/net/dev"
 # Symbolic links followed when resolving a path under --path.rootfs, as the kernel's own limit (ELOOP).
 MAX_SYMLINKS = 40
 
@@ -59,10 +63,12 @@ class NodeCollector:
 
     name = "node"
 
-    def __init__(self, filesystem_paths: list[str], rootfs: str = "/") -> None:
+    def __init__(self, filesystem_paths: list[str], rootfs: str = "/", net_dev: str | None = None) -> None:
         """`rootfs`: where the node's root filesystem is mounted in this container (--path.rootfs), so that the
-        paths, read under it, are the node's; "/" where the exporter runs on the node itself."""
+        paths, read under it, are the node's; "/" where the exporter runs on the node itself. `net_dev`: the
+        /proc/<pid>/net/dev to read network counters from (NODE_NET_DEV: the node's), None: this process's."""
         self._rootfs = os.path.abspath(rootfs)
+        self._net_dev = net_dev
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point on the node)
         self._readers = {path: _PathReader(path, self._rootfs) for path in dict.fromkeys(filesystem_paths)}
@@ -127,15 +133,18 @@ class NodeCollector:
                 yield family
 
     def _network(self) -> Iterable[Metric]:
-        nics = {name: io for name, io in psutil.net_io_counters(pernic=True, nowrap=False).items()
-                if not _IGNORED_NICS.match(name)}
+        if self._net_dev is None:
+            counters = {name: (io.bytes_recv, io.bytes_sent)
+                        for name, io in psutil.net_io_counters(pernic=True, nowrap=False).items()}
+        else:
+            counters = read_net_dev(self._net_dev)
         receive = CounterMetricFamily(families.NODE_NETWORK_RECEIVE,
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
                                        "Bytes transmitted on the interface.", labels=["device"])
-        for device in sorted(nics):
-            receive.add_metric([device], nics[device].bytes_recv)
-            transmit.add_metric([device], nics[device].bytes_sent)
+        for device in sorted(name for name in counters if not _IGNORED_NICS.match(name)):
+            receive.add_metric([device], counters[device][0])
+            transmit.add_metric([device], counters[device][1])
         yield receive
         yield transmit
 
@@ -228,6 +237,19 @@ class _PathReader:
                 self._answers.put(PathReading(os.stat(resolved).st_dev, usage.total, usage.free, resolved))
             except OSError as exc:
                 self._answers.put(exc)
+
+
+def read_net_dev(path: str) -> dict[str, tuple[int, int]]:
+    """Interface -> (bytes received, bytes transmitted) from a /proc/<pid>/net/dev: psutil reads only this
+    process's own /proc/net/dev. Two header lines, then `name: rx_bytes ... (8 receive fields) tx_bytes ...`."""
+    with open(path, encoding="ascii") as handle:
+        lines = handle.read().splitlines()[2:]
+    counters = {}
+    for line in lines:
+        name, _, fields = line.partition(":")
+        values = fields.split()
+        counters[name.strip()] = (int(values[0]), int(values[8]))
+    return counters
 
 
 def resolve_on_node(path: str, rootfs: str) -> str:
