@@ -1,5 +1,8 @@
-"""Writes the report into a temporary directory beside --out and renames it into place at the end, so
-a failed or interrupted report never leaves a directory that looks complete.
+"""Writes the report into a temporary directory beside --out and moves it into place at the end, so
+a failed or interrupted report never leaves a directory that looks complete. A new --out is the staging
+directory renamed; an existing one keeps its inode and gets the new files renamed into it, the page last:
+a shell sitting in it (`cd report && stepscope-report ... --out .`), or a server serving it, goes on
+seeing it, where replacing the directory left them in a deleted one.
 
 An existing --out is replaced only when it is empty or an earlier report: its index.html names this
 generator and it holds nothing but the files a report writes. Anything else there (the user's notes, a
@@ -75,10 +78,14 @@ def _listed(names: list[str]) -> str:
 
 @contextmanager
 def staged(out: Path) -> Iterator[Path]:
-    """Yields an empty directory next to `out`; replaces `out` with it when the block succeeds and
+    """Yields an empty directory next to `out`; puts its files in `out` when the block succeeds and
     removes it when the block fails."""
     check(out)
-    out = out.resolve()  # `.` or `dir/..` has no name to put the staging directory beside
+    try:
+        out = out.resolve()  # `.` or `dir/..` has no name to put the staging directory beside
+    except OSError as exc:  # a working directory deleted under the shell
+        raise OutputError(f"cannot resolve --out {out}: {exc.strerror or exc} (the working directory was "
+                          "deleted?)") from None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -99,7 +106,9 @@ def _publish(staging: Path, out: Path) -> None:
     if not out.exists():
         staging.rename(out)
         return
-    previous = out.with_name(f".{out.name}.previous-{os.getpid()}")
-    out.rename(previous)
-    staging.rename(out)
-    shutil.rmtree(previous, ignore_errors=True)
+    written = sorted(os.listdir(staging), key=lambda name: name == "index.html")  # the page, naming the CSVs, last
+    for name in written:
+        os.replace(staging / name, out / name)
+    for name in report_files() - set(written):  # an earlier report's file this one does not write
+        (out / name).unlink(missing_ok=True)
+    staging.rmdir()

@@ -420,6 +420,34 @@ def test_out_dot_writes_the_working_directory_and_then_replaces_the_report_in_it
     assert [path.name for path in tmp_path.iterdir()] == ["here"]  # no staging or previous directory left
 
 
+def test_a_shell_sitting_in_the_report_directory_writes_it_again_and_sees_the_new_one(runs: Runs,
+                                                                                      tmp_path: Path) -> None:
+    """`cd report`, then the report into `.` twice and `ls`, in one shell: the directory is written in place,
+    so the shell is never left in a deleted directory (before, the second report replaced the directory the
+    shell sat in and failed itself: `.` no longer resolved)."""
+    here = tmp_path / "report"
+    here.mkdir()
+    inode = here.stat().st_ino
+    report_once = f"{sys.executable} -m stepscope.report --prometheus {runs.prometheus} --run data --out ."
+    result = subprocess.run(["bash", "-c", f"cd {here} && {report_once} && {report_once} && echo --- && ls -A"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("---\n")[1].split()) == sorted(report.FILES), result.stdout
+    assert here.stat().st_ino == inode and sorted(path.name for path in tmp_path.iterdir()) == ["report"]
+
+
+def test_out_dot_in_a_deleted_working_directory_is_one_line_exit_2(runs: Runs, tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    report_once = f"{sys.executable} -m stepscope.report --prometheus {runs.prometheus} --run data --out ."
+    result = subprocess.run(["bash", "-c", f"cd {gone} && rmdir {gone} && {report_once}"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr == (
+        "stepscope-report: error: cannot resolve --out .: No such file or directory (the working directory was "
+        "deleted?)\n"), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("flag", ["--from", "--to"])
 def test_a_time_no_calendar_holds_is_one_line_exit_2(runs: Runs, tmp_path: Path, flag: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
