@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from stepscope.exporter import __version__, ingest
 from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS
+from stepscope.exporter.collectors.node import DEFAULT_NETDEV_EXCLUDE
 from stepscope.exporter.flags import (
     OneLineErrorParser,
     add_flag,
@@ -24,6 +25,7 @@ from stepscope.exporter.flags import (
     positive_float,
     positive_int,
     readable_file,
+    regex,
     source_of,
 )
 from stepscope.exporter.ingest import PROFILE_PREFIX
@@ -125,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                help="read the network counters of PID 1's namespace (/proc/1/net/dev): the node's, where the exporter "
                     "shares the node's PID namespace but not its network (the Helm chart's hostPID without "
                     "hostNetwork, compose's pid: host); off: the exporter's own namespace")
+    add_flag(collection, "--collector.node.netdev-exclude", default=DEFAULT_NETDEV_EXCLUDE, type=regex,
+             dest="node_netdev_exclude",
+             help="network interfaces left out, a regular expression matched at the start of the name (default: "
+                  "containers' veth pairs, CNI bridges and tunnels, whose traffic the physical interfaces carry "
+                  "too); empty: none")
     add_flag(collection, "--path.rootfs", default="/", type=directory, dest="path_rootfs",
              help="where the node's root filesystem is mounted in a container running the exporter (node_exporter's "
                   "flag; the Helm chart mounts it at /host/root): --filesystem-paths are read under it, symbolic "

@@ -114,7 +114,8 @@ def _build_collectors(
         from stepscope.exporter.collectors.node import NODE_NET_DEV, NodeCollector
 
         collectors.append(NodeCollector(filesystem_paths=args.filesystem_paths, rootfs=args.path_rootfs,
-                                        net_dev=NODE_NET_DEV if args.node_host_network else None))
+                                        net_dev=NODE_NET_DEV if args.node_host_network else None,
+                                        netdev_exclude=args.node_netdev_exclude))
     if "gpu" in args.collectors:
         from stepscope.exporter.collectors.gpu import GpuCollector
 

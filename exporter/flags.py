@@ -11,6 +11,7 @@ variable when the value came from the environment.
 import argparse
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -223,6 +224,15 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
     return value
+
+
+def regex(text: str) -> str:
+    """A regular expression Python's re compiles."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {exc}") from None
+    return text
 
 
 def directory(text: str) -> str:

@@ -180,8 +180,10 @@ _NODE = (
     *(Family(n, "counter", ("device",), "disk IOPS") for n in (NODE_DISK_READS, NODE_DISK_WRITES)),
     Family(NODE_DISK_IO_TIME, "counter", ("device",), "time the disk was busy"),
     *(Family(n, "counter", ("device",), "network throughput (tc's ifb devices left out: their bytes are another "
-             "interface's); the node's interfaces from a container of its own network namespace with "
-             "`--collector.node.host-network`") for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
+             "interface's; so are containers' veth pairs, CNI bridges and tunnels, whose traffic the physical "
+             "interfaces carry too: `--collector.node.netdev-exclude`); the node's interfaces from a container of "
+             "its own network namespace with `--collector.node.host-network`")
+      for n in (NODE_NETWORK_RECEIVE, NODE_NETWORK_TRANSMIT)),
     *(Family(n, "gauge", ("path", "mountpoint"), "space for `--filesystem-paths`, read every 5 s at most; a path that "
              "does not answer within 1 s (a hung mount) is left out, and logged, until it does. Both labels are the "
              "node's: in a container, the paths are read under `--path.rootfs` (the node's root mounted there)")

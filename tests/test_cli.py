@@ -48,6 +48,7 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) ->
         (["--web.telemetry-path", "/metrics/job/x"], ["push and profile APIs"]),
         (["--web.config.file", "/nonexistent/web.yml"], ["cannot read '/nonexistent/web.yml'"]),
         (["--path.rootfs", "/nonexistent/host"], ["--path.rootfs", "'/nonexistent/host' is not a directory"]),
+        (["--collector.node.netdev-exclude", "veth("], ["'veth(' is not a regular expression: missing )"]),
     ],
 )
 def test_bad_flags(args: list[str], expected: list[str]) -> None:

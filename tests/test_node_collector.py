@@ -293,18 +293,32 @@ NET_DEV = """Inter-|   Receive                                                | 
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier
     lo:    9110      51    0    0    0     0          0         0     9110      51    0    0    0     0       0  0
 ens5f0np0:123456789012345 1 0 0 0 0 0 0 98765432109876 2 0 0 0 0 0 0
+ cni0: 500 5 0 0 0 0 0 0 400 4 0 0 0 0 0 0
+ flannel.1: 300 3 0 0 0 0 0 0 200 2 0 0 0 0 0 0
+ veth8f3a21c0: 100 1 0 0 0 0 0 0 50 1 0 0 0 0 0 0
+ cali5d7e9c1a2b3: 100 1 0 0 0 0 0 0 50 1 0 0 0 0 0 0
+ bond0: 7 1 0 0 0 0 0 0 6 1 0 0 0 0 0 0
   ifb0:     700       7    0    0    0     0          0         0      700       7    0    0    0     0       0  0
 """
 
 
-def test_network_counters_come_from_a_given_net_dev_file(tmp_path: Path) -> None:
-    """/proc/<pid>/net/dev as the kernel writes it, a long name running into its counters included."""
+def test_network_counters_come_from_a_given_net_dev_file_without_the_containers_interfaces(tmp_path: Path) -> None:
+    """/proc/<pid>/net/dev as the kernel writes it, a long name running into its counters included. A
+    Kubernetes node's pod veths, CNI bridge and overlay tunnel are left out by default: their traffic crosses
+    the physical interfaces too (the node's sum counted it twice); --collector.node.netdev-exclude '' keeps them."""
     (tmp_path / "dev").write_text(NET_DEV)
-    assert node.read_net_dev(str(tmp_path / "dev")) == {
-        "lo": (9110, 9110), "ens5f0np0": (123456789012345, 98765432109876), "ifb0": (700, 700)}
-    by_name = collected(NodeCollector([], net_dev=str(tmp_path / "dev")))
-    assert {s.labels["device"]: s.value for s in by_name["stepscope_node_network_transmit_bytes_total"]} == {
-        "lo": 9110, "ens5f0np0": 98765432109876}
+    read = node.read_net_dev(str(tmp_path / "dev"))
+    assert (read["lo"], read["ens5f0np0"], read["ifb0"]) == (
+        (9110, 9110), (123456789012345, 98765432109876), (700, 700))
+    assert len(read) == 8
+
+    def transmitted(collector: NodeCollector) -> dict[str, float]:
+        samples = collected(collector)["stepscope_node_network_transmit_bytes_total"]
+        return {sample.labels["device"]: sample.value for sample in samples}
+
+    assert transmitted(NodeCollector([], net_dev=str(tmp_path / "dev"))) == {
+        "lo": 9110, "ens5f0np0": 98765432109876, "bond0": 6}
+    assert set(transmitted(NodeCollector([], net_dev=str(tmp_path / "dev"), netdev_exclude=""))) == set(read) - {"ifb0"}
 
 
 OWN_NAMESPACE = """

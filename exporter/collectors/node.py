@@ -28,6 +28,12 @@ _IGNORED_DISKS = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$
 # Intermediate functional blocks (tc's ifb): each receives traffic redirected from a real interface to
 # shape it, so its bytes are that interface's again.
 _IGNORED_NICS = re.compile(r"^ifb\d+$")
+# Containers' own interfaces (veth pairs, CNI bridges and overlay tunnels, VMs' taps), matched at the start of
+# the name (--collector.node.netdev-exclude): their traffic crosses the node's physical interfaces too, so a
+# node's sum counted it twice once the node's interfaces are read (--collector.node.host-network), and one
+# series pair per pod came and went with the pods.
+DEFAULT_NETDEV_EXCLUDE = (r"veth|cali|lxc|cilium_|flannel|cni|docker|br-|vxlan|tunl|kube-ipvs|nodelocaldns|genev_sys"
+                          r"|weave|antrea-|virbr|vnet|tap")
 # Already included in user/nice on Linux: publishing them too would double count guest time and
 # break "the modes add up to all CPU time", which utilization queries rely on.
 _OVERLAPPING_CPU_MODES = frozenset({"guest", "guest_nice"})
@@ -63,12 +69,15 @@ class NodeCollector:
 
     name = "node"
 
-    def __init__(self, filesystem_paths: list[str], rootfs: str = "/", net_dev: str | None = None) -> None:
+    def __init__(self, filesystem_paths: list[str], rootfs: str = "/", net_dev: str | None = None,
+                 netdev_exclude: str = DEFAULT_NETDEV_EXCLUDE) -> None:
         """`rootfs`: where the node's root filesystem is mounted in this container (--path.rootfs), so that the
         paths, read under it, are the node's; "/" where the exporter runs on the node itself. `net_dev`: the
-        /proc/<pid>/net/dev to read network counters from (NODE_NET_DEV: the node's), None: this process's."""
+        /proc/<pid>/net/dev to read network counters from (NODE_NET_DEV: the node's), None: this process's.
+        `netdev_exclude`: interfaces left out, a regular expression matched at the start of the name."""
         self._rootfs = os.path.abspath(rootfs)
         self._net_dev = net_dev
+        self._netdev_exclude = re.compile(netdev_exclude) if netdev_exclude else None
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point on the node)
         self._readers = {path: _PathReader(path, self._rootfs) for path in dict.fromkeys(filesystem_paths)}
@@ -142,7 +151,8 @@ class NodeCollector:
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
                                        "Bytes transmitted on the interface.", labels=["device"])
-        for device in sorted(name for name in counters if not _IGNORED_NICS.match(name)):
+        for device in sorted(name for name in counters if not _IGNORED_NICS.match(name)
+                             and not (self._netdev_exclude and self._netdev_exclude.match(name))):
             receive.add_metric([device], counters[device][0])
             transmit.add_metric([device], counters[device][1])
         yield receive
