@@ -202,6 +202,77 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
     assert share == pytest.approx(sum(loading) / steps, abs=0.02)
 
 
+def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tmp_path: Path, exporter: Any) -> None:
+    """A save gathers the model's state before any callback's on_save_checkpoint (here a state_dict() of 0.1 s;
+    under FSDP or DeepSpeed the gather of every shard): that is the checkpoint's time, not a step's. Before, the
+    five saves' gathers were in the steps. The user's own wrapper of save_checkpoint is put back after the fit."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    saves: list[tuple[float, float]] = []  # (start, end) of each save, until training loads again
+    pending: list[float] = []
+    marks: list[float] = []  # the epoch's start, then each batch's end (before the save that follows it)
+
+    def resumed() -> None:
+        if pending:
+            saves.append((pending.pop(), perf_counter()))
+
+    class Loaded(Items):
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            resumed()
+            return super().__getitem__(index)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            time.sleep(WORK)
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.1)
+            return super().state_dict(*args, **kwargs)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Marks(pl.Callback):  # runs before ModelCheckpoint, which Lightning puts last
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            marks.append(perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            marks.append(perf_counter())
+
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False,
+        limit_train_batches=10, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        callbacks=[StepscopeCallback(run="clock-save", push_url=exporter.url, push_interval=60), Marks(),
+                   ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)],
+    )
+    save = trainer.save_checkpoint
+
+    def timed_save(*args: Any, **kwargs: Any) -> Any:  # the user's own wrapper
+        pending.append(perf_counter())
+        return save(*args, **kwargs)
+    trainer.save_checkpoint = timed_save
+    trainer.fit(Module(), DataLoader(Loaded(40, []), batch_size=4))
+    resumed()
+
+    assert trainer.save_checkpoint is timed_save and len(saves) == 5
+    steps = sum(end - begin - sum(max(0.0, min(end, b) - max(begin, a)) for a, b in saves)
+                for begin, end in itertools.pairwise(marks))
+    value = pushed(exporter, "clock-save")
+    assert value("stepscope_step_seconds_count") == len(marks) - 1 == 10
+    assert value("stepscope_step_seconds_sum") == pytest.approx(steps, rel=0.03)
+    saving = sum(end - start for start, end in saves)
+    assert 0.9 * saving <= value("stepscope_state_seconds_total", state="checkpoint") <= saving + 0.02 * len(saves)
+
+
 def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(exporter: Any) -> None:
     """loader() each epoch, with work between an epoch's last step and the next epoch's loader() (an LR
     schedule, logging): that time is in the next step, so the steps add up to the loop's wall time from the

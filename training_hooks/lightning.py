@@ -14,9 +14,9 @@ its broadcast under DDP), Lightning's per-batch SIGTERM broadcast under DDP, log
 Tokens and model FLOPs (docs/mfu.md), as Lightning's ThroughputMonitor takes them: `length_fn(batch)` gives
 a batch's tokens, the LightningModule's `flops_per_batch` attribute its FLOPs (Lightning's `measure_flops`
 computes it); FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
-States: train, eval (validation; the sanity check from its loaders' setup on), checkpoint (on_save_checkpoint
-until training or validation goes on), idle after fit. Requires the `lightning` package; importing this
-module imports it.
+States: train, eval (validation; the sanity check from its loaders' setup on), checkpoint (from the start of
+trainer.save_checkpoint, or on_save_checkpoint, until training or validation goes on), idle after fit.
+Requires the `lightning` package; importing this module imports it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ _GPU_PHASES = (FORWARD_PHASE, BACKWARD_PHASE, OPTIMIZER_PHASE, TRAIN_BATCH_PHASE
 # The training epoch loop's callbacks around the fetcher's `next(iterator)` (Lightning 2.x sets them as the
 # fetcher's profiler start and stop at each epoch's start): an instance attribute on the loop wraps them.
 _FETCH_HOOKS = ("_on_before_fetch", "_on_after_fetch")
+_ABSENT = object()  # an attribute the instance did not have of its own
 
 
 class StepscopeCallback(Callback):
@@ -70,7 +71,8 @@ class StepscopeCallback(Callback):
         self._in_optimizer = False
         self._in_forward = False
         self._global_step = 0  # trainer.global_step at the last step boundary
-        self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) set on instances while fitting
+        # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
+        self._wrapped: list[tuple[Any, str, Any]] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class StepscopeCallback(Callback):
         if stage == "fit":
             self._wrap_batch_to_device(trainer)
             self._wrap_fetch(trainer)
+            self._wrap_save(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._unwrap()
@@ -107,12 +110,17 @@ class StepscopeCallback(Callback):
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
 
     def _wrap(self, owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
-        setattr(owner, attribute, wrapper)  # an instance attribute over the class's method: popped at teardown
-        self._wrapped.append((owner, attribute))
+        """Sets `wrapper` as an instance attribute over the class's method (or over the instance's own, say a
+        user's wrapper), put back as it was at teardown."""
+        self._wrapped.append((owner, attribute, vars(owner).get(attribute, _ABSENT)))
+        setattr(owner, attribute, wrapper)
 
     def _unwrap(self) -> None:
-        for owner, attribute in self._wrapped:
-            vars(owner).pop(attribute, None)
+        for owner, attribute, covered in reversed(self._wrapped):
+            if covered is _ABSENT:
+                vars(owner).pop(attribute, None)
+            else:
+                setattr(owner, attribute, covered)
         self._wrapped = []
 
     def _wrap_batch_to_device(self, trainer: Trainer) -> None:
@@ -125,6 +133,19 @@ class StepscopeCallback(Callback):
                 return original(batch, *args, **kwargs)
 
         self._wrap(trainer.strategy, "batch_to_device", batch_to_device)
+
+    def _wrap_save(self, trainer: Trainer) -> None:
+        """The checkpoint state from the start of `trainer.save_checkpoint` (ModelCheckpoint's saves and the
+        user's): the save gathers the model's and optimizers' state before any callback's on_save_checkpoint,
+        under FSDP or DeepSpeed its longest part, which was counted as training (a slow step)."""
+        original = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if self.tracker is not None:
+                self.tracker.state(CHECKPOINT_STATE)
+            return original(*args, **kwargs)
+
+        self._wrap(trainer, "save_checkpoint", save_checkpoint)
 
     def _wrap_fetch(self, trainer: Trainer) -> None:
         """Times exactly the training fetcher's `next()` on the loader as dataloader_next.
