@@ -664,6 +664,37 @@ def test_ingest_allow_admits_its_networks_without_the_token(chart: Path, tmp_pat
         assert _push_from("127.0.0.3", port, "wrong") == 401
 
 
+def test_the_rendered_exporter_reads_the_nodes_filesystems_and_interfaces(chart: Path, tmp_path: Path) -> None:
+    """The DaemonSet's default args run by a real exporter, its host-root volume being this machine's / (as
+    the kubelet mounts the hostPath): the node's / is published as / with its size, and the network interfaces
+    are PID 1's, containers' own left out."""
+    import shutil
+
+    from stepscope.exporter.collectors.node import DEFAULT_NETDEV_EXCLUDE, NODE_NET_DEV, read_net_dev
+    from stepscope_testkit.processes import sample_values, scrape
+
+    objs = objects(render(chart, {"ingest": {"enabled": False}}))
+    (mount,) = exporter_container(objs)["volumeMounts"]
+    (tmp_path / "host-root").symlink_to("/")
+    port = free_port()
+    local = {"--web.listen-address": f"127.0.0.1:{port}", "--collectors": "node",
+             "--path.rootfs": str(tmp_path / "host-root")}
+    args = [f"{arg.split('=', 1)[0]}={local[arg.split('=', 1)[0]]}" if arg.split("=", 1)[0] in local else arg
+            for arg in exporter_container(objs)["args"]]
+    assert f"--path.rootfs={mount['mountPath']}" in exporter_container(objs)["args"]
+    assert "--collector.node.host-network" in args
+    with running([sys.executable, "-m", "stepscope.exporter", *args], f"http://127.0.0.1:{port}/-/ready",
+                 tmp_path / "exporter.log", env=exporter_env()):  # ready: the first cycle is done
+        text = scrape(f"http://127.0.0.1:{port}")
+    assert sample_values(text, "stepscope_node_filesystem_size_bytes", path="/", mountpoint="/") == [
+        shutil.disk_usage("/").total]
+    published = {line.split('device="')[1].split('"')[0] for line in text.splitlines()
+                 if line.startswith("stepscope_node_network_receive_bytes_total{")}
+    expected = {name for name in read_net_dev(NODE_NET_DEV)
+                if not re.match(DEFAULT_NETDEV_EXCLUDE, name) and not re.fullmatch(r"ifb\d+", name)}
+    assert published == expected and "lo" in published
+
+
 def test_notes_commands_each_finish(chart: Path) -> None:
     """`kubectl port-forward` never returns: NOTES must not chain a command after it with &&."""
     lines = [line.strip() for line in notes(render(chart)).splitlines() if line.strip().startswith("kubectl")]
