@@ -171,7 +171,8 @@ _TRACE_DOC = (
 _MFU_DOC = "pushed once stated: tokens and model FLOPs done ([MFU](mfu.md))"
 
 _NODE = (
-    Family(NODE_INFO, "gauge", ("hostname", "kernel", "os"), "node identity", kind="info"),
+    Family(NODE_INFO, "gauge", ("hostname", "kernel", "os"), "node identity (the hostname in the node's "
+           "`/etc/hostname` under `--path.rootfs`, where a pod's own would be the pod's name)", kind="info"),
     Family(NODE_CPU_SECONDS, "counter", ("mode",), "CPU time summed over all CPUs"),
     Family(NODE_CPUS, "gauge", (),
            'logical CPUs: `rate(cpu_seconds_total{mode!~"idle\\|iowait"})/cpus` is utilization'),

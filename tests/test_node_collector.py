@@ -262,6 +262,22 @@ def test_a_mount_under_the_rootfs_is_labelled_with_the_nodes_mountpoint() -> Non
     assert published == {"/shm": ("/shm", shutil.disk_usage("/dev/shm").total)}
 
 
+def test_under_a_rootfs_the_hostname_is_the_nodes(tmp_path: Path) -> None:
+    """A pod's own hostname is the pod's name: under --path.rootfs the node's /etc/hostname names the node;
+    without that file, or without a rootfs, this process's hostname."""
+    root = node_root(tmp_path)
+
+    def hostname(collector: NodeCollector) -> str:
+        (info,) = collected(collector)["stepscope_node_info"]
+        return info.labels["hostname"]
+
+    assert hostname(NodeCollector([], rootfs=str(root))) == socket.gethostname()
+    (root / "etc").mkdir()
+    (root / "etc" / "hostname").write_text("gpu-node-7\n")
+    assert hostname(NodeCollector([], rootfs=str(root))) == "gpu-node-7"
+    assert hostname(NodeCollector([])) == socket.gethostname()
+
+
 def test_resolving_under_a_rootfs_follows_relative_and_absolute_links_and_stops_at_a_loop(tmp_path: Path) -> None:
     root = node_root(tmp_path)
     (root / "mnt" / "nvme" / "sets").mkdir()

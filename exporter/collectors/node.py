@@ -76,6 +76,7 @@ class NodeCollector:
         /proc/<pid>/net/dev to read network counters from (NODE_NET_DEV: the node's), None: this process's.
         `netdev_exclude`: interfaces left out, a regular expression matched at the start of the name."""
         self._rootfs = os.path.abspath(rootfs)
+        self._hostname = node_hostname(self._rootfs)
         self._net_dev = net_dev
         self._netdev_exclude = re.compile(netdev_exclude) if netdev_exclude else None
         self._missing_paths: set[str] = set()
@@ -101,7 +102,7 @@ class NodeCollector:
     def _info(self) -> Metric:
         info = GaugeMetricFamily(families.NODE_INFO, "Node identity, for joins (value is always 1).",
                                  labels=["hostname", "kernel", "os"])
-        info.add_metric([socket.gethostname(), platform.release(), platform.system()], 1)
+        info.add_metric([self._hostname, platform.release(), platform.system()], 1)
         return info
 
     def _cpu(self) -> Iterable[Metric]:
@@ -247,6 +248,20 @@ class _PathReader:
                 self._answers.put(PathReading(os.stat(resolved).st_dev, usage.total, usage.free, resolved))
             except OSError as exc:
                 self._answers.put(exc)
+
+
+def node_hostname(rootfs: str) -> str:
+    """The node's hostname: under a --path.rootfs, the node's /etc/hostname (a pod's own hostname is the pod's
+    name), else, or where that file says nothing, this process's."""
+    if rootfs != os.sep:
+        try:
+            with open(os.path.join(rootfs, "etc", "hostname"), encoding="utf-8", errors="replace") as handle:
+                name = handle.readline().strip()
+        except OSError:
+            name = ""
+        if name:
+            return name
+    return socket.gethostname()
 
 
 def read_net_dev(path: str) -> dict[str, tuple[int, int]]:
