@@ -110,6 +110,58 @@ class _TimedIterator:
         return batch
 
 
+class Outside:
+    """Spans outside training, (start, end): validations, and checkpoints that last until training loads again."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._pending: list[float] = []
+
+    def until_resumed(self) -> None:
+        self.resumed()
+        self._pending.append(perf_counter())
+
+    def resumed(self) -> None:
+        if self._pending:
+            self.spans.append((self._pending.pop(), perf_counter()))
+
+    def steps(self, marks: list[float]) -> float:
+        """The time between consecutive `marks` (step ends) less the spans inside it."""
+        return sum(end - begin - sum(max(0.0, min(end, b) - max(begin, a)) for a, b in self.spans)
+                   for begin, end in itertools.pairwise(marks))
+
+
+class ResumingItems(Items):
+    """Items whose every load ends the open checkpoint span: the checkpoint state lasts until training loads again."""
+
+    def __init__(self, items: int, outside: Outside) -> None:
+        super().__init__(items, [])
+        self.outside = outside
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.outside.resumed()
+        return super().__getitem__(index)
+
+
+def working_module(pl: Any) -> type:
+    """A LightningModule whose every training step works WORK seconds (lightning is imported by the tests)."""
+
+    class Working(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            time.sleep(WORK)
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    return Working
+
+
 def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and_compute(
         tmp_path: Path, exporter: Any) -> None:
     """val_check_interval=4 with accumulate_grad_batches=3 validates after the first batch of a step: the step
@@ -121,37 +173,15 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
     from stepscope.hooks.lightning import StepscopeCallback
 
     loading: list[float] = []  # each training batch's fetch
-    outside: list[tuple[float, float]] = []  # (start, end) of each validation, and of each checkpoint until resumed
+    outside = Outside()
     marks: list[float] = []  # the first epoch's start, then each optimizer step's end
-    pending: list[float] = []
 
-    def resumed() -> None:
-        if pending:
-            outside.append((pending.pop(), perf_counter()))
-
-    class Loaded(Items):
-        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            resumed()  # the checkpoint state lasts until training loads again
-            return super().__getitem__(index)
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            time.sleep(WORK)
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
+    class Module(working_module(pl)):
         def validation_step(self, batch, batch_idx):
             time.sleep(0.03)
 
         def on_save_checkpoint(self, checkpoint: dict) -> None:
             time.sleep(0.05)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
 
     class Marks(pl.Callback):
         def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -173,28 +203,25 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
     run_validation = val_loop.run
 
     def timed_validation(*args: Any, **kwargs: Any) -> Any:
-        resumed()
+        outside.resumed()
         start = perf_counter()
         try:
             return run_validation(*args, **kwargs)
         finally:
-            outside.append((start, perf_counter()))
+            outside.spans.append((start, perf_counter()))
     val_loop.run = timed_validation
     save = trainer.save_checkpoint
 
     def timed_save(*args: Any, **kwargs: Any) -> Any:
-        resumed()
-        pending.append(perf_counter())
+        outside.until_resumed()
         return save(*args, **kwargs)
     trainer.save_checkpoint = timed_save
-    train = TimedLoader(Loaded(40, []), batch_size=4)
+    train = TimedLoader(ResumingItems(40, outside), batch_size=4)
     train.fetches = loading
     trainer.fit(Module(), train, DataLoader(Items(8, []), batch_size=4))
-    resumed()
+    outside.resumed()
 
-    steps = 0.0
-    for begin, end in itertools.pairwise(marks):
-        steps += end - begin - sum(max(0.0, min(end, b) - max(begin, a)) for a, b in outside)
+    steps = outside.steps(marks)
     value = pushed(exporter, "clock-pl")
     assert value("stepscope_step_seconds_count") == len(marks) - 1 == 8  # 10 batches an epoch: 3 + 3 + 3 + 1
     assert value("stepscope_step_seconds_sum") == pytest.approx(steps, rel=0.03)
@@ -211,35 +238,13 @@ def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tm
 
     from stepscope.hooks.lightning import StepscopeCallback
 
-    saves: list[tuple[float, float]] = []  # (start, end) of each save, until training loads again
-    pending: list[float] = []
+    saves = Outside()  # each save, until training loads again
     marks: list[float] = []  # the epoch's start, then each batch's end (before the save that follows it)
 
-    def resumed() -> None:
-        if pending:
-            saves.append((pending.pop(), perf_counter()))
-
-    class Loaded(Items):
-        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            resumed()
-            return super().__getitem__(index)
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            time.sleep(WORK)
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
+    class Module(working_module(pl)):
         def state_dict(self, *args: Any, **kwargs: Any) -> Any:
             time.sleep(0.1)
             return super().state_dict(*args, **kwargs)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
 
     class Marks(pl.Callback):  # runs before ModelCheckpoint, which Lightning puts last
         def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -257,20 +262,19 @@ def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tm
     save = trainer.save_checkpoint
 
     def timed_save(*args: Any, **kwargs: Any) -> Any:  # the user's own wrapper
-        pending.append(perf_counter())
+        saves.until_resumed()
         return save(*args, **kwargs)
     trainer.save_checkpoint = timed_save
-    trainer.fit(Module(), DataLoader(Loaded(40, []), batch_size=4))
-    resumed()
+    trainer.fit(Module(), DataLoader(ResumingItems(40, saves), batch_size=4))
+    saves.resumed()
 
-    assert trainer.save_checkpoint is timed_save and len(saves) == 5
-    steps = sum(end - begin - sum(max(0.0, min(end, b) - max(begin, a)) for a, b in saves)
-                for begin, end in itertools.pairwise(marks))
+    assert trainer.save_checkpoint is timed_save and len(saves.spans) == 5
+    steps = saves.steps(marks)
     value = pushed(exporter, "clock-save")
     assert value("stepscope_step_seconds_count") == len(marks) - 1 == 10
     assert value("stepscope_step_seconds_sum") == pytest.approx(steps, rel=0.03)
-    saving = sum(end - start for start, end in saves)
-    assert 0.9 * saving <= value("stepscope_state_seconds_total", state="checkpoint") <= saving + 0.02 * len(saves)
+    saving, count = sum(end - start for start, end in saves.spans), len(saves.spans)
+    assert 0.9 * saving <= value("stepscope_state_seconds_total", state="checkpoint") <= saving + 0.02 * count
 
 
 def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(exporter: Any) -> None:
