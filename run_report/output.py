@@ -4,9 +4,9 @@ directory renamed; an existing one keeps its inode and gets the new files rename
 a shell sitting in it (`cd report && stepscope-report ... --out .`), or a server serving it, goes on
 seeing it, where replacing the directory left them in a deleted one.
 
-An existing --out is replaced only when it is empty or an earlier report: its index.html names this
+An existing --out is written only when it is empty or an earlier report: its index.html names this
 generator and it holds nothing but the files a report writes. Anything else there (the user's notes, a
-folder) is left alone with an error, since replacing the directory would delete it.
+folder) is left alone with an error: it would sit among the report's files, one of them perhaps replaced.
 """
 
 from __future__ import annotations

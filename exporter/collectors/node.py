@@ -1,7 +1,8 @@
 """Node collector: host CPU, memory, disk, network and chosen filesystems, read through psutil.
 
-psutil keeps this portable (no hand-parsed /proc); families a platform cannot give (disk busy time
-on macOS, say) are simply absent.
+psutil keeps this portable; families a platform cannot give (disk busy time on macOS, say) are simply
+absent. The one file parsed here is PID 1's net/dev (--collector.node.host-network), which psutil, reading
+only this process's own, cannot give.
 """
 
 import errno
