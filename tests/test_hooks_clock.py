@@ -277,6 +277,30 @@ def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tm
     assert 0.9 * saving <= value("stepscope_state_seconds_total", state="checkpoint") <= saving + 0.02 * count
 
 
+@pytest.mark.parametrize("users_tracker", [False, True], ids=["callbacks-tracker", "users-tracker"])
+def test_a_save_after_the_fit_is_no_error_and_leaves_the_rank_idle(tmp_path: Path, exporter: Any,
+                                                                    users_tracker: bool) -> None:
+    """`trainer.save_checkpoint` once fit returned (a final checkpoint): before, the callback's own tracker,
+    closed at teardown, made on_save_checkpoint raise AttributeError; a user's tracker was left in checkpoint."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    run = f"after-fit-{users_tracker}"
+    users = tracker(exporter, run) if users_tracker else None
+    callback = (StepscopeCallback(tracker=users) if users is not None
+                else StepscopeCallback(run=run, push_url=exporter.url, push_interval=60))
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, accelerator="cpu", enable_progress_bar=False,
+                         logger=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(working_module(pl)(), DataLoader(Items(8, []), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "final.ckpt")
+    assert (tmp_path / "final.ckpt").is_file()
+    if users is not None:
+        assert users.current_state == "idle"
+        users.close()
+
+
 def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(exporter: Any) -> None:
     """loader() each epoch, with work between an epoch's last step and the next epoch's loader() (an LR
     schedule, logging): that time is in the next step, so the steps add up to the loop's wall time from the

@@ -71,6 +71,7 @@ class StepscopeCallback(Callback):
         self._in_optimizer = False
         self._in_forward = False
         self._global_step = 0  # trainer.global_step at the last step boundary
+        self._fitting = False  # from setup("fit") to teardown: a save after the fit is no state of the run
         # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
         self._wrapped: list[tuple[Any, str, Any]] = []
 
@@ -82,6 +83,7 @@ class StepscopeCallback(Callback):
                       "world_size": trainer.world_size, **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**kwargs)
         if stage == "fit":
+            self._fitting = True
             self._wrap_batch_to_device(trainer)
             self._wrap_fetch(trainer)
             self._wrap_save(trainer)
@@ -116,6 +118,7 @@ class StepscopeCallback(Callback):
         setattr(owner, attribute, wrapper)
 
     def _unwrap(self) -> None:
+        self._fitting = False
         for owner, attribute, covered in reversed(self._wrapped):
             if covered is _ABSENT:
                 vars(owner).pop(attribute, None)
@@ -141,7 +144,7 @@ class StepscopeCallback(Callback):
         original = trainer.save_checkpoint
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            if self.tracker is not None:
+            if self._fitting:
                 self.tracker.state(CHECKPOINT_STATE)
             return original(*args, **kwargs)
 
@@ -251,7 +254,10 @@ class StepscopeCallback(Callback):
             self.tracker.state(SETUP_STATE if trainer.sanity_checking else IDLE_STATE)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        self.tracker.state(CHECKPOINT_STATE)
+        """A save during the fit; after it (`trainer.save_checkpoint` once fit returned) the callback's own
+        tracker is closed and a user's stays idle."""
+        if self._fitting:
+            self.tracker.state(CHECKPOINT_STATE)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.tracker.state(IDLE_STATE)
