@@ -214,7 +214,7 @@ def _check_node_network(args: argparse.Namespace) -> None:
 
     try:
         read_net_dev(NODE_NET_DEV)
-    except (OSError, ValueError, IndexError) as exc:
+    except OSError as exc:
         fail(f"--collector.node.host-network: cannot read {NODE_NET_DEV}: {getattr(exc, 'strerror', None) or exc}")
 
 

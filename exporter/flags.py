@@ -236,10 +236,10 @@ def regex(text: str) -> str:
 
 
 def directory(text: str) -> str:
-    """An existing directory, as an absolute path."""
+    """An existing directory, as an absolute path with its links resolved."""
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
-    return os.path.abspath(text)
+    return os.path.realpath(text)
 
 
 def readable_file(text: str) -> str:

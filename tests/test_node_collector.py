@@ -254,12 +254,14 @@ def test_paths_under_a_rootfs_are_the_nodes_each_link_followed_as_on_the_node(
 
 
 @linux_only
-def test_a_mount_under_the_rootfs_is_labelled_with_the_nodes_mountpoint() -> None:
+def test_a_mount_under_the_rootfs_is_labelled_with_the_nodes_mountpoint(tmp_path: Path) -> None:
     """/dev as the rootfs: the node's /shm is /dev/shm here, a tmpfs of its own, labelled mountpoint /shm."""
     if not os.path.ismount("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/dev").st_dev:
         pytest.skip("needs /dev/shm on a filesystem of its own")
     published = filesystem_labels(collected(NodeCollector(["/shm"], rootfs="/dev")))
     assert published == {"/shm": ("/shm", shutil.disk_usage("/dev/shm").total)}
+    (tmp_path / "dev").symlink_to("/dev")  # a rootfs reached through a link, as the mount table never names it
+    assert filesystem_labels(collected(NodeCollector(["/shm"], rootfs=str(tmp_path / "dev")))) == published
 
 
 def test_under_a_rootfs_the_hostname_is_the_nodes(tmp_path: Path) -> None:
@@ -276,6 +278,12 @@ def test_under_a_rootfs_the_hostname_is_the_nodes(tmp_path: Path) -> None:
     (root / "etc" / "hostname").write_text("gpu-node-7\n")
     assert hostname(NodeCollector([], rootfs=str(root))) == "gpu-node-7"
     assert hostname(NodeCollector([])) == socket.gethostname()
+    # NixOS: a link into /etc/static, followed as on the node; comments and blank lines are no name
+    (root / "etc" / "static").mkdir()
+    (root / "etc" / "static" / "hostname").write_text("# set by nixos-rebuild\n\ngpu-node-8\n")
+    (root / "etc" / "hostname").unlink()
+    (root / "etc" / "hostname").symlink_to("/etc/static/hostname")
+    assert hostname(NodeCollector([], rootfs=str(root))) == "gpu-node-8"
 
 
 def test_resolving_under_a_rootfs_follows_relative_and_absolute_links_and_stops_at_a_loop(tmp_path: Path) -> None:
@@ -335,6 +343,27 @@ def test_network_counters_come_from_a_given_net_dev_file_without_the_containers_
     assert transmitted(NodeCollector([], net_dev=str(tmp_path / "dev"))) == {
         "lo": 9110, "ens5f0np0": 98765432109876, "bond0": 6}
     assert set(transmitted(NodeCollector([], net_dev=str(tmp_path / "dev"), netdev_exclude=""))) == set(read) - {"ifb0"}
+
+
+def test_a_net_dev_name_not_in_ascii_and_a_line_of_another_shape_leave_the_other_interfaces(tmp_path: Path) -> None:
+    """Linux allows any byte but '/', ':' and blanks in a name: before, one UTF-8 name raised UnicodeDecodeError
+    and the whole node collector published nothing; a blank or odd line raised IndexError."""
+    (tmp_path / "dev").write_bytes(b"h1\nh2\n  eth0: 1 0 0 0 0 0 0 0 2 0 0 0 0 0 0 0\n"
+                                   b" d\xc3\xbcmmy: 3 0 0 0 0 0 0 0 4 0 0 0 0 0 0 0\n"
+                                   b" b\xffd: 5 0 0 0 0 0 0 0 6 0 0 0 0 0 0 0\n\nnot a line\n short: 1 2\n")
+    assert node.read_net_dev(str(tmp_path / "dev")) == {"eth0": (1, 2), "d\u00fcmmy": (3, 4), "b\ufffdd": (5, 6)}
+
+
+def test_a_net_dev_that_cannot_be_read_leaves_out_the_network_alone(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    collector = NodeCollector([], net_dev=str(tmp_path / "gone"))
+    with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
+        for _ in range(2):
+            by_name = collected(collector)
+    assert "stepscope_node_network_receive_bytes_total" not in by_name
+    assert by_name["stepscope_node_cpu_seconds_total"] and by_name["stepscope_node_memory_total_bytes"]
+    assert [record.getMessage() for record in caplog.records] == [
+        f"cannot read {tmp_path / 'gone'}: No such file or directory; no network readings until it can be"]
 
 
 OWN_NAMESPACE = """

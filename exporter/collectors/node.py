@@ -76,9 +76,10 @@ class NodeCollector:
         paths, read under it, are the node's; "/" where the exporter runs on the node itself. `net_dev`: the
         /proc/<pid>/net/dev to read network counters from (NODE_NET_DEV: the node's), None: this process's.
         `netdev_exclude`: interfaces left out, a regular expression matched at the start of the name."""
-        self._rootfs = os.path.abspath(rootfs)
+        self._rootfs = os.path.realpath(rootfs)  # as the mount table names it: a link to it matched no mount
         self._hostname = node_hostname(self._rootfs)
         self._net_dev = net_dev
+        self._net_dev_failed = False  # its failure is logged once, until it reads again
         self._netdev_exclude = re.compile(netdev_exclude) if netdev_exclude else None
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point on the node)
@@ -148,7 +149,15 @@ class NodeCollector:
             counters = {name: (io.bytes_recv, io.bytes_sent)
                         for name, io in psutil.net_io_counters(pernic=True, nowrap=False).items()}
         else:
-            counters = read_net_dev(self._net_dev)
+            try:
+                counters = read_net_dev(self._net_dev)
+            except OSError as exc:  # the network families go missing, not every node reading
+                if not self._net_dev_failed:
+                    log.warning("cannot read %s: %s; no network readings until it can be", self._net_dev,
+                                exc.strerror or exc)
+                self._net_dev_failed, counters = True, {}
+            else:
+                self._net_dev_failed = False
         receive = CounterMetricFamily(families.NODE_NETWORK_RECEIVE,
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
@@ -252,29 +261,33 @@ class _PathReader:
 
 
 def node_hostname(rootfs: str) -> str:
-    """The node's hostname: under a --path.rootfs, the node's /etc/hostname (a pod's own hostname is the pod's
-    name), else, or where that file says nothing, this process's."""
+    """The node's hostname: under a --path.rootfs, the first line of the node's /etc/hostname that is not blank
+    or a comment (hostname(5)), the file found as the node finds it (NixOS links it into /etc/static); a pod's own
+    hostname is the pod's name. Else, or where that file names nothing, this process's."""
     if rootfs != os.sep:
         try:
-            with open(os.path.join(rootfs, "etc", "hostname"), encoding="utf-8", errors="replace") as handle:
-                name = handle.readline().strip()
+            with open(resolve_on_node("/etc/hostname", rootfs), encoding="utf-8", errors="replace") as handle:
+                names = [line.strip() for line in handle if line.strip() and not line.lstrip().startswith("#")]
         except OSError:
-            name = ""
-        if name:
-            return name
+            names = []
+        if names:
+            return names[0]
     return socket.gethostname()
 
 
 def read_net_dev(path: str) -> dict[str, tuple[int, int]]:
     """Interface -> (bytes received, bytes transmitted) from a /proc/<pid>/net/dev: psutil reads only this
-    process's own /proc/net/dev. Two header lines, then `name: rx_bytes ... (8 receive fields) tx_bytes ...`."""
-    with open(path, encoding="ascii") as handle:
+    process's own /proc/net/dev. Two header lines, then `name: rx_bytes ... (8 receive fields) tx_bytes ...`;
+    a name may hold any byte but `/`, `:` and blanks (one not UTF-8 is shown with U+FFFD), a line of another
+    shape is passed over."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
         lines = handle.read().splitlines()[2:]
     counters = {}
     for line in lines:
-        name, _, fields = line.partition(":")
+        name, colon, fields = line.partition(":")
         values = fields.split()
-        counters[name.strip()] = (int(values[0]), int(values[8]))
+        if colon and len(values) > 8 and values[0].isdigit() and values[8].isdigit():
+            counters[name.strip()] = (int(values[0]), int(values[8]))
     return counters
 
 
