@@ -1,8 +1,9 @@
-"""Writes the report into a temporary directory beside --out and moves it into place at the end, so
-a failed or interrupted report never leaves a directory that looks complete. A new --out is the staging
-directory renamed; an existing one keeps its inode and gets the new files renamed into it, the page last:
-a shell sitting in it (`cd report && stepscope-report ... --out .`), or a server serving it, goes on
-seeing it, where replacing the directory left them in a deleted one.
+"""Writes the report into a temporary directory and moves it into place at the end, so a failed or
+interrupted report never leaves a directory that looks complete. A new --out is that directory, made beside
+it and renamed. An existing one keeps its inode (it may be a mount point): the directory is made inside it
+and its files renamed into it, the earlier page removed first and the new one put back last. A shell sitting
+in it (`cd report && stepscope-report ... --out .`), or a server serving it, goes on seeing it, where
+replacing the directory left them in a deleted one.
 
 An existing --out is written only when it is empty or an earlier report: its index.html names this
 generator and it holds nothing but the files a report writes. Anything else there (the user's notes, a
@@ -21,6 +22,8 @@ from pathlib import Path
 from stepscope.report.page import GENERATOR
 
 MARKER = f'<meta name="generator" content="{GENERATOR}">'
+# A report being written inside an existing --out (or one a killed run left there): no file of the user's.
+STAGING_PREFIX = ".stepscope-partial-"
 SHOWN_ENTRIES = 3  # of what is in the way, named in the error
 
 
@@ -51,7 +54,8 @@ def foreign_entries(directory: Path) -> list[str]:
     ours = report_files()
     with os.scandir(directory) as entries:
         return sorted(f"{entry.name}/" if entry.is_dir(follow_symlinks=False) else entry.name
-                      for entry in entries if not (entry.name in ours and entry.is_file(follow_symlinks=False)))
+                      for entry in entries if not (entry.name in ours and entry.is_file(follow_symlinks=False))
+                      and not entry.name.startswith(STAGING_PREFIX))
 
 
 def check(out: Path) -> None:
@@ -87,26 +91,35 @@ def staged(out: Path) -> Iterator[Path]:
         raise OutputError(f"cannot resolve --out {out}: {exc.strerror or exc} (the working directory was "
                           "deleted?)") from None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        if out.is_dir():  # written in place: staged inside it, so on its filesystem (a mount point's too)
+            staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     except OSError as exc:
-        raise OutputError(f"cannot write next to --out {out}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write --out {out}: {exc.strerror or exc}") from None
     try:
         yield staging
         _publish(staging, out)
+    except OSError as exc:  # writing or moving the files: a full disk, a directory made read-only
+        shutil.rmtree(staging, ignore_errors=True)
+        raise OutputError(f"cannot write --out {out}: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
 def _publish(staging: Path, out: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; a report directory is an ordinary one
     if not out.exists():
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; a report directory is an ordinary one
         staging.rename(out)
         return
-    written = sorted(os.listdir(staging), key=lambda name: name == "index.html")  # the page, naming the CSVs, last
+    # The page goes first and comes back last: a move cut short leaves no page, never the earlier one over
+    # this run's CSVs, a directory that would look complete.
+    (out / "index.html").unlink(missing_ok=True)
+    written = sorted(os.listdir(staging), key=lambda name: name == "index.html")
     for name in written:
         os.replace(staging / name, out / name)
     for name in report_files() - set(written):  # an earlier report's file this one does not write

@@ -3,8 +3,11 @@ times, windows, the Gantt intervals and the critical path from series, CSV cells
 directory that is replaced only when a report is complete, and the verdict in words for the readings
 of a real H100 (saturated bf16: NVML 0.98, SM active 0.73, tensor cores 0.58)."""
 
+import errno
+import os
 import re
 import subprocess
+import sys
 from html import escape
 from pathlib import Path
 
@@ -134,6 +137,59 @@ def test_a_complete_report_replaces_the_previous_one(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["report"]
     assert (out / "index.html").read_text().endswith("new")
     assert out.stat().st_mode & 0o777 != 0o700  # not mkdtemp's private mode
+
+
+def test_a_move_cut_short_leaves_no_page_and_no_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C between the renames into an existing --out: the earlier page is gone first, so no page stands over
+    a mix of this run's and the earlier run's CSVs (before: the old page and half the new CSVs)."""
+    out = _report_dir(tmp_path / "report")
+    (out / "run_summary.csv").write_text("old")
+    replace, moves = os.replace, []
+
+    def cut_short(source: Path, target: Path) -> None:
+        if len(moves) == 1:
+            raise KeyboardInterrupt
+        moves.append(target)
+        replace(source, target)
+    monkeypatch.setattr(os, "replace", cut_short)
+    with pytest.raises(KeyboardInterrupt), output.staged(out) as staging:
+        for name in ("goodput.csv", "run_summary.csv", "index.html"):
+            (staging / name).write_text(f"{output.MARKER}\nnew" if name == "index.html" else "new")
+    assert sorted(p.name for p in out.iterdir()) == ["goodput.csv", "run_summary.csv"]
+
+
+def test_a_write_that_fails_is_one_line_and_keeps_the_earlier_report(tmp_path: Path) -> None:
+    out = _report_dir(tmp_path / "report")
+    with pytest.raises(output.OutputError, match=r"^cannot write --out .*report: No space left on device$"), \
+            output.staged(out) as staging:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging / "index.html"))
+    assert [p.name for p in out.iterdir()] == ["index.html"] and (out / "index.html").read_text().endswith("old")
+
+
+WRITE_OVER_A_MOUNT = """
+import sys
+from pathlib import Path
+from stepscope.report import output
+out = Path(sys.argv[1])
+for content in ("old", "new"):
+    with output.staged(out) as staging:
+        (staging / "index.html").write_text(f"{output.MARKER}\\n{content}")
+print((out / "index.html").read_text().split()[-1], sorted(p.name for p in out.iterdir()))
+"""
+
+
+def test_a_report_into_a_mount_point_is_written_in_place(tmp_path: Path) -> None:
+    """--out a mount point (`docker run -v $PWD/out:/out ... --out /out`): staged inside it, so on its own
+    filesystem (before: staged in the parent, each rename failed, EXDEV 'Invalid cross-device link')."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mounted = subprocess.run(["unshare", "--mount", "sh", "-c", f'mount -t tmpfs tmpfs "{out}" && exec "$0" -c "$1" '
+                              f'"{out}"', sys.executable, WRITE_OVER_A_MOUNT], capture_output=True, text=True,
+                             timeout=60)
+    if mounted.returncode and "mount" in mounted.stderr and "Traceback" not in mounted.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    assert mounted.returncode == 0, mounted.stderr
+    assert mounted.stdout.split() == ["new", "['index.html']"]
 
 
 def test_other_directories_and_files_are_left_alone(tmp_path: Path) -> None:
