@@ -670,7 +670,12 @@ def test_the_rendered_exporter_reads_the_nodes_filesystems_and_interfaces(chart:
     are PID 1's, containers' own left out."""
     import shutil
 
-    from stepscope.exporter.collectors.node import DEFAULT_NETDEV_EXCLUDE, NODE_NET_DEV, read_net_dev
+    from stepscope.exporter.collectors.node import (
+        DEFAULT_NETDEV_EXCLUDE,
+        NODE_NET_DEV,
+        is_published_interface,
+        read_net_dev,
+    )
     from stepscope_testkit.processes import sample_values, scrape
 
     objs = objects(render(chart, {"ingest": {"enabled": False}}))
@@ -691,7 +696,7 @@ def test_the_rendered_exporter_reads_the_nodes_filesystems_and_interfaces(chart:
     published = {line.split('device="')[1].split('"')[0] for line in text.splitlines()
                  if line.startswith("stepscope_node_network_receive_bytes_total{")}
     expected = {name for name in read_net_dev(NODE_NET_DEV)
-                if not re.match(DEFAULT_NETDEV_EXCLUDE, name) and not re.fullmatch(r"ifb\d+", name)}
+                if is_published_interface(name, re.compile(DEFAULT_NETDEV_EXCLUDE))}
     assert published == expected and "lo" in published
 
 

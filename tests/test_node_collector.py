@@ -226,7 +226,8 @@ def node_root(tmp_path: Path) -> Path:
     root = tmp_path / "node"
     (root / "mnt" / "nvme").mkdir(parents=True)
     (root / "data").symlink_to("/mnt/nvme")
-    assert not os.path.exists("/mnt/nvme")
+    if os.path.lexists("/mnt/nvme"):
+        pytest.skip("this machine has a /mnt/nvme of its own: the node's would not be told from it")
     return root
 
 
@@ -388,8 +389,9 @@ def test_in_a_network_namespace_of_its_own_the_host_network_toggle_reads_the_nod
 
     if not shutil.which("unshare") or subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode:
         pytest.skip("cannot make a network namespace here (unshare --net needs root)")
+    exclude = re.compile(node.DEFAULT_NETDEV_EXCLUDE)  # the node's containers' own interfaces, if it has any
     node_before = {name: counters[0] for name, counters in node.read_net_dev(node.NODE_NET_DEV).items()
-                   if not name.startswith("ifb")}
+                   if node.is_published_interface(name, exclude)}
     result = subprocess.run(["unshare", "--net", sys.executable, "-c", OWN_NAMESPACE], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert result.returncode == 0, result.stderr

@@ -162,8 +162,7 @@ class NodeCollector:
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
                                        "Bytes transmitted on the interface.", labels=["device"])
-        for device in sorted(name for name in counters if not _IGNORED_NICS.match(name)
-                             and not (self._netdev_exclude and self._netdev_exclude.match(name))):
+        for device in sorted(name for name in counters if is_published_interface(name, self._netdev_exclude)):
             receive.add_metric([device], counters[device][0])
             transmit.add_metric([device], counters[device][1])
         yield receive
@@ -273,6 +272,11 @@ def node_hostname(rootfs: str) -> str:
         if names:
             return names[0]
     return socket.gethostname()
+
+
+def is_published_interface(name: str, exclude: re.Pattern[str] | None) -> bool:
+    """Whether an interface's counters are published: not a tc ifb, and not one `exclude` matches at its start."""
+    return not _IGNORED_NICS.match(name) and not (exclude and exclude.match(name))
 
 
 def read_net_dev(path: str) -> dict[str, tuple[int, int]]:
