@@ -81,7 +81,8 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
     parts += [
         "<h2>Ranks</h2>",
         '<p class="note">Over the whole window. Phase columns are shares of step time; scores are the run\'s '
-        f"median over the rank's value (1 typical, below {STRAGGLER_SCORE:g} a straggler): of mean step time, and "
+        "typical value over the rank's (the median rank's; of two, the faster one's) "
+        f"(1 typical, below {STRAGGLER_SCORE:g} a straggler): of mean step time, and "
         f"of the local phases before the first collective ({LOCAL_PHASES_HTML}).</p>",
         _rank_table(report),
         *_allocator_section(report),

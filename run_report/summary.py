@@ -2,8 +2,9 @@
 
 Definitions follow the recording rules, applied to the whole window instead of one minute: mean step
 time = step seconds / steps timed; a phase's share = its seconds / step seconds; the straggler scores
-= the run's median over the rank's value, of mean step time and of the seconds per step in
-`dataloader_next` + `to_device` + `forward` (1 typical, below 0.75 a straggler).
+= the run's typical value over the rank's (the median rank's; of two ranks the faster one's, as the median
+of two is their mean), of mean step time and of the seconds per step in `dataloader_next` + `to_device` +
+`forward` (1 typical, below 0.75 a straggler).
 """
 
 from __future__ import annotations
@@ -218,19 +219,25 @@ def stragglers(ranks: list[RankSummary]) -> list[RankSummary]:
 
 
 def _with_scores(ranks: list[RankSummary]) -> list[RankSummary]:
-    """Both straggler scores: the run's median over the rank's value (as the rules, over the window)."""
-    means = [rank.mean for rank in ranks if rank.mean is not None]
-    locals_ = [rank.local_seconds for rank in ranks if rank.local_seconds]
-    median_mean = statistics.median(means) if means else None
-    median_local = statistics.median(locals_) if locals_ else None
+    """Both straggler scores: the run's typical value over the rank's (as the rules, over the window)."""
+    typical_mean = _typical([rank.mean for rank in ranks if rank.mean is not None])
+    typical_local = _typical([rank.local_seconds for rank in ranks if rank.local_seconds])
     return [
         dataclasses.replace(
             rank,
-            step_time_score=median_mean / rank.mean if median_mean is not None and rank.mean else None,
-            local_score=median_local / rank.local_seconds if median_local and rank.local_seconds else None,
+            step_time_score=typical_mean / rank.mean if typical_mean is not None and rank.mean else None,
+            local_score=typical_local / rank.local_seconds if typical_local and rank.local_seconds else None,
         )
         for rank in ranks
     ]
+
+
+def _typical(values: list[float]) -> float | None:
+    """The median, but of two values the smaller: the median of two is their mean, against which the slower
+    of two ranks scores 0.75 only when 2x slower than the other (1.33x among three or more)."""
+    if not values:
+        return None
+    return min(values) if len(values) == 2 else statistics.median(values)
 
 
 def _key(series: Series) -> tuple[str, str]:

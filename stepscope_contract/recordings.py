@@ -90,6 +90,8 @@ RUN_DATALOADER_SHARE = "run:stepscope_dataloader_share:ratio_rate1m"
 RANK_STRAGGLER_SCORE = "run_rank:stepscope_straggler_score:ratio"
 RANK_LOCAL_SECONDS_PER_STEP = "run_rank:stepscope_step_local_seconds:per_step_rate1m"
 RANK_STRAGGLER_LOCAL_SCORE = "run_rank:stepscope_straggler_local_score:ratio"
+# The scores StepscopeStragglerRank reads (label `score`: step_time, local_phases), kept through eval breaks
+RANK_STRAGGLER_ALERT_SCORES = "run_rank:stepscope_straggler_alert_scores:ratio"
 RUN_TRAINING_RANKS = "run:stepscope_training_ranks:count"
 RANK_TRAINING_SETTLED = "run_rank:stepscope_training_settled:bool"  # in train now and 30 s-5.5 min ago
 RUN_SETTLED_RANKS = "run:stepscope_training_settled_ranks:count"

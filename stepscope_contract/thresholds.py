@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from stepscope.contract.recordings import (
     GPU_HELD_IDLE,
+    RANK_STRAGGLER_ALERT_SCORES,
     RANK_TRAINING_SETTLED,
     RUN_GPU_TRAINING_READINGS,
     RUN_LIMITS_VERDICT,
@@ -78,15 +79,22 @@ THRESHOLDS: Mapping[str, Threshold] = {
         600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "
         "exporter restarted and forgot it: the exporter's default --ingest-ttl, as long as it keeps a group",
         ("StepscopeRankLost",)),
+    "pause_hold_seconds": Threshold(
+        1800, "seconds of an eval or checkpoint break through which the training alerts keep the reading of the "
+        "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
+        "still alerted, and a firing alert is not resolved by the break",
+        ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle",
+         "StepscopeStragglerRank", "StepscopeLoaderBelowCompute")),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),
     "straggler_score": Threshold(
-        0.75, "straggler score (run median over the rank's) below which a rank is a straggler",
+        0.75, "straggler score (the run's typical over the rank's: the median rank's, of two ranks the faster's) "
+        "below which a rank is a straggler",
         ("StepscopeStragglerRank",)),
     "straggler_local_share": Threshold(
         0.05, "extra local time, as a share of the step, a local-score straggler must add",
-        ("StepscopeStragglerRank",)),
+        (RANK_STRAGGLER_ALERT_SCORES,)),
     "gpu_memory_full": Threshold(
         0.95, "GPU memory used / total above which the GPU is near full", ("StepscopeGpuMemoryNearFull",)),
     "host_memory_pressure": Threshold(

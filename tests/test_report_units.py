@@ -20,6 +20,7 @@ from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.report import output, page, plots, queries, report
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
+from stepscope.report import summary
 from stepscope.report.summary import RankSummary, RunTotals
 from stepscope.report.timeline import critical_path, labelled_intervals, state_intervals
 from stepscope.report.times import iso, parse_time
@@ -384,6 +385,17 @@ def _rank(rank: str, mean: float, local: float, step_time_score: float, local_sc
     """A rank of 100 timed steps of `mean` seconds, `local` of them in forward, with its two scores."""
     return RankSummary(rank, "n", rank, "1", 100, 6400, 100 * mean, 100, mean, mean, {FORWARD_PHASE: 100 * local},
                        step_time_score=step_time_score, local_score=local_score)
+
+
+def test_the_report_scores_stragglers_against_the_typical_rank_as_the_rules_do() -> None:
+    """Of two ranks the faster is typical (grafana/rules/tests/pauses.yml, run pair): against their mean, the
+    slower of two scored 0.75 only when 2x slower, and a rank 1.5x slower was no straggler (0.83)."""
+    pair = summary._with_scores([_rank("0", 0.1, 0.02, 0, 0), _rank("1", 0.15, 0.03, 0, 0)])
+    assert [(round(r.step_time_score, 2), round(r.local_score, 2)) for r in pair] == [(1.0, 1.0), (0.67, 0.67)]
+    assert summary.stragglers(pair) == [pair[1]]
+    three = summary._with_scores([_rank("0", 0.1, 0.02, 0, 0), _rank("1", 0.15, 0.03, 0, 0),
+                                  _rank("2", 0.12, 0.02, 0, 0)])
+    assert [round(r.step_time_score, 2) for r in three] == [1.2, 0.8, 1.0]  # the median rank's 0.12 s
 
 
 @pytest.mark.parametrize(("ranks", "said", "not_said"), [
