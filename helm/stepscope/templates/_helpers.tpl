@@ -48,6 +48,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* gpuNodesOnly: the nodes GPU feature discovery (nvidia.com/gpu.present) or Node Feature Discovery (PCI
+vendor 10de) labelled, as a NodeAffinity. */}}
+{{- define "stepscope.gpuNodeAffinity" -}}
+requiredDuringSchedulingIgnoredDuringExecution:
+  nodeSelectorTerms:
+    - matchExpressions:
+        - key: nvidia.com/gpu.present
+          operator: In
+          values: ["true"]
+    - matchExpressions:
+        - key: feature.node.kubernetes.io/pci-10de.present
+          operator: In
+          values: ["true"]
+{{- end }}
+
 {{/* repository@digest when image.digest pins one (the tag is then only a note for people), else repository:tag. */}}
 {{- define "stepscope.image" -}}
 {{- if .Values.image.digest }}
