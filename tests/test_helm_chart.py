@@ -514,6 +514,80 @@ def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     assert all(json.loads(text)["title"] for text in shipped.values())
 
 
+# ---- object names ----------------------------------------------------------------------------------
+
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")   # RFC 1035: a Service's name
+LONG_RELEASE = "ml-platform-gpu-monitoring-eu-west1-training-cluster1"   # 53 characters, Helm's longest
+assert len(LONG_RELEASE) == 53
+
+
+def name_problems(obj: dict[str, Any]) -> list[str]:
+    """What Kubernetes (or the operator that turns the object into pods) would refuse in the object's name:
+    a Service's name is an RFC 1035 label (63), most others a DNS subdomain (253). The Prometheus Operator runs
+    a Prometheus as StatefulSet prometheus-<name>[-shard-<n>], whose pods are only created while that name has
+    at most 52 characters (their controller-revision-hash label is it plus 11); the VictoriaMetrics operator
+    gives a VMAlert the Service vmalert-<name>."""
+    name, kind = obj["metadata"]["name"], obj["kind"]
+    checks = [(f"{kind} {name}", name, DNS_LABEL if kind == "Service" else DNS_SUBDOMAIN,
+               63 if kind == "Service" else 253)]
+    if kind == "Prometheus":
+        last = obj["spec"].get("shards", 1) - 1
+        statefulset = f"prometheus-{name}" + (f"-shard-{last}" if last else "")
+        checks.append((f"the operator's StatefulSet {statefulset}", statefulset, DNS_LABEL, 52))
+    if kind == "VMAlert":
+        checks.append((f"the operator's Service vmalert-{name}", f"vmalert-{name}", DNS_LABEL, 63))
+    return [f"{what}: {len(text)} characters, at most {limit}" if len(text) > limit
+            else f"{what}: not {pattern.pattern}"
+            for what, text, pattern, limit in checks if len(text) > limit or not pattern.fullmatch(text)]
+
+
+LAYOUTS = {
+    "default": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False},
+                "alerting": {"alertmanagerConfig": {"enabled": True}},
+                "webConfig": {"basicAuthUsers": {"p": "$2y$10$" + "a" * 53},
+                              "scrapeCredentials": {"existingSecret": "c"}}},
+    "sharded": ci_values(CHART / "ci" / "sharding-values.yaml"),
+    "victoriametrics": {"sharding": {"enabled": True, "global": {"create": False},
+                                     "remoteWrite": {"url": "http://vm.monitoring.svc:8428/api/v1/write"},
+                                     "vmalert": {"create": True, "url": "http://vm.monitoring.svc:8428",
+                                                 "notifierURL": "http://am.monitoring.svc:9093"}}},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("release", "values"), [(LONG_RELEASE, {}), ("rel", {"fullnameOverride": "x" * 63}),
+                                                  ("gpu-monitoring-prod-eu1", {})],
+                         ids=["release-53", "fullnameOverride-63", "release-23"])
+def test_a_long_release_name_gives_every_object_its_own_valid_name(
+    chart: Path, layout: str, release: str, values: dict[str, Any]
+) -> None:
+    """Every name was cut at 63 characters whole: from a 32-character release name (a 42-character
+    fullnameOverride) on, the three dashboard ConfigMaps had one name (the install fails, or one dashboard wins);
+    at 53 the shards', the global layer's Prometheus and the exporter's Service too. Every object keeps a name of
+    its own per kind, within what Kubernetes and the operators take (from a 23-character release name on, the
+    shards' StatefulSets were too long for their pods to be created)."""
+    rendered = render(chart, {**LAYOUTS[layout], **values}, api_versions=[OPERATOR_API], release=release)
+    objs = objects(rendered) + objects(rendered, tests=True)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(by_kind(objs, "ConfigMap")) == len(list((GRAFANA / "dashboards_out").glob("*.json")))
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    assert not duplicates, f"two objects of a kind share a name: {duplicates}"
+    problems = [problem for obj in objs for problem in name_problems(obj)]
+    assert not problems, problems
+
+
+def test_long_release_names_that_share_their_start_keep_their_prometheus_apart(chart: Path) -> None:
+    """The names cut to fit carry a hash of the whole fullname: two releases in one namespace whose names differ
+    at the end never share a Prometheus; short names stay what they were."""
+    def prometheus_names(release: str) -> set[str]:
+        rendered = render(chart, LAYOUTS["sharded"], api_versions=[OPERATOR_API], release=release)
+        return {o["metadata"]["name"] for o in by_kind(objects(rendered), "Prometheus")}
+    first, second = prometheus_names(LONG_RELEASE), prometheus_names(LONG_RELEASE[:-1] + "b")
+    assert len(first) == len(second) == 2 and not first & second, (first, second)
+    assert prometheus_names("rel") == {"rel-stepscope-shards", "rel-stepscope-global"}
+
+
 @pytest.mark.parametrize(("linked", "output", "pattern"), [("dashboards", "dashboards_out", "*.json"),
                                                         ("rules", "rules_out", "*.rules.yml")])
 def test_packaged_chart_holds_the_linked_outputs_as_files(chart: Path, tmp_path: Path, linked: str, output: str,

@@ -212,13 +212,39 @@ dashboard links starting with alerting.grafanaUrl where it is set. */}}
 {{- toYaml $groups }}
 {{- end }}
 
-{{/* Prometheus objects of the sharded layout: names and the global layer's write URL. */}}
+{{/* <fullname>-<suffix> in at most `max` characters: (list $ suffix max). Where it would be longer, the fullname
+is cut and 6 hex characters of its sha256 follow, so the suffix (what tells a release's objects apart) stays
+whole and two long release names that share their start still give two names. Cutting the whole name at 63 gave
+a 53-character release's three dashboard ConfigMaps one name, and its shards, global Prometheus and exporter
+Service one name too. */}}
+{{- define "stepscope.componentName" -}}
+{{- $fullname := include "stepscope.fullname" (index . 0) }}
+{{- $suffix := index . 1 }}
+{{- $max := index . 2 }}
+{{- $name := printf "%s-%s" $fullname $suffix }}
+{{- if gt (len $name) $max }}
+{{- $name = printf "%s-%s-%s" ($fullname | trunc (int (sub $max (add (len $suffix) 8))) | trimSuffix "-") (sha256sum $fullname | trunc 6) $suffix }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{/* Prometheus objects of the sharded layout: names and the global layer's write URL. The Prometheus Operator
+runs a Prometheus as StatefulSet prometheus-<name> (shards: prometheus-<name>-shard-<n>), and a StatefulSet's pods
+are created only while its name has at most 52 characters (their controller-revision-hash label is the name and
+11 characters more, and a label value has at most 63): 32 for the shards (up to 100 shards), 41 for the global
+layer, whose name is also its Service's. */}}
 {{- define "stepscope.shardsName" -}}
-{{- printf "%s-shards" (include "stepscope.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- include "stepscope.componentName" (list . "shards" 32) }}
 {{- end }}
 
 {{- define "stepscope.globalName" -}}
-{{- printf "%s-global" (include "stepscope.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- include "stepscope.componentName" (list . "global" 41) }}
+{{- end }}
+
+{{/* The VictoriaMetrics operator names vmalert's Deployment and Service vmalert-<name>: a Service name has at
+most 63 characters. */}}
+{{- define "stepscope.vmalertName" -}}
+{{- include "stepscope.componentName" (list . "vmalert" 55) }}
 {{- end }}
 
 {{- define "stepscope.prometheusServiceAccountName" -}}
