@@ -484,6 +484,56 @@ def test_sharding_with_an_external_global_layer(chart: Path) -> None:
     assert len(by_kind(objs, "PrometheusRule")) == 2   # the run rules are there for Mimir's ruler
 
 
+def may_discover(objs: list[dict[str, Any]], account: str, namespace: str) -> bool:
+    """Whether a rendered RoleBinding in `namespace` lets ServiceAccount `account` (of the release namespace) list
+    and watch endpoints there, as the operator's kubernetes_sd_configs do."""
+    roles = {o["metadata"]["name"]: o for o in by_kind(objs, "Role") if o["metadata"]["namespace"] == namespace}
+    for binding in by_kind(objs, "RoleBinding"):
+        if binding["metadata"]["namespace"] != namespace or binding["roleRef"]["name"] not in roles:
+            continue
+        if {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} not in binding["subjects"]:
+            continue
+        for rule in roles[binding["roleRef"]["name"]]["rules"]:
+            if "" in rule["apiGroups"] and "endpoints" in rule["resources"] and {"list", "watch"} <= set(rule["verbs"]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("layers", [
+    {},
+    {"shards": {"create": False}},
+    {"global": {"create": False}, "remoteWrite": {"url": "http://mimir-distributor.mimir.svc:8080/api/v1/push"}},
+], ids=["both", "global-only", "shards-only"])
+def test_each_prometheus_runs_as_a_service_account_that_may_find_its_targets_and_alertmanagers(
+    chart: Path, layers: dict[str, Any]
+) -> None:
+    """With shards.create false (your own shards) the chart's global Prometheus named <fullname>-prometheus, a
+    ServiceAccount rendered only with the chart's shards: the operator's StatefulSet could not create its pod.
+    Each Prometheus now runs as a rendered ServiceAccount, which may discover endpoints in the release namespace
+    (the shards' exporters) and in each Alertmanager's namespace (both layers')."""
+    alertmanagers = [{"namespace": "alerting", "name": "alertmanager-operated", "port": "web"}]
+    objs = sharded(chart, {"sharding": {"enabled": True, "alertmanagers": alertmanagers, **layers}})
+    accounts = {o["metadata"]["name"] for o in by_kind(objs, "ServiceAccount")}
+    assert by_kind(objs, "Prometheus")
+    for prometheus in by_kind(objs, "Prometheus"):
+        account = prometheus["spec"]["serviceAccountName"]
+        assert account in accounts, f"Prometheus {prometheus['metadata']['name']} runs as {account}, not rendered"
+        blind = [namespace for namespace in (NAMESPACE, "alerting") if not may_discover(objs, account, namespace)]
+        assert not blind, f"{account} may not list endpoints in {blind}"
+    for obj in objs:
+        if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_no_service_account_for_prometheus_when_the_chart_creates_none(chart: Path) -> None:
+    """VictoriaMetrics as the global layer and your own shards: nothing runs as the chart's Prometheus account."""
+    values = {"sharding": {"enabled": True, "shards": {"create": False}, "global": {"create": False},
+                           "remoteWrite": {"url": "http://vm.monitoring.svc:8428/api/v1/write"}}}
+    objs = sharded(chart, values)
+    assert not by_kind(objs, "Prometheus") and not by_kind(objs, "Role")
+    assert [o["metadata"]["name"] for o in by_kind(objs, "ServiceAccount")] == ["rel-stepscope"]
+
+
 def test_notes_say_which_rules_go_where(chart: Path) -> None:
     text = notes(render(chart, ci_values(CHART / "ci" / "sharding-values.yaml")))
     assert "rel-stepscope-node (per-node rules) goes to the shards" in text
