@@ -229,6 +229,29 @@ def test_notes_show_how_training_pods_push(chart: Path) -> None:
                                                                              "key": "token"}
 
 
+@pytest.mark.parametrize(("values", "listens_on_node_ip"), [
+    ({}, True),
+    ({"ingest": {"hostPort": False}, "hostNetwork": True}, True),   # the container port is the node's port
+    ({"ingest": {"hostPort": False}}, False),
+], ids=["hostPort", "hostNetwork", "neither"])
+def test_notes_give_the_push_url_only_where_something_listens_on_the_node(
+    chart: Path, values: dict[str, Any], listens_on_node_ip: bool
+) -> None:
+    """NOTES told training pods to push to http://$(HOST_IP):9847 with ingest.hostPort false and no hostNetwork,
+    where nothing listens on the node's IP: every push would fail. There they say so, and what would work."""
+    rendered = render(chart, values)
+    text = notes(rendered)
+    (port,) = exporter_container(objects(rendered))["ports"]
+    assert ("hostPort" in port or values.get("hostNetwork", False)) == listens_on_node_ip
+    if listens_on_node_ip:
+        assert '"http://$(HOST_IP):9847"' in text and "WARNING" not in text
+        return
+    assert "$(HOST_IP)" not in text, "NOTES print a push URL nothing listens on"
+    assert "WARNING: training pods cannot push to this exporter as installed: ingest.hostPort is false and " \
+           "hostNetwork is\noff" in text
+    assert "ingest.hostPort=true" in text and "hostNetwork=true" in text and "Secret rel-stepscope-ingest" in text
+
+
 def test_existing_secret_host_network_and_runtime_class(chart: Path) -> None:
     rendered = render(chart, ci_values(CHART / "ci" / "existing-secret-hostnetwork-values.yaml"))
     objs = objects(rendered)
