@@ -312,6 +312,28 @@ def test_auto_follows_the_cluster_api(chart: Path) -> None:
     assert {"ServiceMonitor", "PrometheusRule"} <= with_api and "PodMonitor" not in with_api
 
 
+AUTO_MONITORS = {"podMonitor": {"enabled": "auto"}}
+
+
+@pytest.mark.parametrize(("served", "values", "expected"), [
+    (["ServiceMonitor", "PodMonitor"], {}, {"ServiceMonitor"}),   # e.g. CRDs installed for scraping alone
+    (["PrometheusRule"], {}, {"PrometheusRule"}),
+    (["ServiceMonitor", "PodMonitor", "PrometheusRule"], {}, {"ServiceMonitor", "PrometheusRule"}),
+    (None, {}, {"ServiceMonitor", "PrometheusRule"}),   # the group alone: helm template --api-versions <group>
+    (["PodMonitor", "PrometheusRule"], AUTO_MONITORS, {"PodMonitor", "PrometheusRule"}),
+    (["ServiceMonitor"], AUTO_MONITORS, {"ServiceMonitor"}),
+], ids=["monitors-only", "rules-only", "all", "group-only", "podmonitor-auto", "podmonitor-auto-not-served"])
+def test_auto_renders_each_kind_the_cluster_serves(
+    chart: Path, served: list[str] | None, values: dict[str, Any], expected: set[str]
+) -> None:
+    """`auto` asked for the API group alone: a cluster serving ServiceMonitor and PodMonitor without the
+    PrometheusRule CRD got a PrometheusRule it cannot create, failing the install. Helm lists a live cluster's
+    group/version and each group/version/kind; each kind now follows its own."""
+    api = [OPERATOR_API, *(f"{OPERATOR_API}/{kind}" for kind in served or ())]
+    rendered = kinds(objects(render(chart, values, api_versions=api))) & OPERATOR_KINDS
+    assert rendered == expected, f"cluster serving {served}: rendered {sorted(rendered)}"
+
+
 def test_forced_on_renders_without_the_api(chart: Path) -> None:
     objs = objects(render(chart, ci_values(CHART / "ci" / "monitors-values.yaml")))
     for kind in ("ServiceMonitor", "PrometheusRule"):

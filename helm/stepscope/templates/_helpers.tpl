@@ -86,20 +86,33 @@ requiredDuringSchedulingIgnoredDuringExecution:
 {{- end }}
 
 {{/*
-"true" when a Prometheus Operator object should render: `auto` follows the cluster's API
-(monitoring.coreos.com/v1), true/false are obeyed as given. Called with (list setting $).
+"true" when a Prometheus Operator object should render: `auto` follows the cluster's API, true/false are
+obeyed as given. Called with (list setting $ kind). `auto` asks for the kind itself
+(monitoring.coreos.com/v1/<kind>, which Helm lists for a live cluster): a cluster may serve ServiceMonitor and
+PodMonitor without PrometheusRule (each CRD is installed on its own), and the group alone rendered a
+PrometheusRule it could not create. Where the list names no kind of the group at all (`helm template
+--api-versions monitoring.coreos.com/v1`), the group/version stands for all of them, as before.
 */}}
 {{- define "stepscope.operatorObjectEnabled" -}}
 {{- $setting := toString (index . 0) }}
 {{- $root := index . 1 }}
+{{- $kind := index . 2 }}
 {{- if eq $setting "auto" }}
-{{- if $root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- $group := "monitoring.coreos.com/v1" }}
+{{- $kindsListed := false }}
+{{- range $root.Capabilities.APIVersions }}
+{{- if hasPrefix (printf "%s/" $group) . }}{{ $kindsListed = true }}{{ end }}
+{{- end }}
+{{- if $kindsListed }}
+{{- if $root.Capabilities.APIVersions.Has (printf "%s/%s" $group $kind) }}true{{ end }}
+{{- else if $root.Capabilities.APIVersions.Has $group }}true
+{{- end }}
 {{- else if eq $setting "true" }}true
 {{- end }}
 {{- end }}
 
 {{- define "stepscope.podMonitorEnabled" -}}
-{{- include "stepscope.operatorObjectEnabled" (list .Values.podMonitor.enabled .) }}
+{{- include "stepscope.operatorObjectEnabled" (list .Values.podMonitor.enabled . "PodMonitor") }}
 {{- end }}
 
 {{- define "stepscope.serviceMonitorEnabled" -}}
@@ -108,12 +121,12 @@ requiredDuringSchedulingIgnoredDuringExecution:
 {{- fail "serviceMonitor.enabled and podMonitor.enabled are both true: choose one, or every target is scraped twice" }}
 {{- end }}
 {{- if not (and (eq $setting "auto") (include "stepscope.podMonitorEnabled" .)) }}
-{{- include "stepscope.operatorObjectEnabled" (list .Values.serviceMonitor.enabled .) }}
+{{- include "stepscope.operatorObjectEnabled" (list .Values.serviceMonitor.enabled . "ServiceMonitor") }}
 {{- end }}
 {{- end }}
 
 {{- define "stepscope.prometheusRuleEnabled" -}}
-{{- include "stepscope.operatorObjectEnabled" (list .Values.prometheusRule.enabled .) }}
+{{- include "stepscope.operatorObjectEnabled" (list .Values.prometheusRule.enabled . "PrometheusRule") }}
 {{- end }}
 
 {{/* Scrape relabeling shared by the ServiceMonitor and the PodMonitor: the node is the instance, and the
