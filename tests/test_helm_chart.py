@@ -2,6 +2,7 @@
 token wiring, CRD gating, values schema, and the rules/dashboards being the Grafana bundle's."""
 
 import base64
+import hashlib
 import http.client
 import json
 import re
@@ -217,6 +218,42 @@ def test_ingest_token_flows_from_secret_to_flag(chart: Path) -> None:
     assert mount["readOnly"] is True
     assert args_dict(container)["--ingest-token-file"] == f"{mount['mountPath']}/{item['path']}"
     assert container["ports"][0]["hostPort"] == 9847   # reachable at the node's IP
+
+
+def token_and_checksum(chart: Path, values: dict[str, Any] | None = None) -> tuple[str, dict[str, str]]:
+    """The generated Secret's token (base64) and the DaemonSet pod template's annotations, of one render."""
+    objs = objects(render(chart, values))
+    template = one(objs, "DaemonSet")["spec"]["template"]["metadata"]
+    return one(objs, "Secret")["data"]["token"], template.get("annotations", {})
+
+
+def test_a_changed_generated_token_rolls_the_exporters(chart: Path) -> None:
+    """The exporter reads --ingest-token-file once, at start: a token the chart generated anew (an offline render
+    such as Argo CD's, where lookup finds nothing, or a deleted Secret) reached the mounted file but not the
+    running exporters, which refused every push with the new token until restarted. The pod template carries the
+    checksum of the very token the Secret of the same render holds, so a new one rolls the DaemonSet."""
+    token, annotations = token_and_checksum(chart)
+    assert annotations.get("checksum/ingest-token") == hashlib.sha256(token.encode()).hexdigest(), annotations
+    other_token, other = token_and_checksum(chart)   # offline: no Secret to read back, a new token
+    assert other_token != token and other["checksum/ingest-token"] != annotations["checksum/ingest-token"]
+    _, with_own = token_and_checksum(chart, {"podAnnotations": {"team": "ml"}})
+    assert set(with_own) == {"team", "checksum/ingest-token"}
+
+
+def test_the_gitops_token_values_of_the_docs_render_no_token_of_the_charts(chart: Path) -> None:
+    """docs/deployment.md tells GitOps users to bring the token: the Secret its command creates is the one its
+    values name, and the chart then renders no Secret and no checksum (it cannot know the token)."""
+    section = doc_section("chart-gitops-token")
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    values = helm_python.values_from_yaml(block)
+    name, key = re.search(r"create secret generic (\S+) --from-literal=(\w+)=", section).groups()
+    assert values["ingest"]["token"] == {"existingSecret": name, "key": key}
+    objs = objects(render(chart, {**values, "podAnnotations": {"team": "ml"}}))
+    assert not by_kind(objs, "Secret")
+    pod = one(objs, "DaemonSet")["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"team": "ml"}
+    (volume,) = [v for v in pod["spec"]["volumes"] if v.get("secret")]
+    assert (volume["secret"]["secretName"], volume["secret"]["items"][0]["key"]) == (name, key)
 
 
 def test_notes_show_how_training_pods_push(chart: Path) -> None:

@@ -25,6 +25,7 @@ from tests.support.helm_chart import (
     CHART,
     NAMESPACE,
     OPERATOR_API,
+    REPO,
     by_kind,
     exporter_container,
     lint,
@@ -158,6 +159,30 @@ def test_every_value_changes_what_the_chart_renders() -> None:
         else:
             ignored.append(".".join(path))
     assert not ignored, f"values no template reads: {ignored}"
+
+
+def schema_has(path: str) -> bool:
+    node = SCHEMA
+    for part in path.split("."):
+        if part in node.get("properties", {}):
+            node = node["properties"][part]
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
+        else:
+            return False
+    return True
+
+
+def test_every_chart_value_the_docs_name_is_one_the_chart_has() -> None:
+    """What the docs tell a user to set (`ingest.token.existingSecret`, `gpuNodesOnly: false`, ...) is a value
+    the schema admits: a misspelt or renamed key in the docs is a setting that is refused, or does nothing."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = {(path.name, match) for path in docs for match in re.findall(
+        r"`([a-zA-Z]\w*(?:\.\w+)+)(?:[=:][^`]*)?`", path.read_text())}
+    unknown = sorted((page, path) for page, path in named
+                     if path.split(".")[0] in SCHEMA["properties"] and not path.endswith((".yml", ".yaml"))
+                     and not schema_has(path))
+    assert not unknown, f"values the docs name that the chart does not have: {unknown}"
 
 
 @pytest.mark.parametrize(("values", "message"), [

@@ -81,6 +81,19 @@ requiredDuringSchedulingIgnoredDuringExecution:
 {{- .Values.ingest.token.key }}
 {{- end }}
 
+{{/* The token of the Secret this chart generates, base64: the cluster's (lookup, kept across upgrades), else 40
+random characters. Drawn once per render and kept in .Values, so that the Secret and the DaemonSet's checksum of
+it see the same token (each include would draw its own). */}}
+{{- define "stepscope.generatedIngestToken" -}}
+{{- $state := .Values.ingest.token }}
+{{- if not (hasKey $state "_rendered") }}
+{{- $existing := lookup "v1" "Secret" (include "stepscope.namespace" .) (include "stepscope.ingestSecretName" .) }}
+{{- $token := dig "data" (include "stepscope.ingestSecretKey" .) "" $existing }}
+{{- $_ := set $state "_rendered" ($token | default (randAlphaNum 40 | b64enc)) }}
+{{- end }}
+{{- get $state "_rendered" }}
+{{- end }}
+
 {{- define "stepscope.ingestTokenDir" -}}
 /etc/stepscope/ingest
 {{- end }}
