@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import pytest
 import yaml
 
@@ -82,6 +83,17 @@ def test_pod_attribution_without_ingest_still_mounts_the_socket() -> None:
 def test_the_ci_values_cover_both_modes() -> None:
     assert {"dcgm-values.yaml", "pod-resources-values.yaml"} <= {p.name for p in (CHART / "ci").glob("*.yaml")}
     assert Path(CHART / "ci" / "dcgm-values.yaml").read_text().count("gpuSource: dcgm") == 1
+
+
+def test_dcgm_mode_without_the_nodes_pid_namespace_is_refused() -> None:
+    """dcgm mode joins a rank to its pod's GPUs through the training process the exporter finds in /proc
+    (exporter/collectors/pods.py); with hostPID false it sees only its own pod's processes, so no rank ever got a
+    GPU, and the chart rendered it without a word."""
+    with pytest.raises(helm_python.HelmRenderError, match=r"gpuSource dcgm with hostPID false: .*no rank would get "
+                                                          r"a GPU; set hostPID true, or gpuSource nvml"):
+        render(CHART, {"gpuSource": "dcgm", "hostPID": False})
+    pod, _ = _daemonset({"gpuSource": "nvml", "hostPID": False})   # NVML's GPUs need no process
+    assert pod["hostPID"] is False
 
 
 def test_an_unknown_gpu_source_is_refused() -> None:

@@ -2,6 +2,7 @@
 token wiring, CRD gating, values schema, and the rules/dashboards being the Grafana bundle's."""
 
 import base64
+import hashlib
 import http.client
 import json
 import re
@@ -219,6 +220,42 @@ def test_ingest_token_flows_from_secret_to_flag(chart: Path) -> None:
     assert container["ports"][0]["hostPort"] == 9847   # reachable at the node's IP
 
 
+def token_and_checksum(chart: Path, values: dict[str, Any] | None = None) -> tuple[str, dict[str, str]]:
+    """The generated Secret's token (base64) and the DaemonSet pod template's annotations, of one render."""
+    objs = objects(render(chart, values))
+    template = one(objs, "DaemonSet")["spec"]["template"]["metadata"]
+    return one(objs, "Secret")["data"]["token"], template.get("annotations", {})
+
+
+def test_a_changed_generated_token_rolls_the_exporters(chart: Path) -> None:
+    """The exporter reads --ingest-token-file once, at start: a token the chart generated anew (an offline render
+    such as Argo CD's, where lookup finds nothing, or a deleted Secret) reached the mounted file but not the
+    running exporters, which refused every push with the new token until restarted. The pod template carries the
+    checksum of the very token the Secret of the same render holds, so a new one rolls the DaemonSet."""
+    token, annotations = token_and_checksum(chart)
+    assert annotations.get("checksum/ingest-token") == hashlib.sha256(token.encode()).hexdigest(), annotations
+    other_token, other = token_and_checksum(chart)   # offline: no Secret to read back, a new token
+    assert other_token != token and other["checksum/ingest-token"] != annotations["checksum/ingest-token"]
+    _, with_own = token_and_checksum(chart, {"podAnnotations": {"team": "ml"}})
+    assert set(with_own) == {"team", "checksum/ingest-token"}
+
+
+def test_the_gitops_token_values_of_the_docs_render_no_token_of_the_charts(chart: Path) -> None:
+    """docs/deployment.md tells GitOps users to bring the token: the Secret its command creates is the one its
+    values name, and the chart then renders no Secret and no checksum (it cannot know the token)."""
+    section = doc_section("chart-gitops-token")
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    values = helm_python.values_from_yaml(block)
+    name, key = re.search(r"create secret generic (\S+) --from-literal=(\w+)=", section).groups()
+    assert values["ingest"]["token"] == {"existingSecret": name, "key": key}
+    objs = objects(render(chart, {**values, "podAnnotations": {"team": "ml"}}))
+    assert not by_kind(objs, "Secret")
+    pod = one(objs, "DaemonSet")["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"team": "ml"}
+    (volume,) = [v for v in pod["spec"]["volumes"] if v.get("secret")]
+    assert (volume["secret"]["secretName"], volume["secret"]["items"][0]["key"]) == (name, key)
+
+
 def test_notes_show_how_training_pods_push(chart: Path) -> None:
     text = notes(render(chart))
     env = yaml.safe_load(text[text.index("  env:"):text.index("STEPSCOPE_RUN")] + "STEPSCOPE_RUN\n")["env"]
@@ -227,6 +264,29 @@ def test_notes_show_how_training_pods_push(chart: Path) -> None:
     assert by_name["STEPSCOPE_PUSH_URL"]["value"] == "http://$(HOST_IP):9847"
     assert by_name["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rel-stepscope-ingest",
                                                                              "key": "token"}
+
+
+@pytest.mark.parametrize(("values", "listens_on_node_ip"), [
+    ({}, True),
+    ({"ingest": {"hostPort": False}, "hostNetwork": True}, True),   # the container port is the node's port
+    ({"ingest": {"hostPort": False}}, False),
+], ids=["hostPort", "hostNetwork", "neither"])
+def test_notes_give_the_push_url_only_where_something_listens_on_the_node(
+    chart: Path, values: dict[str, Any], listens_on_node_ip: bool
+) -> None:
+    """NOTES told training pods to push to http://$(HOST_IP):9847 with ingest.hostPort false and no hostNetwork,
+    where nothing listens on the node's IP: every push would fail. There they say so, and what would work."""
+    rendered = render(chart, values)
+    text = notes(rendered)
+    (port,) = exporter_container(objects(rendered))["ports"]
+    assert ("hostPort" in port or values.get("hostNetwork", False)) == listens_on_node_ip
+    if listens_on_node_ip:
+        assert '"http://$(HOST_IP):9847"' in text and "WARNING" not in text
+        return
+    assert "$(HOST_IP)" not in text, "NOTES print a push URL nothing listens on"
+    assert "WARNING: training pods cannot push to this exporter as installed: ingest.hostPort is false and " \
+           "hostNetwork is\noff" in text
+    assert "ingest.hostPort=true" in text and "hostNetwork=true" in text and "Secret rel-stepscope-ingest" in text
 
 
 def test_existing_secret_host_network_and_runtime_class(chart: Path) -> None:
@@ -287,6 +347,28 @@ def test_auto_follows_the_cluster_api(chart: Path) -> None:
     assert not kinds(objects(render(chart))) & OPERATOR_KINDS
     with_api = kinds(objects(render(chart, api_versions=[OPERATOR_API])))
     assert {"ServiceMonitor", "PrometheusRule"} <= with_api and "PodMonitor" not in with_api
+
+
+AUTO_MONITORS = {"podMonitor": {"enabled": "auto"}}
+
+
+@pytest.mark.parametrize(("served", "values", "expected"), [
+    (["ServiceMonitor", "PodMonitor"], {}, {"ServiceMonitor"}),   # e.g. CRDs installed for scraping alone
+    (["PrometheusRule"], {}, {"PrometheusRule"}),
+    (["ServiceMonitor", "PodMonitor", "PrometheusRule"], {}, {"ServiceMonitor", "PrometheusRule"}),
+    (None, {}, {"ServiceMonitor", "PrometheusRule"}),   # the group alone: helm template --api-versions <group>
+    (["PodMonitor", "PrometheusRule"], AUTO_MONITORS, {"PodMonitor", "PrometheusRule"}),
+    (["ServiceMonitor"], AUTO_MONITORS, {"ServiceMonitor"}),
+], ids=["monitors-only", "rules-only", "all", "group-only", "podmonitor-auto", "podmonitor-auto-not-served"])
+def test_auto_renders_each_kind_the_cluster_serves(
+    chart: Path, served: list[str] | None, values: dict[str, Any], expected: set[str]
+) -> None:
+    """`auto` asked for the API group alone: a cluster serving ServiceMonitor and PodMonitor without the
+    PrometheusRule CRD got a PrometheusRule it cannot create, failing the install. Helm lists a live cluster's
+    group/version and each group/version/kind; each kind now follows its own."""
+    api = [OPERATOR_API, *(f"{OPERATOR_API}/{kind}" for kind in served or ())]
+    rendered = kinds(objects(render(chart, values, api_versions=api))) & OPERATOR_KINDS
+    assert rendered == expected, f"cluster serving {served}: rendered {sorted(rendered)}"
 
 
 def test_forced_on_renders_without_the_api(chart: Path) -> None:
@@ -484,6 +566,56 @@ def test_sharding_with_an_external_global_layer(chart: Path) -> None:
     assert len(by_kind(objs, "PrometheusRule")) == 2   # the run rules are there for Mimir's ruler
 
 
+def may_discover(objs: list[dict[str, Any]], account: str, namespace: str) -> bool:
+    """Whether a rendered RoleBinding in `namespace` lets ServiceAccount `account` (of the release namespace) list
+    and watch endpoints there, as the operator's kubernetes_sd_configs do."""
+    roles = {o["metadata"]["name"]: o for o in by_kind(objs, "Role") if o["metadata"]["namespace"] == namespace}
+    for binding in by_kind(objs, "RoleBinding"):
+        if binding["metadata"]["namespace"] != namespace or binding["roleRef"]["name"] not in roles:
+            continue
+        if {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} not in binding["subjects"]:
+            continue
+        for rule in roles[binding["roleRef"]["name"]]["rules"]:
+            if "" in rule["apiGroups"] and "endpoints" in rule["resources"] and {"list", "watch"} <= set(rule["verbs"]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("layers", [
+    {},
+    {"shards": {"create": False}},
+    {"global": {"create": False}, "remoteWrite": {"url": "http://mimir-distributor.mimir.svc:8080/api/v1/push"}},
+], ids=["both", "global-only", "shards-only"])
+def test_each_prometheus_runs_as_a_service_account_that_may_find_its_targets_and_alertmanagers(
+    chart: Path, layers: dict[str, Any]
+) -> None:
+    """With shards.create false (your own shards) the chart's global Prometheus named <fullname>-prometheus, a
+    ServiceAccount rendered only with the chart's shards: the operator's StatefulSet could not create its pod.
+    Each Prometheus now runs as a rendered ServiceAccount, which may discover endpoints in the release namespace
+    (the shards' exporters) and in each Alertmanager's namespace (both layers')."""
+    alertmanagers = [{"namespace": "alerting", "name": "alertmanager-operated", "port": "web"}]
+    objs = sharded(chart, {"sharding": {"enabled": True, "alertmanagers": alertmanagers, **layers}})
+    accounts = {o["metadata"]["name"] for o in by_kind(objs, "ServiceAccount")}
+    assert by_kind(objs, "Prometheus")
+    for prometheus in by_kind(objs, "Prometheus"):
+        account = prometheus["spec"]["serviceAccountName"]
+        assert account in accounts, f"Prometheus {prometheus['metadata']['name']} runs as {account}, not rendered"
+        blind = [namespace for namespace in (NAMESPACE, "alerting") if not may_discover(objs, account, namespace)]
+        assert not blind, f"{account} may not list endpoints in {blind}"
+    for obj in objs:
+        if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_no_service_account_for_prometheus_when_the_chart_creates_none(chart: Path) -> None:
+    """VictoriaMetrics as the global layer and your own shards: nothing runs as the chart's Prometheus account."""
+    values = {"sharding": {"enabled": True, "shards": {"create": False}, "global": {"create": False},
+                           "remoteWrite": {"url": "http://vm.monitoring.svc:8428/api/v1/write"}}}
+    objs = sharded(chart, values)
+    assert not by_kind(objs, "Prometheus") and not by_kind(objs, "Role")
+    assert [o["metadata"]["name"] for o in by_kind(objs, "ServiceAccount")] == ["rel-stepscope"]
+
+
 def test_notes_say_which_rules_go_where(chart: Path) -> None:
     text = notes(render(chart, ci_values(CHART / "ci" / "sharding-values.yaml")))
     assert "rel-stepscope-node (per-node rules) goes to the shards" in text
@@ -512,6 +644,80 @@ def test_dashboards_are_the_bundle_json(chart: Path) -> None:
         shipped.update(config_map["data"])
     assert shipped == {p.name: p.read_text() for p in sources}
     assert all(json.loads(text)["title"] for text in shipped.values())
+
+
+# ---- object names ----------------------------------------------------------------------------------
+
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")   # RFC 1035: a Service's name
+LONG_RELEASE = "ml-platform-gpu-monitoring-eu-west1-training-cluster1"   # 53 characters, Helm's longest
+assert len(LONG_RELEASE) == 53
+
+
+def name_problems(obj: dict[str, Any]) -> list[str]:
+    """What Kubernetes (or the operator that turns the object into pods) would refuse in the object's name:
+    a Service's name is an RFC 1035 label (63), most others a DNS subdomain (253). The Prometheus Operator runs
+    a Prometheus as StatefulSet prometheus-<name>[-shard-<n>], whose pods are only created while that name has
+    at most 52 characters (their controller-revision-hash label is it plus 11); the VictoriaMetrics operator
+    gives a VMAlert the Service vmalert-<name>."""
+    name, kind = obj["metadata"]["name"], obj["kind"]
+    checks = [(f"{kind} {name}", name, DNS_LABEL if kind == "Service" else DNS_SUBDOMAIN,
+               63 if kind == "Service" else 253)]
+    if kind == "Prometheus":
+        last = obj["spec"].get("shards", 1) - 1
+        statefulset = f"prometheus-{name}" + (f"-shard-{last}" if last else "")
+        checks.append((f"the operator's StatefulSet {statefulset}", statefulset, DNS_LABEL, 52))
+    if kind == "VMAlert":
+        checks.append((f"the operator's Service vmalert-{name}", f"vmalert-{name}", DNS_LABEL, 63))
+    return [f"{what}: {len(text)} characters, at most {limit}" if len(text) > limit
+            else f"{what}: not {pattern.pattern}"
+            for what, text, pattern, limit in checks if len(text) > limit or not pattern.fullmatch(text)]
+
+
+LAYOUTS = {
+    "default": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False},
+                "alerting": {"alertmanagerConfig": {"enabled": True}},
+                "webConfig": {"basicAuthUsers": {"p": "$2y$10$" + "a" * 53},
+                              "scrapeCredentials": {"existingSecret": "c"}}},
+    "sharded": ci_values(CHART / "ci" / "sharding-values.yaml"),
+    "victoriametrics": {"sharding": {"enabled": True, "global": {"create": False},
+                                     "remoteWrite": {"url": "http://vm.monitoring.svc:8428/api/v1/write"},
+                                     "vmalert": {"create": True, "url": "http://vm.monitoring.svc:8428",
+                                                 "notifierURL": "http://am.monitoring.svc:9093"}}},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("release", "values"), [(LONG_RELEASE, {}), ("rel", {"fullnameOverride": "x" * 63}),
+                                                  ("gpu-monitoring-prod-eu1", {})],
+                         ids=["release-53", "fullnameOverride-63", "release-23"])
+def test_a_long_release_name_gives_every_object_its_own_valid_name(
+    chart: Path, layout: str, release: str, values: dict[str, Any]
+) -> None:
+    """Every name was cut at 63 characters whole: from a 32-character release name (a 42-character
+    fullnameOverride) on, the three dashboard ConfigMaps had one name (the install fails, or one dashboard wins);
+    at 53 the shards', the global layer's Prometheus and the exporter's Service too. Every object keeps a name of
+    its own per kind, within what Kubernetes and the operators take (from a 23-character release name on, the
+    shards' StatefulSets were too long for their pods to be created)."""
+    rendered = render(chart, {**LAYOUTS[layout], **values}, api_versions=[OPERATOR_API], release=release)
+    objs = objects(rendered) + objects(rendered, tests=True)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(by_kind(objs, "ConfigMap")) == len(list((GRAFANA / "dashboards_out").glob("*.json")))
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    assert not duplicates, f"two objects of a kind share a name: {duplicates}"
+    problems = [problem for obj in objs for problem in name_problems(obj)]
+    assert not problems, problems
+
+
+def test_long_release_names_that_share_their_start_keep_their_prometheus_apart(chart: Path) -> None:
+    """The names cut to fit carry a hash of the whole fullname: two releases in one namespace whose names differ
+    at the end never share a Prometheus; short names stay what they were."""
+    def prometheus_names(release: str) -> set[str]:
+        rendered = render(chart, LAYOUTS["sharded"], api_versions=[OPERATOR_API], release=release)
+        return {o["metadata"]["name"] for o in by_kind(objects(rendered), "Prometheus")}
+    first, second = prometheus_names(LONG_RELEASE), prometheus_names(LONG_RELEASE[:-1] + "b")
+    assert len(first) == len(second) == 2 and not first & second, (first, second)
+    assert prometheus_names("rel") == {"rel-stepscope-shards", "rel-stepscope-global"}
 
 
 @pytest.mark.parametrize(("linked", "output", "pattern"), [("dashboards", "dashboards_out", "*.json"),

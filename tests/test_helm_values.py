@@ -25,6 +25,7 @@ from tests.support.helm_chart import (
     CHART,
     NAMESPACE,
     OPERATOR_API,
+    REPO,
     by_kind,
     exporter_container,
     lint,
@@ -92,7 +93,9 @@ CHANGED: dict[tuple[str, ...], Any] = {
     ("sharding", "alertmanagers"): [{"name": "am", "port": "web"}],
     ("sharding", "remoteWrite", "url"): "http://mimir/api/v1/push", ("sharding", "vmalert", "url"): "http://vm:8428",
     ("sharding", "vmalert", "notifierURL"): "http://am:9093", ("alerting", "grafanaUrl"): "https://grafana.example",
-    ("tolerations",): [], ("affinity",): {}, ("sharding", "prometheusVersion"): "v2.50.0",
+    ("tolerations",): [], ("sharding", "prometheusVersion"): "v2.50.0",
+    ("affinity",): {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "kubernetes.io/hostname"}]}},
     ("webConfig", "authStateFile", "hostPath"): "/var/lib/stepscope",
     ("alerting", "alertmanagerConfig", "receivers"): [{"name": "stepscope"}, {"name": "stepscope-info"}, {"name": "z"}],
     ("sharding", "remoteWrite", "drop"): "foo", ("sharding", "remoteWrite", "keep"): "bar",
@@ -156,6 +159,30 @@ def test_every_value_changes_what_the_chart_renders() -> None:
         else:
             ignored.append(".".join(path))
     assert not ignored, f"values no template reads: {ignored}"
+
+
+def schema_has(path: str) -> bool:
+    node = SCHEMA
+    for part in path.split("."):
+        if part in node.get("properties", {}):
+            node = node["properties"][part]
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
+        else:
+            return False
+    return True
+
+
+def test_every_chart_value_the_docs_name_is_one_the_chart_has() -> None:
+    """What the docs tell a user to set (`ingest.token.existingSecret`, `gpuNodesOnly: false`, ...) is a value
+    the schema admits: a misspelt or renamed key in the docs is a setting that is refused, or does nothing."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = {(path.name, match) for path in docs for match in re.findall(
+        r"`([a-zA-Z]\w*(?:\.\w+)+)(?:[=:][^`]*)?`", path.read_text())}
+    unknown = sorted((page, path) for page, path in named
+                     if path.split(".")[0] in SCHEMA["properties"] and not path.endswith((".yml", ".yaml"))
+                     and not schema_has(path))
+    assert not unknown, f"values the docs name that the chart does not have: {unknown}"
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -238,6 +265,53 @@ def test_tolerations_for_gpu_taints_are_configurable() -> None:
     own = [{"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"}]
     pod = one(objects(render(CHART, {"tolerations": own})), "DaemonSet")["spec"]["template"]["spec"]
     assert tolerated(pod["tolerations"], {"key": "dedicated", "value": "training", "effect": "NoSchedule"})
+
+
+GPU_NODE_LABELS = {"nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"}
+
+
+def pod_spec(values: dict[str, Any]) -> dict[str, Any]:
+    return one(objects(render(CHART, values)), "DaemonSet")["spec"]["template"]["spec"]
+
+
+def required_node_labels(affinity: dict[str, Any]) -> set[str]:
+    required = affinity.get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {})
+    return {e["key"] for term in required.get("nodeSelectorTerms", []) for e in term["matchExpressions"]}
+
+
+@pytest.mark.parametrize("values_file", ["gpuNodesOnly: false\n", "affinity: null\n"],
+                         ids=["gpuNodesOnly-false", "affinity-null"])
+def test_every_node_is_one_value_away(values_file: str) -> None:
+    """The documented `affinity: {}` kept the GPU-node affinity: Helm merges a user's map into the default key
+    by key, so an empty map changed nothing (only null cleared it). The GPU nodes are now their own switch,
+    gpuNodesOnly; a values file turning it off renders no affinity, and the null earlier releases needed still
+    does the same."""
+    pod = pod_spec(helm_python.values_from_yaml(values_file))
+    assert "affinity" not in pod, f"{values_file.strip()!r} still renders affinity {pod.get('affinity')}"
+    assert pod["tolerations"] == DEFAULTS["tolerations"]   # still tolerated where the nodes are tainted
+
+
+def test_the_gpu_scheduling_scenario_places_pods_by_its_node_selector_alone() -> None:
+    """The scenario's own nodeSelector decides: no GPU-node affinity beside it."""
+    pod = pod_spec(SCENARIOS["gpu-scheduling"])
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "affinity" not in pod, f"the GPU-node affinity is still there: {pod.get('affinity')}"
+
+
+def test_a_users_node_affinity_replaces_the_gpu_nodes_and_pod_affinities_add_to_them() -> None:
+    """A nodeAffinity of the user's is the whole node choice: one that prefers a pool but allows every node was
+    merged under the required GPU terms before. A podAntiAffinity alone keeps the GPU nodes."""
+    prefer = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 1, "preference": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}}]}}
+    rendered = pod_spec({"affinity": prefer})["affinity"]
+    assert rendered == prefer, f"the user's nodeAffinity merged with the GPU nodes': {rendered}"
+    anti = {"podAntiAffinity": CHANGED[("affinity",)]["podAntiAffinity"]}
+    affinity = pod_spec({"affinity": anti})["affinity"]
+    assert affinity["podAntiAffinity"] == anti["podAntiAffinity"]
+    assert required_node_labels(affinity) == GPU_NODE_LABELS
+    assert required_node_labels(pod_spec({})["affinity"]) == GPU_NODE_LABELS
+    for values in ({"affinity": prefer}, {"affinity": anti}, {"gpuNodesOnly": False}):
+        kubernetes_validate.validate(one(objects(render(CHART, values)), "DaemonSet"), KUBE, strict=True)
 
 
 def test_filesystem_paths_are_the_nodes_read_under_its_root_mounted_read_only() -> None:
@@ -397,7 +471,7 @@ def test_a_scrape_timeout_longer_than_the_interval_is_refused(kind: str) -> None
 
 OPERATOR_GROUPS = ("monitoring.coreos.com/", "operator.victoriametrics.com/")
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "gpu-scheduling": {"nodeSelector": {"nvidia.com/gpu.present": "true"}, "affinity": {},
+    "gpu-scheduling": {"nodeSelector": {"nvidia.com/gpu.present": "true"}, "gpuNodesOnly": False,
                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"},
                                        {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoExecute",
                                         "tolerationSeconds": 300}],

@@ -48,6 +48,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* gpuNodesOnly: the nodes GPU feature discovery (nvidia.com/gpu.present) or Node Feature Discovery (PCI
+vendor 10de) labelled, as a NodeAffinity. */}}
+{{- define "stepscope.gpuNodeAffinity" -}}
+requiredDuringSchedulingIgnoredDuringExecution:
+  nodeSelectorTerms:
+    - matchExpressions:
+        - key: nvidia.com/gpu.present
+          operator: In
+          values: ["true"]
+    - matchExpressions:
+        - key: feature.node.kubernetes.io/pci-10de.present
+          operator: In
+          values: ["true"]
+{{- end }}
+
 {{/* repository@digest when image.digest pins one (the tag is then only a note for people), else repository:tag. */}}
 {{- define "stepscope.image" -}}
 {{- if .Values.image.digest }}
@@ -66,25 +81,51 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.ingest.token.key }}
 {{- end }}
 
+{{/* The token of the Secret this chart generates, base64: the cluster's (lookup, kept across upgrades), else 40
+random characters. Drawn once per render and kept in .Values, so that the Secret and the DaemonSet's checksum of
+it see the same token (each include would draw its own). */}}
+{{- define "stepscope.generatedIngestToken" -}}
+{{- $state := .Values.ingest.token }}
+{{- if not (hasKey $state "_rendered") }}
+{{- $existing := lookup "v1" "Secret" (include "stepscope.namespace" .) (include "stepscope.ingestSecretName" .) }}
+{{- $token := dig "data" (include "stepscope.ingestSecretKey" .) "" $existing }}
+{{- $_ := set $state "_rendered" ($token | default (randAlphaNum 40 | b64enc)) }}
+{{- end }}
+{{- get $state "_rendered" }}
+{{- end }}
+
 {{- define "stepscope.ingestTokenDir" -}}
 /etc/stepscope/ingest
 {{- end }}
 
 {{/*
-"true" when a Prometheus Operator object should render: `auto` follows the cluster's API
-(monitoring.coreos.com/v1), true/false are obeyed as given. Called with (list setting $).
+"true" when a Prometheus Operator object should render: `auto` follows the cluster's API, true/false are
+obeyed as given. Called with (list setting $ kind). `auto` asks for the kind itself
+(monitoring.coreos.com/v1/<kind>, which Helm lists for a live cluster): a cluster may serve ServiceMonitor and
+PodMonitor without PrometheusRule (each CRD is installed on its own), and the group alone rendered a
+PrometheusRule it could not create. Where the list names no kind of the group at all (`helm template
+--api-versions monitoring.coreos.com/v1`), the group/version stands for all of them, as before.
 */}}
 {{- define "stepscope.operatorObjectEnabled" -}}
 {{- $setting := toString (index . 0) }}
 {{- $root := index . 1 }}
+{{- $kind := index . 2 }}
 {{- if eq $setting "auto" }}
-{{- if $root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- $group := "monitoring.coreos.com/v1" }}
+{{- $kindsListed := false }}
+{{- range $root.Capabilities.APIVersions }}
+{{- if hasPrefix (printf "%s/" $group) . }}{{ $kindsListed = true }}{{ end }}
+{{- end }}
+{{- if $kindsListed }}
+{{- if $root.Capabilities.APIVersions.Has (printf "%s/%s" $group $kind) }}true{{ end }}
+{{- else if $root.Capabilities.APIVersions.Has $group }}true
+{{- end }}
 {{- else if eq $setting "true" }}true
 {{- end }}
 {{- end }}
 
 {{- define "stepscope.podMonitorEnabled" -}}
-{{- include "stepscope.operatorObjectEnabled" (list .Values.podMonitor.enabled .) }}
+{{- include "stepscope.operatorObjectEnabled" (list .Values.podMonitor.enabled . "PodMonitor") }}
 {{- end }}
 
 {{- define "stepscope.serviceMonitorEnabled" -}}
@@ -93,12 +134,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "serviceMonitor.enabled and podMonitor.enabled are both true: choose one, or every target is scraped twice" }}
 {{- end }}
 {{- if not (and (eq $setting "auto") (include "stepscope.podMonitorEnabled" .)) }}
-{{- include "stepscope.operatorObjectEnabled" (list .Values.serviceMonitor.enabled .) }}
+{{- include "stepscope.operatorObjectEnabled" (list .Values.serviceMonitor.enabled . "ServiceMonitor") }}
 {{- end }}
 {{- end }}
 
 {{- define "stepscope.prometheusRuleEnabled" -}}
-{{- include "stepscope.operatorObjectEnabled" (list .Values.prometheusRule.enabled .) }}
+{{- include "stepscope.operatorObjectEnabled" (list .Values.prometheusRule.enabled . "PrometheusRule") }}
 {{- end }}
 
 {{/* Scrape relabeling shared by the ServiceMonitor and the PodMonitor: the node is the instance, and the
@@ -197,13 +238,39 @@ dashboard links starting with alerting.grafanaUrl where it is set. */}}
 {{- toYaml $groups }}
 {{- end }}
 
-{{/* Prometheus objects of the sharded layout: names and the global layer's write URL. */}}
+{{/* <fullname>-<suffix> in at most `max` characters: (list $ suffix max). Where it would be longer, the fullname
+is cut and 6 hex characters of its sha256 follow, so the suffix (what tells a release's objects apart) stays
+whole and two long release names that share their start still give two names. Cutting the whole name at 63 gave
+a 53-character release's three dashboard ConfigMaps one name, and its shards, global Prometheus and exporter
+Service one name too. */}}
+{{- define "stepscope.componentName" -}}
+{{- $fullname := include "stepscope.fullname" (index . 0) }}
+{{- $suffix := index . 1 }}
+{{- $max := index . 2 }}
+{{- $name := printf "%s-%s" $fullname $suffix }}
+{{- if gt (len $name) $max }}
+{{- $name = printf "%s-%s-%s" ($fullname | trunc (int (sub $max (add (len $suffix) 8))) | trimSuffix "-") (sha256sum $fullname | trunc 6) $suffix }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{/* Prometheus objects of the sharded layout: names and the global layer's write URL. The Prometheus Operator
+runs a Prometheus as StatefulSet prometheus-<name> (shards: prometheus-<name>-shard-<n>), and a StatefulSet's pods
+are created only while its name has at most 52 characters (their controller-revision-hash label is the name and
+11 characters more, and a label value has at most 63): 32 for the shards (up to 100 shards), 41 for the global
+layer, whose name is also its Service's. */}}
 {{- define "stepscope.shardsName" -}}
-{{- printf "%s-shards" (include "stepscope.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- include "stepscope.componentName" (list . "shards" 32) }}
 {{- end }}
 
 {{- define "stepscope.globalName" -}}
-{{- printf "%s-global" (include "stepscope.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- include "stepscope.componentName" (list . "global" 41) }}
+{{- end }}
+
+{{/* The VictoriaMetrics operator names vmalert's Deployment and Service vmalert-<name>: a Service name has at
+most 63 characters. */}}
+{{- define "stepscope.vmalertName" -}}
+{{- include "stepscope.componentName" (list . "vmalert" 55) }}
 {{- end }}
 
 {{- define "stepscope.prometheusServiceAccountName" -}}
