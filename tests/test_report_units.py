@@ -17,10 +17,9 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope.report import output, page, plots, queries, report
+from stepscope.report import output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
-from stepscope.report import summary
 from stepscope.report.summary import RankSummary, RunTotals
 from stepscope.report.timeline import critical_path, labelled_intervals, state_intervals
 from stepscope.report.times import iso, parse_time
