@@ -42,8 +42,7 @@ def info_family(pid: int | None = None, framework: str = "torch", start_time: st
             f'framework="{framework}"{started}}} 1\n')
 
 
-def state_family(current: str = "train") -> str:
-    states = ("setup", "train", "eval")
+def state_family(current: str = "train", states: Sequence[str] = ("setup", "train", "eval")) -> str:
     lines = [f'stepscope_training_state{{state="{s}"}} {int(s == current)}' for s in states]
     return "# TYPE stepscope_training_state gauge\n" + "\n".join(lines) + "\n"
 

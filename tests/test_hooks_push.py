@@ -205,3 +205,36 @@ def test_a_refused_push_is_retried_at_the_interval_and_a_timeout_backs_off() -> 
                          max_backoff=60.0)
         assert retry_delays(hanging) == [10.0, 20.0, 40.0, 60.0]
     assert "ReadTimeout" in hanging.stats.last_error
+
+
+def test_a_conflict_is_retried_at_the_interval_and_logged_once(caplog) -> None:
+    """409: the exporter gives the run and rank to another process of the node until it closes or stops
+    pushing. Backing off (up to 60 s) would keep this process's series out for a minute after that; at the
+    interval they land within one. The server's message, which says what to do, is logged once."""
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
+    message = "run 'train' rank 0 is pushed by another process on this node (pid 1234, last push 0.4s ago): " + \
+        "two processes cannot share a run and rank; give each its own run " + "x" * 200
+
+    class Conflict(BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(409)
+            self.send_header("Content-Length", str(len(message)))
+            self.end_headers()
+            self.wfile.write(message.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Conflict)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pusher = Pusher(f"http://127.0.0.1:{server.server_port}/metrics/job/stepscope/run/train/rank/0",
+                        lambda: "", interval=5.0, max_backoff=60.0)
+        assert retry_delays(pusher) == [5.0, 5.0, 5.0, 5.0]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert pusher.stats.failures == 4
+    logged = [record.getMessage() for record in caplog.records]
+    assert logged == [f"stepscope: push to {pusher.url} rejected (409): {message}; training continues"]

@@ -2,6 +2,7 @@
 
 import base64
 import ipaddress
+import logging
 import os
 import time
 
@@ -9,6 +10,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from stepscope.contract.training import STATES
 from stepscope.exporter.exposition import Chunk, ExpositionStore, render
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi, parse_group_path
@@ -20,7 +22,7 @@ from stepscope.exporter.ingest.render import last_push_line, training_chunks
 from stepscope.exporter.ingest.store import GroupStore, StoredFamily, StoreLimits
 from stepscope.exporter.registered import RegisteredProcess
 from stepscope.exporter.server import PushRequest, PushResponse
-from stepscope_testkit.ingest_bodies import counter, full_body, info_family, phase_family
+from stepscope_testkit.ingest_bodies import counter, full_body, info_family, phase_family, state_family
 
 LIMITS = StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=10)
 
@@ -188,9 +190,12 @@ def families(body: str, run: str = "r", rank: str = "0"):  # type: ignore[no-unt
     return parse_push(body.encode(), run, rank, 128)
 
 
+def stored(parsed: dict) -> dict[str, StoredFamily]:
+    return {name: StoredFamily(Chunk(f.lines), f.series, f.keys) for name, f in parsed.items()}
+
+
 def push(store: GroupStore, rank: str, parsed: dict, replace: bool = True, run: str = "r"):  # type: ignore[no-untyped-def]
-    stored = {name: StoredFamily(Chunk(f.lines), f.series, f.keys) for name, f in parsed.items()}
-    return store.push(run, rank, stored, last_push_line(run, rank), replace)
+    return store.push(run, rank, stored(parsed), last_push_line(run, rank), replace)
 
 
 def test_post_merges_put_replaces() -> None:
@@ -308,6 +313,152 @@ def test_render_merges_groups_into_one_family_each() -> None:
     assert text.count("# TYPE") == 7
 
 
+# --- one process per group ----------------------------------------------------------------------
+
+def process_push(pid: int, steps: int = 1, state: str = "train", start_time: str = "1795000000.25",
+                 run: str = "r") -> dict:
+    """What one process's hooks push: its identity, its state and its counters."""
+    return families(info_family(pid=pid, start_time=start_time) + state_family(state, STATES)
+                    + counter("stepscope_steps_total", steps), run=run)
+
+
+def owner_pid(store: GroupStore) -> int:
+    (process,) = store.registered_processes()
+    return process.pid
+
+
+def test_another_process_is_refused_while_the_owner_pushes() -> None:
+    """Two users' train.py, both run "train" rank 0: the second's pushes replaced the first's at every push
+    (its pid flipping, its steps_total going back). Now the second gets a 409 that says what to do, and the
+    group stays the first's."""
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    push(store, "0", process_push(111, steps=500, run="train"), run="train")
+    clock.now += 2.1
+    before = store.snapshot()
+    for replace in (True, False):  # a PUT and a POST alike
+        error = rejected(push, store, "0", process_push(222, steps=3, run="train"), replace, "train")
+        assert (error.status, error.reason) == (409, "run_conflict")
+        assert error.message == (
+            "run 'train' rank 0 is pushed by another process on this node (pid 111, started 2026-11-18 "
+            "11:06:40 UTC, last push 2.1s ago): two processes cannot share a run and rank; give each its own "
+            "run (STEPSCOPE_RUN or init(run=...); the default is the script's name). This process's pushes "
+            "are taken once the other one closes or stops pushing for 12.5s")
+    assert store.snapshot() == before and owner_pid(store) == 111
+    push(store, "0", process_push(111, steps=510, run="train"), run="train")  # the owner goes on
+    assert 'stepscope_steps_total{rank="0",run="train"} 510.0' in training_text(store)
+
+
+def test_the_same_pid_with_another_start_time_is_another_process() -> None:
+    """A pid reused after a reboot, or the same pid in two containers' pid namespaces."""
+    store = GroupStore(LIMITS)
+    push(store, "0", process_push(7, start_time="100.5"))
+    assert rejected(push, store, "0", process_push(7, start_time="200.5")).reason == "run_conflict"
+    push(store, "0", process_push(7, start_time="100.5"))
+
+
+def test_a_push_without_training_info_names_no_process_and_is_not_checked() -> None:
+    """A Pushgateway-style client sends what it has: nothing to tell its process by."""
+    store = GroupStore(LIMITS)
+    push(store, "0", process_push(111))
+    push(store, "0", families(counter("stepscope_steps_total", 9)), replace=False)
+    assert owner_pid(store) == 111  # merged into the owner's group: still its process
+    push(store, "0", families(counter("stepscope_steps_total", 10)), replace=True)
+    assert store.registered_processes() == [] and store.snapshot()[1][0].owner is None
+    push(store, "0", process_push(222))  # nobody to refuse for
+
+
+def test_a_closed_owner_is_taken_over_at_once() -> None:
+    """The same script run twice in a row: close() pushes state idle, and the next run's first push lands."""
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    push(store, "0", process_push(111, steps=500))
+    push(store, "0", process_push(111, steps=500, state="idle"))
+    clock.now += 0.1
+    push(store, "0", process_push(222, steps=1))
+    assert owner_pid(store) == 222
+    assert 'stepscope_steps_total{rank="0",run="r"} 1.0' in training_text(store)  # its state replaced the old
+    assert rejected(push, store, "0", process_push(111, state="train")).reason == "run_conflict"
+
+
+@pytest.mark.parametrize(("interval", "hold"), [
+    (None, 12.5),  # one push so far: 2.5 x the hooks' default 5 s
+    (2.0, 5.0),    # 2.5 x the interval
+    (0.2, 3.0),    # at least 3 s
+    (20.0, 30.0),  # at most 30 s: two thirds of rank_lost_seconds (45 s)
+])
+def test_an_owner_that_stopped_pushing_is_taken_over_after_its_hold(interval: float | None, hold: float) -> None:
+    """SIGKILL, the OOM killer, a crash: the rank restarted by torchrun (a new pid) is refused while the dead
+    one could still be pushing, then takes the group over well before StepscopeRankLost (45 s) would fire."""
+    clock = FakeClock()
+    store = GroupStore(StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=600),
+                       clock=clock, wall_clock=clock)
+    for _ in range(1 if interval is None else 5):
+        push(store, "0", process_push(111))
+        clock.now += interval or 0
+    clock.now += hold - (interval or 0) - 0.01
+    error = rejected(push, store, "0", process_push(222))
+    assert error.message.endswith(f"closes or stops pushing for {hold:.1f}s")
+    clock.now += 0.01
+    push(store, "0", process_push(222))
+    assert owner_pid(store) == 222
+
+
+def test_a_pace_survives_a_takeover_so_clashing_slow_pushers_do_not_take_turns() -> None:
+    """Two processes pushing every 30 s, 15 s apart: the second takes the group at its first push (the owner's
+    single push gives no pace: held 12.5 s). The group's pace, kept across the takeover, then holds the first
+    off; started afresh it would be 12.5 s again, and the two would take the group from each other at every
+    push."""
+    clock = FakeClock()
+    store = GroupStore(StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=600),
+                       clock=clock, wall_clock=clock)
+    push(store, "0", process_push(111))
+    clock.now += 15
+    push(store, "0", process_push(222))
+    for _ in range(3):
+        clock.now += 15
+        assert rejected(push, store, "0", process_push(111)).reason == "run_conflict"
+        clock.now += 15
+        push(store, "0", process_push(222))
+    assert owner_pid(store) == 222
+
+
+def test_an_expired_or_deleted_group_belongs_to_nobody() -> None:
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    push(store, "0", process_push(111))
+    assert rejected(push, store, "0", process_push(222)).reason == "run_conflict"
+    assert store.delete("r", "0")
+    push(store, "0", process_push(222))
+    assert rejected(push, store, "0", process_push(333)).reason == "run_conflict"
+    clock.now += 10  # the TTL here (10 s) ends the group before its owner's hold (12.5 s)
+    push(store, "0", process_push(333))
+    assert owner_pid(store) == 333
+
+
+def test_push_api_answers_a_conflict_with_409_counts_it_and_logs_each_new_one(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="stepscope.exporter.ingest.api")
+    exposition = ExpositionStore()
+    api = PushApi(exposition, GroupStore(LIMITS), AccessPolicy(), max_body_bytes=10_000,
+                  limits=PushLimits(128, max_series=40, max_phases=4))
+
+    def put(run: str, pid: int) -> PushResponse:
+        body = full_body(pid=pid).encode()
+        return api.handle(push_request("PUT", f"/metrics/job/stepscope/run/{run}/rank/0", len(body)), body)
+
+    assert put("a", 111).status == put("b", 111).status == 200
+    for run in ("a", "a", "b"):
+        response = put(run, 222)
+        assert response.status == 409
+        assert response.message.startswith(f"run '{run}' rank 0 is pushed by another process on this node (pid 111")
+    assert 'stepscope_exporter_ingest_rejected_total{reason="run_conflict"} 3.0' in exposition.body().decode()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # a and b: each clash once, its repeats at debug
+    assert warnings[0].startswith("refused PUT /metrics/job/stepscope/run/a/rank/0 from 127.0.0.1 (409 run_conflict): "
+                                  "run 'a' rank 0 is pushed by another process")
+
+
 def push_request(method: str, path: str, length: int | None = None, **headers: str) -> PushRequest:
     return PushRequest(method, path, headers, "127.0.0.1", length)
 
@@ -342,7 +493,7 @@ def test_expiry_sleeps_until_a_group_can_expire_not_a_second_at_a_time(monkeypat
     now = [100.0]
     store = GroupStore(LIMITS, clock=lambda: now[0], wall_clock=lambda: 1000.0)
     assert store.next_expiry() == 110.0  # none stored: one TTL from now
-    body = parse_push(full_body().encode(), "r", "0", 128)
+    body = stored(parse_push(full_body().encode(), "r", "0", 128))
     store.push("r", "0", body, last_push_line("r", "0"), replace=True)
     now[0] = 103.0
     store.push("r", "1", body, last_push_line("r", "1"), replace=True)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import requests
 
+from stepscope.contract.training import STATES
 from stepscope_testkit.ingest_bodies import counter, full_body, histogram, info_family, phase_family, state_family
 from stepscope_testkit.processes import Running, exporter_env, free_port, running_exporter, samples, scrape
 
@@ -206,6 +207,9 @@ REFUSALS = {
                         "a, b, c, d, e"),
     "too_many_series": (full_body(phases=("a", "b", "c", "d")), 400,
                         "the body holds more than 30 series, the limit per group (--ingest-max-series-per-group)"),
+    "run_conflict": (full_body(pid=1), 409,  # another process than this one, which pushed the group
+                     f"run 'refuse' rank 0 is pushed by another process on this node (pid {os.getpid()}, last "
+                     "push "),
 }
 REASON = {
     "untyped": "wrong_type", "unparsable": "malformed", "duplicate": "malformed", "job_label": "bad_label",
@@ -301,6 +305,31 @@ def test_an_empty_push_is_refused_at_once_and_keeps_the_group(exporter: Running,
     after = scrape(exporter.url)
     assert training(after) == training(before)
     assert rejected_count(after, "empty_body") == rejected_count(before, "empty_body") + 1
+
+
+def test_a_group_is_one_process_s_until_it_closes(exporter: Running) -> None:
+    """Two processes pushing run "train" rank 0 replaced each other's series at every push, unseen. The second
+    gets 409 (counted, logged once, the first's series untouched) until the first pushes state idle."""
+    url = group_url(exporter.url, "clash")
+    requests.put(url, data=full_body(steps=500, pid=111), timeout=10).raise_for_status()
+    before = scrape(exporter.url)
+    for method in ("PUT", "POST", "PUT"):
+        response = requests.request(method, url, data=full_body(steps=3, pid=222), timeout=10)
+        assert response.status_code == 409
+        assert response.text.startswith("run 'clash' rank 0 is pushed by another process on this node (pid 111, ")
+        assert response.text.rstrip().endswith("taken once the other one closes or stops pushing for 12.5s")
+    after = scrape(exporter.url)
+    assert of_run(after, "clash") == of_run(before, "clash")
+    assert rejected_count(after, "run_conflict") == rejected_count(before, "run_conflict") + 3
+    logged = [line for line in exporter.log().splitlines() if "run 'clash' rank 0 is pushed by another" in line]
+    assert len(logged) == 1 and "WARNING" in logged[0] and "(409 run_conflict)" in logged[0]
+
+    closed = info_family(pid=111) + state_family("idle", STATES) + counter("stepscope_steps_total", 500)
+    requests.put(url, data=closed, timeout=10).raise_for_status()
+    requests.put(url, data=full_body(steps=3, pid=222), timeout=10).raise_for_status()
+    pushed = of_run(scrape(exporter.url), "clash")
+    assert pushed[key("stepscope_steps_total", run="clash", rank="0")] == 3
+    assert {dict(labels)["pid"] for name, labels in pushed if name == "stepscope_training_info"} == {"222"}
 
 
 def test_a_delete_without_a_body_is_answered_at_once(exporter: Running) -> None:

@@ -7,7 +7,9 @@ after a timeout or a 5xx; a 4xx is a configuration problem, so the server's mess
 connection that fails at once (refused: nothing listens, an exporter restarting) is retried at the
 interval, the normal cadence: trying costs neither side more than pushing does, and the exporter then
 has every rank's series within one interval of its start, as the rules' scrape-gap hold expects
-(stepscope_contract/scrape_gaps.py).
+(stepscope_contract/scrape_gaps.py). So is a 409: the exporter gives a run and rank to one process at a
+time, and this one's pushes are taken at once when the other process closes or stops pushing, so its
+series land within one interval of that.
 
 Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
 hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
@@ -80,7 +82,7 @@ class Pusher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = ""  # the problem already logged, until the next success
-        self._refused = False  # the last push failed to connect at once (not a timeout): no backoff
+        self._at_interval = False  # the last push failed in a way that backing off would not help: no backoff
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
@@ -101,7 +103,7 @@ class Pusher:
         delay = self.interval  # never below the interval: max_backoff >= interval
         ok = self.push_once()  # at once: the exporter learns the pid before the first interval passes
         while True:
-            delay = self.interval if ok or self._refused else min(delay * 2, self.max_backoff)
+            delay = self.interval if ok or self._at_interval else min(delay * 2, self.max_backoff)
             if self._stop.wait(delay):
                 return
             ok = self.push_once()
@@ -110,12 +112,13 @@ class Pusher:
         """One PUT of the current cumulative state; True when the server accepted it. Never raises."""
         self.stats.attempts += 1
         self.stats.threads.add(threading.get_ident())
-        self._refused = False
+        self._at_interval = False
         try:
             headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
             response = self._session.put(self.url, data=self._body().encode(), headers=headers, timeout=self.timeout)
         except requests.RequestException as exc:
-            self._refused = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
+            # refused at once (not a timeout): nothing listens, an exporter restarting
+            self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
             return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__}); "
                                 "retrying, training continues")
         except Exception as exc:  # a bug in rendering must not kill the thread or the training
@@ -127,7 +130,8 @@ class Pusher:
                 self._failing = ""
             self._answered(response.headers)
             return True
-        message = response.text.strip()[:300] or response.reason
+        self._at_interval = response.status_code == 409  # another process holds the run and rank, until it closes
+        message = response.text.strip()[:600] or response.reason
         kind = "rejected" if response.status_code < 500 else "server error"
         return self._failed(
             f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try

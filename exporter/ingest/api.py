@@ -11,17 +11,15 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Mapping
 from urllib.parse import unquote
 
-from stepscope.contract import TRAINING_STATE
 from stepscope.exporter.exposition import Chunk, ExpositionStore
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import REASONS, Rejected, clip
-from stepscope.exporter.ingest.parser import ParsedFamily, PushLimits, parse_push
+from stepscope.exporter.ingest.parser import PushLimits, parse_push
 from stepscope.exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
 from stepscope.exporter.ingest.render import RankPods, SelfSource, TrainingSource, last_push_line
-from stepscope.exporter.ingest.store import GroupStore, StoredFamily
+from stepscope.exporter.ingest.store import GroupStore, StoredFamily, current_state
 from stepscope.exporter.registered import RegisteredProcess
 from stepscope.exporter.server import PushRequest, PushResponse
 
@@ -31,6 +29,7 @@ TRAINING_SOURCE = "training"
 SELF_SOURCE = "ingest"
 PATH_FORMAT = "/metrics/job/stepscope/run/<run>/rank/<rank>"
 _RANK = re.compile(r"0|[1-9][0-9]{0,8}")
+LOGGED_KEPT = 1024  # refusals (reason, subject) remembered as logged: bounds the memory a stream of new subjects takes
 
 
 def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
@@ -78,18 +77,6 @@ def _b64decode(name: str, value: str) -> str:
         ) from None
 
 
-def _current_state(parsed: Mapping[str, ParsedFamily]) -> str | None:
-    """The state whose stepscope_training_state sample is 1 in this push ("" for none); None when the
-    push carries no state (a POST may leave it out: the last one stands)."""
-    family = parsed.get(TRAINING_STATE)
-    if family is None:
-        return None
-    for key, line in zip(family.keys, family.lines.splitlines(), strict=True):  # one line per key, in order
-        if float(line.rsplit(b" ", 1)[1]) == 1:
-            return key[0]
-    return ""
-
-
 def _too_large(length: int, limit: int) -> Rejected:
     return Rejected(
         413, "body_too_large",
@@ -112,7 +99,7 @@ class PushApi:
         self._stats_lock = threading.Lock()
         self._accepted = 0
         self._rejected = dict.fromkeys(REASONS, 0)
-        self._logged_reasons: set[str] = set()
+        self._logged: dict[tuple[str, str], None] = {}  # (reason, subject) already warned of, oldest first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store = store
@@ -142,7 +129,7 @@ class PushApi:
         except Rejected as rejected:
             return self._refuse(rejected, request)
         self._count_accepted()
-        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), _current_state(parsed))
+        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), current_state(families))
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
                             headers={REQUEST_HEADER: waiting} if waiting else {})
 
@@ -203,14 +190,23 @@ class PushApi:
     def _refuse(self, rejected: Rejected, request: PushRequest) -> PushResponse:
         with self._stats_lock:
             self._rejected[rejected.reason] += 1
-            first = rejected.reason not in self._logged_reasons
-            self._logged_reasons.add(rejected.reason)
-        # The first refusal per reason is a warning; repeats (a client pushing every few seconds) go
-        # to debug, and the counter keeps the tally.
+            first = self._first_of(rejected)
+        # The first refusal per reason (and subject) is a warning; repeats (a client pushing every few
+        # seconds) go to debug, and the counter keeps the tally.
         log.log(logging.WARNING if first else logging.DEBUG, "refused %s %s from %s (%d %s): %s",
                 clip(request.method), clip(request.path), request.client_ip, rejected.status, rejected.reason,
                 rejected.message)
         return PushResponse(rejected.status, rejected.message)
+
+    def _first_of(self, rejected: Rejected) -> bool:
+        """Whether the refusal's reason and subject are new to the log; the oldest of LOGGED_KEPT is forgotten."""
+        key = (rejected.reason, rejected.subject)
+        if key in self._logged:
+            return False
+        self._logged[key] = None
+        if len(self._logged) > LOGGED_KEPT:
+            del self._logged[next(iter(self._logged))]
+        return True
 
     def _stats_version(self) -> object:
         return self._accepted, sum(self._rejected.values()), self._groups.version()

@@ -15,6 +15,7 @@ REASONS = (
     "length_required",
     "malformed",
     "non_cumulative_buckets",
+    "run_conflict",
     "server_busy",
     "too_many_groups",
     "too_many_phases",
@@ -29,12 +30,15 @@ REASONS = (
 class Rejected(Exception):
     """A push the exporter refuses; raised before anything stored changes."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, subject: str = "") -> None:
+        """`subject` tells refusals of one reason apart for the log: each new one is a warning (a run_conflict
+        names its run, rank and process, so a clash that starts later is not lost among the first's repeats)."""
         assert reason in REASONS, reason
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
+        self.subject = subject
 
 
 def clip(text: str, limit: int = 80) -> str:

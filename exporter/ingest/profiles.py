@@ -13,14 +13,14 @@ hooks push when training ends: no step would ever take it).
 import json
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from stepscope.contract.training import IDLE_STATE
 from stepscope.exporter.ingest.errors import clip
-from stepscope.exporter.ingest.store import GroupKey, GroupStore
+from stepscope.exporter.ingest.store import Group, GroupKey, GroupStore
 
 STATUS_HEADER = "Stepscope-Profile"  # stepscope.hooks.profiling.STATUS_HEADER
 REQUEST_HEADER = "Stepscope-Profile-Request"  # stepscope.hooks.profiling.REQUEST_HEADER
@@ -28,8 +28,6 @@ MAX_STEPS = 1000  # stepscope.hooks.profiling.MAX_TRACE_STEPS
 PENDING_TIMEOUT_SECONDS = 600.0  # a request no push took within this long fails
 KEEP_FINISHED = 256  # finished requests kept for stepscope-profile to read, the oldest dropped first
 ACTIVE = ("pending", "running")
-INTERVALS_KEPT = 8  # a rank's push interval is the median of its last intervals: a final push right after
-                    # a periodic one (what close() does) must not read as the rank's pace
 
 
 class ProfileError(Exception):
@@ -130,7 +128,6 @@ class ProfileRequests:
         self._keep_finished = keep_finished
         self._lock = threading.Lock()
         self._status: dict[GroupKey, RankStatus | None] = {}  # None: pushes without the header
-        self._pushes: dict[GroupKey, tuple[float, deque[float]]] = {}  # last push, the intervals before it
         self._states: dict[GroupKey, str] = {}  # the training state the rank's last push reported
         self._active: dict[GroupKey, ProfileRequest] = {}
         self._finished: OrderedDict[str, ProfileRequest] = OrderedDict()
@@ -143,14 +140,14 @@ class ProfileRequests:
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
             raise ProfileError(400, f"steps must be an integer from 1 to {MAX_STEPS}, got {steps!r}")
         live = self._live_groups()
-        here = {rank: pushed_at for (group_run, rank), pushed_at in live.items() if group_run == run}
+        here = {rank: group.pushed_at for (group_run, rank), group in live.items() if group_run == run}
         targets = sorted(here, key=int) if ranks is None else list(dict.fromkeys(ranks))
         missing = [rank for rank in targets if rank not in here]
         if missing or not here:
             raise ProfileError(404, _not_pushing(run, missing, here, sorted({r for r, _ in live})))
         with self._lock:
             self._expire_locked(live)
-            problems = [problem for rank in targets if (problem := self._refusal_locked(run, rank))]
+            problems = [problem for rank in targets if (problem := self._refusal_locked(run, rank, here[rank]))]
             if problems:
                 raise ProfileError(problems[0][0], "; ".join(message for _, message in problems))
             now = self._clock()
@@ -165,15 +162,10 @@ class ProfileRequests:
         """Records what an accepted push said (`training_state`: None when it carried no state); the
         request header to answer it with, if one waits."""
         status = parse_status(header) if header else None
-        now = self._clock()
         with self._lock:
             self._status[(run, rank)] = status
             if training_state is not None:
                 self._states[(run, rank)] = training_state
-            last, intervals = self._pushes.get((run, rank), (None, deque(maxlen=INTERVALS_KEPT)))
-            if last is not None:
-                intervals.append(now - last)
-            self._pushes[(run, rank)] = (now, intervals)
             request = self._active.get((run, rank))
             if request is None:
                 return None
@@ -207,8 +199,8 @@ class ProfileRequests:
             requests = [r for r in (*self._active.values(), *self._finished.values()) if run in (None, r.run)]
             ranks = [
                 {"run": key[0], "rank": key[1], "tracing": _describe(self._status.get(key)),
-                 "last_push_age_seconds": round(self._clock() - pushed_at, 3)}
-                for key, pushed_at in sorted(here.items(), key=lambda item: (item[0][0], int(item[0][1])))
+                 "last_push_age_seconds": round(self._clock() - group.pushed_at, 3)}
+                for key, group in sorted(here.items(), key=lambda item: (item[0][0], int(item[0][1])))
                 if run in (None, key[0])
             ]
             return {"requests": [self._json_locked(here, r) for r in requests], "ranks": ranks}
@@ -219,22 +211,20 @@ class ProfileRequests:
         with self._lock:
             for key in [key for key in self._status if key not in keep]:
                 del self._status[key]
-                self._pushes.pop(key, None)
                 self._states.pop(key, None)
 
     # -- under the lock ---------------------------------------------------------------------------
 
-    def _refusal_locked(self, run: str, rank: str) -> tuple[int, str] | None:
+    def _refusal_locked(self, run: str, rank: str, pushed_at: float) -> tuple[int, str] | None:
         active = self._active.get((run, rank))
         status = self._status.get((run, rank))
         if active is not None:
             return 409, (f"rank {rank} of run {run!r} is already taking a trace (request {active.id}, "
                          f"{active.state}, {active.steps} steps): one trace at a time per rank; wait for it")
         if self._states.get((run, rank)) == IDLE_STATE:
-            pushed = self._pushes.get((run, rank))
-            ago = f", {self._clock() - pushed[0]:.1f} s ago," if pushed else ""
-            return 409, (f"rank {rank} of run {run!r} is idle (its last push{ago} said so: its training ended or "
-                         "has not started): a trace records training steps; ask while it trains")
+            ago = self._clock() - pushed_at
+            return 409, (f"rank {rank} of run {run!r} is idle (its last push, {ago:.1f} s ago, said so: its training "
+                         "ended or has not started): a trace records training steps; ask while it trains")
         if status is None:
             return 422, (f"rank {rank} of run {run!r} pushes without the {STATUS_HEADER} header, so its hooks "
                          "cannot take traces (a Pushgateway client, or stepscope hooks older than this exporter)")
@@ -264,7 +254,7 @@ class ProfileRequests:
             self._end_locked(request, "failed", f"rank {request.rank} no longer reports request {request.id}: its "
                                                 "process restarted or its hooks were closed")
 
-    def _expire_locked(self, here: Mapping[GroupKey, float]) -> None:
+    def _expire_locked(self, here: Mapping[GroupKey, Group]) -> None:
         now = self._clock()
         for key, request in list(self._active.items()):
             if key not in here:
@@ -293,19 +283,15 @@ class ProfileRequests:
 
     # -- groups -----------------------------------------------------------------------------------
 
-    def _live_groups(self) -> dict[GroupKey, float]:
-        """(run, rank) -> Unix time of its last push, for every live group."""
-        return {(group.run, group.rank): group.pushed_at for group in self._groups.snapshot()[1]}
+    def _live_groups(self) -> dict[GroupKey, Group]:
+        """(run, rank) -> its group (last push time, push interval), for every live group."""
+        return {(group.run, group.rank): group for group in self._groups.snapshot()[1]}
 
-    def _json_locked(self, here: Mapping[GroupKey, float], request: ProfileRequest) -> dict[str, Any]:
-        import statistics  # here, not at the top: with fractions and decimal it is 0.6 MiB of the exporter's RSS
-
+    def _json_locked(self, here: Mapping[GroupKey, Group], request: ProfileRequest) -> dict[str, Any]:
         key = (request.run, request.rank)
-        pushed_at = here.get(key)
-        pushes = self._pushes.get(key)
-        return request.as_json(None if pushed_at is None else self._clock() - pushed_at,
-                               statistics.median(pushes[1]) if pushes and pushes[1] else None,
-                               self._states.get(key))
+        group = here.get(key)
+        return request.as_json(None if group is None else self._clock() - group.pushed_at,
+                               None if group is None else group.push_interval(), self._states.get(key))
 
 
 def _describe(status: RankStatus | None) -> str:

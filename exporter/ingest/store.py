@@ -1,9 +1,17 @@
-"""The pushed groups (one per run and rank): Pushgateway replace/merge semantics, limits and TTL.
+"""The pushed groups (one per run and rank): Pushgateway replace/merge semantics, limits, TTL and owner.
 
 A group keeps, per family, only its canonical sample lines as a Chunk (text plus its deflate blocks)
 and the series keys the limits and the process collector need: no sample objects. The mapping of
 groups is copy-on-write under one lock, so renderers and the process collector read a consistent
 snapshot without holding it.
+
+A group belongs to one process at a time, the one named by the `pid` and `start_time` of its
+stepscope_training_info: two processes pushing one run and rank (two users' `train.py`, both
+defaulting to run "train") would otherwise replace each other's counters at every push, and every
+rate, share and alert of the group would be garbage. Another process's push is refused (409
+run_conflict) while the owner is live; it takes the group over once the owner closed (its last state
+was idle), stopped pushing for `hold_seconds` (crashed, killed, restarted by torchrun), or its group
+expired or was deleted.
 """
 
 import threading
@@ -12,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from stepscope.contract import THRESHOLDS, TRAINING_STATE
+from stepscope.contract.training import IDLE_STATE
 from stepscope.exporter.exposition import Chunk
 from stepscope.exporter.ingest.errors import Rejected
 from stepscope.exporter.ingest.families import FAMILIES, INFO_FAMILY, PHASE_FAMILY
@@ -21,6 +31,30 @@ from stepscope.exporter.registered import RegisteredProcess
 GroupKey = tuple[str, str]
 _INFO_PID = FAMILIES[INFO_FAMILY].body_labels.index("pid")
 _INFO_START_TIME = FAMILIES[INFO_FAMILY].body_labels.index("start_time")
+
+INTERVALS_KEPT = 8  # a group's push interval is the median of its last intervals: a final push right after
+                    # a periodic one (what close() does) must not read as the rank's pace
+# How long an owner that stopped pushing keeps its group from another process: a few of its push intervals,
+# so a slow push is not taken for a dead process, and a rank restarted after a crash (torchrun, a requeued
+# job: a new pid) is taken over well before StepscopeRankLost would call it lost.
+HOLD_INTERVALS = 2.5
+HOLD_MIN_SECONDS = 3.0  # a push that a busy node or a GIL-bound training thread delays by a second or two
+HOLD_UNKNOWN_SECONDS = 12.5  # one push so far: 2.5 x the hooks' default interval (5 s)
+HOLD_MAX_SECONDS = THRESHOLDS["rank_lost_seconds"].value * 2 / 3  # 30 s: under the 45 s of StepscopeRankLost
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Owner:
+    """The process that pushes a group: its stepscope_training_info's pid and start_time ("" when not sent)."""
+
+    pid: str
+    start_time: str
+
+    def describe(self) -> str:
+        if not self.start_time:
+            return f"pid {self.pid}"
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(self.start_time)))
+        return f"pid {self.pid}, started {started}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +73,28 @@ class Group:
     pushed_at: float  # Unix time of the last push, published for "pushes but no steps" alerts
     expires_at: float  # monotonic deadline
     series: int
+    owner: Owner | None  # the process that pushes it; None: no stepscope_training_info stored (a Pushgateway client)
+    state: str | None  # the training state its families hold (None: none, "": none of them is 1)
+    pushed_clock: float  # the store clock's time of the last push
+    intervals: tuple[float, ...]  # between its last pushes, oldest first, at most INTERVALS_KEPT
+
+    def push_interval(self) -> float | None:
+        """The median of the last intervals between pushes; None after a single push.
+
+        Computed here rather than with `statistics`, which with fractions and decimal is 0.6 MiB of the
+        exporter's RSS."""
+        if not self.intervals:
+            return None
+        ordered = sorted(self.intervals)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def hold_seconds(self) -> float:
+        """How long after its last push the owner keeps the group from another process."""
+        interval = self.push_interval()
+        if interval is None:
+            return HOLD_UNKNOWN_SECONDS
+        return min(max(HOLD_INTERVALS * interval, HOLD_MIN_SECONDS), HOLD_MAX_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -67,7 +123,8 @@ class GroupStore:
         self, run: str, rank: str, families: Mapping[str, StoredFamily], last_push: Callable[[float], Chunk],
         replace: bool,
     ) -> Group:
-        """PUT (replace=True) replaces the group; POST replaces only the families it carries.
+        """PUT (replace=True) replaces the group; POST replaces only the families it carries. Either is
+        refused (409) while another process holds the group.
 
         `last_push` renders the group's last-push line for the push's Unix time.
         """
@@ -76,6 +133,9 @@ class GroupStore:
             now = self._clock()
             self._expire_locked(now)
             old = self._groups.get((run, rank))
+            owner = _owner(families)
+            if old is not None and owner is not None:
+                self._check_owner(old, owner, now)
             if old is None and len(self._groups) >= limits.max_groups:
                 raise Rejected(
                     429, "too_many_groups",
@@ -102,7 +162,8 @@ class GroupStore:
                 )
             pushed_at = self._wall_clock()
             group = Group(run, rank, MappingProxyType(merged), last_push(pushed_at), pushed_at,
-                          now + limits.ttl_seconds, series)
+                          now + limits.ttl_seconds, series, _owner(merged), current_state(merged), now,
+                          _intervals(old, now))
             self._replace_locked({**self._groups, (run, rank): group})
             return group
 
@@ -152,6 +213,23 @@ class GroupStore:
         with self._lock:
             return min((g.expires_at for g in self._groups.values()), default=self._clock() + self._limits.ttl_seconds)
 
+    @staticmethod
+    def _check_owner(old: Group, pusher: Owner, now: float) -> None:
+        """Refuses a push of another process while the group's owner is live: pushing, and not closed."""
+        if old.owner is None or old.owner == pusher or old.state == IDLE_STATE:
+            return
+        hold, since = old.hold_seconds(), now - old.pushed_clock
+        if since >= hold:
+            return
+        raise Rejected(
+            409, "run_conflict",
+            f"run {old.run!r} rank {old.rank} is pushed by another process on this node ({old.owner.describe()}, "
+            f"last push {since:.1f}s ago): two processes cannot share a run and rank; give each its own run "
+            "(STEPSCOPE_RUN or init(run=...); the default is the script's name). This process's pushes are "
+            f"taken once the other one closes or stops pushing for {hold:.1f}s",
+            subject=f"{old.run}\0{old.rank}\0{pusher.pid}\0{pusher.start_time}",
+        )
+
     def _check_phases(self, run: str, rank: str, merged: Mapping[str, StoredFamily]) -> None:
         phase_family = merged.get(PHASE_FAMILY)
         phases = sorted({key[0] for key in phase_family.keys}) if phase_family else []
@@ -174,3 +252,32 @@ class GroupStore:
         self._groups = MappingProxyType(groups)
         self._series = sum(group.series for group in groups.values())
         self._version += 1
+
+
+def current_state(families: Mapping[str, StoredFamily]) -> str | None:
+    """The state whose stepscope_training_state sample is 1 ("" for none); None when `families` hold no
+    state (a POST may leave it out: the last one stands)."""
+    family = families.get(TRAINING_STATE)
+    if family is None:
+        return None
+    for key, line in zip(family.keys, family.chunk.plain.splitlines(), strict=True):  # one line per key, in order
+        if float(line.rsplit(b" ", 1)[1]) == 1:
+            return key[0]
+    return ""
+
+
+def _owner(families: Mapping[str, StoredFamily]) -> Owner | None:
+    """The process named by the families' stepscope_training_info; None without one (no identity)."""
+    info = families.get(INFO_FAMILY)
+    keys = info.keys if info else ()
+    return min((Owner(key[_INFO_PID], key[_INFO_START_TIME]) for key in keys), default=None)
+
+
+def _intervals(old: Group | None, now: float) -> tuple[float, ...]:
+    """The group's intervals with this push's. Kept across a takeover: the group's pace is its run's (a
+    restarted rank pushes as often as before), and a newcomer that started afresh would be held only
+    HOLD_UNKNOWN_SECONDS, so two clashing processes that push less often than that would take the group
+    from each other at every push."""
+    if old is None:
+        return ()
+    return (*old.intervals, now - old.pushed_clock)[-INTERVALS_KEPT:]
