@@ -61,11 +61,15 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
 
 def restart_aware_increase(selector: str, window: Window, by: str) -> str:
     """What a counter counted over the window, summed `by`, through restarts: at each step the increase
-    since the step before, or the whole value where the counter reset (a new process counts from 0) or was
-    born. Exact where no process restarted and grew past its predecessor's count within one step; used by
-    the goodput, whose restart gaps make every rank of a restarted run a reset rank."""
+    since the series's last sample before that step, or the whole value where the counter reset (a new
+    process counts from 0) or was born. The previous value is the last sample up to BEFORE back, not the
+    value one step back: after a scrape gap (an exporter restart, a failed scrape) the series is stale
+    until it is scraped again, and its whole cumulative count would be added once more. Exact where no
+    process restarted and grew past its predecessor's count within one step or gap; used by the goodput,
+    whose restart gaps make every rank of a restarted run a reset rank."""
     step = f"{window.step:g}s"
-    return (f"sum by ({by}) (sum_over_time((({selector} - {selector} offset {step}) >= 0 or {selector} + 0)"
+    previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
+    return (f"sum by ({by}) (sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)"
             f"[{window.range_ms}:{step}]))")
 
 

@@ -426,3 +426,27 @@ def test_the_window_starts_where_the_step_counts_start() -> None:
     assert run_start(1000.0, [info("300")]) == 1000.0  # older than 10 minutes before the first sample
     assert run_start(1000.0, [info("1000.5"), info("not a time")]) == 1000.0
 
+
+
+def test_goodput_counts_across_a_scrape_gap_only_what_the_counter_added_and_a_reset_from_zero(
+        tmp_path: Path) -> None:
+    """Train seconds pushed cumulatively, 15 s every 15 s from t=0 to 300 s. Rank 0's exporter goes away
+    (staleness marker at 165 s, no sample up to 225 s) and comes back with the process's count, 240 at
+    240 s: it trained 300 s. Rank 1's process restarts at 165 s (its count resets): 150 + 135. Rank 2's
+    process restarts during a gap and is back at 240 s with 30: 150 + 90."""
+    def train(rank: str, values: str) -> dict:
+        return {"series": f'stepscope_state_seconds_total{{run="r",rank="{rank}",instance="n",state="train"}}',
+                "values": values}
+
+    inputs = [train("0", "0+15x10 stale _x4 240+15x4"), train("1", "0+15x10 0+15x9"),
+              train("2", "0+15x10 stale _x4 30+15x4")]
+    expr = queries.build("r", Window(0, 300, 15), []).totals["goodput_states"]
+    expected = [{"labels": f'{{rank="{rank}",instance="n",state="train"}}', "value": value}
+                for rank, value in (("0", 300), ("1", 285), ("2", 240))]
+    spec = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s", "input_series": inputs,
+        "promql_expr_test": [{"expr": expr, "eval_time": "300s", "exp_samples": expected}]}]}
+    path = tmp_path / "gap.yml"
+    path.write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
