@@ -12,10 +12,11 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
+from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_LAST_PUSH, TRAINING_STATE, selector
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
 from stepscope.report import output
-from stepscope.report.prometheus import Prometheus, PrometheusError
+from stepscope.report.prometheus import Prometheus, PrometheusError, Series
+from stepscope.report.timeline import LOST_SECONDS
 from stepscope.report.times import iso, parse_time
 from stepscope.report.window import (
     SEARCH_DAYS,
@@ -169,15 +170,28 @@ def _past_the_run(given: bool, gap: float, scrape_interval: float) -> bool:
 
 
 def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: float) -> float:
-    """A finished run's group stays on the exporter in state idle until its TTL: end the window
-    shortly after the last rank left the other states (a tenth of the run, at most a minute)."""
-    not_idle = f'{run_matcher(run)},state!="{IDLE_STATE}"'
-    active = prom.query_range(f"count({selector(TRAINING_STATE, not_idle)} == 1)", start, end, step)
-    times = [t for series in active for t, _ in series.points]
-    if not times:
+    """A finished run's group stays on the exporter until its TTL, in state idle, or in its last state
+    for a rank that died without closing (lost): end the window shortly after the run's last real activity
+    (a tenth of the run, at most a minute)."""
+    pushes = prom.query_range(_not_idle_pushes(run), start, end, step)
+    last_active = max((_last_activity(series) for series in pushes if series.points), default=None)
+    if last_active is None:
         return end
-    last_active = max(times)
     return min(end, last_active + max(2 * step, min(IDLE_TAIL_SECONDS, 0.1 * (last_active - start))))
+
+
+def _not_idle_pushes(run: str) -> str:
+    """Per rank, its last push's time at each time it was not idle."""
+    not_idle = f'{run_matcher(run)},state!="{IDLE_STATE}"'
+    return (f"{selector(TRAINING_LAST_PUSH, run_matcher(run))} and on (run, rank, instance)"
+            f" ({selector(TRAINING_STATE, not_idle)} == 1)")
+
+
+def _last_activity(pushes: Series) -> float:
+    """When a rank last did something: the last time it was seen not idle, or its last push where that was
+    more than LOST_SECONDS before (lost: the exporter kept its last state, the rank was gone)."""
+    t, push = pushes.points[-1]
+    return push if t - push > LOST_SECONDS else t
 
 
 def _without_credentials(url: str) -> str:

@@ -130,6 +130,7 @@ def _totals(r: str, window: Window) -> dict[str, str]:
 def _training_over_time(r: str) -> dict[str, str]:
     return {
         "state": f"{sel(fam.TRAINING_STATE, r)} == 1",
+        "last_push": sel(fam.TRAINING_LAST_PUSH, r),  # a rank that stopped pushing unclosed is lost (timeline)
         "verdict": sel(rec.RUN_VERDICT, r),
         "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),
         "run_p50": sel(rec.RUN_STEP_SECONDS_P50, r),

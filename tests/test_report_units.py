@@ -17,7 +17,7 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope.report import output, page, plots, queries, report, summary
+from stepscope.report import cli, output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import RankSummary, RunTotals
@@ -450,3 +450,33 @@ def test_goodput_counts_across_a_scrape_gap_only_what_the_counter_added_and_a_re
     path.write_text(yaml.safe_dump(spec))
     result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _pushes(rank: str, points: list[tuple[float, float]]) -> Series:
+    return Series({"rank": rank, "instance": "n"}, tuple(points))
+
+
+def test_a_rank_killed_without_closing_is_lost_from_its_last_push_on_the_timeline_and_the_page() -> None:
+    # rank 1 last pushed at 1012 and the exporter kept it in train; rank 0 pushed every 10 s
+    over = _over_time(None, trained=False)
+    over["state"] = [_state("0", "train", list(TIMES)), _state("1", "train", list(TIMES))]
+    over["last_push"] = [_pushes("0", [(t, t) for t in TIMES]), _pushes("1", [(t, min(t, 1012.0)) for t in TIMES])]
+    built = report.build(RunData("r", WINDOW, ("n",), {name: [] for name in queries.build("r", WINDOW, []).totals},
+                                 over), "http://prometheus")
+    # lost where the push is more than 45 s old (from 1060 on), drawn from the last push
+    assert [(i.rank, i.state, i.start, i.end) for i in built.intervals] == [
+        ("0", "train", 1000, 1100), ("1", "train", 1000, 1012), ("1", "lost", 1012, 1100)]
+    html = page.render(built, {}, [])
+    assert "Rank 1 on n lost</strong>: last push at 1970-01-01T00:16:52.000Z" in html
+    assert plots.gantt(WINDOW, built.intervals, [], []).startswith(b"\x89PNG")
+
+
+def test_the_window_ends_after_the_last_real_activity_not_at_a_lost_ranks_ttl() -> None:
+    """Rank 0 trained to 1100 and closed; rank 1 died at 1045 and the exporter showed it in train to 1600."""
+    class Prom:
+        def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
+            assert "stepscope_training_last_push_timestamp_seconds" in expr
+            return [_pushes("0", [(t, t) for t in range(1000, 1101, 5)]),
+                    _pushes("1", [(t, min(t, 1045)) for t in range(1000, 1601, 5)])]
+
+    assert cli._cut_idle_tail(Prom(), "r", 1000, 1600, 5) == 1100 + 10  # a tenth of the run
