@@ -11,7 +11,6 @@ counters reset inside the window (its process restarted), where no exact answer 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from stepscope.contract import DATA_LOADING_PHASE, LOCAL_PHASES
 from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
 from stepscope.contract import selector as sel
-from stepscope.report.window import Window, run_matcher
+from stepscope.report.window import Window, promql_string, run_matcher
 
 BEFORE = "10m"  # how far before the window a counter's previous value is looked for
 RANK = "rank, instance"  # a rank's identity; `instance` is its node
@@ -194,4 +193,4 @@ def _node_over_time(node: str, w: str) -> dict[str, str]:
 
 def _regex_string(values: list[str]) -> str:
     """A PromQL string holding an RE2 alternation that matches exactly `values` (Prometheus anchors it)."""
-    return json.dumps("|".join(re.escape(value) for value in values))
+    return promql_string("|".join(re.escape(value) for value in values))

@@ -61,7 +61,15 @@ class Window:
 
 def run_matcher(run: str) -> str:
     """`run="..."` with the name escaped as a PromQL string."""
-    return f"run={json.dumps(run)}"
+    return f"run={promql_string(run)}"
+
+
+def promql_string(value: str) -> str:
+    """`value` as a double-quoted PromQL string literal. PromQL takes Go's escapes and UTF-8 as it is;
+    JSON's default escapes every non-ASCII character, one beyond the BMP (an emoji) as a UTF-16 surrogate
+    pair that Prometheus refuses ("invalid Unicode code point"). Without that, the escapes JSON writes
+    (backslash, quote, newline, tab, and u-escapes of other control characters) are Go's."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 def runs_seen(prom: Prometheus, start: float, end: float) -> list[RunSeen]:
