@@ -5,6 +5,7 @@ without data end with one line on stderr and exit code 2; the output directory t
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -31,6 +32,7 @@ from stepscope.report.window import (
 
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
+MIN_STEP = 0.001  # seconds: the report writes the step in PromQL as whole milliseconds
 RUN_EDGE_SCRAPES = 2  # --from/--to farther than this many scrapes outside the run's samples is cut to them
 
 
@@ -58,8 +60,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="directory for index.html and the CSVs (default: stepscope-report-RUN); replaced "
                              "when it holds an earlier report")
     parser.add_argument("--step", type=float, metavar="SECONDS",
-                        help="resolution of series over time (default: the scrape interval, coarser for long "
-                             "windows: at most 1200 points)")
+                        help="resolution of series over time, a millisecond or more and at most the run's "
+                             "window (default: the scrape interval, coarser for long windows: at most 1200 "
+                             "points)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="per query (default: 60)")
     args = parser.parse_args(argv)
@@ -67,6 +70,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name} must be > 0, got {value:g}")
+    if args.step is not None and not MIN_STEP <= args.step < math.inf:
+        parser.error(f"--step must be at least {MIN_STEP:g} (PromQL durations are whole milliseconds), "
+                     f"got {args.step:g}")
+    if args.step is not None:
+        args.step = round(args.step, 3)  # the step every query and sum uses, as PromQL writes it
     return args
 
 
@@ -152,6 +160,9 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
     start = first if _past_the_run(bool(args.start), first - start, scrape_interval) else start
     to_run_end = _past_the_run(bool(args.end), end - last, scrape_interval)
     end = last if to_run_end else end
+    if args.step and args.step > max(end - start, scrape_interval):
+        raise UsageError(f"--step {args.step:g} is longer than the window ({end - start:g} s from {iso(start)}): "
+                         "its points would fall outside the run; give a shorter --step or leave it out")
     step = args.step or resolution(start, end, scrape_interval)
     if to_run_end:
         end = _cut_idle_tail(prom, args.run, start, end, step)

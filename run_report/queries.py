@@ -66,7 +66,7 @@ def restart_aware_increase(selector: str, window: Window, by: str) -> str:
     until it is scraped again, and its whole cumulative count would be added once more. Exact where no
     process restarted and grew past its predecessor's count within one step or gap; used by the goodput,
     whose restart gaps make every rank of a restarted run a reset rank."""
-    step = f"{window.step:g}s"
+    step = window.step_duration
     previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
     return (f"sum by ({by}) (sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)"
             f"[{window.range_ms}:{step}]))")
@@ -110,9 +110,10 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         # push's time less the seconds its states add up to, the same in every push of a process) to the
         # last push; and the run's GPU energy: its watts (recorded each evaluation) summed at the resolution
         "first_push": f"min by ({RANK}) (min_over_time(({sel(fam.TRAINING_LAST_PUSH, r)} - on (run, {RANK})"
-                      f" sum by (run, {RANK}) ({sel(fam.STATE_SECONDS, r)}))[{window.range_ms}:{window.step:g}s]))",
+                      f" sum by (run, {RANK}) ({sel(fam.STATE_SECONDS, r)}))"
+                      f"[{window.range_ms}:{window.step_duration}]))",
         "last_push": f"max by ({RANK}) (max_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
-        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step:g}s]))"
+        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step_duration}]))"
                          f" * {window.step:g}",
         "goodput_states": restart_aware_increase(sel(fam.STATE_SECONDS, r), window, f"{RANK}, state"),
         "goodput_loading": restart_aware_increase(

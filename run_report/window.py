@@ -63,6 +63,11 @@ class Window:
         return f"{max(1, round(self.seconds * 1000))}ms"
 
     @property
+    def step_duration(self) -> str:
+        """The step as a PromQL duration: in milliseconds, as PromQL has no fractional seconds ("2.5s")."""
+        return f"{max(1, round(self.step * 1000))}ms"
+
+    @property
     def rate_window(self) -> str:
         """Rate window for raw counters: the rules' 1m, or the step where it is longer (no sample skipped)."""
         return f"{max(60, math.ceil(self.step))}s"

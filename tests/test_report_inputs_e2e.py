@@ -63,3 +63,14 @@ def test_a_window_from_1970_or_to_9999_is_cut_to_the_run(prom: Prometheus, tmp_p
     assert f"for run {NAMES[0]} from " in capsys.readouterr().out
     [summary] = (out / "run_summary.csv").read_text().splitlines()[1:]
     assert "1970" not in summary and "9999" not in summary
+
+
+def test_a_fractional_step_reports_and_a_step_longer_than_the_run_is_refused(
+        prom: Prometheus, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--prometheus", prom.base_url, "--run", NAMES[0], "--out", str(tmp_path / "report")]
+    assert cli.main([*argv, "--step", "0.5"]) == 0, capsys.readouterr().err
+    assert "resolution 0.5 s" in (tmp_path / "report" / "index.html").read_text()
+    capsys.readouterr()
+    assert cli.main([*argv, "--step", "100000"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("stepscope-report: error: --step 100000 is longer than the window (")

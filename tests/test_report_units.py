@@ -31,8 +31,8 @@ EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
 WINDOW = Window(1000.0, 1100.0, 10.0)
 
 
-def _all_queries() -> dict[str, str]:
-    built = queries.build('we"ird\\run', Window(1_700_000_000.0, 1_700_003_600.0, 15.0), ["node-a", "gpu.node+1"])
+def _all_queries(step: float = 15.0) -> dict[str, str]:
+    built = queries.build('we"ird\\run', Window(1_700_000_000.0, 1_700_003_600.0, step), ["node-a", "gpu.node+1"])
     return {**{f"total {k}": v for k, v in built.totals.items()},
             **{f"series {k}": v for k, v in built.over_time.items()}}
 
@@ -47,8 +47,9 @@ def test_queries_use_only_exported_metrics_and_shipped_recording_rules() -> None
             assert metric in EXPORTER_METRICS, f"{name}: {metric} is not an exporter metric"
 
 
-def test_every_query_parses_as_promql(tmp_path: Path) -> None:
-    exprs = _all_queries().values()
+@pytest.mark.parametrize("step", [15.0, 2.5, 0.5])
+def test_every_query_parses_as_promql(tmp_path: Path, step: float) -> None:
+    exprs = _all_queries(step).values()
     rules = [{"record": f"report:check:expr{index}", "expr": expr} for index, expr in enumerate(exprs)]
     path = tmp_path / "report-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "report", "rules": rules}]}))
