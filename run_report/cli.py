@@ -5,6 +5,7 @@ without data end with one line on stderr and exit code 2; the output directory t
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -12,10 +13,11 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
+from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_LAST_PUSH, TRAINING_STATE, selector
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
 from stepscope.report import output
-from stepscope.report.prometheus import Prometheus, PrometheusError
+from stepscope.report.prometheus import Prometheus, PrometheusError, Series
+from stepscope.report.timeline import LOST_SECONDS
 from stepscope.report.times import iso, parse_time
 from stepscope.report.window import (
     SEARCH_DAYS,
@@ -30,6 +32,7 @@ from stepscope.report.window import (
 
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
+MIN_STEP = 0.001  # seconds: the report writes the step in PromQL as whole milliseconds
 RUN_EDGE_SCRAPES = 2  # --from/--to farther than this many scrapes outside the run's samples is cut to them
 
 
@@ -57,8 +60,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="directory for index.html and the CSVs (default: stepscope-report-RUN); replaced "
                              "when it holds an earlier report")
     parser.add_argument("--step", type=float, metavar="SECONDS",
-                        help="resolution of series over time (default: the scrape interval, coarser for long "
-                             "windows: at most 1200 points)")
+                        help="resolution of series over time, a millisecond or more and at most the run's "
+                             "window (default: the scrape interval, coarser for long windows: at most 1200 "
+                             "points)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="per query (default: 60)")
     args = parser.parse_args(argv)
@@ -66,6 +70,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name} must be > 0, got {value:g}")
+    if args.step is not None and not MIN_STEP <= args.step < math.inf:
+        parser.error(f"--step must be at least {MIN_STEP:g} (PromQL durations are whole milliseconds), "
+                     f"got {args.step:g}")
+    if args.step is not None:
+        args.step = round(args.step, 3)  # the step every query and sum uses, as PromQL writes it
     return args
 
 
@@ -151,6 +160,9 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
     start = first if _past_the_run(bool(args.start), first - start, scrape_interval) else start
     to_run_end = _past_the_run(bool(args.end), end - last, scrape_interval)
     end = last if to_run_end else end
+    if args.step and args.step > max(end - start, scrape_interval):
+        raise UsageError(f"--step {args.step:g} is longer than the window ({end - start:g} s from {iso(start)}): "
+                         "its points would fall outside the run; give a shorter --step or leave it out")
     step = args.step or resolution(start, end, scrape_interval)
     if to_run_end:
         end = _cut_idle_tail(prom, args.run, start, end, step)
@@ -169,15 +181,28 @@ def _past_the_run(given: bool, gap: float, scrape_interval: float) -> bool:
 
 
 def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: float) -> float:
-    """A finished run's group stays on the exporter in state idle until its TTL: end the window
-    shortly after the last rank left the other states (a tenth of the run, at most a minute)."""
-    not_idle = f'{run_matcher(run)},state!="{IDLE_STATE}"'
-    active = prom.query_range(f"count({selector(TRAINING_STATE, not_idle)} == 1)", start, end, step)
-    times = [t for series in active for t, _ in series.points]
-    if not times:
+    """A finished run's group stays on the exporter until its TTL, in state idle, or in its last state
+    for a rank that died without closing (lost): end the window shortly after the run's last real activity
+    (a tenth of the run, at most a minute)."""
+    pushes = prom.query_range(_not_idle_pushes(run), start, end, step)
+    last_active = max((_last_activity(series) for series in pushes if series.points), default=None)
+    if last_active is None:
         return end
-    last_active = max(times)
     return min(end, last_active + max(2 * step, min(IDLE_TAIL_SECONDS, 0.1 * (last_active - start))))
+
+
+def _not_idle_pushes(run: str) -> str:
+    """Per rank, its last push's time at each time it was not idle."""
+    not_idle = f'{run_matcher(run)},state!="{IDLE_STATE}"'
+    return (f"{selector(TRAINING_LAST_PUSH, run_matcher(run))} and on (run, rank, instance)"
+            f" ({selector(TRAINING_STATE, not_idle)} == 1)")
+
+
+def _last_activity(pushes: Series) -> float:
+    """When a rank last did something: the last time it was seen not idle, or its last push where that was
+    more than LOST_SECONDS before (lost: the exporter kept its last state, the rank was gone)."""
+    t, push = pushes.points[-1]
+    return push if t - push > LOST_SECONDS else t
 
 
 def _without_credentials(url: str) -> str:

@@ -16,6 +16,7 @@ from stepscope.contract.recordings import RUN_VERDICT
 from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
 from stepscope.report.summary import STRAGGLER_SCORE
+from stepscope.report.timeline import LOST_SECONDS, lost_ranks
 from stepscope.report.times import iso
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ th{background:#f5f5f5}td.text,th.text{text-align:left}
 .wide{overflow-x:auto}
 img{display:block;max-width:100%;height:auto;margin:8px 0}
 .note{color:#616161;font-size:13px}
+.lost{color:#b71c1c}
 code{background:#f5f5f5;padding:0 3px}
 """ + "".join(f".v-{verdict}{{border-color:{color}}}" for verdict, color in VERDICT_BORDERS.items())
 
@@ -58,6 +60,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         f"<h1>Run {escape(report.data.run)}</h1>",
         f'<p class="meta">{escape(_window_words(report))}</p>',
         f'<p class="goodput"><strong>{escape(report.goodput.headline())}</strong>{escape(_energy_words(report))}</p>',
+        *_lost_words(report),
         f'<section class="verdict v-{escape(a.verdict)}"><h2>{escape(a.headline)}</h2>',
         f"<p>{escape(a.because)}</p>",
         *([f'<p class="note">Rule for <code>{escape(a.verdict)}</code>: {escape(a.rule)}.</p>'] if a.rule else []),
@@ -242,3 +245,11 @@ def _energy_words(report: Report) -> str:
     per_sample = f", {g.joules_per_sample:.3g} J per sample" if g.joules_per_sample is not None else ""
     per_token = f", {g.joules_per_token:.3g} J per token" if g.joules_per_token is not None else ""
     return f"; GPU energy {g.kwh:.3g} kWh{per_sample}{per_token}"
+
+
+def _lost_words(report: Report) -> list[str]:
+    """A line per lost rank: the exporter kept its last state, so the page says where it really stopped."""
+    return [f'<p class="lost"><strong>Rank {escape(i.rank)} on {escape(i.node)} lost</strong>: last push at '
+            f"{escape(iso(i.start))}, then none for more than {LOST_SECONDS:g} s without closing (as "
+            "StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there.</p>"
+            for i in lost_ranks(report.intervals)]

@@ -17,6 +17,7 @@ from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from stepscope.contract import STATES, THRESHOLDS
 from stepscope.contract import verdicts as verdict_names
+from stepscope.contract.goodput import LOST
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import STRAGGLER_SCORE, RankSummary
 from stepscope.report.timeline import Bound, Interval, rank_key
@@ -25,6 +26,7 @@ from stepscope.report.window import Window
 WIDTH = 11.0  # inches; at DPI that is the page's content width
 DPI = 100
 STATE_COLORS = dict(zip(STATES, ("#9e9e9e", "#2e7d32", "#1565c0", "#ef6c00", "#e0e0e0"), strict=True))
+STATE_COLORS[LOST] = "#b71c1c"  # the timeline's: a rank that stopped pushing without closing
 VERDICT_COLORS = {verdict_names.GPU_BOUND: "#00897b", verdict_names.DATA_BOUND: "#e53935",
                   verdict_names.GPU_BUSY_IDLE: "#8e24aa", verdict_names.HOST_BOUND: "#fdd835",
                   verdict_names.UNDETERMINED: "#7986cb", verdict_names.IDLE: "#eeeeee"}

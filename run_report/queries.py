@@ -11,7 +11,6 @@ counters reset inside the window (its process restarted), where no exact answer 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from stepscope.contract import DATA_LOADING_PHASE, LOCAL_PHASES
 from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
 from stepscope.contract import selector as sel
-from stepscope.report.window import Window, run_matcher
+from stepscope.report.window import Window, promql_string, run_matcher
 
 BEFORE = "10m"  # how far before the window a counter's previous value is looked for
 RANK = "rank, instance"  # a rank's identity; `instance` is its node
@@ -61,11 +60,15 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
 
 def restart_aware_increase(selector: str, window: Window, by: str) -> str:
     """What a counter counted over the window, summed `by`, through restarts: at each step the increase
-    since the step before, or the whole value where the counter reset (a new process counts from 0) or was
-    born. Exact where no process restarted and grew past its predecessor's count within one step; used by
-    the goodput, whose restart gaps make every rank of a restarted run a reset rank."""
-    step = f"{window.step:g}s"
-    return (f"sum by ({by}) (sum_over_time((({selector} - {selector} offset {step}) >= 0 or {selector} + 0)"
+    since the series's last sample before that step, or the whole value where the counter reset (a new
+    process counts from 0) or was born. The previous value is the last sample up to BEFORE back, not the
+    value one step back: after a scrape gap (an exporter restart, a failed scrape) the series is stale
+    until it is scraped again, and its whole cumulative count would be added once more. Exact where no
+    process restarted and grew past its predecessor's count within one step or gap; used by the goodput,
+    whose restart gaps make every rank of a restarted run a reset rank."""
+    step = window.step_duration
+    previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
+    return (f"sum by ({by}) (sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)"
             f"[{window.range_ms}:{step}]))")
 
 
@@ -107,9 +110,10 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         # push's time less the seconds its states add up to, the same in every push of a process) to the
         # last push; and the run's GPU energy: its watts (recorded each evaluation) summed at the resolution
         "first_push": f"min by ({RANK}) (min_over_time(({sel(fam.TRAINING_LAST_PUSH, r)} - on (run, {RANK})"
-                      f" sum by (run, {RANK}) ({sel(fam.STATE_SECONDS, r)}))[{window.range_ms}:{window.step:g}s]))",
+                      f" sum by (run, {RANK}) ({sel(fam.STATE_SECONDS, r)}))"
+                      f"[{window.range_ms}:{window.step_duration}]))",
         "last_push": f"max by ({RANK}) (max_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
-        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step:g}s]))"
+        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step_duration}]))"
                          f" * {window.step:g}",
         "goodput_states": restart_aware_increase(sel(fam.STATE_SECONDS, r), window, f"{RANK}, state"),
         "goodput_loading": restart_aware_increase(
@@ -126,15 +130,13 @@ def _totals(r: str, window: Window) -> dict[str, str]:
 def _training_over_time(r: str) -> dict[str, str]:
     return {
         "state": f"{sel(fam.TRAINING_STATE, r)} == 1",
+        "last_push": sel(fam.TRAINING_LAST_PUSH, r),  # a rank that stopped pushing unclosed is lost (timeline)
         "verdict": sel(rec.RUN_VERDICT, r),
         "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),
         "run_p50": sel(rec.RUN_STEP_SECONDS_P50, r),
         "run_p95": sel(rec.RUN_STEP_SECONDS_P95, r),
         "run_samples_rate": sel(rec.RUN_SAMPLES_RATE, r),
-        "run_tokens_rate": sel(rec.RUN_TOKENS_RATE, r),
-        "run_model_flops_rate": sel(rec.RUN_MODEL_FLOPS_RATE, r),
         "run_peak_flops": sel(rec.RUN_PEAK_FLOPS, r),
-        "run_mfu": sel(rec.RUN_MFU, r),
         "dataloader_share": sel(rec.RANK_DATALOADER_SHARE, r),
         "step_score": sel(rec.RANK_STRAGGLER_SCORE, r),
         "local_score": sel(rec.RANK_STRAGGLER_LOCAL_SCORE, r),
@@ -189,4 +191,4 @@ def _node_over_time(node: str, w: str) -> dict[str, str]:
 
 def _regex_string(values: list[str]) -> str:
     """A PromQL string holding an RE2 alternation that matches exactly `values` (Prometheus anchors it)."""
-    return json.dumps("|".join(re.escape(value) for value in values))
+    return promql_string("|".join(re.escape(value) for value in values))

@@ -56,6 +56,7 @@ ACT_LIMIT_SECONDS = 100  # or after this long, verdict or not (the rules need ~3
 PROGRESS_SECONDS = 10
 STOP_SECONDS = 10  # SIGTERM, then SIGKILL after this long
 PR_SET_PDEATHSIG = 1
+INTERRUPTED = 130  # the exit code of Ctrl-C or SIGTERM, the report's and the quickstart's
 
 
 class QuickstartError(Exception):
@@ -266,11 +267,16 @@ def verdicts_seen(prom: Prometheus, start: float) -> list[tuple[str, float]]:
     return seen
 
 
-def report(prom_url: str, out: Path) -> None:
+def report(prom_url: str, out: Path, logs: Path) -> None:
+    """The report of the run. The report catches Ctrl-C (and the SIGTERM that _interrupt turns into one)
+    itself and returns 130: that is the user's interruption, not a failure, so it is raised on as one."""
     from stepscope.report.cli import main as report_main
 
-    if report_main(["--prometheus", prom_url, "--run", RUN, "--out", str(out)]) != 0:
-        raise QuickstartError("the report failed (its reason is above)")
+    code = report_main(["--prometheus", prom_url, "--run", RUN, "--out", str(out)])
+    if code == INTERRUPTED:
+        raise KeyboardInterrupt
+    if code != 0:
+        raise QuickstartError(f"the report failed (its reason is above); the logs are kept in {logs}")
 
 
 def quickstart(setup: Setup, children: Children) -> None:
@@ -283,7 +289,7 @@ def quickstart(setup: Setup, children: Children) -> None:
     for title, flags, wanted in ACTS:
         act(children, prom, exporter_url, title, flags, wanted)
     time.sleep(2)  # two scrapes: Prometheus holds the last push (state idle), where the report ends the run
-    report(prom_url, setup.out)
+    report(prom_url, setup.out, children.workdir)
     print(f"report: {(setup.out / 'index.html').resolve()}")
     seen = verdicts_seen(prom, start)
     print("verdicts seen, in order: " + (", ".join(f"{name} ({seconds:.0f} s)" for name, seconds in seen)
@@ -309,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; stopping what it started", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except (QuickstartError, PrometheusError) as exc:
         failed = True
         print(f"{PROG}: error: {exc}", file=sys.stderr)

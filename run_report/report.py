@@ -68,7 +68,7 @@ def build(data: RunData, prometheus_url: str) -> Report:
     return Report(
         data=data, prometheus_url=prometheus_url, generated=time.time(), ranks=ranks,
         nodes=node_summaries(ranks), totals=totals, assessment=assess(data, totals, ranks),
-        intervals=state_intervals(over["state"], data.window),
+        intervals=state_intervals(over["state"], data.window, over.get("last_push", [])),
         verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
         path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
         goodput=account(data.totals, over["stalled"], (over["global_step"], over["global_step_base"]),

@@ -4,17 +4,27 @@ and the rank that bounded the run in each window (the critical path of a synchro
 A point at time t holds what Prometheus knew at t: the last scraped sample. A state seen at t_i..t_j
 (consecutive steps) that another state follows at t_j+1 lasted [t_i, t_j+1); before a gap (the
 series went stale: exporter down, group expired) it lasted [t_i, t_j + step).
+
+A rank that stopped pushing without closing (killed, its node gone) stays in its last state on the exporter
+until the group's TTL. As StepscopeRankLost does, a rank whose last push is more than
+THRESHOLDS["rank_lost_seconds"] old and that is not idle is `lost`: its last state ends at its last push
+and `lost` follows it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from stepscope.contract import IDLE_STATE, THRESHOLDS
+from stepscope.contract.goodput import LOST
 from stepscope.contract.verdicts import IDLE as IDLE_VERDICT
 from stepscope.report.prometheus import Series
 from stepscope.report.window import Window
+
+LOST_SECONDS = THRESHOLDS["rank_lost_seconds"].value
+Key = tuple[str, str]  # (rank, node)
 
 
 @dataclass(frozen=True)
@@ -48,19 +58,54 @@ def rank_key(rank: str) -> tuple[int, int, str]:
     return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
 
 
-def state_intervals(state_series: Iterable[Series], window: Window) -> list[Interval]:
-    """Per rank, the intervals of each state, in time order (ranks in numeric order)."""
-    by_rank: dict[tuple[str, str], dict[float, str]] = {}
+def state_intervals(state_series: Iterable[Series], window: Window,
+                    last_push: Iterable[Series] = ()) -> list[Interval]:
+    """Per rank, the intervals of each state, in time order (ranks in numeric order); a lost rank's
+    (see the module docstring) end at its last push, followed by `lost`."""
+    pushes = {_key(series): dict(series.points) for series in last_push}
+    by_rank: dict[Key, dict[float, str]] = {}
+    lost_at: dict[Key, float] = {}
     for series in state_series:
-        key = (series.labels.get("rank", ""), series.labels.get("instance", ""))
+        key = _key(series)
         states = by_rank.setdefault(key, {})
         for t, _ in series.points:
-            states[t] = series.labels.get("state", "")
+            state, push = series.labels.get("state", ""), pushes.get(key, {}).get(t)
+            if state != IDLE_STATE and push is not None and t - push > LOST_SECONDS:
+                state = LOST
+                lost_at.setdefault(key, push)
+            states[t] = state
     intervals = []
     for (rank, node), states in sorted(by_rank.items(), key=lambda item: (rank_key(item[0][0]), item[0][1])):
-        intervals += [Interval(rank, node, state, start, end)
-                      for state, start, end in _runs(states, window)]
+        runs = [Interval(rank, node, state, start, end) for state, start, end in _runs(states, window)]
+        intervals += _lost_from_last_push(runs, lost_at.get((rank, node)))
     return intervals
+
+
+def _lost_from_last_push(runs: list[Interval], push: float | None) -> list[Interval]:
+    """One rank's intervals with `lost` starting at its last push (`push`), not at the first point that saw
+    the push too old: the state before it ends there. Lost only seen after a gap keeps its points."""
+    if push is None:
+        return runs
+    moved: list[Interval] = []
+    for interval in runs:
+        if interval.state == LOST and moved and moved[-1].end == interval.start and moved[-1].start < push:
+            moved[-1] = replace(moved[-1], end=min(moved[-1].end, push))
+            interval = replace(interval, start=moved[-1].end)
+        moved.append(interval)
+    return moved
+
+
+def lost_ranks(intervals: Iterable[Interval]) -> list[Interval]:
+    """The first `lost` interval of each lost rank: where it last pushed."""
+    first: dict[Key, Interval] = {}
+    for interval in intervals:
+        if interval.state == LOST:
+            first.setdefault((interval.rank, interval.node), interval)
+    return list(first.values())
+
+
+def _key(series: Series) -> Key:
+    return series.labels.get("rank", ""), series.labels.get("instance", "")
 
 
 def labelled_intervals(series: Iterable[Series], label: str, window: Window) -> list[tuple[str, float, float]]:

@@ -2,8 +2,14 @@
 
 A run's life is found from its `stepscope_training_info` series without reading all of them: count
 samples per hour over the search range, then per minute inside the first and last hour, then read
-the raw samples of those two minutes. The first and last sample are exact whatever the scrape
-interval or Prometheus's lookback, and a month of a 64-rank run costs a few small queries.
+the raw samples of those two minutes. A range longer than SEARCH_POINTS hours (about 14 months; --from
+0 is 56 years) is first searched in buckets SEARCH_REFINE times longer, as many times as it takes, each
+first and last bucket then searched in SEARCH_REFINE of the next size: Prometheus refuses a query of
+more than 11,000 points. A range longer than SEARCH_SPAN_SECONDS (years 1 to 9999 are valid times) is
+searched a span at a time, from its start for the first sample and from its end for the last:
+Prometheus holds a query's span in nanoseconds (at most 292 years) and answers a longer one with
+nothing or an error. The first and last sample are exact whatever the scrape interval or
+Prometheus's lookback, and a month of a 64-rank run costs a few small queries.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 # A run's window starts at its processes' start when they began at most this long before its first sample
 # (the queries' lookback before a window, queries.BEFORE, is as long).
 PROCESS_START_SECONDS = 600
+SEARCH_POINTS = 10_000  # buckets of one search query at most (Prometheus: 11,000 points per series)
+SEARCH_REFINE = 100  # each search size is this many times the next finer one (minute, hour, 100 hours, ...)
+SEARCH_SPAN_SECONDS = 100 * 365 * 86400  # one search query's range at most (Prometheus: under 292 years)
 
 
 class NoData(Exception):
@@ -54,6 +63,11 @@ class Window:
         return f"{max(1, round(self.seconds * 1000))}ms"
 
     @property
+    def step_duration(self) -> str:
+        """The step as a PromQL duration: in milliseconds, as PromQL has no fractional seconds ("2.5s")."""
+        return f"{max(1, round(self.step * 1000))}ms"
+
+    @property
     def rate_window(self) -> str:
         """Rate window for raw counters: the rules' 1m, or the step where it is longer (no sample skipped)."""
         return f"{max(60, math.ceil(self.step))}s"
@@ -61,7 +75,15 @@ class Window:
 
 def run_matcher(run: str) -> str:
     """`run="..."` with the name escaped as a PromQL string."""
-    return f"run={json.dumps(run)}"
+    return f"run={promql_string(run)}"
+
+
+def promql_string(value: str) -> str:
+    """`value` as a double-quoted PromQL string literal. PromQL takes Go's escapes and UTF-8 as it is;
+    JSON's default escapes every non-ASCII character, one beyond the BMP (an emoji) as a UTF-16 surrogate
+    pair that Prometheus refuses ("invalid Unicode code point"). Without that, the escapes JSON writes
+    (backslash, quote, newline, tab, and u-escapes of other control characters) are Go's."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 def runs_seen(prom: Prometheus, start: float, end: float) -> list[RunSeen]:
@@ -82,18 +104,53 @@ def run_life(prom: Prometheus, run: str, start: float, end: float) -> tuple[floa
     Raises NoData when the run has no sample there.
     """
     selector = f"{TRAINING_INFO}{{{run_matcher(run)}}}"
-    first_hour = _bucket_ends(prom, selector, start, end, 3600, from_end=False)
-    last_hour = _bucket_ends(prom, selector, start, end, 3600, from_end=True)
-    if not first_hour or not last_hour:
+    first_minute = _edge_minute(prom, selector, start, end, from_end=False)
+    last_minute = _edge_minute(prom, selector, start, end, from_end=True)
+    if first_minute is None or last_minute is None:
         raise NoData(f"run {run!r} has no samples between {iso(start)} and {iso(end)}")
-    first_minute = _bucket_ends(prom, selector, first_hour[0] - 3600, first_hour[0], 60, from_end=False)[0]
-    last_minute = _bucket_ends(prom, selector, last_hour[-1] - 3600, last_hour[-1], 60, from_end=True)[-1]
     first_raw = prom.query(f"{selector}[60s]", first_minute)
     raw = first_raw + prom.query(f"{selector}[60s]", last_minute)
     times = [t for series in raw for t, _ in series.points if start <= t <= end]
     if not times:
         raise NoData(f"run {run!r} has no samples between {iso(start)} and {iso(end)}")
     return max(start, run_start(min(times), first_raw)), max(times), _scrape_interval(raw)
+
+
+def _edge_minute(prom: Prometheus, selector: str, start: float, end: float, from_end: bool) -> float | None:
+    """The end of the first (from_end: last) minute bucket holding a sample in [start, end], found a span at
+    a time from coarse to fine (see the module docstring); None when there is none."""
+    spans = [(lo, min(end, lo + SEARCH_SPAN_SECONDS)) for lo in _span_starts(start, end)]
+    for lo, hi in reversed(spans) if from_end else spans:
+        found = _edge_minute_in(prom, selector, lo, hi, from_end)
+        if found is not None:
+            return found
+    return None
+
+
+def _span_starts(start: float, end: float) -> list[float]:
+    count = max(1, math.ceil((end - start) / SEARCH_SPAN_SECONDS))
+    return [start + index * SEARCH_SPAN_SECONDS for index in range(count)]
+
+
+def _edge_minute_in(prom: Prometheus, selector: str, start: float, end: float, from_end: bool) -> float | None:
+    """_edge_minute in a range of at most SEARCH_SPAN_SECONDS."""
+    lo, hi = start, end
+    for size in search_sizes(end - start):
+        found = _bucket_ends(prom, selector, lo, hi, size, from_end)
+        if not found:
+            return None
+        edge = found[-1] if from_end else found[0]
+        lo, hi = edge - size, edge
+    return hi
+
+
+def search_sizes(seconds: float) -> list[int]:
+    """Bucket sizes from the coarsest to the minute: hours, then SEARCH_REFINE times longer until the range
+    holds at most SEARCH_POINTS of them."""
+    sizes = [3600, 60]
+    while seconds / sizes[0] > SEARCH_POINTS:
+        sizes.insert(0, sizes[0] * SEARCH_REFINE)
+    return sizes
 
 
 def run_start(first_sample: float, first_minute: list[Series]) -> float:

@@ -6,6 +6,8 @@ active 0.73, tensor cores 0.58, MFU 0.51 from its FLOP counter count over its me
 import csv
 from pathlib import Path
 
+import pytest
+
 from stepscope.contract import verdicts
 from stepscope.report import page, queries, report
 from stepscope.report.collect import RunData
@@ -31,15 +33,16 @@ def _data(**over: float) -> RunData:
     series.update(run_gpu_nvml=_series(0.98), run_gpu_sm_active=_series(0.73), run_gpu_tensor_active=_series(0.58))
     series.update({name: _series(value) for name, value in over.items()})
     totals = {name: [] for name in built.totals}
-    if "run_mfu" in over:
-        totals["tokens"] = [Series({"rank": "0"}, ((1100.0, 4.0e8),))]
-        totals["model_flops"] = [Series({"rank": "0"}, ((1100.0, 5.05e16),))]
+    rank = {"rank": "0", "instance": "n"}
+    totals["state_seconds"] = [Series({**rank, "state": "train"}, ((1100.0, 100.0),))]  # the window, training
+    if "run_peak_flops" in over:  # 4e6 tokens/s and 51% of the H100's peak over 100 s
+        totals["tokens"] = [Series(rank, ((1100.0, 4.0e8),))]
+        totals["model_flops"] = [Series(rank, ((1100.0, 0.51 * H100_BF16 * 100),))]
     return RunData("r", WINDOW, ("n",), totals, series)
 
 
 def test_the_headline_names_the_mfu_and_the_page_its_figures() -> None:
-    built = report.build(_data(run_mfu=0.51, run_tokens_rate=4.0e6, run_model_flops_rate=0.51 * H100_BF16,
-                               run_peak_flops=H100_BF16), "http://prometheus")
+    built = report.build(_data(run_peak_flops=H100_BF16), "http://prometheus")
     assert built.assessment.headline == (
         "GPU-bound: the GPUs are busy (SM active 0.73, tensor cores 0.58; MFU 51%; 100% of the training time)")
     html = page.render(built, {}, [])
@@ -49,12 +52,12 @@ def test_the_headline_names_the_mfu_and_the_page_its_figures() -> None:
 
 
 def test_run_summary_csv_holds_the_tokens_flops_and_mfu(tmp_path: Path) -> None:
-    built = report.build(_data(run_mfu=0.51, run_tokens_rate=4.0e6, run_model_flops_rate=0.51 * H100_BF16,
-                               run_peak_flops=H100_BF16), "http://prometheus")
+    built = report.build(_data(run_peak_flops=H100_BF16), "http://prometheus")
     report.write(built, tmp_path)
     row = next(csv.DictReader((tmp_path / "run_summary.csv").open()))
-    assert (row["tokens"], row["tokens_per_second"], row["mfu_ratio"]) == ("400000000", "4000000", "0.51")
-    assert float(row["model_flops_per_second"]) == 0.51 * H100_BF16 and float(row["peak_flops_per_second"]) == H100_BF16
+    assert (row["tokens"], row["tokens_per_second"]) == ("400000000", "4000000")
+    assert float(row["mfu_ratio"]) == pytest.approx(0.51) and float(row["peak_flops_per_second"]) == H100_BF16
+    assert float(row["model_flops_per_second"]) == pytest.approx(0.51 * H100_BF16)
 
 
 def test_a_run_without_tokens_or_flops_shows_none_of_them(tmp_path: Path) -> None:
@@ -70,3 +73,17 @@ def test_a_run_without_tokens_or_flops_shows_none_of_them(tmp_path: Path) -> Non
 def test_figures_in_words() -> None:
     assert mfu_percent(0.384) == "38%" and mfu_percent(0.00012) == "0.012%" and mfu_percent(None) == "no data"
     assert flops_per_second(5.0537e14) == "505 TFLOP/s" and flops_per_second(6.1e7) == "61 MFLOP/s"
+
+
+def test_tokens_and_flops_per_second_of_a_short_run_are_its_counts_over_its_training_seconds() -> None:
+    """A 40 s loop at 1,985 tokens/s: the rules' 1-minute rate of the young series read 1,125 (43% low); the
+    report divides the exact counts by the rank's seconds in train."""
+    data = _data(run_peak_flops=1e12, run_tokens_rate=1125.2, run_model_flops_rate=1125.2e7, run_mfu=0.011)
+    rank = {"rank": "0", "instance": "n"}
+    data.totals.update(tokens=[Series(rank, ((1100.0, 79400.0),))],
+                       model_flops=[Series(rank, ((1100.0, 79400.0e7),))],
+                       state_seconds=[Series({**rank, "state": "train"}, ((1100.0, 40.0),)),
+                                      Series({**rank, "state": "setup"}, ((1100.0, 2.0),))])
+    done = report.build(data, "http://prometheus").assessment.throughput
+    assert done.tokens_per_second == pytest.approx(1985.0)
+    assert done.flops_per_second == pytest.approx(1985.0e7) and done.mfu == pytest.approx(0.01985)

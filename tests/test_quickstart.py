@@ -144,3 +144,35 @@ def test_an_out_directory_holding_other_files_is_refused_before_anything_starts(
     assert "holds files that are not a stepscope report" in result.stderr
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"] and marked_processes(mark) == []
 
+
+
+def _quickstart_whose_report_returns(code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The quickstart with its acts skipped and a report that returns `code` (the report answers Ctrl-C
+    and SIGTERM while it writes with 130 itself), temporary files under tmp_path."""
+    from stepscope.report import cli, quickstart
+
+    monkeypatch.setattr(quickstart.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cli, "main", lambda argv: code)
+    monkeypatch.setattr(quickstart, "quickstart", lambda setup, children: quickstart.report(
+        "http://127.0.0.1:9", setup.out, children.workdir))
+    monkeypatch.chdir(REPO_ROOT)
+    try:
+        return quickstart.main(["--out", str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_ctrl_c_while_the_report_is_written_is_an_interruption_exit_130(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _quickstart_whose_report_returns(130, tmp_path, monkeypatch) == 130
+    assert capsys.readouterr().err.strip() == "stepscope-quickstart: interrupted; stopping what it started"
+    assert list(tmp_path.glob("stepscope-quickstart-*")) == []  # nothing failed: its logs go
+
+
+def test_a_failed_report_names_the_directory_its_logs_are_kept_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _quickstart_whose_report_returns(2, tmp_path, monkeypatch) == 1
+    [kept] = tmp_path.glob("stepscope-quickstart-*")
+    assert capsys.readouterr().err.strip() == ("stepscope-quickstart: error: the report failed (its reason is "
+                                               f"above); the logs are kept in {kept}")

@@ -17,7 +17,7 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope.report import output, page, plots, queries, report, summary
+from stepscope.report import cli, output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import RankSummary, RunTotals
@@ -31,8 +31,8 @@ EXPORTER_NAME = re.compile(r"\bstepscope_\w+")
 WINDOW = Window(1000.0, 1100.0, 10.0)
 
 
-def _all_queries() -> dict[str, str]:
-    built = queries.build('we"ird\\run', Window(1_700_000_000.0, 1_700_003_600.0, 15.0), ["node-a", "gpu.node+1"])
+def _all_queries(step: float = 15.0) -> dict[str, str]:
+    built = queries.build('we"ird\\run', Window(1_700_000_000.0, 1_700_003_600.0, step), ["node-a", "gpu.node+1"])
     return {**{f"total {k}": v for k, v in built.totals.items()},
             **{f"series {k}": v for k, v in built.over_time.items()}}
 
@@ -47,8 +47,9 @@ def test_queries_use_only_exported_metrics_and_shipped_recording_rules() -> None
             assert metric in EXPORTER_METRICS, f"{name}: {metric} is not an exporter metric"
 
 
-def test_every_query_parses_as_promql(tmp_path: Path) -> None:
-    exprs = _all_queries().values()
+@pytest.mark.parametrize("step", [15.0, 2.5, 0.5])
+def test_every_query_parses_as_promql(tmp_path: Path, step: float) -> None:
+    exprs = _all_queries(step).values()
     rules = [{"record": f"report:check:expr{index}", "expr": expr} for index, expr in enumerate(exprs)]
     path = tmp_path / "report-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "report", "rules": rules}]}))
@@ -426,3 +427,57 @@ def test_the_window_starts_where_the_step_counts_start() -> None:
     assert run_start(1000.0, [info("300")]) == 1000.0  # older than 10 minutes before the first sample
     assert run_start(1000.0, [info("1000.5"), info("not a time")]) == 1000.0
 
+
+
+def test_goodput_counts_across_a_scrape_gap_only_what_the_counter_added_and_a_reset_from_zero(
+        tmp_path: Path) -> None:
+    """Train seconds pushed cumulatively, 15 s every 15 s from t=0 to 300 s. Rank 0's exporter goes away
+    (staleness marker at 165 s, no sample up to 225 s) and comes back with the process's count, 240 at
+    240 s: it trained 300 s. Rank 1's process restarts at 165 s (its count resets): 150 + 135. Rank 2's
+    process restarts during a gap and is back at 240 s with 30: 150 + 90."""
+    def train(rank: str, values: str) -> dict:
+        return {"series": f'stepscope_state_seconds_total{{run="r",rank="{rank}",instance="n",state="train"}}',
+                "values": values}
+
+    inputs = [train("0", "0+15x10 stale _x4 240+15x4"), train("1", "0+15x10 0+15x9"),
+              train("2", "0+15x10 stale _x4 30+15x4")]
+    expr = queries.build("r", Window(0, 300, 15), []).totals["goodput_states"]
+    expected = [{"labels": f'{{rank="{rank}",instance="n",state="train"}}', "value": value}
+                for rank, value in (("0", 300), ("1", 285), ("2", 240))]
+    spec = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s", "input_series": inputs,
+        "promql_expr_test": [{"expr": expr, "eval_time": "300s", "exp_samples": expected}]}]}
+    path = tmp_path / "gap.yml"
+    path.write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _pushes(rank: str, points: list[tuple[float, float]]) -> Series:
+    return Series({"rank": rank, "instance": "n"}, tuple(points))
+
+
+def test_a_rank_killed_without_closing_is_lost_from_its_last_push_on_the_timeline_and_the_page() -> None:
+    # rank 1 last pushed at 1012 and the exporter kept it in train; rank 0 pushed every 10 s
+    over = _over_time(None, trained=False)
+    over["state"] = [_state("0", "train", list(TIMES)), _state("1", "train", list(TIMES))]
+    over["last_push"] = [_pushes("0", [(t, t) for t in TIMES]), _pushes("1", [(t, min(t, 1012.0)) for t in TIMES])]
+    built = report.build(RunData("r", WINDOW, ("n",), {name: [] for name in queries.build("r", WINDOW, []).totals},
+                                 over), "http://prometheus")
+    # lost where the push is more than 45 s old (from 1060 on), drawn from the last push
+    assert [(i.rank, i.state, i.start, i.end) for i in built.intervals] == [
+        ("0", "train", 1000, 1100), ("1", "train", 1000, 1012), ("1", "lost", 1012, 1100)]
+    html = page.render(built, {}, [])
+    assert "Rank 1 on n lost</strong>: last push at 1970-01-01T00:16:52.000Z" in html
+    assert plots.gantt(WINDOW, built.intervals, [], []).startswith(b"\x89PNG")
+
+
+def test_the_window_ends_after_the_last_real_activity_not_at_a_lost_ranks_ttl() -> None:
+    """Rank 0 trained to 1100 and closed; rank 1 died at 1045 and the exporter showed it in train to 1600."""
+    class Prom:
+        def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
+            assert "stepscope_training_last_push_timestamp_seconds" in expr
+            return [_pushes("0", [(t, t) for t in range(1000, 1101, 5)]),
+                    _pushes("1", [(t, min(t, 1045)) for t in range(1000, 1601, 5)])]
+
+    assert cli._cut_idle_tail(Prom(), "r", 1000, 1600, 5) == 1100 + 10  # a tenth of the run
