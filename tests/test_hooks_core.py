@@ -191,6 +191,8 @@ def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
     assert encode_label_value("a/b") == "YS9i"
     assert encode_label_value("team/exp 1") == "dGVhbS9leHAgMQ=="  # url-safe alphabet, padded
     assert encode_label_value("") == "="
+    for dots, encoded in ((".", "Lg=="), ("..", "Li4=")):  # plain, but URL dot segments: requests drops them
+        assert group_url("http://h:1", dots, 0) == f"http://h:1/metrics/job/stepscope/run@base64/{encoded}/rank/0"
 
 
 def test_imports_and_works_without_torch_and_exporter() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepscope.contract.peak_flops import DEFAULT_DTYPE, DTYPES
+from stepscope.contract.training import RUN_NAME_RULE, is_run_name
 
 DEFAULT_PUSH_URL = "http://127.0.0.1:9847"
 DEFAULT_PUSH_INTERVAL = 5.0
@@ -164,6 +165,8 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
             raise self._invalid("run", "a non-empty string")
+        if not is_run_name(self.run):  # a tab, a newline: the exporter would refuse every push
+            raise self._invalid("run", f"{RUN_NAME_RULE} (no tab, newline or control character)")
         if len(self.run) > MAX_LABEL_LENGTH:
             raise ValueError(f"{self._named('run')} must be at most {MAX_LABEL_LENGTH} characters, got "
                              f"{len(self.run)}")
