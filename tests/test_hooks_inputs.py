@@ -34,6 +34,8 @@ def test_a_negative_count_raises_at_the_call_and_the_rank_keeps_pushing(tmp_path
         tracker.step(samples=20)
         with pytest.raises(ValueError, match=r"^samples must be a finite number >= 0, got -50$"):
             tracker.step(samples=-50)
+        with pytest.raises(ValueError, match=r"^tokens must be a finite number >= 0, got 1000000"):
+            tracker.step(tokens=10**400)  # rendered +Inf: the exporter refused it ("counter must be >= 0, got inf")
         tracker.step(samples=np.int64(20), tokens=np.int32(6), flops=np.float32(2.5), global_step=np.int64(2))
         tracker.close()
         text = scrape(exporter.url)
@@ -58,14 +60,19 @@ BAD_COUNTS = [  # (argument, value) for both step() and micro_batch()
     ("flops", -1e12),
     ("flops", -math.inf),
     ("flops", "1e12"),
+    ("samples", 10**400),  # an int no float holds: rendered +Inf, which the exporter refuses in every later push
+    ("tokens", 10**400),
+    ("flops", 10**400),
+    ("tokens", np.float64(math.inf)),
 ]
-BAD_STEP_COUNTS = [("micro_batches", -1), ("micro_batches", 1.5j), ("global_step", -1), ("global_step", "7")]
+BAD_STEP_COUNTS = [("micro_batches", -1), ("micro_batches", 1.5j), ("global_step", -1), ("global_step", "7"),
+                   ("micro_batches", 10**400), ("global_step", 10**400)]
 
 
 @pytest.mark.parametrize(
     ("method", "argument", "value"),
     [("step", *case) for case in BAD_COUNTS + BAD_STEP_COUNTS] + [("micro_batch", *case) for case in BAD_COUNTS],
-    ids=repr,
+    ids=lambda value: repr(value)[:24],
 )
 def test_a_count_that_is_no_finite_number_at_least_zero_raises_before_anything_counts(
     method: str, argument: str, value: object
