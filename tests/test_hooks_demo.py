@@ -40,7 +40,7 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
-        (["--push-interval", "0"], "push_interval must be a number > 0 seconds"),
+        (["--push-interval", "0"], "push_interval must be a number > 0 and at most 600 seconds"),
         (["--progress-every", "0"], "--progress-every: must be > 0"),
     ],
 )
