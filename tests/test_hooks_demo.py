@@ -42,6 +42,13 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
         (["--push-interval", "0"], "push_interval must be a number > 0 and at most 600 seconds"),
         (["--progress-every", "0"], "--progress-every: must be > 0"),
+        # Before: time.sleep(inf) raised OverflowError (a traceback, exit 1), an eval of inf seconds never ended,
+        # and the pusher thread died at a wait of 1e10 s.
+        (["--slow-loader", "inf"], "--slow-loader: must be at most 3600 seconds, got 'inf'"),
+        (["--extra-step-seconds", "inf"], "--extra-step-seconds: must be at most 3600 seconds, got 'inf'"),
+        (["--eval-every", "1", "--eval-seconds", "inf"], "--eval-seconds: must be at most 3600 seconds, got 'inf'"),
+        (["--slow-loader", "1e10"], "--slow-loader: must be at most 3600 seconds, got '1e10'"),
+        (["--push-interval", "1e10"], "push_interval must be a number > 0 and at most 600 seconds"),
     ],
 )
 def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
@@ -66,6 +73,17 @@ def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: 
                   env={**env, **without_torch(tmp_path, "raise ImportError('no torch in this test')")})
     assert result.stdout.startswith(f"stepscope demo: run=demo {identity} pushing nowhere"), result.stderr
     assert result.returncode == 2 and "the demo needs torch" in result.stderr
+
+
+def test_ctrl_c_while_torch_loads_ends_as_ctrl_c_while_training(tmp_path: Path) -> None:
+    """Ctrl-C after the 'pushing' line, while torch is imported (seconds): before, a KeyboardInterrupt
+    traceback (the import was outside the demo's try); now what Ctrl-C while training does, the steps so far
+    and exit 0. A stand-in torch interrupts its own import."""
+    env = without_torch(tmp_path, "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)")
+    result = demo("--push-url", "", env=env)
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[1:] == ["stepscope demo: 0 steps done"], result.stdout
+    assert result.returncode == 0
 
 
 def test_demo_says_what_it_does_while_it_trains() -> None:

@@ -36,6 +36,9 @@ DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
 DDP_TIMEOUT_SECONDS = 60
 PROGRESS_SECONDS = 10.0  # default of --progress-every
+# The longest a seconds flag may ask for: `inf` (or 1e10) made time.sleep raise OverflowError (a traceback) and an
+# eval of `inf` seconds never end; an hour per batch, step or eval is already more than a demo needs.
+MAX_SECONDS = 3600.0
 
 
 def _non_negative_float(text: str) -> float:
@@ -45,6 +48,8 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS:g} seconds, got {text!r}")
     return value
 
 
@@ -219,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m stepscope.hooks.demo: error: the demo needs torch: pip install torch "
               "(in a checkout of stepscope: pip install '.[torch]')", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while torch loads (seconds): as Ctrl-C while training, not a traceback
+        tracker.close()
+        return _done(tracker)
 
     class SyntheticBatches(IterableDataset):
         """Endless whole batches of random regression data (--steps 0 runs forever); sleeps per batch to
@@ -231,9 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 x = torch.randn(args.batch_size, 64)
                 yield x, x.sum(dim=1, keepdim=True)
 
-    torch.manual_seed(cfg.rank)
-    model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
     try:
+        torch.manual_seed(cfg.rank)
+        model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
         if args.ddp:
             # Every backward all-reduces the gradients: the fast ranks wait there for the slow one.
             dist.init_process_group("gloo", rank=cfg.rank, world_size=cfg.world_size,
@@ -295,6 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tracker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return _done(tracker)
+
+
+def _done(tracker: stepscope.hooks.Tracker) -> int:
+    """The end of a demo that trained its --steps or was interrupted (Ctrl-C): the steps it did, exit 0."""
     print(f"stepscope demo: {tracker.steps} steps done", flush=True)
     return 0
 
