@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ from stepscope.contract.training import (
     TO_DEVICE_PHASE,
 )
 from stepscope.hooks.config import Config
+from stepscope.hooks.render import escape_label_value
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
@@ -165,8 +167,7 @@ class Progress:
         self._tracker, self._every = tracker, every
         self._since, self._steps = time.monotonic(), 0
         cfg = tracker.config
-        self._where = (f"look: curl -s {cfg.push_url}/metrics | grep 'run=\"{cfg.run}\"'" if cfg.push_url
-                       else "not pushing (--push-url '')")
+        self._where = f"look: {look_command(cfg.push_url, cfg.run)}" if cfg.push_url else "not pushing (--push-url '')"
 
     def tick(self) -> None:
         """After each step: prints a line when `every` seconds have passed since the last one."""
@@ -184,6 +185,14 @@ class Progress:
         loading = sum(hist.sum_seconds for name, _, hist in snapshot.phases if name == DATA_LOADING_PHASE)
         step = snapshot.step.sum_seconds
         return f", waiting for data {loading / step:.0%} of the step time" if step else ""
+
+
+def look_command(push_url: str, run: str) -> str:
+    """A shell command that shows the run's series on the exporter, whatever its name: grep -F on the label as
+    /metrics writes it (a `"` or a `\\` escaped), shell-quoted. Before, `grep 'run="a"b"'` matched nothing and
+    a `'` in the name broke the command."""
+    label = f'run="{escape_label_value(run)}"'
+    return f"curl -s {shlex.quote(push_url + '/metrics')} | grep -F {shlex.quote(label)}"
 
 
 def evaluate(model: Any, batch_size: int, seconds: float) -> None:
