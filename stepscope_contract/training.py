@@ -29,6 +29,16 @@ CHECKPOINT_STATE = "checkpoint"
 IDLE_STATE = "idle"  # what close() and SIGTERM push
 STATES = (SETUP_STATE, TRAIN_STATE, EVAL_STATE, CHECKPOINT_STATE, IDLE_STATE)
 
+# What a run name (the `run` label) must be: the exporter refuses a push for any other, so the hooks refuse
+# it at init rather than push into 400s for the whole run.
+RUN_NAME_RULE = "non-empty printable text"
+
+
+def is_run_name(run: str) -> bool:
+    """Whether the exporter takes `run` as a run label value: no tab, newline or other control character
+    (str.isprintable: Unicode's printable characters and the ASCII space)."""
+    return bool(run) and run.isprintable()
+
 # Values of stepscope_step_phase_seconds{timing}: what a phase histogram holds.
 HOST_TIMING = "host"  # wall time on the host (perf_counter): CPU work, or launches of async GPU work
 CUDA_EVENT_TIMING = "cuda_event"  # CUDA events on the stream: the GPU's own clock, idle gaps included

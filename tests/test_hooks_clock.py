@@ -301,6 +301,46 @@ def test_a_save_after_the_fit_is_no_error_and_leaves_the_rank_idle(tmp_path: Pat
         users.close()
 
 
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_a_validate_test_or_predict_after_the_fit_keeps_the_runs_counters(tmp_path: Path, exporter: Any,
+                                                                           stage: str) -> None:
+    """`trainer.validate()` (test, predict) after fit with the same callback: before, setup made the callback a
+    new tracker for the stage, whose pushes replaced the run's group with zeroed counters (steps 2 -> 0), a
+    restart for the report; now only the fit is the run's, and the rank stays as the fit left it."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    class Evaluated(working_module(pl)):
+        def validation_step(self, batch, batch_idx):
+            self.log("loss", self.training_step(batch, batch_idx))
+
+        def test_step(self, batch, batch_idx):
+            self.log("loss", self.training_step(batch, batch_idx))
+
+        def predict_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+    run = f"{stage}-after-fit"
+
+    def pushed_lines() -> list[str]:  # the rank's group as pushed: not the exporter's reading of its process
+        return [line for line in scrape(exporter.url).splitlines()
+                if f'run="{run}"' in line and not line.startswith("stepscope_process_")]
+
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
+                         accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path,
+                         callbacks=[StepscopeCallback(run=run, push_url=exporter.url, push_interval=60)])
+    module = Evaluated()
+    trainer.fit(module, DataLoader(Items(8, []), batch_size=4))
+    after_fit = pushed_lines()
+    getattr(trainer, stage)(module, DataLoader(Items(4, []), batch_size=4))
+    value = pushed(exporter, run)
+    assert (value("stepscope_steps_total"), value("stepscope_samples_total")) == (2, 8)
+    assert value("stepscope_training_state", state="idle") == 1
+    assert pushed_lines() == after_fit
+
+
 def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(exporter: Any) -> None:
     """loader() each epoch, with work between an epoch's last step and the next epoch's loader() (an LR
     schedule, logging): that time is in the next step, so the steps add up to the loop's wall time from the

@@ -134,6 +134,8 @@ def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
         ({}, {"STEPSCOPE_BUCKETS": "0.1,x"}, "STEPSCOPE_BUCKETS must be comma-separated"),
         ({}, {"STEPSCOPE_PHASE_BUCKETS": "maybe"}, "STEPSCOPE_PHASE_BUCKETS must be one of 1, true"),
         ({"phase_buckets": "yes"}, {}, "phase_buckets must be True or False"),
+        ({"max_backoff": 1e10}, {}, "max_backoff must be a number > 0 and at most 600 seconds"),
+        ({"push_interval": 600.5}, {}, "push_interval must be a number > 0 and at most 600 seconds"),
         ({"run": " "}, {}, "run must be a non-empty string"),
         ({"max_phases": 0}, {}, "max_phases must be an integer >= 1"),
     ],
@@ -191,6 +193,8 @@ def test_group_url_encodes_unusual_run_names_pushgateway_style() -> None:
     assert encode_label_value("a/b") == "YS9i"
     assert encode_label_value("team/exp 1") == "dGVhbS9leHAgMQ=="  # url-safe alphabet, padded
     assert encode_label_value("") == "="
+    for dots, encoded in ((".", "Lg=="), ("..", "Li4=")):  # plain, but URL dot segments: requests drops them
+        assert group_url("http://h:1", dots, 0) == f"http://h:1/metrics/job/stepscope/run@base64/{encoded}/rank/0"
 
 
 def test_imports_and_works_without_torch_and_exporter() -> None:

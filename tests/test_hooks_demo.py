@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from stepscope_testkit.processes import REPO_ROOT
+import stepscope.hooks as th
+from stepscope.hooks.demo import look_command
+from stepscope_testkit.processes import REPO_ROOT, running_exporter, samples
 
 
 def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -40,8 +42,15 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
-        (["--push-interval", "0"], "push_interval must be a number > 0 seconds"),
+        (["--push-interval", "0"], "push_interval must be a number > 0 and at most 600 seconds"),
         (["--progress-every", "0"], "--progress-every: must be > 0"),
+        # Before: time.sleep(inf) raised OverflowError (a traceback, exit 1), an eval of inf seconds never ended,
+        # and the pusher thread died at a wait of 1e10 s.
+        (["--slow-loader", "inf"], "--slow-loader: must be at most 3600 seconds, got 'inf'"),
+        (["--extra-step-seconds", "inf"], "--extra-step-seconds: must be at most 3600 seconds, got 'inf'"),
+        (["--eval-every", "1", "--eval-seconds", "inf"], "--eval-seconds: must be at most 3600 seconds, got 'inf'"),
+        (["--slow-loader", "1e10"], "--slow-loader: must be at most 3600 seconds, got '1e10'"),
+        (["--push-interval", "1e10"], "push_interval must be a number > 0 and at most 600 seconds"),
     ],
 )
 def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
@@ -68,6 +77,17 @@ def test_demo_identity_defaults(args: list[str], env: dict[str, str], identity: 
     assert result.returncode == 2 and "the demo needs torch" in result.stderr
 
 
+def test_ctrl_c_while_torch_loads_ends_as_ctrl_c_while_training(tmp_path: Path) -> None:
+    """Ctrl-C after the 'pushing' line, while torch is imported (seconds): before, a KeyboardInterrupt
+    traceback (the import was outside the demo's try); now what Ctrl-C while training does, the steps so far
+    and exit 0. A stand-in torch interrupts its own import."""
+    env = without_torch(tmp_path, "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)")
+    result = demo("--push-url", "", env=env)
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[1:] == ["stepscope demo: 0 steps done"], result.stdout
+    assert result.returncode == 0
+
+
 def test_demo_says_what_it_does_while_it_trains() -> None:
     """Every --progress-every seconds (10 by default) a line: the steps, their rate, the share of the step
     spent waiting for data, and where to look at what it pushes."""
@@ -77,12 +97,34 @@ def test_demo_says_what_it_does_while_it_trains() -> None:
     progress = [line for line in result.stdout.splitlines() if " steps/s" in line]
     assert len(progress) >= 2, result.stdout
     pattern = (r"stepscope demo: ([\d,]+) steps, [\d.]+ steps/s, waiting for data (\d+)% of the step time; "
-               r"look: curl -s http://127\.0\.0\.1:9/metrics \| grep 'run=\"demo\"'")
+               r"look: curl -s http://127\.0\.0\.1:9/metrics \| grep -F 'run=\"demo\"'")
     matches = [re.fullmatch(pattern, line) for line in progress]
     assert all(matches), progress
     assert [int(m.group(1)) for m in matches] == sorted(int(m.group(1)) for m in matches)
     assert 0 < int(matches[-1].group(2)) <= 100, progress  # the loader sleeps 20 ms of each step
 
+
+
+# Names whose label /metrics escapes (a quote, a backslash), that a shell would read (a quote, $, a backtick, a
+# glob) or grep (a bracket, a dot), and one that is the start of another.
+LOOKED_UP = ['we"ird/ x', "back\\slash", "it's", "$HOME `id`", "a[b*", "a.c", "ab", "a"]
+
+
+def test_the_command_the_progress_line_prints_shows_the_runs_series_whatever_its_name(tmp_path: Path) -> None:
+    """The printed `curl ... | grep ...` run as is against a real exporter shows every series of the run and
+    none of another. Before, `grep 'run="we"ird/ x"'` matched nothing (/metrics writes `\\"`), and `it's`
+    broke the shell's quoting."""
+    with running_exporter(tmp_path) as exporter:
+        for run in LOOKED_UP:
+            tracker = th.init(run=run, push_url=exporter.url, push_interval=60, handle_sigterm=False)
+            tracker.step(samples=1)
+            tracker.close()
+        for run in LOOKED_UP:
+            shown = subprocess.run(["bash", "-c", look_command(exporter.url, run)], capture_output=True, text=True,
+                                   timeout=30)
+            series = samples(shown.stdout)
+            assert ("stepscope_steps_total", frozenset({("run", run), ("rank", "0")})) in series, (run, shown)
+            assert {dict(labels).get("run") for _, labels in series} == {run}, run
 
 
 def test_a_stopped_process_group_with_loader_workers_ends_in_one_line(tmp_path: Path) -> None:

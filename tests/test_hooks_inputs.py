@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import torch
 
 import stepscope.hooks as th
 from stepscope.hooks.config import Config
+from stepscope.hooks.pusher import group_url
 from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 RUN = {"run": "inputs", "rank": "0"}
@@ -32,6 +34,8 @@ def test_a_negative_count_raises_at_the_call_and_the_rank_keeps_pushing(tmp_path
         tracker.step(samples=20)
         with pytest.raises(ValueError, match=r"^samples must be a finite number >= 0, got -50$"):
             tracker.step(samples=-50)
+        with pytest.raises(ValueError, match=r"^tokens must be a finite number >= 0, got 1000000"):
+            tracker.step(tokens=10**400)  # rendered +Inf: the exporter refused it ("counter must be >= 0, got inf")
         tracker.step(samples=np.int64(20), tokens=np.int32(6), flops=np.float32(2.5), global_step=np.int64(2))
         tracker.close()
         text = scrape(exporter.url)
@@ -56,14 +60,19 @@ BAD_COUNTS = [  # (argument, value) for both step() and micro_batch()
     ("flops", -1e12),
     ("flops", -math.inf),
     ("flops", "1e12"),
+    ("samples", 10**400),  # an int no float holds: rendered +Inf, which the exporter refuses in every later push
+    ("tokens", 10**400),
+    ("flops", 10**400),
+    ("tokens", np.float64(math.inf)),
 ]
-BAD_STEP_COUNTS = [("micro_batches", -1), ("micro_batches", 1.5j), ("global_step", -1), ("global_step", "7")]
+BAD_STEP_COUNTS = [("micro_batches", -1), ("micro_batches", 1.5j), ("global_step", -1), ("global_step", "7"),
+                   ("micro_batches", 10**400), ("global_step", 10**400)]
 
 
 @pytest.mark.parametrize(
     ("method", "argument", "value"),
     [("step", *case) for case in BAD_COUNTS + BAD_STEP_COUNTS] + [("micro_batch", *case) for case in BAD_COUNTS],
-    ids=repr,
+    ids=lambda value: repr(value)[:24],
 )
 def test_a_count_that_is_no_finite_number_at_least_zero_raises_before_anything_counts(
     method: str, argument: str, value: object
@@ -123,10 +132,13 @@ def test_the_loader_phase_is_left_when_the_loader_runs_out(tmp_path: Path) -> No
 # the text as set, or what is wrong with it where that says more (SHOWN).
 BAD_SETTINGS = [
     ("STEPSCOPE_RUN", "r" * 129, "run", "r" * 129, {}),
+    ("STEPSCOPE_RUN", "resnet\ta", "run", "resnet\ta", {}),
+    ("STEPSCOPE_RUN", "resnet-a\n", "run", "resnet-a\n", {}),
     ("STEPSCOPE_PUSH_URL", "localhost:9847", "push_url", "localhost:9847", {}),
     ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act", "push_token", "s3cr\u20act", {}),
     ("STEPSCOPE_PUSH_INTERVAL", "0", "push_interval", 0.0, {}),
     ("STEPSCOPE_PUSH_INTERVAL", "nan", "push_interval", math.nan, {}),
+    ("STEPSCOPE_PUSH_INTERVAL", "1e10", "push_interval", 1e10, {}),  # killed the pusher thread (OverflowError)
     ("STEPSCOPE_BUCKETS", "0.5,0.1", "buckets", (0.5, 0.1), {}),
     ("STEPSCOPE_PHASE_BUCKETS", "maybe", "phase_buckets", "maybe", {}),
     ("STEPSCOPE_SHARE_BOUNDS", "maybe", "share_bounds", "maybe", {}),
@@ -141,8 +153,9 @@ BAD_SETTINGS = [
 # Any text that is not blank is a usable directory path (a blank one is unset): the trace writer names the
 # variable when it cannot write there (stepscope.hooks.profiling).
 NO_BAD_TEXT = {"STEPSCOPE_TRACE_DIR"}
-SHOWN = {"STEPSCOPE_RUN": "got 129", "STEPSCOPE_PUSH_TOKEN": "U+20AC", "STEPSCOPE_BUCKETS": "got 0.5 then 0.1",
-         "RANK": "RANK 4 must be smaller than WORLD_SIZE 4"}
+SHOWN = {("STEPSCOPE_RUN", "r" * 129): "got 129", ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act"): "U+20AC",
+         ("STEPSCOPE_BUCKETS", "0.5,0.1"): "got 0.5 then 0.1",
+         ("RANK", "4"): "RANK 4 must be smaller than WORLD_SIZE 4"}
 
 
 def test_the_settings_cover_every_variable_the_hooks_read() -> None:
@@ -162,7 +175,7 @@ def test_a_bad_setting_is_named_as_the_user_set_it(
         Config.resolve(env={"STEPSCOPE_RUN": "r", **other_env, variable: text})
     message = str(from_env.value)
     assert message.startswith(f"{variable} "), message
-    assert SHOWN.get(variable, f"got {text!r}") in message, message
+    assert SHOWN.get((variable, text), f"got {text!r}") in message, message
     arguments = {key.lower(): int(raw) for key, raw in other_env.items()}
     with pytest.raises(ValueError) as from_argument:
         Config.resolve(env={"STEPSCOPE_RUN": "r"}, **arguments, **{argument: value})
@@ -186,3 +199,31 @@ def test_a_second_open_tracker_for_the_same_rank_is_refused_and_the_first_keeps_
         steps = sample_values(scrape(exporter.url), "stepscope_steps_total", run="twice", rank="0")
         th.init(run="twice", push_url=exporter.url, handle_sigterm=False).close()  # the first is closed
     assert steps == [40]
+
+
+# Run names at the edges of what a path carries and what the exporter takes: quotes, a backslash, non-ASCII,
+# a `/`, the base64 marker, URL escapes and dot segments; then tabs, newlines, control characters and the
+# Unicode separators that are not printable.
+STORED_RUN_NAMES = [" lead", 'a"b', "back\\slash", "h\u00e9llo w\u00f6rld", "emoji\U0001f680", "a/b", "=",
+                    "run@base64", "percent%2F", ".", "..", "x" * 128]
+REFUSED_RUN_NAMES = ["tab\there", "line\nbreak", "trail\n", "ctl\x01", "del\x7f", "nbsp\xa0x", "ls\u2028x"]
+
+
+def test_init_takes_exactly_the_run_names_the_exporter_stores(tmp_path: Path) -> None:
+    """A run name init accepted and the exporter refused at every push: "." and ".." went out as dot segments
+    (`/metrics/job/stepscope/rank/0` once normalised, 404), a tab or a newline as text the exporter calls not
+    printable (400). Now the dot segments go base64-encoded and are stored as they are; the others raise at
+    init, naming the setting and the text, and the exporter refuses each of them too."""
+    with running_exporter(tmp_path) as exporter:
+        for run in STORED_RUN_NAMES:
+            tracker = th.init(run=run, push_url=exporter.url, push_interval=60, handle_sigterm=False)
+            tracker.step(samples=1)
+            tracker.close()
+            assert tracker.pusher.stats.failures == 0, (run, tracker.pusher.stats.last_error)
+            assert sample_values(scrape(exporter.url), "stepscope_steps_total", run=run, rank="0") == [1], run
+        for run in REFUSED_RUN_NAMES:
+            with pytest.raises(ValueError, match=r"^run must be non-empty printable text") as raised:
+                th.init(run=run, push_url=exporter.url, handle_sigterm=False)
+            assert str(raised.value).endswith(f"got {run!r}")
+            refused = requests.put(group_url(exporter.url, run, 0), data=b"", timeout=10)
+            assert (refused.status_code, "must be non-empty printable text" in refused.text) == (400, True), run

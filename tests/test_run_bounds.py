@@ -77,7 +77,7 @@ def test_without_the_agreement_each_rank_exports_its_own_bounds(tmp_path: Path) 
 def test_a_store_that_dies_leaves_each_rank_its_own_bounds(caplog: pytest.LogCaptureFixture) -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
-    tracker = th.init(run="dies", rank=0, world_size=2, push_url="", push_interval=3600.0,
+    tracker = th.init(run="dies", rank=0, world_size=2, push_url="", push_interval=600.0,
                       handle_sigterm=False, store=client)
     try:
         for _ in range(20):

@@ -13,11 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepscope.contract.peak_flops import DEFAULT_DTYPE, DTYPES
+from stepscope.contract.training import RUN_NAME_RULE, is_run_name
 
 DEFAULT_PUSH_URL = "http://127.0.0.1:9847"
 DEFAULT_PUSH_INTERVAL = 5.0
 DEFAULT_MAX_PHASES = 32
 MAX_LABEL_LENGTH = 128
+# The longest push interval, backoff and push timeout: the exporter forgets a group not pushed for its
+# --ingest-ttl (600 s by default), so a rank pushing less often comes and goes. Far above, a wait the pusher
+# thread cannot make (threading.TIMEOUT_MAX) killed it with OverflowError: no periodic push at all. The rules
+# assume about 20 s at most (StepscopeRankLost, docs/alerts.md).
+MAX_PUSH_SECONDS = 600.0
 
 
 # Profiler traces (stepscope.hooks.profiling): where they go, the most one may take compressed, and how
@@ -164,6 +170,8 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
             raise self._invalid("run", "a non-empty string")
+        if not is_run_name(self.run):  # a tab, a newline: the exporter would refuse every push
+            raise self._invalid("run", f"{RUN_NAME_RULE} (no tab, newline or control character)")
         if len(self.run) > MAX_LABEL_LENGTH:
             raise ValueError(f"{self._named('run')} must be at most {MAX_LABEL_LENGTH} characters, got "
                              f"{len(self.run)}")
@@ -183,8 +191,9 @@ class Config:
             _check_token(self.push_token, self._named("push_token"))
         for name in ("push_interval", "push_timeout", "max_backoff"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise self._invalid(name, "a number > 0 seconds")
+            if not isinstance(value, (int, float)) or not 0 < value <= MAX_PUSH_SECONDS:  # False for a NaN too
+                raise self._invalid(name, f"a number > 0 and at most {MAX_PUSH_SECONDS:g} seconds (the exporter's "
+                                    "default --ingest-ttl)")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", validate_buckets(self.buckets, self._named("buckets")))
         for name in ("phase_buckets", "share_bounds"):

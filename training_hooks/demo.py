@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import signal
 import sys
 import time
@@ -31,11 +32,15 @@ from stepscope.contract.training import (
     TO_DEVICE_PHASE,
 )
 from stepscope.hooks.config import Config
+from stepscope.hooks.render import escape_label_value
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
 DDP_TIMEOUT_SECONDS = 60
 PROGRESS_SECONDS = 10.0  # default of --progress-every
+# The longest a seconds flag may ask for: `inf` (or 1e10) made time.sleep raise OverflowError (a traceback) and an
+# eval of `inf` seconds never end; an hour per batch, step or eval is already more than a demo needs.
+MAX_SECONDS = 3600.0
 
 
 def _non_negative_float(text: str) -> float:
@@ -45,6 +50,8 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS:g} seconds, got {text!r}")
     return value
 
 
@@ -160,8 +167,7 @@ class Progress:
         self._tracker, self._every = tracker, every
         self._since, self._steps = time.monotonic(), 0
         cfg = tracker.config
-        self._where = (f"look: curl -s {cfg.push_url}/metrics | grep 'run=\"{cfg.run}\"'" if cfg.push_url
-                       else "not pushing (--push-url '')")
+        self._where = f"look: {look_command(cfg.push_url, cfg.run)}" if cfg.push_url else "not pushing (--push-url '')"
 
     def tick(self) -> None:
         """After each step: prints a line when `every` seconds have passed since the last one."""
@@ -179,6 +185,14 @@ class Progress:
         loading = sum(hist.sum_seconds for name, _, hist in snapshot.phases if name == DATA_LOADING_PHASE)
         step = snapshot.step.sum_seconds
         return f", waiting for data {loading / step:.0%} of the step time" if step else ""
+
+
+def look_command(push_url: str, run: str) -> str:
+    """A shell command that shows the run's series on the exporter, whatever its name: grep -F on the label as
+    /metrics writes it (a `"` or a `\\` escaped), shell-quoted. Before, `grep 'run="a"b"'` matched nothing and
+    a `'` in the name broke the command."""
+    label = f'run="{escape_label_value(run)}"'
+    return f"curl -s {shlex.quote(push_url + '/metrics')} | grep -F {shlex.quote(label)}"
 
 
 def evaluate(model: Any, batch_size: int, seconds: float) -> None:
@@ -219,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m stepscope.hooks.demo: error: the demo needs torch: pip install torch "
               "(in a checkout of stepscope: pip install '.[torch]')", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while torch loads (seconds): as Ctrl-C while training, not a traceback
+        tracker.close()
+        return _done(tracker)
 
     class SyntheticBatches(IterableDataset):
         """Endless whole batches of random regression data (--steps 0 runs forever); sleeps per batch to
@@ -231,9 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 x = torch.randn(args.batch_size, 64)
                 yield x, x.sum(dim=1, keepdim=True)
 
-    torch.manual_seed(cfg.rank)
-    model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
     try:
+        torch.manual_seed(cfg.rank)
+        model: nn.Module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
         if args.ddp:
             # Every backward all-reduces the gradients: the fast ranks wait there for the slow one.
             dist.init_process_group("gloo", rank=cfg.rank, world_size=cfg.world_size,
@@ -295,6 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tracker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return _done(tracker)
+
+
+def _done(tracker: stepscope.hooks.Tracker) -> int:
+    """The end of a demo that trained its --steps or was interrupted (Ctrl-C): the steps it did, exit 0."""
     print(f"stepscope demo: {tracker.steps} steps done", flush=True)
     return 0
 

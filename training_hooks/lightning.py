@@ -16,6 +16,9 @@ a batch's tokens, the LightningModule's `flops_per_batch` attribute its FLOPs (L
 computes it); FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
 States: train, eval (validation; the sanity check from its loaders' setup on), checkpoint (from the start of
 trainer.save_checkpoint, or on_save_checkpoint, until training or validation goes on), idle after fit.
+The callback reports the fit only: a `trainer.validate()`, `test()` or `predict()` outside it (before or after
+fit) is no state of the run, as a save after the fit, and as the Hugging Face callback's `evaluate()` after
+`train()`; it creates no tracker and leaves the rank as it is.
 Requires the `lightning` package; importing this module imports it.
 """
 
@@ -71,32 +74,38 @@ class StepscopeCallback(Callback):
         self._in_optimizer = False
         self._in_forward = False
         self._global_step = 0  # trainer.global_step at the last step boundary
-        self._fitting = False  # from setup("fit") to teardown: a save after the fit is no state of the run
+        self._fitting = False  # from setup("fit") to teardown: a save, validate, test or predict outside it is no
+        # state of the run
         # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
         self._wrapped: list[tuple[Any, str, Any]] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Starts reporting a fit. Any other stage is no state of the run: a tracker made for a validate() after
+        fit replaced the run's group with zeroed counters (steps 21 -> 0), a restart that never happened."""
+        if stage != "fit":
+            return
         if self.tracker is None:
             kwargs = {"framework": "lightning", "rank": trainer.global_rank, "local_rank": trainer.local_rank,
                       "world_size": trainer.world_size, **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**kwargs)
-        if stage == "fit":
-            self._fitting = True
-            self._wrap_batch_to_device(trainer)
-            self._wrap_fetch(trainer)
-            self._wrap_save(trainer)
+        self._fitting = True
+        self._wrap_batch_to_device(trainer)
+        self._wrap_fetch(trainer)
+        self._wrap_save(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._unwrap()
         self._finish()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._unwrap()
         self._finish()
 
     def _finish(self) -> None:
+        """The fit's end (teardown, or an exception): outside a fit there is nothing of the run to end."""
+        if not self._fitting:
+            return
+        self._unwrap()
         if self.tracker is None:
             return
         if self._owns_tracker:
@@ -245,13 +254,12 @@ class StepscopeCallback(Callback):
         self.tracker.state(EVAL_STATE)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.tracker.state(EVAL_STATE)
+        if self._fitting:  # a trainer.validate() is no state of the run
+            self.tracker.state(EVAL_STATE)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self.tracker.state(TRAIN_STATE)
-        else:
-            self.tracker.state(SETUP_STATE if trainer.sanity_checking else IDLE_STATE)
+        if self._fitting:
+            self.tracker.state(SETUP_STATE if trainer.sanity_checking else TRAIN_STATE)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         """A save during the fit; after it (`trainer.save_checkpoint` once fit returned) the callback's own

@@ -32,7 +32,9 @@ from stepscope.hooks.render import CONTENT_TYPE
 
 log = logging.getLogger("stepscope.hooks")
 
-_PLAIN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+_PLAIN_LABEL_VALUE = re.compile(r"[A-Za-z0-9_.:-]+")
+# Plain, but a URL's dot segments: requests normalises `run/./rank/0` to `run/rank/0` (404 at every push).
+_DOT_SEGMENTS = (".", "..")
 
 
 def encode_label_value(value: str) -> str:
@@ -42,7 +44,8 @@ def encode_label_value(value: str) -> str:
 
 def group_url(base_url: str, run: str, rank: int) -> str:
     """The group's URL: `run/<run>`, or `run@base64/<b64url>` for a run name a path segment cannot carry."""
-    run_part = f"run/{run}" if _PLAIN_LABEL_VALUE.match(run) else f"run@base64/{encode_label_value(run)}"
+    plain = _PLAIN_LABEL_VALUE.fullmatch(run) and run not in _DOT_SEGMENTS
+    run_part = f"run/{run}" if plain else f"run@base64/{encode_label_value(run)}"
     return f"{base_url.rstrip('/')}/metrics/job/stepscope/{run_part}/rank/{rank}"
 
 

@@ -71,14 +71,16 @@ class Snapshot:
     allocator: AllocatorMemory | None = None  # PyTorch's CUDA caching allocator, on CUDA only
 
 
-def _escape(value: str) -> str:
+def escape_label_value(value: str) -> str:
+    """A label value as the exposition writes it (the exporter's /metrics too): backslash, newline and quote
+    escaped."""
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _labels(pairs: Sequence[tuple[str, str]]) -> str:
     if not pairs:
         return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in pairs) + "}"
 
 
 def _histogram(

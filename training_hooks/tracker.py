@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import math
 import numbers
 import os
 import sys
@@ -38,7 +37,12 @@ log = logging.getLogger("stepscope.hooks")
 Phase = HostPhase | CudaPhase | SyncCudaPhase | NullPhase
 BoundaryHook = Callable[[int], None]  # called at each step boundary with the step's duration in ns
 _PLAIN = (int, float)  # counts of these types pass step()'s cheap test; any other goes through _counts
-_INF = math.inf
+# The largest count: the exposition writes counts as floats, and a Python int above the largest finite float
+# (step(tokens=10**400)) renders as +Inf, which the exporter refuses in every later push. As an int for ints
+# (compared with ints: the cheap test's int counts are checked through their sum, one comparison), as a float
+# for floats (a NaN or an infinity fails it; an int compares with it exactly).
+_MAX_COUNT = int(sys.float_info.max)
+_MAX_FLOAT = sys.float_info.max
 _OPTIONAL_COUNTS = frozenset({"flops", "global_step"})  # None: not given
 
 
@@ -81,7 +85,7 @@ def _counts(**counts: Any) -> tuple[Any, ...]:
             continue
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
             plain = int(value) if isinstance(value, numbers.Integral) else float(value)
-            if 0 <= plain < math.inf:  # False for a NaN too
+            if 0 <= plain <= _MAX_FLOAT:  # False for a NaN, an infinity and an int no float holds
                 plain_counts.append(plain)
                 continue
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -189,9 +193,9 @@ class Tracker:
         Every count must be a finite number >= 0: anything else raises ValueError, and nothing is counted.
         """
         if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
-                and type(micro_batches) is int and micro_batches >= 0
-                and (flops is None or (type(flops) in _PLAIN and 0 <= flops < _INF))
-                and (global_step is None or (type(global_step) is int and global_step >= 0))):  # the cheap test
+                and type(micro_batches) is int and micro_batches >= 0 and samples + tokens + micro_batches <= _MAX_COUNT
+                and (flops is None or (type(flops) in _PLAIN and 0 <= flops <= _MAX_FLOAT))
+                and (global_step is None or (type(global_step) is int and 0 <= global_step <= _MAX_COUNT))):  # cheap
             samples, micro_batches, tokens, flops, global_step = _counts(
                 samples=samples, micro_batches=micro_batches, tokens=tokens, flops=flops, global_step=global_step)
         now = perf_counter_ns()
@@ -225,7 +229,8 @@ class Tracker:
         accumulation): the step itself is counted by the `step()` that ends it. `flops` as in `step()`, but
         None counts only flops_per_sample (flops_per_step is the whole step's, counted by `step()`)."""
         if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
-                and (flops is None or (type(flops) in _PLAIN and 0 <= flops < _INF))):  # as in step()
+                and samples + tokens <= _MAX_COUNT
+                and (flops is None or (type(flops) in _PLAIN and 0 <= flops <= _MAX_FLOAT))):  # as in step()
             samples, tokens, flops = _counts(samples=samples, tokens=tokens, flops=flops)
         self._micro_batches += 1
         self._samples += samples

@@ -13,6 +13,7 @@ import threading
 import time
 from urllib.parse import unquote
 
+from stepscope.contract.training import RUN_NAME_RULE, is_run_name
 from stepscope.exporter.exposition import Chunk, ExpositionStore
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import REASONS, Rejected, clip
@@ -56,8 +57,8 @@ def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
     run, rank = labels["run"], labels["rank"]
     if not _RANK.fullmatch(rank):
         raise Rejected(400, "bad_path", f"rank {clip(rank)!r} in the path is not a non-negative integer")
-    if not run or not run.isprintable():
-        raise Rejected(400, "bad_path", f"run {clip(run)!r} in the path must be non-empty printable text")
+    if not is_run_name(run):
+        raise Rejected(400, "bad_path", f"run {clip(run)!r} in the path must be {RUN_NAME_RULE}")
     if len(run) > max_label_length:
         raise Rejected(
             400, "label_too_long",
