@@ -33,6 +33,7 @@ from stepscope.report.window import (
 PROG = "stepscope-report"
 IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth of the run): the end shows
 MIN_STEP = 0.001  # seconds: the report writes the step in PromQL as whole milliseconds
+RECORDING_LAG_SECONDS = 300  # after the window, where a short run's first recordings may still land
 RUN_EDGE_SCRAPES = 2  # --from/--to farther than this many scrapes outside the run's samples is cut to them
 
 
@@ -120,9 +121,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _recorded(prom: Prometheus, run: str, window: Window) -> bool:
-    """Whether the rules recorded the run in the window at all, where the report's points found none."""
-    recorded = f"count_over_time({selector(RUN_SAMPLES_RATE, run_matcher(run))}[{window.range_ms}])"
-    return bool(prom.query(recorded, window.end))
+    """Whether the rules recorded the run at all, where the report's points found none: in the window or
+    in the minutes after it, as the rules of a run of a few seconds record it an evaluation or two after
+    its last push, outside a window cut to the run (they load, the run is just short)."""
+    span = f"{max(1, round((window.seconds + RECORDING_LAG_SECONDS) * 1000))}ms"
+    recorded = f"count_over_time({selector(RUN_SAMPLES_RATE, run_matcher(run))}[{span}])"
+    return bool(prom.query(recorded, window.end + RECORDING_LAG_SECONDS))
 
 
 def _requested(args: argparse.Namespace, now: float) -> tuple[float, float]:
