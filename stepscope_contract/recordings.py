@@ -93,6 +93,9 @@ RANK_STRAGGLER_LOCAL_SCORE = "run_rank:stepscope_straggler_local_score:ratio"
 # The scores StepscopeStragglerRank reads (label `score`: step_time, local_phases), kept through eval breaks
 RANK_STRAGGLER_ALERT_SCORES = "run_rank:stepscope_straggler_alert_scores:ratio"
 RUN_TRAINING_RANKS = "run:stepscope_training_ranks:count"
+# When the run's latest attempt started, as far as one shard sees its ranks: their latest start (last push less
+# their state seconds); a rank lost before it is the killed attempt's
+SHARD_RUN_ATTEMPT_START = "shard_run:stepscope_attempt_start:timestamp_seconds"
 RANK_TRAINING_SETTLED = "run_rank:stepscope_training_settled:bool"  # in train now and 30 s-5.5 min ago
 RUN_SETTLED_RANKS = "run:stepscope_training_settled_ranks:count"
 RUN_GPUS = "run:stepscope_gpus:count"  # GPUs the run's ranks hold memory on

@@ -84,7 +84,7 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
         "still alerted, and a firing alert is not resolved by the break",
         ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle",
-         "StepscopeStragglerRank", "StepscopeLoaderBelowCompute")),
+         "StepscopeStragglerRank")),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),
