@@ -79,8 +79,11 @@ THRESHOLDS: Mapping[str, Threshold] = {
         600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "
         "exporter restarted and forgot it: the exporter's default --ingest-ttl, as long as it keeps a group",
         ("StepscopeRankLost",)),
+    # 10 minutes, not more: each evaluation reads this much of every rank's and GPU's recorded reading, and at
+    # 250 nodes (2,000 ranks, bench_scale side by side) the holds already took StepscopeGpuBusyButIdle from 0.30
+    # to 1.89 s an evaluation with under 5 minutes of history to read.
     "pause_hold_seconds": Threshold(
-        1800, "seconds of an eval or checkpoint break through which the training alerts keep the reading of the "
+        600, "seconds of an eval or checkpoint break through which the training alerts keep the reading of the "
         "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
         "still alerted, and a firing alert is not resolved by the break",
         ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle",
