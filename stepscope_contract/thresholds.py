@@ -13,7 +13,9 @@ from stepscope.contract.recordings import (
     GPU_HELD_IDLE,
     RANK_STRAGGLER_ALERT_SCORES,
     RANK_TRAINING_SETTLED,
+    RUN_GPU_SM_ACTIVE_TRAINED,
     RUN_GPU_TRAINING_READINGS,
+    RUN_GPU_UTILIZATION_TRAINED,
     RUN_LIMITS_VERDICT,
     RUN_VERDICT,
 )
@@ -86,8 +88,11 @@ THRESHOLDS: Mapping[str, Threshold] = {
         600, "seconds of an eval or checkpoint break through which the training alerts keep the reading of the "
         "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
         "still alerted, and a firing alert is not resolved by the break",
-        ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle",
-         "StepscopeStragglerRank")),
+        ("StepscopeDataLoadingBottleneck", "StepscopeStragglerRank")),
+    "pause_carry_seconds": Threshold(
+        300, "seconds back the GPU readings the training alerts read are carried from while a rank of the run is "
+        "in an eval or checkpoint break: longer than an evaluation interval and VictoriaMetrics' lag in "
+        "showing a recorded sample", (RUN_GPU_UTILIZATION_TRAINED, RUN_GPU_SM_ACTIVE_TRAINED)),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),
