@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,27 @@ def test_a_stopped_process_group_with_loader_workers_ends_in_one_line(tmp_path: 
     assert workers and signalled[:1] == workers[:1], text  # the first worker was alive when it was stopped
     assert "Traceback" not in text, text
     assert "stepscope demo: stopped after" in text, text
+
+
+@pytest.mark.parametrize("error", [EOFError(), ConnectionRefusedError(111, "Connection refused"),
+                                   ConnectionResetError(104, "Connection reset by peer")])
+def test_a_worker_dying_in_a_batch_hand_over_ends_in_one_line(
+        error: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The race the process-group test meets now and then: a worker stopped while the trainer fetches its
+    batch's shared memory, which multiprocessing's resource sharer reads as EOF or a refused connection.
+    Forced here with a loader whose third batch fails so; the demo says so in one line, exit 143."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    from stepscope.hooks import demo as demo_module
+
+    class HandOverFails(torch_data.DataLoader):
+        def __iter__(self) -> Iterator[object]:
+            batches = super().__iter__()
+            yield next(batches)
+            yield next(batches)
+            raise error
+
+    monkeypatch.setattr(torch_data, "DataLoader", HandOverFails)
+    code = demo_module.main(["--run", "handover", "--push-url", "", "--loader-workers", "2", "--steps", "0"])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    assert err.strip().splitlines() == [f"stepscope demo: stopped after 2 steps: {str(error) or type(error).__name__}"]

@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     evaluate(model, args.batch_size, args.eval_seconds)
     except KeyboardInterrupt:
         pass
-    except (RuntimeError, ConnectionResetError) as exc:  # gloo: a dead peer or a timeout is a RuntimeError
+    except (RuntimeError, ConnectionError, EOFError) as exc:  # gloo: a dead peer or a timeout is a RuntimeError
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         if _loader_workers_stopped(exc, reason, args.loader_workers):
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise again for the next one
@@ -323,9 +323,10 @@ def _done(tracker: stepscope.hooks.Tracker) -> int:
 
 def _loader_workers_stopped(exc: Exception, reason: str, workers: int) -> bool:
     """Whether `exc` says the loader's workers were stopped under it: a signal to the whole process group
-    (job control, `timeout`) can reach them before the trainer, which then reads a worker gone (RuntimeError)
-    or a connection reset in the middle of a batch's transfer."""
-    return workers > 0 and (reason.startswith("DataLoader worker") or isinstance(exc, ConnectionResetError))
+    (job control, `timeout`) can reach them before the trainer, which then reads a worker gone (RuntimeError),
+    or a batch's shared memory whose sender died in its hand-over: a connection reset or refused, or an EOFError
+    from multiprocessing's resource sharer."""
+    return workers > 0 and (reason.startswith("DataLoader worker") or isinstance(exc, (ConnectionError, EOFError)))
 
 
 if __name__ == "__main__":
