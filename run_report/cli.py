@@ -188,8 +188,11 @@ def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: f
     """A finished run's group stays on the exporter until its TTL, in state idle, or in its last state
     for a rank that died without closing (lost): end the window shortly after the run's last real activity
     (a tenth of the run, at most a minute)."""
-    pushes = prom.query_range(_not_idle_pushes(run), start, end, step)
-    last_active = max((_last_activity(series) for series in pushes if series.points), default=None)
+    busy = prom.query_range(_not_idle_pushes(run), start, end, step)
+    pushes = {_rank(series): series for series in
+              prom.query_range(selector(TRAINING_LAST_PUSH, run_matcher(run)), start, end, step)}
+    last_active = max((_last_activity(series, pushes.get(_rank(series))) for series in busy if series.points),
+                      default=None)
     if last_active is None:
         return end
     return min(end, last_active + max(2 * step, min(IDLE_TAIL_SECONDS, 0.1 * (last_active - start))))
@@ -202,11 +205,19 @@ def _not_idle_pushes(run: str) -> str:
             f" ({selector(TRAINING_STATE, not_idle)} == 1)")
 
 
-def _last_activity(pushes: Series) -> float:
-    """When a rank last did something: the last time it was seen not idle, or its last push where that was
-    more than LOST_SECONDS before (lost: the exporter kept its last state, the rank was gone)."""
-    t, push = pushes.points[-1]
-    return push if t - push > LOST_SECONDS else t
+def _rank(series: Series) -> tuple[str, str]:
+    return series.labels.get("rank", ""), series.labels.get("instance", "")
+
+
+def _last_activity(busy: Series, pushes: Series | None) -> float:
+    """When a rank last did something: where its first push after the last one seen while it was not idle is
+    first seen (its final push, going idle, which carries its last steps' counts); without one, the last time it
+    was seen not idle, or its last push where that was more than LOST_SECONDS before (lost: the exporter kept
+    its last state, the rank was gone). A rank whose pushes stopped landing for a minute on a loaded machine
+    looked lost, and the window ended before its final push was scraped: 2,000 steps of 2,600 counted."""
+    t, push = busy.points[-1]
+    later = (at for at, pushed in (pushes.points if pushes is not None else ()) if at > t and pushed > push)
+    return next(later, push if t - push > LOST_SECONDS else t)
 
 
 def _without_credentials(url: str) -> str:

@@ -59,17 +59,29 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
 
 
 def restart_aware_increase(selector: str, window: Window, by: str) -> str:
-    """What a counter counted over the window, summed `by`, through restarts: at each step the increase
-    since the series's last sample before that step, or the whole value where the counter reset (a new
-    process counts from 0) or was born. The previous value is the last sample up to BEFORE back, not the
-    value one step back: after a scrape gap (an exporter restart, a failed scrape) the series is stale
-    until it is scraped again, and its whole cumulative count would be added once more. Exact where no
-    process restarted and grew past its predecessor's count within one step or gap; used by the goodput,
+    """What a counter counted over the window, summed `by`, through restarts and gaps of any length.
+
+    A series that never went down in the window (resets() compares its samples however far apart) counts its
+    last value less its last before the window, as `window_increase` does, so a gap in it (an exporter or
+    Prometheus down, a closed tracker's group dropped at the exporter's TTL until the next fit reopens it)
+    adds only what it grew by across it. Summing each step's increase instead found no previous sample after
+    a gap over BEFORE and counted the whole value again: 1,350 s of train for 1,200.
+
+    A series that went down (a new process counting from 0 under the same rank and node) counts, at each step,
+    the increase since the series's last sample up to BEFORE before that step, or the whole value where the
+    counter reset or was born; not the value one step back, which after a short gap (a failed scrape) is stale
+    and would add the whole count once more. Exact where no process grew past its predecessor's count within
+    one step or gap, and where no gap over BEFORE comes with a restart in the same series. Used by the goodput,
     whose restart gaps make every rank of a restarted run a reset rank."""
-    step = window.step_duration
+    d, step = window.range_ms, window.step_duration
+    just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
+    now = f"last_over_time({selector}[{d}])"
+    before = f"last_over_time({selector}[{BEFORE}] offset {just_before})"
+    reset = f"(resets({selector}[{d}]) > 0)"
     previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
-    return (f"sum by ({by}) (sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)"
-            f"[{window.range_ms}:{step}]))")
+    through_resets = f"sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)[{d}:{step}])"
+    return (f"sum by ({by}) (((({now} - {before}) >= 0 or {now}) unless {reset})"
+            f" or ({through_resets} and {reset}))")
 
 
 def build(run: str, window: Window, nodes: list[str]) -> Queries:

@@ -3,6 +3,7 @@ real exporter: what a step is when eval or a checkpoint comes mid-step, when loa
 and what a phase entered twice before it is left records."""
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stepscope.hooks as th
+from stepscope.contract import STATES
 from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 WORK = 0.02  # a step's own work on each side of an interruption
@@ -339,6 +341,51 @@ def test_a_validate_test_or_predict_after_the_fit_keeps_the_runs_counters(tmp_pa
     assert (value("stepscope_steps_total"), value("stepscope_samples_total")) == (2, 8)
     assert value("stepscope_training_state", state="idle") == 1
     assert pushed_lines() == after_fit
+
+
+@pytest.mark.parametrize("new_trainer", [False, True], ids=["same-trainer", "new-trainer"])
+def test_a_second_fit_with_the_same_callback_goes_on_counting_the_same_run(tmp_path: Path, exporter: Any,
+                                                                          new_trainer: bool) -> None:
+    """`trainer.fit()` again (more epochs) or a new Trainer's fit with the same callback, in the same process: one
+    run whose counters go on. Before, the second fit's setup made a new tracker counting from 0 under the same run,
+    rank and pid (steps 2, 0, 2: a counter reset; the report read 56.07 steps of 60 and the time between the fits
+    as a restart gap), and a new Trainer's global step going back read as a restore redoing 30 steps."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    run = f"two-fits-{'new' if new_trainer else 'same'}-trainer"
+    callback = StepscopeCallback(run=run, push_url=exporter.url, push_interval=60)
+
+    def trainer() -> Any:
+        return pl.Trainer(max_epochs=1, limit_train_batches=2, accelerator="cpu", enable_progress_bar=False,
+                          logger=False, enable_model_summary=False, enable_checkpointing=False,
+                          default_root_dir=tmp_path, callbacks=[callback])
+
+    module, first = working_module(pl)(), trainer()
+    first.fit(module, DataLoader(Items(8, []), batch_size=4))
+    first_fit_ended = time.time()
+    between = pushed(exporter, run)
+    time.sleep(OUTSIDE)
+    if new_trainer:
+        trainer().fit(module, DataLoader(Items(8, []), batch_size=4))
+    else:
+        first.fit_loop.max_epochs = 2
+        first.fit(module, DataLoader(Items(8, []), batch_size=4))
+    value = pushed(exporter, run)
+    assert between("stepscope_training_state", state="idle") == 1  # between the fits: idle, never lost
+    assert (between("stepscope_steps_total"), between("stepscope_samples_total")) == (2, 8)
+    assert (value("stepscope_steps_total"), value("stepscope_samples_total")) == (4, 16)  # 2 and 8 before the fix
+    assert value("stepscope_training_global_step") == 4  # the run's step goes on, not back to 1 (a restore)
+    assert value("stepscope_state_seconds_total", state="idle") >= OUTSIDE  # the time between the fits
+    assert value("stepscope_training_state", state="idle") == 1
+    assert between("stepscope_training_info", pid=str(os.getpid())) == value("stepscope_training_info",
+                                                                             pid=str(os.getpid())) == 1
+    # where the rules and the report take the tracker (the attempt) to have started: its last push less the seconds
+    # its states add up to, before the first fit ended (a new tracker made it the second fit's start)
+    started = value("stepscope_training_last_push_timestamp_seconds") - sum(
+        value("stepscope_state_seconds_total", state=state) for state in STATES)
+    assert started < first_fit_ended
 
 
 def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(exporter: Any) -> None:

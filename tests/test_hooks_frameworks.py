@@ -207,6 +207,36 @@ def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
 
 
 
+def test_huggingface_train_twice_with_the_same_callback_goes_on_counting_the_same_run(tmp_path: Path) -> None:
+    """`trainer.train()` twice in one process: one run whose counters go on, idle between the two. Before, the
+    second train() made a new tracker counting from 0 under the same run, rank and pid (a counter reset), and its
+    global step, back at 1, read as a restore."""
+    from transformers import Trainer, TrainingArguments
+
+    from stepscope.hooks.huggingface import StepscopeCallback
+    from stepscope_testkit.processes import running_exporter
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=3, per_device_train_batch_size=BATCH, report_to=[], use_cpu=True,
+        logging_strategy="no", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    group = {"run": "hf-twice", "rank": "0"}
+    with running_exporter(tmp_path) as exporter:
+        callback = StepscopeCallback(run="hf-twice", push_url=exporter.url, push_interval=60)
+        trainer = Trainer(model=LinearRegressor(), args=args, train_dataset=Regression(40, as_dict=True),
+                          callbacks=[callback])
+        trainer.train()
+        between = scrape(exporter.url)
+        trainer.train()
+        text = scrape(exporter.url)
+    assert sample_values(between, "stepscope_training_state", state="idle", **group) == [1]
+    assert sample_values(between, "stepscope_steps_total", **group) == [3]
+    assert sample_values(text, "stepscope_steps_total", **group) == [6]  # 3 before the fix
+    assert sample_values(text, "stepscope_samples_total", **group) == [6 * BATCH]
+    assert sample_values(text, "stepscope_training_global_step", **group) == [6]
+    assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
+
+
 def test_lightning_leaves_dataloader_next_when_an_unsized_loader_runs_out(tmp_path: Path) -> None:
     """A loader without a length ends its epoch with a fetch that raises StopIteration: the phase is left
     (the exporter shows no phase entered after the fit)."""

@@ -435,18 +435,31 @@ def test_goodput_counts_across_a_scrape_gap_only_what_the_counter_added_and_a_re
     (staleness marker at 165 s, no sample up to 225 s) and comes back with the process's count, 240 at
     240 s: it trained 300 s. Rank 1's process restarts at 165 s (its count resets): 150 + 135. Rank 2's
     process restarts during a gap and is back at 240 s with 30: 150 + 90."""
-    def train(rank: str, values: str) -> dict:
-        return {"series": f'stepscope_state_seconds_total{{run="r",rank="{rank}",instance="n",state="train"}}',
-                "values": values}
+    _assert_train_seconds(tmp_path, Window(0, 300, 15), {"0": ("0+15x10 stale _x4 240+15x4", 300),
+                                                          "1": ("0+15x10 0+15x9", 285),
+                                                          "2": ("0+15x10 stale _x4 30+15x4", 240)})
 
-    inputs = [train("0", "0+15x10 stale _x4 240+15x4"), train("1", "0+15x10 0+15x9"),
-              train("2", "0+15x10 stale _x4 30+15x4")]
-    expr = queries.build("r", Window(0, 300, 15), []).totals["goodput_states"]
-    expected = [{"labels": f'{{rank="{rank}",instance="n",state="train"}}', "value": value}
-                for rank, value in (("0", 300), ("1", 285), ("2", 240))]
+
+def test_goodput_counts_across_a_scrape_gap_over_ten_minutes_only_what_the_counter_added(tmp_path: Path) -> None:
+    """As above with 12.5 minutes without a sample (Prometheus down, the exporter down, or a closed tracker's group
+    dropped at its TTL until the next fit reopens it): rank 0's count goes on, 915 at 915 s (it trained 1200 s);
+    before, the step before 915 s found no sample in the 10 minutes before it and counted the whole 915 again
+    (1,350 s of train for 1,200). Rank 1's process restarts in the gap: 150 + 285."""
+    _assert_train_seconds(tmp_path, Window(0, 1200, 15), {"0": ("0+15x10 stale _x49 915+15x19", 1200),
+                                                           "1": ("0+15x10 stale _x49 0+15x19", 435)})
+
+
+def _assert_train_seconds(tmp_path: Path, window: Window, ranks: dict[str, tuple[str, float]]) -> None:
+    """The report's goodput train seconds per rank, by promtool, over `window` ending at its end: rank ->
+    (promtool input series of stepscope_state_seconds_total{state="train"} every 15 s, what it must count)."""
+    labels = 'rank="{}",instance="n",state="train"'
+    inputs = [{"series": f'stepscope_state_seconds_total{{run="r",{labels.format(rank)}}}', "values": values}
+              for rank, (values, _) in ranks.items()]
+    expected = [{"labels": f"{{{labels.format(rank)}}}", "value": value} for rank, (_, value) in ranks.items()]
+    expr = queries.build("r", window, []).totals["goodput_states"]
     spec = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
         "interval": "15s", "input_series": inputs,
-        "promql_expr_test": [{"expr": expr, "eval_time": "300s", "exp_samples": expected}]}]}
+        "promql_expr_test": [{"expr": expr, "eval_time": f"{window.end:g}s", "exp_samples": expected}]}]}
     path = tmp_path / "gap.yml"
     path.write_text(yaml.safe_dump(spec))
     result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)

@@ -14,18 +14,13 @@ and `stepscope.hooks.huggingface`.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 from stepscope.contract import STANDARD_PHASES, STATES
 from stepscope.hooks.config import Config, log_buckets
-from stepscope.hooks.tracker import Tracker
+from stepscope.hooks.tracker import Tracker, check_unclaimed
 
 __all__ = ["STANDARD_PHASES", "STATES", "Config", "Tracker", "init", "log_buckets"]
-
-# The trackers `init` started in this process, by where they push: (push URL, run, rank). Weak: an open
-# tracker is held by its atexit close anyway, and a closed one the user dropped is not kept for this.
-_started: weakref.WeakValueDictionary[tuple[str, str, int], Tracker] = weakref.WeakValueDictionary()
 
 
 def init(
@@ -66,10 +61,5 @@ def init(
         flops_per_sample=flops_per_sample, flops_dtype=flops_dtype, peak_flops=peak_flops,
         share_bounds=share_bounds,
     )
-    where = (config.push_url, config.run, config.rank)
-    open_one = _started.get(where)
-    if config.push_url and open_one is not None and not open_one.closed:
-        raise ValueError(f"a tracker of this process already pushes run {config.run!r} rank {config.rank}: pass it "
-                         "to the framework callback (tracker=...) or close() it before starting another")
-    _started[where] = tracker = Tracker(config, store)
-    return tracker
+    check_unclaimed(config)
+    return Tracker(config, store)

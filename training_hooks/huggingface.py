@@ -19,6 +19,10 @@ the Trainer's own `estimate_tokens`, padding included) and its FLOPs the Trainer
 model; FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
 States: train, eval and checkpoint (entered when the Trainer decides to evaluate or save at a step end,
 after the step's logging; left at on_evaluate and on_save, or at the next fetch), idle after training.
+`train()` again in the same process (the same Trainer or another with this callback) is the same run, as with the
+Lightning callback: the tracker closed at on_train_end is reopened at the next on_train_begin, its counters go on
+and the time between is idle; a `train()` that starts from global step 0 (nothing resumed) goes on from the global
+step the last one reached.
 Requires `transformers`; importing this module imports it.
 """
 
@@ -56,7 +60,8 @@ class StepscopeCallback(TrainerCallback):
     """Times the Trainer's loop into a Tracker (created at on_train_begin unless one is given).
 
     A tracker it creates takes rank and world size from TrainingArguments, framework "transformers",
-    and is closed (final push) at on_train_end. `init_kwargs` go to `stepscope.hooks.init`.
+    is closed (final push) at on_train_end and reopened at the next on_train_begin. `init_kwargs` go to
+    `stepscope.hooks.init`.
     """
 
     def __init__(self, tracker: Tracker | None = None, **init_kwargs: Any) -> None:
@@ -71,6 +76,7 @@ class StepscopeCallback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._break_after_log = False  # an eval or save decided at a step end waits for the logging before it
         self._training = False  # between on_train_begin and on_train_end: a user's own evaluate() changes nothing
+        self._step_offset = 0  # added to state.global_step in this train(): the run's count across them
 
     def _phase(self, name: str) -> Any:
         return self.tracker.phase(name, cuda=name in _GPU_PHASES)
@@ -82,6 +88,9 @@ class StepscopeCallback(TrainerCallback):
                     "local_rank": args.local_process_index, "world_size": args.world_size,
                     **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**init)
+        elif self._owns_tracker:
+            self.tracker.reopen()  # train() after one: the same run goes on
+        self._step_offset = self.tracker.global_step_offset(state.global_step)
         self._default_batch = args.train_batch_size
         self._flops_per_token = _flops_per_token(kwargs.get("model"))
         self._wrap_fetch(_find_trainer())
@@ -170,7 +179,8 @@ class StepscopeCallback(TrainerCallback):
         self._phase(LR_SCHEDULER_PHASE).end()
         self._phase(TRAIN_BATCH_PHASE).end()
         samples, tokens, flops = self._next_fed()
-        self.tracker.step(samples=samples, tokens=tokens, flops=flops, global_step=state.global_step)
+        self.tracker.step(samples=samples, tokens=tokens, flops=flops,
+                          global_step=state.global_step + self._step_offset)
         self._after_step(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -224,8 +234,7 @@ class StepscopeCallback(TrainerCallback):
             vars(self._trainer).pop(_FETCH, None)
             self._trainer = None
         if self._owns_tracker:
-            self.tracker.close()
-            self.tracker = None
+            self.tracker.close()  # reopened by the next on_train_begin
         else:
             self.tracker.state(IDLE_STATE)
 

@@ -14,8 +14,14 @@ its broadcast under DDP), Lightning's per-batch SIGTERM broadcast under DDP, log
 Tokens and model FLOPs (docs/mfu.md), as Lightning's ThroughputMonitor takes them: `length_fn(batch)` gives
 a batch's tokens, the LightningModule's `flops_per_batch` attribute its FLOPs (Lightning's `measure_flops`
 computes it); FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
-States: train, eval (validation; the sanity check from its loaders' setup on), checkpoint (from the start of
-trainer.save_checkpoint, or on_save_checkpoint, until training or validation goes on), idle after fit.
+States: setup, train, eval (validation; the sanity check from its loaders' setup on), checkpoint (from the start
+of trainer.save_checkpoint, or on_save_checkpoint, until training or validation goes on), idle after fit.
+Fits again in the same process (`trainer.fit()` once more, a new Trainer with the same callback, `ckpt_path=`) are
+the same run: the callback's tracker, closed at each fit's end (final push, state idle), is reopened at the next
+fit's setup, so its counters go on growing and the time between the fits is idle, not a restart. A fit that
+starts from global step 0 (a new Trainer, nothing restored) goes on counting from the global step the last one
+reached, so its steps are not taken for a restore that does them again (lost progress); a fit restored from a
+checkpoint passes its global step as it is. A new process is a restart: its counters start from 0.
 The callback reports the fit only: a `trainer.validate()`, `test()` or `predict()` outside it (before or after
 fit) is no state of the run, as a save after the fit, and as the Hugging Face callback's `evaluate()` after
 `train()`; it creates no tracker and leaves the rank as it is.
@@ -61,7 +67,8 @@ class StepscopeCallback(Callback):
     """Times Lightning's training loop into a Tracker (created at setup unless one is given).
 
     A tracker it creates takes run/rank/world size from the Trainer and the environment, framework
-    "lightning", and is closed (final push) at teardown. `init_kwargs` go to `stepscope.hooks.init`.
+    "lightning", is closed (final push) at teardown and reopened at the next fit's setup (the module
+    docstring). `init_kwargs` go to `stepscope.hooks.init`.
     `length_fn(batch)`: the batch's tokens (ThroughputMonitor's argument of that name).
     """
 
@@ -74,6 +81,7 @@ class StepscopeCallback(Callback):
         self._in_optimizer = False
         self._in_forward = False
         self._global_step = 0  # trainer.global_step at the last step boundary
+        self._step_offset = 0  # added to trainer.global_step in this fit: the run's count across fits
         self._fitting = False  # from setup("fit") to teardown: a save, validate, test or predict outside it is no
         # state of the run
         # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
@@ -90,6 +98,10 @@ class StepscopeCallback(Callback):
             kwargs = {"framework": "lightning", "rank": trainer.global_rank, "local_rank": trainer.local_rank,
                       "world_size": trainer.world_size, **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**kwargs)
+        elif self._owns_tracker:
+            self.tracker.reopen()  # a fit after one: the same run goes on
+        if self.tracker.current_state == IDLE_STATE:  # the fit before left it idle
+            self.tracker.state(SETUP_STATE)
         self._fitting = True
         self._wrap_batch_to_device(trainer)
         self._wrap_fetch(trainer)
@@ -109,8 +121,7 @@ class StepscopeCallback(Callback):
         if self.tracker is None:
             return
         if self._owns_tracker:
-            self.tracker.close()
-            self.tracker = None
+            self.tracker.close()  # reopened by the next fit's setup
         else:
             self.tracker.state(IDLE_STATE)
 
@@ -194,6 +205,7 @@ class StepscopeCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._global_step = trainer.global_step  # a resumed fit starts at its checkpoint's step
+        self._step_offset = self.tracker.global_step_offset(trainer.global_step)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.tracker.state(TRAIN_STATE)
@@ -237,7 +249,8 @@ class StepscopeCallback(Callback):
             self.tracker.micro_batch(samples, tokens, flops)
             return
         self._global_step = trainer.global_step  # manual optimization with 2 optimizers moves it by 2: 1 step
-        self.tracker.step(samples=samples, tokens=tokens, flops=flops, global_step=trainer.global_step)
+        self.tracker.step(samples=samples, tokens=tokens, flops=flops,
+                          global_step=trainer.global_step + self._step_offset)
 
     def _batch_flops(self, pl_module: LightningModule) -> float | None:
         """The module's `flops_per_batch` unless the user states FLOPs to the tracker (None: those count)."""

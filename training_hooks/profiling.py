@@ -293,6 +293,11 @@ class TraceTaker:
             if self._trace_ready:
                 self._finish(request, request.steps, "")
 
+    def reopen(self) -> None:
+        """At tracker reopen (the next fit of a framework callback): requests are taken again."""
+        with self._lock:
+            self._closed = False
+
     def close(self) -> None:
         """At tracker close: a trace being recorded is cut short and written with the steps it has."""
         if not self._lock.acquire(timeout=CLOSE_LOCK_SECONDS):  # a signal handler interrupted the holder

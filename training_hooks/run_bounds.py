@@ -154,12 +154,15 @@ class RunBounds:
         return run
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="stepscope-run-bounds", daemon=True)
+        """Starts the thread; again after stop() (a reopened tracker), with a stop event of its own, so that the
+        stopped thread, still waiting on its event, ends."""
+        if self._thread is None or self._stop.is_set():
+            self._stop = stop = threading.Event()
+            self._thread = threading.Thread(target=self._loop, args=(stop,), name="stepscope-run-bounds", daemon=True)
             self._thread.start()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self._interval):
             self.exchange()
 
     def stop(self) -> None:

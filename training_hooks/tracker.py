@@ -13,6 +13,7 @@ import numbers
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter_ns, time
 from typing import Any
@@ -44,6 +45,20 @@ _PLAIN = (int, float)  # counts of these types pass step()'s cheap test; any oth
 _MAX_COUNT = int(sys.float_info.max)
 _MAX_FLOAT = sys.float_info.max
 _OPTIONAL_COUNTS = frozenset({"flops", "global_step"})  # None: not given
+GroupKey = tuple[str, str, int]  # where a tracker pushes: (push URL, run, rank)
+# The trackers of this process that push, by where. Weak: an open tracker is held by its atexit close anyway,
+# and a closed one the user dropped is not kept for this.
+_pushing: weakref.WeakValueDictionary[GroupKey, Tracker] = weakref.WeakValueDictionary()
+
+
+def check_unclaimed(config: Config, mine: Tracker | None = None) -> None:
+    """ValueError when a tracker of this process other than `mine` is open and pushes config's run and rank:
+    both would replace the exporter's group at each push, its steps read as 40, 0, 40 (counter resets) and the
+    last to close would win."""
+    other = _pushing.get((config.push_url, config.run, config.rank))
+    if config.push_url and other is not None and other is not mine and not other.closed:
+        raise ValueError(f"a tracker of this process already pushes run {config.run!r} rank {config.rank}: pass it "
+                         "to the framework callback (tracker=...) or close() it before starting another")
 
 
 def _cuda_module() -> Any | None:
@@ -158,14 +173,23 @@ class Tracker:
         if config.push_url:
             settings = TraceSettings(config.trace_dir, config.trace_max_bytes, config.trace_keep)
             self.traces = TraceTaker(config.run, config.rank, settings, self._arm_tracing)
+            _pushing[(config.push_url, config.run, config.rank)] = self
+        self._sigterm = FinalPushOnSigterm(self.close)
+        self._start_reporting()
+
+    def _start_reporting(self) -> None:
+        """Starts pushing (and agreeing on bounds), and the final push at exit and on SIGTERM."""
+        config = self.config
+        if self.traces is not None:  # it pushes (a push URL is set)
             self.pusher = Pusher(
                 group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
                 token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
                 headers=self.traces.headers, on_answer=self.traces.on_answer,
             )
             self.pusher.start()
+        if self._run_bounds is not None:
+            self._run_bounds.start()
         atexit.register(self.close)
-        self._sigterm = FinalPushOnSigterm(self.close)
         if config.handle_sigterm:
             self._sigterm.install()
 
@@ -378,6 +402,19 @@ class Tracker:
         return self._steps
 
     @property
+    def global_step(self) -> int | None:
+        """The global step the last step() passed (None before one did)."""
+        return self._global_step
+
+    def global_step_offset(self, start: int) -> int:
+        """What a framework callback adds to its trainer's global step in a fit that starts at step `start`: the
+        global step the tracker's last fit reached where this one starts from 0 (a new Trainer, or `train()`
+        again, nothing restored), so that the run's global step goes on rather than back; the rules read a step
+        back as a restore (a new Trainer's 30 steps after 30 read as 30 steps lost). 0 for a first fit, and for
+        one restored from a checkpoint: a step back there is a restore."""
+        return (self._global_step or 0) if start == 0 else 0
+
+    @property
     def flops_stated(self) -> bool:
         """Whether the user states the model FLOPs (flops_per_step/sample, measure_flops): the framework
         callbacks then leave theirs out."""
@@ -432,9 +469,7 @@ class Tracker:
         cfg = self.config
         if cfg.buckets is not None or cfg.world_size == 1 or not cfg.share_bounds:
             return None
-        bounds = RunBounds(run_store(cfg.run, store), cfg.push_interval)
-        bounds.start()
-        return bounds
+        return RunBounds(run_store(cfg.run, store), cfg.push_interval)  # started with the pusher
 
     def agree_on_bounds(self) -> None:
         """One round of the bounds agreement now; its thread does one every push interval. For a caller
@@ -530,6 +565,24 @@ class Tracker:
             self._run_bounds.stop()
         if self.pusher is not None:
             self.pusher.stop()
+
+    def reopen(self) -> None:
+        """Takes a closed tracker up again, its counts where close() left them: the framework callbacks' next fit
+        (`trainer.fit()` again, `Trainer.train()` again) in the same process is more of the same run. A new
+        tracker there counted from 0 under the same run, rank and pid: Prometheus read a counter reset, the
+        report estimated the steps across it (56.07 of 60) and took the 8 s between the fits for a restart gap,
+        the rules for a new attempt. The time since close() counts as idle; pushing starts again, and the final
+        push at exit and on SIGTERM. Nothing to do while open, or in another process (a forked worker's copy).
+        ValueError while another open tracker of this process pushes the same run and rank.
+        """
+        if not self._closed or os.getpid() != self._pid:
+            return
+        check_unclaimed(self.config, self)
+        if self.traces is not None:
+            self.traces.reopen()
+            _pushing[(self.config.push_url, self.config.run, self.config.rank)] = self
+        self._closed = False
+        self._start_reporting()
 
     def __enter__(self) -> Tracker:
         return self

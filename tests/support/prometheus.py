@@ -1,6 +1,7 @@
 """A real Prometheus (Debian's /usr/bin/prometheus) on a free loopback port, and its HTTP query API."""
 
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -62,6 +63,22 @@ def running_prometheus_config(tmp_path: Path, config: dict, *flags: str) -> Iter
         tmp_path / "prometheus.log",
         base_url=f"http://127.0.0.1:{port}",
     ) as proc:
+        yield proc
+
+
+@contextmanager
+def running_prometheus_holding(tmp_path: Path, samples: Sequence[tuple[str, float, float]]) -> Iterator[Running]:
+    """Prometheus scraping nothing, its storage holding `samples` ((series as `name{labels}`, Unix seconds, value)),
+    written as blocks by `promtool tsdb create-blocks-from openmetrics`: a history no live process has to wait for
+    (a push that lands a minute late, an hour's gap)."""
+    ordered = sorted(samples, key=lambda sample: (sample[0].split("{", 1)[0], sample[0], sample[1]))
+    source = tmp_path / "samples.om"  # OpenMetrics: each family's samples together, each series in time order
+    source.write_text("".join(f"{series} {value} {at}\n" for series, at, value in ordered) + "# EOF\n")
+    result = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(source),
+                             str(tmp_path / "prometheus-data")], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise RuntimeError(f"promtool could not write the blocks: {result.stdout}{result.stderr}")
+    with running_prometheus_config(tmp_path, {"global": {"scrape_interval": "15s"}, "scrape_configs": []}) as proc:
         yield proc
 
 
