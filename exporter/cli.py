@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     web = parser.add_argument_group("web")
-    add_flag(web, "--web.listen-address", aliases=["--listen-address"], default=f"0.0.0.0:{DEFAULT_PORT}",
+    add_flag(web, "--web.listen-address", aliases=["--listen-address"], default=f":{DEFAULT_PORT}",
              type=listen_address, dest="listen_address",
-             help="HOST:PORT to serve metrics, health and the push API on ('[::]:PORT' for IPv6)")
+             help="HOST:PORT to serve metrics, health and the push API on; ':PORT': every address, IPv6 and IPv4 "
+                  "(IPv4 alone where the node has no IPv6); an IPv6 address in brackets ('[::1]:PORT')")
     add_flag(web, "--web.telemetry-path", default="/metrics", type=telemetry_path, dest="telemetry_path",
              help="path of the metrics endpoint (the push API stays at /metrics/job/...)")
     add_flag(web, "--web.config.file", default=None, type=readable_file, dest="web_config_file",

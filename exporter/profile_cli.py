@@ -26,6 +26,7 @@ from typing import Any
 import requests
 
 from stepscope.exporter.flags import check_token, positive_float, read_token
+from stepscope.hooks.config import bracket_ipv6_host
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
@@ -73,7 +74,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.exporter.startswith(("http://", "https://")):
         parser.error(f"--exporter must be an http:// or https:// URL, got {args.exporter!r}")
-    args.exporter = args.exporter.rstrip("/")
+    try:  # STEPSCOPE_PUSH_URL as the chart sets it: http://$(HOST_IP):9847, an IPv6 node's without brackets
+        args.exporter = bracket_ipv6_host(args.exporter.rstrip("/"))
+    except ValueError as exc:
+        parser.error(f"--exporter {args.exporter!r} {exc}")
     args.token = _token(parser, args.token_file)
     return args
 

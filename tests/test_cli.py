@@ -34,6 +34,11 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) ->
         (["--collect-interval", "soon"], ["'soon' is not a number"]),
         (["--listen-address", "localhost"], ["HOST:PORT"]),
         (["--listen-address", "127.0.0.1:70000"], ["port from 1 to 65535"]),
+        # an IPv6 address without brackets: ::1 on port 9847, or the address ::1:9847 on no port? Before, the first
+        (["--web.listen-address", "::1:9847"], ["'::1:9847' is not HOST:PORT: write an IPv6 address in brackets, "
+                                                "e.g. [::1]:9847 ([::]:9847 or :9847: every address)"]),
+        (["--web.listen-address", "[::1:9847"], ["write an IPv6 address in brackets"]),
+        (["--web.listen-address", "[localhost]:9847"], ["'localhost' in brackets is not an IPv6 address"]),
         (["--tls-cert-file", "/nonexistent/cert.pem", "--tls-key-file", "/nonexistent/key.pem"],
          ["cannot read '/nonexistent/cert.pem'"]),
         (["--log-level", "loud"], ["'loud' is not one of debug, info, warning, error"]),
