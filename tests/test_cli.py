@@ -79,22 +79,6 @@ def test_bad_environment_values_name_the_variable(env: dict[str, str], expected:
     assert "--" not in result.stderr.split("error:", 1)[1].split("=")[0]  # the variable, not a flag
 
 
-def test_host_network_that_cannot_be_read_is_one_line_at_start(monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """--collector.node.host-network where PID 1's counters cannot be read (no Linux /proc): one line, exit 2,
-    before anything is served; with the node collector off it is not read at all."""
-    from stepscope.exporter import cli
-    from stepscope.exporter.collectors import node
-
-    monkeypatch.setattr(node, "NODE_NET_DEV", "/nonexistent/1/net/dev")
-    with pytest.raises(SystemExit) as exited:
-        cli._check_node_network(cli.build_parser().parse_args(["--collector.node.host-network"]))
-    assert exited.value.code == 2
-    assert capsys.readouterr().err == ("stepscope-exporter: error: --collector.node.host-network: cannot read "
-                                       "/nonexistent/1/net/dev: No such file or directory\n")
-    cli._check_node_network(cli.build_parser().parse_args(["--collector.node.host-network", "--collectors", "gpu"]))
-
-
 def test_tls_files_must_come_in_pairs_and_parse(tmp_path: Path) -> None:
     cert = tmp_path / "cert.pem"
     cert.write_text("not a certificate")
