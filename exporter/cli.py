@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     web = parser.add_argument_group("web")
-    add_flag(web, "--web.listen-address", aliases=["--listen-address"], default=f"0.0.0.0:{DEFAULT_PORT}",
+    add_flag(web, "--web.listen-address", aliases=["--listen-address"], default=f":{DEFAULT_PORT}",
              type=listen_address, dest="listen_address",
-             help="HOST:PORT to serve metrics, health and the push API on ('[::]:PORT' for IPv6)")
+             help="HOST:PORT to serve metrics, health and the push API on; ':PORT': every address, IPv6 and IPv4 "
+                  "(IPv4 alone where the node has no IPv6); an IPv6 address in brackets ('[::1]:PORT')")
     add_flag(web, "--web.telemetry-path", default="/metrics", type=telemetry_path, dest="telemetry_path",
              help="path of the metrics endpoint (the push API stays at /metrics/job/...)")
     add_flag(web, "--web.config.file", default=None, type=readable_file, dest="web_config_file",
@@ -205,19 +206,6 @@ def _check_state_file(args: argparse.Namespace, tls_settings: TlsSettings | None
                  "file, give it a path of its own")
 
 
-def _check_node_network(args: argparse.Namespace) -> None:
-    """--collector.node.host-network reads PID 1's counters: one line at start where they cannot be read (no
-    Linux /proc), rather than a node collector failing at every cycle."""
-    if not (args.node_host_network and "node" in args.collectors):
-        return
-    from stepscope.exporter.collectors.node import NODE_NET_DEV, read_net_dev
-
-    try:
-        read_net_dev(NODE_NET_DEV)
-    except OSError as exc:
-        fail(f"--collector.node.host-network: cannot read {NODE_NET_DEV}: {getattr(exc, 'strerror', None) or exc}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.collectors = enabled_collectors(args)
@@ -228,7 +216,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config, tls_settings = _web_config(args)
     _check_state_file(args, tls_settings)
-    _check_node_network(args)
     if tls_settings is None:
         keep_ssl_unloaded()
     from stepscope.exporter.daemon import serve  # after that choice: the server's asyncio imports ssl

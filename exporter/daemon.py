@@ -49,8 +49,9 @@ def serve(args: argparse.Namespace, config: WebConfig, tls_settings: TlsSettings
     scheduler.start()
     push_api.start()
     scheme = "https" if options.tls else "http"
+    bound_host, bound_port = server.server_address[:2]  # `::` or 0.0.0.0 for every interface (host "")
     log.info("stepscope-exporter %s serving %s://%s%s (collectors: %s)", __version__, scheme,
-             _authority(host, server.server_address[1]), options.telemetry_path, ", ".join(args.collectors) or "none")
+             _authority(bound_host, bound_port), options.telemetry_path, ", ".join(args.collectors) or "none")
     try:
         server.serve()  # until SIGTERM or SIGINT; in-flight responses finish first
     finally:

@@ -296,12 +296,27 @@ def cidr_list(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
 
 
 def listen_address(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `:PORT` (all interfaces) or `[V6]:PORT`."""
+    """`HOST:PORT`, `[V6]:PORT` or `:PORT`; the host "" for `:PORT`: every interface, IPv6 and IPv4 alike
+    where the node has IPv6 (server.listen). An IPv6 address outside brackets is refused, not guessed:
+    `::1:9847` is also the address ::1:9847 with no port, and took the last group for the port."""
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port from 1 to 65535")
-    host = host.strip("[]") or "0.0.0.0"
+    if host.startswith("[") and host.endswith("]"):
+        return _bracketed_ipv6(text, host[1:-1]), int(port_text)
+    if ":" in host or "[" in host or "]" in host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT: write an IPv6 address in brackets, "
+                                         f"e.g. [::1]:{port_text} ([::]:{port_text} or :{port_text}: every address)")
     return host, int(port_text)
+
+
+def _bracketed_ipv6(text: str, host: str) -> str:
+    """The IPv6 address (with its %zone, if any) inside `[...]`."""
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {host!r} in brackets is not an IPv6 address") from None
+    return host
 
 
 def fail(message: str) -> NoReturn:

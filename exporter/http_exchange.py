@@ -38,6 +38,14 @@ READ_BYTES = 64 * 1024  # one read from the socket's buffer at most
 WRITE_SLICE_BYTES = 256 * 1024  # a slow reader holds at most this much (plus the transport's buffer)
 _NOT_A_REQUEST_LINE = re.compile(rb"[^\x20-\x7e\r]")  # in the first line: TLS, binary, raw UTF-8
 _HTTP_1X = (b" HTTP/1.1", b" HTTP/1.0")
+_IPV4_MAPPED = "::ffff:"  # how the kernel names an IPv4 client of an IPv6 socket
+
+
+def client_address(peer_host: str) -> str:
+    """The client's address as it connected: the IPv4 address of an IPv4 client of the dual-stack socket
+    (`::ffff:192.0.2.7` -> `192.0.2.7`), so logs and refusals name the address the client knows."""
+    mapped = peer_host.removeprefix(_IPV4_MAPPED)
+    return mapped if mapped != peer_host and "." in mapped else peer_host
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,7 @@ class Exchange:
         self._method: bytes | None = None  # the current request's (a HEAD gets no body)
         self.body_received = 0  # bytes of the current request's body read so far
         peer = writer.get_extra_info("peername")
-        self.client_ip: str = peer[0] if isinstance(peer, tuple) and peer else ""
+        self.client_ip: str = client_address(peer[0]) if isinstance(peer, tuple) and peer else ""
 
     def connected(self) -> bool:
         """False once the connection is gone (reset, or closed by us); a half-close does not count."""

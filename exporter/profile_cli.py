@@ -8,9 +8,10 @@ and reports it on the push after. Prints the path of each trace on stdout, one p
 https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler plugin), and a line per rank on
 stderr. Exit 0 when every rank wrote its trace; exit 2 with the reason per rank when one did not
 (not pushing here, profiler not available, already tracing, idle, timeout) and for bad flags or an
-exporter that cannot be reached; 130 on Ctrl-C. It stops waiting early when every rank still to take
-its request stopped pushing (nothing for 3 of its push intervals and a second). Requests no rank took
-are cancelled on the way out.
+exporter that cannot be reached; 130 on Ctrl-C, which cancels the requests: a rank tracing stops at its
+next step and writes no file (hooks older than the exporter trace on: the line says so). It stops waiting
+early when every rank still to take its request stopped pushing (nothing for 3 of its push intervals and
+a second). Requests no rank took are cancelled on the way out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ from typing import Any
 import requests
 
 from stepscope.exporter.flags import check_token, positive_float, read_token
+from stepscope.hooks.config import bracket_ipv6_host
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
@@ -73,7 +76,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.exporter.startswith(("http://", "https://")):
         parser.error(f"--exporter must be an http:// or https:// URL, got {args.exporter!r}")
-    args.exporter = args.exporter.rstrip("/")
+    try:  # STEPSCOPE_PUSH_URL as the chart sets it: http://$(HOST_IP):9847, an IPv6 node's without brackets
+        args.exporter = bracket_ipv6_host(args.exporter.rstrip("/"))
+    except ValueError as exc:
+        parser.error(f"--exporter {args.exporter!r} {exc}")
     args.token = _token(parser, args.token_file)
     return args
 
@@ -154,6 +160,26 @@ def cancel_pending(api: ExporterApi, current: list[dict[str, Any]]) -> None:
                 api.call("DELETE", f"{API}/{request['id']}")
 
 
+def interrupted(api: ExporterApi, current: list[dict[str, Any]]) -> str:
+    """Cancels every request not finished, running ones included (their rank stops at its next step and
+    writes no file); the one line to end with, saying what became of each."""
+    notes = []
+    for request in sorted(current, key=lambda r: int(r["rank"])):
+        if request["state"] in FINISHED:
+            continue
+        who = f"rank {request['rank']}"
+        try:
+            state = api.call("DELETE", f"{API}/{request['id']}")
+        except Failure as failure:
+            notes.append(f"{who} traces on ({failure})")
+            continue
+        if state["state"] == "running":
+            notes.append(f"{who} stops its trace at its next step, writing no file")
+        elif state["state"] == "done":
+            notes.append(f"{who} had written its trace: {state['path']}")
+    return "interrupted" + (f": {'; '.join(notes)}" if notes else "")
+
+
 def explain(request: dict[str, Any], wait: float) -> str:
     """Why a request has no trace, in one line."""
     who = f"rank {request['rank']} of run {request['run']!r}"
@@ -215,8 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cancel_pending(api, current)
         return 2
     except KeyboardInterrupt:
-        cancel_pending(api, current)
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        # a second Ctrl-C while cancelling would leave a trace running and print a traceback
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            print(f"{PROG}: {interrupted(api, current)}", file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return 130
     finally:
         api.close()

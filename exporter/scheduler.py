@@ -89,6 +89,7 @@ class Scheduler:
             error = ""
         except Exception as exc:
             (body, changed), error = renderer.render([]), f"{type(exc).__name__}: {exc}"
+        left_out = "" if error else getattr(collector, "failed_reading", "")  # the collector logged it
         duration = time.perf_counter() - started
         if changed:
             self._store.publish(collector.name, body)
@@ -97,8 +98,9 @@ class Scheduler:
             stats = self._stats[collector.name]
             stats.duration_seconds = duration
             stats.cycles += 1
-            if error:
+            if error or left_out:
                 stats.errors += 1
+            if error:
                 if error != stats.last_error:
                     log.error("collector %s failed: %s", collector.name, error)
             else:
@@ -153,7 +155,7 @@ class Scheduler:
         )
         errors = CounterMetricFamily(
             families.COLLECTOR_ERRORS,  # CounterMetricFamily drops the _total suffix
-            "Collector cycles that failed as a whole.",
+            "Collector cycles that failed, as a whole or leaving a reading out (the exporter's log says which).",
             labels=["collector"],
         )
         last_success = GaugeMetricFamily(

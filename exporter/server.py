@@ -13,6 +13,7 @@ graceful stop. The profile-request API (PROFILE_PREFIX) goes through the same bo
 """
 
 import asyncio
+import errno
 import logging
 import signal
 import socket
@@ -157,10 +158,31 @@ class _Connection(asyncio.StreamReaderProtocol):
             self._client_transport.abort()
 
 
-def _listen(address: tuple[str, int]) -> socket.socket:
-    """The listening socket, bound now so that a busy port fails at start-up with a clear message."""
+# What socket() or bind() of an IPv6 socket says where the kernel has no IPv6 (booted with ipv6.disable=1,
+# built without it): every-interface listening then falls back to IPv4's.
+_NO_IPV6 = frozenset({errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL})
+
+
+def listen(address: tuple[str, int]) -> socket.socket:
+    """The listening socket, bound now so that a busy port fails at start-up with a clear message.
+
+    Host "" (`:PORT`, the default) is every interface of both families, as node_exporter's `:9100`: one IPv6
+    socket with IPV6_V6ONLY off, which IPv4 clients reach as ::ffff:a.b.c.d. An IPv4-only 0.0.0.0 never
+    answered the pod IPs of an IPv6-only Kubernetes cluster, where Prometheus and the kubelet's probes go.
+    Where the kernel has no IPv6, it is 0.0.0.0 without a word: that is every address there."""
     host, port = address
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if host:
+        return _bound(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port)
+    try:
+        return _bound(socket.AF_INET6, "::", port)
+    except OSError as exc:
+        if exc.errno not in _NO_IPV6:
+            raise
+        log.debug("no IPv6 here (%s): listening on 0.0.0.0", exc.strerror or exc)
+    return _bound(socket.AF_INET, "0.0.0.0", port)
+
+
+def _bound(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -189,7 +211,7 @@ class ExporterServer:
         options: WebOptions = WebOptions(),
         profile_handler: PushHandler | None = None,
     ) -> None:
-        self._socket = _listen(address)
+        self._socket = listen(address)
         self.server_address = self._socket.getsockname()
         self.store = store
         self.ready = ready

@@ -230,7 +230,9 @@ _PROCESSES = (
 )
 _SELF = (
     Family(COLLECTOR_DURATION, "gauge", ("collector",), "last cycle's wall time"),
-    Family(COLLECTOR_ERRORS, "counter", ("collector",), "failed cycles"),
+    Family(COLLECTOR_ERRORS, "counter", ("collector",),
+           "failed cycles, and cycles that left a reading out (`node`: the network counters of "
+           "`--collector.node.host-network` where PID 1's `/proc/1/net/dev` cannot be read); the log says which"),
     Family(COLLECTOR_LAST_SUCCESS, "gauge", ("collector",), "last good cycle"),
     Family(EXPORTER_CPU, "counter", ("part",),
            "the exporter's CPU time by part (Linux), read once a collect interval: `node`, `gpu`, `process` "

@@ -15,12 +15,14 @@ import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
+import requests
 import yaml
 
+import stepscope.hooks as th
 from grafana.rules import NODE_RULES, RULE_FILES, RUN_RULES
 from grafana.rules import groups as rule_groups
 from stepscope.exporter.cli import build_parser
-from stepscope_testkit.processes import exporter_env, free_port, running
+from stepscope_testkit.processes import exporter_env, free_port, running, sample_values
 from stepscope_testkit.sharded import shard_write_filter
 from tests.support.helm_chart import (
     CHART,
@@ -193,7 +195,7 @@ def test_probes_hit_health_and_readiness(chart: Path) -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": "http"}
     (port,) = container["ports"]
     assert port["name"] == "http" and port["containerPort"] == 9847
-    assert args_dict(container)["--web.listen-address"] == "0.0.0.0:9847"
+    assert args_dict(container)["--web.listen-address"] == ":9847"  # IPv6 and IPv4: the probes go to the pod IP
 
 
 def test_image_defaults_to_app_version(chart: Path) -> None:
@@ -264,6 +266,29 @@ def test_notes_show_how_training_pods_push(chart: Path) -> None:
     assert by_name["STEPSCOPE_PUSH_URL"]["value"] == "http://$(HOST_IP):9847"
     assert by_name["STEPSCOPE_PUSH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rel-stepscope-ingest",
                                                                              "key": "token"}
+
+
+def test_a_training_pod_on_an_ipv6_node_pushes_with_the_notes_env(chart: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """In an IPv6 cluster status.hostIP is an IPv6 address, which Kubernetes puts into $(HOST_IP) as it is:
+    the NOTES' STEPSCOPE_PUSH_URL becomes http://::1:PORT. Before, every push of the hooks failed on that URL
+    (InvalidURL, logged and retried for ever), and the exporter of the chart's args listened on 0.0.0.0, where
+    nothing of the node's IPv6 address reaches. Here the node is this machine, its IP ::1."""
+    port = free_port()
+    rendered = render(chart, {"port": port})
+    text = notes(rendered)
+    env = yaml.safe_load(text[text.index("  env:"):text.index("STEPSCOPE_RUN")] + "STEPSCOPE_RUN\n")["env"]
+    (push_url,) = [e["value"] for e in env if e["name"] == "STEPSCOPE_PUSH_URL"]
+    monkeypatch.setenv("STEPSCOPE_PUSH_URL", push_url.replace("$(HOST_IP)", "::1"))  # Kubernetes' expansion
+    listen = args_dict(exporter_container(objects(rendered)))["--web.listen-address"]
+    argv = [sys.executable, "-m", "stepscope.exporter", f"--web.listen-address={listen}", "--collectors="]
+    with running(argv, f"http://[::1]:{port}/-/ready", tmp_path / "exporter.log", env=exporter_env()):
+        tracker = th.init(run="ipv6-node", push_interval=60, handle_sigterm=False)
+        tracker.step(samples=1)
+        tracker.close()  # its last push
+        text = requests.get(f"http://[::1]:{port}/metrics", timeout=10).text
+    assert tracker.config.push_url == f"http://[::1]:{port}"
+    assert sample_values(text, "stepscope_steps_total", run="ipv6-node", rank="0") == [1.0]
 
 
 @pytest.mark.parametrize(("values", "listens_on_node_ip"), [

@@ -135,6 +135,7 @@ BAD_SETTINGS = [
     ("STEPSCOPE_RUN", "resnet\ta", "run", "resnet\ta", {}),
     ("STEPSCOPE_RUN", "resnet-a\n", "run", "resnet-a\n", {}),
     ("STEPSCOPE_PUSH_URL", "localhost:9847", "push_url", "localhost:9847", {}),
+    ("STEPSCOPE_PUSH_URL", "http://fd00::5", "push_url", "http://fd00::5", {}),  # no port: brackets needed
     ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act", "push_token", "s3cr\u20act", {}),
     ("STEPSCOPE_PUSH_INTERVAL", "0", "push_interval", 0.0, {}),
     ("STEPSCOPE_PUSH_INTERVAL", "nan", "push_interval", math.nan, {}),

@@ -440,6 +440,20 @@ def test_non_loopback_clients_need_configuration(tmp_path: Path, own_address: st
             assert of_run(scrape(exp.url), "net") == {}
 
 
+def test_an_ipv4_client_of_the_dual_stack_socket_is_named_by_its_ipv4_address(tmp_path: Path, own_address: str) -> None:
+    """`[::]:PORT` (and the default `:PORT`) is one IPv6 socket that IPv4 clients reach too, as ::ffff:a.b.c.d.
+    The access check maps such an address to its IPv4 one; the log named the mapped form, so a grep for the
+    client's address (or a reader) found nothing."""
+    port = free_port()
+    with running_exporter(tmp_path, "--collectors", "", "--listen-address", f"[::]:{port}", port=port) as exp:
+        session = requests.Session()
+        session.trust_env = False
+        response = session.put(group_url(f"http://{own_address}:{port}", "net"), data=full_body(), timeout=10)
+        assert response.status_code == 403 and f"pushes from {own_address} are not allowed" in response.text
+    assert f"refused PUT /metrics/job/stepscope/run/net/rank/0 from {own_address} (403 forbidden)" in exp.log()
+    assert "::ffff:" not in exp.log()
+
+
 def test_registered_pid_gets_process_series(tmp_path: Path) -> None:
     with running_exporter(tmp_path, "--collectors", "process") as exp:
         body = info_family(pid=os.getpid()) + counter("stepscope_steps_total", 1)

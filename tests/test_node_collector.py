@@ -20,7 +20,7 @@ from stepscope.exporter.collectors import node
 from stepscope.exporter.collectors.node import NodeCollector
 from stepscope.exporter.exposition import render
 from stepscope_testkit.hung_mount import hung_mount, hung_mount_available
-from stepscope_testkit.processes import running_exporter, sample_values, scrape
+from stepscope_testkit.processes import exporter_env, free_port, running, running_exporter, sample_values, scrape
 from tests.support.readme import doc_section
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux ground truth")
@@ -357,14 +357,71 @@ def test_a_net_dev_name_not_in_ascii_and_a_line_of_another_shape_leave_the_other
 
 def test_a_net_dev_that_cannot_be_read_leaves_out_the_network_alone(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    collector = NodeCollector([], net_dev=str(tmp_path / "gone"))
+    """One line while it cannot be read, saying what is published instead and how to fix it; each such cycle
+    says so in failed_reading (the scheduler counts it); one line when it reads again."""
+    collector = NodeCollector([], net_dev=str(tmp_path / "dev"))
     with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
         for _ in range(2):
             by_name = collected(collector)
+            assert collector.failed_reading == f"network readings: cannot read {tmp_path / 'dev'}: No such file or " \
+                                               "directory"
+        (tmp_path / "dev").write_text(NET_DEV)
+        assert "stepscope_node_network_receive_bytes_total" in collected(collector)
+    assert collector.failed_reading == ""
     assert "stepscope_node_network_receive_bytes_total" not in by_name
     assert by_name["stepscope_node_cpu_seconds_total"] and by_name["stepscope_node_memory_total_bytes"]
-    assert [record.getMessage() for record in caplog.records] == [
-        f"cannot read {tmp_path / 'gone'}: No such file or directory; no network readings until it can be"]
+    first, back = [record.getMessage() for record in caplog.records]
+    assert first.startswith(f"cannot read {tmp_path / 'dev'} (--collector.node.host-network): No such file or "
+                            "directory; publishing no network readings (this container's own are not the node's) "
+                            "until it can. Let the exporter read PID 1's /proc (SELinux: run it as spc_t"), first
+    assert "--no-collector.node.host-network" in first and "\n" not in first
+    assert back == f"{tmp_path / 'dev'} reads again: network readings are back"
+
+
+DENIED_NET_DEV = """
+set -e
+mount --bind "$1" /proc/1/net  # this mount namespace's /proc/1/net/dev: a file of mode 000
+shift
+exec setpriv --bounding-set -dac_override,-dac_read_search "$@"  # root, but file modes hold: EACCES
+"""
+
+
+@linux_only
+def test_a_real_exporter_denied_pid_1s_net_dev_serves_the_rest_and_counts_the_error(tmp_path: Path) -> None:
+    """An SELinux policy (or any other) that denies the exporter /proc/1/net/dev: open() fails with EACCES.
+    Here a mount namespace of the exporter's own puts a mode-000 file there and the exporter runs without the
+    capabilities that let root past file modes. Before, --collector.node.host-network (the chart's default
+    with hostPID, compose's) made it exit at start with one line: a crash-looping DaemonSet on such nodes."""
+    if not all(shutil.which(tool) for tool in ("unshare", "setpriv", "mount")) or subprocess.run(
+            ["unshare", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("cannot make a mount namespace here (unshare --mount needs root)")
+    fake_net = tmp_path / "net"
+    fake_net.mkdir()
+    (fake_net / "dev").write_text(NET_DEV)
+    (fake_net / "dev").chmod(0)
+    port = free_port()
+    argv = ["unshare", "--mount", "sh", "-c", DENIED_NET_DEV, "sh", str(fake_net), sys.executable, "-m",
+            "stepscope.exporter", "--listen-address", f"127.0.0.1:{port}", "--collect-interval", "0.5",
+            "--collectors", "node", "--collector.node.host-network"]
+    def node_errors(text: str) -> float:
+        (errors,) = sample_values(text, "stepscope_exporter_collector_errors_total", collector="node")
+        return errors
+
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / "exporter.log", env=exporter_env(),
+                 base_url=f"http://127.0.0.1:{port}") as exporter:
+        text, _ = reading(exporter.url)  # a cycle's readings, fresh: last success set
+        deadline = time.monotonic() + 30
+        while node_errors(scrape(exporter.url)) <= node_errors(text) and time.monotonic() < deadline:
+            time.sleep(0.1)  # each cycle that leaves the network out counts
+        later = scrape(exporter.url)
+    assert sample_values(text, "stepscope_node_network_receive_bytes_total") == []
+    assert sample_values(text, "stepscope_node_cpu_seconds_total", mode="user")
+    assert sample_values(text, "stepscope_node_memory_total_bytes")
+    assert node_errors(text) >= 1 and node_errors(later) > node_errors(text)
+    (denied,) = [line for line in exporter.log().splitlines() if "/proc/1/net/dev" in line]
+    assert "cannot read /proc/1/net/dev (--collector.node.host-network): Permission denied; publishing no network " \
+           "readings" in denied
+    assert " ERROR " not in exporter.log() and "Traceback" not in exporter.log()
 
 
 OWN_NAMESPACE = """

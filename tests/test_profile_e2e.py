@@ -132,6 +132,38 @@ def test_a_rank_that_never_pushed_here_is_refused_at_once(node: Node, capsys: py
     assert code == 2 and f"run 'nope' has no rank pushing to this exporter (runs pushing here: {RUN})" in err
 
 
+def test_ctrl_c_mid_trace_stops_the_trace_and_leaves_no_file(node: Node) -> None:
+    """Ctrl-C while the rank traces: the command exits 130 with one line, the rank stops the profiler at its
+    next step and writes nothing, the request ends `cancelled`, and training goes on. Before, the command
+    exited 130 ("interrupted") but the rank traced all its steps (here 1000 steps, some 10 s of a slower
+    training), wrote the file and the request read `done` with nobody waiting for it."""
+    command = subprocess.Popen([sys.executable, "-m", "stepscope.exporter.profile_cli", "--exporter", node.exporter,
+                                "--run", RUN, "--rank", "0", "--steps", "1000", "--wait", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        wait_until(lambda: rank_tracing(node.exporter, RUN, 0) == "running", 60, "the rank taking the request")
+    finally:
+        command.send_signal(signal.SIGINT)
+        out, err = command.communicate(timeout=60)
+    assert (command.returncode, out) == (130, ""), err
+    assert err.splitlines()[1:] == ["stepscope-profile: interrupted: rank 0 stops its trace at its next step, "
+                                    "writing no file"], err
+    listing = requests.get(f"{node.exporter}{API}", params={"run": RUN}, timeout=10).json()
+    (request_id,) = [r["id"] for r in listing["requests"] if r["steps"] == 1000]
+    wait_until(lambda: request_state(node.exporter, request_id)["state"] != "running", 60, "the rank to stop")
+    ended = request_state(node.exporter, request_id)
+    assert ended["state"] == "cancelled" and ended["path"] == "", ended
+    assert ended["reason"] == f"cancelled after {ended['done_steps']} of 1000 steps; no trace written"
+    assert ended["done_steps"] < 1000
+    assert not list(node.traces.glob(f"*{request_id[:8]}*")) and not list(node.traces.glob(".*"))
+    assert node.demo.poll() is None  # training goes on
+    steps = sample_values(scrape(node.exporter), "stepscope_steps_total", run=RUN, rank="0")[0]
+    wait_until(lambda: sample_values(scrape(node.exporter), "stepscope_steps_total", run=RUN, rank="0")[0] > steps,
+               30, "training to step on")
+    assert rank_tracing(node.exporter, RUN, 0) == "ready"
+
+
 def test_a_rank_that_stopped_pushing_times_out_and_its_request_is_cancelled(
     node: Node, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -10,7 +10,7 @@ from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi
 from stepscope.exporter.ingest.parser import PushLimits
 from stepscope.exporter.ingest.profile_api import ProfileApi
-from stepscope.exporter.ingest.profiles import REQUEST_HEADER, ProfileError, ProfileRequests
+from stepscope.exporter.ingest.profiles import CANCEL_HEADER, REQUEST_HEADER, ProfileError, ProfileRequests
 from stepscope.exporter.ingest.render import last_push_line
 from stepscope.exporter.ingest.store import GroupStore, StoreLimits
 from stepscope.exporter.server import PushRequest
@@ -38,13 +38,22 @@ def groups(clock: Clock) -> GroupStore:
     return GroupStore(limits, clock=clock, wall_clock=clock)
 
 
-def push(groups: GroupStore, registry: ProfileRequests, rank: str, header: str | None, run: str = "r") -> str | None:
+def push_answer(groups: GroupStore, registry: ProfileRequests, rank: str, header: str | None,
+                run: str = "r") -> dict[str, str]:
+    """The headers the exporter answers a push of rank `rank` with."""
     groups.push(run, rank, {}, last_push_line(run, rank), replace=True)
     return registry.on_push(run, rank, header)
 
 
-def running(request_id: str, done: int = 0) -> str:
-    return json.dumps({"v": 1, "state": "running", "id": request_id, "steps": 5, "done_steps": done})
+def push(groups: GroupStore, registry: ProfileRequests, rank: str, header: str | None, run: str = "r") -> str | None:
+    """The request header the exporter answers a push with (None: none)."""
+    answer = push_answer(groups, registry, rank, header, run)
+    assert CANCEL_HEADER not in answer, answer
+    return answer.get(REQUEST_HEADER)
+
+
+def running(request_id: str, done: int = 0, version: int = 1) -> str:
+    return json.dumps({"v": version, "state": "running", "id": request_id, "steps": 5, "done_steps": done})
 
 
 def ready_after(request_id: str, ok: bool, **outcome: object) -> str:
@@ -143,6 +152,48 @@ def test_cancel_and_lookups(groups: GroupStore, clock: Clock) -> None:
     assert len(registry.listing(None)["requests"]) == 3  # 2 finished kept, plus the open one
 
 
+def test_a_running_request_is_cancelled_through_the_ranks_push_answers(groups: GroupStore, clock: Clock) -> None:
+    """stepscope-profile's Ctrl-C: DELETE of a running request. Hooks of protocol version 2 are told on every
+    push answer until they report the end; the request is then `cancelled` with their reason. Before, DELETE
+    answered 409 "it cannot be cancelled" and the rank traced all its steps."""
+    registry = ProfileRequests(groups, clock=clock)
+    push(groups, registry, "0", READY)
+    [request] = registry.create("r", ["0"], 5)
+    push(groups, registry, "0", running(request.id, done=2, version=2))
+    cancelling = registry.cancel(request.id)
+    assert (cancelling["state"], cancelling["cancelling"]) == ("running", True)
+    for _ in range(2):  # repeated until the rank says it stopped: a lost answer only delays it
+        assert push_answer(groups, registry, "0", running(request.id, done=3, version=2)) == {CANCEL_HEADER: request.id}
+    reason = "cancelled after 3 of 5 steps; no trace written"
+    ended = json.dumps({"v": 2, "state": "ready", "last": {"id": request.id, "ok": False, "steps": 3,
+                                                             "reason": reason, "cancelled": True}})
+    assert push_answer(groups, registry, "0", ended) == {}
+    state = registry.get(request.id)
+    assert (state["state"], state["reason"], state["done_steps"], state["path"]) == ("cancelled", reason, 3, "")
+    assert registry.create("r", ["0"], 5)  # the rank is free again
+
+
+def test_older_hooks_keep_their_running_trace_and_a_late_taken_cancel_reaches_newer_ones(
+        groups: GroupStore, clock: Clock) -> None:
+    """Hooks of version 1 (or without a version) cannot stop a trace: DELETE is refused as before, and their
+    push answers never carry the new header. A pending request cancelled after its answer went out, which the
+    rank took anyway, is cancelled on the rank too."""
+    registry = ProfileRequests(groups, clock=clock)
+    push(groups, registry, "0", READY)
+    [request] = registry.create("r", ["0"], 5)
+    push(groups, registry, "0", running(request.id))
+    error = refusal(registry.cancel, request.id)
+    assert error.status == 409 and "hooks are older than this exporter and cannot stop a trace" in error.message
+    assert push_answer(groups, registry, "0", running(request.id)) == {}
+    push(groups, registry, "0", ready_after(request.id, True, path="/p", size=1, steps=5))
+    [late] = registry.create("r", ["0"], 5)
+    assert REQUEST_HEADER in push_answer(groups, registry, "0", READY)  # the answer goes out ...
+    registry.cancel(late.id)  # ... the DELETE comes before the rank's next push
+    assert push_answer(groups, registry, "0", running(late.id, version=2)) == {CANCEL_HEADER: late.id}
+    assert push_answer(groups, registry, "0", running(late.id, version=1)) == {}
+    assert registry.get(late.id)["state"] == "cancelled"
+
+
 @pytest.mark.parametrize("header", [
     '{"v": 1, "state": "ready", "last": {"id": "X", "ok": true, "path": "/p", "size": "big", "steps": 1}}',
     '{"v": 1, "state": "ready", "last": {"id": "X", "ok": "yes"}}',
@@ -155,7 +206,7 @@ def test_a_malformed_status_changes_nothing_and_fails_no_push(groups: GroupStore
     push(groups, registry, "0", READY)
     [request] = registry.create("r", ["0"], 5)
     header = header.replace('"X"', json.dumps(request.id))
-    assert push(groups, registry, "0", header) in (None, request.answer_header())
+    assert push(groups, registry, "0", header) in (None, request.answer_headers().get(REQUEST_HEADER))
     assert registry.get(request.id)["state"] in ("pending", "running")
     assert registry.get(request.id)["done_steps"] == 0
 

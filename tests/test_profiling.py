@@ -16,6 +16,7 @@ import stepscope.hooks as th
 from stepscope.hooks import tracker as tracker_module
 from stepscope.hooks.cuda import CudaTimer
 from stepscope.hooks.profiling import (
+    CANCEL_HEADER,
     REQUEST_HEADER,
     STATUS_HEADER,
     TraceSettings,
@@ -68,7 +69,7 @@ def finish(traces: TraceTaker) -> dict:
 def test_a_request_records_exactly_its_steps_from_the_next_boundary(tmp_path: Path) -> None:
     armed = Armed()
     traces = taker(tmp_path, armed)
-    assert status(traces) == {"v": 1, "state": "ready"} and armed.boundary is None
+    assert status(traces) == {"v": 2, "state": "ready"} and armed.boundary is None
     ask(traces, "r1", 4)
     assert armed.boundary is not None and status(traces)["state"] == "running"
     armed.steps(3)
@@ -104,6 +105,43 @@ def test_close_mid_trace_writes_the_steps_it_has(tmp_path: Path) -> None:
     last = finish(traces)
     assert last["ok"] and last["steps"] == 3 and last["reason"] == "training ended after 3 of 50 steps"
     assert len(step_annotations(last["path"])) == 3
+
+
+def test_a_cancelled_trace_stops_at_the_next_step_and_writes_nothing(tmp_path: Path) -> None:
+    """The exporter's cancel header mid-trace: the training thread stops the profiler at its next boundary,
+    nothing is written, the trace directory stays empty and the next push says `cancelled` with the steps it
+    had. Before, the header did not exist: the trace ran all its steps and wrote its file."""
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    ask(traces, "r1", 1000)
+    armed.steps(5)
+    traces.on_answer({CANCEL_HEADER: "other"})  # not this request's: nothing happens
+    traces.on_answer({CANCEL_HEADER: "r1"})
+    assert status(traces)["state"] == "running"  # until the training thread's next step boundary
+    armed.steps(1)
+    assert armed.boundary is None and status(traces)["state"] == "ready"
+    last = status(traces)["last"]  # nothing to wait for: no writer
+    assert (last["ok"], last["cancelled"], last["steps"]) == (False, True, 3)
+    assert last["reason"] == "cancelled after 3 of 1000 steps; no trace written"
+    assert not any((tmp_path / "traces").iterdir())
+    ask(traces, "r2", 2)  # free for the next request
+    armed.steps(4)
+    assert finish(traces)["ok"]
+
+
+def test_a_cancel_before_the_first_step_and_at_close_writes_nothing(tmp_path: Path) -> None:
+    armed = Armed()
+    traces = taker(tmp_path, armed)
+    ask(traces, "r1", 10)
+    traces.on_answer({CANCEL_HEADER: "r1"})  # taken, not started: ends at once
+    assert armed.boundary is None and status(traces)["last"]["reason"] == "cancelled after 0 of 10 steps; no trace " \
+                                                                          "written"
+    ask(traces, "r2", 10)
+    armed.steps(3)
+    traces.on_answer({CANCEL_HEADER: "r2"})
+    last = finish(traces)  # training ends before its next step: still no file, not the steps it had
+    assert (last["id"], last["cancelled"]) == ("r2", True)
+    assert not any((tmp_path / "traces").iterdir())
 
 
 def test_a_profiler_session_of_the_user_is_left_alone(tmp_path: Path) -> None:
@@ -189,7 +227,7 @@ def test_bad_requests_are_ignored(tmp_path: Path, raw: str) -> None:
     armed = Armed()
     traces = taker(tmp_path, armed)
     traces.on_answer({REQUEST_HEADER: raw})
-    assert armed.boundary is None and status(traces) == {"v": 1, "state": "ready"}
+    assert armed.boundary is None and status(traces) == {"v": 2, "state": "ready"}
 
 
 def test_gzip_capped_writes_whole_or_nothing(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ class CountingCollector:
         self.name = name
         self.cycles = 0
         self.fail = False
+        self.failed_reading = ""
 
     def collect(self) -> Iterable[Metric]:
         if self.fail:
@@ -90,6 +91,27 @@ def test_failures_are_counted_and_drop_stale_families() -> None:
     assert sample_values(text, "stepscope_exporter_collector_last_success_timestamp_seconds",
                          collector="flaky")[0] > time.time() - 5
     assert scheduler.ready()
+
+
+def test_a_cycle_that_left_a_reading_out_is_counted_and_still_fresh(caplog) -> None:
+    """The node collector without PID 1's network counters (`failed_reading`): its other readings are published
+    and fresh (last success moves: StepscopeExporterCollectionStale stays quiet), and every such cycle counts in
+    errors_total (StepscopeExporterCollectionFailing fires) without a second log line of the scheduler's."""
+    store = ExpositionStore()
+    collector = CountingCollector("node")
+    collector.failed_reading = "network readings: cannot read /proc/1/net/dev: Permission denied"
+    scheduler = Scheduler([collector], interval=60, store=store)
+    for _ in range(2):
+        scheduler.run_once(collector)
+    text = store.body().decode()
+    assert sample_values(text, "stepscope_test_node_cycles") == [2.0]
+    assert sample_values(text, "stepscope_exporter_collector_errors_total", collector="node") == [2.0]
+    assert sample_values(text, "stepscope_exporter_collector_last_success_timestamp_seconds",
+                         collector="node")[0] > time.time() - 5
+    assert not caplog.records
+    collector.failed_reading = ""
+    scheduler.run_once(collector)
+    assert sample_values(store.body().decode(), "stepscope_exporter_collector_errors_total", collector="node") == [2.0]
 
 
 def test_gzip_body_matches_plain_and_follows_updates() -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from stepscope.exporter.cli import build_parser
+from stepscope_testkit import no_ipv6
 from stepscope_testkit.processes import (
     exporter_env,
     free_port,
@@ -66,6 +68,37 @@ def test_an_ipv6_listen_address_is_logged_and_refused_in_brackets(tmp_path: Path
                                 timeout=30, env={**exporter_env()})
     assert result.returncode == 2
     assert result.stderr.startswith(f"stepscope-exporter: error: cannot listen on [::1]:{busy_port}: "), result.stderr
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_default_address_answers_ipv6_and_ipv4_clients(tmp_path: Path) -> None:
+    """`:PORT` (the default, `:9847`) listens on IPv6 and IPv4 alike, as node_exporter's `:9100`. Before, the
+    default was 0.0.0.0: an IPv6-only cluster's Prometheus and kubelet probes, which go to the pod's IPv6
+    address, got connection refused, and so did `http://[::1]:PORT` here."""
+    assert build_parser().parse_args([]).listen_address == ("", 9847)
+    port = free_port()
+    argv = [sys.executable, "-m", "stepscope.exporter", "--web.listen-address", f":{port}", *NO_COLLECTORS]
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / "exporter.log", env=exporter_env()) as exporter:
+        for url in (f"http://[::1]:{port}/metrics", f"http://127.0.0.1:{port}/metrics"):
+            assert requests.get(url, timeout=5).status_code == 200, url
+        assert f" serving http://[::]:{port}/metrics (collectors: none)" in exporter.log(), exporter.log()
+
+
+@pytest.mark.skipif(bool(no_ipv6.available()), reason=no_ipv6.available() or "")
+def test_where_the_kernel_has_no_ipv6_the_default_address_is_every_ipv4_one(tmp_path: Path) -> None:
+    """A kernel booted with ipv6.disable=1 refuses IPv6 sockets (EAFNOSUPPORT; here a seccomp filter gives that
+    refusal to a real exporter): the default listens on 0.0.0.0 without an error, and an explicit `[::]:PORT`
+    is refused in one line, since it asks for what the node lacks."""
+    port = free_port()
+    argv = [sys.executable, "-m", "stepscope_testkit.no_ipv6", sys.executable, "-m", "stepscope.exporter",
+            "--web.listen-address", f":{port}", *NO_COLLECTORS]
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / "exporter.log", env=exporter_env()) as exporter:
+        assert f" serving http://0.0.0.0:{port}/metrics (collectors: none)" in exporter.log(), exporter.log()
+        assert "Traceback" not in exporter.log() and " ERROR " not in exporter.log()
+    argv[argv.index(f":{port}")] = f"[::]:{port}"
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={**exporter_env()})
+    assert (result.returncode, result.stderr) == (
+        2, f"stepscope-exporter: error: cannot listen on [::]:{port}: Address family not supported by protocol\n")
 
 
 def test_gzip_only_when_asked(tmp_path: Path) -> None:

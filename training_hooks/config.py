@@ -45,6 +45,29 @@ ENVIRONMENT: Mapping[str, str] = {
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
+def bracket_ipv6_host(url: str) -> str:
+    """`url` with brackets around an IPv6 host written without them before its port: the chart's
+    `http://$(HOST_IP):9847` is `http://fd00::5:9847` on an IPv6 node, which no HTTP client takes (every push
+    failed with InvalidURL), and Kubernetes cannot add the brackets itself. Any other unbracketed host of more
+    than one colon raises ValueError saying how to write it."""
+    scheme, separator, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    userinfo, at, host_port = authority.rpartition("@")
+    if host_port.startswith("[") or host_port.count(":") < 2:
+        return url
+    import ipaddress  # only for a URL that needs it: the hooks keep their imports few
+
+    host, _, port = host_port.rpartition(":")
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError("has a host with colons: write an IPv6 address in brackets, with a port "
+                         "(http://[fd00::5]:9847)") from None
+    if not port.isdigit():
+        raise ValueError(f"has {port!r} where the port goes: write an IPv6 address in brackets (http://[{host}]:9847)")
+    return f"{scheme}{separator}{userinfo}{at}[{host}]:{port}{slash}{path}"
+
+
 def log_buckets(low: float, high: float, count: int) -> tuple[float, ...]:
     """`count` log-spaced upper bounds from low to high, rounded to 2 significant digits (readable `le`)."""
     if not (0 < low < high and count >= 2):
@@ -187,6 +210,11 @@ class Config:
         if self.push_url and not re.match(r"^https?://[^/\s]+", self.push_url):
             raise ValueError(f"{self._named('push_url')} must start with http:// or https:// and a host (empty "
                              f"disables pushing), got {self._shown('push_url')}")
+        if self.push_url:
+            try:
+                object.__setattr__(self, "push_url", bracket_ipv6_host(self.push_url))
+            except ValueError as exc:
+                raise ValueError(f"{self._named('push_url')} {exc}, got {self._shown('push_url')}") from None
         if self.push_token is not None:
             _check_token(self.push_token, self._named("push_token"))
         for name in ("push_interval", "push_timeout", "max_backoff"):

@@ -14,7 +14,12 @@ Protocol, carried by the pusher (a stock Pushgateway ignores both headers):
   or `unavailable` with a reason) and the outcome of its last request (done: path, size, steps; failed:
   reason). It repeats on every push, so a lost push loses nothing;
 - while a request for the rank waits, the exporter answers its pushes with
-  `Stepscope-Profile-Request: {"id": ..., "steps": N}` until a push shows the rank took it.
+  `Stepscope-Profile-Request: {"id": ..., "steps": N}` until a push shows the rank took it;
+- once the request is cancelled (stepscope-profile's Ctrl-C), the exporter answers with
+  `Stepscope-Profile-Cancel: <id>` until a push reports it ended: the training thread stops the profiler
+  at its next step boundary and throws the recording away (no file), and the outcome says `cancelled`.
+  Hooks say they understand it with `"v": 2` in their status; to hooks of version 1 the exporter sends
+  none, and their trace runs its steps.
 
 Cost: none while no trace is requested: no profiler object exists, and `Tracker.step` makes the one
 test it made before (its boundary hook, which an armed request joins; benchmarks/results/profile.md).
@@ -49,7 +54,8 @@ log = logging.getLogger("stepscope.hooks")
 
 STATUS_HEADER = "Stepscope-Profile"
 REQUEST_HEADER = "Stepscope-Profile-Request"
-PROTOCOL_VERSION = 1
+CANCEL_HEADER = "Stepscope-Profile-Cancel"
+PROTOCOL_VERSION = 2  # 2: takes CANCEL_HEADER
 MAX_TRACE_STEPS = 1000
 WARMUP_STEPS = 1
 TRACE_SUFFIX = ".pt.trace.json.gz"  # what TensorBoard's profiler plugin and Perfetto recognise
@@ -79,6 +85,7 @@ class TraceOutcome:
     size: int = 0  # bytes, gzipped
     time: float = 0.0  # Unix time it was written (or failed)
     reason: str = ""
+    cancelled: bool = False  # ended by CANCEL_HEADER: no file, on purpose
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,7 @@ class TraceTaker:
         self._request: TraceRequest | None = None  # taken and not finished (armed, recording or writing)
         self._profiler: Any = None  # torch.profiler.profile while recording
         self._trace_ready = False  # set by the profiler when its schedule ends
+        self._cancelled = False  # the exporter said to stop the running request: done at the next boundary
         self._boundaries = 0  # step boundaries since the profiler started
         self._writer: threading.Thread | None = None
         self._last: TraceOutcome | None = None
@@ -241,7 +249,11 @@ class TraceTaker:
         return status
 
     def on_answer(self, headers: Mapping[str, str]) -> None:
-        """Takes the request an exporter's answer carries, if any (the headers of a 2xx push answer)."""
+        """Takes the request an exporter's answer carries, if any (the headers of a 2xx push answer), or the
+        cancellation of the one being taken."""
+        cancel = headers.get(CANCEL_HEADER)
+        if cancel:
+            self._cancel(cancel.strip())
         raw = headers.get(REQUEST_HEADER)
         if not raw:
             return
@@ -263,9 +275,24 @@ class TraceTaker:
                 return
             self._request = request
             self._trace_ready = False
+            self._cancelled = False
             self._boundaries = 0
             self._arm(self.boundary)
         log.info("stepscope: profiler trace of %d steps requested; it starts at the next step", request.steps)
+
+    def _cancel(self, request_id: str) -> None:
+        """Stops the request `request_id` if this rank is taking it: one not started yet ends here, a recording
+        at the training thread's next step boundary (the profiler belongs to that thread); one being written
+        is whole already and is left to finish."""
+        with self._lock:
+            request = self._request
+            if request is None or request.id != request_id or self._writer is not None or self._cancelled:
+                return
+            if self._profiler is None:
+                self._end_cancelled(request)
+                return
+            self._cancelled = True
+        log.info("stepscope: profiler trace %s cancelled; it stops at the next step", request_id)
 
     def published(self) -> TraceOutcome | None:
         """The latest trace written (what the push body publishes), None before the first."""
@@ -280,6 +307,9 @@ class TraceTaker:
             request = self._request
             if request is None or self._writer is not None:  # finished meanwhile
                 self._arm(None)
+                return
+            if self._cancelled:
+                self._end_cancelled(request)
                 return
             if self._profiler is None:
                 self._start(request)
@@ -305,7 +335,9 @@ class TraceTaker:
         try:
             self._closed = True
             request = self._request
-            if request is not None and self._profiler is not None and self._writer is None:
+            if request is not None and self._cancelled and self._writer is None:
+                self._end_cancelled(request)
+            elif request is not None and self._profiler is not None and self._writer is None:
                 steps = max(0, self._boundaries - WARMUP_STEPS + 1)  # the step in progress is recorded too
                 if self._trace_ready or steps > 0:
                     self._finish(request, min(steps, request.steps),
@@ -354,6 +386,21 @@ class TraceTaker:
         self._writer = threading.Thread(target=self._write, args=(profiler, request, steps, note),
                                         name="stepscope-trace-writer", daemon=True)
         self._writer.start()
+
+    def _end_cancelled(self, request: TraceRequest) -> None:
+        """Ends a cancelled request (lock held): the profiler stopped and its recording dropped unwritten."""
+        recorded = max(0, min(self._boundaries - WARMUP_STEPS, request.steps)) if self._profiler is not None else 0
+        if self._profiler is not None:
+            with contextlib.suppress(Exception):  # nothing of it is kept: an error stopping it changes nothing
+                self._profiler.stop()
+            self._profiler = None
+        self._arm(None)
+        self._cancelled = False
+        self._request = None
+        reason = f"cancelled after {recorded} of {request.steps} steps; no trace written"
+        self._last = TraceOutcome(request.id, False, request.steps, steps=recorded, time=time.time(), reason=reason,
+                                  cancelled=True)
+        log.info("stepscope: profiler trace %s %s", request.id, reason)
 
     def _fail(self, request: TraceRequest, reason: str) -> None:
         """Ends the request without a trace (lock held)."""

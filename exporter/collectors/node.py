@@ -79,7 +79,8 @@ class NodeCollector:
         self._rootfs = os.path.realpath(rootfs)  # as the mount table names it: a link to it matched no mount
         self._hostname = node_hostname(self._rootfs)
         self._net_dev = net_dev
-        self._net_dev_failed = False  # its failure is logged once, until it reads again
+        # What the last cycle left out ("" when nothing): the scheduler counts such a cycle as an error.
+        self.failed_reading = ""
         self._netdev_exclude = re.compile(netdev_exclude) if netdev_exclude else None
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point on the node)
@@ -149,15 +150,7 @@ class NodeCollector:
             counters = {name: (io.bytes_recv, io.bytes_sent)
                         for name, io in psutil.net_io_counters(pernic=True, nowrap=False).items()}
         else:
-            try:
-                counters = read_net_dev(self._net_dev)
-            except OSError as exc:  # the network families go missing, not every node reading
-                if not self._net_dev_failed:
-                    log.warning("cannot read %s: %s; no network readings until it can be", self._net_dev,
-                                exc.strerror or exc)
-                self._net_dev_failed, counters = True, {}
-            else:
-                self._net_dev_failed = False
+            counters = self._node_counters(self._net_dev)
         receive = CounterMetricFamily(families.NODE_NETWORK_RECEIVE,
                                       "Bytes received on the interface.", labels=["device"])
         transmit = CounterMetricFamily(families.NODE_NETWORK_TRANSMIT,
@@ -167,6 +160,29 @@ class NodeCollector:
             transmit.add_metric([device], counters[device][1])
         yield receive
         yield transmit
+
+    def _node_counters(self, net_dev: str) -> dict[str, tuple[int, int]]:
+        """PID 1's counters (--collector.node.host-network), or none where they cannot be read: an SELinux or
+        AppArmor policy denying the container PID 1's /proc, a /proc without PID 1's net/dev. The network
+        families go missing, not the exporter (it exited at start) nor the other node readings, and
+        `failed_reading` says so to the scheduler at every such cycle (stepscope_exporter_collector_errors_total).
+        This process's own counters would be its container's interfaces, not the node's: never published in
+        their place. Logged once until the file reads again."""
+        try:
+            counters = read_net_dev(net_dev)
+        except OSError as exc:
+            if not self.failed_reading:
+                log.warning("cannot read %s (--collector.node.host-network): %s; publishing no network readings "
+                            "(this container's own are not the node's) until it can. Let the exporter read PID 1's "
+                            "/proc (SELinux: run it as spc_t, e.g. the pod's securityContext.seLinuxOptions.type), or "
+                            "run it in the node's network namespace (hostNetwork, compose's network_mode: host) with "
+                            "--no-collector.node.host-network", net_dev, exc.strerror or exc)
+            self.failed_reading = f"network readings: cannot read {net_dev}: {exc.strerror or exc}"
+            return {}
+        if self.failed_reading:
+            log.warning("%s reads again: network readings are back", net_dev)
+            self.failed_reading = ""
+        return counters
 
     def _filesystems(self) -> Iterable[Metric]:
         size = GaugeMetricFamily(families.NODE_FILESYSTEM_SIZE,

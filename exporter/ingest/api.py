@@ -18,7 +18,7 @@ from stepscope.exporter.exposition import Chunk, ExpositionStore
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import REASONS, Rejected, clip
 from stepscope.exporter.ingest.parser import PushLimits, parse_push
-from stepscope.exporter.ingest.profiles import REQUEST_HEADER, STATUS_HEADER, ProfileRequests
+from stepscope.exporter.ingest.profiles import STATUS_HEADER, ProfileRequests
 from stepscope.exporter.ingest.render import RankPods, SelfSource, TrainingSource, last_push_line
 from stepscope.exporter.ingest.store import GroupStore, StoredFamily, current_state
 from stepscope.exporter.registered import RegisteredProcess
@@ -130,9 +130,9 @@ class PushApi:
         except Rejected as rejected:
             return self._refuse(rejected, request)
         self._count_accepted()
-        waiting = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), current_state(families))
+        answer = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), current_state(families))
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
-                            headers={REQUEST_HEADER: waiting} if waiting else {})
+                            headers=answer)
 
     def refuse(self, request: PushRequest, status: int, reason: str, message: str) -> PushResponse:
         """Counts and logs a refusal the HTTP layer decided (too many bodies in flight, a body cut short)."""

@@ -4,12 +4,14 @@
     GET    /api/v1/profiles[?run=r]                 requests and each rank's tracing state
     GET    /api/v1/profiles/<id>                    one request: pending, running, done (path, bytes,
                                                     trace_steps) or failed/cancelled (reason)
-    DELETE /api/v1/profiles/<id>                    cancels a request no rank took yet
+    DELETE /api/v1/profiles/<id>                    cancels a request: at once where no rank took it; a
+                                                    running one at the rank's next step (`cancelling` until
+                                                    its push says so), where its hooks can (409 otherwise)
 
 Answers are JSON; refusals are `{"error": "<what to do>"}` with 400 (bad request), 401/403 (the push
 API's token and allow-list: loopback only without them), 404 (no such run, rank or request), 405,
-409 (the rank is taking a trace), 411/413 (body without length, or over 4 KiB), 422 (the rank cannot
-take traces: no torch, or hooks that do not speak the protocol).
+409 (the rank is taking a trace, or its hooks cannot stop the running one), 411/413 (body without length,
+or over 4 KiB), 422 (the rank cannot take traces: no torch, or hooks that do not speak the protocol).
 """
 
 import json

@@ -7,7 +7,9 @@ the request from pending to running to done or failed. Both sides repeat themsel
 a lost push or answer only delays things. Refused at once, with the reason: a rank that is not
 pushing here, one whose hooks cannot take traces (no torch, a stock Pushgateway client), and a second
 request for a rank that is taking one, and one for a rank whose last push said it is idle (what the
-hooks push when training ends: no step would ever take it).
+hooks push when training ends: no step would ever take it). A running request is cancelled the same way
+(`Stepscope-Profile-Cancel` on the rank's push answers until it reports the end) where the rank's hooks
+understand that (protocol version 2); older hooks' traces run their steps.
 """
 
 import json
@@ -24,6 +26,8 @@ from stepscope.exporter.ingest.store import Group, GroupKey, GroupStore
 
 STATUS_HEADER = "Stepscope-Profile"  # stepscope.hooks.profiling.STATUS_HEADER
 REQUEST_HEADER = "Stepscope-Profile-Request"  # stepscope.hooks.profiling.REQUEST_HEADER
+CANCEL_HEADER = "Stepscope-Profile-Cancel"  # stepscope.hooks.profiling.CANCEL_HEADER
+CANCEL_VERSION = 2  # the hooks' protocol version (`v`) from which they take CANCEL_HEADER
 MAX_STEPS = 1000  # stepscope.hooks.profiling.MAX_TRACE_STEPS
 PENDING_TIMEOUT_SECONDS = 600.0  # a request no push took within this long fails
 KEEP_FINISHED = 256  # finished requests kept for stepscope-profile to read, the oldest dropped first
@@ -48,6 +52,7 @@ class RankStatus:
     running_id: str
     done_steps: int
     last: Mapping[str, Any]  # the outcome of its last request ({} before the first)
+    version: int = 1  # the hooks' protocol version: 1 for hooks that did not say
 
 
 def parse_status(raw: str) -> RankStatus | None:
@@ -58,10 +63,11 @@ def parse_status(raw: str) -> RankStatus | None:
         return None
     if not isinstance(data, dict) or data.get("state") not in ("ready", "running", "unavailable"):
         return None
-    done = data.get("done_steps")
+    done, version = data.get("done_steps"), data.get("v")
     return RankStatus(
         state=data["state"], reason=clip(str(data.get("reason") or ""), 300), running_id=str(data.get("id") or ""),
         done_steps=done if _count(done) else 0, last=_outcome(data.get("last")),
+        version=version if _count(version) else 1,
     )
 
 
@@ -73,7 +79,8 @@ def _outcome(last: object) -> Mapping[str, Any]:
                            and _count(last.get("steps"))):
         return {}
     return {"id": last["id"], "ok": last["ok"], "path": last.get("path", ""), "size": last.get("size", 0),
-            "steps": last.get("steps", 0), "reason": clip(str(last.get("reason") or ""), 300)}
+            "steps": last.get("steps", 0), "reason": clip(str(last.get("reason") or ""), 300),
+            "cancelled": last.get("cancelled") is True and not last["ok"]}
 
 
 def _count(value: object) -> bool:
@@ -97,9 +104,15 @@ class ProfileRequest:
     path: str = ""
     size: int = 0
     trace_steps: int = 0
+    cancelling: bool = False  # running, and the rank is told to stop it at its next step
 
-    def answer_header(self) -> str:
-        return json.dumps({"id": self.id, "steps": self.steps}, separators=(",", ":"))
+    def answer_headers(self) -> dict[str, str]:
+        """What the rank's push answers carry while this request is active."""
+        if self.cancelling:
+            return {CANCEL_HEADER: self.id}
+        if self.state == "pending":
+            return {REQUEST_HEADER: json.dumps({"id": self.id, "steps": self.steps}, separators=(",", ":"))}
+        return {}
 
     def as_json(self, last_push_age: float | None, push_interval: float | None = None,
                 training_state: str | None = None) -> dict[str, Any]:
@@ -110,7 +123,7 @@ class ProfileRequest:
             "id": self.id, "run": self.run, "rank": self.rank, "steps": self.steps, "state": self.state,
             "reason": self.reason, "requested_at": self.requested_at, "started_at": self.started_at,
             "finished_at": self.finished_at, "done_steps": self.done_steps, "path": self.path, "bytes": self.size,
-            "trace_steps": self.trace_steps,
+            "trace_steps": self.trace_steps, "cancelling": self.cancelling,
             "last_push_age_seconds": None if last_push_age is None else round(last_push_age, 3),
             "push_interval_seconds": None if push_interval is None else round(push_interval, 3),
             "training_state": training_state,
@@ -158,9 +171,9 @@ class ProfileRequests:
                 self._active[(run, request.rank)] = request
             return created
 
-    def on_push(self, run: str, rank: str, header: str | None, training_state: str | None = None) -> str | None:
-        """Records what an accepted push said (`training_state`: None when it carried no state); the
-        request header to answer it with, if one waits."""
+    def on_push(self, run: str, rank: str, header: str | None, training_state: str | None = None) -> dict[str, str]:
+        """Records what an accepted push said (`training_state`: None when it carried no state); the headers
+        to answer it with: the request that waits, or the cancellation of the one the rank is taking."""
         status = parse_status(header) if header else None
         with self._lock:
             self._status[(run, rank)] = status
@@ -168,9 +181,9 @@ class ProfileRequests:
                 self._states[(run, rank)] = training_state
             request = self._active.get((run, rank))
             if request is None:
-                return None
+                return self._cancelled_but_running_locked(status)
             self._follow_locked(request, status)
-            return request.answer_header() if request.state == "pending" else None
+            return request.answer_headers() if request.state in ACTIVE else {}
 
     def get(self, request_id: str) -> dict[str, Any]:
         here = self._live_groups()
@@ -179,14 +192,19 @@ class ProfileRequests:
             return self._json_locked(here, self._find_locked(request_id))
 
     def cancel(self, request_id: str) -> dict[str, Any]:
-        """Cancels a pending request; a running one cannot be stopped (it ends after its steps)."""
+        """Cancels a request: a pending one at once; a running one at the rank's next step, the next push
+        answer telling it (`cancelling` until the rank reports it ended), where its hooks can (409 otherwise)."""
         here = self._live_groups()
         with self._lock:
             self._expire_locked(here)
             request = self._find_locked(request_id)
             if request.state == "running":
-                raise ProfileError(409, f"request {request_id} is running on rank {request.rank}: it cannot be "
-                                        f"cancelled and ends by itself after {request.steps} steps")
+                status = self._status.get((request.run, request.rank))
+                if status is None or status.version < CANCEL_VERSION:
+                    raise ProfileError(409, f"request {request_id} is running on rank {request.rank}, whose hooks "
+                                            "are older than this exporter and cannot stop a trace: it ends by itself "
+                                            f"after {request.steps} steps")
+                request.cancelling = True
             if request.state == "pending":
                 self._end_locked(request, "cancelled", "cancelled before the rank took it")
             return self._json_locked(here, request)
@@ -235,13 +253,24 @@ class ProfileRequests:
                          "trace at a time per rank; wait for it")
         return None
 
+    def _cancelled_but_running_locked(self, status: RankStatus | None) -> dict[str, str]:
+        """The cancellation of a trace the rank runs for a request cancelled here while pending: the answer
+        that carried it to the rank had gone out before the DELETE came."""
+        if status is None or status.state != "running" or status.version < CANCEL_VERSION:
+            return {}
+        ended = self._finished.get(status.running_id)
+        return {CANCEL_HEADER: ended.id} if ended is not None and ended.state == "cancelled" else {}
+
     def _follow_locked(self, request: ProfileRequest, status: RankStatus | None) -> None:
         """Moves a request along with what its rank's latest push said."""
         if status is None:
             return
         last = status.last
         if last.get("id") == request.id:
-            if last["ok"]:
+            if last["cancelled"]:
+                request.done_steps = last["steps"]
+                self._end_locked(request, "cancelled", last["reason"] or "cancelled while the rank traced")
+            elif last["ok"]:
                 request.path, request.size, request.trace_steps = last["path"], last["size"], last["steps"]
                 self._end_locked(request, "done", last["reason"])
             else:
