@@ -23,13 +23,16 @@ from stepscope.report.collect import RunData
 from stepscope.report.mfu import Throughput, throughput
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
-from stepscope.report.timeline import times_in_state, training_times
+from stepscope.report.timeline import labelled_intervals, times_in_state, training_times
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 BUSY_IDLE_SM_ACTIVE = THRESHOLDS["busy_idle_sm_active"].value
 DATA_BOUND = THRESHOLDS["data_loading_share"].value
 SETTLE_SECONDS = THRESHOLDS["verdict_settle_seconds"].number
 NO_VERDICT = ""  # ranks trained in the window, but none long enough for the rules to judge the run
+# A verdict held for less than the rules' rate window is the window catching up with a change, not a period
+# of the run's own: the periods leave it out (a run fixed live read `undetermined` or `idle` for seconds).
+PERIOD_MIN_SECONDS = 60
 
 HEADLINES = {
     verdicts.DATA_BOUND: "Data-bound: the ranks wait for the next batch",
@@ -118,6 +121,22 @@ class Assessment:
     stragglers: list[RankSummary]
     gpus: GpuReadings
     throughput: Throughput | None = None  # tokens/s and MFU (docs/mfu.md)
+    periods: tuple[tuple[str, float, float], ...] = ()  # (verdict, start, end): what limited the run, in order
+
+
+def judged_periods(data: RunData) -> tuple[tuple[str, float, float], ...]:
+    """The verdicts the run had, in order, as (verdict, start, end): idle stretches and verdicts held for less
+    than PERIOD_MIN_SECONDS left out, and a verdict on both sides of them one period. A run whose verdict
+    changed (fixed live, or storage that slowed) has two; the fractions alone did not say which came last."""
+    periods: list[tuple[str, float, float]] = []
+    for verdict, start, end in labelled_intervals(data.over_time["verdict"], "verdict", data.window):
+        if verdict == verdicts.IDLE or end - start < PERIOD_MIN_SECONDS:
+            continue
+        if periods and periods[-1][0] == verdict:
+            periods[-1] = (verdict, periods[-1][1], end)
+        else:
+            periods.append((verdict, start, end))
+    return tuple(periods)
 
 
 def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assessment:
@@ -126,14 +145,17 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     gpus = _gpu_readings(data)
     achieved = throughput(data)
     slow = stragglers(ranks)
+    periods = judged_periods(data)
+    last = periods[-1] if periods and periods[-1][0] != verdict and verdict != NO_VERDICT else None
     fixes = list(FIXES.get(verdict, NO_VERDICT_FIXES))
+    fixes += [fix for fix in FIXES[last[0]] if fix not in fixes] if last else []
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
     return Assessment(
-        verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved),
+        verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved, last),
         because=BECAUSE[verdict](totals, gpus) + _grade_words(gpus) + _straggler_words(slow),
         rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus),
-        stragglers=slow, gpus=gpus, throughput=achieved,
+        stragglers=slow, gpus=gpus, throughput=achieved, periods=periods,
     )
 
 
@@ -174,9 +196,11 @@ def _trained_unjudged(data: RunData) -> bool:
     return bool(times_in_state(data.over_time["state"], TRAIN_STATE) - judged)
 
 
-def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings, achieved: Throughput) -> str:
-    """The verdict, the grade of busy GPUs (GPM), the MFU where the run has one, and how much of the judged
-    training time the verdict held."""
+def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings, achieved: Throughput,
+              last: tuple[str, float, float] | None = None) -> str:
+    """The verdict, the grade of busy GPUs (GPM), the MFU where the run has one, how much of the judged
+    training time the verdict held, and the verdict the window ended on where that is another (`last`): a run
+    whose storage slowed for its last two minutes read only "Host-bound (55% of the training time)"."""
     if verdict == NO_VERDICT:
         return verdicts.NO_VERDICT_YET[:1].upper() + verdicts.NO_VERDICT_YET[1:]
     details = [gpus.grade] if verdict in (verdicts.GPU_BOUND, verdicts.GPU_BUSY_IDLE) and gpus.grade else []
@@ -184,6 +208,9 @@ def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings, achi
     judged = sum(share for name, share in fractions.items() if name != verdicts.IDLE)
     if verdict != verdicts.IDLE and judged:
         details.append(f"{fractions[verdict] / judged:.0%} of the training time")
+    if last is not None:
+        name, start, end = last
+        details.append(f"then {HEADLINES[name].split(':')[0].lower()} for its last {fmt.duration(end - start)}")
     return HEADLINES[verdict] + (f" ({'; '.join(details)})" if details else "")
 
 

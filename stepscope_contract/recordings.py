@@ -145,6 +145,10 @@ RUN_ENERGY_PER_SAMPLE = "run:stepscope_gpu_energy_per_sample_joules:rate1m"
 RUN_ENERGY_PER_TOKEN = "run:stepscope_gpu_energy_per_token_joules:rate1m"  # runs that count tokens (docs/mfu.md)
 RUN_TRAINING_SAMPLES_RATE = "run:stepscope_samples_per_train_second:rate1m"
 RUN_TRAINING_SAMPLES_BASELINE = "run:stepscope_samples_per_train_second:median1h"
+# The same in tokens, for runs that count tokens: StepscopeRunSlowerThanItself compares these there (a longer sequence
+# is fewer samples per second at the same tokens per second: a new stage of a curriculum, not a slower run)
+RUN_TRAINING_TOKENS_RATE = "run:stepscope_tokens_per_train_second:rate1m"
+RUN_TRAINING_TOKENS_BASELINE = "run:stepscope_tokens_per_train_second:median1h"
 GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and holding run (run "" unregistered)
 # Lost progress: each rank's global step and the one its process started from, the run's (the least of its
 # ranks'), and the global steps lost at the restore a rank is catching up from (0 for a rank that passes its

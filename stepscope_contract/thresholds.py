@@ -72,8 +72,9 @@ THRESHOLDS: Mapping[str, Threshold] = {
         60, "seconds without a step after which a run whose ranks are all in state train has stalled (or "
         "stall_step_multiple x its recent step time, if longer)", ("StepscopeTrainingStalled",)),
     "stall_step_multiple": Threshold(
-        5, "a run stalls after this many times the slowest recent minute's mean step time without a step "
-        "(if longer than stall_seconds)", ("StepscopeTrainingStalled",)),
+        5, "a run stalls after this many times the slowest recent minute's mean step time without a step, or "
+        "this many times its process's mean step time so far (a warm-up: a long first step), if longer than "
+        "stall_seconds", ("StepscopeTrainingStalled",)),
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
         ("StepscopeRankLost", "StepscopeTrainingStalled")),

@@ -363,6 +363,30 @@ def test_a_run_that_never_trained_long_enough_has_no_verdict_yet_not_idle() -> N
     assert _assess(_over_time(verdicts.IDLE)).verdict == verdicts.IDLE  # in state train but stalled
 
 
+def test_a_run_whose_verdict_changed_says_which_came_last_and_its_fix() -> None:
+    """Measured on a real run (loader 2 ms, then 30 ms per batch after 150 s: storage slowed): the report said
+    only "Host-bound ... (55% of the training time)" and host-bound fixes while the run ended data-bound."""
+    window = Window(0.0, 300.0, 1.0)
+    over: dict[str, list[Series]] = {name: [] for name in queries.build("r", window, []).over_time}
+    over["verdict"] = [Series({"verdict": verdicts.IDLE}, tuple((float(t), 1.0) for t in range(0, 38))),
+                       Series({"verdict": verdicts.HOST_BOUND}, tuple((float(t), 1.0) for t in range(38, 183))),
+                       Series({"verdict": verdicts.UNDETERMINED}, tuple((float(t), 1.0) for t in range(183, 186))),
+                       Series({"verdict": verdicts.DATA_BOUND}, tuple((float(t), 1.0) for t in range(186, 300)))]
+    over["state"] = [_state("0", "train", [float(t) for t in range(300)])]
+    data = RunData("r", window, ("n",), {name: [] for name in queries.build("r", window, []).totals}, over)
+    built = report.build(data, "http://prometheus")
+    a = built.assessment
+    assert a.verdict == verdicts.HOST_BOUND
+    assert a.headline == ("Host-bound: the time goes to work on the host (55% of the training time; then data-bound "
+                          "for its last 1m 54s)")
+    assert a.fixes[-len(FIXES[verdicts.DATA_BOUND]):] == FIXES[verdicts.DATA_BOUND]
+    html = page.render(built, {}, [])
+    assert ("In order: host_bound from 00:00:38 UTC for 2m 25s, then data_bound from 00:03:06 UTC for 1m 54s."
+            in html), html
+    steady = _assess(_over_time(verdicts.HOST_BOUND), {DATA_LOADING_PHASE: 0.1, FORWARD_PHASE: 8.0})
+    assert steady.headline.endswith("(100% of the training time)") and "In order" not in page._periods(steady.periods)
+
+
 def test_every_verdict_has_a_colour_headline_and_fix() -> None:
     for explained in (plots.VERDICT_COLORS, page.VERDICT_BORDERS, HEADLINES, FIXES):
         assert set(explained) == set(verdicts.BOTTLENECK_VERDICTS)

@@ -565,15 +565,18 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Pace against its own",
-                "Samples per second of training (eval and checkpoints do not lower it), its median over the past "
-                f"hour, and {slower.percent} of that median: below it for 10 minutes, after 15 minutes of "
-                "training, StepscopeRunSlowerThanItself fires.",
+                "Samples per second of training (eval and checkpoints do not lower it), tokens for a run that "
+                f"counts them, its median over the past hour, and {slower.percent} of that median: below it for "
+                "10 minutes, after 15 minutes of training, StepscopeRunSlowerThanItself fires.",
                 [
-                    Q(sel(rec.RUN_TRAINING_SAMPLES_RATE, RUN), "samples per second of training"),
-                    Q(sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN), "median, past hour"),
-                    Q(f"{slower.number} * {sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN)}", "alert below"),
+                    Q(f"{sel(rec.RUN_TRAINING_TOKENS_RATE, RUN)} or {sel(rec.RUN_TRAINING_SAMPLES_RATE, RUN)}",
+                      "per second of training"),
+                    Q(f"{sel(rec.RUN_TRAINING_TOKENS_BASELINE, RUN)} or {sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN)}",
+                      "median, past hour"),
+                    Q(f"{slower.number} * ({sel(rec.RUN_TRAINING_TOKENS_BASELINE, RUN)} or "
+                      f"{sel(rec.RUN_TRAINING_SAMPLES_BASELINE, RUN)})", "alert below"),
                 ],
-                SAMPLES_PER_SECOND,
+                "suffix: /s",
                 limits=(0, None),
             )
         )
