@@ -31,7 +31,8 @@ import yaml
 from stepscope_testkit.processes import Running, free_port, running
 
 
-def _binary(name: str) -> str:
+def binary(name: str) -> str:
+    """The path of an installed VictoriaMetrics program, or a one-line error saying what to install."""
     found = shutil.which(name)
     if found is None:
         raise RuntimeError(f"{name} is not installed (apt-get install victoria-metrics)")
@@ -39,13 +40,14 @@ def _binary(name: str) -> str:
 
 
 @contextmanager
-def running_victoria(tmp: Path, scrape_configs: Sequence[dict] = (), scrape_interval: str = "1s") -> Iterator[Running]:
+def running_victoria(tmp: Path, scrape_configs: Sequence[dict] = (), scrape_interval: str = "1s",
+                     extra_args: Sequence[str] = ()) -> Iterator[Running]:
     """VictoriaMetrics with its data and log under `tmp`, scraping `scrape_configs` (Prometheus'
-    format) every `scrape_interval` when there are any."""
+    format) every `scrape_interval` when there are any, with `extra_args` after the settings above."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = [_binary("victoria-metrics"), f"-httpListenAddr=127.0.0.1:{port}",
-            f"-storageDataPath={tmp / 'victoria-data'}", "-search.latencyOffset=0s", "-loggerLevel=WARN"]
+    argv = [binary("victoria-metrics"), f"-httpListenAddr=127.0.0.1:{port}",
+            f"-storageDataPath={tmp / 'victoria-data'}", "-search.latencyOffset=0s", "-loggerLevel=WARN", *extra_args]
     if scrape_configs:
         config = tmp / "scrape.yml"
         config.write_text(yaml.safe_dump({"global": {"scrape_interval": scrape_interval},
@@ -91,7 +93,7 @@ def running_vmalert(tmp: Path, victoria_url: str, rule_files: Sequence[Path], in
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     with _notifier() as notifier:
-        argv = [_binary("vmalert"), f"-httpListenAddr=127.0.0.1:{port}", f"-datasource.url={victoria_url}",
+        argv = [binary("vmalert"), f"-httpListenAddr=127.0.0.1:{port}", f"-datasource.url={victoria_url}",
                 f"-remoteWrite.url={victoria_url}", "-remoteWrite.flushInterval=1s", f"-notifier.url={notifier}",
                 f"-evaluationInterval={interval}", "-loggerLevel=WARN",
                 *(f"-rule={path}" for path in rule_files),
