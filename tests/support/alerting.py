@@ -10,6 +10,7 @@ data-bound with rank 0 on node-a and rank 1 on node-b.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,10 +190,11 @@ def shorter_for(tmp: Path) -> list[Path]:
                     rule["for"] = f"{seconds(rule['for']) // 60}s"
                 if rule.get("alert") == "StepscopeTrainingStalled":
                     shipped = rule["expr"]
-                    rule["expr"] = (shipped.replace(f", {STALL_SECONDS})", f", {STALL_SECONDS_HERE})")
-                                    .replace(f"{STALL_SECONDS} + 0 *", f"{STALL_SECONDS_HERE} + 0 *"))
-                    floors = (f", {STALL_SECONDS})", f"{STALL_SECONDS} + 0 *")
-                    assert all(shipped.count(floor) == 1 for floor in floors), f"the stall floor moved: {shipped}"
+                    clamp = re.compile(rf",\s*{STALL_SECONDS}\)")  # clamp_min's floor, on its own line or not
+                    floor = f"{STALL_SECONDS} + 0 *"
+                    assert len(clamp.findall(shipped)) == shipped.count(floor) == 1, f"the stall floor moved: {shipped}"
+                    shorter = clamp.sub(f", {STALL_SECONDS_HERE})", shipped)
+                    rule["expr"] = shorter.replace(floor, f"{STALL_SECONDS_HERE} + 0 *")
         paths.append(tmp / source.name)
         paths[-1].write_text(yaml.safe_dump(document))
     return paths
