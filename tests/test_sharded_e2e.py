@@ -234,9 +234,10 @@ def test_global_run_quantile_adds_up_the_shards_partial_buckets(layout: Layout) 
 def test_straggler_alert_fires_for_the_slow_rank_only(layout: Layout) -> None:
     firing = _firing(layout.alerts_url, "StepscopeStragglerRank")
     assert set(firing) == {SLOW_RANK}
-    labels = firing[SLOW_RANK]
-    assert labels["score"] == "local_phases"
-    assert labels["instance"] == f"node-{SLOW_RANK}"
+    assert firing[SLOW_RANK]["instance"] == f"node-{SLOW_RANK}"
+    # DDP makes every rank's step time equal: its local phases' score caught it (the alert names it in its text)
+    below = query(layout.global_url, f'run_rank:stepscope_straggler_alert_scores:ratio{{run="{RUN}"}} < 0.75')
+    assert {(item["metric"]["rank"], item["metric"]["score"]) for item in below} == {(SLOW_RANK, "local_phases")}
 
 
 def test_shards_send_recordings_not_the_raw_node_series(layout: Layout) -> None:
