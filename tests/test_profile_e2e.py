@@ -132,6 +132,12 @@ def test_a_rank_that_never_pushed_here_is_refused_at_once(node: Node, capsys: py
     assert code == 2 and f"run 'nope' has no rank pushing to this exporter (runs pushing here: {RUN})" in err
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """SIGINT's default in the command, whose Python then raises KeyboardInterrupt: CI runs the suite in the
+    background, where SIGINT is ignored and its children inherit that (the command then traced to the end)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_trace_stops_the_trace_and_leaves_no_file(node: Node) -> None:
     """Ctrl-C while the rank traces: the command exits 130 with one line, the rank stops the profiler at its
     next step and writes nothing, the request ends `cancelled`, and training goes on. Before, the command
@@ -140,7 +146,7 @@ def test_ctrl_c_mid_trace_stops_the_trace_and_leaves_no_file(node: Node) -> None
     command = subprocess.Popen([sys.executable, "-m", "stepscope.exporter.profile_cli", "--exporter", node.exporter,
                                 "--run", RUN, "--rank", "0", "--steps", "1000", "--wait", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, preexec_fn=_ctrl_c_as_at_a_terminal)
     try:
         wait_until(lambda: rank_tracing(node.exporter, RUN, 0) == "running", 60, "the rank taking the request")
     finally:
