@@ -168,8 +168,8 @@ def schema_has(path: str) -> bool:
             node = node["properties"][part]
         elif isinstance(node.get("additionalProperties"), dict):
             node = node["additionalProperties"]
-        else:
-            return False
+        else:  # an object the schema leaves to the API server (securityContext.seLinuxOptions) takes any key
+            return node.get("type") == "object" and "additionalProperties" not in node
     return True
 
 
