@@ -40,8 +40,8 @@ GPU_COLUMNS = {
 }
 NODE_SUMMARY_HEADER = ("node", "ranks", "steps", "samples", "mean_step_seconds", "fastest_rank_mean_step_seconds",
                        "slowest_rank_mean_step_seconds", "step_time_skew")
-RANK_SUMMARY_HEADER = ("rank", "node", "local_rank", "pid", "steps", "samples", "mean_step_seconds",
-                       "p50_step_seconds", "p95_step_seconds")  # then share_<phase>..., the scores
+RANK_SUMMARY_HEADER = ("rank", "node", "local_rank", "pid", "steps", "samples", "first_step_seconds",
+                       "mean_step_seconds", "p50_step_seconds", "p95_step_seconds")  # then share_<phase>..., the scores
 STATE_TIMELINE_HEADER = ("rank", "node", "state", "start", "end", "seconds")
 # rank_summary.csv's last columns: seconds per state over the window (counted by the hooks), the train share
 STATE_SECONDS_HEADER = (*(f"{state}_seconds" for state in STATES), "train_time_share")
@@ -103,7 +103,8 @@ def rank_rows(ranks: Sequence[RankSummary], phases: Sequence[str]) -> tuple[list
     header = [*RANK_SUMMARY_HEADER, *(f"share_{phase}" for phase in phases), "share_in_no_phase",
               "step_time_score", "local_score", *STATE_SECONDS_HEADER, *CUDA_HEADER]
     rows = [
-        [rank.rank, rank.node, rank.local_rank, rank.pids, rank.steps, rank.samples, rank.mean, rank.p50, rank.p95,
+        [rank.rank, rank.node, rank.local_rank, rank.pids, rank.steps, rank.samples,
+         rank.warm_up.first_step_seconds if rank.warm_up else None, rank.mean, rank.p50, rank.p95,
          *(rank.share(phase) for phase in phases), rank.untimed_share, rank.step_time_score, rank.local_score,
          *(rank.state_seconds.get(state) for state in STATES), rank.train_time_share, *_cuda_cells(rank)]
         for rank in ranks

@@ -119,6 +119,7 @@ def _key_numbers(report: Report) -> list[tuple[str, str]]:
     return [
         ("steps (all ranks)", fmt.count(totals.steps)),
         ("samples (all ranks)", fmt.count(totals.samples)),
+        *_warm_up_numbers(report),
         ("mean step time", fmt.seconds(totals.mean)),
         ("step time p50 / p95 (run)", f"{fmt.seconds(totals.p50)} / {fmt.seconds(totals.p95)}"),
         ("data-loading share of step time", fmt.percent(totals.dataloader_share)),
@@ -129,6 +130,22 @@ def _key_numbers(report: Report) -> list[tuple[str, str]]:
          + (f" ({gpus.source})" if gpus.source else "")),
         *_throughput_numbers(report),
     ]
+
+
+def _warm_up_numbers(report: Report) -> list[tuple[str, str]]:
+    """The longest first step left out as a warm-up (summary.WARM_UP_FACTOR), said where the numbers start:
+    without it a reader would take the steady numbers below for the whole run's."""
+    warmed = [(rank.rank, rank.warm_up) for rank in report.ranks if rank.warm_up is not None]
+    if not warmed:
+        return []
+    rank, longest = max(warmed, key=lambda pair: pair[1].first_step_seconds)
+    on = f" on rank {rank}" if len(report.ranks) > 1 else ""
+    left_out = fmt.count(sum(warm_up.steps for _, warm_up in warmed))
+    return [("first step (warm-up)",
+             f"first step {fmt.seconds(longest.first_step_seconds)}{on} (warm-up: compilation, cudnn benchmark, "
+             f"data-loader start-up), left out of the step time, phase shares and sample rates below with the "
+             f"steps up to the first scrape of them ({left_out} of {fmt.count(report.totals.steps)}); the counts "
+             f"stay whole")]
 
 
 def _throughput_numbers(report: Report) -> list[tuple[str, str]]:

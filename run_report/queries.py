@@ -132,10 +132,40 @@ def _totals(r: str, window: Window) -> dict[str, str]:
             sel(f"{fam.STEP_PHASE_SECONDS}_sum", f'{r},phase="{DATA_LOADING_PHASE}"'), window, RANK),
         "goodput_tokens": restart_aware_increase(sel(fam.TOKENS_TOTAL, r), window, RANK),
         "goodput_steps": restart_aware_increase(sel(fam.STEPS_TOTAL, r), window, RANK),
+        **_first_scrape(r, window),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
         "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",
         "run_p95": f"histogram_quantile(0.95, sum by (le) ({buckets}) and on (le) ({shared}))",
+    }
+
+
+def _first_scrape(r: str, window: Window) -> dict[str, str]:
+    """What a rank had counted when Prometheus first saw it step (the first point at the window's resolution
+    where its step histogram exists), for ranks whose step histogram was born inside the window and whose
+    process did not restart: the report leaves a warm-up first step out of its means, shares and rates
+    (summary.warm_up). Counters only grow, so their least value over the points where the step histogram
+    exists is their value at the first such point, every one of them from the same scrape; a phase first
+    timed later has a later timestamp there, which the report reads as nothing counted yet."""
+    d, step = window.range_ms, window.step_duration
+    just_before = f"{round(window.seconds * 1000) + 1}ms"
+    step_count = sel(f"{fam.STEP_SECONDS}_count", r)
+    born = (f"(last_over_time({step_count}[{d}]) unless on (run, {RANK})"
+            f" last_over_time({step_count}[{BEFORE}] offset {just_before}))"
+            f" unless on (run, {RANK}) (resets({sel(fam.STEPS_TOTAL, r)}[{d}]) > 0)")
+
+    def first(expr: str, by: str = RANK) -> str:
+        return (f"min by ({by}) (min_over_time(({expr} and on (run, {RANK}) {step_count})[{d}:{step}]))"
+                f" and on ({RANK}) {born}")
+
+    phase_sum = sel(f"{fam.STEP_PHASE_SECONDS}_sum", r)
+    return {
+        "first_step_seconds": first(sel(f"{fam.STEP_SECONDS}_sum", r)),
+        "first_step_count": first(step_count),
+        "first_step_time": first(f"timestamp({step_count})"),
+        "first_samples": first(sel(fam.SAMPLES_TOTAL, r)),
+        "first_phase_seconds": first(phase_sum, f"{RANK}, phase"),
+        "first_phase_time": first(f"timestamp({phase_sum})", f"{RANK}, phase"),
     }
 
 

@@ -34,8 +34,8 @@ from stepscope.report.times import iso
 from stepscope.report.verdict import SETTLE_SECONDS, Assessment, assess
 
 RUN_SUMMARY_HEADER = (
-    "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "mean_step_seconds",
-    "p50_step_seconds", "p95_step_seconds", "dataloader_share", "io_samples_per_second",
+    "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "first_step_seconds",
+    "mean_step_seconds", "p50_step_seconds", "p95_step_seconds", "dataloader_share", "io_samples_per_second",
     "training_samples_per_second", "gpu_effective_utilization_ratio", "gpu_utilization_ratio", "verdict",
     "stragglers", "tokens", "tokens_per_second", "model_flops_per_second", "peak_flops_per_second", "mfu_ratio",
 )
@@ -149,7 +149,8 @@ def _run_row(report: Report) -> list[object]:
     window, totals, a = report.data.window, report.totals, report.assessment
     return [
         report.data.run, iso(window.start), iso(window.end), window.step, len({r.rank for r in report.ranks}),
-        " ".join(report.data.nodes), totals.steps, totals.samples, totals.mean, totals.p50, totals.p95,
+        " ".join(report.data.nodes), totals.steps, totals.samples, totals.first_step_seconds, totals.mean,
+        totals.p50, totals.p95,
         totals.dataloader_share, totals.io_samples_per_second, totals.training_samples_per_second,
         a.gpus.effective, a.gpus.nvml, a.verdict, " ".join(rank.rank for rank in a.stragglers),
         *_throughput_cells(a.throughput),
