@@ -144,6 +144,12 @@ class Tracker:
         self._micro_batches = 0
         self._tokens = 0
         self._global_step: int | None = None  # the trainer's, once step() is given it
+        # The global step this process's steps count from (pushed with it): where the last step back of the global
+        # step (a restore, in this process too) started, else its global step less its steps; and the steps
+        # counted before that restore. The rules and the report took it as global step less steps, which after a
+        # restore in the same process (the steps counter goes on) counted the fits before in the steps done again.
+        self._global_step_start: int | None = None
+        self._steps_before_restore = 0
         self._flops: float = 0  # model FLOPs done (an int while every addend is)
         self._flops_per_step = config.flops_per_step
         self._flops_per_sample = config.flops_per_sample
@@ -213,7 +219,8 @@ class Tracker:
         in it), so its time is not observed. `flops` are the model FLOPs the step did; None counts the stated
         ones (flops_per_step, plus flops_per_sample for each of `samples`). `global_step`, the trainer's step
         count after this step (the framework callbacks pass it), is pushed as is: a restarted run that
-        restores a checkpoint steps back, and the report counts the steps it redoes as lost progress.
+        restores a checkpoint steps back (a process that restores one again too), and the report counts the steps
+        it redoes as lost progress.
         Every count must be a finite number >= 0: anything else raises ValueError, and nothing is counted.
         """
         if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
@@ -243,10 +250,18 @@ class Tracker:
         elif self._counts_flops:  # a run that states no FLOPs pays one test
             self._flops += self._flops_per_step + samples * self._flops_per_sample
         if global_step is not None:
-            self._global_step = global_step
+            self._count_global_step(global_step)
         at_boundary = self._at_boundary
         if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
             at_boundary(duration)  # ends a requested profiler trace
+
+    def _count_global_step(self, global_step: int) -> None:
+        """Takes the global step after the step just counted; one that does not move on from the last is a restore
+        (from a checkpoint at the step before it): the steps from there count from it."""
+        if self._global_step is not None and global_step <= self._global_step:
+            self._steps_before_restore = self._steps - 1
+        self._global_step = global_step
+        self._global_step_start = global_step - (self._steps - self._steps_before_restore)
 
     def micro_batch(self, samples: int = 0, tokens: int = 0, flops: float | None = None) -> None:
         """Counts one batch fed to the model, its samples and tokens, inside a step that goes on (gradient
@@ -503,6 +518,7 @@ class Tracker:
             micro_batches=self._micro_batches,
             tokens=self._tokens or None,
             global_step=self._global_step,
+            global_step_start=self._global_step_start,
             flops=self._flops if self._flops or self._counts_flops else None,
             flops_dtype=self.config.flops_dtype,
             peak_flops=self.config.peak_flops,
