@@ -109,3 +109,28 @@ def test_a_plain_loop_that_restores_in_its_process_pushes_where_its_steps_count_
     assert sample_values(text, families.TRAINING_GLOBAL_STEP) == [SECOND_STEPS]
     assert sample_values(text, "stepscope_steps_total") == [FIRST_STEPS + SECOND_STEPS - RESTORED_FROM]
     assert sample_values(text, families.TRAINING_GLOBAL_STEP_START) == [RESTORED_FROM]
+
+
+def test_a_checkpoint_of_a_fit_that_went_on_from_an_earlier_one_restores_the_runs_global_step(tmp_path: Path) -> None:
+    """A new Trainer's fit after a first one goes on from its global step (3 steps, then 4, 5, 6, saving at each); a
+    fit restored from that second fit's checkpoint at its own step 1 is at the run's step 4: it pushes 5, and the
+    steps lost are 6 - 4 = 2. Before, the restored fit dropped the offset and pushed its trainer's 2 from 1: 5 lost."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    callback = StepscopeCallback(run="restore-offset", push_url="", handle_sigterm=False)
+    module = working_module(pl)()
+
+    def fit(steps: int, checkpoints: Any = None, ckpt_path: Path | None = None) -> None:
+        trainer(pl, tmp_path, callback, steps, checkpoints).fit(module, DataLoader(Items(16, []), batch_size=2),
+                                                               ckpt_path=ckpt_path)
+
+    fit(3)
+    fit(3, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"))
+    assert sample_values(callback.tracker.render(), families.TRAINING_GLOBAL_STEP) == [6]
+    fit(2, ckpt_path=tmp_path / "ckpt" / "step=1.ckpt")
+    text = callback.tracker.render()
+    assert sample_values(text, families.TRAINING_GLOBAL_STEP) == [5]
+    assert sample_values(text, families.TRAINING_GLOBAL_STEP_START) == [4]
