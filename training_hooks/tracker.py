@@ -155,6 +155,10 @@ class Tracker:
         self._flops_per_sample = config.flops_per_sample
         self._counts_flops = bool(self._flops_per_step or self._flops_per_sample)
         self._boundary = perf_counter_ns()
+        # How long after the step clock's start the last micro-batch of the step under way was counted (0: none): the
+        # rank's last progress, pushed as its last step's time, so that a step of many micro-batches (gradient
+        # accumulation) longer than the stall alert's floor does not read as a stall while its micro-batches go on.
+        self._micro_batch_ns = 0
         # When the loop left train for eval or a checkpoint with a step under way (None: it did not, or a
         # setup/idle since ended it): re-entering train moves the step clock on by the time spent outside.
         self._left_train: int | None = None
@@ -240,6 +244,7 @@ class Tracker:
                     self._left_train = now
         else:
             self._step_hist.observe_ns(duration)
+        self._micro_batch_ns = 0  # before the boundary moves: a push in between reads the earlier progress
         self._boundary = now
         self._steps += 1
         self._samples += samples
@@ -271,6 +276,7 @@ class Tracker:
                 and samples + tokens <= _MAX_COUNT
                 and (flops is None or (type(flops) in _PLAIN and 0 <= flops <= _MAX_FLOAT))):  # as in step()
             samples, tokens, flops = _counts(samples=samples, tokens=tokens, flops=flops)
+        self._micro_batch_ns = perf_counter_ns() - self._boundary
         self._micro_batches += 1
         self._samples += samples
         self._tokens += tokens
@@ -376,6 +382,8 @@ class Tracker:
             now = perf_counter_ns()
             if name == TRAIN_STATE:
                 left = self._left_train
+                if left is None:  # no step under way: none of its micro-batches either
+                    self._micro_batch_ns = 0
                 self._boundary = now if left is None else self._boundary + (now - left)
                 self._left_train = None
             elif name in (SETUP_STATE, IDLE_STATE):
@@ -533,16 +541,16 @@ class Tracker:
         )
 
     def _progress(self) -> tuple[float | None, tuple[str, float] | None]:
-        """When the last step ended (Unix seconds; None before the first), moved on by the time spent outside
-        train since, and the phase entered last and not left, with when it was entered: what names a rank
-        that stopped stepping. Read from what the training thread stores anyway (the step clock, each host
-        phase's start)."""
+        """When the last step ended, or the last micro-batch of the step under way was counted (Unix seconds; None
+        before the first step), moved on by the time spent outside train since, and the phase entered last and not
+        left, with when it was entered: what names a rank that stopped stepping. Read from what the training thread
+        stores anyway (the step clock and its last micro-batch, each host phase's start)."""
         perf_now, unix_now = perf_counter_ns(), time()
 
         def unix(perf_ns: int) -> float:
             return unix_now - (perf_now - perf_ns) / 1e9
 
-        last_step = unix(self._boundary) if self._steps else None
+        last_step = unix(self._boundary + self._micro_batch_ns) if self._steps else None
         phases = (*self._host.values(), *self._gpu.values())  # cuda=True without CUDA times on the host too
         started = [(getattr(phase, "_start", 0), phase.name) for phase in phases]
         entered, name = max(started, default=(0, ""))
