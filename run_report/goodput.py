@@ -155,9 +155,10 @@ def _per_rank(results: list[Series], pick: Callable[[list[float]], float]) -> di
 
 
 def _redone_steps(global_steps: Iterable[Series], bases: Iterable[Series]) -> dict[str, float]:
-    """Steps each rank did again: where a new process takes over (its own step count starts again), the
-    steps between where the one before reached and where the new one started from (its base: its global
-    step less its own steps, exact whenever it was first scraped). Restored from a checkpoint, that is
+    """Steps each rank did again: where a new process takes over or a process restores a checkpoint (its own
+    step count, global step less base, starts again), the steps between where it was and where the new count
+    started from (its base: where its steps count from as pushed, or its global step less its own steps, exact
+    whenever it was first scraped). Restored from a checkpoint, that is
     the steps since the checkpoint; started from scratch, all of them. A rank that came back on another
     node has a series of its own: the series are taken in the order they began. The rules record only the
     restore a run is catching up from (run:stepscope_steps_redone:last_restore); this count, exact over the
@@ -170,7 +171,7 @@ def _redone_steps(global_steps: Iterable[Series], bases: Iterable[Series]) -> di
     for rank, found in by_rank.items():
         points = [(value, base_at[(_key(series), t)]) for series in sorted(found, key=lambda s: s.points[0][0])
                   for t, value in series.points if (_key(series), t) in base_at]
-        # a new process: its own step count (global step less base) starts again below the one before's
+        # a new process or a restore: its own step count (global step less base) starts again below the one before's
         redone[rank] = sum(max(0.0, reached - base) for (reached, before), (step, base) in pairwise(points)
                            if step - base < reached - before)
     return redone

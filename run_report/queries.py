@@ -184,8 +184,10 @@ def _training_over_time(r: str) -> dict[str, str]:
         "local_score": sel(rec.RANK_STRAGGLER_LOCAL_SCORE, r),
         "stalled": sel(rec.RANK_STALLED_SECONDS, r),
         "global_step": sel(fam.TRAINING_GLOBAL_STEP, r),
-        # the global step a process started from (its global step less its own steps): lower after a restore
-        "global_step_base": f"{sel(fam.TRAINING_GLOBAL_STEP, r)} - {sel(fam.STEPS_TOTAL, r)}",
+        # the global step a process's steps count from, lower after a restore: as the hooks push it (a restore in
+        # the same process moves it too), from older hooks its global step less its own steps
+        "global_step_base": f"{sel(fam.TRAINING_GLOBAL_STEP_START, r)} or "
+                            f"{sel(fam.TRAINING_GLOBAL_STEP, r)} - {sel(fam.STEPS_TOTAL, r)}",
     }
 
 

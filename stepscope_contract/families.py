@@ -100,6 +100,7 @@ TRAINING_LAST_PUSH = "stepscope_training_last_push_timestamp_seconds"
 TRAINING_LAST_STEP = "stepscope_training_last_step_timestamp_seconds"
 TRAINING_PHASE_ENTERED = "stepscope_training_phase_entered_timestamp_seconds"
 TRAINING_GLOBAL_STEP = "stepscope_training_global_step"
+TRAINING_GLOBAL_STEP_START = "stepscope_training_global_step_start"
 CUDA_MEMORY_ALLOCATED = "stepscope_torch_cuda_memory_allocated_bytes"
 CUDA_MEMORY_RESERVED = "stepscope_torch_cuda_memory_reserved_bytes"
 CUDA_MEMORY_PEAK = "stepscope_torch_cuda_memory_peak_allocated_bytes"
@@ -275,8 +276,9 @@ _TRAINING = (
            "pushed: seconds spent in each state, so a state shorter than a push interval still counts",
            help="Seconds the training process spent in each state (every state from the start).", pushed=True),
     Family(TRAINING_LAST_STEP, "gauge", RUN_RANK,
-           "pushed: when the rank's last step ended (or its training began): a run stalls when it stops moving",
-           help="Unix time the last step ended (or training began).", pushed=True),
+           "pushed: when the rank's last step ended, or the last micro-batch of the step under way was counted (or "
+           "its training began): a run stalls when it stops moving",
+           help="Unix time the last step or micro-batch ended (or training began).", pushed=True),
     Family(TRAINING_PHASE_ENTERED, "gauge", (*RUN_RANK, "phase"),
            "pushed: the host-timed phase the rank entered last and has not left, with when it entered it; "
            "absent between phases",
@@ -301,6 +303,12 @@ _TRAINING = (
            "pushed once the loop passes it (`step(global_step=...)`, the framework callbacks): the trainer's "
            "global step, which goes back when a restarted run restores a checkpoint ([goodput](goodput.md))",
            help="The trainer's global step after the last step (lower after a restore from a checkpoint).",
+           pushed=True),
+    Family(TRAINING_GLOBAL_STEP_START, "gauge", RUN_RANK,
+           "pushed with the global step: the global step the rank's steps count from since its process started "
+           "or last restored a checkpoint (its global step stepped back): where the steps a restore does again "
+           "begin, also for a restore in the same process, whose steps counter goes on ([goodput](goodput.md))",
+           help="The global step this process's steps count from (the checkpoint's after a restore).",
            pushed=True),
     Family(TRAINING_LAST_PUSH, "gauge", RUN_RANK,
            "when the rank last pushed (groups expire `--ingest-ttl` after it)",

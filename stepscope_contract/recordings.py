@@ -154,7 +154,7 @@ GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and
 # ranks'), and the global steps lost at the restore a rank is catching up from (0 for a rank that passes its
 # global step and is not behind; the run's: the most of its ranks').
 RANK_GLOBAL_STEP = "run_rank:stepscope_training_global_step:sum"
-RANK_GLOBAL_STEP_START = "run_rank:stepscope_training_global_step_start:sum"  # its global step less its own steps
+RANK_GLOBAL_STEP_START = "run_rank:stepscope_training_global_step_start:sum"  # where its steps count from (pushed)
 RUN_GLOBAL_STEP_MIN = "run:stepscope_training_global_step:min"
 RANK_STEPS_REDONE = "run_rank:stepscope_steps_redone:last_restore"
 RUN_STEPS_REDONE = "run:stepscope_steps_redone:last_restore"

@@ -55,6 +55,7 @@ def full_push() -> str:
                            TraceOutcome("t", True, 1, 1, "/tmp/trace.json.gz", 5, 1.5),
                            last_step_time=1712345700.5, open_phase=("forward", 1712345700.75),
                            tokens=4096, flops=6 * 10**12, flops_dtype="bf16", peak_flops=989.4e12, global_step=1200,
+                           global_step_start=1100,
                            allocator=AllocatorMemory(2**30, 2**31, 3 * 2**29, 2**20, 4, 0)))
 
 

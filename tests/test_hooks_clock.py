@@ -67,6 +67,22 @@ def test_an_eval_or_a_checkpoint_mid_step_is_no_step_time_but_the_steps_own_part
     assert value("stepscope_state_seconds_total", state="eval") >= 2 * OUTSIDE
 
 
+def test_a_micro_batch_is_progress_the_last_step_time_moves_on_with_it(exporter: Any) -> None:
+    """Under gradient accumulation a step of many micro-batches can outlast the stall alert's 60 s floor: the pushed
+    last-step time is the last micro-batch's, so a rank whose micro-batches go on does not read as stalled. Before,
+    it stayed at the step's start (OUTSIDE before the micro-batch here)."""
+    t = tracker(exporter, "clock-micro-batch-progress")
+    t.state("train")
+    t.step(samples=1)
+    stepped = time.time()
+    time.sleep(OUTSIDE)
+    t.micro_batch(samples=1)
+    counted = time.time()
+    t.close()
+    last = pushed(exporter, "clock-micro-batch-progress")("stepscope_training_last_step_timestamp_seconds")
+    assert stepped + OUTSIDE / 2 <= last <= counted + OUTSIDE / 2
+
+
 class Items(Dataset):
     def __init__(self, items: int, loading: list[float]) -> None:
         self.items, self.loading = items, loading

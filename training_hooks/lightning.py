@@ -21,7 +21,8 @@ the same run: the callback's tracker, closed at each fit's end (final push, stat
 fit's setup, so its counters go on growing and the time between the fits is idle, not a restart. A fit that
 starts from global step 0 (a new Trainer, nothing restored) goes on counting from the global step the last one
 reached, so its steps are not taken for a restore that does them again (lost progress); a fit restored from a
-checkpoint passes its global step as it is. A new process is a restart: its counters start from 0.
+checkpoint passes its global step plus the offset of the fit that saved it (kept in the checkpoint). A new
+process is a restart: its counters start from 0.
 The callback reports the fit only: a `trainer.validate()`, `test()` or `predict()` outside it (before or after
 fit) is no state of the run, as a save after the fit, and as the Hugging Face callback's `evaluate()` after
 `train()`; it creates no tracker and leaves the rank as it is.
@@ -82,6 +83,7 @@ class StepscopeCallback(Callback):
         self._in_forward = False
         self._global_step = 0  # trainer.global_step at the last step boundary
         self._step_offset = 0  # added to trainer.global_step in this fit: the run's count across fits
+        self._restored_offset: int | None = None  # the offset saved in the checkpoint this fit restored
         self._fitting = False  # from setup("fit") to teardown: a save, validate, test or predict outside it is no
         # state of the run
         # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
@@ -94,6 +96,7 @@ class StepscopeCallback(Callback):
         fit replaced the run's group with zeroed counters (steps 21 -> 0), a restart that never happened."""
         if stage != "fit":
             return
+        self._restored_offset = None  # load_state_dict sets it, after setup, where the fit restores a checkpoint
         if self.tracker is None:
             kwargs = {"framework": "lightning", "rank": trainer.global_rank, "local_rank": trainer.local_rank,
                       "world_size": trainer.world_size, **self._init_kwargs}
@@ -203,9 +206,20 @@ class StepscopeCallback(Callback):
         self._wrap(loop, _FETCH_HOOKS[0], on_before_fetch)
         self._wrap(loop, _FETCH_HOOKS[1], on_after_fetch)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in each checkpoint: the offset of the fit that saved it. A fit restored from a checkpoint of a fit
+        that went on from an earlier one's global step is at the run's step (its trainer's plus that offset): without
+        it, a fit to step 3, a new Trainer's to 6 and a restore of the second's step 1 (the run's 4) pushed 2, and the
+        rules counted 5 steps done again for 2."""
+        return {"global_step_offset": self._step_offset}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_offset = int(state_dict.get("global_step_offset", 0))
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._global_step = trainer.global_step  # a resumed fit starts at its checkpoint's step
-        self._step_offset = self.tracker.global_step_offset(trainer.global_step)
+        restored = self._restored_offset
+        self._step_offset = self.tracker.global_step_offset(trainer.global_step) if restored is None else restored
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.tracker.state(TRAIN_STATE)

@@ -40,6 +40,7 @@ from stepscope.contract.families import (
     CUDA_MEMORY_RESERVED,
     CUDA_OOMS,
     TRAINING_GLOBAL_STEP,
+    TRAINING_GLOBAL_STEP_START,
 )
 from stepscope.hooks.cuda_memory import AllocatorMemory
 from stepscope.hooks.limits import Limits
@@ -65,6 +66,7 @@ class Snapshot:
     open_phase: tuple[str, float] | None = None  # (phase, Unix seconds it was entered) if one is open
     tokens: int | None = None  # None until a step counts tokens: the series appears then
     global_step: int | None = None  # the trainer's, once the loop passes it to step()
+    global_step_start: int | None = None  # where the steps since the process started or last restored count from
     flops: float | None = None  # model FLOPs done; None until stated (flops_per_step/sample, measure_flops, step)
     flops_dtype: str = ""  # the dtype the FLOPs run in (label `dtype`)
     peak_flops: float | None = None  # the user's dense peak FLOP/s of the rank's GPU, None: the table's
@@ -129,7 +131,8 @@ def render(snap: Snapshot) -> str:
 
 def _progress(lines: list[str], snap: Snapshot) -> None:
     """When the rank last stepped and the phase it is in (the families that name a hung rank), and the
-    trainer's global step where the loop passes it (a restore shows as a step back: lost progress)."""
+    trainer's global step where the loop passes it (a restore shows as a step back: lost progress) with the one
+    the rank's steps count from (where the steps a restore does again begin)."""
     name = _header(lines, TRAINING_LAST_STEP)
     if snap.last_step_time is not None:
         lines.append(f"{name} {floatToGoString(snap.last_step_time)}")
@@ -139,6 +142,8 @@ def _progress(lines: list[str], snap: Snapshot) -> None:
         lines.append(f"{name}{_labels([('phase', phase)])} {floatToGoString(entered)}")
     if snap.global_step is not None:
         lines.append(f"{_header(lines, TRAINING_GLOBAL_STEP)} {snap.global_step}")
+    if snap.global_step_start is not None:
+        lines.append(f"{_header(lines, TRAINING_GLOBAL_STEP_START)} {snap.global_step_start}")
 
 
 def _model_flops(lines: list[str], snap: Snapshot) -> None:

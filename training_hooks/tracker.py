@@ -144,11 +144,21 @@ class Tracker:
         self._micro_batches = 0
         self._tokens = 0
         self._global_step: int | None = None  # the trainer's, once step() is given it
+        # The global step this process's steps count from (pushed with it): where the last step back of the global
+        # step (a restore, in this process too) started, else its global step less its steps; and the steps
+        # counted before that restore. The rules and the report took it as global step less steps, which after a
+        # restore in the same process (the steps counter goes on) counted the fits before in the steps done again.
+        self._global_step_start: int | None = None
+        self._steps_before_restore = 0
         self._flops: float = 0  # model FLOPs done (an int while every addend is)
         self._flops_per_step = config.flops_per_step
         self._flops_per_sample = config.flops_per_sample
         self._counts_flops = bool(self._flops_per_step or self._flops_per_sample)
         self._boundary = perf_counter_ns()
+        # How long after the step clock's start the last micro-batch of the step under way was counted (0: none): the
+        # rank's last progress, pushed as its last step's time, so that a step of many micro-batches (gradient
+        # accumulation) longer than the stall alert's floor does not read as a stall while its micro-batches go on.
+        self._micro_batch_ns = 0
         # When the loop left train for eval or a checkpoint with a step under way (None: it did not, or a
         # setup/idle since ended it): re-entering train moves the step clock on by the time spent outside.
         self._left_train: int | None = None
@@ -213,7 +223,8 @@ class Tracker:
         in it), so its time is not observed. `flops` are the model FLOPs the step did; None counts the stated
         ones (flops_per_step, plus flops_per_sample for each of `samples`). `global_step`, the trainer's step
         count after this step (the framework callbacks pass it), is pushed as is: a restarted run that
-        restores a checkpoint steps back, and the report counts the steps it redoes as lost progress.
+        restores a checkpoint steps back (a process that restores one again too), and the report counts the steps
+        it redoes as lost progress.
         Every count must be a finite number >= 0: anything else raises ValueError, and nothing is counted.
         """
         if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
@@ -233,6 +244,7 @@ class Tracker:
                     self._left_train = now
         else:
             self._step_hist.observe_ns(duration)
+        self._micro_batch_ns = 0  # before the boundary moves: a push in between reads the earlier progress
         self._boundary = now
         self._steps += 1
         self._samples += samples
@@ -243,10 +255,18 @@ class Tracker:
         elif self._counts_flops:  # a run that states no FLOPs pays one test
             self._flops += self._flops_per_step + samples * self._flops_per_sample
         if global_step is not None:
-            self._global_step = global_step
+            self._count_global_step(global_step)
         at_boundary = self._at_boundary
         if at_boundary is not None:  # resolves GPU timings and picks the next timed step; starts, steps or
             at_boundary(duration)  # ends a requested profiler trace
+
+    def _count_global_step(self, global_step: int) -> None:
+        """Takes the global step after the step just counted; one that does not move on from the last is a restore
+        (from a checkpoint at the step before it): the steps from there count from it."""
+        if self._global_step is not None and global_step <= self._global_step:
+            self._steps_before_restore = self._steps - 1
+        self._global_step = global_step
+        self._global_step_start = global_step - (self._steps - self._steps_before_restore)
 
     def micro_batch(self, samples: int = 0, tokens: int = 0, flops: float | None = None) -> None:
         """Counts one batch fed to the model, its samples and tokens, inside a step that goes on (gradient
@@ -256,6 +276,7 @@ class Tracker:
                 and samples + tokens <= _MAX_COUNT
                 and (flops is None or (type(flops) in _PLAIN and 0 <= flops <= _MAX_FLOAT))):  # as in step()
             samples, tokens, flops = _counts(samples=samples, tokens=tokens, flops=flops)
+        self._micro_batch_ns = perf_counter_ns() - self._boundary
         self._micro_batches += 1
         self._samples += samples
         self._tokens += tokens
@@ -361,6 +382,8 @@ class Tracker:
             now = perf_counter_ns()
             if name == TRAIN_STATE:
                 left = self._left_train
+                if left is None:  # no step under way: none of its micro-batches either
+                    self._micro_batch_ns = 0
                 self._boundary = now if left is None else self._boundary + (now - left)
                 self._left_train = None
             elif name in (SETUP_STATE, IDLE_STATE):
@@ -503,6 +526,7 @@ class Tracker:
             micro_batches=self._micro_batches,
             tokens=self._tokens or None,
             global_step=self._global_step,
+            global_step_start=self._global_step_start,
             flops=self._flops if self._flops or self._counts_flops else None,
             flops_dtype=self.config.flops_dtype,
             peak_flops=self.config.peak_flops,
@@ -517,16 +541,16 @@ class Tracker:
         )
 
     def _progress(self) -> tuple[float | None, tuple[str, float] | None]:
-        """When the last step ended (Unix seconds; None before the first), moved on by the time spent outside
-        train since, and the phase entered last and not left, with when it was entered: what names a rank
-        that stopped stepping. Read from what the training thread stores anyway (the step clock, each host
-        phase's start)."""
+        """When the last step ended, or the last micro-batch of the step under way was counted (Unix seconds; None
+        before the first step), moved on by the time spent outside train since, and the phase entered last and not
+        left, with when it was entered: what names a rank that stopped stepping. Read from what the training thread
+        stores anyway (the step clock and its last micro-batch, each host phase's start)."""
         perf_now, unix_now = perf_counter_ns(), time()
 
         def unix(perf_ns: int) -> float:
             return unix_now - (perf_now - perf_ns) / 1e9
 
-        last_step = unix(self._boundary) if self._steps else None
+        last_step = unix(self._boundary + self._micro_batch_ns) if self._steps else None
         phases = (*self._host.values(), *self._gpu.values())  # cuda=True without CUDA times on the host too
         started = [(getattr(phase, "_start", 0), phase.name) for phase in phases]
         entered, name = max(started, default=(0, ""))
