@@ -163,6 +163,8 @@ def generate(start: int, path: Path) -> int:
             for rank in ranks:
                 pushed = {"run": rank.run, "rank": str(rank.rank), "instance": rank.node}
                 for family in text_string_to_metric_families(rank.body()):
+                    if not family.samples:  # declared before the rank's first step, no sample yet
+                        continue
                     kind = family.type if family.type == "histogram" else "unknown"
                     name = family.name if kind == "histogram" else family.samples[0].name
                     families[name] = kind
@@ -196,16 +198,20 @@ def _le(value: str) -> str:
 
 
 def rule_levels() -> list[list[dict]]:
-    """The recording rules by dependency level: level 0 reads raw series, level n rules of level < n."""
+    """The recording rules by dependency level: level 0 reads raw series, level n rules of level < n. A rule's
+    read of its own series (the carried GPU readings) is its previous value, no dependency."""
     rules = [rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
              for rule in group["rules"] if "record" in rule]
     names = {rule["record"] for rule in rules}
     level: dict[str, int] = {}
-    while len(level) < len(rules):
+    while len(level) < len(names):  # a name two groups record (one per rank parity) is one level
+        placed = len(level)
         for rule in rules:
-            deps = {name for name in re.findall(r"[\w:]+", rule["expr"]) if name in names}
+            deps = {name for name in re.findall(r"[\w:]+", rule["expr"]) if name in names} - {rule["record"]}
             if rule["record"] not in level and deps <= set(level):
                 level[rule["record"]] = 1 + max((level[d] for d in deps), default=-1)
+        if len(level) == placed:
+            raise SystemExit(f"recording rules that read each other: {sorted(names - set(level))}")
     return [[rule for rule in rules if level[rule["record"]] == n] for n in range(max(level.values()) + 1)]
 
 
@@ -240,9 +246,11 @@ def backfill(tmp: Path, start: int) -> tuple[Path, int, float]:
         path.write_text(yaml.safe_dump({"groups": [{"name": f"level{index}", "interval": "15s", "rules": rules}]}))
         shutil.rmtree(blocks, ignore_errors=True)
         with prometheus(data, port) as url:
-            subprocess.run(["promtool", "tsdb", "create-blocks-from", "rules", f"--start={start}",
-                            f"--end={start + HOUR}", f"--url={url}", f"--output-dir={blocks}",
-                            "--eval-interval=15s", str(path)], check=True, capture_output=True)
+            done = subprocess.run(["promtool", "tsdb", "create-blocks-from", "rules", f"--start={start}",
+                                   f"--end={start + HOUR}", f"--url={url}", f"--output-dir={blocks}",
+                                   "--eval-interval=15s", str(path)], capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"promtool could not backfill {path.name}: {done.stderr.strip()[-2000:]}")
         for block in blocks.iterdir():
             shutil.move(str(block), data / block.name)
     return data, samples, time.perf_counter() - began
