@@ -276,9 +276,9 @@ _TRAINING = (
            "pushed: seconds spent in each state, so a state shorter than a push interval still counts",
            help="Seconds the training process spent in each state (every state from the start).", pushed=True),
     Family(TRAINING_LAST_STEP, "gauge", RUN_RANK,
-           "pushed: when the rank's last step ended, or the last micro-batch of the step under way was counted (or "
-           "its training began): a run stalls when it stops moving",
-           help="Unix time the last step or micro-batch ended (or training began).", pushed=True),
+           "pushed: when the rank's last step ended, or the last micro-batch of the step under way was counted "
+           "(absent before the rank's first step): a run stalls when it stops moving",
+           help="Unix time the last step or micro-batch ended (absent before the first step).", pushed=True),
     Family(TRAINING_PHASE_ENTERED, "gauge", (*RUN_RANK, "phase"),
            "pushed: the host-timed phase the rank entered last and has not left, with when it entered it; "
            "absent between phases",

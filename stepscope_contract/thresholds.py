@@ -75,9 +75,22 @@ THRESHOLDS: Mapping[str, Threshold] = {
         5, "a run stalls after this many times the slowest recent minute's mean step time without a step, or "
         "this many times its process's mean step time so far (a warm-up: a long first step), if longer than "
         "stall_seconds", ("StepscopeTrainingStalled",)),
+    # A first step holds a warm-up no later step has: torch.compile (83 s here for a small model on the CPU;
+    # minutes for a large one), cuDNN benchmarking, the DataLoader's workers starting. A first collective that
+    # hangs under NCCL is ended by PyTorch's watchdog after the process group's timeout (default_pg_nccl_timeout,
+    # 10 min in torch 2.11.0+cu130; gloo's default_pg_timeout is 30 min) and the rank is then lost, which
+    # StepscopeRankLost pages 45 s later. Longer than that, so one hang pages once and a compilation of up to
+    # about 9 minutes before the first collective pages neither; the alert is for the hangs no watchdog ends.
+    "first_step_stall_seconds": Threshold(
+        1200, "seconds in state train without a first step after which a run hangs in its first step: longer "
+        "than a first step's warm-up (torch.compile took 83 s for a small model on the CPU, minutes for a large "
+        "one; cuDNN benchmarking; DataLoader workers starting) and than NCCL's default collective timeout "
+        "(10 min in torch 2.11.0+cu130), after which PyTorch's watchdog ends a hung first collective and "
+        "StepscopeRankLost pages the rank instead",
+        ("StepscopeFirstStepStalled",)),
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
-        ("StepscopeRankLost", "StepscopeTrainingStalled")),
+        ("StepscopeRankLost", "StepscopeTrainingStalled", "StepscopeFirstStepStalled")),
     "rank_lost_kept_seconds": Threshold(
         600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "
         "exporter restarted and forgot it: the exporter's default --ingest-ttl, as long as it keeps a group",

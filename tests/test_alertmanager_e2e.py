@@ -286,6 +286,10 @@ INHIBITION_CASES = [
     # alert's resolved is never sent, so a stall page whose job was then killed stayed open)
     (case("RankLost", "critical", "i5", run="i-f", rank="1"), False),
     (case("TrainingStalled", "critical", "i5", run="i-f"), False),
+    # a run hung in its first step: its GPUs wait too
+    (case("FirstStepStalled", "critical", "i6", run="i-g"), False),
+    (case("GpuUnderutilized", "warning", "i6", run="i-g"), True),
+    (case("GpuUnderutilized", "warning", "i6", run="i-h"), False),
 ]
 
 
