@@ -105,3 +105,12 @@ def test_annotations_use_grafana_template_variables() -> None:
                 assert not re.search(r"\$value\b", template), f"{name}.{key}: $value is a string in Grafana"
                 for variable in re.findall(r"\$\w+", template):
                     assert variable in ("$labels", "$values"), f"{name}.{key}: {variable}"
+
+
+def test_annotations_run_no_prometheus_query() -> None:
+    """Grafana's templates have no `query`: an annotation that still calls it fails to render in Grafana. Before,
+    StepscopeTrainingStalled kept its `range ... | query | sortByLabel "rank"` block (the pids to dump)."""
+    for name, rule in grafana_rules().items():
+        for key, text in rule["annotations"].items():
+            for template in TEMPLATE.findall(text):
+                assert not re.search(r"\|\s*query\b", template), f"{name}.{key}: {template}"

@@ -52,7 +52,8 @@ def rule_uid(alert: str) -> str:
 
 
 INSIDE = r"(?:(?!\}\}).)*?"  # an action's text: anything up to its closing braces (a query has `{...}`)
-QUERY_BLOCK = re.compile(r"\{\{-?\s*(?:with|range)\b" + INSIDE + r"\|\s*query\s*\}\}", re.DOTALL)
+# `... | query }}`, or `... | query | sortByLabel "rank" }}`: a query's result piped on is a query block too
+QUERY_BLOCK = re.compile(r"\{\{-?\s*(?:with|range)\b" + INSIDE + r"\|\s*query\b" + INSIDE + r"\}\}", re.DOTALL)
 ACTION = re.compile(r"\{\{-?\s*(with|range|if|else|end)\b" + INSIDE + r"\}\}", re.DOTALL)
 EMPTY_IF = re.compile(r"\s*\{\{-?\s*if\b" + INSIDE + r"\}\}\{\{-?\s*end\s*-?\}\}", re.DOTALL)
 # Prometheus' external label with Grafana's address; a Grafana-managed alert links relative to Grafana.
