@@ -31,7 +31,7 @@ from stepscope_testkit.processes import REPO_ROOT, free_port, running_exporter
 from tests.support.prometheus import running_prometheus, wait_for
 from tests.test_stall_e2e import NODE, firing
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 FIRST_STEP_SECONDS_HERE = 15  # well past this script's real first step (a worker's start and one batch: < 1 s)
 FIRED_WITHIN_SECONDS = 30  # after the threshold: a push (1 s), a scrape and an evaluation (1 s each), a busy CPU
@@ -114,9 +114,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         stepping = start_ranks("stepping", 1, -1, exporter.url, tmp)
         try:
             log = tmp / "firsthang-1.log"
-            assert wait_for(lambda: printed(log, "train"), 60), log.read_text()
+            assert wait_for(lambda: printed(log, "train"), 120), log.read_text()
             stepping_log = tmp / "stepping-0.log"
-            assert wait_for(lambda: len(printed(stepping_log, "step")) >= 3, 60), stepping_log.read_text()
+            assert wait_for(lambda: len(printed(stepping_log, "step")) >= 3, 120), stepping_log.read_text()
             yield Observed(prometheus.url, tmp, [proc.pid for proc in hung], float(printed(log, "train")[0]))
         finally:
             for proc in hung + stepping:
