@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from stepscope.contract.recordings import (
     GPU_HELD_IDLE,
+    RANK_STALLED_SECONDS,
     RANK_STRAGGLER_ALERT_SCORES,
     RANK_TRAINING_SETTLED,
     RUN_GPU_SM_ACTIVE_TRAINED,
@@ -87,7 +88,7 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "one; cuDNN benchmarking; DataLoader workers starting) and than NCCL's default collective timeout "
         "(10 min in torch 2.11.0+cu130), after which PyTorch's watchdog ends a hung first collective and "
         "StepscopeRankLost pages the rank instead",
-        ("StepscopeFirstStepStalled",)),
+        ("StepscopeFirstStepStalled", RANK_STALLED_SECONDS)),
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
         ("StepscopeRankLost", "StepscopeTrainingStalled", "StepscopeFirstStepStalled")),
