@@ -33,9 +33,8 @@ def _rank(rank: str, warmup: float, run: str = "late", restarts: tuple[tuple[flo
           ) -> list[tuple[str, float, float]]:
     """The rank's pushes as scraped: a process from START whose first step takes `warmup`, then one per
     (seconds after START it starts, its first step) in `restarts`, each ending the one before (its counters
-    start from 0, a new pid and process start time); every process pushes from its start, its phase
-    histograms from when they are first entered (0 until the first step ends) and its step histogram from its
-    first step on."""
+    start from 0, a new pid and process start time); every process pushes from its start, its step and phase
+    histograms from its first step on."""
     labels = f'job="stepscope",instance="n1",run="{run}",rank="{rank}"'
     processes = ((0.0, warmup), *restarts)
     samples: list[tuple[str, float, float]] = []
@@ -53,14 +52,14 @@ def _rank(rank: str, warmup: float, run: str = "late", restarts: tuple[tuple[flo
         steps = 1 + round((ran - first) / STEP) if ran >= first else 0  # the first step ends at `first`
         steady = max(0.0, ran - first)
         samples += [(f"{fam.STEPS_TOTAL}{{{labels}}}", at, steps),
-                    (f"{fam.SAMPLES_TOTAL}{{{labels}}}", at, BATCH * steps),
-                    (f'{fam.STEP_PHASE_SECONDS}_sum{{{labels},phase="forward"}}', at,
-                     (first - 0.05 + FORWARD * steady) if steps else 0),  # the first step: forward but 50 ms
-                    (f'{fam.STEP_PHASE_SECONDS}_sum{{{labels},phase="dataloader_next"}}', at,
-                     (0.05 + LOADING * steady) if steps else 0)]
-        if steps:
+                    (f"{fam.SAMPLES_TOTAL}{{{labels}}}", at, BATCH * steps)]
+        if steps:  # the first step is all forward but 50 ms
             samples += [(f"{fam.STEP_SECONDS}_sum{{{labels}}}", at, ran),
-                        (f"{fam.STEP_SECONDS}_count{{{labels}}}", at, steps)]
+                        (f"{fam.STEP_SECONDS}_count{{{labels}}}", at, steps),
+                        (f'{fam.STEP_PHASE_SECONDS}_sum{{{labels},phase="forward"}}', at,
+                         first - 0.05 + FORWARD * steady),
+                        (f'{fam.STEP_PHASE_SECONDS}_sum{{{labels},phase="dataloader_next"}}', at,
+                         0.05 + LOADING * steady)]
     return samples
 
 
