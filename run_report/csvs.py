@@ -104,7 +104,7 @@ def rank_rows(ranks: Sequence[RankSummary], phases: Sequence[str]) -> tuple[list
               "step_time_score", "local_score", *STATE_SECONDS_HEADER, *CUDA_HEADER]
     rows = [
         [rank.rank, rank.node, rank.local_rank, rank.pids, rank.steps, rank.samples,
-         rank.warm_up.first_step_seconds if rank.warm_up else None, rank.mean, rank.p50, rank.p95,
+         rank.first_step_seconds, rank.mean, rank.p50, rank.p95,
          *(rank.share(phase) for phase in phases), rank.untimed_share, rank.step_time_score, rank.local_score,
          *(rank.state_seconds.get(state) for state in STATES), rank.train_time_share, *_cuda_cells(rank)]
         for rank in ranks

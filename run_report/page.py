@@ -133,16 +133,26 @@ def _key_numbers(report: Report) -> list[tuple[str, str]]:
 
 
 def _warm_up_numbers(report: Report) -> list[tuple[str, str]]:
-    """The longest first step left out as a warm-up (summary.WARM_UP_FACTOR), said where the numbers start:
-    without it a reader would take the steady numbers below for the whole run's."""
-    warmed = [(rank.rank, rank.warm_up) for rank in report.ranks if rank.warm_up is not None]
+    """The longest first step left out as a warm-up (summary.WARM_UP_FACTOR), and the longest of a process that
+    restarted in the window (a requeue compiles again), said where the numbers start: without it a reader would
+    take the steady numbers below for the whole run's."""
+    warmed = [(rank.rank, warm_up) for rank in report.ranks for warm_up in rank.warm_ups]
     if not warmed:
         return []
-    rank, longest = max(warmed, key=lambda pair: pair[1].first_step_seconds)
-    on = f" on rank {rank}" if len(report.ranks) > 1 else ""
+    several_ranks = len(report.ranks) > 1
+    said = []
+    for after_restart in (False, True):
+        these = [(rank, warm_up) for rank, warm_up in warmed if warm_up.after_restart == after_restart]
+        if not these:
+            continue
+        rank, longest = max(these, key=lambda pair: pair[1].first_step_seconds)
+        on = f" on rank {rank}" if several_ranks else ""
+        restart = (" after a restart" + (f" (the longest of {len(these)})" if len(these) > 1 else "")
+                   if after_restart else "")
+        said.append(f"{fmt.seconds(longest.first_step_seconds)}{on}{restart}")
     left_out = fmt.count(sum(warm_up.steps for _, warm_up in warmed))
     return [("first step (warm-up)",
-             f"first step {fmt.seconds(longest.first_step_seconds)}{on} (warm-up: compilation, cudnn benchmark, "
+             f"first step{'s' if len(said) > 1 else ''} {' and '.join(said)} (warm-up: compilation, cudnn benchmark, "
              f"data-loader start-up), left out of the step time, phase shares and sample rates below with the "
              f"steps up to the first scrape of them ({left_out} of {fmt.count(report.totals.steps)}); the counts "
              f"stay whole")]

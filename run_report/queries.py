@@ -5,8 +5,10 @@ Totals over a window are exact where the counters allow it. The hooks push cumul
 the process start, so a series's increase over [start, end] is its last value up to `end` minus its
 last value up to `start`, or its whole last value when it was born inside the window (a run the
 window covers whole counts from zero). `increase()` would extrapolate to the window's edges and
-miscount a finished run by up to half a scrape interval of steps; it is used only for a rank whose
-counters reset inside the window (its process restarted), where no exact answer exists.
+miscount a finished run by up to half a scrape interval of steps, and takes a series's first value for its
+base (a histogram born in the window loses its first step); it is used only for the step-time buckets of a rank
+whose counters reset inside the window (its process restarted). Other counters that reset count through the
+resets at the window's resolution (`_series_increase`).
 """
 
 from __future__ import annotations
@@ -39,17 +41,20 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
 
     `born_per_rank`: histogram buckets. A rank's bucket bound that appears inside the window starts
     with the counts from before it, so for a rank that existed before the window only bounds it
-    exported then are kept; a rank born inside the window counts every bound from zero.
+    exported then are kept; a rank born inside the window counts every bound from zero; a rank whose process
+    restarted in the window counts them with `increase()`. Any other series counts through its resets
+    (`_series_increase`): `increase()` took a series's first value in the window for its base, so a restarted
+    rank's step histogram born in the window lost its first step (a 60 s warm-up), which the report's warm-up
+    cut then took out once more.
     """
+    if not born_per_rank:
+        return _series_increase(selector, window)
     d = window.range_ms
     just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
     now = f"last_over_time({selector}[{d}])"
     before = f"last_over_time({selector}[{BEFORE}] offset {just_before})"
-    if born_per_rank:
-        rank_before = f"last_over_time({steps_selector}[{BEFORE}] offset {just_before})"
-        born = f"({now} unless on (run, {RANK}) {rank_before})"
-    else:
-        born = f"({now} unless {before})"
+    rank_before = f"last_over_time({steps_selector}[{BEFORE}] offset {just_before})"
+    born = f"({now} unless on (run, {RANK}) {rank_before})"
     restarted = f"(resets({steps_selector}[{d}]) > 0)"
     exact = f"((({now} - {before}) >= 0) or {born})"
     return (
@@ -59,10 +64,17 @@ def window_increase(selector: str, window: Window, steps_selector: str, born_per
 
 
 def restart_aware_increase(selector: str, window: Window, by: str) -> str:
-    """What a counter counted over the window, summed `by`, through restarts and gaps of any length.
+    """What a counter counted over the window, summed `by`, through restarts and gaps of any length
+    (`_series_increase`). Used by the goodput, whose restart gaps make every rank of a restarted run a reset
+    rank."""
+    return f"sum by ({by}) ({_series_increase(selector, window)})"
+
+
+def _series_increase(selector: str, window: Window) -> str:
+    """What each series counted over the window, labels kept, through restarts and gaps of any length.
 
     A series that never went down in the window (resets() compares its samples however far apart) counts its
-    last value less its last before the window, as `window_increase` does, so a gap in it (an exporter or
+    last value less its last before the window (all of it when born in the window), so a gap in it (an exporter or
     Prometheus down, a closed tracker's group dropped at the exporter's TTL until the next fit reopens it)
     adds only what it grew by across it. Summing each step's increase instead found no previous sample after
     a gap over BEFORE and counted the whole value again: 1,350 s of train for 1,200.
@@ -71,8 +83,7 @@ def restart_aware_increase(selector: str, window: Window, by: str) -> str:
     the increase since the series's last sample up to BEFORE before that step, or the whole value where the
     counter reset or was born; not the value one step back, which after a short gap (a failed scrape) is stale
     and would add the whole count once more. Exact where no process grew past its predecessor's count within
-    one step or gap, and where no gap over BEFORE comes with a restart in the same series. Used by the goodput,
-    whose restart gaps make every rank of a restarted run a reset rank."""
+    one step or gap, and where no gap over BEFORE comes with a restart in the same series."""
     d, step = window.range_ms, window.step_duration
     just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
     now = f"last_over_time({selector}[{d}])"
@@ -80,8 +91,7 @@ def restart_aware_increase(selector: str, window: Window, by: str) -> str:
     reset = f"(resets({selector}[{d}]) > 0)"
     previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
     through_resets = f"sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)[{d}:{step}])"
-    return (f"sum by ({by}) (((({now} - {before}) >= 0 or {now}) unless {reset})"
-            f" or ({through_resets} and {reset}))")
+    return f"((({now} - {before}) >= 0 or {now}) unless {reset}) or ({through_resets} and {reset})"
 
 
 def build(run: str, window: Window, nodes: list[str]) -> Queries:
@@ -141,31 +151,39 @@ def _totals(r: str, window: Window) -> dict[str, str]:
 
 
 def _first_scrape(r: str, window: Window) -> dict[str, str]:
-    """What a rank had counted when Prometheus first saw it step (the first point at the window's resolution
-    where its step histogram exists), for ranks whose step histogram was born inside the window and whose
-    process did not restart: the report leaves a warm-up first step out of its means, shares and rates
-    (summary.warm_up). Counters only grow, so their least value over the points where the step histogram
-    exists is their value at the first such point, every one of them from the same scrape; a phase first
-    timed later has a later timestamp there, which the report reads as nothing counted yet."""
+    """What each process of a rank had counted when Prometheus first saw it step, at the window's resolution: the
+    report leaves a warm-up first step out of its means, shares and rates (summary.warm_up), the first process's
+    and each restarted one's (a requeue, a restore from a checkpoint compiles again).
+
+    A process's first point is one where the rank's step histogram counts steps and had counted none, or more, at
+    its last sample up to BEFORE earlier: born (a held-back histogram appears with the first step) or gone down
+    (a new process counts from 0). Range vectors of those points (an instant query keeps each): the counts at
+    each, the points that follow a restart (the steps counter went down in the BEFORE up to the point, or the
+    histogram did), and the ranks whose step histogram was born in the window, without which a first point that
+    follows no restart is a window's start, not a process's. Before, one least value over the window per counter
+    mixed the two processes of a restarted rank (the first's step count with the second's seconds: a 45 s "first
+    step" for 60 s and 40 s, forward 100.2% of the step): restarted ranks were meant to be skipped, but the
+    `unless on (run, ...)` that skipped them matched nothing once `min by` had dropped `run`."""
     d, step = window.range_ms, window.step_duration
     just_before = f"{round(window.seconds * 1000) + 1}ms"
     step_count = sel(f"{fam.STEP_SECONDS}_count", r)
-    born = (f"(last_over_time({step_count}[{d}]) unless on (run, {RANK})"
-            f" last_over_time({step_count}[{BEFORE}] offset {just_before}))"
-            f" unless on (run, {RANK}) (resets({sel(fam.STEPS_TOTAL, r)}[{d}]) > 0)")
+    counted = f"(sum by (run, {RANK}) ({step_count}) > 0)"
+    earlier = f"(sum by (run, {RANK}) (last_over_time({step_count}[{BEFORE}] offset {step})) > 0)"
+    firsts = f"({counted} unless on (run, {RANK}) ({earlier} <= on (run, {RANK}) {counted}))"
+    restarted = (f"(({counted} < on (run, {RANK}) {earlier}) or on (run, {RANK})"
+                 f" (sum by (run, {RANK}) (resets({sel(fam.STEPS_TOTAL, r)}[{BEFORE}])) > 0))")
 
     def first(expr: str, by: str = RANK) -> str:
-        return (f"min by ({by}) (min_over_time(({expr} and on (run, {RANK}) {step_count})[{d}:{step}]))"
-                f" and on ({RANK}) {born}")
+        return f"(sum by (run, {by}) ({expr}) and on (run, {RANK}) {firsts})[{d}:{step}]"
 
-    phase_sum = sel(f"{fam.STEP_PHASE_SECONDS}_sum", r)
     return {
         "first_step_seconds": first(sel(f"{fam.STEP_SECONDS}_sum", r)),
         "first_step_count": first(step_count),
-        "first_step_time": first(f"timestamp({step_count})"),
         "first_samples": first(sel(fam.SAMPLES_TOTAL, r)),
-        "first_phase_seconds": first(phase_sum, f"{RANK}, phase"),
-        "first_phase_time": first(f"timestamp({phase_sum})", f"{RANK}, phase"),
+        "first_phase_seconds": first(sel(f"{fam.STEP_PHASE_SECONDS}_sum", r), f"{RANK}, phase"),
+        "first_restarts": f"({firsts} and on (run, {RANK}) {restarted})[{d}:{step}]",
+        "step_histogram_born": f"last_over_time({step_count}[{d}]) unless on (run, {RANK})"
+                               f" last_over_time({step_count}[{BEFORE}] offset {just_before})",
     }
 
 

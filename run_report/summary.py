@@ -6,9 +6,10 @@ time = step seconds / steps timed; a phase's share = its seconds / step seconds;
 of two is their mean), of mean step time and of the seconds per step in `dataloader_next` + `to_device` +
 `forward` (1 typical, below 0.75 a straggler).
 
-A rank's first step far slower than its steady steps (torch.compile, cudnn benchmark, a loader's workers
+A process's first step far slower than its rank's steady steps (torch.compile, cudnn benchmark, a loader's workers
 starting: WARM_UP_FACTOR times its steady mean or more) is a warm-up, left out of the step time, phase shares,
-scores and sample rates with every step Prometheus had seen by its first scrape of the rank's steps, as
+scores and sample rates with every step Prometheus had seen by its first scrape of the process's steps (the first
+process's, and each one's that restarted in the window: a requeued job compiles again), as
 Lightning's ThroughputMonitor and the profiler's warm-up leave the first steps out: on a short run an 88 s
 first step read a 25 ms loop's mean 40 ms and its training rate 869 samples/s for 1,290, passing the I/O check
 of a loader-limited loop. Counts (steps, samples), quantiles and time per state stay whole.
@@ -43,12 +44,13 @@ class CudaMemory:
 
 @dataclass(frozen=True)
 class WarmUp:
-    """What the report leaves out of a rank's step time, shares and rates: its first step and the steps up to
-    Prometheus's first scrape of them (one scrape's worth: the first is all the scrape can tell apart)."""
+    """What the report leaves out of a rank's step time, shares and rates: a process's first step and the steps up
+    to Prometheus's first scrape of them (one scrape's worth: the first is all the scrape can tell apart)."""
 
     first_step_seconds: float  # the first step: the first scrape's step seconds less its other steps at the mean
     steps: float  # steps timed by the first scrape, the first one included
     samples: float  # their samples
+    after_restart: bool = False  # a process that restarted in the window (not the rank's first)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class RankSummary:
     # eval and checkpoint is in, however short; the state timeline only samples the state at each push.
     state_seconds: Mapping[str, float] = field(default_factory=dict)
     cuda: CudaMemory | None = None  # None where the rank pushed no allocator memory (the CPU)
-    warm_up: WarmUp | None = None  # left out of step_seconds, steps_timed and phase_seconds
+    # left out of step_seconds, steps_timed and phase_seconds, in time order: one per process that warmed up
+    warm_ups: tuple[WarmUp, ...] = ()
 
     @property
     def mean(self) -> float | None:
@@ -81,7 +84,13 @@ class RankSummary:
     @property
     def rate_samples(self) -> float:
         """The samples of the steps in step_seconds: the rates' numerator."""
-        return self.samples - (self.warm_up.samples if self.warm_up else 0.0)
+        return self.samples - sum(warm_up.samples for warm_up in self.warm_ups)
+
+    @property
+    def first_step_seconds(self) -> float | None:
+        """The longest warm-up first step left out (a restarted rank may have one per process), None where none
+        was: rank_summary.csv's first_step_seconds."""
+        return max((warm_up.first_step_seconds for warm_up in self.warm_ups), default=None)
 
     @property
     def train_time_share(self) -> float | None:
@@ -201,7 +210,7 @@ def rank_summaries(data: RunData) -> list[RankSummary]:
         for rank, node in keys
     ]
     first = _first_scrapes(totals)
-    return _with_scores([_without_warm_up(rank, first[key]) if (key := (rank.rank, rank.node)) in first else rank
+    return _with_scores([_without_warm_ups(rank, first[key]) if (key := (rank.rank, rank.node)) in first else rank
                          for rank in ranks])
 
 
@@ -221,51 +230,70 @@ def run_totals(data: RunData, ranks: list[RankSummary]) -> RunTotals:
         phases=phase_order(phase_seconds),
         ranks=max(1, len(ranks)),
         rate_samples=sum(rank.rate_samples for rank in ranks),
-        first_step_seconds=max((rank.warm_up.first_step_seconds for rank in ranks if rank.warm_up), default=None),
+        first_step_seconds=max((rank.first_step_seconds for rank in ranks if rank.warm_ups), default=None),
     )
 
 
 @dataclass(frozen=True)
 class _FirstScrape:
-    """A rank's counts at Prometheus's first scrape of its steps (queries._first_scrape)."""
+    """A process's counts at Prometheus's first scrape of its steps (queries._first_scrape)."""
 
     step_seconds: float
     steps_timed: float
     samples: float
     phase_seconds: Mapping[str, float]
+    after_restart: bool
 
 
-def _first_scrapes(totals: Mapping[str, list[Series]]) -> dict[tuple[str, str], _FirstScrape]:
-    """Per rank born in the window; a phase whose first point is later than the steps' had counted nothing."""
-    step_time = _by_rank(totals["first_step_time"])
-    counts, seconds, samples = (_by_rank(totals[name]) for name in
-                                ("first_step_count", "first_step_seconds", "first_samples"))
-    phase_time = {(*_key(series), series.labels.get("phase", "")): series.last
-                  for series in totals["first_phase_time"]}
-    phases: dict[tuple[str, str], dict[str, float]] = {}
+def _first_scrapes(totals: Mapping[str, list[Series]]) -> dict[tuple[str, str], list[_FirstScrape]]:
+    """Per rank, its processes' first scrapes in the window in time order: each that follows a restart, and the
+    first of a rank whose step histogram was born in the window (any other first point is the window's start)."""
+    def points(name: str) -> dict[tuple[str, str], dict[float, float]]:
+        found: dict[tuple[str, str], dict[float, float]] = {}
+        for series in totals[name]:
+            found.setdefault(_key(series), {}).update(series.points)
+        return found
+
+    counts, seconds, samples = (points(name) for name in ("first_step_count", "first_step_seconds", "first_samples"))
+    restarts = points("first_restarts")
+    born = {_key(series) for series in totals["step_histogram_born"]}
+    phases: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
     for series in totals["first_phase_seconds"]:
-        key, phase = _key(series), series.labels.get("phase", "")
-        if key in step_time and phase_time.get((*key, phase)) == step_time[key]:
-            phases.setdefault(key, {})[phase] = series.last
-    return {key: _FirstScrape(seconds[key], counts[key], samples.get(key, 0.0), phases.get(key, {}))
-            for key in step_time if key in counts and key in seconds}
+        at = phases.setdefault(_key(series), {})
+        for when, value in series.points:
+            at.setdefault(when, {})[series.labels.get("phase", "")] = value
+    scrapes: dict[tuple[str, str], list[_FirstScrape]] = {}
+    for key, by_time in counts.items():
+        for index, when in enumerate(sorted(by_time)):
+            after_restart = index > 0 or when in restarts.get(key, {})
+            if (after_restart or key in born) and when in seconds.get(key, {}):
+                scrapes.setdefault(key, []).append(_FirstScrape(
+                    seconds[key][when], by_time[when], samples.get(key, {}).get(when, 0.0),
+                    phases.get(key, {}).get(when, {}), after_restart))
+    return scrapes
 
 
-def _without_warm_up(rank: RankSummary, first: _FirstScrape) -> RankSummary:
-    """The rank without the steps of its first scrape when the first of them is a warm-up (WARM_UP_FACTOR);
-    as it was when not, or when no step came after that scrape (nothing steady to compare with)."""
-    steady_steps = rank.steps_timed - first.steps_timed
+def _without_warm_ups(rank: RankSummary, firsts: list[_FirstScrape]) -> RankSummary:
+    """The rank without the steps of each first scrape whose first step is a warm-up (WARM_UP_FACTOR times the
+    steady mean, the rank's steps after every first scrape); as it was when none is, or when no step came after
+    them (nothing steady to compare with)."""
+    steady_steps = rank.steps_timed - sum(first.steps_timed for first in firsts)
     if steady_steps <= 0:
         return rank
-    steady_mean = (rank.step_seconds - first.step_seconds) / steady_steps
-    first_step = first.step_seconds - (first.steps_timed - 1) * steady_mean
-    if steady_mean <= 0 or first_step < WARM_UP_FACTOR * steady_mean:
+    steady_mean = (rank.step_seconds - sum(first.step_seconds for first in firsts)) / steady_steps
+    if steady_mean <= 0:
+        return rank
+    warm = [(first, first.step_seconds - (first.steps_timed - 1) * steady_mean) for first in firsts]
+    warm = [(first, seconds) for first, seconds in warm if seconds >= WARM_UP_FACTOR * steady_mean]
+    if not warm:
         return rank
     return dataclasses.replace(
-        rank, step_seconds=rank.step_seconds - first.step_seconds, steps_timed=steady_steps,
-        phase_seconds={phase: max(0.0, seconds - first.phase_seconds.get(phase, 0.0))
+        rank, step_seconds=rank.step_seconds - sum(first.step_seconds for first, _ in warm),
+        steps_timed=rank.steps_timed - sum(first.steps_timed for first, _ in warm),
+        phase_seconds={phase: max(0.0, seconds - sum(first.phase_seconds.get(phase, 0.0) for first, _ in warm))
                        for phase, seconds in rank.phase_seconds.items()},
-        warm_up=WarmUp(first_step, first.steps_timed, first.samples),
+        warm_ups=tuple(WarmUp(seconds, first.steps_timed, first.samples, first.after_restart)
+                       for first, seconds in warm),
     )
 
 

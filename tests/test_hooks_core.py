@@ -106,11 +106,13 @@ def test_loader_times_next_and_skips_epoch_end() -> None:
 
 def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
     t = tracker(max_phases=3)
+    t.state("train")
     with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
         for i in range(6):
             with t.phase(f"p{i}"):
                 pass
     assert len([r for r in caplog.records if "distinct phases" in r.message]) == 1
+    t.step()  # phase histograms are pushed from the step histogram's first push on
     text = t.render()
     assert {s[1] for s in samples(text) if s[0] == "stepscope_step_phase_seconds_count"} == {
         frozenset({("phase", f"p{i}"), ("timing", "host")}) for i in range(3)

@@ -237,6 +237,41 @@ def test_huggingface_train_twice_with_the_same_callback_goes_on_counting_the_sam
     assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
 
 
+def test_huggingface_resume_of_a_checkpoint_of_a_second_train_pushes_the_runs_global_step(tmp_path: Path) -> None:
+    """train() to step 3, a second train() to the run's 6 (its Trainer's 3, saving at each), then a resume of that
+    second train()'s checkpoint-1 (the run's 4) to its step 2: the run's 5, from 4, with the same callback and with a
+    new one (a new process's, the Trainer restoring callback states or not). Before, the offset of the second
+    train() was lost with it: 2 from 1 pushed, read by the rules as 5 steps done again for 2."""
+    from transformers import Trainer, TrainingArguments
+
+    from stepscope.contract import families
+    from stepscope.hooks.huggingface import StepscopeCallback
+
+    def train(callback: StepscopeCallback, steps: int, save: bool = False, resume: str | None = None,
+              restore_callbacks: bool = False) -> str:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "hf"), max_steps=steps, per_device_train_batch_size=BATCH, report_to=[],
+            use_cpu=True, logging_strategy="no", save_strategy="steps" if save else "no", save_steps=1,
+            disable_tqdm=True, dataloader_num_workers=0, restore_callback_states_from_checkpoint=restore_callbacks,
+        )
+        Trainer(model=LinearRegressor(), args=args, train_dataset=Regression(40, as_dict=True),
+                callbacks=[callback]).train(resume_from_checkpoint=resume)
+        return callback.tracker.render()
+
+    callback = StepscopeCallback(run="hf-resume-offset", push_url="", handle_sigterm=False)
+    train(callback, 3)
+    assert sample_values(train(callback, 3, save=True), families.TRAINING_GLOBAL_STEP) == [6]
+    checkpoint = str(tmp_path / "hf" / "checkpoint-1")
+    resumed = {"same callback": train(callback, 2, resume=checkpoint)}
+    for restore_callbacks in (False, True):
+        fresh = StepscopeCallback(run=f"hf-resume-new-{restore_callbacks}", push_url="", handle_sigterm=False)
+        resumed[f"new callback, restore_callback_states={restore_callbacks}"] = train(
+            fresh, 2, resume=checkpoint, restore_callbacks=restore_callbacks)
+    for how, text in resumed.items():
+        assert sample_values(text, families.TRAINING_GLOBAL_STEP) == [5], how  # 2 before the fix
+        assert sample_values(text, families.TRAINING_GLOBAL_STEP_START) == [4], how
+
+
 def test_lightning_leaves_dataloader_next_when_an_unsized_loader_runs_out(tmp_path: Path) -> None:
     """A loader without a length ends its epoch with a fetch that raises StopIteration: the phase is left
     (the exporter shows no phase entered after the fit)."""

@@ -167,8 +167,10 @@ def test_phase_buckets_are_off_by_default_and_on_behind_the_switch(phase_buckets
     config = Config.resolve(env={"STEPSCOPE_RUN": "r", "STEPSCOPE_PUSH_URL": "", **env},
                             phase_buckets=phase_buckets, handle_sigterm=False)
     t = th.Tracker(config)
+    t.state("train")
     with t.phase("forward"):
         pass
+    t.step()  # phase histograms are pushed from the step histogram's first push on
     text = t.render()
     les = {float(dict(labels)["le"]) for name, labels in samples(text)
            if name == "stepscope_step_phase_seconds_bucket"}
@@ -249,3 +251,27 @@ def test_the_first_push_covers_the_body_so_no_later_block_lands_below_p99(monkey
     p99 = sorted(steps)[int(0.99 * len(steps))]
     assert not {bound for bound in set(snap.bounds) - first if bound < p99}, sorted(set(snap.bounds) - first)
     assert len(snap.bounds) <= MAX_EXPORTED
+
+
+@pytest.mark.parametrize("buckets", [None, (0.01, 0.1, 1.0)], ids=["following", "fixed"])
+def test_phase_histograms_are_pushed_from_the_push_that_first_holds_the_step_histogram(buckets) -> None:
+    """A phase histogram and the step histogram start in the same push, so that every rate window of the phases
+    starts where the steps' does: pushed from the phase's first entry, a long first step's phases were in the push
+    before the step histogram's first, and the rules' per-step phase seconds (a phase's rate over the steps') held
+    that step in the phases' windows only (an 80 s first step read forward 0.37 s per step of 100 ms for 45 s,
+    grafana/rules/tests/warmup.yml). Fixed buckets are pushed from the start, and the phases with them."""
+    track = tracker(buckets=buckets)
+    track.state("train")
+    with track.phase("dataloader_next"):
+        pass
+    forward = track.phase("forward")
+    with forward:
+        during = track.render()  # the first step under way, its loading done
+    assert bool(sample_values(during, "stepscope_step_phase_seconds_count")) is (buckets is not None)
+    assert bool(sample_values(during, "stepscope_step_seconds_count")) is (buckets is not None)
+    track.step(samples=1)
+    text = track.render()
+    track.close()
+    for phase in ("dataloader_next", "forward"):
+        assert sample_values(text, "stepscope_step_phase_seconds_count", phase=phase) == [1], phase
+    assert sample_values(text, "stepscope_step_seconds_count") == [1]

@@ -243,7 +243,8 @@ def test_totals_of_a_whole_run_count_from_zero_even_when_the_window_starts_on_it
         tmp_path: Path) -> None:
     _promtool_totals(tmp_path, Window(0, 300, 15), {
         "steps": [{"labels": '{rank="0",instance="n"}', "value": 250},
-                  {"labels": '{rank="1",instance="n"}', "value": 190}],  # restarted: increase()
+                  # restarted: 100 + 100 through its reset (increase() took its first sample, 10, for a base: 190)
+                  {"labels": '{rank="1",instance="n"}', "value": 200}],
         # 250 steps: 25 <= 0.25 s, 200 <= 0.5 s; the 125th lies 100/175 into (0.25, 0.5]
         "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.25 + 0.25 * 100 / 175}],
         "state_seconds": [{"labels": '{rank="0",instance="n",state="checkpoint"}', "value": 20},
@@ -254,10 +255,10 @@ def test_totals_of_a_whole_run_count_from_zero_even_when_the_window_starts_on_it
 def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(tmp_path: Path) -> None:
     # [120, 300]: rank 0 had 120 steps up to 105 s and 250 at the end; le=0.5: 96 -> 200; le=0.25
     # appeared inside the window (its count includes earlier steps) and is left out. Rank 1 restarted
-    # inside: increase() from the window's first sample, 90 -> 100, then 0 -> 100.
+    # inside: 80 (at 105 s) -> 100, then 0 -> 100 (increase() from the window's first sample, 90: 110).
     _promtool_totals(tmp_path, Window(120, 300, 15), {
         "steps": [{"labels": '{rank="0",instance="n"}', "value": 130},
-                  {"labels": '{rank="1",instance="n"}', "value": 110}],
+                  {"labels": '{rank="1",instance="n"}', "value": 120}],
         "p50": [{"labels": '{rank="0",instance="n"}', "value": 0.5 * 65 / 104}],
         # [120, 300]: the eval seconds went from 21 (at 105 s) to 60
         "state_seconds": [{"labels": '{rank="0",instance="n",state="checkpoint"}', "value": 13},

@@ -22,7 +22,13 @@ after the step's logging; left at on_evaluate and on_save, or at the next fetch)
 `train()` again in the same process (the same Trainer or another with this callback) is the same run, as with the
 Lightning callback: the tracker closed at on_train_end is reopened at the next on_train_begin, its counters go on
 and the time between is idle; a `train()` that starts from global step 0 (nothing resumed) goes on from the global
-step the last one reached.
+step the last one reached. That offset is kept in each checkpoint the train() saves (trainer_state.json's
+`stateful_callbacks`, under "stepscope"): a `train(resume_from_checkpoint=...)` of it, with the same callback or a new
+one in a new process, pushes its trainer's global step plus the offset of the train() that saved it, as the Lightning
+callback does. Not as an `ExportableState`: the Trainer restores those only with
+`restore_callback_states_from_checkpoint` (off by default), and then by replacing the callback with a new one built
+from saved arguments, which would drop the tracker and the settings the user gave it. With that option on, the Trainer
+warns that it ignores "stepscope".
 Requires `transformers`; importing this module imports it.
 """
 
@@ -54,6 +60,7 @@ log = logging.getLogger("stepscope.hooks")
 _GPU_PHASES = (TRAIN_BATCH_PHASE, OPTIMIZER_PHASE, LR_SCHEDULER_PHASE)
 _FETCH = "get_batch_samples"  # Trainer method that draws a step's batches from the epoch iterator
 _TRAINER_SEARCH_DEPTH = 8  # frames between on_train_begin and the Trainer's training loop
+_STATE_KEY = "stepscope"  # this callback's entry in TrainerState.stateful_callbacks, saved in each checkpoint
 
 
 class StepscopeCallback(TrainerCallback):
@@ -90,12 +97,29 @@ class StepscopeCallback(TrainerCallback):
             self.tracker = stepscope.hooks.init(**init)
         elif self._owns_tracker:
             self.tracker.reopen()  # train() after one: the same run goes on
-        self._step_offset = self.tracker.global_step_offset(state.global_step)
+        self._step_offset = self._global_step_offset(state)
         self._default_batch = args.train_batch_size
         self._flops_per_token = _flops_per_token(kwargs.get("model"))
         self._wrap_fetch(_find_trainer())
         self._training = True
         self.tracker.state(TRAIN_STATE)
+
+    def _global_step_offset(self, state: TrainerState) -> int:
+        """What this train() adds to the Trainer's global step, noted in the state its checkpoints save.
+
+        A train() resumed from a checkpoint takes the offset saved there (a state loaded from trainer_state.json):
+        without it, a train() to step 3, a second to the run's 6 (its own 3, saving at each) and a resume of the
+        second's checkpoint-1 (the run's 4) pushed 2, and the rules counted 5 steps done again for 2. Any other
+        train() takes the tracker's (the global step reached so far where it starts from 0).
+        """
+        saved = state.stateful_callbacks.get(_STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+        if isinstance(saved, dict) and state.global_step > 0:
+            offset = int(saved.get("global_step_offset", 0))
+        else:
+            offset = self.tracker.global_step_offset(state.global_step)
+        if isinstance(state.stateful_callbacks, dict):
+            state.stateful_callbacks[_STATE_KEY] = {"global_step_offset": offset}
+        return offset
 
     def _wrap_fetch(self, trainer: Trainer | None) -> None:
         """Hands `get_batch_samples` an iterator that times each fetch and notes each batch's size."""
