@@ -377,7 +377,9 @@ def test_sigterm_finishes_large_scrapes_in_flight(tmp_path: Path) -> None:
         expected = requests.get(exp.url + "/metrics", headers={"Accept-Encoding": "identity"}, timeout=10).content
         assert len(expected) > 8_000_000  # more than the kernel's socket buffers hold for a slow reader
         scrapes = []
-        for _ in range(5):
+        # three at once: five (53 MB for the test's Python to read within the exporter's 5 s) were cut at 91% in a
+        # clean-clone run on a slower 2-core machine, where the pace measured was the test's again
+        for _ in range(3):
             sock = socket.create_connection(("127.0.0.1", port_of(exp)), timeout=30)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # the server must wait for the reader
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: identity\r\n\r\n")
@@ -393,7 +395,7 @@ def test_sigterm_finishes_large_scrapes_in_flight(tmp_path: Path) -> None:
             received = [future.result() for future in reading]
         assert exp.process.wait(timeout=30) == 0
         stuck.close()
-    assert [len(r) for r in received] == [len(expected)] * 5
+    assert [len(r) for r in received] == [len(expected)] * len(scrapes)
     assert all(r.endswith(expected[-200:]) for r in received)
 
 

@@ -279,7 +279,7 @@ def test_gantt_intervals_match_the_pushed_state_changes(runs: Runs) -> None:
                              for t, v in item["values"] if v == "1")
             changes = [(t, s) for i, (t, s) in enumerate(samples) if i == 0 or samples[i - 1][1] != s]
             changes = [(t, s) for t, s in changes if t >= start - step]
-            assert [row["state"] for row in mine] == [s for _, s in changes], (run, rank)
+            assert [row["state"] for row in mine] == [s for _, s in changes], (run, rank, mine, changes)
             for row, (t, _) in zip(mine[1:], changes[1:], strict=True):
                 assert 0 <= parse_time(row["start"], 0) - t <= step + 0.001, (run, rank, row, t)
             evals = [row for row in mine if row["state"] == "eval"]
