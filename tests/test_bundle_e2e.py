@@ -70,8 +70,6 @@ RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordin
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
     recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU)}
-RULES_EMPTY_BY_DESIGN[recordings.RUN_IN_BREAK] = ("no run here validates or saves: grafana/rules/tests/verdict_breaks.yml "
-                                                  "and tests/test_pauses_victoriametrics.py")
 RULES_EMPTY_BY_DESIGN |= {name: "runs that count tokens only: grafana/rules/tests/pace_change.yml" for name in (
     recordings.RUN_TRAINING_TOKENS_RATE, recordings.RUN_TRAINING_TOKENS_BASELINE)}
 # dcgm-exporter's fill-ins (recordings.GPU_DCGM_*) read its fields alone, so this node, whose GPU readings are
