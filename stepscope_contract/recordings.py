@@ -105,12 +105,6 @@ RUN_GPUS = "run:stepscope_gpus:count"  # GPUs the run's ranks hold memory on
 # The GPUs whose readings are a run's training now: a rank of the run on it has trained 10 s without a break
 RUN_GPU_TRAINING_READINGS = "instance_gpu_run:stepscope_gpu_training_readings:bool"
 RUN_VERDICT = "run:stepscope_bottleneck:verdict"  # value 1, label `verdict`
-# 1 while a rank of the run is in an eval or checkpoint break or left one less than a minute ago, none in setup
-# or closed: the verdict holds the run's last verdict of training then
-RUN_IN_BREAK = "run:stepscope_in_break:bool"
-# The verdict while the run trains (label `verdict`, never idle), valued with the time it was judged: the verdict
-# holds the latest of them through an eval or checkpoint break
-RUN_VERDICT_JUDGED = "run:stepscope_bottleneck_judged:timestamp_seconds"
 
 RUN_LOADER_LIMIT = "run:stepscope_loader_limit_samples_per_second:sum"
 RUN_COMPUTE_LIMIT = "run:stepscope_compute_limit_samples_per_second:sum"

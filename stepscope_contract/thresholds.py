@@ -17,7 +17,6 @@ from stepscope.contract.recordings import (
     RUN_GPU_SM_ACTIVE_TRAINED,
     RUN_GPU_TRAINING_READINGS,
     RUN_GPU_UTILIZATION_TRAINED,
-    RUN_IN_BREAK,
     RUN_LIMITS_VERDICT,
     RUN_VERDICT,
 )
@@ -103,15 +102,8 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "pause_hold_seconds": Threshold(
         600, "seconds of an eval or checkpoint break through which the training alerts keep the reading of the "
         "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
-        "still alerted, and a firing alert is not resolved by the break; the run's verdict keeps its last verdict "
-        "of training as long",
-        ("StepscopeDataLoadingBottleneck", "StepscopeStragglerRank", RUN_VERDICT)),
-    "pause_refill_seconds": Threshold(
-        180, "seconds after an eval or checkpoint break through which the verdict still keeps the run's last "
-        "verdict of training where the evidence has not come back (no step in the 1m rate window yet, GPU "
-        "readings not in, the data-loading share behind the step rate): 2.5 minutes on VictoriaMetrics + vmalert "
-        "at 30 s evaluations, each level of recordings an evaluation late (tests/test_pauses_victoriametrics.py)",
-        (RUN_IN_BREAK,)),
+        "still alerted, and a firing alert is not resolved by the break",
+        ("StepscopeDataLoadingBottleneck", "StepscopeStragglerRank")),
     "pause_carry_seconds": Threshold(
         300, "seconds back the GPU readings the training alerts read are carried from while a rank of the run is "
         "in an eval or checkpoint break: longer than an evaluation interval and VictoriaMetrics' lag in "

@@ -5,8 +5,7 @@ from stepscope.contract.thresholds import THRESHOLDS
 
 # run:stepscope_bottleneck:verdict (recordings.RUN_VERDICT), first match wins; none while a run has
 # trained less than THRESHOLDS["verdict_settle_seconds"] (the evidence is not in yet)
-IDLE = "idle"  # no step in the last minute, or no rank in state train (an eval or checkpoint break holds the
-# last verdict of training instead, for up to THRESHOLDS["pause_hold_seconds"])
+IDLE = "idle"  # no step in the last minute, or no rank in state train
 DATA_BOUND = "data_bound"  # the data-loading share is over its threshold
 GPU_BUSY_IDLE = "gpu_busy_idle"  # the GPUs run kernels most of the time but their SMs do little
 GPU_BOUND = "gpu_bound"  # the run's GPUs are busy (NVML utilization): the healthy state
@@ -28,10 +27,8 @@ def _meanings() -> dict[str, str]:
     busy = THRESHOLDS["gpu_bound_utilization"].percent
     idle_sms = THRESHOLDS["busy_idle_sm_active"].percent
     loading = THRESHOLDS["data_loading_share"].percent
-    hold = f'{THRESHOLDS["pause_hold_seconds"].value / 60:g}'
     return {
-        IDLE: f"no step in the last minute, or no rank in state train; an eval or checkpoint break is not idle: the "
-              f"run keeps its last verdict of training through it, for up to {hold} minutes",
+        IDLE: "no step in the last minute, or no rank in state train",
         DATA_BOUND: f"waiting for the next batch takes more than {loading} of the step time",
         GPU_BUSY_IDLE: f"the GPUs run kernels at least {busy} of the time (NVML) but their SMs are active less "
                        f"than {idle_sms} of it (GPM): kernels too small for the GPU",

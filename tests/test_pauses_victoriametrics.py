@@ -14,9 +14,6 @@ time, since a single replay cannot carry a recording's own value). Then:
   with one activeAt (ALERTS_FOR_STATE) all along: no resolve, no new `for`;
 - what must not be held is not: a share that fell before the break, a rank back in setup (its alerts'
   `for` starts over once it trains again).
-- the run's verdict holds its last verdict of training through every break as well (one verdict at every
-  evaluation from the first to the run's end), and a rank back in setup reads idle; the report, querying
-  VictoriaMetrics as it queries Prometheus, finds one verdict period and no idle time in such a run.
 
 Both shipped rule files are replayed, every rule (about 6 s on 2 cores).
 """
@@ -32,11 +29,6 @@ import pytest
 import yaml
 
 from grafana.rules import RULE_FILES, RULES_DIR
-from stepscope.contract import recordings
-from stepscope.report.collect import RunData
-from stepscope.report.prometheus import Prometheus
-from stepscope.report.verdict import judged_periods
-from stepscope.report.window import Window
 from tests.support.victoria import running_victoria
 from tests.support.victoria_replay import (
     Samples,
@@ -54,10 +46,6 @@ HELD = [  # (alert, run, the state its breaks are in)
     ("StepscopeGpuUnderutilized", "periodic", "eval"),
     ("StepscopeGpuBusyButIdle", "busy", "checkpoint"),
     ("StepscopeStragglerRank", "pairbreak", "eval"),
-]
-VERDICT_HELD = [  # (run, its verdict while training, the state its breaks are in)
-    ("periodic", "data_bound", "eval"),
-    ("busy", "gpu_busy_idle", "checkpoint"),
 ]
 ROUNDED = re.compile(r"^round\((?P<selector>.+),\s*(?P<to>[\d.]+)\)$")
 
@@ -220,51 +208,3 @@ def test_a_rank_back_in_setup_holds_nothing_and_starts_its_for_over(replayed: Re
     again = [at for at in states if at > setup[-1]]
     assert again and all(states[at] == "pending" for at in again), states
     assert replayed.active_since(alert, run)[-1] > setup[-1], f"{alert} of {run} kept its old activeAt"
-
-
-def _last(run: str) -> int:
-    """Seconds from the start of `run`'s last sample in pauses.yml."""
-    interval = _seconds(_case()["interval"])
-    return max(i * interval for item in _case()["input_series"] if parse_series(item["series"]).get("run") == run
-               for i, _ in enumerate(expand_values(item["values"])))
-
-
-@pytest.mark.parametrize(("run", "verdict", "state"), VERDICT_HELD, ids=[run for run, _, _ in VERDICT_HELD])
-def test_the_verdict_stays_the_training_verdict_through_every_break(replayed: Replayed, run: str, verdict: str,
-                                                                   state: str) -> None:
-    """From its first verdict to its end the run has one verdict at every evaluation, its verdict of
-    training, its breaks included: on the rules before, every evaluation of a break read idle."""
-    at: dict[int, list[str]] = {}
-    for labels, points in replayed.series(f'{recordings.RUN_VERDICT}{{run="{run}"}}'):
-        for t, _ in points:
-            at.setdefault(round(t - replayed.start), []).append(labels["verdict"])
-    assert at, f"no verdict for {run}"
-    first = min(at)
-    breaks = [t for t in _times_in(run, state) if t > first]
-    assert breaks, f"no {state} break of {run} after its first verdict at {_clock(first)}: the case proves nothing"
-    other = {_clock(t): at.get(t) for t in range(first, _last(run) + 1, replayed.interval) if at.get(t) != [verdict]}
-    assert not other, (f"{run} read {verdict} from {_clock(first)} but not at {other} "
-                       f"({state} at {[_clock(t) for t in breaks]})")
-
-
-def test_a_rank_back_in_setup_reads_idle(replayed: Replayed) -> None:
-    """restart, back in setup: idle from its second evaluation in setup on (at the first, vmalert reads the
-    step rate and the settled ranks the evaluation before recorded, as the rules before did)."""
-    setup = _times_in("restart", "setup")
-    found = {_clock(at): sorted(labels["verdict"] for labels, points in replayed.series(
-                 f'{recordings.RUN_VERDICT}{{run="restart"}}') for t, _ in points if round(t - replayed.start) == at)
-             for at in setup[1:]}
-    assert found and all(verdicts == ["idle"] for verdicts in found.values()), found
-
-
-def test_the_report_finds_one_verdict_and_no_idle_time_in_a_run_that_validates(replayed: Replayed) -> None:
-    """periodic validates 1.5 minutes every 7: the report's verdict over its window (a range query at the
-    evaluation interval, as stepscope-report sends) is data_bound throughout, one period; on the rules
-    before, 15 of its 61 points read idle."""
-    window = Window(replayed.start, replayed.start + _last("periodic"), replayed.interval)
-    verdict = Prometheus(replayed.url).query_range(f'{recordings.RUN_VERDICT}{{run="periodic"}}', window.start,
-                                                   window.end, window.step)
-    data = RunData("periodic", window, ("n1",), {}, {"verdict": verdict})
-    assert [name for name, _, _ in judged_periods(data)] == ["data_bound"]
-    points = {series.labels["verdict"]: len(series.points) for series in verdict}
-    assert set(points) == {"data_bound"}, points

@@ -163,34 +163,6 @@ def test_held_expands_a_selector_and_its_offset_and_refuses_anything_else() -> N
         render("a\nheld(rate(m[1m]))\n", "f")
 
 
-def test_a_rule_placeholder_inlines_another_recording_of_the_file_and_refuses_a_loop() -> None:
-    """<<rule:NAME>> computes a recording's expression in place (no level of recordings more to wait for on
-    VictoriaMetrics), its own <<rule:...>> filled in, indented as the line it stands on."""
-    source = """groups:
-  - name: g
-    rules:
-      - record: <<record:RUN_IN_BREAK>>
-        expr: |
-          a
-            unless b
-      - record: <<record:RUN_VERDICT_JUDGED>>
-        expr: |
-          c and <<rule:RUN_IN_BREAK>>
-      - record: <<record:RUN_VERDICT>>
-        expr: |
-          d
-            or <<rule:RUN_VERDICT_JUDGED>>
-"""
-    rendered = {rule["record"]: rule["expr"] for group in yaml.safe_load(render(source, "f"))["groups"]
-                for rule in group["rules"]}
-    assert rendered[recordings.RUN_VERDICT] == "d\n  or (\n    c and (\n      a\n        unless b\n    )\n  )\n"
-    looped = source.replace("c and", "<<rule:RUN_VERDICT>> and")
-    with pytest.raises(UnknownPlaceholder, match=r"f:10: .*\(RUN_VERDICT -> RUN_VERDICT_JUDGED -> RUN_VERDICT\)"):
-        render(looped, "f")
-    with pytest.raises(UnknownPlaceholder, match=r"f:10: <<rule:RUN_GPUS>> names no recording of this file"):
-        render(source.replace("<<rule:RUN_IN_BREAK>>", "<<rule:RUN_GPUS>>"), "f")
-
-
 def names_read(expr: str) -> set[str]:
     """Recording rules and exporter metrics an expression reads."""
     return set(RULE_NAME.findall(expr)) | set(METRIC_NAME.findall(RULE_NAME.sub("", expr)))

@@ -13,12 +13,6 @@
     <<verdict:DATA_BOUND>>             a verdict of stepscope.contract.verdicts
     <<peak_flops:BF16>>                the peak FLOP/s table for a dtype of stepscope.contract.peak_flops
                                        (several lines, each indented as the placeholder's line)
-    <<rule:RUN_IN_BREAK>>              the expression of the recording <<record:RUN_IN_BREAK>> of the same
-                                       source file (its own <<rule:...>> filled in), in parentheses: a rule
-                                       that needs another's value in the same evaluation computes it itself
-                                       rather than read it one level up (on VictoriaMetrics each level of
-                                       new series costs ~10 s, docs/engines.md), without a second copy of it
-                                       in the source; in a block scalar (`expr: |`), as it spans lines
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
 
@@ -31,13 +25,10 @@ alert. The selector keeps its `instance` and `job` labels for that (read it insi
 import re
 from collections.abc import Callable
 
-import yaml
-
 from stepscope.contract import THRESHOLDS, families, peak_flops, recordings, training, verdicts
 from stepscope.contract.scrape_gaps import HOLD_SECONDS, SETTLE_SECONDS
 
 PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
-RULE = re.compile(r"<<rule:(\w+)>>")
 HELD_CALL = re.compile(r"\bheld\(")
 HELD = re.compile(r"held\(\s*(?P<selector>[A-Za-z_:][\w:]*(?:\{[^{}]*\})?|\{[^{}]*\})"
                   r"(?:\s+offset\s+(?P<offset>\d+)(?P<unit>[sm]))?\s*\)")
@@ -98,47 +89,15 @@ def _expand_held(text: str, where: str) -> str:
     return expanded
 
 
-def _inline_rules(text: str, where: str) -> str:
-    """`text` (placeholders filled) with each <<rule:NAME>> replaced by the expression of the recording
-    stepscope.contract.recordings.NAME in it (its own <<rule:...>> replaced too), in parentheses, its lines
-    indented as the placeholder's line."""
-    if not RULE.search(text):
-        return text
-    exprs = {rule["record"]: rule["expr"].strip() for group in yaml.safe_load(text)["groups"]
-             for rule in group["rules"] if "record" in rule}
-
-    def expression(name: str, line: int, chain: tuple[str, ...]) -> str:
-        record = getattr(recordings, name, None) if name.isupper() else None
-        if record not in exprs or name in chain:
-            raise UnknownPlaceholder(f"{where}:{line}: <<rule:{name}>> names no recording of this file, or one "
-                                     f"that reads itself through <<rule:...>> ({' -> '.join((*chain, name))})")
-        return _substitute_rules(exprs[record], lambda inner, _: expression(inner, line, (*chain, name)))
-    return _substitute_rules(text, lambda name, line: expression(name, line, ()))
-
-
-def _substitute_rules(text: str, expression: Callable[[str, int], str]) -> str:
-    """`text` with each <<rule:NAME>> replaced by `expression(NAME, line)` in parentheses, on lines of their own
-    indented as the placeholder's line (two spaces more inside)."""
-    def inline(match: re.Match[str], line: int, indent: str) -> str:
-        inner = "\n".join(f"{indent}  {part}" if part else "" for part in expression(match[1], line).splitlines())
-        return f"(\n{inner}\n{indent})"
-    return "".join(RULE.sub(lambda m, n=number, r=row: inline(m, n, r[:len(r) - len(r.lstrip())]), row)
-                   for number, row in enumerate(text.splitlines(keepends=True), start=1))
-
-
 def fill_placeholders(source: str, where: str) -> str:
-    """`source` with every placeholder filled (<<rule:...>> last, with the expression filled), held(...) as
-    written."""
+    """`source` with every placeholder filled, held(...) as written."""
     def fill(match: re.Match[str], line: int, indent: str) -> str:
         kind, name = match.groups()
-        if kind == "rule":
-            return match.group(0)
         try:
             return KINDS[kind](name).replace("\n", "\n" + indent)
         except (KeyError, ValueError):
-            known = ", ".join((*KINDS, "rule"))
+            known = ", ".join(KINDS)
             raise UnknownPlaceholder(f"{where}:{line}: unknown placeholder {match.group(0)} "
                                      f"(kinds: {known}; names from stepscope_contract)") from None
-    filled = "".join(PLACEHOLDER.sub(lambda m, n=number, t=text: fill(m, n, t[:len(t) - len(t.lstrip())]), text)
-                     for number, text in enumerate(source.splitlines(keepends=True), start=1))
-    return _inline_rules(filled, where)
+    return "".join(PLACEHOLDER.sub(lambda m, n=number, t=text: fill(m, n, t[:len(t) - len(t.lstrip())]), text)
+                   for number, text in enumerate(source.splitlines(keepends=True), start=1))
