@@ -39,6 +39,7 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--slow-loader", "fast"], "--slow-loader: expected a number of seconds"),
         (["--eval-every", "-5"], "--eval-every: must be >= 0"),
         (["--eval-seconds", "-1"], "--eval-seconds: must be >= 0"),
+        (["--warm-up-seconds", "-1"], "--warm-up-seconds: must be >= 0"),
         (["--rank", "2", "--world-size", "2"], "rank 2 must be smaller than world_size 2"),
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),

@@ -102,6 +102,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--extra-step-seconds", type=_non_negative_float, default=0.0, metavar="SECONDS",
                         help="extra compute time per step in forward (a straggler): on this rank, or on "
                              "--slow-rank only")
+    parser.add_argument("--warm-up-seconds", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                        help="a first step this much slower, as torch.compile's or cudnn.benchmark's first step is "
+                             "(the report leaves such a warm-up out of its means and shares)")
     parser.add_argument("--slow-rank", type=_int_at_least(0), default=None, metavar="RANK",
                         help="apply --extra-step-seconds only on this rank (default: on every rank)")
     parser.add_argument("--eval-every", type=_int_at_least(0), default=0, metavar="STEPS",
@@ -260,10 +263,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
         loader = DataLoader(SyntheticBatches(), batch_size=None, num_workers=args.loader_workers)
 
+        warm_up_left = [args.warm_up_seconds]
+
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = nn.functional.mse_loss(model(x), y)
-            if extra_seconds:
-                time.sleep(extra_seconds)
+            seconds = extra_seconds + (warm_up_left.pop() if warm_up_left else 0.0)
+            if seconds:
+                time.sleep(seconds)
             return loss
 
         def backward(loss: torch.Tensor) -> None:
