@@ -15,17 +15,18 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import threading
 import time
 from bisect import bisect_right
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from stepscope_testkit.loopback import LoopbackServer, serving
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "corpus"
 EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
@@ -135,11 +136,9 @@ class _Handler(BaseHTTPRequestHandler):
         """Quiet: Prometheus scrapes every second."""
 
 
-class _ReplayServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _ReplayServer(LoopbackServer):
     def __init__(self, workloads: dict[str, Workload]) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.workloads = workloads
         self.started = time.monotonic()
 
@@ -162,12 +161,6 @@ class Replay:
 @contextmanager
 def replaying(workloads: dict[str, Workload]) -> Iterator[Replay]:
     """Serves every workload from now on, until the block ends."""
-    server = _ReplayServer(workloads)
-    thread = threading.Thread(target=server.serve_forever, name="replay", daemon=True)
-    thread.start()
-    try:
+    with serving(_ReplayServer(workloads)) as server:
         host, port = server.server_address[:2]
         yield Replay(f"{host}:{port}", server.started, workloads)
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -7,7 +7,6 @@ import copy
 import http.server
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ import pytest
 import requests
 import yaml
 
+from stepscope_testkit.loopback import LoopbackServer, serving
 from tests.support.helm_chart import (
     CHART,
     NAMESPACE,
@@ -401,13 +401,8 @@ class _Exposition(http.server.BaseHTTPRequestHandler):
 
 @contextmanager
 def serving_exposition() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(LoopbackServer(_Exposition)) as server:
         yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
 
 
 def prometheus_relabel(rule: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import requests
@@ -29,6 +29,7 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import THRESHOLDS
 from stepscope_testkit.fake_nvml.scenario import write_scenario
+from stepscope_testkit.loopback import LoopbackServer, serving
 from stepscope_testkit.processes import REPO_ROOT, free_port, running, running_exporter
 from tests.support.demos import gpus_for_runs
 from tests.support.prometheus import running_prometheus_config
@@ -120,12 +121,8 @@ def webhook_server() -> Iterator[tuple[str, Inbox]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", inbox
-    finally:
-        server.shutdown()
+    with serving(LoopbackServer(Handler)) as server:
+        yield server.url, inbox
 
 
 def alertmanager_binary() -> str:

@@ -19,15 +19,15 @@ verdict's evidence blinks.
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import requests
 import yaml
 
+from stepscope_testkit.loopback import LoopbackServer, serving
 from stepscope_testkit.processes import Running, free_port, running
 
 
@@ -74,15 +74,8 @@ class _Discard(BaseHTTPRequestHandler):
 
 @contextmanager
 def _notifier() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Discard)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="vmalert-notifier", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(LoopbackServer(_Discard)) as server:
+        yield server.url
 
 
 @contextmanager
