@@ -143,6 +143,28 @@ def quantization(prometheus: str) -> float:
     return COLLECT_INTERVAL + scrape + sum(groups.values()) + step
 
 
+def _seconds_seen(prometheus: str) -> str:
+    """Where a hold went missing: the seconds each link of the charge was recorded at, and failed scrapes."""
+    def stamps(expr: str) -> list[int]:
+        return sorted({round(float(t)) for series in query(prometheus, f"{expr}[5m]") for t, _ in series["values"]})
+
+    seen = {name: stamps(f'{name}{{run="{RUN}"}}') for name in (families.PROCESS_GPU_MEMORY, *CHARGE_CHAIN)}
+    seen["failed scrapes"] = [round(float(t)) for series in query(prometheus, "up[5m]")
+                              for t, value in series["values"] if value == "0"]
+    return "; ".join(f"{name} at {_spans(times)}" for name, times in seen.items())
+
+
+def _spans(times: list[int]) -> str:
+    """Whole seconds as runs: [3, 4, 5, 9] -> '3-5, 9'."""
+    spans: list[list[int]] = []
+    for t in times:
+        if spans and t - spans[-1][1] <= 1:
+            spans[-1][1] = t
+        else:
+            spans.append([t, t])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans) or "never"
+
+
 def test_the_reports_joules_are_the_power_times_the_seconds_the_run_held_the_gpu(observed: Observed) -> None:
     with (observed.report / "goodput.csv").open() as rows:
         run = next(row for row in csv.DictReader(rows) if row["rank"] == "all")
@@ -152,5 +174,5 @@ def test_the_reports_joules_are_the_power_times_the_seconds_the_run_held_the_gpu
     print(f"\nreport {joules:.1f} J; truth {truth:.1f} J ({WATTS} W x {sum(observed.held):.3f} s held in"
           f" {len(observed.held)} holds): {joules - truth:+.1f} J, {(joules - truth) / WATTS:+.3f} s of power"
           f" (bound {bound:g} s per hold)")
-    assert abs(joules - truth) <= WATTS * bound * len(observed.held)
+    assert abs(joules - truth) <= WATTS * bound * len(observed.held), _seconds_seen(observed.prometheus)
     assert float(run["energy_kwh"]) == pytest.approx(joules / 3.6e6, rel=1e-6)

@@ -85,11 +85,14 @@ def test_the_rules_record_the_steps_done_again_since_the_checkpoint(restored: tu
 def test_the_report_counts_the_restore_as_lost_progress(restored: tuple[str, Path]) -> None:
     """The report's lost progress is the productive time of the steps done again: some, where before the fix it
     saw no restore at all (the rank's own step count never went back)."""
-    _, report = restored
+    prometheus, report = restored
     with (report / "goodput.csv").open() as rows:
         run = {row["rank"]: row for row in csv.DictReader(rows)}["all"]
     print({key: value for key, value in run.items() if key.endswith("_seconds")})
-    assert float(run["lost_progress_seconds"]) > 0
+    scraped = {name: [(round(float(t), 1), value) for series in query(prometheus, f'{name}{{run="{RUN}"}}[10m]')
+                      for t, value in series["values"]]
+               for name in (families.TRAINING_GLOBAL_STEP, families.TRAINING_GLOBAL_STEP_START, families.STEPS_TOTAL)}
+    assert float(run["lost_progress_seconds"]) > 0, (run, scraped)
 
 
 def test_a_plain_loop_that_restores_in_its_process_pushes_where_its_steps_count_from() -> None:
