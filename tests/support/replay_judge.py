@@ -15,13 +15,16 @@ shares and readings the verdict reads do not).
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
+import requests
 import yaml
 
 from grafana.rules import RULE_FILES, rules
@@ -33,6 +36,12 @@ from tests.support.victoria import alerts, running_victoria, running_vmalert
 ENGINES = ("prometheus", "victoriametrics")
 
 SETTLE_MARGIN_S = 10.0  # after the last scrape: the rules' rate windows and recording chain catch up
+# Seconds after a missed iteration whose readings Judged.paced leaves out: the rules' shortest windows
+# (gpu_reading_lag_seconds, 10 s) and a new series' ~10 s on VictoriaMetrics see the gap that long
+PACE_MARGIN_S = 12.0
+# The engines' own count of rule-group iterations missed because the one before overran the interval
+MISSED_ITERATIONS = ("prometheus_rule_group_iterations_missed_total", "vmalert_iteration_missed_total")
+GROUP_LABEL = re.compile(r'(?:rule_)?group="([^"]*)"')
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class Reading:
     offset: float  # seconds into the workload's recording
     verdict: str | None  # None: the rules give the run no verdict (yet)
     alerts: frozenset[str]  # alerts firing for the run, or for its node and GPU
+    missed: tuple[tuple[str, int], ...] = ()  # (group, iterations the engine had missed so far) per rule group
 
 
 @dataclass
@@ -48,6 +58,7 @@ class Judged:
 
     workload: Workload
     readings: list[Reading] = field(default_factory=list)
+    failed_scrapes: int = 0  # of the workload's target over the replay: each blanks its series for a moment
 
     def training(self) -> list[Reading]:
         """The readings while the run was in state train (as recorded)."""
@@ -59,6 +70,24 @@ class Judged:
         training = self.training()
         counts = Counter(reading.verdict or "none" for reading in training)
         return Counter({verdict: count / len(training) for verdict, count in counts.items()})
+
+    def paced(self) -> list[Reading]:
+        """The training readings taken while every rule group evaluated within two intervals of the one before:
+        none from a gap's start to PACE_MARGIN_S after it. On a loaded 2-core machine vmalert evaluated the GPU
+        groups every 5-9 s instead of every second (the recordings' sample times in a failed run's
+        VictoriaMetrics data) and the verdicts and alerts of all ten workloads went out for the same 1-4
+        readings; what the rules conclude from evaluations that far apart is not what they conclude at their
+        interval. An engine counts the iterations a late evaluation skipped (k of them: it came k + 1 intervals
+        after the one before); a single one, an evaluation a little over its second, changes nothing here."""
+        gaps = [(now.offset, skipped + 1) for before, now in pairwise(self.readings)
+                for skipped in _skipped(dict(before.missed), dict(now.missed)) if skipped >= 2]
+        return [reading for reading in self.training()
+                if not any(at - seconds - 1 <= reading.offset <= at + PACE_MARGIN_S for at, seconds in gaps)]
+
+    def missed_iterations(self) -> int:
+        """Iterations the engine missed while this workload trained, all groups together."""
+        training = self.training()
+        return sum(_skipped(dict(training[0].missed), dict(training[-1].missed))) if training else 0
 
     def alerts_while_training(self) -> set[str]:
         return {alert for reading in self.training() for alert in reading.alerts}
@@ -114,17 +143,40 @@ def judge(recording: Recording, tmp: Path, rule_files: tuple[Path, ...] = RULE_F
         end = max(workload.duration for workload in workloads.values()) + SETTLE_MARGIN_S
         while replay.elapsed() < end:
             tick = time.monotonic()
-            _read(url, alerts_url, replay.elapsed(), judged)
+            _read(url, alerts_url, replay.elapsed(), judged, _missed_iterations(alerts_url))
             time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+        _count_failed_scrapes(url, round(replay.elapsed()) + 10, judged)
     return judged
 
 
-def _read(base_url: str, alerts_url: str, offset: float, judged: dict[str, Judged]) -> None:
+def _count_failed_scrapes(base_url: str, seconds: int, judged: dict[str, Judged]) -> None:
+    """Each workload's failed scrapes (`up` 0) over the last `seconds`: said beside a failed assertion."""
+    for item in query(base_url, f"count_over_time(up[{seconds}s]) - sum_over_time(up[{seconds}s])"):
+        name = item["metric"].get("instance", "")
+        if name in judged:
+            judged[name].failed_scrapes = round(float(item["value"][1]))
+
+
+def _read(base_url: str, alerts_url: str, offset: float, judged: dict[str, Judged],
+          missed: tuple[tuple[str, int], ...] = ()) -> None:
     verdicts = {item["metric"]["run"]: item["metric"]["verdict"] for item in query(base_url, recordings.RUN_VERDICT)}
     firing = _firing(alerts_url)
     for name, result in judged.items():
         alerts = frozenset(firing.get(name, set()) | firing.get(result.workload.run, set()))
-        result.readings.append(Reading(offset, verdicts.get(result.workload.run), alerts))
+        result.readings.append(Reading(offset, verdicts.get(result.workload.run), alerts, missed))
+
+
+def _missed_iterations(rules_url: str) -> tuple[tuple[str, int], ...]:
+    """Per rule group, the iterations Prometheus or vmalert at `rules_url` has missed since it started (its
+    /metrics)."""
+    text = requests.get(f"{rules_url}/metrics", timeout=10).text
+    return tuple((GROUP_LABEL.search(line).group(1), round(float(line.rsplit(" ", 1)[1])))
+                 for line in text.splitlines() if line.startswith(MISSED_ITERATIONS) and GROUP_LABEL.search(line))
+
+
+def _skipped(before: dict[str, int], now: dict[str, int]) -> list[int]:
+    """The iterations each group skipped between two readings."""
+    return [count - before.get(group, 0) for group, count in now.items()]
 
 
 def _firing(alerts_url: str) -> dict[str, set[str]]:
