@@ -20,7 +20,6 @@ import pytest
 os.environ.setdefault("GOGC", "400")
 
 LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up + tests), CPU seconds beside
-    "test_corpus_verdicts.py",      # 146 (CPU 53): the H100 and H200 recordings replayed at their pace, two engines
     "test_quantiles_e2e.py",        # 108 (29): VictoriaMetrics' verdict lag dominates
     "test_framework_quantiles.py",  # 105 (24): a Lightning fit and a Trainer run of 100 s at once, via Prometheus
     "test_gpu_signals_e2e.py",      # 101 (7): 1m GPU averages turning over twice after a scenario change

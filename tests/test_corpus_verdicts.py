@@ -26,7 +26,7 @@ from stepscope.contract import THRESHOLDS, families, verdicts
 from stepscope_testkit.replay import Recording, Workload, named_samples, recordings
 from tests.support.replay_judge import ENGINES, Judged, Reading, judge
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]  # alone: scripts/test.sh says why
 
 RECORDINGS = recordings()
 SETTLE_S = THRESHOLDS["verdict_settle_seconds"].value

@@ -235,6 +235,19 @@ def charge_timing(prometheus: str) -> ChargeTiming:
                         groups[recordings.RUN_ENERGY_RATE]["interval"])
 
 
+def _carried_through_failed_scrapes(prometheus: str, times: list[float]) -> set[float]:
+    """The evaluation times among `times` whose latest scrape of the exporter before them failed (`up` 0): a
+    loaded exporter missed 1 s scrapes in a clean-clone CI run, and the run was charged 7 and 12 s after it
+    released the GPU, at two such evaluations."""
+    ups = sorted((float(t), value) for series in query(prometheus, "up[10m]") for t, value in series["values"])
+    carried = set()
+    for at in times:
+        before = [value for t, value in ups if t <= at]
+        if before and before[-1] == "0":
+            carried.add(at)
+    return carried
+
+
 def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed) -> None:
     """The run is charged its GPU's energy while its processes hold it (none before, in the gap, after),
     and the report's kWh and joules per sample follow from its joules. The joules themselves are checked
@@ -253,12 +266,16 @@ def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed)
           f" {charged_at[-1] - max(held_at):.3f} s after the last held sample (bound {timing.lag:g} s)")
     assert joules > 0 and charged_at and len(held) == 2
     # charged only from a held sample on, until the lag after an attempt's last: none before, in the gap, after
-    outside = [t for t in charged_at if not any(attempt[0] <= t < attempt[-1] + timing.lag for attempt in held)]
-    assert not outside, (outside, [(attempt[0], attempt[-1]) for attempt in held], timing)
+    # (held() carries the process's GPU memory through a failed scrape of the exporter, so a charge at an
+    # evaluation whose latest scrape failed is the last one's, as scrape_gaps.py means: allowed anywhere)
+    carried = _carried_through_failed_scrapes(observed.prometheus, charged_at)
+    outside = [t for t in charged_at
+               if t not in carried and not any(attempt[0] <= t < attempt[-1] + timing.lag for attempt in held)]
+    assert not outside, (outside, [(attempt[0], attempt[-1]) for attempt in held], timing, sorted(carried))
     # and not for longer than held: the lag may differ at an attempt's two ends by one evaluation per group (one
     # that runs late under load reads its upstream's previous evaluation)
     late = len(held) * sum(timing.groups.values())
-    assert len(charged_at) * timing.charged_every <= len(held_at) * timing.scrape + late
+    assert (len(charged_at) - len(carried)) * timing.charged_every <= len(held_at) * timing.scrape + late
     # the watts are the GPU's power from the exporter's second read on, so the joules are the power times the
     # seconds charged, up to one evaluation per attempt (the report's step re-reading a late one's sample)
     assert abs(joules - WATTS * len(charged_at) * timing.charged_every) <= WATTS * timing.charged_every * len(held)
