@@ -1,12 +1,12 @@
 """The tests' own HTTP servers on loopback (a replayed exporter, a webhook receiver, a notifier): a listen
 backlog that holds a scrape burst.
 
-http.server's servers listen with a backlog of 5. A Prometheus scraping ten replayed targets every second, on a
-loaded 2-core machine where the serving thread waits for the CPU and the GIL, overflowed it: Linux drops the
-SYN of a connection the backlog cannot take, the client sends it again after its 1 s retransmission timeout,
-and a scrape with a 1 s timeout failed. Each failure marks every series of the target stale, so the rules'
-verdict and alerts blinked, and the `for: 0s` copy of StepscopeExporterDown fired (clean-clone CI). Measured
-with 20 concurrent 1 s requests under load: 161-170 of 300 failed with a backlog of 5, 10-16 with 128.
+http.server's servers listen with a backlog of 5. Where a burst of connections finds it full (a Prometheus
+scraping ten replayed targets each second, on a loaded 2-core machine where the serving thread waits for the CPU
+and the GIL), Linux drops their SYNs, the client sends them again after its 1 s retransmission timeout, and a
+scrape with a 1 s timeout fails: the target's series go stale and the `for: 0s` copy of StepscopeExporterDown
+fires, as it did for three corpus workloads in a full run here (the replay cannot say which scrapes it lost).
+Measured with 20 concurrent 1 s requests under load: 161-170 of 300 failed with a backlog of 5, 10-16 with 128.
 """
 
 from __future__ import annotations

@@ -248,6 +248,26 @@ def _carried_through_failed_scrapes(prometheus: str, times: list[float]) -> set[
     return carried
 
 
+def _recorded_while_held(prometheus: str, times: list[float], held: list[list[float]], lag: float) -> set[float]:
+    """The charges among `times` whose chain leads back to a GPU mapping recorded while a process held the GPU:
+    each link's latest sample at or before the one downstream of it (a group not evaluated since, so the next
+    one read that sample). In a clean-clone CI run the run was charged 5-7 s after its process released the GPU
+    with every scrape answered: a group upstream had fallen that far behind its 1 s interval."""
+    samples = {name: sorted(float(t) for series in query(prometheus, f'{name}{{run="{RUN}"}}[10m]')
+                            for t, _ in series["values"]) for name in CHARGE_CHAIN[:2]}
+
+    def origin(at: float) -> float | None:
+        for name in reversed(CHARGE_CHAIN[:2]):
+            before = [t for t in samples[name] if t <= at]
+            if not before:
+                return None
+            at = before[-1]
+        return at
+
+    return {at for at in times if (mapped := origin(at)) is not None
+            and any(attempt[0] <= mapped < attempt[-1] + lag for attempt in held)}
+
+
 def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed) -> None:
     """The run is charged its GPU's energy while its processes hold it (none before, in the gap, after),
     and the report's kWh and joules per sample follow from its joules. The joules themselves are checked
@@ -266,12 +286,14 @@ def test_energy_is_charged_to_the_run_while_it_holds_the_gpu(observed: Observed)
           f" {charged_at[-1] - max(held_at):.3f} s after the last held sample (bound {timing.lag:g} s)")
     assert joules > 0 and charged_at and len(held) == 2
     # charged only from a held sample on, until the lag after an attempt's last: none before, in the gap, after
-    # (held() carries the process's GPU memory through a failed scrape of the exporter, so a charge at an
-    # evaluation whose latest scrape failed is the last one's, as scrape_gaps.py means: allowed anywhere)
-    carried = _carried_through_failed_scrapes(observed.prometheus, charged_at)
+    # (held() carries the process's GPU memory through a failed scrape of the exporter, and a group that runs
+    # late leaves its last recording to the groups downstream: a charge that either explains is allowed anywhere)
+    carried = (_carried_through_failed_scrapes(observed.prometheus, charged_at)
+               | _recorded_while_held(observed.prometheus, charged_at, held, timing.lag))
     outside = [t for t in charged_at
                if t not in carried and not any(attempt[0] <= t < attempt[-1] + timing.lag for attempt in held)]
-    assert not outside, (outside, [(attempt[0], attempt[-1]) for attempt in held], timing, sorted(carried))
+    assert not outside, f"{outside}, holds {[(attempt[0], attempt[-1]) for attempt in held]}, {timing}, {carried}"
+    carried = {t for t in carried if not any(attempt[0] <= t < attempt[-1] + timing.lag for attempt in held)}
     # and not for longer than held: the lag may differ at an attempt's two ends by one evaluation per group (one
     # that runs late under load reads its upstream's previous evaluation)
     late = len(held) * sum(timing.groups.values())

@@ -92,7 +92,10 @@ def test_the_report_counts_the_restore_as_lost_progress(restored: tuple[str, Pat
     scraped = {name: [(round(float(t), 1), value) for series in query(prometheus, f'{name}{{run="{RUN}"}}[10m]')
                       for t, value in series["values"]]
                for name in (families.TRAINING_GLOBAL_STEP, families.TRAINING_GLOBAL_STEP_START, families.STEPS_TOTAL)}
-    assert float(run["lost_progress_seconds"]) > 0, (run, scraped)
+    with (report / "run_summary.csv").open() as rows:
+        window = {key: value for key, value in next(csv.DictReader(rows)).items()
+                  if key in ("start", "end", "resolution_seconds", "steps")}
+    assert float(run["lost_progress_seconds"]) > 0, f"{run}\nwindow {window}\n{scraped}"
 
 
 def test_a_plain_loop_that_restores_in_its_process_pushes_where_its_steps_count_from() -> None:
