@@ -29,7 +29,7 @@ from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.alerting import seconds
 from tests.support.prometheus import query, rule_groups, running_prometheus, wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]  # alone: scripts/test.sh says why
 
 RUN = "energy-e2e"
 NODE = "node-1"

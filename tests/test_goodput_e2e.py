@@ -33,7 +33,7 @@ from stepscope_testkit.processes import REPO_ROOT, running_exporter
 from tests.support.alerting import seconds
 from tests.support.prometheus import query, rule_groups, running_prometheus, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.alone]  # alone: scripts/test.sh says why
 
 RUN = "goodput-e2e"
 NODE = "node-1"
