@@ -251,8 +251,9 @@ def _carried_through_failed_scrapes(prometheus: str, times: list[float]) -> set[
 def _recorded_while_held(prometheus: str, times: list[float], held: list[list[float]], lag: float) -> set[float]:
     """The charges among `times` whose chain leads back to a GPU mapping recorded while a process held the GPU:
     each link's latest sample at or before the one downstream of it (a group not evaluated since, so the next
-    one read that sample). In a clean-clone CI run the run was charged 5-7 s after its process released the GPU
-    with every scrape answered: a group upstream had fallen that far behind its 1 s interval."""
+    one read that sample). In a clean-clone CI run the run was charged 5.4-7.4 s after its process released the
+    GPU, the scrapes around then answered; in the next, beside five busy workers, Prometheus recorded the GPU
+    mapping twice in 20 s (tests/test_energy_e2e.py's message): a group that far behind its 1 s interval."""
     samples = {name: sorted(float(t) for series in query(prometheus, f'{name}{{run="{RUN}"}}[10m]')
                             for t, _ in series["values"]) for name in CHARGE_CHAIN[:2]}
 
