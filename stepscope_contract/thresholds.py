@@ -102,8 +102,8 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "pause_hold_seconds": Threshold(
         600, "seconds of an eval or checkpoint break through which the training alerts keep the reading of the "
         "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
-        "still alerted, and a firing alert is not resolved by the break",
-        ("StepscopeDataLoadingBottleneck", "StepscopeStragglerRank")),
+        "still alerted, and a firing alert is not resolved by the break; the verdict holds as long",
+        ("StepscopeDataLoadingBottleneck", "StepscopeStragglerRank", RUN_VERDICT)),
     "pause_carry_seconds": Threshold(
         300, "seconds back the GPU readings the training alerts read are carried from while a rank of the run is "
         "in an eval or checkpoint break: longer than an evaluation interval and VictoriaMetrics' lag in "

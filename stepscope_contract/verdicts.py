@@ -4,7 +4,9 @@ colour and the report explains. The rules source spells them `<<verdict:NAME>>`.
 from stepscope.contract.thresholds import THRESHOLDS
 
 # run:stepscope_bottleneck:verdict (recordings.RUN_VERDICT), first match wins; none while a run has
-# trained less than THRESHOLDS["verdict_settle_seconds"] (the evidence is not in yet)
+# trained less than THRESHOLDS["verdict_settle_seconds"] (the evidence is not in yet); through an eval or
+# checkpoint break, and after it until the evidence is in again (3 minutes at most), the verdict from before
+# it, for up to THRESHOLDS["pause_hold_seconds"]
 IDLE = "idle"  # no step in the last minute, or no rank in state train
 DATA_BOUND = "data_bound"  # the data-loading share is over its threshold
 GPU_BUSY_IDLE = "gpu_busy_idle"  # the GPUs run kernels most of the time but their SMs do little
@@ -27,8 +29,10 @@ def _meanings() -> dict[str, str]:
     busy = THRESHOLDS["gpu_bound_utilization"].percent
     idle_sms = THRESHOLDS["busy_idle_sm_active"].percent
     loading = THRESHOLDS["data_loading_share"].percent
+    hold = f"{THRESHOLDS['pause_hold_seconds'].value / 60:g}"
     return {
-        IDLE: "no step in the last minute, or no rank in state train",
+        IDLE: "no step in the last minute, or no rank in state train (an eval or checkpoint break keeps the "
+              f"verdict from before it for up to {hold} min)",
         DATA_BOUND: f"waiting for the next batch takes more than {loading} of the step time",
         GPU_BUSY_IDLE: f"the GPUs run kernels at least {busy} of the time (NVML) but their SMs are active less "
                        f"than {idle_sms} of it (GPM): kernels too small for the GPU",

@@ -13,7 +13,9 @@ time, since a single replay cannot carry a recording's own value). Then:
 - the held alerts fire at every evaluation from their first firing to the run's end, breaks included,
   with one activeAt (ALERTS_FOR_STATE) all along: no resolve, no new `for`;
 - what must not be held is not: a share that fell before the break, a rank back in setup (its alerts'
-  `for` starts over once it trains again).
+  `for` starts over once it trains again);
+- the run verdict reads back its own last value through a break: from a run's first verdict to its end
+  every evaluation reads that one verdict, breaks and the evaluations after them included.
 
 Both shipped rule files are replayed, every rule (about 6 s on 2 cores).
 """
@@ -29,6 +31,7 @@ import pytest
 import yaml
 
 from grafana.rules import RULE_FILES, RULES_DIR
+from stepscope.contract import recordings, verdicts
 from tests.support.victoria import running_victoria
 from tests.support.victoria_replay import (
     Samples,
@@ -46,6 +49,10 @@ HELD = [  # (alert, run, the state its breaks are in)
     ("StepscopeGpuUnderutilized", "periodic", "eval"),
     ("StepscopeGpuBusyButIdle", "busy", "checkpoint"),
     ("StepscopeStragglerRank", "pairbreak", "eval"),
+]
+HELD_VERDICTS = [  # (run, its verdict while it trains, the state its breaks are in)
+    ("periodic", verdicts.DATA_BOUND, "eval"),
+    ("busy", verdicts.GPU_BUSY_IDLE, "checkpoint"),
 ]
 ROUNDED = re.compile(r"^round\((?P<selector>.+),\s*(?P<to>[\d.]+)\)$")
 
@@ -97,6 +104,15 @@ class Replayed:
         """Seconds from the start -> the alert's state for `run` at each evaluation it was active."""
         return {round(t - self.start): labels["alertstate"]
                 for labels, points in self.series(f'ALERTS{{alertname="{alert}",run="{run}"}}') for t, _ in points}
+
+    def verdicts(self, run: str) -> dict[int, set[str]]:
+        """Seconds from the start -> the verdicts recorded for `run` at that evaluation."""
+        read: dict[int, set[str]] = {}
+        for labels, points in self.series(f'{recordings.RUN_VERDICT}{{run="{run}"}}'):
+            for t, value in points:
+                if not math.isnan(value):
+                    read.setdefault(round(t - self.start), set()).add(labels["verdict"])
+        return read
 
     def active_since(self, alert: str, run: str) -> list[int]:
         """The distinct activeAt (seconds from the start) the alert had for `run`, in order."""
@@ -174,9 +190,7 @@ def test_a_firing_alert_stays_firing_through_every_break(replayed: Replayed, ale
     states = replayed.states(alert, run)
     firing = sorted(at for at, value in states.items() if value == "firing")
     assert firing, f"{alert} never fired for {run}: {states}"
-    last = max(i * replayed.interval for item in _case()["input_series"]
-               if parse_series(item["series"]).get("run") == run
-               for i, _ in enumerate(expand_values(item["values"])))
+    last = _last_sample(run)
     held = [at for at in _times_in(run, state) if at > firing[0]]
     assert held, f"no {state} break of {run} after {alert} fired at {_clock(firing[0])}: the case proves nothing"
     missing = [_clock(at) for at in range(firing[0], last + 1, replayed.interval) if states.get(at) != "firing"]
@@ -208,3 +222,23 @@ def test_a_rank_back_in_setup_holds_nothing_and_starts_its_for_over(replayed: Re
     again = [at for at in states if at > setup[-1]]
     assert again and all(states[at] == "pending" for at in again), states
     assert replayed.active_since(alert, run)[-1] > setup[-1], f"{alert} of {run} kept its old activeAt"
+
+
+def _last_sample(run: str) -> int:
+    """Seconds from the start of `run`'s last input sample in pauses.yml."""
+    interval = _seconds(_case()["interval"])
+    return max(i * interval for item in _case()["input_series"] if parse_series(item["series"]).get("run") == run
+               for i, _ in enumerate(expand_values(item["values"])))
+
+
+@pytest.mark.parametrize(("run", "verdict", "state"), HELD_VERDICTS, ids=[run for run, _, _ in HELD_VERDICTS])
+def test_the_verdict_holds_through_every_break(replayed: Replayed, run: str, verdict: str, state: str) -> None:
+    """The rules before read idle in each break and nothing in the evaluation after it."""
+    read = replayed.verdicts(run)
+    settled = sorted(at for at, found in read.items() if found == {verdict})
+    assert settled, f"{run} never read {verdict}: {read}"
+    breaks = [at for at in _times_in(run, state) if at > settled[0]]
+    assert breaks, f"no {state} break of {run} after its first verdict: the case proves nothing"
+    wrong = {_clock(at): sorted(read.get(at, ())) for at in range(settled[0], _last_sample(run) + 1, replayed.interval)
+             if read.get(at) != {verdict}}
+    assert not wrong, f"{run} read {verdict} from {_clock(settled[0])} but not at {wrong} ({state} at {breaks})"
