@@ -96,6 +96,7 @@ RANK_STRAGGLER_LOCAL_SCORE = "run_rank:stepscope_straggler_local_score:ratio"
 # The scores StepscopeStragglerRank reads (label `score`: step_time, local_phases), kept through eval breaks
 RANK_STRAGGLER_ALERT_SCORES = "run_rank:stepscope_straggler_alert_scores:ratio"
 RUN_TRAINING_RANKS = "run:stepscope_training_ranks:count"
+RUN_BREAK_RANKS = "run:stepscope_break_ranks:count"  # ranks in an eval or checkpoint break: the verdict holds
 # When the run's latest attempt started, as far as one shard sees its ranks: their latest start (last push less
 # their state seconds); a rank lost before it is the killed attempt's
 SHARD_RUN_ATTEMPT_START = "shard_run:stepscope_attempt_start:timestamp_seconds"
