@@ -65,8 +65,10 @@ HELD_IDLE = "no GPU is held idle here: grafana/rules/tests/goodput.yml"
 EMPTY_BY_DESIGN |= {("stepscope-training.json", "Energy per token"): STATED_ONLY,
                     ("stepscope-cluster.json", "GPU-hours held but idle"): HELD_IDLE,
                     ("stepscope-cluster.json", "GPU-hours held but idle per namespace"): HELD_IDLE}
+BREAKS = "no run validates or checkpoints here: grafana/rules/tests/pauses.yml, tests/test_pauses_victoriametrics.py"
 RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordings.GPU_HELD_IDLE: HELD_IDLE,
-                          recordings.RANK_STALLED_SECONDS: "no run stalls here: grafana/rules/tests/goodput.yml"}
+                          recordings.RANK_STALLED_SECONDS: "no run stalls here: grafana/rules/tests/goodput.yml",
+                          recordings.RUN_BREAK_RANKS: BREAKS}
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
     recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU)}
