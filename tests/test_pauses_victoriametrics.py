@@ -53,6 +53,7 @@ HELD = [  # (alert, run, the state its breaks are in)
 HELD_VERDICTS = [  # (run, its verdict while it trains, the state its breaks are in)
     ("periodic", verdicts.DATA_BOUND, "eval"),
     ("busy", verdicts.GPU_BUSY_IDLE, "checkpoint"),
+    ("rankzero", verdicts.DATA_BOUND, "checkpoint"),
 ]
 ROUNDED = re.compile(r"^round\((?P<selector>.+),\s*(?P<to>[\d.]+)\)$")
 
