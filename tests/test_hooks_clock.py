@@ -100,17 +100,21 @@ class Items(Dataset):
 
 class TimedLoader(DataLoader):
     """A DataLoader whose every batch's `next()` (fetching its items, collating them) is timed into `fetches`:
-    what dataloader_next times, where the items alone leave out the collation, which grows under load."""
+    what dataloader_next times, where the items alone leave out the collation, which grows under load. Each
+    `next()` first ends the open span of `outside` (a checkpoint lasts until training fetches again), where the
+    callback's fetch hook ends the checkpoint state: ending it at the first item instead put the DataLoader's
+    own work before it in the checkpoint, 17 ms over five saves in a clean-clone CI run (a step sum 3.2% over)."""
 
     fetches: list[float]
+    outside: "Outside | None" = None
 
     def __iter__(self) -> Iterator[Any]:
-        return _TimedIterator(super().__iter__(), self.fetches)
+        return _TimedIterator(super().__iter__(), self.fetches, self.outside)
 
 
 class _TimedIterator:
-    def __init__(self, inner: Iterator[Any], fetches: list[float]) -> None:
-        self.inner, self.fetches = inner, fetches
+    def __init__(self, inner: Iterator[Any], fetches: list[float], outside: "Outside | None") -> None:
+        self.inner, self.fetches, self.outside = inner, fetches, outside
 
     def __iter__(self) -> "_TimedIterator":
         return self
@@ -122,6 +126,8 @@ class _TimedIterator:
         return getattr(self.inner, name)
 
     def __next__(self) -> Any:
+        if self.outside is not None:
+            self.outside.resumed()
         start = perf_counter()
         batch = next(self.inner)  # the epoch's end (StopIteration) is no batch
         self.fetches.append(perf_counter() - start)
@@ -147,18 +153,6 @@ class Outside:
         """The time between consecutive `marks` (step ends) less the spans inside it."""
         return sum(end - begin - sum(max(0.0, min(end, b) - max(begin, a)) for a, b in self.spans)
                    for begin, end in itertools.pairwise(marks))
-
-
-class ResumingItems(Items):
-    """Items whose every load ends the open checkpoint span: the checkpoint state lasts until training loads again."""
-
-    def __init__(self, items: int, outside: Outside) -> None:
-        super().__init__(items, [])
-        self.outside = outside
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.outside.resumed()
-        return super().__getitem__(index)
 
 
 def working_module(pl: Any) -> type:
@@ -234,8 +228,8 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
         outside.until_resumed()
         return save(*args, **kwargs)
     trainer.save_checkpoint = timed_save
-    train = TimedLoader(ResumingItems(40, outside), batch_size=4)
-    train.fetches = loading
+    train = TimedLoader(Items(40, []), batch_size=4)
+    train.fetches, train.outside = loading, outside
     trainer.fit(Module(), train, DataLoader(Items(8, []), batch_size=4))
     outside.resumed()
 
@@ -283,7 +277,9 @@ def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tm
         saves.until_resumed()
         return save(*args, **kwargs)
     trainer.save_checkpoint = timed_save
-    trainer.fit(Module(), DataLoader(ResumingItems(40, saves), batch_size=4))
+    train = TimedLoader(Items(40, []), batch_size=4)
+    train.fetches, train.outside = [], saves
+    trainer.fit(Module(), train)
     saves.resumed()
 
     assert trainer.save_checkpoint is timed_save and len(saves.spans) == 5
