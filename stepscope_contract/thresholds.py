@@ -104,6 +104,13 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "rank's last minute of training: a run that validates or saves more often than an alert's `for` is "
         "still alerted, and a firing alert is not resolved by the break; the verdict holds as long",
         ("StepscopeDataLoadingBottleneck", "StepscopeStragglerRank", RUN_VERDICT)),
+    # From tests/test_pauses_victoriametrics.py: at 30 s evaluations vmalert's recordings gave a verdict again 2
+    # minutes after a break (each level read an evaluation late); Prometheus took 30-60 s (promtool, pauses.yml).
+    "verdict_resume_seconds": Threshold(
+        180, "seconds after an eval or checkpoint break that the verdict holds the one from before it while the "
+        "evidence comes in again (GPU readings count as training after gpu_reading_lag_seconds, the 1m step "
+        "rate may be empty, VictoriaMetrics reads each level of recordings an evaluation late)",
+        (RUN_VERDICT,)),
     "pause_carry_seconds": Threshold(
         300, "seconds back the GPU readings the training alerts read are carried from while a rank of the run is "
         "in an eval or checkpoint break: longer than an evaluation interval and VictoriaMetrics' lag in "

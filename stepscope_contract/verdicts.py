@@ -5,8 +5,8 @@ from stepscope.contract.thresholds import THRESHOLDS
 
 # run:stepscope_bottleneck:verdict (recordings.RUN_VERDICT), first match wins; none while a run has
 # trained less than THRESHOLDS["verdict_settle_seconds"] (the evidence is not in yet); through an eval or
-# checkpoint break, and after it until the evidence is in again (3 minutes at most), the verdict from before
-# it, for up to THRESHOLDS["pause_hold_seconds"]
+# checkpoint break, and after it until the evidence is in again (THRESHOLDS["verdict_resume_seconds"] at most),
+# the verdict from before it, for up to THRESHOLDS["pause_hold_seconds"]
 IDLE = "idle"  # no step in the last minute, or no rank in state train
 DATA_BOUND = "data_bound"  # the data-loading share is over its threshold
 GPU_BUSY_IDLE = "gpu_busy_idle"  # the GPUs run kernels most of the time but their SMs do little
