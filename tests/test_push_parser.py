@@ -133,9 +133,9 @@ def test_mutated_bodies_are_refused_or_read_as_the_oracle_reads_them(name: str) 
 
 
 def _cpu_seconds(body: bytes) -> float:
-    """The least CPU time of three parses of the body, refused or not."""
+    """The least CPU time of five parses of the body, refused or not."""
     best = math.inf
-    for _ in range(3):
+    for _ in range(5):
         started = time.process_time()
         with contextlib.suppress(Rejected):
             parse_push(body, "r", "0", LIMITS)
@@ -145,11 +145,14 @@ def _cpu_seconds(body: bytes) -> float:
 
 @pytest.mark.parametrize("shape", list(HOSTILE_SHAPES))
 def test_hostile_bodies_cost_linear_time(shape: str) -> None:
-    """Four times the bytes cost about four times the CPU (quadratic would be sixteen): a ratio within
-    one process, with room for a busy machine, not a time budget (benchmarks/bench_ingest.py has those)."""
-    small, large = (HOSTILE_SHAPES[shape](size).encode() for size in (256 * 1024, 1024 * 1024))
+    """Sixteen times the bytes cost about sixteen times the CPU; quadratic would be 256. The bound sits
+    between them, at 64: a 1 MiB body no longer fits the caches a 64 KiB one does, and its copies fault in
+    fresh pages, so a linear parse measured 22-30x here, idle or beside six busy loops (4x the bytes read
+    7-10x for the same reason, and failed a CI run at 9.6x). A ratio within one process, not a time budget
+    (benchmarks/bench_ingest.py has those)."""
+    small, large = (HOSTILE_SHAPES[shape](size).encode() for size in (64 * 1024, 1024 * 1024))
     ratio = _cpu_seconds(large) / max(_cpu_seconds(small), 1e-4)
-    assert ratio < 9, f"{shape}: 4x the bytes cost {ratio:.1f}x the CPU"
+    assert ratio < 64, f"{shape}: 16x the bytes cost {ratio:.1f}x the CPU"
 
 
 @pytest.mark.parametrize(("line", "reason", "text"), [
