@@ -132,8 +132,8 @@ def running_exporter(
         yield proc
 
 
-def scrape(base_url: str, **kwargs) -> str:
-    response = requests.get(f"{base_url}/metrics", timeout=10, **kwargs)
+def scrape(base_url: str, timeout: float = 10, **kwargs) -> str:
+    response = requests.get(f"{base_url}/metrics", timeout=timeout, **kwargs)
     response.raise_for_status()
     return response.text
 
