@@ -30,30 +30,4 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]'
 
 .venv/bin/ruff check .
-# Most tests wait on real processes (Prometheus scrapes, training runs, deadlines): six workers, each taking
-# whole modules so a module's Prometheus and training runs start once, in tests/conftest.py's order, longest
-# first (--no-loadscope-reorder: xdist's default order, most tests first, left the long few-test modules to start
-# last). On 2 cores: -n 3 524 s and -n 6 373 s in xdist's order; in ours -n 5 384 s and -n 6 353-374 s. -n 8 took
-# 319-336 s in eight runs, but the machine is then 88% busy (576 s of CPU in 327 s) and the tests that hold the
-# hooks' timings to the truth failed twice in one clean-clone run (a loading share 0.024 off, a checkpoint's
-# seconds 11% short), and once more in another run: six workers, for a suite that is green every time.
-# `-n 0` runs everything in this process.
-# Bytecode is cached (in the git-ignored __pycache__/) even where the environment turns it off: every worker
-# collects every module (5.4 s of user CPU each without the cache, 3.3 s with it), and each test process that imports the
-# project saves its compile (0.22 s -> 0.16 s).
-unset PYTHONDONTWRITEBYTECODE
-# The modules marked `alone` (pyproject.toml) then run with the machine to themselves: the real-GPU recordings
-# replayed at their pace to Prometheus and VictoriaMetrics evaluating every rule each second. Beside five busy
-# workers (load average ~13 on 2 cores) vmalert missed 326-586 iterations and Prometheus 24-63 while a workload
-# trained, and the verdicts went out for seconds at a time (tests/test_corpus_verdicts.py); alone, none missed.
-# The energy tests join them: their charge is exact at a 1 s evaluation, and beside the others Prometheus
-# evaluated the GPU mapping twice in 20 s (tests/test_energy_e2e.py charged 4 s of the 18.6 s held).
-# Exit status 5 is pytest's "no tests collected": arguments that select none of one phase's tests.
-status=0
-.venv/bin/python -m pytest -n 6 --dist loadfile --no-loadscope-reorder -m "not alone" "$@" || status=$?
-[ "$status" -eq 5 ] && status=0
-alone=0
-.venv/bin/python -m pytest -m alone "$@" || alone=$?
-[ "$alone" -eq 5 ] && alone=0
-[ "$status" -ne 0 ] && exit "$status"
-exit "$alone"
+exec bash scripts/test_phases.sh "$@"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import helm_python
+import pytest
 import tomllib
 import yaml
 
@@ -268,6 +269,29 @@ def test_the_image_names_agree() -> None:
 def test_the_test_command_is_what_ci_runs() -> None:
     assert "exec bash scripts/test.sh" in (REPO_ROOT / ".ci" / "run").read_text()
     assert (REPO_ROOT / "scripts" / "test.sh").is_file()
+
+
+def _phases_collect(*args: str) -> list[set[str]]:
+    """The test modules each phase of scripts/test_phases.sh collects with these arguments."""
+    out = subprocess.run(["bash", "scripts/test_phases.sh", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
+                          *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    phases = out.stdout.split(" collected")  # each phase ends with 'N/M tests collected (K deselected)'
+    return [{line.split("::")[0] for line in phase.splitlines() if "::" in line} for phase in phases[:-1]]
+
+
+@pytest.mark.parametrize("marker", [["-m", "not gpu"], ["-mnot gpu"]])
+def test_a_marker_argument_narrows_each_phase_rather_than_replacing_both(marker: list[str]) -> None:
+    modules = ["tests/test_energy_e2e.py", "tests/test_hooks_gpu.py", "tests/test_packaging.py"]
+    beside_others, alone = _phases_collect(*marker, *modules)
+    assert beside_others == {"tests/test_packaging.py"}  # not alone, not gpu
+    assert alone == {"tests/test_energy_e2e.py"}  # alone, not gpu; each phase once
+
+
+def test_a_dangling_marker_flag_is_refused_with_a_message() -> None:
+    out = subprocess.run(["bash", "scripts/test_phases.sh", "tests/test_packaging.py", "-m"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 4 and out.stderr.strip() == "scripts/test.sh: -m needs a marker expression"
 
 
 def test_the_benchmark_scripts_exist_and_compile() -> None:
