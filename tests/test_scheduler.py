@@ -286,8 +286,10 @@ def test_each_collector_shows_the_cpu_its_threads_spent_and_an_idle_one_next_to_
     assert idled <= 0.05, idled
     assert sample_values(text, "stepscope_exporter_cpu_seconds_total", part="server")  # this test's thread
     [helped] = sample_values(later, "stepscope_exporter_cpu_seconds_total", part="idle")
-    # its helper ended: what it spent stays counted (the kernel counts in 10 ms ticks)
-    assert abs(helped - idled - spent[0]) <= 0.02, (helped, idled, spent)
+    # its helper ended: what it spent stays counted (the kernel counts in 10 ms ticks), once. The idle
+    # collector's own thread spends a little meanwhile, more on a loaded machine (0.04 s beside eight busy
+    # test workers), and counting the helper twice would add all of its spent again
+    assert spent[0] - 0.02 <= helped - idled <= 1.5 * spent[0], (helped, idled, spent)
 
 
 def _burn_then_wait(burnt_enough: threading.Event, release: threading.Event, spent: list[float]) -> None:
