@@ -71,8 +71,9 @@ class Truth:
 
     def timed_until_resumed(self, kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
         """Each call of `method` starts a span of `kind` that ends when training goes on (`resumed`): the
-        next training item loaded, a validation, or the fit's end. Lightning's checkpoint state stands for
-        that span, the save and then the rest of the batch's end (under DDP, waiting for the other rank)."""
+        next training batch fetched (ResumingLoader), a validation, or the fit's end. Lightning's checkpoint
+        state stands for that span, the save and then the rest of the batch's end (under DDP, waiting for the
+        other rank)."""
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             self.resumed()
             self._pending = (kind, perf_counter())
@@ -132,8 +133,6 @@ class Items(Dataset):
         return self.items
 
     def __getitem__(self, index: int) -> Any:
-        if self.truth is not None:
-            self.truth.resumed()
         start = perf_counter()
         time.sleep(ITEM_SECONDS if self.truth is not None else EVAL_ITEM_SECONDS)
         x = torch.full((8,), index / self.items)
@@ -141,6 +140,23 @@ class Items(Dataset):
         if self.truth is not None:
             self.truth.loading += perf_counter() - start
         return item
+
+
+class ResumingLoader(DataLoader):
+    """The training DataLoader: each batch's `next()` first ends the open checkpoint span, where the Lightning
+    callback's fetch hook ends the checkpoint state. Ending it at the first item instead put the DataLoader's own
+    work before it in the checkpoint: beside eight busy test workers 44 ms over two saves, 15% of the truth. The
+    truth is the dataset's, which survives Lightning re-creating the loader with a distributed sampler."""
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        while True:
+            self.dataset.truth.resumed()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
 
 
 class Compute(nn.Module):
@@ -198,7 +214,7 @@ def lightning_fit(truth: Truth, root: Path, callback: Any, **trainer_args: Any) 
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     val_loop.run = truth.timed("eval", val_loop.run)  # the sanity check and every validation
     trainer.save_checkpoint = truth.timed_until_resumed("checkpoint", trainer.save_checkpoint)
-    trainer.fit(Module(), DataLoader(Items(ITEMS, truth), batch_size=BATCH, collate_fn=truth.collate),
+    trainer.fit(Module(), ResumingLoader(Items(ITEMS, truth), batch_size=BATCH, collate_fn=truth.collate),
                 DataLoader(Items(8, None), batch_size=BATCH))
     truth.resumed()
     return trainer
