@@ -261,8 +261,10 @@ def test_the_data_runs_warm_up_first_step_is_left_out_and_said(runs: Runs) -> No
 
     row = _csv(runs.reports["data"] / "rank_summary.csv")[0]
     summary = _csv(runs.reports["data"] / "run_summary.csv")[0]
-    # the first scrape's excess over its steps at the steady mean: the warm-up and one step's loading
-    assert DATA_WARM_UP_SECONDS <= float(row["first_step_seconds"]) < DATA_WARM_UP_SECONDS + 1, row
+    # the first scrape's excess over its other steps at the steady mean: the warm-up and about one step. An
+    # estimate: where load slows the later steps, the mean overstates the first scrape's others (2.996 s for a
+    # 3 s warm-up and a step of about 0.06 s in a clean-clone CI run), hence 10% below the warm-up
+    assert 0.9 * DATA_WARM_UP_SECONDS <= float(row["first_step_seconds"]) < DATA_WARM_UP_SECONDS + 1, row
     assert summary["first_step_seconds"] == row["first_step_seconds"], summary
     page = (runs.reports["data"] / "index.html").read_text(encoding="utf-8")
     assert f"first step {fmt.seconds(float(row['first_step_seconds']))} (warm-up: compilation" in page
