@@ -113,9 +113,13 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str,
         with running_prometheus_config(Path(tmp), config) as prometheus:
             end = max(workload.duration for workload in RECORDING.workloads.values()) + SETTLE_MARGIN_S
             ranks: set[tuple[str, str]] = set()
+            scrape_failed_at: set[float] = set()  # readings with a failed scrape of the replay in the 3 s before
             while replay.elapsed() < end:
                 tick = time.monotonic()
-                _read(prometheus.url, prometheus.url, replay.elapsed(), judged)  # Prometheus serves both
+                offset = replay.elapsed()
+                if query(prometheus.url, "min_over_time(up[3s]) == 0"):
+                    scrape_failed_at.add(offset)
+                _read(prometheus.url, prometheus.url, offset, judged)  # Prometheus serves both
                 ranks |= {(item["metric"]["instance"], item["metric"]["run"])
                           for item in query(prometheus.url, recordings.RANK_GPU_MEMORY)}
                 time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
@@ -124,7 +128,7 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str,
                  ("count({__name__=~'stepscope_gpu_.*'})", recordings.GPU_SOURCE_UTILIZATION,
                   "count(DCGM_FI_DEV_GPU_UTIL)", f"count({families.PROCESS_GPU_MEMORY})")},
                 _dashboards_and_report(prometheus.url)))
-    yield judged, held, ranks, shown
+    yield judged, held, ranks, shown, scrape_failed_at
 
 
 def _between_failed_scrapes(url: str, read: Callable[[], T], timeout: float = 20.0) -> T:
@@ -157,8 +161,13 @@ def test_each_workload_gets_its_verdict_from_dcgm_readings(judged: tuple, name: 
 
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_exactly_the_native_alerts_fire_from_dcgm_readings(judged: tuple, name: str) -> None:
-    result = judged[0][name]
-    spoken = [reading for reading in result.training() if reading.verdict == result.workload.expected_verdict]
+    """Judged where no scrape of the replay failed in the 3 s before: the alerts run without their `for`, so
+    one failed scrape of dcgm-exporter (`up` 0, the one Python server behind every target late under load)
+    shows StepscopeGpuCollectorDown, which takes five minutes of them (it did beside eight busy workers)."""
+    result, scrape_failed_at = judged[0][name], judged[4]
+    expected = [reading for reading in result.training() if reading.verdict == result.workload.expected_verdict]
+    spoken = [reading for reading in expected if reading.offset not in scrape_failed_at]
+    assert len(spoken) >= len(expected) / 2, f"{name}: {len(expected) - len(spoken)} readings beside failed scrapes"
     fired = {alert for reading in spoken for alert in reading.alerts}
     assert fired == TRUE_ALERTS[result.workload.expected_verdict], f"{name}: {sorted(fired)}"
 
