@@ -241,6 +241,66 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
     assert share == pytest.approx(sum(loading) / steps, abs=0.02)
 
 
+class SlowStartLoader(DataLoader):
+    """A validation DataLoader whose iterator takes ITERATOR_START_SECONDS to make, as one starting its worker
+    processes does (num_workers > 0 without persistent_workers: at every validation)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        time.sleep(ITERATOR_START_SECONDS)
+        return super().__iter__()
+
+
+ITERATOR_START_SECONDS = 0.2
+
+
+def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path, exporter: Any) -> None:
+    """Lightning makes the validation loaders' iterator before on_validation_start: the eval state covers the
+    whole validation run, so each validation's 0.2 s iterator start is eval time and no step's (before: the step
+    sum read 0.468 s for a truth of 0.266, the validation inside the steps counted in them)."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    outside = Outside()
+    marks: list[float] = []
+
+    class Marks(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if not marks:
+                marks.append(perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            marks.append(perf_counter())
+
+    class Module(working_module(pl)):
+        def validation_step(self, batch, batch_idx):
+            time.sleep(0.01)
+
+    callback = StepscopeCallback(run="clock-val", push_url=exporter.url, push_interval=60)
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_train_batches=6, val_check_interval=3, limit_val_batches=1,
+        num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[callback, Marks()],
+    )
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    run_validation = val_loop.run
+
+    def timed_validation(*args: Any, **kwargs: Any) -> Any:
+        start = perf_counter()
+        try:
+            return run_validation(*args, **kwargs)
+        finally:
+            outside.spans.append((start, perf_counter()))
+    val_loop.run = timed_validation
+    trainer.fit(Module(), DataLoader(Items(24, []), batch_size=4), SlowStartLoader(Items(4, []), batch_size=4))
+
+    value = pushed(exporter, "clock-val")
+    assert len(outside.spans) == 2 and value("stepscope_step_seconds_count") == len(marks) - 1 == 6
+    assert value("stepscope_step_seconds_sum") == pytest.approx(outside.steps(marks), rel=0.03)
+    validating = sum(end - start for start, end in outside.spans)
+    assert 2 * ITERATOR_START_SECONDS < value("stepscope_state_seconds_total", state="eval") <= validating + 0.01
+
+
 def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tmp_path: Path, exporter: Any) -> None:
     """A save gathers the model's state before any callback's on_save_checkpoint (here a state_dict() of 0.1 s;
     under FSDP or DeepSpeed the gather of every shard): that is the checkpoint's time, not a step's. Before, the

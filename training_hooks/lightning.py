@@ -14,7 +14,8 @@ its broadcast under DDP), Lightning's per-batch SIGTERM broadcast under DDP, log
 Tokens and model FLOPs (docs/mfu.md), as Lightning's ThroughputMonitor takes them: `length_fn(batch)` gives
 a batch's tokens, the LightningModule's `flops_per_batch` attribute its FLOPs (Lightning's `measure_flops`
 computes it); FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
-States: setup, train, eval (validation; the sanity check from its loaders' setup on), checkpoint (from the start
+States: setup, train, eval (the fit's whole validation run, its loaders' iterator included; the sanity check from its
+loaders' setup on), checkpoint (from the start
 of trainer.save_checkpoint, or on_save_checkpoint, until training or validation goes on), idle after fit.
 Fits again in the same process (`trainer.fit()` once more, a new Trainer with the same callback, `ckpt_path=`) are
 the same run: the callback's tracker, closed at each fit's end (final push, state idle), is reopened at the next
@@ -86,6 +87,7 @@ class StepscopeCallback(Callback):
         self._restored_offset: int | None = None  # the offset saved in the checkpoint this fit restored
         self._fitting = False  # from setup("fit") to teardown: a save, validate, test or predict outside it is no
         # state of the run
+        self._validating = False  # inside the fit's wrapped validation run, which ends the eval state itself
         # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
         self._wrapped: list[tuple[Any, str, Any]] = []
 
@@ -109,6 +111,7 @@ class StepscopeCallback(Callback):
         self._wrap_batch_to_device(trainer)
         self._wrap_fetch(trainer)
         self._wrap_save(trainer)
+        self._wrap_validation(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._finish()
@@ -172,6 +175,30 @@ class StepscopeCallback(Callback):
             return original(*args, **kwargs)
 
         self._wrap(trainer, "save_checkpoint", save_checkpoint)
+
+    def _wrap_validation(self, trainer: Trainer) -> None:
+        """The eval state for the whole of the fit's validation run (`val_loop.run`), not only from
+        on_validation_start to on_validation_end: the run sets up the validation loaders (the first time) and
+        makes its iterator over them before the first (their worker processes start there unless they persist) and
+        puts the model back in training mode after the second. Both were counted in the step under way: 39 ms
+        over 8 steps (3.8%) in a loaded test run, and a worker start per validation on a real loader. A save
+        inside the run (ModelCheckpoint at validation's end) stays checkpoint until training fetches again."""
+        loop = trainer.fit_loop.epoch_loop.val_loop
+        original = loop.run
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self._fitting or trainer.sanity_checking:  # the sanity check: on_sanity_check_start on
+                return original(*args, **kwargs)
+            self.tracker.state(EVAL_STATE)
+            self._validating = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._validating = False
+                if self._fitting and self.tracker.current_state == EVAL_STATE:
+                    self.tracker.state(TRAIN_STATE)
+
+        self._wrap(loop, "run", run)
 
     def _wrap_fetch(self, trainer: Trainer) -> None:
         """Times exactly the training fetcher's `next()` on the loader as dataloader_next.
@@ -285,7 +312,7 @@ class StepscopeCallback(Callback):
             self.tracker.state(EVAL_STATE)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._fitting:
+        if self._fitting and not self._validating:  # the wrapped run ends the eval state itself
             self.tracker.state(SETUP_STATE if trainer.sanity_checking else TRAIN_STATE)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
