@@ -149,6 +149,20 @@ class Outside:
         if self._pending:
             self.spans.append((self._pending.pop(), perf_counter()))
 
+    def time_validations(self, trainer: Any) -> None:
+        """Each validation run of the fit (`val_loop.run`, all of it) is a span; it ends an open checkpoint."""
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        run_validation = val_loop.run
+
+        def timed_validation(*args: Any, **kwargs: Any) -> Any:
+            self.resumed()
+            start = perf_counter()
+            try:
+                return run_validation(*args, **kwargs)
+            finally:
+                self.spans.append((start, perf_counter()))
+        val_loop.run = timed_validation
+
     def steps(self, marks: list[float]) -> float:
         """The time between consecutive `marks` (step ends) less the spans inside it."""
         return sum(end - begin - sum(max(0.0, min(end, b) - max(begin, a)) for a, b in self.spans)
@@ -211,17 +225,7 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
         num_sanity_val_steps=0, default_root_dir=tmp_path,
         callbacks=[callback, Marks(), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)],
     )
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    run_validation = val_loop.run
-
-    def timed_validation(*args: Any, **kwargs: Any) -> Any:
-        outside.resumed()
-        start = perf_counter()
-        try:
-            return run_validation(*args, **kwargs)
-        finally:
-            outside.spans.append((start, perf_counter()))
-    val_loop.run = timed_validation
+    outside.time_validations(trainer)
     save = trainer.save_checkpoint
 
     def timed_save(*args: Any, **kwargs: Any) -> Any:
@@ -282,16 +286,7 @@ def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path,
         enable_checkpointing=False, limit_train_batches=6, val_check_interval=3, limit_val_batches=1,
         num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[callback, Marks()],
     )
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    run_validation = val_loop.run
-
-    def timed_validation(*args: Any, **kwargs: Any) -> Any:
-        start = perf_counter()
-        try:
-            return run_validation(*args, **kwargs)
-        finally:
-            outside.spans.append((start, perf_counter()))
-    val_loop.run = timed_validation
+    outside.time_validations(trainer)
     trainer.fit(Module(), DataLoader(Items(24, []), batch_size=4), SlowStartLoader(Items(4, []), batch_size=4))
 
     value = pushed(exporter, "clock-val")
