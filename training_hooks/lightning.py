@@ -180,8 +180,8 @@ class StepscopeCallback(Callback):
         """The eval state for the whole of the fit's validation run (`val_loop.run`), not only from
         on_validation_start to on_validation_end: the run sets up the validation loaders (the first time) and
         makes its iterator over them before the first (their worker processes start there unless they persist) and
-        puts the model back in training mode after the second. Both were counted in the step under way: 39 ms
-        over 8 steps (3.8%) in a loaded test run, and a worker start per validation on a real loader. A save
+        puts the model back in training mode after the second. Both were counted in the step under way: a loader
+        whose iterator took 0.2 s to start made a step sum of 0.468 s for a truth of 0.266. A save
         inside the run (ModelCheckpoint at validation's end) stays checkpoint until training fetches again."""
         loop = trainer.fit_loop.epoch_loop.val_loop
         original = loop.run
