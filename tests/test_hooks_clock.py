@@ -3,12 +3,14 @@ real exporter: what a step is when eval or a checkpoint comes mid-step, when loa
 and what a phase entered twice before it is left records."""
 
 import itertools
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from time import perf_counter
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -245,6 +247,9 @@ def test_lightning_validation_inside_an_accumulation_keeps_the_steps_loading_and
     assert share == pytest.approx(sum(loading) / steps, abs=0.02)
 
 
+ITERATOR_START_SECONDS = 0.2
+
+
 class SlowStartLoader(DataLoader):
     """A validation DataLoader whose iterator takes ITERATOR_START_SECONDS to make, as one starting its worker
     processes does (num_workers > 0 without persistent_workers: at every validation)."""
@@ -252,9 +257,6 @@ class SlowStartLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         time.sleep(ITERATOR_START_SECONDS)
         return super().__iter__()
-
-
-ITERATOR_START_SECONDS = 0.2
 
 
 def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path, exporter: Any) -> None:
@@ -294,6 +296,20 @@ def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path,
     assert value("stepscope_step_seconds_sum") == pytest.approx(outside.steps(marks), rel=0.03)
     validating = sum(end - start for start, end in outside.spans)
     assert 2 * ITERATOR_START_SECONDS < value("stepscope_state_seconds_total", state="eval") <= validating + 0.01
+
+
+def test_a_lightning_without_the_validation_run_warns_and_times_eval_by_the_callbacks(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Lightning whose training epoch loop has no val_loop.run() trains on; eval is then the span between
+    on_validation_start and on_validation_end, and the log says so once."""
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    callback = StepscopeCallback(push_url="", run="no-run")
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    with caplog.at_level(logging.WARNING):
+        callback._wrap_validation(trainer)
+    assert callback._wrapped == []
+    assert caplog.text.count("eval is timed from on_validation_start to on_validation_end") == 1
 
 
 def test_a_lightning_checkpoint_is_checkpoint_time_from_the_start_of_its_save(tmp_path: Path, exporter: Any) -> None:

@@ -183,7 +183,11 @@ class StepscopeCallback(Callback):
         puts the model back in training mode after the second. Both were counted in the step under way: a loader
         whose iterator took 0.2 s to start made a step sum of 0.468 s for a truth of 0.266. A save
         inside the run (ModelCheckpoint at validation's end) stays checkpoint until training fetches again."""
-        loop = trainer.fit_loop.epoch_loop.val_loop
+        loop = getattr(trainer.fit_loop.epoch_loop, "val_loop", None)
+        if not callable(getattr(loop, "run", None)):
+            log.warning("stepscope: this Lightning has no validation loop run() on its training epoch loop; eval is "
+                        "timed from on_validation_start to on_validation_end")
+            return
         original = loop.run
 
         def run(*args: Any, **kwargs: Any) -> Any:
