@@ -11,6 +11,11 @@ has every rank's series within one interval of its start, as the rules' scrape-g
 time, and this one's pushes are taken at once when the other process closes or stops pushing, so its
 series land within one interval of that.
 
+A push that finds its kept-alive connection closed is sent again at once on a new one. A server closes
+an idle connection when it chooses (the exporter after 10 s), and a push sent as it does fails though
+nothing is wrong: HTTP lets a client retry an idempotent request then (RFC 9110 9.2.2), as Go's client
+does. A push interval near the server's idle limit met that race (a clean-clone CI run lost one).
+
 Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
 hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
 (stepscope.hooks.profiling); a stock Pushgateway ignores the one and never sends the other.
@@ -118,7 +123,7 @@ class Pusher:
         self._at_interval = False
         try:
             headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
-            response = self._session.put(self.url, data=self._body().encode(), headers=headers, timeout=self.timeout)
+            response = self._put(self._body().encode(), headers)
         except requests.RequestException as exc:
             # refused at once (not a timeout): nothing listens, an exporter restarting
             self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
@@ -140,6 +145,16 @@ class Pusher:
             f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try
             f"push to {self.url} {kind} ({response.status_code}): {message}; training continues",
         )
+
+    def _put(self, body: bytes, headers: Mapping[str, str]) -> requests.Response:
+        """One PUT, sent once more on a new connection if the first failed without a timeout: its kept-alive
+        connection may have been closed by the server as it went out (the module's docstring)."""
+        try:
+            return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout)
+        except requests.ConnectionError as exc:
+            if isinstance(exc, requests.Timeout):
+                raise
+        return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout)
 
     def _answered(self, headers: Mapping[str, str]) -> None:
         if self._on_answer is None:
