@@ -21,6 +21,9 @@ unset PYTHONDONTWRITEBYTECODE
 # trained, and the verdicts went out for seconds at a time (tests/test_corpus_verdicts.py); alone, none missed.
 # The energy tests join them: their charge is exact at a 1 s evaluation, and beside the others Prometheus
 # evaluated the GPU mapping twice in 20 s (tests/test_energy_e2e.py charged 4 s of the 18.6 s held).
+# So does the README's quickstart: its fixed act's 4 loader workers hand batches over at the machine's pace.
+# Beside the others (the official CI on 3c9bf3c, the demo's first step 41 s late) the act waited for data 34-41%
+# of the step for 100 s, over the 30% that is data-bound, and host_bound never came; alone it reads 19% (101 s).
 # Exit status 5 is pytest's "no tests collected": arguments that select none of one phase's tests.
 # A marker expression among the arguments (`-m gpu`, `-mgpu`) narrows each phase's own rather than replacing
 # both (pytest keeps the last -m), which ran the selected tests twice, the second time beside nothing.

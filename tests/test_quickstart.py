@@ -46,6 +46,7 @@ def quickstart_env(tmp_path: Path, mark: str) -> dict[str, str]:
     return shell_env({MARK: mark, "TMPDIR": str(tmp_path)})
 
 
+@pytest.mark.alone  # scripts/test.sh says why
 def test_the_readme_quickstart_ends_with_the_report_and_both_verdicts(tmp_path: Path) -> None:
     """The README's command (its report written under tmp_path, not into the checkout): a data-bound act,
     then the fixed one, judged by the shipped rules; the report's path and the verdicts in order; nothing
