@@ -23,7 +23,6 @@ LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up +
     "test_quantiles_e2e.py",        # 108 (29): VictoriaMetrics' verdict lag dominates
     "test_framework_quantiles.py",  # 105 (24): a Lightning fit and a Trainer run of 100 s at once, via Prometheus
     "test_gpu_signals_e2e.py",      # 101 (7): 1m GPU averages turning over twice after a scenario change
-    "test_quickstart.py",           # 100 (15): the quickstart's two acts (each waits for its verdict), Ctrl-C, SIGKILL
     "test_sharded_e2e.py",          # 97 (13): the shard layout, once per global engine
     "test_stall_e2e.py",            # 92 (26): a hung run named within two minutes
     "test_dcgm_source.py",          # 82 (8): the corpus again, dcgm-exporter as the GPU source
