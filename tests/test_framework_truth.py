@@ -132,7 +132,10 @@ def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: 
     value = pushed(scrape(exporter.url), "hf-truth")
     assert trainer.state.global_step == truth.optimizer_steps == STEPS
     assert (truth.forwards, truth.samples) == (MICRO_BATCHES, EPOCHS * ITEMS)
-    check_against_truth(value, truth)
+    # the share is held to the timed fetches (as with two ranks below): accelerate's own work inside each
+    # fetch is 0.016 of the step idle here (share 0.169, fetches 0.168, the Dataset's 0.153), and beside the
+    # rest of the suite in a clean-clone CI run it read 0.251 against the Dataset's 0.229
+    check_against_truth(value, truth, share_tolerance=None)
     assert value("stepscope_step_phase_seconds_count", phase="dataloader_next") == MICRO_BATCHES
     assert "get_batch_samples" not in vars(trainer)  # the wrapper is gone after training
 

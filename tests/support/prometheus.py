@@ -82,9 +82,11 @@ def running_prometheus_holding(tmp_path: Path, samples: Sequence[tuple[str, floa
         yield proc
 
 
-def query(base_url: str, expr: str) -> list[dict]:
-    """Instant query results ([{"metric": {...}, "value": [t, "v"]}]); raises on a PromQL error."""
-    response = requests.get(f"{base_url}/api/v1/query", params={"query": expr}, timeout=10)
+def query(base_url: str, expr: str, at: float | None = None) -> list[dict]:
+    """Instant query results ([{"metric": {...}, "value": [t, "v"]}]) now or at Unix time `at`; raises on a
+    PromQL error."""
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    response = requests.get(f"{base_url}/api/v1/query", params=params, timeout=10)
     body = response.json()
     if body.get("status") != "success":
         raise ValueError(f"query failed: {expr}\n{body.get('errorType')}: {body.get('error')}")
