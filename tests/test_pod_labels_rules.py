@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from grafana.rules import RULES_DIR
+from tests.support.prometheus import PROMTOOL_TEST_ENV
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 POD = ("namespace", "pod", "container")
@@ -151,7 +152,7 @@ def transformed(path: Path, labelled: bool) -> dict:
 def _promtool(path: Path, labelled: bool, tmp_path: Path) -> subprocess.CompletedProcess:
     out = tmp_path / f"{path.stem}-{'labelled' if labelled else 'plain'}.yml"
     out.write_text(yaml.dump(transformed(path, labelled), Dumper=_Dumper, sort_keys=False))
-    return subprocess.run([promtool, "test", "rules", str(out)], capture_output=True, text=True)
+    return subprocess.run([promtool, "test", "rules", str(out)], capture_output=True, text=True, env=PROMTOOL_TEST_ENV)
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=[path.stem for path in TEST_FILES])

@@ -16,6 +16,7 @@ from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
 from tests.support.dashboard_queries import panel_queries
+from tests.support.prometheus import PROMTOOL_TEST_ENV
 from tests.support.readme import doc_section
 
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
@@ -53,7 +54,8 @@ def test_promtool_check_rules() -> None:
 
 def test_promtool_unit_tests_pass() -> None:
     result = subprocess.run(
-        [promtool, "test", "rules", *map(str, TEST_FILES)], capture_output=True, text=True, cwd=RULES_DIR
+        [promtool, "test", "rules", *map(str, TEST_FILES)], capture_output=True, text=True, cwd=RULES_DIR,
+        env=PROMTOOL_TEST_ENV,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
