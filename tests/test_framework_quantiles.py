@@ -44,9 +44,12 @@ TOLERANCE = 0.10
 # pace (a clean-clone CI run: true p95 78 -> 92 -> 114 ms over 30 s), which this test's steady runs do not do
 # (their first windows' true p95 stay within 5%: 78.4-82.1 ms there). The exported buckets follow a move only
 # once the new ones are a rate window old (stepscope.hooks.timing), and the recorded run quantile lags its
-# evaluation by ~2 s: such readings were off by 10.7% (82 against 92 ms) and 65% (235 against 142 ms). They
-# are listed and not judged; at least half must be judged. tests/test_quantiles_e2e.py
-# holds the quantiles through scripted shifts.
+# evaluation by ~2 s: such readings were off by 10.7% (82 against 92 ms) and 65% (235 against 142 ms). A reading
+# off by more than the tolerance in such a window is listed and excused; at most half may be. Readings within the
+# tolerance count whether or not the pace moved: another clean-clone run moved the true p95 81 -> 120-145 ms and
+# the p50 41 -> 52-54 ms, 10-11 of each case's 16 readings in moved windows, and of its four cases 0, 0, 2 and 6
+# readings were off by more than the tolerance (13-47%), every one in a moved window.
+# tests/test_quantiles_e2e.py holds the quantiles through scripted shifts.
 PACE_MOVED = 0.15
 QUANTILES = {"p50": (0.5, RUN_STEP_SECONDS_P50), "p95": (0.95, RUN_STEP_SECONDS_P95)}
 
@@ -100,8 +103,8 @@ def _truth(intervals: list[float], q: float) -> float:
 
 
 def _errors(paced: Paced, run: str, recorded: bool) -> list[str]:
-    """One line per reading and quantile: '!' marks one off by more than the tolerance, '~' one whose window's
-    true quantile moved more than PACE_MOVED from the first window's (not judged)."""
+    """One line per reading and quantile: '!' marks one off by more than the tolerance, '~' one so off where its
+    window's true quantile moved more than PACE_MOVED from the first window's (excused)."""
     lines, first_truth = [], {}
     for at in paced.readings(run):
         for name, (q, series) in QUANTILES.items():
@@ -115,14 +118,14 @@ def _errors(paced: Paced, run: str, recorded: bool) -> list[str]:
             truth = _truth(intervals, q)
             error = float(value) / truth - 1
             moved = abs(truth / first_truth.setdefault(name, truth) - 1) > PACE_MOVED
-            mark = "~" if moved else "!" if abs(error) > TOLERANCE else " "
+            mark = " " if abs(error) <= TOLERANCE else "~" if moved else "!"
             lines.append(f"{mark} {run:17} +{at - paced.stamps[run][0]:5.1f}s {name} steps {first}..{last}: "
                          f"{1000 * float(value):6.2f} ms vs {1000 * truth:6.2f} ms true ({100 * error:+6.2f}%)")
     return lines
 
 
 def _judged(lines: list[str]) -> None:
-    """No judged reading off by more than the tolerance, and at least half the readings judged."""
+    """No reading off by more than the tolerance in a steady window, and at most half excused."""
     assert not [line for line in lines if line.startswith("!")], "\n".join(lines)
     assert 2 * sum(line.startswith("~") for line in lines) <= len(lines), "\n".join(lines)
 
