@@ -36,7 +36,6 @@ LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up +
     "test_readme_commands.py",      # 20 (29): every demo command at once, a CPU burst
     "test_http_hardening.py",       # 17 (13): 512 groups, shutdown deadlines
     "test_helm_chart.py",           # 15 (15)
-    "test_pod_labels_rules.py",     # 15 (15): every promtool file again, with pod labels on its inputs
 )
 
 

@@ -28,6 +28,8 @@ import yaml
 from grafana.rules import RULES_DIR
 from tests.support.prometheus import PROMTOOL_TEST_ENV
 
+pytestmark = pytest.mark.background  # promtool's simulated time: scripts/test.sh runs it at idle CPU priority
+
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 POD = ("namespace", "pod", "container")
 SERIES = re.compile(r"^(?P<name>(?:[A-Za-z_:][\w:]*)?)\s*(?:\{(?P<labels>.*)\})?$")

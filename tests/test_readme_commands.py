@@ -282,10 +282,11 @@ def _phases_collect(*args: str) -> list[set[str]]:
 
 @pytest.mark.parametrize("marker", [["-m", "not gpu"], ["-mnot gpu"]])
 def test_a_marker_argument_narrows_each_phase_rather_than_replacing_both(marker: list[str]) -> None:
-    modules = ["tests/test_energy_e2e.py", "tests/test_hooks_gpu.py", "tests/test_packaging.py"]
-    beside_others, alone = _phases_collect(*marker, *modules)
-    assert beside_others == {"tests/test_packaging.py"}  # not alone, not gpu
+    modules = ["tests/test_energy_e2e.py", "tests/test_hooks_gpu.py", "tests/test_packaging.py", "tests/test_rules.py"]
+    beside_others, alone, background = _phases_collect(*marker, *modules)
+    assert beside_others == {"tests/test_packaging.py"}  # not alone, not background, not gpu
     assert alone == {"tests/test_energy_e2e.py"}  # alone, not gpu; each phase once
+    assert background == {"tests/test_rules.py"}
 
 
 def test_a_dangling_marker_flag_is_refused_with_a_message() -> None:

@@ -19,6 +19,8 @@ from tests.support.dashboard_queries import panel_queries
 from tests.support.prometheus import PROMTOOL_TEST_ENV
 from tests.support.readme import doc_section
 
+pytestmark = pytest.mark.background  # promtool's simulated time: scripts/test.sh runs it at idle CPU priority
+
 TEST_FILES = sorted((RULES_DIR / "tests").glob("*.yml"))
 REQUIRED_ANNOTATIONS = ("summary", "description", "runbook")
 # Up/down conditions: their value is always 0, so the description states the fact instead.
