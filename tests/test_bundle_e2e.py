@@ -98,8 +98,11 @@ DDP_SLOW_RANK = 1
 DDP_EXTRA_SECONDS = 0.03
 # fast's two ranks count as stepping alike (no straggler among them) within this ratio of mean step times
 FAST_RANKS_ALIKE = 1.15
-# fast and slow measure their loader and compute limits over this many batches before training
-LIMIT_BATCHES = 10
+# fast and slow measure their loader and compute limits over this many batches before training: measure_limits'
+# default. At 10, slow's ten steps of compute (~0.3 ms each) took 1.04 s in a clean-clone run on a busy machine,
+# a stall of the process that read 615 samples/s against its loader's 1,280 (compute_bound); 50 steps spread a
+# stall five times thinner
+LIMIT_BATCHES = 50
 TRACE_STEPS = 2
 
 
