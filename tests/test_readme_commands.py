@@ -10,7 +10,10 @@ the Pushgateway's :9091 moves to a free port in all three of its commands; forev
 are stopped once they have shown what they are for.
 """
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -281,12 +284,73 @@ def _phases_collect(*args: str) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("marker", [["-m", "not gpu"], ["-mnot gpu"]])
-def test_a_marker_argument_narrows_each_phase_rather_than_replacing_both(marker: list[str]) -> None:
+def test_a_marker_argument_narrows_each_phase_rather_than_replacing_them(marker: list[str]) -> None:
     modules = ["tests/test_energy_e2e.py", "tests/test_hooks_gpu.py", "tests/test_packaging.py", "tests/test_rules.py"]
     beside_others, alone, background = _phases_collect(*marker, *modules)
     assert beside_others == {"tests/test_packaging.py"}  # not alone, not background, not gpu
     assert alone == {"tests/test_energy_e2e.py"}  # alone, not gpu; each phase once
     assert background == {"tests/test_rules.py"}
+
+
+BACKGROUND_MODULE = """
+import os, pathlib, subprocess, sys, time
+import pytest
+pytestmark = pytest.mark.background
+def test_fails():
+    assert False, "a background failure"
+def test_waits():  # with a child of its own, as promtool is
+    sleep = os.environ["STEPSCOPE_TEST_SLEEP"]
+    child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({sleep})", __file__])
+    pathlib.Path(os.environ["STEPSCOPE_TEST_STARTED"]).touch()
+    child.wait()
+"""
+
+
+def _phases(module: Path, sleep: float, started: Path) -> subprocess.Popen:
+    """scripts/test_phases.sh on one module, in a session of its own with Ctrl-C's default (a terminal's)."""
+    env = {**os.environ, "STEPSCOPE_TEST_SLEEP": str(sleep), "STEPSCOPE_TEST_STARTED": str(started)}
+    return subprocess.Popen(["bash", "scripts/test_phases.sh", str(module), "-c", "pyproject.toml", "-q", "-n", "0",
+                             "-p", "no:cacheprovider"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_a_failing_background_test_fails_the_run_and_its_output_comes_last(tmp_path: Path) -> None:
+    module = tmp_path / "test_lane.py"
+    module.write_text(BACKGROUND_MODULE)
+    script = _phases(module, 0, tmp_path / "started")
+    out, _ = script.communicate(timeout=120)
+    assert script.returncode == 1, out
+    assert "AssertionError: a background failure" in out
+    assert out.strip().splitlines()[-1].startswith("1 failed, 1 passed in "), out
+
+
+def test_ctrl_c_in_the_alone_phase_stops_the_background_lane_too(tmp_path: Path) -> None:
+    module = tmp_path / "test_lane.py"
+    module.write_text(BACKGROUND_MODULE)
+    started = tmp_path / "started"
+    script = _phases(module, 120, started)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), "the background test never started"
+        os.killpg(script.pid, signal.SIGINT)
+        assert script.wait(timeout=15) == 130
+        deadline = time.monotonic() + 10
+        while _running(module) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(module), _running(module)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-KILL", "-f", str(module)], check=False)
+
+
+def _running(module: Path) -> list[str]:
+    """Processes whose command line names the module (pytest runs of it)."""
+    found = subprocess.run(["pgrep", "-af", str(module)], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
 
 
 def test_a_dangling_marker_flag_is_refused_with_a_message() -> None:
