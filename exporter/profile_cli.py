@@ -7,11 +7,11 @@ rank; the rank takes it on its next push, writes a gzipped Chrome trace into its
 and reports it on the push after. Prints the path of each trace on stdout, one per line (open them in
 https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler plugin), and a line per rank on
 stderr. Exit 0 when every rank wrote its trace; exit 2 with the reason per rank when one did not
-(not pushing here, profiler not available, already tracing, idle, timeout) and for bad flags or an
-exporter that cannot be reached; 130 on Ctrl-C, which cancels the requests: a rank tracing stops at its
-next step and writes no file (hooks older than the exporter trace on: the line says so). It stops waiting
-early when every rank still to take its request stopped pushing (nothing for 3 of its push intervals and
-a second). Requests no rank took are cancelled on the way out.
+(not pushing here, profiler not available, already tracing, idle, timeout) and for bad flags, an
+exporter that cannot be reached or an answer not in the profile API's shape; 130 on Ctrl-C, which cancels
+the requests: a rank tracing stops at its next step and writes no file (hooks older than the exporter trace
+on: the line says so). It stops waiting early when every rank still to take its request stopped pushing
+(nothing for 3 of its push intervals and a second). Requests no rank took are cancelled on the way out.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ MAX_STEPS = 1000
 POLL_SECONDS = 0.5
 HTTP_TIMEOUT_SECONDS = 10.0
 FINISHED = ("done", "failed", "cancelled")
+# A profile request as the exporter writes it (ProfileRequest.as_json): every field this command reads, by type.
+# The last three came in later exporters and may be absent (None): the command then says less about a rank.
+REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,), "run": (str,), "rank": (str,), "state": (str,), "reason": (str,), "steps": (int,),
+    "done_steps": (int,), "path": (str,), "bytes": (int,), "trace_steps": (int,),
+}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "last_push_age_seconds": (int, float, type(None)), "push_interval_seconds": (int, float, type(None)),
+    "training_state": (str, type(None)),
+}
 
 
 class Failure(Exception):
@@ -125,13 +135,38 @@ class ExporterApi:
             raise Failure(str(payload.get("error") or f"HTTP {response.status_code}"))
         return payload
 
+    def one(self, method: str, path: str) -> dict[str, Any]:
+        """The profile request a GET or DELETE of one answers with."""
+        return checked_request(self.base_url + path, self.call(method, path))
+
     def close(self) -> None:
         self._session.close()
 
 
 def request_traces(api: ExporterApi, args: argparse.Namespace) -> list[dict[str, Any]]:
     ranks: list[int] | str = "all" if args.all_ranks else (args.rank or [0])
-    return api.call("POST", API, json={"run": args.run, "ranks": ranks, "steps": args.steps})["requests"]
+    made = api.call("POST", API, json={"run": args.run, "ranks": ranks, "steps": args.steps}).get("requests")
+    if not isinstance(made, list) or not made:
+        raise Failure(f"{api.base_url + API} answered without the requests it made: {NOT_OUR_API}")
+    return [checked_request(api.base_url + API, request) for request in made]
+
+
+NOT_OUR_API = "point --exporter at a stepscope exporter of this version"
+
+
+def checked_request(url: str, request: Any) -> dict[str, Any]:
+    """`request` when it has every field this command reads, of its type, and a whole-number rank: an answer
+    in another shape (another service on that port, another version) ends in one line, not a traceback."""
+    if not isinstance(request, dict):
+        raise Failure(f"{url} answered {type(request).__name__} where a profile request belongs: {NOT_OUR_API}")
+    wrong = [name for name, kinds in REQUEST_FIELDS.items() if not isinstance(request.get(name, ...), kinds)]
+    wrong += [name for name, kinds in OPTIONAL_FIELDS.items() if not isinstance(request.get(name), kinds)]
+    if not wrong and not request["rank"].isdigit():
+        wrong.append("rank")
+    if wrong:
+        raise Failure(f"{url} answered a profile request without {', '.join(wrong)} as the profile API writes "
+                      f"them: {NOT_OUR_API}")
+    return request
 
 
 def stopped_pushing(request: dict[str, Any]) -> bool:
@@ -147,7 +182,7 @@ def wait_for(api: ExporterApi, requests_made: list[dict[str, Any]], wait: float)
     deadline = time.monotonic() + wait
     current = requests_made
     while True:
-        current = [r if r["state"] in FINISHED else api.call("GET", f"{API}/{r['id']}") for r in current]
+        current = [r if r["state"] in FINISHED else api.one("GET", f"{API}/{r['id']}") for r in current]
         if all(r["state"] in FINISHED or stopped_pushing(r) for r in current) or time.monotonic() >= deadline:
             return current
         time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
@@ -169,7 +204,7 @@ def interrupted(api: ExporterApi, current: list[dict[str, Any]]) -> str:
             continue
         who = f"rank {request['rank']}"
         try:
-            state = api.call("DELETE", f"{API}/{request['id']}")
+            state = api.one("DELETE", f"{API}/{request['id']}")
         except Failure as failure:
             notes.append(f"{who} traces on ({failure})")
             continue

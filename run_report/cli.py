@@ -1,5 +1,6 @@
-"""`stepscope-report`: the command line. Bad input, an unreachable Prometheus and a run or range
-without data end with one line on stderr and exit code 2; the output directory then stays as it was.
+"""`stepscope-report`: the command line. Bad input, an unreachable Prometheus (or a server answering its API
+in another shape) and a run or range without data end with one line on stderr and exit code 2; the output
+directory then stays as it was.
 """
 
 from __future__ import annotations

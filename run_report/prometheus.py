@@ -7,13 +7,14 @@ line a user can act on: where Prometheus was not reachable, or what it answered.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 
 TIMEOUT_SECONDS = 60.0
+T = TypeVar("T")
 
 
 class PrometheusError(Exception):
@@ -43,21 +44,23 @@ class Prometheus:
 
     def query(self, expr: str, at: float) -> list[Series]:
         """An instant query evaluated at `at`; a range-vector result keeps every raw sample."""
-        data = self._call("query", {"query": expr, "time": _timestamp(at)})
-        return _series(data)
+        return self._call("query", {"query": expr, "time": _timestamp(at)}, _series)
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
-        data = self._call(
+        return self._call(
             "query_range",
             {"query": expr, "start": _timestamp(start), "end": _timestamp(end), "step": f"{step:g}"},
+            _series,
         )
-        return _series(data)
 
     def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
         """Label sets of the series `match` selects in [start, end] (an index lookup, no samples read)."""
-        return self._call("series", {"match[]": match, "start": _timestamp(start), "end": _timestamp(end)})
+        return self._call("series", {"match[]": match, "start": _timestamp(start), "end": _timestamp(end)},
+                          _label_sets)
 
-    def _call(self, endpoint: str, form: dict[str, str]) -> Any:
+    def _call(self, endpoint: str, form: dict[str, str], parse: Callable[[Any], T]) -> T:
+        """`parse` of the API's `data`. A body that says success in another shape (a proxy's, another API's
+        at that path) is a PrometheusError naming what was wrong, not a traceback from deep in the report."""
         url = f"{self.base_url}/api/v1/{endpoint}"
         try:
             response = self._session.post(url, data=form, timeout=self._timeout)
@@ -78,7 +81,13 @@ class Prometheus:
             raise PrometheusError(
                 f"Prometheus refused a {endpoint} request (HTTP {response.status_code}): {first_line}"
             )
-        return body["data"]
+        try:
+            return parse(body["data"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise PrometheusError(
+                f"{url} answered success with data not in the Prometheus API's {endpoint} format "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def _timestamp(seconds: float) -> str:
@@ -97,12 +106,28 @@ def _reason(exc: requests.RequestException) -> str:
 def _series(data: dict[str, Any]) -> list[Series]:
     kind, result = data["resultType"], data["result"]
     if kind == "vector":
-        return [Series(item["metric"], ((item["value"][0], float(item["value"][1])),)) for item in result]
+        return [Series(_labels(item["metric"]), (_point(item["value"]),)) for item in result]
     if kind == "matrix":
-        return [
-            Series(item["metric"], tuple((t, float(v)) for t, v in item.get("values", ())))
-            for item in result
-        ]
+        return [Series(_labels(item["metric"]), tuple(_point(value) for value in item.get("values", ())))
+                for item in result]
     if kind == "scalar":
-        return [Series({}, ((result[0], float(result[1])),))]
-    raise PrometheusError(f"unexpected {kind} result from Prometheus")
+        return [Series({}, (_point(result),))]
+    raise ValueError(f"a result of type {kind!r}")
+
+
+def _point(value: Any) -> tuple[float, float]:
+    """A [unix seconds, "value"] pair of the API as numbers."""
+    at, number = value
+    return float(at), float(number)
+
+
+def _labels(metric: Any) -> dict[str, str]:
+    if not isinstance(metric, dict) or not all(isinstance(v, str) for v in metric.values()):
+        raise TypeError(f"labels {str(metric)[:80]!r} are not a name-value object")
+    return metric
+
+
+def _label_sets(data: Any) -> list[dict[str, str]]:
+    if not isinstance(data, list):
+        raise TypeError(f"{type(data).__name__} where a list of label sets belongs")
+    return [_labels(item) for item in data]

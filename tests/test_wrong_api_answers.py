@@ -1,0 +1,125 @@
+"""The two commands that read an HTTP API, pointed at a server that answers success in another shape: another
+service on that port, a proxy's page wrapped as JSON, another version. stepscope-report (Prometheus' query API)
+and stepscope-profile (the exporter's profile API) each end with one line and exit status 2, where they ended
+with a KeyError, TypeError or ValueError traceback, and the report writes nothing.
+
+The server is the bad input itself: a few lines of http.server answering one fixed JSON body to every request.
+"""
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from stepscope.exporter import profile_cli
+from stepscope.report import cli as report_cli
+
+# A profile request with every field the exporter writes (ProfileRequest.as_json), pending on rank 0.
+PENDING = {"id": "a1", "run": "r", "rank": "0", "state": "pending", "reason": "", "steps": 20, "done_steps": 0,
+           "path": "", "bytes": 0, "trace_steps": 0, "last_push_age_seconds": None, "push_interval_seconds": None,
+           "training_state": None}
+
+
+@contextmanager
+def answering(body: object) -> Iterator[str]:
+    """A server on a free loopback port answering HTTP 200 and `body` as JSON to every GET, POST and DELETE."""
+    data = json.dumps(body).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _one_line(err: str, prefix: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("body", [
+    {"status": "success"},
+    {"status": "success", "data": None},
+    {"status": "success", "data": {}},
+    {"status": "success", "data": [{"run": "r"}]},
+    {"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {}}]}},
+    {"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {}, "values": [[1, "x"]]}]}},
+    {"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {"run": 1}, "values": []}]}},
+    {"status": "success", "data": {"resultType": "string", "result": [1, "a"]}},
+], ids=lambda body: json.dumps(body)[:70])
+def test_the_report_names_an_answer_not_in_prometheus_format_in_one_line(
+        body: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report"
+    with answering(body) as url:
+        code = report_cli.main(["--prometheus", url, "--run", "r", "--out", str(out)])
+    line = _one_line(capsys.readouterr().err, "stepscope-report: error: ")
+    assert code == 2 and "answered success with data not in the Prometheus API's" in line, line
+    assert not out.exists()
+
+
+def test_the_report_lists_runs_only_from_label_sets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --run the report lists the runs it sees through the series API: a list of label sets."""
+    with answering({"status": "success", "data": {"run": "r"}}) as url:
+        code = report_cli.main(["--prometheus", url, "--out", str(tmp_path / "report")])
+    line = _one_line(capsys.readouterr().err, "stepscope-report: error: ")
+    assert code == 2 and "not in the Prometheus API's series format" in line, line
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({}, "answered without the requests it made"),
+    ({"requests": "r"}, "answered without the requests it made"),
+    ({"requests": []}, "answered without the requests it made"),
+    ({"requests": [7]}, "answered int where a profile request belongs"),
+    ({"requests": [{"id": "a1"}]}, "a profile request without run, rank, state, reason, steps"),
+    ({"requests": [{**PENDING, "bytes": "1 KiB"}]}, "a profile request without bytes as"),
+    ({"requests": [{**PENDING, "rank": "zero"}]}, "a profile request without rank as"),
+    ({"requests": [{**PENDING, "push_interval_seconds": "1 s"}]}, "a profile request without push_interval_seconds as"),
+    # the request is made, then its GET answers the same body again: a list where one request belongs
+    ({"requests": [PENDING]}, "/api/v1/profiles/a1 answered a profile request without id, run"),
+], ids=lambda value: json.dumps(value)[:60])
+def test_stepscope_profile_names_an_answer_not_in_the_profile_api_format_in_one_line(
+        body: object, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with answering(body) as url:
+        code = profile_cli.main(["--exporter", url, "--run", "r", "--wait", "2"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith("stepscope-profile: ") and says in lines[-1], err
+    assert lines[-1].endswith("point --exporter at a stepscope exporter of this version"), err
+
+
+def test_stepscope_profile_takes_a_request_without_the_fields_later_exporters_added(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An earlier exporter wrote no last_push_age_seconds, push_interval_seconds or training_state: its
+    finished trace is reported as ever."""
+    done = {key: value for key, value in PENDING.items() if value is not None}
+    done.update(state="done", path="/traces/r-0.pt.trace.json.gz", bytes=2048, trace_steps=20, done_steps=20)
+    assert not {"last_push_age_seconds", "push_interval_seconds", "training_state"} & set(done)
+    with answering({"requests": [done]}) as url:
+        code = profile_cli.main(["--exporter", url, "--run", "r", "--wait", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == "/traces/r-0.pt.trace.json.gz\n"
+    assert captured.err.splitlines()[-1] == "stepscope-profile: rank 0: 20 steps, 2.0 KiB"
