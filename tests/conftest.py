@@ -30,6 +30,7 @@ LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up +
     "test_report_e2e.py",           # 72 (35): two training runs of 45 s (the verdict waits 30 s), reports
     "test_alertmanager_e2e.py",     # 80 at -n 0 (8): a rank lost, then an exporter restart watched through Alertmanager
     "test_first_step_e2e.py",       # 60-75 on a loaded machine: two 2-rank DDP runs, one hanging in its first step
+    "test_report_victoria_e2e.py",  # 72 alone: a run until VictoriaMetrics + vmalert record its verdict, two reports
     "test_bundle_e2e.py",           # 43 (34): training runs, Prometheus, every rule and panel query
     "test_pod_labels.py",           # 39 (9): two exporters, a run on each, until both have their verdict
     "test_framework_truth.py",      # 23 (17)
