@@ -93,12 +93,12 @@ HOSTILE_SHAPES: Mapping[str, Callable[[int], str]] = {
     "comment line of blanks": lambda n: "#" + " " * n + "x\n",
     "blank lines": lambda n: "\n" * n,
     "comment lines": lambda n: "# x\n" * (n // 4),
-    "escaped quotes in a label value": lambda n: ('# TYPE stepscope_training_state gauge\n'
-                                                  'stepscope_training_state{state="' + '\\"' * (n // 2) + '"} 1\n'),
+    "escaped quotes in a label value": lambda n: ('# TYPE stepscope_model_flops_total counter\n'
+                                                  'stepscope_model_flops_total{dtype="' + '\\"' * (n // 2) + '"} 1\n'),
     "blanks inside braces": lambda n: ('# TYPE stepscope_steps_total counter\n'
                                        "stepscope_steps_total{" + " " * n + "} 1\n"),
     "long label name": lambda n: '# TYPE stepscope_steps_total counter\nstepscope_steps_total{' + "a" * n + '="1"} 1\n',
     "long number": lambda n: "# TYPE stepscope_steps_total counter\nstepscope_steps_total " + "1" * n + "\n",
-    "many small samples": lambda n: "# TYPE stepscope_training_state gauge\n" + "".join(
-        f'stepscope_training_state{{state="s{i}"}} 0\n' for i in range(n // 40)),
+    "many small samples": lambda n: "# TYPE stepscope_model_flops_total counter\n" + "".join(
+        f'stepscope_model_flops_total{{dtype="s{i}"}} 0\n' for i in range(n // 40)),
 }

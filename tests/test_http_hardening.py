@@ -337,14 +337,14 @@ def test_an_encrypted_tls_key_fails_with_one_line_and_never_prompts(tmp_path: Pa
 # --- 7. memory: the defaults bound the exporter ------------------------------------------------
 
 def _worst_case_body(rng: random.Random, series: int, label_length: int) -> str:
-    """`series` state-set samples whose every label value is as long as allowed and incompressible."""
+    """`series` samples whose every label value (a free one: dtype) is as long as allowed and incompressible."""
     alphabet = string.ascii_letters + string.digits
 
     def value() -> str:
         return "".join(rng.choice(alphabet) for _ in range(label_length))
 
-    lines = ["# TYPE stepscope_training_state gauge"]
-    lines += [f'stepscope_training_state{{state="{value()}"}} 0' for _ in range(series)]
+    lines = ["# TYPE stepscope_model_flops_total counter"]
+    lines += [f'stepscope_model_flops_total{{dtype="{value()}"}} 0' for _ in range(series)]
     return "\n".join(lines) + "\n"
 
 

@@ -122,6 +122,9 @@ def test_group_paths(path: str, expected: tuple[str, str]) -> None:
     ("/metrics/job/stepscope/run//rank/0", 400, "must be non-empty printable text"),
     ("/metrics/job/stepscope/run/a%0Ab/rank/0", 400, "must be non-empty printable text"),
     ("/metrics/job/stepscope/run@base64/!!/rank/0", 400, "run@base64 is not base64url-encoded"),
+    # bytes that are not UTF-8: refused as the Pushgateway does, never stored as run 'a\ufffdb'
+    ("/metrics/job/stepscope/run/a%FFb/rank/0", 400, "path segment 'a%FFb' is not percent-encoded UTF-8"),
+    ("/metrics/job/stepscope/run/r/rank/0%C3", 400, "path segment '0%C3' is not percent-encoded UTF-8"),
     ("/metrics/job/stepscope/run/" + "r" * 40 + "/rank/0", 400, "over the limit of 32"),
 ])
 def test_bad_group_paths(path: str, status: int, text: str) -> None:
@@ -484,6 +487,50 @@ def test_push_api_publishes_nothing_for_a_refused_push() -> None:
     counted = 'stepscope_exporter_ingest_rejected_total{reason="body_too_large"} 2.0'
     assert counted in exposition.body().decode()
     assert api.registered_processes() == [RegisteredProcess(os.getpid(), "r", "0", None, 1000.0)]
+
+
+@pytest.mark.parametrize("body", ["\n", "# TYPE stepscope_steps_total counter\n", "# EOF\n",
+                                  "# HELP stepscope_steps_total Steps.\n# TYPE stepscope_steps_total counter\n"])
+@pytest.mark.parametrize("method", ["PUT", "POST"])
+def test_a_body_without_samples_is_refused_and_wipes_nothing(method: str, body: str) -> None:
+    """A PUT replaces the group with the body's families: one holding no sample would wipe the rank's series."""
+    exposition = ExpositionStore()
+    api = PushApi(exposition, GroupStore(LIMITS, wall_clock=lambda: 1000.0), AccessPolicy(), max_body_bytes=10_000,
+                  limits=PushLimits(128, max_series=40, max_phases=4))
+    path = "/metrics/job/stepscope/run/r/rank/0"
+    stored = full_body().encode()
+    assert api.handle(push_request("PUT", path, len(stored)), stored).status == 200
+    before = exposition.body()
+    response = api.handle(push_request(method, path, len(body)), body.encode())
+    assert (response.status, response.message) == (
+        400, f"the {method} holds no samples; nothing stored: send the rank's families in the text format "
+             "(DELETE removes a group)")
+    assert [line for line in exposition.body().decode().splitlines() if "stepscope_step" in line] == [
+        line for line in before.decode().splitlines() if "stepscope_step" in line]
+    assert 'stepscope_exporter_ingest_rejected_total{reason="empty_body"} 1.0' in exposition.body().decode()
+
+
+@pytest.mark.parametrize(("states", "text"), [
+    ({"train": 1, "training": 0}, "label 'state' must be one of setup, train, eval, checkpoint, idle"),
+    ({"train": 1, "idle": 1}, "exactly one state must be 1, got 2 (train, idle)"),
+    ({"train": 0, "idle": 0}, "exactly one state must be 1, got 0 (none)"),
+])
+def test_the_state_set_holds_one_state_of_the_contract(states: dict[str, int], text: str) -> None:
+    """The rules count a rank as training by state="train" == 1: a state outside the set, or two at once, would
+    hide the rank from the verdict and alerts or count it twice."""
+    body = "# TYPE stepscope_training_state gauge\n" + "".join(
+        f'stepscope_training_state{{state="{state}"}} {value}\n' for state, value in states.items())
+    error = rejected(parse_push, body.encode(), "r", "0", 128)
+    assert error.status == 400
+    assert text in error.message
+
+
+def test_the_state_seconds_take_only_states_of_the_contract() -> None:
+    body = counter("stepscope_state_seconds_total", 1.5).replace("total 1.5", 'total{state="warmup"} 1.5')
+    assert "label 'state' must be one of setup" in rejected(parse_push, body.encode(), "r", "0", 128).message
+    ok = counter("stepscope_state_seconds_total", 1.5).replace("total 1.5", 'total{state="eval"} 1.5')
+    assert sample_lines(parse_push(ok.encode(), "r", "0", 128)) == [
+        'stepscope_state_seconds_total{rank="0",run="r",state="eval"} 1.5']
 
 
 def test_expiry_sleeps_until_a_group_can_expire_not_a_second_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,13 +28,13 @@ rank in the answer to its next push.
 
 Refusals answer a one-line text naming the limit or the offending item and count in
 stepscope_exporter_ingest_rejected_total{reason}: 401 unauthorized, 403 forbidden, 404/400 bad_path, 405
-bad_method, 400 empty_body (a PUT or POST without a body), 408/400 incomplete_body (a body that stalls
-past its deadline or ends before its Content-Length), 411 length_required (chunked body), 413
-body_too_large, 415 unsupported_media_type (protobuf or compressed body), 409 run_conflict (another process
-pushes the group: see below), 429 too_many_groups and too_many_series (the total over all groups), 503
-server_busy (too many body bytes in flight), and 400 for malformed, unknown_family, wrong_type, bad_label,
-label_too_long, bad_value, non_cumulative_buckets, too_many_phases, too_many_series (per group). A refused
-push changes nothing stored.
+bad_method, 400 empty_body (a PUT or POST without a body, or whose body holds no sample), 408/400
+incomplete_body (a body that stalls past its deadline or ends before its Content-Length), 411 length_required
+(chunked body), 413 body_too_large, 415 unsupported_media_type (protobuf or compressed body), 409 run_conflict
+(another process pushes the group: see below), 429 too_many_groups and too_many_series (the total over all
+groups), 503 server_busy (too many body bytes in flight), and 400 for malformed, unknown_family, wrong_type,
+bad_label, label_too_long, bad_value, non_cumulative_buckets, too_many_phases, too_many_series (per group). A
+refused push changes nothing stored.
 
 A group belongs to one process at a time, the `pid` and `start_time` of its stepscope_training_info: a PUT
 or POST whose stepscope_training_info names another process gets 409 while the owner is live, and takes

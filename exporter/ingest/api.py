@@ -41,7 +41,7 @@ def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
         raise Rejected(404, "bad_path", f"no push endpoint at {clip(raw)!r}: push to {PATH_FORMAT}")
     labels: dict[str, str] = {}
     for name, value in zip(segments[::2], segments[1::2], strict=True):
-        name, value = unquote(name), unquote(value)
+        name, value = _percent_decoded(name), _percent_decoded(value)
         if name.endswith("@base64"):
             name = name.removesuffix("@base64")
             value = _b64decode(name, value)
@@ -66,6 +66,15 @@ def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
             f"(--ingest-max-label-value-length): {clip(run)!r}",
         )
     return run, rank
+
+
+def _percent_decoded(segment: str) -> str:
+    """A path segment's text; percent-escapes that do not spell UTF-8 are refused, as the Pushgateway does,
+    rather than stored as U+FFFD (a run name other than the one the client meant, and equal to others)."""
+    try:
+        return unquote(segment, errors="strict")
+    except UnicodeDecodeError:
+        raise Rejected(400, "bad_path", f"path segment {clip(segment)!r} is not percent-encoded UTF-8") from None
 
 
 def _b64decode(name: str, value: str) -> str:
@@ -124,6 +133,9 @@ class PushApi:
             if len(body) > self.max_body_bytes:
                 raise _too_large(len(body), self.max_body_bytes)
             parsed = parse_push(body, run, rank, self._limits)
+            if not any(family.series for family in parsed.values()):  # a PUT of it would wipe the rank's series
+                raise Rejected(400, "empty_body", f"the {request.method} holds no samples; nothing stored: send the "
+                                                  "rank's families in the text format (DELETE removes a group)")
             families = {name: StoredFamily(Chunk(f.lines), f.series, f.keys) for name, f in parsed.items()}
             group = self._groups.push(run, rank, families, last_push_line(run, rank),
                                       replace=request.method == "PUT")

@@ -51,6 +51,7 @@ NON_EMPTY_LABELS = frozenset({"phase", "state", "pid", "path"})
 # Labels whose values may be longer than --ingest-max-label-value-length: file paths (PATH_MAX).
 LONG_LABEL_LENGTHS: Mapping[str, int] = {"path": 4096}
 PHASE_FAMILY = stepscope.contract.STEP_PHASE_SECONDS
+STATE_FAMILY = stepscope.contract.TRAINING_STATE
 INFO_FAMILY = stepscope.contract.TRAINING_INFO
 LAST_PUSH_FAMILY = stepscope.contract.TRAINING_LAST_PUSH
 
@@ -60,6 +61,8 @@ _START_TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")  # Unix seconds, as psut
 # Per label name: (check of a non-empty value, what the refusal says the value must be).
 LABEL_RULES: Mapping[str, tuple[Callable[[str], object], str]] = {
     "pid": (_PID.fullmatch, "a positive process id"),
+    # the rules count a rank as training by state="train": a state outside the set would hide it from them
+    "state": (frozenset(stepscope.contract.STATES).__contains__, "one of " + ", ".join(stepscope.contract.STATES)),
     "start_time": (_START_TIME.fullmatch, "the process start time in Unix seconds (a non-negative decimal "
                                           "number like 1712345678.25)"),
 }

@@ -27,6 +27,7 @@ from stepscope.exporter.ingest.families import (
     PATH_LABELS,
     PHASE_FAMILY,
     RESERVED_LABELS,
+    STATE_FAMILY,
     FamilySpec,
 )
 from stepscope.exporter.metric_families import float_to_go_string
@@ -337,6 +338,7 @@ class _BodyParser:
         self._dropping = False  # inside a `_created` family: parse lines, keep nothing
         self._series = 0  # series of the families done
         self._phases: set[str] = set()
+        self._states_on: list[str] = []  # the states whose stepscope_training_state sample is 1
         self._le_cache: dict[str, tuple[float, str]] = {}
 
     # --- lines ------------------------------------------------------------------------------------
@@ -412,6 +414,9 @@ class _BodyParser:
                     raise _needs_type_line(self._name, companion, _UNTYPED)
             self._name, self._type, self._dropping = "", "", False
             return
+        if builder.spec.name == STATE_FAMILY and len(self._states_on) != 1:
+            raise Rejected(400, "bad_value", f"{STATE_FAMILY}: exactly one state must be 1, got "
+                                             f"{len(self._states_on)} ({', '.join(self._states_on) or 'none'})")
         family = builder.finish()
         self._done[builder.spec.name] = family
         self._series += family.series
@@ -475,6 +480,8 @@ class _BodyParser:
             self._check_value(spec, name, labels, value)
         builder.add(name, key, values, value, labels, le)
         self._check_series_limit(builder)
+        if spec.name == STATE_FAMILY and value == 1:
+            self._states_on.append(key[0])
         if spec.name == PHASE_FAMILY and key[0] not in self._phases:
             self._phases.add(key[0])
             if len(self._phases) > self._limits.max_phases:
