@@ -199,6 +199,25 @@ def _bound(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
     return sock
 
 
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header admits gzip (RFC 9110 12.5.3): `gzip` or `x-gzip`, or `*` when gzip is
+    not named, with a weight above 0; `gzip;q=0` refuses it. Codings are case-insensitive."""
+    weights: dict[str, float] = {}
+    for item in accept_encoding.lower().split(","):
+        coding, _, params = item.partition(";")
+        weight = 1.0
+        for param in params.split(";"):
+            name, _, value = param.strip().partition("=")
+            if name == "q":
+                try:
+                    weight = float(value)
+                except ValueError:
+                    weight = 0.0  # a weight that does not read is no consent to compress
+        weights.setdefault(coding.strip(), weight)
+    named = weights.get("gzip", weights.get("x-gzip"))
+    return (named if named is not None else weights.get("*", 0.0)) > 0
+
+
 class ExporterServer:
     """Serves until SIGTERM or SIGINT, then finishes in-flight responses (bounded) and returns."""
 
@@ -254,6 +273,7 @@ class ExporterServer:
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
         try:
             await self._stop.wait()
         finally:
@@ -279,6 +299,13 @@ class ExporterServer:
         log.info("received %s, shutting down", signal.Signals(signum).name)
         assert self._stop is not None
         self._stop.set()
+
+    @staticmethod
+    def _on_hangup() -> None:
+        """SIGHUP ends a process by default, and the pushed groups live in memory only: an operator who sends it
+        to reload, as Prometheus takes it, or a closed terminal would lose every rank's series."""
+        log.info("received SIGHUP: not stopping (SIGTERM stops the exporter); --web.config.file and the TLS "
+                 "certificate files are re-read when they change, so there is nothing to reload")
 
     async def _serve_connection(self, connection: _Connection, exchange: Exchange) -> None:
         """Answers requests on one connection until it closes, fails its deadlines or the server stops."""
@@ -359,7 +386,7 @@ class ExporterServer:
         return _text(HTTPStatus.NOT_FOUND, "not found")
 
     def _metrics(self, request: Request) -> Response:
-        compressed = "gzip" in request.headers.get("accept-encoding", "")
+        compressed = accepts_gzip(request.headers.get("accept-encoding", ""))
         headers = {"Content-Type": CONTENT_TYPE_LATEST}
         if compressed:
             headers["Content-Encoding"] = "gzip"

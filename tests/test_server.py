@@ -1,6 +1,7 @@
 """The HTTP layer through a real exporter process: endpoints, gzip, concurrency, TLS, basic auth."""
 
 import gzip
+import signal
 import socket
 import ssl
 import subprocess
@@ -13,7 +14,9 @@ import pytest
 import requests
 
 from stepscope.exporter.cli import build_parser
+from stepscope.exporter.server import accepts_gzip
 from stepscope_testkit import no_ipv6
+from stepscope_testkit.ingest_bodies import counter
 from stepscope_testkit.processes import (
     exporter_env,
     free_port,
@@ -112,6 +115,36 @@ def test_gzip_only_when_asked(tmp_path: Path) -> None:
         raw = packed.raw.read(decode_content=False)
         assert gzip.decompress(raw).decode().startswith("# HELP")
         assert b"stepscope_exporter_build_info" in gzip.decompress(raw)
+        refused = requests.get(f"{exporter.url}/metrics", headers={"Accept-Encoding": "gzip;q=0, *"}, timeout=5)
+        assert "Content-Encoding" not in refused.headers
+        assert refused.text.startswith("# HELP")
+
+
+@pytest.mark.parametrize(("header", "gzipped"), [
+    ("gzip", True), ("GZIP", True), ("x-gzip", True), ("deflate, gzip;q=0.5", True), ("*", True),
+    ("br;q=1.0, *;q=0.1", True),
+    ("", False), ("identity", False), ("gzip;q=0", False), ("gzip; q=0.000", False), ("xgzip", False),
+    ("*;q=0", False), ("gzip;q=0, *", False), ("gzip;q=x", False),
+])
+def test_gzip_is_what_accept_encoding_admits(header: str, gzipped: bool) -> None:
+    """RFC 9110's Accept-Encoding: a weight of 0 refuses a coding, `*` stands for the codings not named, names
+    are case-insensitive (a substring test gzipped for `gzip;q=0` and `xgzip`, and not for `GZIP`)."""
+    assert accepts_gzip(header) is gzipped
+
+
+def test_sighup_keeps_the_exporter_and_its_pushed_groups(tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process; the pushed groups live in memory only."""
+    with running_exporter(tmp_path, *NO_COLLECTORS) as exporter:
+        body = counter("stepscope_steps_total", 7)
+        pushed = requests.put(f"{exporter.url}/metrics/job/stepscope/run/hup/rank/0", data=body, timeout=5)
+        assert pushed.status_code == 200
+        exporter.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "received SIGHUP" not in exporter.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exporter.process.poll() is None, exporter.log()
+        assert "received SIGHUP: not stopping (SIGTERM stops the exporter)" in exporter.log()
+        assert 'stepscope_steps_total{rank="0",run="hup"} 7.0' in scrape(exporter.url)
 
 
 def test_idle_and_slow_clients_do_not_block_scrapes(tmp_path: Path) -> None:
