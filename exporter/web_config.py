@@ -92,6 +92,7 @@ def load(path: str) -> WebConfig:
         raise WebConfigError(f"not YAML: {' '.join(str(exc).split())}") from None
     if root is None:
         return WebConfig()
+    _check_no_duplicate_keys(root)
     _check_keys(root, SCHEMA, "")
     data = yaml.safe_load(text)
     base = Path(path).resolve().parent
@@ -100,6 +101,25 @@ def load(path: str) -> WebConfig:
         users=_users(data.get("basic_auth_users")),
         headers=_headers(data.get("http_server_config")),
     )
+
+
+def _check_no_duplicate_keys(node: "yaml.Node") -> None:
+    """A key given twice is refused, as exporter-toolkit's strict reading does: YAML loaders keep the last one,
+    so a second `basic_auth_users:` would drop the first one's users without a word."""
+    import yaml  # loaded by load() already
+
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value in first:
+                raise WebConfigError(f"line {line}: key {key_node.value!r} appears twice (first on line "
+                                     f"{first[key_node.value]})")
+            first.setdefault(str(key_node.value), line)
+            _check_no_duplicate_keys(value_node)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_no_duplicate_keys(item)
 
 
 def _check_keys(node: "yaml.Node", schema: dict[str, Any], prefix: str) -> None:

@@ -161,6 +161,12 @@ def test_a_tls_file_that_does_not_load_is_named_in_one_line(tmp_path: Path, brok
         ("rate_limit: {interval: 1s}\n", "'rate_limit' is not supported"),
         ("- a list\n", "the file must be a mapping"),
         ("tls_server_config: [\n", "not YAML"),
+        # exporter-toolkit reads strictly: a YAML loader would keep the second and drop user a without a word
+        ("basic_auth_users: {a: x}\nhttp_server_config: {}\nbasic_auth_users: {b: y}\n",
+         "line 3: key 'basic_auth_users' appears twice (first on line 1)"),
+        ("basic_auth_users:\n  a: x\n  a: y\n", "line 3: key 'a' appears twice (first on line 2)"),
+        ("http_server_config: {headers: {X-Frame-Options: deny, X-Frame-Options: sameorigin}}\n",
+         "line 1: key 'X-Frame-Options' appears twice"),
     ],
 )
 def test_web_config_checks(tmp_path: Path, text: str, expected: str) -> None:
