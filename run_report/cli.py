@@ -165,12 +165,15 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
     start = first if _past_the_run(bool(args.start), first - start, scrape_interval) else start
     to_run_end = _past_the_run(bool(args.end), end - last, scrape_interval)
     end = last if to_run_end else end
-    if args.step and args.step > max(end - start, scrape_interval):
-        raise UsageError(f"--step {args.step:g} is longer than the window ({end - start:g} s from {iso(start)}): "
+    default_step = resolution(start, end, scrape_interval)
+    last_active = _last_active(prom, args.run, start, end, default_step) if to_run_end else None
+    life = (last_active if last_active is not None else end) - start  # the run's, not its idle tail's
+    if args.step and args.step > max(life, scrape_interval):
+        raise UsageError(f"--step {args.step:g} is longer than the window ({life:g} s from {iso(start)}): "
                          "its points would fall outside the run; give a shorter --step or leave it out")
-    step = args.step or resolution(start, end, scrape_interval)
-    if to_run_end:
-        end = _cut_idle_tail(prom, args.run, start, end, step)
+    step = args.step or default_step
+    if last_active is not None:
+        end = _idle_tail_cut(start, end, last_active, step)
     window = aligned(start, max(end, start + step), step)
     nodes = sorted({labels.get("instance", "") for labels in
                     prom.series(selector(TRAINING_INFO, run_matcher(args.run)), window.start, window.end)})
@@ -185,17 +188,20 @@ def _past_the_run(given: bool, gap: float, scrape_interval: float) -> bool:
     return not given or gap > RUN_EDGE_SCRAPES * scrape_interval
 
 
-def _cut_idle_tail(prom: Prometheus, run: str, start: float, end: float, step: float) -> float:
-    """A finished run's group stays on the exporter until its TTL, in state idle, or in its last state
-    for a rank that died without closing (lost): end the window shortly after the run's last real activity
-    (a tenth of the run, at most a minute)."""
+def _last_active(prom: Prometheus, run: str, start: float, end: float, step: float) -> float | None:
+    """When the run last did something (see _last_activity), None where no rank was seen out of idle. A
+    finished run's group stays on the exporter until its TTL, in state idle, or in its last state for a rank
+    that died without closing (lost)."""
     busy = prom.query_range(_not_idle_pushes(run), start, end, step)
     pushes = {_rank(series): series for series in
               prom.query_range(selector(TRAINING_LAST_PUSH, run_matcher(run)), start, end, step)}
-    last_active = max((_last_activity(series, pushes.get(_rank(series))) for series in busy if series.points),
-                      default=None)
-    if last_active is None:
-        return end
+    return max((_last_activity(series, pushes.get(_rank(series))) for series in busy if series.points),
+               default=None)
+
+
+def _idle_tail_cut(start: float, end: float, last_active: float, step: float) -> float:
+    """The window's end shortly after the run's last activity: a tenth of the run, at most a minute, at least
+    two points."""
     return min(end, last_active + max(2 * step, min(IDLE_TAIL_SECONDS, 0.1 * (last_active - start))))
 
 
@@ -213,12 +219,16 @@ def _rank(series: Series) -> tuple[str, str]:
 def _last_activity(busy: Series, pushes: Series | None) -> float:
     """When a rank last did something: where its first push after the last one seen while it was not idle is
     first seen (its final push, going idle, which carries its last steps' counts); without one, the last time it
-    was seen not idle, or its last push where that was more than LOST_SECONDS before (lost: the exporter kept
-    its last state, the rank was gone). A rank whose pushes stopped landing for a minute on a loaded machine
-    looked lost, and the window ended before its final push was scraped: 2,000 steps of 2,600 counted."""
+    was seen not idle, or where it was first seen lost when its last push was more than LOST_SECONDS before
+    that (the exporter kept its last state, the rank was gone: the window then shows it lost, as the timeline
+    and the page name it, not in its last state to the end). A rank whose pushes stopped landing for a minute
+    on a loaded machine looked lost, and the window ended before its final push was scraped: 2,000 steps of
+    2,600 counted."""
     t, push = busy.points[-1]
     later = (at for at, pushed in (pushes.points if pushes is not None else ()) if at > t and pushed > push)
-    return next(later, push if t - push > LOST_SECONDS else t)
+    if t - push <= LOST_SECONDS:
+        return next(later, t)
+    return next(later, next(at for at, pushed in busy.points if pushed == push and at - pushed > LOST_SECONDS))
 
 
 def _without_credentials(url: str) -> str:

@@ -20,35 +20,49 @@ SCRAPE = 5  # seconds between the crafted scrapes
 START = (int(time.time()) // 3600 - 2) * 3600  # two hours ago, on the hour
 PAUSED_FROM, FINAL_PUSH, GROUP_DROPPED = 200, 260, 900  # seconds after START
 FINAL_STEPS, TOKENS_PER_STEP, BATCH = 2600, 1000, 8
+KILLED_AT = 60  # seconds after START
+
+
+def _scrape_of(run: str, t: int, pushed: int, steps: int, training: bool) -> list[tuple[str, float, float]]:
+    """One scrape, `t` seconds after START, of a rank of `run` whose last push was at `pushed` with `steps` done,
+    in train or idle; with what the rules recorded of a training run."""
+    rank = f'job="stepscope",instance="n1",run="{run}",rank="0"'
+    at = START + t
+    samples = [
+        (f'{fam.TRAINING_INFO}{{{rank},pid="7",local_rank="0",world_size="1",framework="x"}}', at, 1),
+        (f"{fam.TRAINING_LAST_PUSH}{{{rank}}}", at, START + pushed),
+        (f'{fam.TRAINING_STATE}{{{rank},state="train"}}', at, int(training)),
+        (f'{fam.TRAINING_STATE}{{{rank},state="idle"}}', at, int(not training)),
+        (f"{fam.STEPS_TOTAL}{{{rank}}}", at, steps),
+        (f"{fam.SAMPLES_TOTAL}{{{rank}}}", at, BATCH * steps),
+        (f"{fam.TOKENS_TOTAL}{{{rank}}}", at, TOKENS_PER_STEP * steps),
+    ]
+    if training and t - pushed <= 45:
+        samples.append((f'{RUN_SAMPLES_RATE}{{run="{run}"}}', at, 10 * BATCH))
+    return samples
 
 
 def paused_run() -> list[tuple[str, float, float]]:
     """Run "paused", one rank stepping 10 a second: on a loaded machine its pushes stop landing after 200 s
     (the exporter keeps the last one: train, 2,000 steps, pushed 60 s ago by 260 s) until its final push at
     260 s: idle, with every step it made (2,600). The exporter keeps the idle group until 900 s."""
-    rank = 'job="stepscope",instance="n1",run="paused",rank="0"'
     samples: list[tuple[str, float, float]] = []
     for t in range(0, GROUP_DROPPED + 1, SCRAPE):
         pushed = min(t, PAUSED_FROM) if t < FINAL_PUSH else FINAL_PUSH
-        steps = FINAL_STEPS if t >= FINAL_PUSH else 10 * pushed
-        at = START + t
-        samples += [
-            (f'{fam.TRAINING_INFO}{{{rank},pid="7",local_rank="0",world_size="1",framework="x"}}', at, 1),
-            (f"{fam.TRAINING_LAST_PUSH}{{{rank}}}", at, START + pushed),
-            (f'{fam.TRAINING_STATE}{{{rank},state="train"}}', at, int(t < FINAL_PUSH)),
-            (f'{fam.TRAINING_STATE}{{{rank},state="idle"}}', at, int(t >= FINAL_PUSH)),
-            (f"{fam.STEPS_TOTAL}{{{rank}}}", at, steps),
-            (f"{fam.SAMPLES_TOTAL}{{{rank}}}", at, BATCH * steps),
-            (f"{fam.TOKENS_TOTAL}{{{rank}}}", at, TOKENS_PER_STEP * steps),
-        ]
-        if t < FINAL_PUSH:  # what the rules recorded while it trained
-            samples.append((f'{RUN_SAMPLES_RATE}{{run="paused"}}', at, 10 * BATCH))
+        samples += _scrape_of("paused", t, pushed, FINAL_STEPS if t >= FINAL_PUSH else 10 * pushed, t < FINAL_PUSH)
     return samples
+
+
+def killed_run() -> list[tuple[str, float, float]]:
+    """Run "killed", one rank stepping 10 a second, killed (SIGKILL, no final push) at KILLED_AT: the exporter
+    keeps its last push, in train, until it drops the group."""
+    return [sample for t in range(0, GROUP_DROPPED + 1, SCRAPE)
+            for sample in _scrape_of("killed", t, min(t, KILLED_AT), 10 * min(t, KILLED_AT), True)]
 
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_prometheus_holding(tmp_path_factory.mktemp("history"), paused_run()) as running:
+    with running_prometheus_holding(tmp_path_factory.mktemp("history"), paused_run() + killed_run()) as running:
         yield running.url
 
 
@@ -66,3 +80,36 @@ def test_a_final_push_that_lands_after_a_pause_is_counted_and_the_idle_tail_stil
     assert totals == (FINAL_STEPS, BATCH * FINAL_STEPS, TOKENS_PER_STEP * FINAL_STEPS)
     end = parse_time(summary["end"], 0) - START
     assert FINAL_PUSH <= end <= FINAL_PUSH + 0.1 * FINAL_PUSH + 2 * SCRAPE
+
+
+def _report(prometheus: str, run: str, out: Path, *flags: str) -> dict[str, str]:
+    assert cli.main(["--prometheus", prometheus, "--run", run, "--out", str(out), *flags]) == 0
+    with (out / "run_summary.csv").open() as rows:
+        return next(csv.DictReader(rows))
+
+
+def test_a_killed_rank_is_shown_lost_in_the_default_report(prometheus: str, tmp_path: Path) -> None:
+    """The window reaches the first scrape where the rank's push is over 45 s old, so the report says what
+    StepscopeRankLost says: before, it ended 6 s after the last push, the rank in train to the end, no word of it."""
+    summary = _report(prometheus, "killed", tmp_path / "report")
+    assert parse_time(summary["end"], 0) - START >= KILLED_AT + 45
+    with (tmp_path / "report" / "state_timeline.csv").open() as rows:
+        states = [(row["state"], parse_time(row["start"], 0) - START, parse_time(row["end"], 0) - START)
+                  for row in csv.DictReader(rows)]
+    assert states[-2:] == [("train", states[-2][1], KILLED_AT), ("lost", KILLED_AT, states[-1][2])]
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Rank 0 on n1 lost</strong>: last push at " in page
+    assert float(summary["steps"]) == 10 * KILLED_AT
+
+
+def test_a_step_longer_than_the_runs_life_is_refused_not_its_idle_tails(
+        prometheus: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run trained to its final push at 260 s and its idle group stayed on the exporter to 900 s. A --step
+    of 300 s was checked against the 900 s and taken: its window reached 600 s past the run, and its points
+    missed what the rules recorded of the run (no verdict, no shares)."""
+    capsys.readouterr()
+    argv = ["--prometheus", prometheus, "--run", "paused", "--out", str(tmp_path / "report")]
+    assert cli.main([*argv, "--step", "300"]) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("stepscope-report: error: --step 300 is longer than the window (260 s from "), message
+    assert _report(prometheus, "paused", tmp_path / "report", "--step", "60")["steps"] == str(FINAL_STEPS)

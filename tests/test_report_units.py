@@ -510,12 +510,38 @@ def test_a_rank_killed_without_closing_is_lost_from_its_last_push_on_the_timelin
     assert plots.gantt(WINDOW, built.intervals, [], []).startswith(b"\x89PNG")
 
 
+class _PushesProm:
+    """Prometheus answering every range query with the same last-push series."""
+
+    def __init__(self, *series: Series) -> None:
+        self.series = list(series)
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
+        assert "stepscope_training_last_push_timestamp_seconds" in expr
+        return self.series
+
+
+def _window_end(prom: _PushesProm, start: float, end: float, step: float) -> float:
+    last_active = cli._last_active(prom, "r", start, end, step)  # type: ignore[arg-type]
+    assert last_active is not None
+    return cli._idle_tail_cut(start, end, last_active, step)
+
+
 def test_the_window_ends_after_the_last_real_activity_not_at_a_lost_ranks_ttl() -> None:
     """Rank 0 trained to 1100 and closed; rank 1 died at 1045 and the exporter showed it in train to 1600."""
-    class Prom:
-        def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
-            assert "stepscope_training_last_push_timestamp_seconds" in expr
-            return [_pushes("0", [(t, t) for t in range(1000, 1101, 5)]),
-                    _pushes("1", [(t, min(t, 1045)) for t in range(1000, 1601, 5)])]
+    prom = _PushesProm(_pushes("0", [(t, t) for t in range(1000, 1101, 5)]),
+                       _pushes("1", [(t, min(t, 1045)) for t in range(1000, 1601, 5)]))
+    assert _window_end(prom, 1000, 1600, 5) == 1100 + 10  # a tenth of the run
 
-    assert cli._cut_idle_tail(Prom(), "r", 1000, 1600, 5) == 1100 + 10  # a tenth of the run
+
+def test_a_run_whose_only_rank_was_killed_is_reported_until_it_is_seen_lost() -> None:
+    """The rank died at 1045 and the exporter showed it in train to 1600: the window reaches the first point
+    where its push is over 45 s old (1095), so the timeline and the page show it lost from 1045, where before it
+    ended at 1049.5 with the rank in train to the end and no word of it."""
+    prom = _PushesProm(_pushes("0", [(t, min(t, 1045)) for t in range(1000, 1601, 5)]))
+    assert _window_end(prom, 1000, 1600, 5) == 1095 + 10
+    window = Window(1000, 1105, 5)
+    state = Series({"rank": "0", "instance": "n", "state": "train"}, tuple((t, 1.0) for t in range(1000, 1106, 5)))
+    last_push = _pushes("0", [(t, min(t, 1045)) for t in range(1000, 1106, 5)])
+    assert [(i.state, i.start, i.end) for i in state_intervals([state], window, [last_push])] == [
+        ("train", 1000, 1045), ("lost", 1045, 1105)]
