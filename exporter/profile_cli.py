@@ -170,10 +170,13 @@ def checked_request(url: str, request: Any) -> dict[str, Any]:
 
 
 def stopped_pushing(request: dict[str, Any]) -> bool:
-    """Whether a request no rank took yet waits for a rank that stopped pushing: its last push is older
-    than 3 of its push intervals and a second (a rank that never pushed twice cannot tell)."""
+    """Whether a request not finished waits for a rank that stopped pushing: its last push is older than 3 of
+    its push intervals and a second (a rank that never pushed twice cannot tell). A rank pushes while it traces
+    (the pusher is a thread of its own, the trace is written by another), so a running request's rank that
+    stopped pushing was killed or hung mid-trace: waiting out --wait for it tells nothing more."""
     age, interval = request.get("last_push_age_seconds"), request.get("push_interval_seconds")
-    return request["state"] == "pending" and age is not None and interval is not None and age > 3 * interval + 1
+    return request["state"] in ("pending", "running") and age is not None and interval is not None \
+        and age > 3 * interval + 1
 
 
 def wait_for(api: ExporterApi, requests_made: list[dict[str, Any]], wait: float) -> list[dict[str, Any]]:
@@ -188,9 +191,11 @@ def wait_for(api: ExporterApi, requests_made: list[dict[str, Any]], wait: float)
         time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
-def cancel_pending(api: ExporterApi, current: list[dict[str, Any]]) -> None:
+def cancel_unanswered(api: ExporterApi, current: list[dict[str, Any]]) -> None:
+    """Cancels the requests nobody will wait for: those no rank took, and those whose rank stopped pushing
+    mid-trace (were it only paused, it would trace on and write a file when it comes back)."""
     for request in current:
-        if request["state"] == "pending":
+        if request["state"] == "pending" or stopped_pushing(request):
             with contextlib.suppress(Failure):  # it expires on the exporter by itself
                 api.call("DELETE", f"{API}/{request['id']}")
 
@@ -221,9 +226,10 @@ def explain(request: dict[str, Any], wait: float) -> str:
     state = request["state"]
     if state in ("failed", "cancelled"):
         return f"{who}: {request['reason'] or state}"
-    if state == "running":
-        return (f"{who} took the request but recorded {request['done_steps']} of {request['steps']} steps in "
-                f"{wait:g} s: training is slow, stalled or not stepping (eval, checkpoint); raise --wait")
+    recorded = f"recorded {request['done_steps']} of {request['steps']} steps"
+    if state == "running" and not stopped_pushing(request):
+        return (f"{who} took the request but {recorded} in {wait:g} s: training is slow, stalled or not stepping "
+                "(eval, checkpoint); raise --wait")
     age, interval = request.get("last_push_age_seconds"), request.get("push_interval_seconds")
     if age is None:
         return f"{who} did not take the request within {wait:g} s and stopped pushing"
@@ -232,6 +238,9 @@ def explain(request: dict[str, Any], wait: float) -> str:
         pushed += f", pushes came every {interval:.1f} s"
     if request.get("training_state") == "idle":
         pushed += ", and it said the rank is idle (its training ended)"
+    if state == "running":
+        return f"{who} took the request, {recorded}, then stopped pushing ({pushed}): the process is not " \
+               "pushing (killed, hung or gone) and wrote no trace"
     if stopped_pushing(request):
         return f"{who} stopped pushing before it took the request ({pushed}): the process is not pushing (hung, " \
                "stopped or gone)"
@@ -269,11 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: asked rank{'s' if len(current) > 1 else ''} {ranks} of run {args.run!r} for {args.steps} "
               f"steps; waiting up to {args.wait:g} s", file=sys.stderr)
         current = wait_for(api, current, args.wait)
-        cancel_pending(api, current)
+        cancel_unanswered(api, current)
         return report(current, args.wait)
     except Failure as failure:
         print(f"{PROG}: {failure}", file=sys.stderr)
-        cancel_pending(api, current)
+        cancel_unanswered(api, current)
         return 2
     except KeyboardInterrupt:
         # a second Ctrl-C while cancelling would leave a trace running and print a traceback

@@ -191,6 +191,38 @@ def test_a_rank_that_stopped_pushing_times_out_and_its_request_is_cancelled(
     assert listing["requests"][-1]["state"] == "cancelled"  # a later push does not start a trace nobody waits for
 
 
+def test_a_rank_that_stops_pushing_mid_trace_is_named_at_once_and_its_trace_cancelled(node: Node) -> None:
+    """The rank took the request, then hung (SIGSTOP: its group stays, no more pushes). Before, the command
+    waited out --wait (80 s) and said "training is slow, stalled or not stepping ...; raise --wait" while the
+    exporter showed its last push 75 s old at a 1 s interval; and the trace went on once the rank came back."""
+    command = subprocess.Popen([sys.executable, "-m", "stepscope.exporter.profile_cli", "--exporter", node.exporter,
+                                "--run", RUN, "--rank", "0", "--steps", "1000", "--wait", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        wait_until(lambda: rank_tracing(node.exporter, RUN, 0) == "running", 60, "the rank taking the request")
+        os.kill(node.demo.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            out, err = command.communicate(timeout=60)
+        finally:
+            os.kill(node.demo.pid, signal.SIGCONT)
+    finally:
+        command.kill()
+    assert time.monotonic() - stopped < 30  # 3 push intervals and a second without a push, not --wait
+    assert (command.returncode, out) == (2, ""), err
+    line = err.splitlines()[-1]
+    assert re.fullmatch(rf"stepscope-profile: rank 0 of run '{RUN}' took the request, recorded \d+ of 1000 steps, "
+                        r"then stopped pushing \(its last push was \d+\.\d s ago, pushes came every \d\.\d s\): the "
+                        r"process is not pushing \(killed, hung or gone\) and wrote no trace", line), err
+    listing = requests.get(f"{node.exporter}{API}", params={"run": RUN}, timeout=10).json()
+    request_id = listing["requests"][-1]["id"]
+    wait_until(lambda: request_state(node.exporter, request_id)["state"] == "cancelled", 60,
+               "the rank, back, to stop the trace nobody waits for")
+    assert not list(node.traces.glob(f"*{request_id[:8]}*"))
+    wait_until(lambda: rank_tracing(node.exporter, RUN, 0) == "ready", 60, "the rank ready for the next request")
+
+
 def test_a_rank_that_ended_its_training_is_refused_at_once(node: Node, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """close() pushes state idle one last time; the group lives on until its TTL, but no step will take a
