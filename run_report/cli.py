@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="window start (default: the run's start: its first sample, or its processes' start "
                              "just before it, where the step counts start)")
     parser.add_argument("--to", dest="end", metavar="T", help="window end (default: the run's end)")
-    parser.add_argument("--out", type=Path, metavar="DIR",
+    parser.add_argument("--out", type=_directory, metavar="DIR",
                         help="directory for index.html and the CSVs (default: stepscope-report-RUN); replaced "
                              "when it holds an earlier report")
     parser.add_argument("--step", type=float, metavar="SECONDS",
@@ -68,6 +68,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="per query (default: 60)")
     args = parser.parse_args(argv)
+    problem = _base_url_problem(args.prometheus)
+    if problem:
+        parser.error(f"--prometheus must be {problem}, got {args.prometheus!r}")
     for name in ("step", "timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -78,6 +81,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.step is not None:
         args.step = round(args.step, 3)  # the step every query and sum uses, as PromQL writes it
     return args
+
+
+def _directory(text: str) -> Path:
+    """--out's value: an empty one (a variable that was not set) is refused, not taken as the working directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty directory name: give one, or '.' for the working directory")
+    return Path(text)
+
+
+def _base_url_problem(url: str) -> str:
+    """What keeps `url` from being a base URL the API paths are appended to ('' when nothing does): without a
+    scheme the HTTP client fails with its own words, and a ?query or #fragment would end up before the path."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return "an http:// or https:// URL (http://prometheus:9090)"
+    if parts.query or parts.fragment:
+        return "a base URL without ?query or #fragment (a path prefix works: http://host/prometheus)"
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -119,6 +119,7 @@ def test_group_paths(path: str, expected: tuple[str, str]) -> None:
     ("/metrics/job/stepscope/run/r/run/s", 400, "'run' appears twice"),
     ("/metrics/job/stepscope/run/r/rank/-1", 400, "rank '-1' in the path is not a non-negative integer"),
     ("/metrics/job/stepscope/run/r/rank/01", 400, "not a non-negative integer"),
+    ("/metrics/job/stepscope/run/r/rank/1234567890", 400, "integer (at most 9 digits, no leading zero)"),
     ("/metrics/job/stepscope/run//rank/0", 400, "must be non-empty printable text"),
     ("/metrics/job/stepscope/run/a%0Ab/rank/0", 400, "must be non-empty printable text"),
     ("/metrics/job/stepscope/run@base64/!!/rank/0", 400, "run@base64 is not base64url-encoded"),

@@ -545,3 +545,23 @@ def test_a_run_whose_only_rank_was_killed_is_reported_until_it_is_seen_lost() ->
     last_push = _pushes("0", [(t, min(t, 1045)) for t in range(1000, 1106, 5)])
     assert [(i.state, i.start, i.end) for i in state_intervals([state], window, [last_push])] == [
         ("train", 1000, 1045), ("lost", 1045, 1105)]
+
+
+@pytest.mark.parametrize(("argv", "text"), [
+    (["--prometheus", "127.0.0.1:9090"],
+     "--prometheus must be an http:// or https:// URL (http://prometheus:9090), got '127.0.0.1:9090'"),
+    (["--prometheus", "https:///api"],
+     "--prometheus must be an http:// or https:// URL (http://prometheus:9090), got 'https:///api'"),
+    (["--prometheus", "http://h:9090?x=1"], "--prometheus must be a base URL without ?query or #fragment (a path "
+                                            "prefix works: http://host/prometheus), got 'http://h:9090?x=1'"),
+    (["--out", ""], "argument --out: an empty directory name: give one, or '.' for the working directory"),
+])
+def test_a_prometheus_url_or_out_that_cannot_work_is_one_line_exit_2(
+        argv: list[str], text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: 'No connection adapters were found for ...', a query URL built as '...?x=1/api/v1/query_range',
+    and an empty --out (an unset variable) written into the working directory."""
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(["--run", "r", *argv])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"stepscope-report: error: {text}"
+    assert cli.parse_args(["--prometheus", "http://h:9090/prefix/", "--out", "."]).out == Path(".")

@@ -56,7 +56,8 @@ def parse_group_path(path: str, max_label_length: int) -> tuple[str, str]:
         )
     run, rank = labels["run"], labels["rank"]
     if not _RANK.fullmatch(rank):
-        raise Rejected(400, "bad_path", f"rank {clip(rank)!r} in the path is not a non-negative integer")
+        raise Rejected(400, "bad_path", f"rank {clip(rank)!r} in the path is not a non-negative integer "
+                                        "(at most 9 digits, no leading zero)")
     if not is_run_name(run):
         raise Rejected(400, "bad_path", f"run {clip(run)!r} in the path must be {RUN_NAME_RULE}")
     if len(run) > max_label_length:
