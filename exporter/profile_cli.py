@@ -65,6 +65,13 @@ def _int_in(low: int, high: int) -> Any:
     return parse
 
 
+def _exporter_source(argv: Sequence[str]) -> str:
+    """What set the exporter's URL, for a message about it: the flag, or the variable it defaults to."""
+    if os.environ.get("STEPSCOPE_PUSH_URL", "").strip() and not any(arg.startswith("--exporter") for arg in argv):
+        return "STEPSCOPE_PUSH_URL (the default of --exporter)"
+    return "--exporter"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # Each help says its default itself (some come from the environment), so no defaults formatter: it
     # printed every default a second time, and "(default: None)" for flags whose default is a variable.
@@ -84,12 +91,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-file", metavar="FILE",
                         help="file holding the exporter's push token (default: STEPSCOPE_PUSH_TOKEN)")
     args = parser.parse_args(argv)
+    given = _exporter_source(sys.argv[1:] if argv is None else argv)
     if not args.exporter.startswith(("http://", "https://")):
-        parser.error(f"--exporter must be an http:// or https:// URL, got {args.exporter!r}")
+        parser.error(f"{given} must be an http:// or https:// URL, got {args.exporter!r}")
     try:  # STEPSCOPE_PUSH_URL as the chart sets it: http://$(HOST_IP):9847, an IPv6 node's without brackets
         args.exporter = bracket_ipv6_host(args.exporter.rstrip("/"))
     except ValueError as exc:
-        parser.error(f"--exporter {args.exporter!r} {exc}")
+        parser.error(f"{given} {args.exporter!r} {exc}")
     args.token = _token(parser, args.token_file)
     return args
 

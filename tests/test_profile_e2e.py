@@ -254,6 +254,19 @@ def test_unreachable_exporter_and_bad_flags_exit_2(capsys: pytest.CaptureFixture
         assert exit_.value.code == 2, argv
 
 
+def test_a_bad_push_url_in_the_environment_is_named_as_such(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--exporter defaults to STEPSCOPE_PUSH_URL: the message names what the user set (it said --exporter)."""
+    monkeypatch.setenv("STEPSCOPE_PUSH_URL", "garbage")
+    for argv, named in ((["--run", RUN], "STEPSCOPE_PUSH_URL (the default of --exporter)"),
+                        (["--run", RUN, "--exporter=bad"], "--exporter")):
+        with pytest.raises(SystemExit) as exit_:
+            profile_cli.main(argv)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"stepscope-profile: error: {named} must be an http:// or https:// URL, got "), argv
+
+
 def test_help_says_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
     """--help states each default once, as the flag's help says it (a defaults formatter printed each a
     second time, and "(default: None)" for the defaults that come from the environment)."""
