@@ -48,6 +48,18 @@ def client_address(peer_host: str) -> str:
     return mapped if mapped != peer_host and "." in mapped else peer_host
 
 
+def origin_form(target: str) -> str:
+    """The target's path and query: a server must take the absolute form too (RFC 9112 3.2.2,
+    `PUT http://node:9847/metrics/job/...`, as a client sends through a proxy), whose scheme and authority
+    name this server."""
+    scheme, separator, rest = target.partition("://")
+    if not separator or scheme.lower() not in ("http", "https"):
+        return target
+    path_at = min((at for at in (rest.find("/"), rest.find("?")) if at >= 0), default=len(rest))
+    path = rest[path_at:]
+    return path if path.startswith("/") else "/" + path
+
+
 @dataclass(frozen=True)
 class Request:
     method: str
@@ -280,7 +292,7 @@ class Exchange:
             headers.setdefault(name.decode("ascii"), value.decode("latin-1"))
         length = headers.get("content-length")
         return Request(
-            method=event.method.decode("ascii"), target=event.target.decode("ascii"), headers=headers,
+            method=event.method.decode("ascii"), target=origin_form(event.target.decode("ascii")), headers=headers,
             client_ip=self.client_ip, length=int(length) if length is not None else None,
             has_body="transfer-encoding" in headers or (length is not None and int(length) > 0),
         )

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from stepscope.exporter.cli import build_parser
+from stepscope.exporter.http_exchange import origin_form
 from stepscope.exporter.server import accepts_gzip
 from stepscope_testkit import no_ipv6
 from stepscope_testkit.ingest_bodies import counter
@@ -130,6 +131,25 @@ def test_gzip_is_what_accept_encoding_admits(header: str, gzipped: bool) -> None
     """RFC 9110's Accept-Encoding: a weight of 0 refuses a coding, `*` stands for the codings not named, names
     are case-insensitive (a substring test gzipped for `gzip;q=0` and `xgzip`, and not for `GZIP`)."""
     assert accepts_gzip(header) is gzipped
+
+
+def test_a_target_in_absolute_form_is_served_as_its_path(tmp_path: Path) -> None:
+    """RFC 9112 3.2.2: a server must accept `PUT http://host:port/path` (a client going through a proxy); it was
+    refused as 'PUT is not allowed on http://...' (405)."""
+    with running_exporter(tmp_path, *NO_COLLECTORS) as exporter:
+        port = int(exporter.url.rsplit(":", 1)[1])
+        body = counter("stepscope_steps_total", 3).encode()
+        head = (f"PUT http://127.0.0.1:{port}/metrics/job/stepscope/run/absolute/rank/0 HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + body)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert 'stepscope_steps_total{rank="0",run="absolute"} 3.0' in scrape(exporter.url)
+    assert [origin_form(t) for t in ("/metrics", "HTTPS://h:1?x=1", "http://h", "*", "ftp://h/x")] == [
+        "/metrics", "/?x=1", "/", "*", "ftp://h/x"]
 
 
 def test_sighup_keeps_the_exporter_and_its_pushed_groups(tmp_path: Path) -> None:
