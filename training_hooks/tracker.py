@@ -238,10 +238,9 @@ class Tracker:
         if self._state != TRAIN_STATE:  # the one test made here before: train pays no more
             if self._state == SETUP_STATE:
                 self._switch_state(TRAIN_STATE, now)
-            else:
-                self._step_hist.observe_ns(duration)
-                if self._left_train is not None:  # a step() inside eval: the next step begins now, outside train
-                    self._left_train = now
+            elif self._left_train is not None:  # a step() inside eval: its train time, and the next begins now
+                self._step_hist.observe_ns(self._left_train - self._boundary)
+                self._left_train = now
         else:
             self._step_hist.observe_ns(duration)
         self._micro_batch_ns = 0  # before the boundary moves: a push in between reads the earlier progress
