@@ -43,11 +43,42 @@ def receiver_url():
 
 
 def run_script(body: str, **env: str) -> subprocess.CompletedProcess:
+    """Runs the PRELUDE then `body` in a Python process of its own session: a script may signal its process group
+    as Kubernetes and `docker stop` do, without reaching pytest."""
     script = PRELUDE + textwrap.dedent(body)
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "STEPSCOPE_PUSH_URL": "", **env},
     )
+
+
+# A loop over a DataLoader with persistent workers, whose final push is slow to go out (a slow network): the
+# workers, signalled with the main process, die first, and torch's SIGCHLD handler raises in the main thread.
+WORKERS_AND_A_SLOW_FINAL_PUSH = """
+    import subprocess
+    import time
+    import requests
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    send = requests.adapters.HTTPAdapter.send
+    def slow_from_main(self, *args, **kwargs):  # the final push is the main thread's; the periodic ones are not
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.5)
+        return send(self, *args, **kwargs)
+    requests.adapters.HTTPAdapter.send = slow_from_main
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**6
+        def __getitem__(self, index):
+            return torch.ones(4)
+
+    loader = DataLoader(Items(), batch_size=4, num_workers=2, persistent_workers=True)
+
+    def terminate_group():  # from another process: a worker signalled by its parent exits quietly (torch's handler)
+        subprocess.Popen(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])
+"""
 
 
 def test_default_action_still_ends_the_process_by_sigterm_after_the_final_push() -> None:
@@ -91,6 +122,43 @@ def test_a_handler_installed_later_that_chains_to_ours_decides_what_happens() ->
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["continued", "True", "idle"]
+
+
+def test_sigterm_to_the_process_group_pushes_idle_though_the_loaders_workers_die_first() -> None:
+    """Kubernetes and `docker stop` signal every process of the container: torch's SIGCHLD handler raised "DataLoader
+    worker ... is killed by signal" inside the final push, which was lost (2 of 8 tries without the slow push;
+    every try with it). The process still dies of SIGTERM."""
+    result = run_script(WORKERS_AND_A_SLOW_FINAL_PUSH + """
+    tracker = th.init(run="r", push_url=receiver_url(), push_interval=60)
+    for index, batch in enumerate(tracker.loader(loader)):
+        tracker.step(samples=len(batch))
+        if index == 5:
+            terminate_group()
+    """)
+    assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr
+    assert "pushed idle" in result.stdout.splitlines(), result.stderr
+    assert "killed by signal" not in result.stderr
+
+
+def test_a_sigchld_held_back_during_the_final_push_reaches_torch_after_a_handler_that_returns() -> None:
+    """Where the process lives on after the final push (a handler before ours that returns), torch's SIGCHLD handler
+    gets the signal that came during the push and says the workers were killed, as it would have without us (not
+    "exited unexpectedly" from a queue's timeout, 5 s later)."""
+    result = run_script(WORKERS_AND_A_SLOW_FINAL_PUSH + """
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("the script's handler", flush=True))
+    tracker = th.init(run="r", push_url=receiver_url(), push_interval=60)
+    try:
+        for index, batch in enumerate(tracker.loader(loader)):
+            tracker.step(samples=len(batch))
+            if index == 5:
+                terminate_group()
+    except RuntimeError as exc:  # raised in a queue's get(), torch wraps it: "... exited unexpectedly" from it
+        print("torch:", exc, "| from:", exc.__cause__, flush=True)
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["pushed idle", "the script's handler"], result.stdout + result.stderr
+    assert len(lines) == 3 and lines[2].startswith("torch: DataLoader worker") and "killed by signal" in lines[2]
 
 
 def test_ignored_sigterm_stays_ignored_and_threads_install_nothing() -> None:

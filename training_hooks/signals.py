@@ -14,6 +14,12 @@ The handler runs a callback (the tracker's close: state idle, one final push) an
 
 It is installed only from the main thread (Python delivers signals there; `signal.signal` refuses
 other threads) and never over SIG_IGN or a handler set outside Python, which cannot be chained.
+
+While the final push runs, a Python SIGCHLD handler is held back (`HeldSignal`): a SIGTERM sent to the
+whole process group (Kubernetes, `docker stop`, Ctrl-C's cousin `kill -- -PGID`) ends the DataLoader's
+workers too, and torch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" wherever the
+main thread is, inside the final push: it was lost in 2 of 8 tries. The held-back call is made after the
+signal went on, where the process still lives (a chained handler that returned).
 """
 
 from __future__ import annotations
@@ -56,13 +62,45 @@ class FinalPushOnSigterm:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         installed = signal.getsignal(signum)  # before on_term, whose close() uninstalls us
         on_top = isinstance(getattr(installed, "__self__", None), FinalPushOnSigterm)
+        children = HeldSignal(signal.SIGCHLD)
         try:
-            self._on_term()
-        except Exception as exc:  # the signal must go on whatever the final push did
-            log.warning("stepscope: final push on SIGTERM failed: %r", exc)
-        previous = self._previous
-        if callable(previous):
-            previous(signum, frame)
-        elif on_top:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            try:
+                self._on_term()
+            except Exception as exc:  # the signal must go on whatever the final push did
+                log.warning("stepscope: final push on SIGTERM failed: %r", exc)
+            previous = self._previous
+            if callable(previous):
+                previous(signum, frame)
+            elif on_top:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+        finally:
+            children.release()
+        children.replay()
+
+
+class HeldSignal:
+    """Holds back the Python handler of `signum` from construction until `release()`: a signal that arrives
+    meanwhile is noted, and `replay()` calls the handler with it then. Only a callable handler is held (the
+    default action and SIG_IGN are not Python code and raise nothing), and only from the main thread."""
+
+    def __init__(self, signum: int) -> None:
+        self._signum = signum
+        self._arrived: list[FrameType | None] = []
+        self._handler = signal.getsignal(signum)
+        self._held = callable(self._handler) and threading.current_thread() is threading.main_thread()
+        if self._held:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self._arrived.append(frame)
+
+    def release(self) -> None:
+        """Puts the handler back, if ours is still the installed one (a handler set meanwhile stays)."""
+        if self._held and signal.getsignal(self._signum) == self._note:
+            signal.signal(self._signum, self._handler)  # type: ignore[arg-type]
+
+    def replay(self) -> None:
+        """Calls the handler once for what arrived while held (a signal pending several times is delivered once)."""
+        if self._arrived:
+            self._handler(self._signum, self._arrived[0])  # type: ignore[operator]
