@@ -14,7 +14,7 @@ import torch
 import stepscope.hooks as th
 from stepscope.hooks.config import Config
 from stepscope.hooks.pusher import group_url
-from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
+from stepscope_testkit.processes import free_port, running_exporter, sample_values, samples, scrape
 
 RUN = {"run": "inputs", "rank": "0"}
 
@@ -200,6 +200,24 @@ def test_a_second_open_tracker_for_the_same_rank_is_refused_and_the_first_keeps_
         steps = sample_values(scrape(exporter.url), "stepscope_steps_total", run="twice", rank="0")
         th.init(run="twice", push_url=exporter.url, handle_sigterm=False).close()  # the first is closed
     assert steps == [40]
+
+
+@pytest.mark.parametrize("spelling", ["http://localhost:{port}", "http://127.0.0.1:{port}/.", "http://LocalHost:{port}/",
+                                      "http://[::1]:{port}", "http://0.0.0.0:{port}//"])
+def test_another_spelling_of_the_same_exporter_is_the_same_rank(tmp_path: Path, spelling: str) -> None:
+    """The check keyed on the push URL as written: http://localhost:P and http://127.0.0.1:P/. both got past it, and
+    the second tracker's pushes replaced the first's steps at the exporter. Every name of this machine is one."""
+    with running_exporter(tmp_path) as exporter:
+        first = th.init(run="spelled", push_url=exporter.url, push_interval=60, handle_sigterm=False)
+        first.step(samples=1)
+        port = exporter.url.rsplit(":", 1)[1]
+        with pytest.raises(ValueError, match=r"^a tracker of this process already pushes run 'spelled' rank 0: "):
+            th.init(run="spelled", push_url=spelling.format(port=port), push_interval=60, handle_sigterm=False)
+        elsewhere = th.init(run="spelled", push_url=f"http://localhost:{free_port()}", push_interval=60,
+                            handle_sigterm=False)  # another port is another exporter
+        elsewhere.close()
+        first.close()
+        assert sample_values(scrape(exporter.url), "stepscope_steps_total", run="spelled", rank="0") == [1]
 
 
 # Run names at the edges of what a path carries and what the exporter takes: quotes, a backslash, non-ASCII,

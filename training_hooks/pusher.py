@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import base64
 import logging
+import posixpath
 import re
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import requests
 
@@ -52,6 +55,38 @@ def group_url(base_url: str, run: str, rank: int) -> str:
     plain = _PLAIN_LABEL_VALUE.fullmatch(run) and run not in _DOT_SEGMENTS
     run_part = f"run/{run}" if plain else f"run@base64/{encode_label_value(run)}"
     return f"{base_url.rstrip('/')}/metrics/job/stepscope/{run_part}/rank/{rank}"
+
+
+def push_target(base_url: str) -> str:
+    """Where pushes to `base_url` land, one spelling for each: the scheme and host in lower case, every name and
+    address of this machine as one (localhost, 127.0.0.1, ::1, 0.0.0.0, its host name), the default port filled
+    in, dot segments and trailing slashes gone (as requests sends them). Without DNS: names other than this
+    machine's stay as written. Two trackers of one process keyed on the URL as written both pushed one exporter's
+    group (http://localhost:P and http://127.0.0.1:P/.), each replacing the other's steps."""
+    parts = urlsplit(base_url)
+    scheme = parts.scheme.lower()
+    host = _this_machine_or(parts.hostname or "")
+    try:
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:  # checked by Config already; keyed as written
+        port = parts.netloc
+    path = posixpath.normpath(parts.path or "/").rstrip("/")
+    return f"{scheme}://{host}:{port}{path if path not in ('.', '') else ''}"
+
+
+def _this_machine_or(host: str) -> str:
+    """'this machine' for a name or address that reaches it (loopback, unspecified, its host name); else the host
+    in lower case, an address in its canonical form."""
+    import ipaddress  # at init only: the hooks keep their imports few
+
+    host = host.lower()
+    if host == "localhost" or host.endswith(".localhost") or host == socket.gethostname().lower():
+        return "this machine"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return "this machine" if address.is_loopback or address.is_unspecified else address.compressed
 
 
 USER_AGENT = f"stepscope-training-hooks/{VERSION}"

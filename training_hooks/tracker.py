@@ -27,7 +27,7 @@ from stepscope.hooks.cuda_memory import read_allocator
 from stepscope.hooks.flops import count_flops
 from stepscope.hooks.limits import DEFAULT_WARMUP_STEPS, Limits, measure
 from stepscope.hooks.profiling import TraceSettings, TraceTaker
-from stepscope.hooks.pusher import Pusher, group_url
+from stepscope.hooks.pusher import Pusher, group_url, push_target
 from stepscope.hooks.render import Snapshot, render
 from stepscope.hooks.run_bounds import STEP_HISTOGRAM, RunBounds, run_store
 from stepscope.hooks.signals import FinalPushOnSigterm
@@ -45,17 +45,21 @@ _PLAIN = (int, float)  # counts of these types pass step()'s cheap test; any oth
 _MAX_COUNT = int(sys.float_info.max)
 _MAX_FLOAT = sys.float_info.max
 _OPTIONAL_COUNTS = frozenset({"flops", "global_step"})  # None: not given
-GroupKey = tuple[str, str, int]  # where a tracker pushes: (push URL, run, rank)
+GroupKey = tuple[str, str, int]  # where a tracker pushes: (push_target of its push URL, run, rank)
 # The trackers of this process that push, by where. Weak: an open tracker is held by its atexit close anyway,
 # and a closed one the user dropped is not kept for this.
 _pushing: weakref.WeakValueDictionary[GroupKey, Tracker] = weakref.WeakValueDictionary()
+
+
+def _group_key(config: Config) -> GroupKey:
+    return push_target(config.push_url), config.run, config.rank
 
 
 def check_unclaimed(config: Config, mine: Tracker | None = None) -> None:
     """ValueError when a tracker of this process other than `mine` is open and pushes config's run and rank:
     both would replace the exporter's group at each push, its steps read as 40, 0, 40 (counter resets) and the
     last to close would win."""
-    other = _pushing.get((config.push_url, config.run, config.rank))
+    other = _pushing.get(_group_key(config))
     if config.push_url and other is not None and other is not mine and not other.closed:
         raise ValueError(f"a tracker of this process already pushes run {config.run!r} rank {config.rank}: pass it "
                          "to the framework callback (tracker=...) or close() it before starting another")
@@ -183,7 +187,7 @@ class Tracker:
         if config.push_url:
             settings = TraceSettings(config.trace_dir, config.trace_max_bytes, config.trace_keep)
             self.traces = TraceTaker(config.run, config.rank, settings, self._arm_tracing)
-            _pushing[(config.push_url, config.run, config.rank)] = self
+            _pushing[_group_key(config)] = self
         self._sigterm = FinalPushOnSigterm(self.close)
         self._start_reporting()
 
@@ -610,7 +614,7 @@ class Tracker:
         check_unclaimed(self.config, self)
         if self.traces is not None:
             self.traces.reopen()
-            _pushing[(self.config.push_url, self.config.run, self.config.rank)] = self
+            _pushing[_group_key(self.config)] = self
         self._closed = False
         self._start_reporting()
 
