@@ -87,6 +87,28 @@ def test_a_count_that_is_no_finite_number_at_least_zero_raises_before_anything_c
     tracker.close()
 
 
+@pytest.mark.parametrize("method", ["step", "micro_batch"])
+@pytest.mark.parametrize(("argument", "value"), [("flops", 1e308), ("samples", 10**308), ("tokens", 10**308)])
+def test_a_count_that_would_take_the_total_past_what_a_push_holds_raises_and_pushes_go_on(
+    tmp_path: Path, method: str, argument: str, value: float
+) -> None:
+    """Each count was checked alone: step(flops=1e308) twice made a total of inf, and the exporter refused every
+    later push of the rank ("counter must be finite"), its final idle too. The call that would pass the largest
+    float raises, nothing counted, and the rank's pushes land."""
+    with running_exporter(tmp_path) as exporter:
+        tracker = th.init(run="inputs", push_url=exporter.url, push_interval=60, handle_sigterm=False)
+        getattr(tracker, method)(**{argument: value})
+        before = counted(tracker)
+        message = re.escape(f"{argument} of {value!r} would take the run's total past 1.798e+308, the largest")
+        with pytest.raises(ValueError, match=f"^{message}"):
+            getattr(tracker, method)(**{argument: value})
+        assert counted(tracker) == before
+        tracker.close()
+        text = scrape(exporter.url)
+    assert tracker.pusher.stats.failures == 0, tracker.pusher.stats.last_error
+    assert sample_values(text, "stepscope_training_state", state="idle", **RUN) == [1]
+
+
 def entered_phases(text: str) -> list[str]:
     """The phases the exporter says the rank is in (stepscope_training_phase_entered_timestamp_seconds)."""
     return [dict(labels)["phase"] for name, labels in samples(text)

@@ -232,11 +232,17 @@ class Tracker:
         Every count must be a finite number >= 0: anything else raises ValueError, and nothing is counted.
         """
         if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
-                and type(micro_batches) is int and micro_batches >= 0 and samples + tokens + micro_batches <= _MAX_COUNT
-                and (flops is None or (type(flops) in _PLAIN and 0 <= flops <= _MAX_FLOAT))
+                and type(micro_batches) is int and micro_batches >= 0
+                and self._samples + samples + self._tokens + tokens + self._micro_batches + micro_batches <= _MAX_COUNT
+                and (flops is None or (type(flops) in _PLAIN and flops >= 0 and self._flops + flops <= _MAX_FLOAT))
                 and (global_step is None or (type(global_step) is int and 0 <= global_step <= _MAX_COUNT))):  # cheap
             samples, micro_batches, tokens, flops, global_step = _counts(
                 samples=samples, micro_batches=micro_batches, tokens=tokens, flops=flops, global_step=global_step)
+            self._check_totals(samples=samples, micro_batches=micro_batches, tokens=tokens, flops=flops or 0)
+        if flops is None and self._counts_flops:  # a run that states no FLOPs pays one test
+            flops = self._flops_per_step + samples * self._flops_per_sample
+            if not self._flops + flops <= _MAX_FLOAT:
+                self._check_totals(flops=flops)
         now = perf_counter_ns()
         duration = now - self._boundary
         if self._state != TRAIN_STATE:  # the one test made here before: train pays no more
@@ -255,8 +261,6 @@ class Tracker:
         self._tokens += tokens
         if flops is not None:
             self._flops += flops
-        elif self._counts_flops:  # a run that states no FLOPs pays one test
-            self._flops += self._flops_per_step + samples * self._flops_per_sample
         if global_step is not None:
             self._count_global_step(global_step)
         at_boundary = self._at_boundary
@@ -276,14 +280,28 @@ class Tracker:
         accumulation): the step itself is counted by the `step()` that ends it. `flops` as in `step()`, but
         None counts only flops_per_sample (flops_per_step is the whole step's, counted by `step()`)."""
         if not (type(samples) is int and samples >= 0 and type(tokens) is int and tokens >= 0
-                and samples + tokens <= _MAX_COUNT
-                and (flops is None or (type(flops) in _PLAIN and 0 <= flops <= _MAX_FLOAT))):  # as in step()
-            samples, tokens, flops = _counts(samples=samples, tokens=tokens, flops=flops)
+                and self._samples + samples + self._tokens + tokens + self._micro_batches < _MAX_COUNT
+                and (flops is None or (type(flops) in _PLAIN and flops >= 0 and self._flops + flops <= _MAX_FLOAT))):
+            samples, tokens, flops = _counts(samples=samples, tokens=tokens, flops=flops)  # as in step()
+            self._check_totals(samples=samples, micro_batches=1, tokens=tokens, flops=flops or 0)
+        if flops is None:
+            flops = samples * self._flops_per_sample
+            if flops and not self._flops + flops <= _MAX_FLOAT:
+                self._check_totals(flops=flops)
         self._micro_batch_ns = perf_counter_ns() - self._boundary
         self._micro_batches += 1
         self._samples += samples
         self._tokens += tokens
-        self._flops += samples * self._flops_per_sample if flops is None else flops
+        self._flops += flops
+
+    def _check_totals(self, **counts: int | float) -> None:
+        """ValueError naming the first of `counts` (this call's) that would take the run's total past the largest
+        number a push holds: rendered +Inf, it kept every later push of the rank out (step(flops=1e308) twice).
+        Called where the callers' cheap test fails: their one test of the sum may fail where no total does."""
+        for name, count in counts.items():
+            if not getattr(self, f"_{name}") + count <= _MAX_FLOAT:
+                raise ValueError(f"{name} of {count!r} would take the run's total past {_MAX_FLOAT:.4g}, the largest "
+                                 "a push can hold; nothing counted")
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yields from the training loader `iterable`, timing each `next()` as the dataloader_next phase.
