@@ -330,6 +330,57 @@ def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path,
     assert 2 * ITERATOR_START_SECONDS < value("stepscope_state_seconds_total", state="eval") <= validating + 0.01
 
 
+class SlowEpochStartLoader(TimedLoader):
+    """A training TimedLoader whose iterator takes ITERATOR_START_SECONDS to make (non-persistent workers start
+    at every epoch); `starts` gets when each iter() ended, and how long it took."""
+
+    starts: list[tuple[float, float]]
+
+    def __iter__(self) -> Iterator[Any]:
+        start = perf_counter()
+        time.sleep(ITERATOR_START_SECONDS)
+        iterator = super().__iter__()
+        self.starts.append((perf_counter(), perf_counter() - start))
+        return iterator
+
+
+def test_a_lightning_epochs_loader_start_is_loading_in_its_first_step(tmp_path: Path, exporter: Any) -> None:
+    """Lightning makes the training loader's iterator again at each epoch after the first, in the epoch loop's
+    on_run_start, before the first fetch: a step's time (train state) and loading. Before, it was in the step and
+    not in dataloader_next: the loading share read 0.21 for 0.74. The first epoch's is made in setup."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    marks: list[float] = []  # the first epoch's start, then each batch's end
+
+    class Marks(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if not marks:
+                marks.append(perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            marks.append(perf_counter())
+
+    callback = StepscopeCallback(run="clock-pl-epochs", push_url=exporter.url, push_interval=60)
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        callbacks=[callback, Marks()],
+    )
+    train = SlowEpochStartLoader(Items(12, []), batch_size=4)
+    train.fetches, train.starts = [], []
+    trainer.fit(working_module(pl)(), train)
+
+    value = pushed(exporter, "clock-pl-epochs")
+    steps = marks[-1] - marks[0]
+    assert len(train.starts) == 3 and value("stepscope_step_seconds_count") == len(marks) - 1 == 9
+    assert value("stepscope_step_seconds_sum") == pytest.approx(steps, rel=0.03)
+    loading = sum(train.fetches) + sum(took for _, took in train.starts[1:])  # the first start is setup's
+    share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / value("stepscope_step_seconds_sum")
+    assert share == pytest.approx(loading / steps, abs=0.02)
+
+
 def test_a_lightning_without_the_validation_run_warns_and_times_eval_by_the_callbacks(
         caplog: pytest.LogCaptureFixture) -> None:
     """A Lightning whose training epoch loop has no val_loop.run() trains on; eval is then the span between
@@ -565,6 +616,52 @@ def test_a_loop_that_calls_loader_every_epoch_keeps_the_epochs_end_in_its_steps(
     value = pushed(exporter, "clock-epochs")
     assert value("stepscope_step_seconds_count") == 9
     assert value("stepscope_step_seconds_sum") == pytest.approx(end - start, abs=0.01)  # 0.54 s; 0.33 before
+    share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / value("stepscope_step_seconds_sum")
+    assert share == pytest.approx(sum(loading) / (end - start), abs=0.02)
+
+
+class PreparedEpochs:
+    """A loader whose iter() prepares the epoch before its first batch (non-persistent workers start, a sampler
+    shuffles, shards open): `loading` gets each iter()'s and each next()'s time."""
+
+    def __init__(self, batches: int, loading: list[float]) -> None:
+        self.batches, self.loading = batches, loading
+        self.prepared: list[float] = []  # when each iter() returned
+
+    def __iter__(self) -> Iterator[int]:
+        start = perf_counter()
+        time.sleep(OUTSIDE)
+        self.prepared.append(perf_counter())
+        self.loading.append(self.prepared[-1] - start)
+        return self._batches()
+
+    def _batches(self) -> Iterator[int]:
+        for index in range(self.batches):
+            start = perf_counter()
+            time.sleep(WORK / 2)
+            self.loading.append(perf_counter() - start)
+            yield index
+
+
+def test_an_epochs_iter_in_training_is_loading_time(exporter: Any) -> None:
+    """The second and third epochs' iter() come while the loop trains: their time is in the step under way, and it
+    is loading; from setup, the first epoch's is not (the clock starts after it). Before, it was in the step and
+    not in dataloader_next: a loading share of 0.19 for 0.62."""
+    t = tracker(exporter, "clock-epoch-iter")
+    loading: list[float] = []
+    loader = PreparedEpochs(3, loading)
+    for _epoch in range(3):
+        for _batch in t.loader(loader):
+            time.sleep(WORK)
+            t.step(samples=1)
+        end = perf_counter()
+    t.close()
+    start = loader.prepared[0]  # the first iter() is setup: the step clock starts after it
+    loading.pop(0)
+    value = pushed(exporter, "clock-epoch-iter")
+    assert value("stepscope_step_seconds_count") == 9
+    assert value("stepscope_step_seconds_sum") == pytest.approx(end - start, abs=0.01)
+    assert value("stepscope_step_phase_seconds_count", phase="dataloader_next") == 9
     share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / value("stepscope_step_seconds_sum")
     assert share == pytest.approx(sum(loading) / (end - start), abs=0.02)
 

@@ -88,6 +88,7 @@ class StepscopeCallback(Callback):
         self._fitting = False  # from setup("fit") to teardown: a save, validate, test or predict outside it is no
         # state of the run
         self._validating = False  # inside the fit's wrapped validation run, which ends the eval state itself
+        self._loader_starting = False  # dataloader_next was started at the epoch's iterator start, before its fetch
         # (object, attribute, the instance's own value it covered, if any) set on instances while fitting
         self._wrapped: list[tuple[Any, str, Any]] = []
 
@@ -223,7 +224,10 @@ class StepscopeCallback(Callback):
             if self.tracker is not None:
                 if self.tracker.current_state != TRAIN_STATE:  # back from a checkpoint: its time is not a step
                     self.tracker.state(TRAIN_STATE)
-                self._phase(DATA_LOADING_PHASE).start()
+                if self._loader_starting:  # the fetch goes on from the epoch's iterator start
+                    self._loader_starting = False
+                else:
+                    self._phase(DATA_LOADING_PHASE).start()
 
         def on_after_fetch() -> None:
             if self.tracker is not None:
@@ -236,6 +240,29 @@ class StepscopeCallback(Callback):
 
         self._wrap(loop, _FETCH_HOOKS[0], on_before_fetch)
         self._wrap(loop, _FETCH_HOOKS[1], on_after_fetch)
+        self._wrap_epoch_start(loop)
+
+    def _wrap_epoch_start(self, loop: Any) -> None:
+        """Times the training epoch loop's on_run_start, where each epoch after the first makes the loader's
+        iterator again (non-persistent workers start, a sampler shuffles), as loading with the epoch's first fetch:
+        it is in the step under way, and was in no phase (a loading share of 0.21 for 0.74 with a 0.2 s start)."""
+        original = getattr(loop, "on_run_start", None)
+        if not callable(original):
+            return
+
+        def on_run_start(*args: Any, **kwargs: Any) -> Any:
+            if self.tracker is None or self.tracker.current_state != TRAIN_STATE:
+                return original(*args, **kwargs)
+            self._phase(DATA_LOADING_PHASE).start()
+            self._loader_starting = True
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                self._phase(DATA_LOADING_PHASE).leave()
+                self._loader_starting = False
+                raise
+
+        self._wrap(loop, "on_run_start", on_run_start)
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in each checkpoint: the offset of the fit that saved it. A fit restored from a checkpoint of a fit
