@@ -109,6 +109,24 @@ def test_a_count_that_would_take_the_total_past_what_a_push_holds_raises_and_pus
     assert sample_values(text, "stepscope_training_state", state="idle", **RUN) == [1]
 
 
+@pytest.mark.parametrize(("argument", "value"), [("micro_batches", 1.5), ("global_step", 2.5),
+                                               ("micro_batches", np.float64(0.25))])
+def test_a_fraction_of_a_batch_or_of_a_global_step_raises(argument: str, value: object) -> None:
+    """micro_batches and global_step count whole things: 1.5 was pushed as 1.5 batches, 2.5 as the trainer's step.
+    A whole float is taken as the int it is."""
+    tracker = th.init(run="inputs", push_url="", handle_sigterm=False)
+    tracker.step(samples=4, global_step=1)
+    before = counted(tracker)
+    with pytest.raises(ValueError, match=f"^{argument} must be a whole number >= 0, got ") as raised:
+        tracker.step(**{argument: value})
+    assert str(raised.value).endswith(f"got {value!r}")
+    assert counted(tracker) == before
+    tracker.step(micro_batches=2.0, global_step=np.float32(3))
+    assert counted(tracker) == (2, 4, 3, None, None, 3)
+    assert [type(count) for count in counted(tracker)[2::3]] == [int, int]
+    tracker.close()
+
+
 def entered_phases(text: str) -> list[str]:
     """The phases the exporter says the rank is in (stepscope_training_phase_entered_timestamp_seconds)."""
     return [dict(labels)["phase"] for name, labels in samples(text)

@@ -45,6 +45,7 @@ _PLAIN = (int, float)  # counts of these types pass step()'s cheap test; any oth
 _MAX_COUNT = int(sys.float_info.max)
 _MAX_FLOAT = sys.float_info.max
 _OPTIONAL_COUNTS = frozenset({"flops", "global_step"})  # None: not given
+_WHOLE_COUNTS = frozenset({"micro_batches", "global_step"})  # a fraction of either is a caller's bug
 GroupKey = tuple[str, str, int]  # where a tracker pushes: (push_target of its push URL, run, rank)
 # The trackers of this process that push, by where. Weak: an open tracker is held by its atexit close anyway,
 # and a closed one the user dropped is not kept for this.
@@ -91,7 +92,8 @@ def _start_time(pid: int) -> str | None:
 
 def _counts(**counts: Any) -> tuple[Any, ...]:
     """The counts passed to `step()` or `micro_batch()`, in order, as plain ints or floats (numpy's scalars
-    too); ValueError naming the first that is not a finite number >= 0 (flops and global_step may be None).
+    too); ValueError naming the first that is not a finite number >= 0 (flops and global_step may be None), or
+    not a whole one for micro_batches and global_step (2.0 is taken as 2; 1.5 was pushed as 1.5 batches).
 
     The exporter refuses a whole push that holds a negative or non-finite counter, so one bad count would
     keep every later push of the rank (its final `idle` too) out: the call that passes it fails instead,
@@ -105,7 +107,9 @@ def _counts(**counts: Any) -> tuple[Any, ...]:
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
             plain = int(value) if isinstance(value, numbers.Integral) else float(value)
             if 0 <= plain <= _MAX_FLOAT:  # False for a NaN, an infinity and an int no float holds
-                plain_counts.append(plain)
+                if name in _WHOLE_COUNTS and plain != int(plain):
+                    raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+                plain_counts.append(int(plain) if name in _WHOLE_COUNTS else plain)
                 continue
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return tuple(plain_counts)
