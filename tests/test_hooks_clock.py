@@ -203,6 +203,20 @@ class Outside:
                    for begin, end in itertools.pairwise(marks))
 
 
+def batch_end_marks(pl: Any, marks: list[float]) -> Any:
+    """A Lightning callback that appends to `marks` the first epoch's start, then each batch's end."""
+
+    class Marks(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if not marks:
+                marks.append(perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            marks.append(perf_counter())
+
+    return Marks()
+
+
 def working_module(pl: Any) -> type:
     """A LightningModule whose every training step works WORK seconds (lightning is imported by the tests)."""
 
@@ -302,13 +316,6 @@ def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path,
     outside = Outside()
     marks: list[float] = []
 
-    class Marks(pl.Callback):
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            if not marks:
-                marks.append(perf_counter())
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            marks.append(perf_counter())
 
     class Module(working_module(pl)):
         def validation_step(self, batch, batch_idx):
@@ -318,7 +325,7 @@ def test_a_validations_loader_start_is_eval_time_not_a_slow_step(tmp_path: Path,
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False,
         enable_checkpointing=False, limit_train_batches=6, val_check_interval=3, limit_val_batches=1,
-        num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[callback, Marks()],
+        num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[callback, batch_end_marks(pl, marks)],
     )
     outside.time_validations(trainer)
     trainer.fit(Module(), DataLoader(Items(24, []), batch_size=4), SlowStartLoader(Items(4, []), batch_size=4))
@@ -354,19 +361,12 @@ def test_a_lightning_epochs_loader_start_is_loading_in_its_first_step(tmp_path: 
 
     marks: list[float] = []  # the first epoch's start, then each batch's end
 
-    class Marks(pl.Callback):
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            if not marks:
-                marks.append(perf_counter())
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            marks.append(perf_counter())
 
     callback = StepscopeCallback(run="clock-pl-epochs", push_url=exporter.url, push_interval=60)
     trainer = pl.Trainer(
         max_epochs=3, accelerator="cpu", enable_progress_bar=False, logger=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
-        callbacks=[callback, Marks()],
+        callbacks=[callback, batch_end_marks(pl, marks)],
     )
     train = SlowEpochStartLoader(Items(12, []), batch_size=4)
     train.fetches, train.starts = [], []
