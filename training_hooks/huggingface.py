@@ -17,8 +17,13 @@ Tokens and model FLOPs (docs/mfu.md): each batch's tokens are its main input's e
 the Trainer's own `estimate_tokens`, padding included) and its FLOPs the Trainer's own estimate,
 6 x non-embedding parameters x tokens (`floating_point_ops`), counted where the model is a transformers
 model; FLOPs the user states (flops_per_step=, flops_per_sample=) count instead.
-States: train, eval and checkpoint (entered when the Trainer decides to evaluate or save at a step end,
-after the step's logging; left at on_evaluate and on_save, or at the next fetch), idle after training.
+States: train, eval (the Trainer's `evaluate()` while training: `eval_on_start`, eval_steps, a callback's
+`should_evaluate`), checkpoint (its `_save_checkpoint`: save_steps, `save_strategy="best"` after an eval that
+found a new best, a callback's `should_save`), idle after training. The work itself is wrapped, not the flags
+that schedule it: those that a callback after this one sets, and "best", are known only after its hooks ran.
+An exception out of `train()` leaves the rank in train, its phase open (transformers has no exception hook),
+until the next `train()` (the Trainer's own retry under `auto_find_batch_size` too), which starts it afresh, or
+the process's exit.
 `train()` again in the same process (the same Trainer or another with this callback) is the same run, as with the
 Lightning callback: the tracker closed at on_train_end is reopened at the next on_train_begin, its counters go on
 and the time between is idle; a `train()` that starts from global step 0 (nothing resumed) goes on from the global
@@ -59,6 +64,9 @@ log = logging.getLogger("stepscope.hooks")
 
 _GPU_PHASES = (TRAIN_BATCH_PHASE, OPTIMIZER_PHASE, LR_SCHEDULER_PHASE)
 _FETCH = "get_batch_samples"  # Trainer method that draws a step's batches from the epoch iterator
+_EVALUATE = "evaluate"  # the evaluation, wherever the training loop or a callback calls it
+_SAVE = "_save_checkpoint"  # the training loop's save (model, optimizer, scheduler, RNG, trainer state)
+_ABSENT = object()  # an attribute the Trainer instance did not have of its own
 _TRAINER_SEARCH_DEPTH = 8  # frames between on_train_begin and the Trainer's training loop
 _STATE_KEY = "stepscope"  # this callback's entry in TrainerState.stateful_callbacks, saved in each checkpoint
 
@@ -81,7 +89,9 @@ class StepscopeCallback(TrainerCallback):
         self._flops_per_token: float | None = None  # 6 x non-embedding parameters, where the model says
         self._default_batch = 0  # samples per batch where the fetch is not seen
         self._trainer: Trainer | None = None
-        self._break_after_log = False  # an eval or save decided at a step end waits for the logging before it
+        # (attribute, the instance's own value it covered, if any) set on the Trainer while training
+        self._wrapped: list[tuple[str, Any]] = []
+        self._loader_starting = False  # dataloader_next was started at the epoch's begin, before its first fetch
         self._training = False  # between on_train_begin and on_train_end: a user's own evaluate() changes nothing
         self._step_offset = 0  # added to state.global_step in this train(): the run's count across them
 
@@ -95,12 +105,17 @@ class StepscopeCallback(TrainerCallback):
                     "local_rank": args.local_process_index, "world_size": args.world_size,
                     **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**init)
+        elif self._training:  # the last train() ended by an exception (auto_find_batch_size retries after one)
+            self._end_training(IDLE_STATE)
         elif self._owns_tracker:
             self.tracker.reopen()  # train() after one: the same run goes on
         self._step_offset = self._global_step_offset(state)
         self._default_batch = args.train_batch_size
         self._flops_per_token = _flops_per_token(kwargs.get("model"))
-        self._wrap_fetch(_find_trainer())
+        self._trainer = _find_trainer()
+        self._wrap_fetch()
+        self._wrap_outside(_EVALUATE, EVAL_STATE)
+        self._wrap_outside(_SAVE, CHECKPOINT_STATE)
         self._training = True
         self.tracker.state(TRAIN_STATE)
 
@@ -121,8 +136,9 @@ class StepscopeCallback(TrainerCallback):
             state.stateful_callbacks[_STATE_KEY] = {"global_step_offset": offset}
         return offset
 
-    def _wrap_fetch(self, trainer: Trainer | None) -> None:
+    def _wrap_fetch(self) -> None:
         """Hands `get_batch_samples` an iterator that times each fetch and notes each batch's size."""
+        trainer = self._trainer
         if trainer is None or not callable(getattr(trainer, _FETCH, None)):
             log.warning("stepscope: no Trainer with %s found from on_train_begin; %s is not timed and samples "
                         "are counted as train_batch_size per batch", _FETCH, DATA_LOADING_PHASE)
@@ -132,8 +148,38 @@ class StepscopeCallback(TrainerCallback):
         def get_batch_samples(epoch_iterator: Iterator[Any], *args: Any, **kwargs: Any) -> Any:
             return original(self._timed(epoch_iterator), *args, **kwargs)
 
-        setattr(trainer, _FETCH, get_batch_samples)  # an instance attribute: popped at on_train_end
-        self._trainer = trainer
+        self._wrap(_FETCH, get_batch_samples)
+
+    def _wrap_outside(self, attribute: str, state: str) -> None:
+        """Sets `state` for the time the Trainer's `attribute` (an eval, a save) runs while training, then the state
+        before it. The flags that schedule them were read at on_step_end: a callback after this one sets them later,
+        and save_strategy="best" after the eval, so those evals and saves were counted in the steps, in train."""
+        original = getattr(self._trainer, attribute, None)
+        if not callable(original):
+            if self._trainer is not None:
+                log.warning("stepscope: this Trainer has no %s; its time is counted in the steps", attribute)
+            return
+
+        def outside_training(*args: Any, **kwargs: Any) -> Any:  # put back at on_train_end: while training only
+            with self.tracker.state(state):
+                return original(*args, **kwargs)
+
+        self._wrap(attribute, outside_training)
+
+    def _wrap(self, attribute: str, wrapper: Any) -> None:
+        """Sets `wrapper` as an instance attribute of the Trainer over its method (or over the instance's own, a
+        user's wrapper), put back as it was at on_train_end."""
+        self._wrapped.append((attribute, vars(self._trainer).get(attribute, _ABSENT)))
+        setattr(self._trainer, attribute, wrapper)
+
+    def _unwrap(self) -> None:
+        for attribute, covered in reversed(self._wrapped):
+            if covered is _ABSENT:
+                vars(self._trainer).pop(attribute, None)
+            else:
+                setattr(self._trainer, attribute, covered)
+        self._wrapped = []
+        self._trainer = None
 
     def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Yields from `batches`, timing each `next()` as dataloader_next.
@@ -147,7 +193,10 @@ class StepscopeCallback(TrainerCallback):
         while True:
             if self.tracker.current_state != TRAIN_STATE:  # back from eval or a save: not a step's time
                 self.tracker.state(TRAIN_STATE)
-            phase.start()
+            if self._loader_starting:  # the epoch's first fetch goes on from its begin
+                self._loader_starting = False
+            else:
+                phase.start()
             try:
                 batch = next(batches)
             except StopIteration:
@@ -172,7 +221,13 @@ class StepscopeCallback(TrainerCallback):
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        """Starts dataloader_next, which the epoch's first fetch goes on: the Trainer makes the epoch's iterator
+        in between, where a DataLoader that is not accelerate's (a get_train_dataloader of the user's) starts its
+        non-persistent workers; it was in the step and in no phase (a loading share of 0.4% for 69.6%)."""
         self._fed.clear()  # batches fetched but never fed (training stopped inside a step)
+        if self.tracker.current_state == TRAIN_STATE and any(name == _FETCH for name, _ in self._wrapped):
+            self._phase(DATA_LOADING_PHASE).start()
+            self._loader_starting = True
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
@@ -205,62 +260,25 @@ class StepscopeCallback(TrainerCallback):
         samples, tokens, flops = self._next_fed()
         self.tracker.step(samples=samples, tokens=tokens, flops=flops,
                           global_step=state.global_step + self._step_offset)
-        self._after_step(state, control)
-
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
-        self._after_step(state, control)
-
-    def _after_step(self, state: TrainerState, control: TrainerControl) -> None:
-        """DefaultFlowCallback (always first) has decided whether the Trainer logs, evaluates or saves next.
-
-        Where it logs before an eval or a save, the state changes once that is done (on_log), so the
-        logging (a loss gather across ranks) stays in train.
-        """
-        if not (control.should_evaluate or control.should_save):
-            return
-        last_logged = getattr(self._trainer, "_globalstep_last_logged", None)  # the Trainer's own log test
-        if control.should_log and last_logged is not None and state.global_step > last_logged:
-            self._break_after_log = True
-        else:
-            self._enter_eval_or_save(control)
-
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               **kwargs: Any) -> None:
-        if self._break_after_log:
-            self._break_after_log = False
-            self._enter_eval_or_save(control)
-
-    def _enter_eval_or_save(self, control: TrainerControl) -> None:
-        if control.should_evaluate:
-            self.tracker.state(EVAL_STATE)
-        elif control.should_save:
-            self.tracker.state(CHECKPOINT_STATE)
-
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        """The evaluation is done: a save follows, or training goes on (not a `trainer.evaluate()` after it)."""
-        if self._training:
-            self._break_after_log = False  # had the Trainer not logged after all, the eval ends here anyway
-            self.tracker.state(CHECKPOINT_STATE if control.should_save else TRAIN_STATE)
-
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
-        """The save is done: what follows until the next step (end-of-training bookkeeping too) is not it."""
-        if self._training:
-            self._break_after_log = False
-            self.tracker.state(TRAIN_STATE)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._end_training(None if self._owns_tracker else IDLE_STATE)
+
+    def _end_training(self, state: str | None) -> None:
+        """Puts the Trainer's methods back and leaves the training: closes the tracker (None), or sets `state` (its
+        phases left, the step clock to start afresh; a retry after an exception had its steps from the failed
+        attempt on, and its fetches counted twice through a wrapper wrapped again)."""
         self._training = False
+        self._loader_starting = False
+        self._in_step = False
+        self._fed.clear()
         if self._trainer is not None:
-            vars(self._trainer).pop(_FETCH, None)
-            self._trainer = None
-        if self._owns_tracker:
+            self._unwrap()
+        if state is None:
             self.tracker.close()  # reopened by the next on_train_begin
         else:
-            self.tracker.state(IDLE_STATE)
+            self.tracker.state(state)
 
 
 def _find_trainer() -> Trainer | None:
