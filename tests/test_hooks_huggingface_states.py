@@ -18,6 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from stepscope.hooks.huggingface import StepscopeCallback
 from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
+from tests.support.framework_truth import timed_batches
 
 FORWARD = 0.02  # each batch's forward
 EVAL = 0.15  # each evaluate()'s own time, besides the Trainer's
@@ -86,20 +87,18 @@ class TimedTrainer(Trainer):
         self.spans: dict[str, list[tuple[float, float]]] = {"eval": [], "checkpoint": []}
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        start = perf_counter()
-        time.sleep(EVAL)
-        try:
-            return super().evaluate(*args, **kwargs)
-        finally:
-            self.spans["eval"].append((start, perf_counter()))
+        return self._timed("eval", EVAL, super().evaluate, *args, **kwargs)
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("checkpoint", SAVE, super()._save_checkpoint, *args, **kwargs)
+
+    def _timed(self, state: str, seconds: float, method: Any, *args: Any, **kwargs: Any) -> Any:
         start = perf_counter()
-        time.sleep(SAVE)
+        time.sleep(seconds)
         try:
-            return super()._save_checkpoint(*args, **kwargs)
+            return method(*args, **kwargs)
         finally:
-            self.spans["checkpoint"].append((start, perf_counter()))
+            self.spans[state].append((start, perf_counter()))
 
 
 class EvalAndSaveEveryOtherStep(TrainerCallback):
@@ -217,17 +216,7 @@ class SlowStartLoader(DataLoader):
         time.sleep(ITERATOR_START)
         batches = super().__iter__()
         self.loading.append(perf_counter() - start)
-        return self._timed(batches)
-
-    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        while True:
-            start = perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            self.loading.append(perf_counter() - start)
-            yield batch
+        return timed_batches(batches, self.loading.append)
 
 
 def test_an_epochs_eager_loader_start_is_loading(tmp_path: Path, exporter: Any) -> None:

@@ -105,15 +105,11 @@ class Truth:
             if getattr(loader.dataset, "truth", None) is not truth:  # the eval loader
                 yield from batches
                 return
-            while True:
-                start = perf_counter()
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    return
-                truth.fetching += perf_counter() - start
-                yield batch
+            yield from timed_batches(batches, truth.fetched)
         return __iter__
+
+    def fetched(self, seconds: float) -> None:
+        self.fetching += seconds
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -121,6 +117,18 @@ class Truth:
     @classmethod
     def load(cls, path: Path) -> "Truth":
         return cls(**json.loads(path.read_text()))
+
+
+def timed_batches(batches: Iterator[Any], record: Callable[[float], None]) -> Iterator[Any]:
+    """Yields from `batches`, handing `record` each next()'s seconds; the next() that ends them loads none."""
+    while True:
+        start = perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        record(perf_counter() - start)
+        yield batch
 
 
 class Items(Dataset):
