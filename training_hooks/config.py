@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from stepscope.contract.peak_flops import DEFAULT_DTYPE, DTYPES
 from stepscope.contract.training import RUN_NAME_RULE, is_run_name
@@ -66,6 +67,15 @@ def bracket_ipv6_host(url: str) -> str:
     if not port.isdigit():
         raise ValueError(f"has {port!r} where the port goes: write an IPv6 address in brackets (http://[{host}]:9847)")
     return f"{scheme}{separator}{userinfo}{at}[{host}]:{port}{slash}{path}"
+
+
+def _port(url: str) -> int | None:
+    """`url`'s port; ValueError where it is not a number from 0 to 65535: requests refuses every push to it
+    (InvalidURL), which init took and the pusher retried for the whole run."""
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        raise ValueError("has a port that is not a number from 0 to 65535") from None
 
 
 def log_buckets(low: float, high: float, count: int) -> tuple[float, ...]:
@@ -213,6 +223,7 @@ class Config:
         if self.push_url:
             try:
                 object.__setattr__(self, "push_url", bracket_ipv6_host(self.push_url))
+                _port(self.push_url)
             except ValueError as exc:
                 raise ValueError(f"{self._named('push_url')} {exc}, got {self._shown('push_url')}") from None
         if self.push_token is not None:

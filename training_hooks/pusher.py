@@ -66,10 +66,7 @@ def push_target(base_url: str) -> str:
     parts = urlsplit(base_url)
     scheme = parts.scheme.lower()
     host = _this_machine_or(parts.hostname or "")
-    try:
-        port = parts.port or (443 if scheme == "https" else 80)
-    except ValueError:  # checked by Config already; keyed as written
-        port = parts.netloc
+    port = parts.port or (443 if scheme == "https" else 80)  # a number: Config checks it
     path = posixpath.normpath(parts.path or "/").rstrip("/")
     return f"{scheme}://{host}:{port}{path if path not in ('.', '') else ''}"
 
