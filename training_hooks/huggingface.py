@@ -106,7 +106,7 @@ class StepscopeCallback(TrainerCallback):
                     **self._init_kwargs}
             self.tracker = stepscope.hooks.init(**init)
         elif self._training:  # the last train() ended by an exception (auto_find_batch_size retries after one)
-            self._end_training(IDLE_STATE)
+            self._end_training(close=False)
         elif self._owns_tracker:
             self.tracker.reopen()  # train() after one: the same run goes on
         self._step_offset = self._global_step_offset(state)
@@ -263,22 +263,22 @@ class StepscopeCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._end_training(None if self._owns_tracker else IDLE_STATE)
+        self._end_training(close=self._owns_tracker)
 
-    def _end_training(self, state: str | None) -> None:
-        """Puts the Trainer's methods back and leaves the training: closes the tracker (None), or sets `state` (its
-        phases left, the step clock to start afresh; a retry after an exception had its steps from the failed
-        attempt on, and its fetches counted twice through a wrapper wrapped again)."""
+    def _end_training(self, close: bool) -> None:
+        """Puts the Trainer's methods back and leaves the training: closes the tracker, or sets it idle (its phases
+        left, the step clock to start afresh; a retry after an exception had its steps from the failed attempt on,
+        and its fetches counted twice through a wrapper wrapped again)."""
         self._training = False
         self._loader_starting = False
         self._in_step = False
         self._fed.clear()
         if self._trainer is not None:
             self._unwrap()
-        if state is None:
+        if close:
             self.tracker.close()  # reopened by the next on_train_begin
         else:
-            self.tracker.state(state)
+            self.tracker.state(IDLE_STATE)
 
 
 def _find_trainer() -> Trainer | None:

@@ -86,14 +86,16 @@ class HeldSignal:
 
     def __init__(self, signum: int) -> None:
         self._signum = signum
-        self._arrived: list[FrameType | None] = []
+        self._arrived = False
+        self._frame: FrameType | None = None  # where it arrived first
         self._handler = signal.getsignal(signum)
         self._held = callable(self._handler) and threading.current_thread() is threading.main_thread()
         if self._held:
             signal.signal(signum, self._note)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        self._arrived.append(frame)
+        if not self._arrived:
+            self._arrived, self._frame = True, frame
 
     def release(self) -> None:
         """Puts the handler back, if ours is still the installed one (a handler set meanwhile stays)."""
@@ -103,4 +105,4 @@ class HeldSignal:
     def replay(self) -> None:
         """Calls the handler once for what arrived while held (a signal pending several times is delivered once)."""
         if self._arrived:
-            self._handler(self._signum, self._arrived[0])  # type: ignore[operator]
+            self._handler(self._signum, self._frame)  # type: ignore[operator]
