@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from stepscope.exporter import __version__
 from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import ExpositionStore
-from stepscope.exporter.flags import fail, read_token
+from stepscope.exporter.flags import fail
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi
 from stepscope.exporter.ingest.parser import PushLimits
 from stepscope.exporter.ingest.profile_api import ProfileApi
 from stepscope.exporter.ingest.store import GroupStore, StoreLimits
+from stepscope.exporter.ingest.tokens import IngestTokens
 from stepscope.exporter.scheduler import Scheduler
 from stepscope.exporter.server import ExporterServer, WebLimits, WebOptions
 from stepscope.exporter.web_auth import Authenticator, PasswordFileUser
@@ -150,7 +151,7 @@ def _push_apis(args: argparse.Namespace, store: ExpositionStore) -> tuple[PushAp
     token = None
     if args.ingest_token_file:
         try:
-            token = read_token(args.ingest_token_file)
+            token = IngestTokens.from_file(args.ingest_token_file)
         except ValueError as exc:
             fail(f"--ingest-token-file {args.ingest_token_file!r}: {exc}")
     limits = StoreLimits(

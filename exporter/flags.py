@@ -20,7 +20,6 @@ from typing import Any, NoReturn
 ENV_PREFIX = "STEPSCOPE_"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
-MAX_TOKEN_BYTES = 8192  # half the request head the exporter takes (http_exchange.MAX_HEAD_BYTES)
 
 Convert = Callable[[str], Any]
 
@@ -249,36 +248,6 @@ def readable_file(text: str) -> str:
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror or exc}") from None
     return text
-
-
-def read_token(path: str) -> str:
-    """The bearer token in the file at `path`, without surrounding whitespace; ValueError with a one-line
-    reason when the file cannot be read, is not UTF-8 text, is empty or too long, or holds what an
-    `Authorization` header cannot carry: an exporter could never be sent it, a client never send it."""
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_TOKEN_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read it: {exc.strerror or exc}") from None
-    if len(raw) > MAX_TOKEN_BYTES:
-        raise ValueError(f"longer than {MAX_TOKEN_BYTES} bytes: not a token")
-    try:
-        token = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"cannot read it as UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-    if not token:
-        raise ValueError("the file is empty")
-    check_token(token)
-    return token
-
-
-def check_token(token: str) -> None:
-    """ValueError naming the first character of `token` that an HTTP header cannot carry (a header is
-    Latin-1 text without control characters; http.client raises UnicodeEncodeError on the rest)."""
-    for character in token:
-        if not (character == "\t" or " " <= character <= "~" or "\xa0" <= character <= "\xff"):
-            raise ValueError(f"the token holds {character!r} (U+{ord(character):04X}), which an HTTP header cannot "
-                             "carry: use printable ASCII")
 
 
 def comma_list(text: str) -> list[str]:

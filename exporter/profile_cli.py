@@ -27,8 +27,9 @@ from typing import Any
 
 import requests
 
-from stepscope.exporter.flags import check_token, positive_float, read_token
-from stepscope.hooks.config import bracket_ipv6_host
+from stepscope.exporter.flags import positive_float
+from stepscope.exporter.ingest.tokens import check_token, first_token
+from stepscope.hooks.config import bracket_ipv6_host, sent_token
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
@@ -107,8 +108,8 @@ def _token(parser: argparse.ArgumentParser, path: str | None) -> str:
     sent in a header ends the program with one line, before any request (http.client raised a traceback)."""
     try:
         if path is not None:
-            return read_token(path)
-        token = os.environ.get("STEPSCOPE_PUSH_TOKEN", "").strip()
+            return first_token(path)
+        token = sent_token(os.environ.get("STEPSCOPE_PUSH_TOKEN", ""))
         check_token(token)
         return token
     except ValueError as exc:

@@ -48,10 +48,10 @@ def assert_one_line_refusal(status: int | None, stderr: str, *words: str) -> Non
 @pytest.mark.parametrize("content, reason", [
     (NOT_UTF8, "cannot read it as UTF-8 text (byte 0xff at offset 3)"),
     (NOT_LATIN1, "the token holds '€' (U+20AC), which an HTTP header cannot carry"),
-    (b"tok\nen\n", "the token holds '\\n'"),
+    (b"tok\x7fen\n", "the token holds '\\x7f'"),
     (b"", "the file is empty"),
     (b" \n", "the file is empty"),
-], ids=["not-utf8", "not-latin1", "two-lines", "empty", "blank"])
+], ids=["not-utf8", "not-latin1", "control-character", "empty", "blank"])
 def test_stepscope_profile_refuses_a_token_file_it_cannot_send_in_one_line(
         exporter: Running, tmp_path: Path, content: bytes, reason: str) -> None:
     token_file = tmp_path / "token"
@@ -73,6 +73,17 @@ def test_stepscope_profile_still_sends_a_good_token(exporter: Running, tmp_path:
     done = run_profile_cli(exporter, "--token-file", str(token_file))
     assert done.returncode == 2 and "bearer token" not in done.stderr and "Traceback" not in done.stderr
     assert "error:" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("lines", "refused"), [("good-token\nold-token\n", False), ("old-token\ngood-token\n", True)],
+                         ids=["newest-first", "newest-second"])
+def test_stepscope_profile_sends_the_first_token_of_a_rotating_file(exporter: Running, tmp_path: Path, lines: str,
+                                                                    refused: bool) -> None:
+    """A token file lists the tokens in use newest first (exporter.ingest.tokens): the client sends the first."""
+    token_file = tmp_path / "token"
+    token_file.write_text(lines)
+    done = run_profile_cli(exporter, "--token-file", str(token_file))
+    assert ("bearer token" in done.stderr) is refused and "Traceback" not in done.stderr, done.stderr
 
 
 def exporter_exit(*argv: str) -> tuple[int | None, str]:

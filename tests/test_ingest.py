@@ -20,6 +20,7 @@ from stepscope.exporter.ingest.parser import PushLimits
 from stepscope.exporter.ingest.parser import parse_push as parse_body
 from stepscope.exporter.ingest.render import last_push_line, training_chunks
 from stepscope.exporter.ingest.store import GroupStore, StoredFamily, StoreLimits
+from stepscope.exporter.ingest.tokens import IngestTokens
 from stepscope.exporter.registered import RegisteredProcess
 from stepscope.exporter.server import PushRequest, PushResponse
 from stepscope_testkit.ingest_bodies import counter, full_body, info_family, phase_family, state_family
@@ -77,7 +78,7 @@ def test_allow_list_admits_its_networks_and_loopback_only() -> None:
 
 
 def test_token_is_required_from_everyone_once_configured() -> None:
-    policy = AccessPolicy(token="s3cret")
+    policy = AccessPolicy(token=IngestTokens(("s3cret",)))
     for header in (None, "", "Bearer wrong", "Basic s3cret", "Bearer", "s3cret"):
         error = rejected(policy.check, "127.0.0.1", header)
         assert (error.status, error.reason) == (401, "unauthorized")
@@ -87,7 +88,7 @@ def test_token_is_required_from_everyone_once_configured() -> None:
 
 
 def test_token_with_allow_list_needs_both() -> None:
-    policy = AccessPolicy(token="s3cret", allow=(ipaddress.ip_network("10.0.0.0/8"),))
+    policy = AccessPolicy(token=IngestTokens(("s3cret",)), allow=(ipaddress.ip_network("10.0.0.0/8"),))
     policy.check("10.0.0.5", "Bearer s3cret")
     assert rejected(policy.check, "192.0.2.7", "Bearer s3cret").status == 403
     assert rejected(policy.check, "10.0.0.5", "Bearer nope").status == 401

@@ -13,6 +13,7 @@ from stepscope.exporter.ingest.profile_api import ProfileApi
 from stepscope.exporter.ingest.profiles import CANCEL_HEADER, REQUEST_HEADER, ProfileError, ProfileRequests
 from stepscope.exporter.ingest.render import last_push_line
 from stepscope.exporter.ingest.store import GroupStore, StoreLimits
+from stepscope.exporter.ingest.tokens import IngestTokens
 from stepscope.exporter.server import PushRequest
 from stepscope_testkit.ingest_bodies import full_body
 
@@ -238,7 +239,7 @@ def answer_of(api: ProfileApi, request: PushRequest, body: bytes = b"") -> tuple
 def test_the_api_checks_access_methods_and_bodies(groups: GroupStore, clock: Clock) -> None:
     registry = ProfileRequests(groups, clock=clock)
     push(groups, registry, "0", READY)
-    api = ProfileApi(registry, AccessPolicy(token="s3cret"))
+    api = ProfileApi(registry, AccessPolicy(token=IngestTokens(("s3cret",))))
     good = json.dumps({"run": "r", "ranks": [0], "steps": 2}).encode()
     status, payload = answer_of(api, api_request("POST", "/api/v1/profiles", good))
     assert status == 401 and "Authorization: Bearer" in payload["error"]

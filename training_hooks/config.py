@@ -138,6 +138,13 @@ def _bool_env(env: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{name} must be one of 1, true, yes, on, 0, false, no, off; got {env[name]!r}")
 
 
+def sent_token(value: str) -> str:
+    """The token a client sends from STEPSCOPE_PUSH_TOKEN: its first non-blank line, stripped. During a
+    rotation the exporter's Secret lists the new token above the old (exporter.ingest.tokens), and pods
+    started then take the new one from the same Secret."""
+    return next((line.strip() for line in value.splitlines() if line.strip()), "")
+
+
 def _check_token(token: str, name: str) -> None:
     """ValueError naming the first character an HTTP header cannot carry (Latin-1 text without control
     characters, as the exporter's own check): every push would fail with it, and training would go unseen."""
@@ -283,7 +290,7 @@ class Config:
             values["push_url"] = env.get("STEPSCOPE_PUSH_URL", DEFAULT_PUSH_URL).strip()
         values["push_url"] = str(values["push_url"]).rstrip("/")
         if "push_token" not in values and env.get("STEPSCOPE_PUSH_TOKEN"):
-            values["push_token"] = env["STEPSCOPE_PUSH_TOKEN"].strip()
+            values["push_token"] = sent_token(env["STEPSCOPE_PUSH_TOKEN"])
         if "push_interval" not in values and env.get("STEPSCOPE_PUSH_INTERVAL"):
             values["push_interval"] = _float_env(env, "STEPSCOPE_PUSH_INTERVAL", "a number of seconds")
         if "buckets" not in values and env.get("STEPSCOPE_BUCKETS"):

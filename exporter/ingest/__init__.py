@@ -54,8 +54,9 @@ PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.
 
 def add_flags(group: argparse._ArgumentGroup) -> None:
     add_flag(group, "--ingest-token-file", default=None, type=readable_file,
-             help="file holding the bearer token pushes must send (Authorization: Bearer <token>); "
-                  "without it and without --ingest-allow only loopback clients may push")
+             help="file holding the bearer tokens pushes may send (Authorization: Bearer <token>), one per "
+                  "line, newest first while rotating; re-read when it changes. Without it and without "
+                  "--ingest-allow only loopback clients may push")
     add_flag(group, "--ingest-allow", default="", type=cidr_list,
              help="comma-separated networks (CIDR) whose clients may push: without a token they push "
                   "freely; with --ingest-token-file they must also send the token")

@@ -7,17 +7,18 @@ import ipaddress
 from dataclasses import dataclass
 
 from stepscope.exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.tokens import IngestTokens
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """token set: every client needs `Authorization: Bearer <token>` (and, with `allow`, an address
-    in it), except clients in `without_token`. No token: loopback clients and clients in `allow` or
-    `without_token` may push."""
+    """token set: every client needs `Authorization: Bearer <token>` with one of its tokens (and, with
+    `allow`, an address in it), except clients in `without_token`. No token: loopback clients and clients
+    in `allow` or `without_token` may push."""
 
-    token: str | None = None
+    token: IngestTokens | None = None
     allow: tuple[Network, ...] = ()
     without_token: tuple[Network, ...] = ()
 
@@ -63,10 +64,6 @@ def _address(client_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | 
     return address
 
 
-def _bearer_matches(authorization: str | None, token: str) -> bool:
+def _bearer_matches(authorization: str | None, tokens: IngestTokens) -> bool:
     scheme, _, presented = (authorization or "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    import hmac  # here: an exporter without an ingest token never loads hashlib (0.74 MiB of RSS)
-
-    return hmac.compare_digest(presented.strip().encode(), token.encode())
+    return scheme.lower() == "bearer" and tokens.matches(presented.strip())
