@@ -91,7 +91,8 @@ THRESHOLDS: Mapping[str, Threshold] = {
         ("StepscopeFirstStepStalled", RANK_STALLED_SECONDS)),
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
-        ("StepscopeRankLost", "StepscopeTrainingStalled", "StepscopeFirstStepStalled")),
+        ("StepscopeRankLost", "StepscopeTrainingStalled", "StepscopeFirstStepStalled", "StepscopeDataLoadingBottleneck",
+         "StepscopeLoaderBelowCompute", "StepscopeStragglerRank")),
     "rank_lost_kept_seconds": Threshold(
         600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "
         "exporter restarted and forgot it: the exporter's default --ingest-ttl, as long as it keeps a group",
