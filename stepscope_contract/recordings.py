@@ -8,6 +8,11 @@ goes unread. A rename is an edit here plus the same edit to the `record:` line.
 from stepscope.contract import families
 from stepscope.contract.families import selector
 
+# The exporters and GPU collectors Prometheus knows as such, for as long as they stay down: StepscopeExporterDown
+# and StepscopeGpuCollectorDown fire on a target that served stepscope (an NVML that answered), and a lookback of
+# an hour resolved them after an hour of a node still down.
+EXPORTER_KNOWN = "instance:stepscope_exporter_known:info"
+GPU_COLLECTOR_KNOWN = "instance:stepscope_gpu_collector_known:info"
 NODE_CPU_UTILIZATION = "instance:stepscope_node_cpu_utilization:ratio"
 NODE_MEMORY_UTILIZATION = "instance:stepscope_node_memory_utilization:ratio"
 
