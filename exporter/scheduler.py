@@ -1,7 +1,10 @@
 """Runs every collector on its own timer thread and publishes rendered results.
 
 One thread per collector: a wedged NVML call stalls the GPU families only, and scrapes keep
-serving the last good snapshot of everything else. Each source re-renders only the families that
+serving the last good snapshot of everything else. Not of the wedged collector's own: a cycle under
+way for STALE_CYCLES intervals has its families left out of /metrics until it returns (a watchdog
+thread checks once an interval), where before a GPU whose NVML call hung stayed `gpu_up 1` at 98% busy
+and 61 °C for as long as the call did, while it read 0% and 95 °C. Each source re-renders only the families that
 changed since its last cycle and is published only when its text changed, so an idle node costs
 little more than the readings themselves. The self metrics (collector durations, errors, last
 success) change every cycle of every collector but are rendered only when a scrape after a cycle asks
@@ -24,6 +27,7 @@ from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricF
 from stepscope.exporter.thread_cpu import CpuByPart, collector_thread_name
 
 log = logging.getLogger(__name__)
+STALE_CYCLES = 3  # as the GPU's slow readings, which go absent when older than three of their intervals
 
 
 @dataclass
@@ -33,6 +37,8 @@ class _CollectorStats:
     last_success: float = 0.0
     cycles: int = 0
     last_error: str = ""
+    cycle_started: float | None = None  # monotonic, while a cycle is under way
+    left_out: bool = False  # its families are out of /metrics: its cycle ran past STALE_CYCLES intervals
 
 
 class Scheduler:
@@ -47,6 +53,7 @@ class Scheduler:
         self._self_renderer = CachedRenderer()
         self._self_lock = threading.Lock()  # the renderer serves one scrape at a time
         self._stats_lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # a cycle's end and the watchdog publish a collector's body in turn
         self._stats_version = 0  # counts changes of the stats, for the store's cache of this source
         self._cpu_by_part = CpuByPart()
         self._cpu: dict[str, float] = {}  # part -> CPU seconds, read once an interval
@@ -65,6 +72,9 @@ class Scheduler:
             )
             thread.start()
             self._threads.append(thread)
+        watchdog = threading.Thread(target=self._watch, name=collector_thread_name("watchdog"), daemon=True)
+        watchdog.start()
+        self._threads.append(watchdog)
 
     def stop(self) -> None:
         self._stop.set()
@@ -83,6 +93,8 @@ class Scheduler:
 
     def run_once(self, collector: Collector) -> None:
         started = time.perf_counter()
+        with self._stats_lock:
+            self._stats[collector.name].cycle_started = time.monotonic()
         renderer = self._renderers[collector.name]
         try:
             body, changed = renderer.render(list(collector.collect()))
@@ -91,8 +103,16 @@ class Scheduler:
             (body, changed), error = renderer.render([]), f"{type(exc).__name__}: {exc}"
         left_out = "" if error else getattr(collector, "failed_reading", "")  # the collector logged it
         duration = time.perf_counter() - started
-        if changed:
-            self._store.publish(collector.name, body)
+        with self._publish_lock:  # not under _stats_lock: a scrape holds the store's lock, then takes that one
+            with self._stats_lock:
+                stats = self._stats[collector.name]
+                stats.cycle_started = None
+                returned, stats.left_out = stats.left_out, False
+            if changed or returned:
+                self._store.publish(collector.name, body)
+        if returned and not self._stop.is_set():  # a cycle that a shutdown's close() ended returns to nobody
+            log.warning("collector %s returned after %.1f s; its readings are published again", collector.name,
+                        duration)
         self._read_cpu(started)
         with self._stats_lock:
             stats = self._stats[collector.name]
@@ -138,6 +158,32 @@ class Scheduler:
                 return
             self.run_once(collector)
 
+    def _watch(self) -> None:
+        """Once an interval: leaves out of /metrics the families of a collector whose cycle has been under way
+        for STALE_CYCLES intervals (a hung NVML call, a read of a hung mount), so that a stuck reading is absent,
+        not served as current; counts it as a failed cycle and logs it once. The cycle's end publishes again."""
+        while not self._stop.wait(self._interval):
+            with self._publish_lock:
+                for name, running in self._overdue():
+                    self._store.publish(name, b"")
+                    log.warning("collector %s has been in one cycle for %.1f s (a hung call?): its readings are left "
+                                "out of /metrics until it returns", name, running)
+
+    def _overdue(self) -> list[tuple[str, float]]:
+        """The collectors whose cycle has now run for STALE_CYCLES intervals, with its seconds; each marked left
+        out and counted as a failed cycle, once."""
+        overdue = []
+        now = time.monotonic()
+        with self._stats_lock:
+            for name, stats in self._stats.items():
+                running = now - stats.cycle_started if stats.cycle_started is not None else 0.0
+                if running >= STALE_CYCLES * self._interval and not stats.left_out:
+                    stats.left_out = True
+                    stats.errors += 1
+                    self._stats_version += 1
+                    overdue.append((name, running))
+        return overdue
+
     def version(self) -> object:
         """The store's ChunkSource: it renders the self metrics at a scrape after a cycle ended."""
         return self._stats_version
@@ -150,7 +196,8 @@ class Scheduler:
     def _self_families(self) -> list[Metric]:
         duration = GaugeMetricFamily(
             families.COLLECTOR_DURATION,
-            "Wall time of the collector's last cycle.",
+            "Wall time of the collector's last cycle, or of the cycle under way once its families are left out "
+            "(it has run for three intervals: a hung call).",
             labels=["collector"],
         )
         errors = CounterMetricFamily(
@@ -164,9 +211,11 @@ class Scheduler:
             labels=["collector"],
         )
         with self._stats_lock:
+            now = time.monotonic()
             for name in sorted(self._stats):
                 stats = self._stats[name]
-                duration.add_metric([name], stats.duration_seconds)
+                under_way = now - stats.cycle_started if stats.left_out and stats.cycle_started is not None else 0.0
+                duration.add_metric([name], max(stats.duration_seconds, under_way))
                 errors.add_metric([name], stats.errors)
                 last_success.add_metric([name], stats.last_success)
             cpu = _cpu_by_part(self._cpu)

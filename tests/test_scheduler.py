@@ -347,3 +347,72 @@ def test_collectors_run_their_first_cycle_at_once_then_each_at_its_own_phase_of_
         starts = [c.started[cycle] for c in collectors]
         gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
         assert all(0.15 < gap < 0.45 for gap in gaps), (cycle, gaps)  # 0.3 s apart, slack for a loaded machine
+
+
+class HangingCollector:
+    """Publishes the same reading every cycle until `hang` is set; then its next call waits for `release`."""
+
+    name = "gpu"
+
+    def __init__(self) -> None:
+        self.hang = threading.Event()
+        self.release = threading.Event()
+
+    def collect(self) -> Iterable[Metric]:
+        if self.hang.is_set():
+            self.release.wait(30)
+        return [GaugeMetricFamily("stepscope_test_gpu_up", "Whether the GPU answers.", value=1)]
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_a_collector_stuck_in_a_cycle_has_its_readings_left_out_until_it_returns(caplog) -> None:
+    """A hung NVML call: before, /metrics served the GPU's last readings (gpu_up 1, 98% busy) for as long as the
+    call hung. After three intervals the collector's families are left out, the cycle counts as failed and its
+    duration shows how long it has run; the cycle's end publishes again, the same readings too."""
+    store = ExpositionStore()
+    collector = HangingCollector()
+    scheduler = Scheduler([collector], interval=0.2, store=store)
+    scheduler.start()
+    try:
+        wait_until(lambda: sample_values(store.body().decode(), "stepscope_test_gpu_up") == [1.0])
+        collector.hang.set()
+        wait_until(lambda: sample_values(store.body().decode(), "stepscope_test_gpu_up") == [])
+        text = store.body().decode()
+        assert sample_values(text, "stepscope_exporter_collector_errors_total", collector="gpu") == [1.0]
+        assert sample_values(text, "stepscope_exporter_collector_duration_seconds", collector="gpu")[0] >= 0.6
+        assert "collector gpu has been in one cycle for" in caplog.text
+        time.sleep(0.5)  # left out once, counted once
+        assert sample_values(store.body().decode(), "stepscope_exporter_collector_errors_total",
+                             collector="gpu") == [1.0]
+        collector.hang.clear()
+        collector.release.set()
+        wait_until(lambda: sample_values(store.body().decode(), "stepscope_test_gpu_up") == [1.0])
+        assert "collector gpu returned after" in caplog.text
+    finally:
+        scheduler.stop()
+
+
+def test_a_real_exporter_leaves_out_a_gpu_whose_nvml_call_hangs(tmp_path) -> None:
+    """The fake NVML's temperature call starts to take 60 s, as NVML does on a GPU in a bad state, while the GPU
+    goes idle and hot: before, scrapes 12 s in still read gpu_up 1, 98% busy and 61 °C."""
+    from stepscope_testkit.fake_nvml.scenario import make_scenario, write_scenario
+    from stepscope_testkit.processes import running_exporter, scrape
+
+    scenario = make_scenario(gpus=1, processes_per_gpu=0)
+    path = tmp_path / "nvml.json"
+    write_scenario(path, scenario)
+    with running_exporter(tmp_path, "--collectors", "gpu", "--collect-interval", "1",
+                          fake_nvml_scenario=path) as exporter:
+        wait_until(lambda: sample_values(scrape(exporter.url), "stepscope_gpu_up") == [1.0], timeout=20)
+        scenario["gpus"][0]["temperature_c"] = 95
+        scenario["gpus"][0]["utilization"] = {"gpu": 0, "memory": 0}
+        scenario["latency_ms"] = {"nvmlDeviceGetTemperature": 60000}
+        write_scenario(path, scenario)
+        wait_until(lambda: sample_values(scrape(exporter.url), "stepscope_gpu_up") == [], timeout=10)
+        text = scrape(exporter.url)
+        assert sample_values(text, "stepscope_gpu_utilization_ratio") == []
+        assert sample_values(text, "stepscope_gpu_temperature_celsius") == []
+        assert sample_values(text, "stepscope_exporter_collector_errors_total", collector="gpu") == [1.0]
+    assert "collector gpu has been in one cycle for" in exporter.log()
