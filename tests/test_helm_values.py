@@ -3,9 +3,12 @@ typos refused, an image pinned by digest, a namespace override, the monitors kee
 attribution labels, and the combinations Kubernetes or the Prometheus Operator would refuse (or accept and
 then never converge on) refused at render time with one line."""
 
+import argparse
 import copy
 import http.server
+import ipaddress
 import json
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -500,3 +503,77 @@ def test_every_object_of_each_operator_scenario_validates(name: str) -> None:
             kubernetes_validate.validate(obj, KUBE, strict=True)
         except jsonschema.ValidationError as exc:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {KUBE}: {exc.message}")
+
+
+# ---- values the exporter or Kubernetes would refuse after the install ----------------------------------
+
+@pytest.fixture(scope="module")
+def loaded_chart() -> Iterator[helm_python.Chart]:
+    with helm_python.Chart.load(CHART) as chart:
+        yield chart
+
+
+def helm_schema_error(chart: helm_python.Chart, values: dict[str, Any]) -> str | None:
+    """What Helm's own schema check (the Go validator `helm install` and `helm template` run, not Python's
+    jsonschema) says of the values merged over the defaults; None where it accepts them."""
+    try:
+        chart.validate_schema(chart.merge_values(values))
+    except helm_python.HelmValuesError as exc:
+        return str(exc)
+    return None
+
+
+def exporter_parses_cidrs(text: str) -> bool:
+    from stepscope.exporter.flags import cidr_list
+    try:
+        cidr_list(text)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
+INGEST_ALLOW_REFUSED = ["10.0.0.0/33", "2001:db8::/129", "256.0.0.1", "10.0.0", "10.0.0.0/", "1::2::3", "12345::1",
+                        "1:2:3:4:5:6:7:8:9", "10.0.0.0/8/8", ":::", "010.0.0.1"]
+INGEST_ALLOW_ACCEPTED = ["10.0.0.0/8", "10.1.2.3", "0.0.0.0/0", "192.168.0.0/32", "::1", "::", "::/0", "fe80::/10",
+                         "2001:db8::/128", "1:2:3:4:5:6:7:8/64", "::ffff:10.0.0.1", "64:ff9b::10.0.0.0/96",
+                         "1:2:3:4:5:6:1.2.3.4", "1:2:3:4:5:6:7::", "::2:3:4:5:6:7:8", "FE80::ABCD"]
+
+
+def test_ingest_allow_takes_only_what_the_exporter_parses(loaded_chart: helm_python.Chart) -> None:
+    """`ingest.allow: ["10.0.0.0/33"]` passed the schema's `^[0-9a-fA-F:.]+(/[0-9]+)?$`, rendered, and then every
+    exporter of the DaemonSet exited at start (`'10.0.0.0/33' is not an IP address or CIDR network`): a
+    CrashLoopBackOff on every node. The schema now admits what the exporter's own parser admits: IPv4 with a
+    prefix of at most 32, IPv6 (compressed, or ending in IPv4) with at most 128."""
+    for text in INGEST_ALLOW_REFUSED:
+        assert not exporter_parses_cidrs(text), text
+        error = helm_schema_error(loaded_chart, {"ingest": {"allow": [text]}})
+        assert error and "at '/ingest/allow/0'" in error, f"{text!r} accepted, and the exporter refuses it"
+    for text in INGEST_ALLOW_ACCEPTED:
+        assert exporter_parses_cidrs(text), text
+        assert helm_schema_error(loaded_chart, {"ingest": {"allow": [text]}}) is None, text
+    args = exporter_container(objects(render(CHART, {"ingest": {"allow": INGEST_ALLOW_ACCEPTED}})))["args"]
+    assert f"--ingest-allow-without-token={','.join(INGEST_ALLOW_ACCEPTED)}" in args
+
+
+def test_the_ingest_allow_pattern_agrees_with_the_exporter_on_random_networks() -> None:
+    """The same pattern under Python's `re` (the Go validator's RE2 reads it alike: no look-around, no
+    back-references) against the exporter's parser, on random IPv4 and IPv6 networks and near-misses of them.
+    A prefix with a leading zero (10.0.0.0/08), which Python takes, is the one thing the pattern refuses."""
+    pattern = re.compile(SCHEMA["properties"]["ingest"]["properties"]["allow"]["items"]["pattern"])
+    rng = random.Random(20261129)
+    disagreements = []
+    for _ in range(3000):
+        if rng.random() < 0.5:
+            address = ipaddress.IPv6Address(rng.getrandbits(128) & ~((1 << rng.randrange(129)) - 1))
+            text = rng.choice([address.compressed, address.exploded])
+            if rng.random() < 0.2:
+                text = f"::ffff:{ipaddress.IPv4Address(rng.getrandbits(32))}"
+            if rng.random() < 0.2:
+                text = text.replace(":", "", 1) if rng.random() < 0.5 else f"{text}:{rng.choice(['1', '', ':'])}"
+        else:
+            text = ".".join(str(rng.randrange(rng.choice([256, 300]))) for _ in range(rng.choice([3, 4, 4, 4, 5])))
+        if rng.random() < 0.5:
+            text += f"/{rng.randrange(135)}"
+        if bool(pattern.fullmatch(text)) != exporter_parses_cidrs(text):
+            disagreements.append(text)
+    assert not disagreements, f"schema and exporter disagree on {disagreements[:10]}"
