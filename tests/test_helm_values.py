@@ -577,3 +577,47 @@ def test_the_ingest_allow_pattern_agrees_with_the_exporter_on_random_networks() 
         if bool(pattern.fullmatch(text)) != exporter_parses_cidrs(text):
             disagreements.append(text)
     assert not disagreements, f"schema and exporter disagree on {disagreements[:10]}"
+
+
+@pytest.mark.parametrize(("values", "at"), [
+    ({"fullnameOverride": "GPU-Exporter"}, "/fullnameOverride"),      # upper case: no object name takes it
+    ({"fullnameOverride": "1-exporter"}, "/fullnameOverride"),        # the Service's name starts with a letter
+    ({"fullnameOverride": "x" * 64}, "/fullnameOverride"),
+    ({"nameOverride": "gpu_exp"}, "/nameOverride"),
+    ({"nameOverride": "gpu-exp-"}, "/nameOverride"),
+    ({"nameOverride": "n" * 53}, "/nameOverride"),                    # <name>-prometheus: a 64-character label
+    ({"serviceAccount": {"name": "Foo"}}, "/serviceAccount/name"),
+    ({"serviceAccount": {"name": "a..b"}}, "/serviceAccount/name"),
+    ({"sharding": {"serviceAccountName": "Prometheus"}}, "/sharding/serviceAccountName"),
+    ({"dashboards": {"namespace": "Grafana"}}, "/dashboards/namespace"),
+    ({"ingest": {"token": {"key": "a/b"}}}, "/ingest/token/key"),
+    ({"webConfig": {"key": "web config.yml"}}, "/webConfig/key"),
+    ({"webConfig": {"tls": {"caKey": "ca:crt"}}}, "/webConfig/tls/caKey"),
+    ({"webConfig": {"scrapeCredentials": {"usernameKey": "user/name"}}}, "/webConfig/scrapeCredentials/usernameKey"),
+    ({"webConfig": {"scrapeCredentials": {"passwordKey": "pass word"}}}, "/webConfig/scrapeCredentials/passwordKey"),
+])
+def test_a_name_or_key_kubernetes_refuses_is_refused_by_the_schema(
+    loaded_chart: helm_python.Chart, values: dict[str, Any], at: str
+) -> None:
+    """These rendered, and `helm install` then failed on the API server with a message naming an object, not the
+    value (`metadata.name: Invalid value: "GPU-Exporter": a lowercase RFC 1123 label ...`), or the pod stayed in
+    CreateContainerConfigError: object names are RFC 1123 (the Service's RFC 1035: a letter first), label values
+    at most 63 characters, Secret data keys `[-._a-zA-Z0-9]+`."""
+    error = helm_schema_error(loaded_chart, values)
+    assert error and f"at '{at}'" in error, f"{values} accepted: {error}"
+
+
+def test_the_longest_names_the_schema_takes_make_valid_objects(loaded_chart: helm_python.Chart) -> None:
+    """The schema's limits are Kubernetes', not tighter: at the limit every name and label of the sharded layout
+    is one the API server takes."""
+    values = {"fullnameOverride": "x" * 63, "nameOverride": "n" * 52, "serviceAccount": {"name": "sa.example-1"},
+              "ingest": {"token": {"key": "push.token_1"}}, "webConfig": {"key": "web-config.yml"},
+              "sharding": {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}]}}
+    assert helm_schema_error(loaded_chart, values) is None
+    objs = objects(render(CHART, values, api_versions=[OPERATOR_API]))
+    label_value = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+    too_long = {f"{o['kind']}.{k}": v for o in objs for k, v in o["metadata"].get("labels", {}).items()
+                if len(v) > 63 or not label_value.fullmatch(v)}
+    assert not too_long, too_long
+    assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "sa.example-1"
+    assert "push.token_1" in one(objs, "Secret")["data"]
