@@ -621,3 +621,79 @@ def test_the_longest_names_the_schema_takes_make_valid_objects(loaded_chart: hel
     assert not too_long, too_long
     assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "sa.example-1"
     assert "push.token_1" in one(objs, "Secret")["data"]
+
+
+class _DuplicateKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a mapping key given twice, as the API server's decoder does (PyYAML keeps the
+    last value without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        duplicated = sorted({str(key) for key in keys if keys.count(key) > 1})
+        if duplicated:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {duplicated}", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def strict_objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    """The rendered objects (as `objects`), refusing a mapping key given twice."""
+    return [doc for path, text in sorted(rendered.items())
+            if not path.endswith("NOTES.txt") and "/templates/tests/" not in path
+            for doc in yaml.load_all(text, Loader=_DuplicateKeyLoader) if doc]
+
+
+# Every map of extra labels, beside the settings that render its object.
+LABEL_MAPS: dict[str, dict[str, Any]] = {
+    "podLabels": {},
+    "service.labels": {},
+    "serviceMonitor.additionalLabels": {"serviceMonitor": {"enabled": True}},
+    "podMonitor.additionalLabels": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False}},
+    "prometheusRule.additionalLabels": {"prometheusRule": {"enabled": True}},
+    "alerting.alertmanagerConfig.additionalLabels": {"alerting": {"alertmanagerConfig": {"enabled": True}}},
+    "dashboards.labels": {},
+    "sharding.nodeRuleLabels": {"sharding": {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}]}},
+    "sharding.runRuleLabels": {"sharding": {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}]}},
+}
+
+
+def with_labels(setting: str, labels: dict[str, str]) -> dict[str, Any]:
+    *parents, leaf = setting.split(".")
+    values: dict[str, Any] = {leaf: labels}
+    for parent in reversed(parents):
+        values = {parent: values}
+    return merged(LABEL_MAPS[setting], values)
+
+
+@pytest.mark.parametrize("label", ["app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version"])
+@pytest.mark.parametrize("setting", LABEL_MAPS)
+def test_a_label_the_chart_sets_is_refused_in_an_extra_label_map(setting: str, label: str) -> None:
+    """`podLabels: {app.kubernetes.io/name: x}` rendered the pod template's labels with the key twice: the API
+    server refuses such a manifest (`mapping key "app.kubernetes.io/name" already defined`), and a tool that
+    keeps the last value gives pods the DaemonSet's selector does not match (`selector does not match template
+    labels`). The same for every map of extra labels beside the chart's own. It is now refused at render,
+    naming the setting and the label."""
+    with pytest.raises(helm_python.HelmRenderError, match=rf"{re.escape(setting)} sets the label {re.escape(label)}"):
+        strict_objects(render(CHART, with_labels(setting, {label: "x"}), api_versions=[OPERATOR_API]))
+
+
+@pytest.mark.parametrize("setting", LABEL_MAPS)
+def test_extra_labels_land_once_beside_the_charts(setting: str) -> None:
+    """A label the chart does not set still lands, once, beside the chart's own."""
+    objs = strict_objects(render(CHART, with_labels(setting, {"team": "ml"}), api_versions=[OPERATOR_API]))
+    labelled = ([one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]] if setting == "podLabels"
+                else [o["metadata"]["labels"] for o in objs])
+    assert any(labels.get("team") == "ml" and labels.get("app.kubernetes.io/instance") == "rel" for labels in labelled)
+
+
+def test_a_label_both_the_rules_and_their_layer_set_lands_once() -> None:
+    """`prometheusRule.additionalLabels: {release: kube-prometheus-stack}` beside the same label in
+    sharding.nodeRuleLabels (both select the rules) wrote `release` twice into each PrometheusRule; the same value
+    now lands once, and two different values are refused (the layer's ruleSelector needs its own)."""
+    sharded = {"sharding": {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}],
+                            "nodeRuleLabels": {"release": "kps"}, "runRuleLabels": {"release": "kps"}}}
+    same = merged(sharded, {"prometheusRule": {"additionalLabels": {"release": "kps"}}})
+    rules = by_kind(strict_objects(render(CHART, same, api_versions=[OPERATOR_API])), "PrometheusRule")
+    assert [r["metadata"]["labels"]["release"] for r in rules] == ["kps", "kps"]
+    other = merged(sharded, {"prometheusRule": {"additionalLabels": {"release": "other"}}})
+    with pytest.raises(helm_python.HelmRenderError, match=r"sharding.nodeRuleLabels sets the label release"):
+        render(CHART, other, api_versions=[OPERATOR_API])

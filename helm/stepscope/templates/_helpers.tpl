@@ -40,6 +40,33 @@ app.kubernetes.io/part-of: stepscope
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The chart's labels with the user's extra labels, as one YAML map: (list $ (list "podLabels" .Values.podLabels)
+...). Each extra map was written after the chart's labels, so a label the chart sets came twice in one mapping,
+which the API server refuses (and a tool keeping the last value changed the selector labels the DaemonSet,
+the Service and the monitors select the exporter by). A label the chart sets is refused, naming the setting;
+two settings may give one label only the same value. */}}
+{{- define "stepscope.labelsWith" -}}
+{{- $root := index . 0 }}
+{{- $labels := include "stepscope.labels" $root | fromYaml }}
+{{- $selectorLabels := include "stepscope.selectorLabels" $root | fromYaml }}
+{{- $setBy := dict }}
+{{- range $source := rest . }}
+{{- $setting := index $source 0 }}
+{{- range $key, $value := index $source 1 }}
+{{- if hasKey $setBy $key }}
+{{- if ne (get $labels $key) $value }}
+{{- fail (printf "%s sets the label %s to %q, and %s to %q: the object carries one value; make them agree" $setting $key $value (get $setBy $key) (get $labels $key)) }}
+{{- end }}
+{{- else if hasKey $labels $key }}
+{{- fail (printf "%s sets the label %s, which the chart sets itself (%s: %s%s): the object would carry the key twice, which Kubernetes refuses; leave it out" $setting $key $key (get $labels $key) (ternary ", a selector label the exporter's pods are found by" "" (hasKey $selectorLabels $key))) }}
+{{- end }}
+{{- $_ := set $labels $key $value }}
+{{- $_ := set $setBy $key $setting }}
+{{- end }}
+{{- end }}
+{{- toYaml $labels }}
+{{- end }}
+
 {{- define "stepscope.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "stepscope.fullname" .) .Values.serviceAccount.name }}
@@ -195,7 +222,7 @@ or broken. (list $files path) */}}
 {{- toYaml (get $rules "groups") }}
 {{- end }}
 
-{{/* One PrometheusRule: (list $ name extraLabels groups). */}}
+{{/* One PrometheusRule: (list $ name extraLabels groups extraLabelsSetting). */}}
 {{- define "stepscope.prometheusRule" -}}
 {{- $root := index . 0 }}
 apiVersion: monitoring.coreos.com/v1
@@ -204,13 +231,7 @@ metadata:
   name: {{ index . 1 }}
   namespace: {{ include "stepscope.namespace" $root }}
   labels:
-    {{- include "stepscope.labels" $root | nindent 4 }}
-    {{- with $root.Values.prometheusRule.additionalLabels }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-    {{- with index . 2 }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+    {{- include "stepscope.labelsWith" (list $root (list "prometheusRule.additionalLabels" $root.Values.prometheusRule.additionalLabels) (list (index . 4) (index . 2))) | nindent 4 }}
 spec:
   groups:
     {{- toYaml (include "stepscope.alertRouting" (list $root (index . 3)) | fromYamlArray) | nindent 4 }}
