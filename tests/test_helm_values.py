@@ -215,6 +215,31 @@ def test_an_image_pinned_by_digest_runs_that_digest() -> None:
     assert exporter_container(objects(render(CHART)))["image"] == "ghcr.io/stepscope/stepscope-exporter:0.1.0"
 
 
+@pytest.mark.parametrize("tag", ["2", "20240101", "0"])
+def test_a_numeric_image_tag_from_set_runs_that_tag(tag: str) -> None:
+    """`--set image.tag=2` makes the tag a number, and the schema refused it (`at '/image/tag': got number, want
+    string`), so a registry's numeric tags needed --set-string. A whole number is now taken as its digits: the
+    image is repository:2 (and 20240101 stays 20240101, not 2.0240101e+07); the helm test pod's tag alike."""
+    values = helm_python.parse_set_string(f"image.tag={tag},test.image.tag={tag}")
+    assert isinstance(values["image"]["tag"], int)
+    rendered = render(CHART, values)
+    assert exporter_container(objects(rendered))["image"] == f"ghcr.io/stepscope/stepscope-exporter:{tag}"
+    (test_pod,) = objects(rendered, tests=True)
+    assert test_pod["spec"]["containers"][0]["image"].endswith(f":{tag}")
+
+
+@pytest.mark.parametrize("values_file", ["image:\n  tag: \"\"\n", "image:\n  tag: null\n"], ids=["empty", "null"])
+def test_no_image_tag_runs_the_app_version(values_file: str) -> None:
+    image = exporter_container(objects(render(CHART, helm_python.values_from_yaml(values_file))))["image"]
+    assert image == "ghcr.io/stepscope/stepscope-exporter:0.1.0"
+
+
+def test_a_fractional_image_tag_is_refused() -> None:
+    """A values file's `tag: 1.10` is the number 1.1 by the time the chart sees it: refused, not run as 1.1."""
+    with pytest.raises(helm_python.HelmValuesError, match=r"at '/image/tag'"):
+        render(CHART, helm_python.values_from_yaml("image:\n  tag: 1.10\n"))
+
+
 ANY_NAMESPACE = re.compile(r"\.(?P<ns>[a-z0-9-]+)\.svc\b")
 
 

@@ -95,8 +95,15 @@ requiredDuringSchedulingIgnoredDuringExecution:
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion (include "stepscope.imageTag" .Values.image.tag)) }}
 {{- end }}
+{{- end }}
+
+{{/* An image tag as text. `--set image.tag=2` makes it a number (int64; float64 where the values came as JSON or
+YAML), which printf "%s" would write as %!s(int64=2) and {{ . }} as 2.0240101e+07 for a float64 20240101; the
+schema admits whole numbers only, so the digits are the tag. */}}
+{{- define "stepscope.imageTag" -}}
+{{- if has (kindOf .) (list "int" "int64" "float64") }}{{ int64 . }}{{ else if . }}{{ . }}{{ end }}
 {{- end }}
 
 {{/* The Secret holding the ingest token: the user's, or the one this chart generates. */}}
