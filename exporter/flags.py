@@ -215,6 +215,25 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seconds_between(low: float, high: float) -> Callable[[str], float]:
+    """A flag's type for a number of seconds from `low` to `high`: an interval of 1e-9 s spun a core, and
+    one past what a thread can wait (1e308) killed the collector threads with OverflowError while the
+    exporter served its first reading for ever."""
+
+    def seconds(text: str) -> float:
+        value = positive_float(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be from {_plain(low)} to {_plain(high)} seconds")
+        return value
+
+    return seconds
+
+
+def _plain(number: float) -> str:
+    """2592000 rather than 2.592e+06, 0.1 as it is."""
+    return str(int(number)) if number == int(number) else f"{number:g}"
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -32,6 +32,12 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) ->
         (["--collectors", "node,disco"], ["unknown collector 'disco'", "node, gpu, process"]),
         (["--collect-interval", "-1"], ["--collect-interval", "must be a positive number"]),
         (["--collect-interval", "soon"], ["'soon' is not a number"]),
+        # 1e-9 spun a core; 1e308 (past threading.TIMEOUT_MAX) killed every collector thread with OverflowError
+        # while the exporter served its first reading for ever; the TTL's 1e308 killed the expiry thread
+        (["--collect-interval", "1e-9"], ["--collect-interval", "'1e-9' must be from 0.1 to 3600 seconds"]),
+        (["--collect-interval", "1e308"], ["--collect-interval", "'1e308' must be from 0.1 to 3600 seconds"]),
+        (["--collector.gpu.slow-interval", "1e308"], ["--collector.gpu.slow-interval", "from 0.1 to 3600 seconds"]),
+        (["--ingest-ttl", "1e308"], ["--ingest-ttl", "'1e308' must be from 1 to 2592000 seconds"]),
         (["--listen-address", "localhost"], ["HOST:PORT"]),
         (["--listen-address", "127.0.0.1:70000"], ["port from 1 to 65535"]),
         # an IPv6 address without brackets: ::1 on port 9847, or the address ::1:9847 on no port? Before, the first

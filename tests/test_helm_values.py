@@ -197,6 +197,11 @@ def test_every_chart_value_the_docs_name_is_one_the_chart_has() -> None:
     ({"image": {"digest": "0123abcd"}}, r"at '/image/digest'"),
     ({"namespaceOverride": "GPU_Monitoring"}, r"at '/namespaceOverride'"),
     ({"terminationGracePeriodSeconds": "30s"}, r"at '/terminationGracePeriodSeconds': got string, want integer"),
+    # what the exporter refuses at start (a CrashLoopBackOff on every node): --collect-interval 0.1 to 3600 s,
+    # --ingest-ttl 1 s to 30 days
+    ({"collectInterval": 0.01}, r"at '/collectInterval': minimum"),
+    ({"collectInterval": 1e308}, r"at '/collectInterval': maximum"),
+    ({"ingest": {"ttl": 1e308}}, r"at '/ingest/ttl'"),
 ])
 def test_a_typo_or_a_wrong_type_is_refused_by_lint_and_template(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=message):

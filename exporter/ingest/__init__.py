@@ -47,8 +47,9 @@ checked (exporter.ingest.store).
 
 import argparse
 
-from stepscope.exporter.flags import add_flag, cidr_list, positive_float, positive_int, readable_file
+from stepscope.exporter.flags import add_flag, cidr_list, positive_int, readable_file, seconds_between
 
+MAX_TTL_SECONDS = 30 * 86400  # past a month a group is kept for no one; 1e308 overflowed the expiry's wait
 PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 
@@ -63,8 +64,9 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
     add_flag(group, "--ingest-allow-without-token", default="", type=cidr_list,
              help="comma-separated networks (CIDR) whose clients may push without the token even when "
                   "--ingest-token-file is set (a node-local training subnet)")
-    add_flag(group, "--ingest-ttl", default="600", type=positive_float,
-             help="seconds after its last push at which a pushed group (run, rank) is dropped")
+    add_flag(group, "--ingest-ttl", default="600", type=seconds_between(1, MAX_TTL_SECONDS),
+             help=f"seconds after its last push at which a pushed group (run, rank) is dropped, 1 to "
+                  f"{MAX_TTL_SECONDS} (30 days)")
     add_flag(group, "--ingest-max-body-bytes", default="1048576", type=positive_int,
              help="largest accepted push body (413 above)")
     add_flag(group, "--ingest-max-series-per-group", default="2000", type=positive_int,
