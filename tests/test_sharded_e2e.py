@@ -13,6 +13,7 @@ with vmalert evaluating the run rules against it and writing their recordings ba
 """
 
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -30,8 +31,8 @@ from stepscope_testkit.fake_nvml.scenario import make_gpu, make_scenario, write_
 from stepscope_testkit.ingest_bodies import counter, histogram, info_family, state_family
 from stepscope_testkit.processes import free_port, running_exporter
 from stepscope_testkit.sharded import SHARDED_DIR, hashmod
-from tests.support.dashboard_queries import panel_queries
-from tests.support.prometheus import query, running_prometheus_config, wait_for
+from tests.support.dashboard_queries import LABEL_VALUES, panel_queries, variable_queries
+from tests.support.prometheus import query, running_prometheus_config, series, wait_for
 from tests.support.replay_judge import ENGINES
 from tests.support.victoria import alerts, running_victoria, running_vmalert
 
@@ -45,6 +46,8 @@ PHASES = {
     "1": {"dataloader_next": 0.005, "to_device": 0.005, "forward": 0.06, "backward": 0.025},
 }
 READY_SECONDS = 120
+# A series name in a query: a metric or recording (a recording's colons included), not a function or label.
+SERIES_NAME = re.compile(r"\b(?:[a-z_]+:)?stepscope_\w+(?::\w+)?")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -274,4 +277,70 @@ def test_cluster_dashboard_works_from_the_global_layer(layout: Layout) -> None:
     held_idle = {"GPU-hours held but idle", "GPU-hours held but idle per namespace"}
     empty = [f"{q.panel}: {q.expr}" for q in panel_queries() if q.dashboard == "stepscope-cluster.json"
              and q.panel not in held_idle and not query(layout.global_url, q.expr)]
+    assert not empty, "\n".join(empty)
+
+
+# Training panels that read a node's raw series, which the shards do not send: served by the shard that scrapes
+# the node (docs/deployment.md#past-one-prometheus-the-sharded-layout says so and why).
+TRAINING_SHARD_ONLY = {
+    "Step time p50 / p95 per rank": "per-rank step-time quantiles read the raw buckets at query time",
+    "Per-rank comparison": "its p95 column is a per-rank step-time quantile",
+    "Time per state": "stepscope_state_seconds_total, per rank",
+    "Where each rank is": "the ranks' last-step and phase timestamps",
+    "PyTorch allocator memory per rank": "the allocator's gauges, per rank",
+    "Allocation retries and OOMs per rank": "the allocator's counters, per rank",
+    "Host CPU of the run's processes (cores)": "process series",
+    "Host memory of the run's processes": "process series",
+    "Data-loader workers and read throughput": "process series",
+    "Limits per rank": "each rank's measured limits",
+    "Profiler traces (stepscope-profile)": "each rank's trace files",
+}
+# Run-level Training panels this layout's pushes leave empty on any Prometheus: they carry no tokens, FLOPs,
+# limits, restores or state seconds (stepscope_state_seconds_total, what goodput and the pace per second of
+# training read); grafana/rules/tests prove those recordings, the write-filter test above that they are sent.
+# "Energy over the range" sums at 1m steps aligned to the minute: empty until the run's series is older than
+# the last minute boundary (VictoriaMetrics read it empty once).
+TRAINING_EMPTY_HERE = {
+    "Energy over the range",
+    "MFU", "Tokens/s", "Model FLOP/s", "Peak FLOP/s of the run's GPUs", "MFU per rank, and tensor-core activity",
+    "Tokens/s and samples/s per rank", "Limits verdict", "Loader can deliver / training consumes / run gets",
+    "Limits next to the real throughput", "Energy per token", "Steps redone after a restore (range)",
+    "Steps being redone", "Goodput", "Where the time went (range)", "Where the time went (over time)",
+    "Pace against its own",
+}
+
+
+def _keep() -> re.Pattern[str]:
+    """The shards' write filter (shard.yml's keep on __name__), as Prometheus anchors it."""
+    (relabel,) = yaml.safe_load((SHARDED_DIR / "shard.yml").read_text())["remote_write"][0]["write_relabel_configs"]
+    return re.compile(relabel["regex"])
+
+
+def test_training_dashboard_reads_what_the_shards_send_but_the_shard_only_panels() -> None:
+    """Every series name a Training variable or run-level panel reads passes the shards' write filter; the
+    panels that do not are the documented shard-only ones (each named in docs/deployment.md)."""
+    keep = _keep()
+    texts = [(v.variable, v.raw_query) for v in variable_queries() if v.dashboard == "stepscope-training.json"]
+    texts += [(q.panel, q.raw_expr) for q in panel_queries() if q.dashboard == "stepscope-training.json"]
+    unsent = {where for where, expr in texts for name in SERIES_NAME.findall(expr) if not keep.fullmatch(name)}
+    assert unsent == set(TRAINING_SHARD_ONLY), (sorted(unsent - set(TRAINING_SHARD_ONLY)),
+                                                sorted(set(TRAINING_SHARD_ONLY) - unsent))
+    deployment = " ".join((Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text().split())
+    assert all(f"**{panel}**" in deployment for panel in TRAINING_SHARD_ONLY)
+
+
+def test_training_dashboard_works_from_the_global_layer(layout: Layout) -> None:
+    """Grafana reading the global layer: the `run` variable offers the run, `rank` its two ranks (each sent by
+    its own shard), and every run-level panel query returns data, but those this layout cannot fill."""
+    variables = {v.variable: v.raw_query for v in variable_queries() if v.dashboard == "stepscope-training.json"}
+    assert set(variables) == {"run", "rank"}
+    offered = {}
+    for name, raw in variables.items():
+        selector, label = LABEL_VALUES.match(raw.replace("$run", RUN)).groups()
+        offered[name] = {item[label] for item in series(layout.global_url, selector) if label in item}
+    assert offered == {"run": {RUN}, "rank": {"0", "1"}}
+    training = [q for q in panel_queries() if q.dashboard == "stepscope-training.json"
+                and q.panel not in set(TRAINING_SHARD_ONLY) | TRAINING_EMPTY_HERE]
+    assert training
+    empty = [f"{q.panel} {q.ref_id}: {q.expr}" for q in training if not query(layout.global_url, q.expr)]
     assert not empty, "\n".join(empty)

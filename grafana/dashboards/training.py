@@ -49,6 +49,10 @@ LOADING = contract.DATA_LOADING_PHASE
 LOCAL = " + ".join(contract.LOCAL_PHASES)
 TRAIN = contract.TRAIN_STATE
 BUCKET_STEP = 2 ** (1 / contract.STEPS_PER_OCTAVE) - 1  # neighbouring fine bounds, apart
+# Where the run and rank dropdowns come from: a recording per run and rank of the pushed step counter, so they
+# list the same ranks as the counter on a plain Prometheus and on a sharded layout's global layer, where the
+# shards send recordings but not the raw counter (the run dropdown was empty there).
+VARIABLE_SOURCE = rec.RANK_STEPS_RATE
 
 
 def _state_expr() -> str:
@@ -627,7 +631,7 @@ def build() -> dashboard.Dashboard:
             query_variable(
                 "run",
                 "Run",
-                fam.STEPS_TOTAL,
+                VARIABLE_SOURCE,
                 "run",
                 description="training run (the `run` label set by the hooks)",
             )
@@ -636,7 +640,7 @@ def build() -> dashboard.Dashboard:
             query_variable(
                 "rank",
                 "Rank",
-                sel(fam.STEPS_TOTAL, RUN),
+                sel(VARIABLE_SOURCE, RUN),
                 "rank",
                 multi=True,
                 description="global ranks of the run",
