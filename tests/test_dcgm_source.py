@@ -23,7 +23,7 @@ from stepscope.report.window import Window
 from stepscope_testkit.dcgm import PodRef, dcgm_body, without_gpu_collector
 from stepscope_testkit.replay import Recording, Workload, replaying
 from stepscope_testkit.replay import recordings as corpus
-from tests.support.dashboard_queries import load_dashboards, substitute, variable_queries
+from tests.support.dashboard_queries import load_dashboards, panel_queries, substitute, variable_queries
 from tests.support.prometheus import query, running_prometheus_config, series
 from tests.support.replay_judge import SETTLE_MARGIN_S, Judged, Reading, _missed_iterations, _read, alerts_without_for
 from tests.test_corpus_verdicts import TRUE_ALERTS
@@ -54,6 +54,15 @@ EMPTY_IN_DCGM_MODE = {
 }
 
 
+# The Cluster dashboard's panels that read GPUs, and those of them that stay empty here, and why.
+CLUSTER_GPU = {"GPUs", "Idle GPUs", "GPU utilization in runs", "GPU utilization, node x GPU", "GPU-hours held but idle",
+               "GPU-hours held but idle per namespace", "GPU utilization per node", "GPU utilization in runs per node",
+               "Runs", "Nodes"}
+CLUSTER_EMPTY_IN_DCGM_MODE = {
+    ("Idle GPUs", "A"): "every GPU of the corpus is its run's",
+}
+
+
 def _pods(workload: Workload) -> dict[str, PodRef]:
     """The recorded GPU given to the workload's pod (one node per workload, as the corpus replay has it)."""
     uuid = workload.bodies[0].split('stepscope_gpu_info{', 1)[1].split('uuid="', 1)[1].split('"', 1)[0]
@@ -71,13 +80,25 @@ def _node_gpu_queries() -> dict[tuple[str, str], str]:
     return found
 
 
+def _cluster_gpu_queries() -> dict[tuple[str, str], str]:
+    """{(panel, refId): PromQL} of the Cluster dashboard's queries that read a GPU, variables as `.*`: the
+    `GPUs` row, the fleet counters and the Nodes table's columns."""
+    found = {}
+    for query_ in panel_queries():
+        if query_.dashboard == "stepscope-cluster.json" and ("gpu" in query_.raw_expr or query_.panel in CLUSTER_GPU):
+            found[(query_.panel, query_.ref_id)] = query_.expr
+    return found
+
+
 def _dashboards_and_report(url: str) -> dict:
-    """What the Node dashboard's GPU queries and its `gpu` variable return, and the report's GPU memory per run."""
+    """What the Node dashboard's GPU queries and its `gpu` variable return, the Cluster dashboard's GPU queries,
+    and the report's GPU memory per run."""
     gpu_variable = next(v for v in variable_queries() if (v.dashboard, v.variable) == ("stepscope-node.json", "gpu"))
     report = {name: query(url, build(RECORDING.workloads[name].run, Window(0, 1, 1), []).over_time["gpu_memory"])
               for name in WORKLOADS}
     return {"panels": {key: query(url, expr) for key, expr in _node_gpu_queries().items()},
             "gpu": {(item["instance"], item["gpu"]) for item in series(url, gpu_variable.selector)},
+            "cluster": {key: query(url, expr) for key, expr in _cluster_gpu_queries().items()},
             "report": report}
 
 
@@ -223,3 +244,18 @@ def test_the_report_reads_each_runs_gpu_memory_from_dcgm_readings(judged: tuple)
         assert [(item["metric"]["instance"], item["metric"]["gpu"]) for item in result] == [(name, "0")], name
         used = float(result[0]["value"][1])
         assert used > 0 and used % 2**20 == 0, (name, used)  # whole MiB, as dcgm-exporter reports them
+
+
+def test_every_cluster_dashboard_gpu_query_has_data_from_dcgm_readings(judged: tuple) -> None:
+    """The Cluster dashboard's GPU panels read the GPU source layer, not stepscope's own GPU families that a
+    node with dcgm-exporter as its GPU source lacks: each GPU's namespace (the GPU-hours held idle per namespace)
+    and each node's GPU count (the Nodes table) come from dcgm-exporter's readings too."""
+    panels = judged[3]["cluster"]
+    assert set(CLUSTER_EMPTY_IN_DCGM_MODE) <= set(panels)
+    empty = {key for key, result in panels.items() if not result}
+    assert empty == set(CLUSTER_EMPTY_IN_DCGM_MODE), f"empty: {sorted(empty - set(CLUSTER_EMPTY_IN_DCGM_MODE))}, " \
+        f"not empty: {sorted(set(CLUSTER_EMPTY_IN_DCGM_MODE) - empty)}"
+    gpus = {item["metric"]["instance"]: item["value"][1] for item in panels[("Nodes", "D")]}
+    assert gpus == dict.fromkeys(WORKLOADS, "1")  # each node's one GPU, counted from dcgm-exporter's readings
+    namespaces = {item["metric"]["namespace"] for item in panels[("GPU-hours held but idle per namespace", "A")]}
+    assert namespaces == {"ml"}  # the pod the data-bound run's idle GPU is given to

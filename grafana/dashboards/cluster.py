@@ -30,9 +30,15 @@ HELD_IDLE_HOURS = (f"sum by (instance, run) (count_over_time({rec.GPU_HELD_IDLE}
 # Each GPU's up (1) or down (0) from its node's GPU source: stepscope's family, else dcgm-exporter's fill-in
 # (recorded from dcgm-exporter's fields alone), as the Node dashboard's "GPUs up" reads it.
 GPUS_UP = f"{fam.GPU_UP} or on (instance, gpu) {rec.GPU_DCGM_UP}"
-# The namespace of the pod the kubelet gave each GPU to (pod attribution), by node and GPU index.
-GPU_NAMESPACE = (f"max by (instance, gpu, namespace) ({fam.GPU_POD_INFO} * on (instance, uuid) group_left (gpu) "
-                 f"{fam.GPU_INFO})")
+# The namespace of the pod the kubelet gave each GPU to, by node and GPU index. Read through the GPU source layer,
+# not stepscope_gpu_info, which a node whose GPUs come from dcgm-exporter lacks (its GPU collector is off): the
+# exporter's pod attribution joined to the GPU's UUID, else the pod labels dcgm-exporter puts on its readings.
+GPU_NAMESPACE = (
+    f"max by (instance, gpu, namespace) ({fam.GPU_POD_INFO} * on (instance, uuid) group_left (gpu) "
+    f"group by (instance, gpu, uuid) ({rec.GPU_SOURCE_MEMORY_USED}))"
+    f' or on (instance, gpu) max by (instance, gpu, namespace) ({rec.GPU_SOURCE_MEMORY_USED}{{namespace!=""}})')
+# Each node's GPUs, from either GPU source (stepscope's collector or dcgm-exporter).
+GPUS_PER_NODE = f"count by (instance) ({rec.GPU_SOURCE_NAME})"
 HELD_IDLE_HOURS_BY_NAMESPACE = (
     f"sum by (namespace) (count_over_time(({rec.GPU_HELD_IDLE} * on (instance, gpu) group_left (namespace) "
     f"{GPU_NAMESPACE})[$__range:{STEP}])) * {goodput.ACCOUNTING_STEP_SECONDS} / 3600")
@@ -257,7 +263,7 @@ def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Da
                     Q(rec.NODE_CPU_UTILIZATION, table=True),
                     Q(rec.NODE_MEMORY_UTILIZATION, table=True),
                     Q(rec.NODE_GPU_EFFECTIVE_UTILIZATION, table=True),
-                    Q(f"count by (instance) ({fam.GPU_INFO})", table=True),
+                    Q(GPUS_PER_NODE, table=True),
                 ],
                 {
                     "Value #A": ("CPU", "percentunit"),
