@@ -162,3 +162,40 @@ def test_a_process_registered_within_the_rate_window_has_one_row_in_the_process_
     result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "processes.yml")], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _field_links(panel: dict, field: str) -> list[dict]:
+    """The data links a panel's override by name gives the column `field`."""
+    return [link for override in panel["fieldConfig"].get("overrides", [])
+            if override["matcher"] == {"id": "byName", "options": field}
+            for prop in override["properties"] if prop["id"] == "links" for link in prop["value"]]
+
+
+def test_every_dashboard_links_to_the_others_by_tag() -> None:
+    """One link set on each dashboard: the dashboards tagged stepscope (all three), keeping the time range and
+    the variables (the data source among them)."""
+    for name, model in dashboards().items():
+        assert "stepscope" in model["tags"], name
+        links = [link for link in model.get("links", []) if link.get("type") == "dashboards"]
+        assert [(link["tags"], link["keepTime"], link["includeVars"]) for link in links] == [
+            (["stepscope"], True, True)], name
+
+
+def test_cluster_tables_link_runs_and_nodes_to_their_dashboards() -> None:
+    """The Runs table's run opens the Training dashboard on that run, the Nodes table's instance the Node
+    dashboard on that node: real uids and variables, with the time range and the data source picked."""
+    models = dashboards()
+    by_title = {panel["title"]: panel for panel in panels(models["stepscope-cluster.json"])}
+    for table, field, target, variable in (("Runs", "run", "stepscope-training", "run"),
+                                           ("Nodes", "instance", "stepscope-node", "instance")):
+        links = _field_links(by_title[table], field)
+        assert len(links) == 1, (table, links)
+        url = links[0]["url"]
+        path, _, query_string = url.partition("?")
+        assert path == f"/d/{target}", url
+        assert f"{target}.json" in models
+        params = query_string.split("&")
+        assert f"var-{variable}=${{__value.raw}}" in params, url
+        assert "var-datasource=${datasource}" in params and "${__url_time_range}" in params, url
+        names = {v["name"] for v in models[f"{target}.json"]["templating"]["list"]}
+        assert {variable, "datasource"} <= names, (target, names)

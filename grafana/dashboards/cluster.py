@@ -3,12 +3,14 @@
 from grafana_foundation_sdk.builders import dashboard
 
 import stepscope.contract as contract
+from grafana.dashboards import node, training
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
     alert_list_panel,
     bargauge_panel,
     base_dashboard,
+    data_link,
     heatmap_panel,
     row,
     stat_panel,
@@ -253,7 +255,7 @@ def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Da
                     "Value #G": ("lowest straggler score", "none"),
                 },
                 hide=("Time", "__name__", "job", "Value #A"),
-            )
+            ).override_by_name("run", data_link("Training dashboard of ${__value.raw}", training.UID, "run"))
         )
         .with_panel(
             table_panel(
@@ -271,7 +273,7 @@ def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Da
                     "Value #C": ("GPU utilization", "percentunit"),
                     "Value #D": ("GPUs", "none"),
                 },
-            )
+            ).override_by_name("instance", data_link("Node dashboard of ${__value.raw}", node.UID, "instance"))
         )
     )
     return board

@@ -29,6 +29,7 @@ from grafana_foundation_sdk.models.common import DataSourceRef
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SAMPLES_PER_SECOND = "suffix: samples/s"
 REF_IDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+TAG = "stepscope"  # every stepscope dashboard's tag: the link set on each lists the others by it
 
 B = TypeVar("B", bound=cogbuilder.Builder)
 
@@ -47,7 +48,8 @@ class Q:
 def base_dashboard(
     title: str, uid: str, tags: list[str], description: str, *, since: str = "now-1h", refresh: str = "30s"
 ) -> dashboard.Dashboard:
-    """The settings every stepscope dashboard shares, with the `datasource` variable first."""
+    """The settings every stepscope dashboard shares, with the `datasource` variable first and a link set to the
+    other stepscope dashboards (by tag), which keeps the time range and the variables."""
     return (
         dashboard.Dashboard(title)
         .uid(uid)
@@ -56,8 +58,23 @@ def base_dashboard(
         .time(since, "now")
         .refresh(refresh)
         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .link(
+            dashboard.DashboardLink("stepscope")
+            .type(dm.DashboardLinkType.DASHBOARDS)
+            .tags([TAG])
+            .as_dropdown(True)
+            .keep_time(True)
+            .include_vars(True)
+        )
         .with_variable(datasource_variable())
     )
+
+
+def data_link(title: str, uid: str, variable: str) -> list[dm.DynamicConfigValue]:
+    """A table column's link to the dashboard `uid` with its `variable` set to the clicked value, keeping the
+    time range and the data source, so a row leads to its run or node (the override's `links` property)."""
+    url = f"/d/{uid}?var-{variable}=${{__value.raw}}&var-datasource=${{datasource}}&${{__url_time_range}}"
+    return [dm.DynamicConfigValue(id_val="links", value=[{"title": title, "url": url}])]
 
 
 def datasource_variable() -> dashboard.DatasourceVariable:
