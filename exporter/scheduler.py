@@ -49,6 +49,7 @@ class Scheduler:
         self._interval = interval
         self._store = store
         self._stats = {c.name: _CollectorStats() for c in collectors}
+        self._first_cycle = {c.name: threading.Event() for c in collectors}  # set at each one's first cycle's end
         self._renderers = {c.name: CachedRenderer() for c in collectors}
         self._self_renderer = CachedRenderer()
         self._self_lock = threading.Lock()  # the renderer serves one scrape at a time
@@ -113,6 +114,7 @@ class Scheduler:
         if returned and not self._stop.is_set():  # a cycle that a shutdown's close() ended returns to nobody
             log.warning("collector %s returned after %.1f s; its readings are published again", collector.name,
                         duration)
+        self._first_cycle[collector.name].set()
         self._read_cpu(started)
         with self._stats_lock:
             stats = self._stats[collector.name]
@@ -140,13 +142,17 @@ class Scheduler:
             self._cpu = seconds
 
     def _loop(self, collector: Collector, phase: float) -> None:
-        """Every collector's first cycle at once (the exporter is ready within one), then each at its phase.
+        """Every collector's first cycle at once (the exporter is ready within one), but after the first cycles of
+        those it names in `first_after` (at most an interval), then each at its phase.
 
         Collectors that tick together contend for the GIL: each /proc read or NVML call hands it to another
         thread, a futex call and a wake-up on another CPU each time (about 190 per thread per cycle with three
         collectors in step), and a VM pays for every cross-CPU wake-up. Apart, each cycle runs alone.
         """
         next_run = time.monotonic() + phase
+        for name in getattr(collector, "first_after", ()):
+            if name in self._first_cycle:
+                self._first_cycle[name].wait(self._interval)
         self.run_once(collector)
         while True:
             next_run += self._interval

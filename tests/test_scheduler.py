@@ -416,3 +416,31 @@ def test_a_real_exporter_leaves_out_a_gpu_whose_nvml_call_hangs(tmp_path) -> Non
         assert sample_values(text, "stepscope_gpu_temperature_celsius") == []
         assert sample_values(text, "stepscope_exporter_collector_errors_total", collector="gpu") == [1.0]
     assert "collector gpu has been in one cycle for" in exporter.log()
+
+
+def test_a_collector_that_reads_another_takes_its_first_cycle_after_that_ones() -> None:
+    """The process collector reads the GPU collector's process table: before, both first cycles ran at once, the
+    table was still empty, and a rank's GPU memory came with the second cycle, 8.3 s after the exporter was ready."""
+    store = ExpositionStore()
+    seen: list[bool] = []
+
+    class SlowGpu(CountingCollector):
+        def collect(self) -> Iterable[Metric]:
+            time.sleep(0.3)  # NVML's first reads
+            return super().collect()
+
+    class ReadsGpu(CountingCollector):
+        first_after = ("gpu",)
+
+        def collect(self) -> Iterable[Metric]:
+            seen.append(gpu.cycles > 0)
+            return super().collect()
+
+    gpu, process = SlowGpu("gpu"), ReadsGpu("process")
+    scheduler = Scheduler([gpu, process], interval=60, store=store)
+    scheduler.start()
+    try:
+        wait_until(scheduler.ready)
+        assert seen == [True]
+    finally:
+        scheduler.stop()

@@ -67,6 +67,9 @@ class ProcessCollector:
     """Publishes the `stepscope_process_*` families (docs/exporter.md)."""
 
     name = "process"
+    # its first cycle reads the GPU collector's process table: taken at once, it was empty, and a process's GPU
+    # memory came only with the second cycle, 8.3 s after the exporter was ready at the default interval
+    first_after = ("gpu",)
 
     def __init__(
         self,
