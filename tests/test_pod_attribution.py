@@ -14,12 +14,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES, families, recordings
+from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
+from stepscope.exporter.exposition import render
+from stepscope.exporter.registered import RegisteredProcess
 from stepscope_testkit.dcgm import PodRef, dcgm_body
 from stepscope_testkit.podresources import FixtureContainer, FixturePod, PodResourcesServer, serving
 from stepscope_testkit.processes import Running, running_exporter, sample_values, samples, scrape
@@ -176,3 +180,89 @@ def test_the_pod_families_are_the_contract_s(cluster: Cluster) -> None:
                 tuple(sorted(spec.labels))}, family.name
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# Shared and time-sliced GPUs, and a kubelet that stops answering: the collector and the attribution on their own,
+# against the same PodResources server, with real processes for the ranks.
+
+SHARED = "GPU-5a1e0000-0000-0000-0000-00000000000a"
+ALONE = "GPU-5a1e0000-0000-0000-0000-00000000000b"
+
+
+def _pod(name: str, *devices: str, container: str = "train") -> FixturePod:
+    return FixturePod("ml", name, (FixtureContainer(container, {"nvidia.com/gpu": devices}),))
+
+
+def _sleeper(hostname: str | None, visible: str) -> subprocess.Popen:
+    """A process as a container's: the device plugin's NVIDIA_VISIBLE_DEVICES, the runtime's HOSTNAME (the pod's
+    name), or none (a runtime that does not set it)."""
+    env = {"NVIDIA_VISIBLE_DEVICES": visible, **({"HOSTNAME": hostname} if hostname is not None else {})}
+    return subprocess.Popen(["sleep", "60"], env=env)
+
+
+def _registered(processes: dict[str, subprocess.Popen]) -> list[RegisteredProcess]:
+    return [RegisteredProcess(p.pid, "shared", rank, psutil.Process(p.pid).create_time())
+            for rank, p in processes.items()]
+
+
+def _collected(socket: Path, pods: list[FixturePod], processes: dict[str, subprocess.Popen]) -> tuple[
+        dict[str, set[tuple[str, ...]]], PodCollector, str]:
+    """gpu_pod_info (uuid -> label sets) and process_pod_info (rank -> label sets) of one cycle, the collector and
+    the cycle's text."""
+    with serving(socket, pods):
+        collector = PodCollector(PodResourcesClient(str(socket)), registered=lambda: _registered(processes))
+        text = render(collector.collect()).decode()
+    found: dict[str, set[tuple[str, ...]]] = {}
+    for name, pairs in samples(text):
+        labels = dict(pairs)
+        key = labels["uuid"] if name == families.GPU_POD_INFO else labels["rank"]
+        found.setdefault(key, set()).add(tuple(labels[label] for label in ("namespace", "pod", "uuid")))
+    return found, collector, text
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_pods_sharing_a_gpu_each_get_their_own_pod_and_the_gpu_no_single_one(
+        tmp_path: Path, order: tuple[int, int]) -> None:
+    """Before, pod b's rank was labelled pod a (the first container sharing a GPU) and the GPU series got the
+    pod listed last, flipping with the kubelet's order."""
+    pods = [_pod("a", SHARED), _pod("b", SHARED, ALONE)]
+    pods = [pods[i] for i in order]
+    processes = {"0": _sleeper("a", SHARED), "1": _sleeper("b", f"{SHARED},{ALONE}"), "2": _sleeper(None, SHARED)}
+    try:
+        found, collector, _ = _collected(tmp_path / "kubelet.sock", pods, processes)
+        attribution = collector.attribution
+        assert attribution.rank("shared", "0") == ("ml", "a", "train")
+        assert attribution.rank("shared", "1") == ("ml", "b", "train")
+        assert attribution.rank("shared", "2") == ("", "", "")  # no hostname: cannot be told, no pod
+        assert found["0"] == {("ml", "a", SHARED)} and found["1"] == {("ml", "b", SHARED), ("ml", "b", ALONE)}
+        assert "2" not in found
+        assert found[SHARED] == {("ml", "a", SHARED), ("ml", "b", SHARED)}  # the info lists every holder
+        assert attribution.gpu(SHARED) == ("", "", "")  # several pods: no single one on its series
+        assert attribution.gpu(ALONE) == ("ml", "b", "train")
+        pids = {rank: p.pid for rank, p in processes.items()}
+        assert attribution.processes(pids.values()) == {pids["0"]: ("ml", "a", "train"),
+                                                        pids["1"]: ("ml", "b", "train"), pids["2"]: ("", "", "")}
+        collector.close()
+    finally:
+        stop(processes.values())
+
+
+def test_time_sliced_gpus_are_attributed_by_uuid(tmp_path: Path) -> None:
+    """NVIDIA's device plugin with time-slicing lists `<uuid>::<replica>`: before, such a GPU carried no pod and
+    gpu_pod_info{uuid="GPU-...::0"} joined nothing. A container given two replicas of one GPU lists it once."""
+    pods = [_pod("a", f"{SHARED}::0"), _pod("b", f"{SHARED}::3"), _pod("c", f"{ALONE}::1", f"{ALONE}::2")]
+    processes = {"0": _sleeper("a", SHARED), "1": _sleeper("c", ALONE)}
+    try:
+        found, collector, text = _collected(tmp_path / "kubelet.sock", pods, processes)
+        attribution = collector.attribution
+        assert found[SHARED] == {("ml", "a", SHARED), ("ml", "b", SHARED)}
+        assert found[ALONE] == {("ml", "c", ALONE)}
+        assert len([line for line in text.splitlines()  # no duplicate series
+                    if line.startswith(families.GPU_POD_INFO) and f'uuid="{ALONE}"' in line]) == 1
+        assert attribution.gpu(SHARED) == ("", "", "") and attribution.gpu(ALONE) == ("ml", "c", "train")
+        assert attribution.rank("shared", "0") == ("ml", "a", "train")
+        assert attribution.rank("shared", "1") == ("ml", "c", "train")
+        collector.close()
+    finally:
+        stop(processes.values())
+

@@ -5,7 +5,10 @@ call dcgm-exporter makes) says which device ids the device plugin gave to which 
 for NVIDIA's device plugin, GPU UUIDs (`GPU-...`, `MIG-...`). A training process finds its container
 through the GPUs it was given: the device plugin hands them to the container in NVIDIA_VISIBLE_DEVICES,
 which /proc/<pid>/environ shows. (The process's cgroup names only its pod's UID and its container's runtime
-id, neither of which the List answer carries, so it cannot name the pod on its own.) Each cycle publishes
+id, neither of which the List answer carries, so it cannot name the pod on its own.) A GPU several pods share
+(time-slicing lists it as `<uuid>::<replica>`, once per share; MPS) is told apart by the HOSTNAME the runtime
+sets to the pod's name; a process it cannot place gets no pod, and a shared GPU's series none either, while
+gpu_pod_info lists every holder (`_container_seeing`, `_sole_holders`). Each cycle publishes
 
     stepscope_gpu_pod_info{uuid, namespace, pod, container} 1            each GPU given to a pod container
     stepscope_process_pod_info{pid, run, rank, namespace, pod, container, uuid} 1
@@ -45,6 +48,9 @@ LIST_METHOD = "/v1.PodResourcesLister/List"
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_TIMEOUT_SECONDS = 2.0
 VISIBLE_DEVICES = b"NVIDIA_VISIBLE_DEVICES="
+HOSTNAME = b"HOSTNAME="
+REPLICA_SEPARATOR = "::"  # time-slicing's device ids: <uuid>::<replica>
+HOSTNAME_MAX = 63  # the kubelet cuts a pod's name to a DNS label for its hostname
 PodLabels = tuple[str, str, str]  # values of families.POD: namespace, pod, container
 NO_POD: PodLabels = ("", "", "")
 
@@ -52,6 +58,13 @@ NO_POD: PodLabels = ("", "", "")
 def _is_gpu(resource_name: str) -> bool:
     """NVIDIA's device plugin resources, as dcgm-exporter filters them: whole GPUs and MIG slices."""
     return resource_name == "nvidia.com/gpu" or resource_name.startswith("nvidia.com/mig-")
+
+
+def gpu_uuid(device_id: str) -> str:
+    """The GPU of a device id. NVIDIA's device plugin with time-slicing lists one id per share of a GPU,
+    `<uuid>::<replica>`, where the GPU collector and the container's NVIDIA_VISIBLE_DEVICES name the bare uuid;
+    dcgm-exporter strips the suffix the same way."""
+    return device_id.split(REPLICA_SEPARATOR, 1)[0]
 
 
 def _message_classes() -> dict[str, type]:
@@ -88,7 +101,7 @@ class PodContainer:
     namespace: str
     pod: str
     container: str
-    devices: tuple[str, ...]  # the GPU device ids (UUIDs) the container was given
+    devices: tuple[str, ...]  # the GPUs (UUIDs, time-slicing's replica suffix cut) the container was given, once each
 
     @property
     def labels(self) -> PodLabels:
@@ -96,12 +109,13 @@ class PodContainer:
 
 
 def gpu_containers(response: object) -> list[PodContainer]:
-    """The containers of a List answer that hold GPUs, with their GPUs."""
+    """The containers of a List answer that hold GPUs, with their GPUs: a container given two replicas of one
+    time-sliced GPU holds that GPU once (one gpu_pod_info series, not two alike)."""
     found = []
     for pod in response.pod_resources:  # type: ignore[attr-defined]
         for container in pod.containers:
-            devices = tuple(device_id for device in container.devices if _is_gpu(device.resource_name)
-                            for device_id in device.device_ids)
+            devices = tuple(dict.fromkeys(gpu_uuid(device_id) for device in container.devices
+                                          if _is_gpu(device.resource_name) for device_id in device.device_ids))
             if devices:
                 found.append(PodContainer(pod.namespace, pod.name, container.name, devices))
     return found
@@ -131,25 +145,66 @@ class PodResourcesClient:
         self._channel.close()
 
 
-def visible_devices(pid: int, procfs: str = "/proc") -> tuple[str, ...] | None:
-    """The device ids in the process's NVIDIA_VISIBLE_DEVICES; None when its environment cannot be read
-    (another user's process without CAP_SYS_PTRACE) or does not say."""
+@dataclass(frozen=True)
+class ProcessView:
+    """What a process's environment says of its container: the GPUs the device plugin gave it
+    (NVIDIA_VISIBLE_DEVICES) and its pod's hostname (HOSTNAME, which the container runtime sets; "" if unset)."""
+
+    devices: tuple[str, ...]
+    hostname: str = ""
+
+
+def process_view(pid: int, procfs: str = "/proc") -> ProcessView | None:
+    """The process's `ProcessView`; None when its environment cannot be read (another user's process without
+    CAP_SYS_PTRACE) or has no NVIDIA_VISIBLE_DEVICES."""
     try:
         with open(f"{procfs}/{pid}/environ", "rb") as environ:
             entries = environ.read().split(b"\0")
     except OSError as exc:
         log.debug("environment of process %d unreadable: %s", pid, exc)
         return None
-    for entry in entries:
-        if entry.startswith(VISIBLE_DEVICES):
-            return tuple(part.strip() for part in entry[len(VISIBLE_DEVICES):].decode(errors="replace").split(","))
-    return None
+    values = {name: entry[len(name):].decode(errors="replace") for entry in entries
+              for name in (VISIBLE_DEVICES, HOSTNAME) if entry.startswith(name)}
+    if VISIBLE_DEVICES not in values:
+        return None
+    devices = tuple(gpu_uuid(part.strip()) for part in values[VISIBLE_DEVICES].split(","))
+    return ProcessView(devices, values.get(HOSTNAME, ""))
 
 
-def _container_seeing(devices: Iterable[str], containers: Sequence[PodContainer]) -> PodContainer | None:
-    """The container given any of `devices` (a process's NVIDIA_VISIBLE_DEVICES)."""
-    seen = set(devices)
-    return next((container for container in containers if seen & set(container.devices)), None)
+def pod_hostname(pod: str) -> str:
+    """The hostname the kubelet gives a pod without `spec.hostname`: its name, cut to 63 characters and the
+    cut's trailing '-' and '.' dropped."""
+    return pod if len(pod) <= HOSTNAME_MAX else pod[:HOSTNAME_MAX].rstrip("-.")
+
+
+def _named(hostname: str, pod: str) -> bool:
+    """Whether a process with this HOSTNAME runs in `pod` (setHostnameAsFQDN: the pod's hostname, a dot, more)."""
+    expected = pod_hostname(pod)
+    return hostname == expected or hostname.startswith(f"{expected}.")
+
+
+def _container_seeing(view: ProcessView | None, containers: Sequence[PodContainer]) -> PodContainer | None:
+    """The container given the GPUs a process sees. Several containers hold one GPU when it is shared
+    (time-slicing, MPS): then the process's HOSTNAME must name exactly one of their pods, else no container,
+    because the devices alone cannot tell the pods apart and another pod's labels would be wrong ones. Two
+    containers of one pod sharing a GPU stay unresolved too (one hostname)."""
+    if view is None:
+        return None
+    seen = set(view.devices)
+    holding = [container for container in containers if seen & set(container.devices)]
+    if len(holding) > 1:
+        holding = [container for container in holding if _named(view.hostname, container.pod)]
+    return holding[0] if len(holding) == 1 else None
+
+
+def _sole_holders(containers: Iterable[PodContainer]) -> dict[str, PodLabels]:
+    """Each GPU's labels where one container holds it. A shared GPU carries no pod on its series: any one of
+    its pods would be a guess, and which one would follow the kubelet's listing order from call to call."""
+    holders: dict[str, set[PodLabels]] = {}
+    for container in containers:
+        for device in container.devices:
+            holders.setdefault(device, set()).add(container.labels)
+    return {device: next(iter(labels)) for device, labels in holders.items() if len(labels) == 1}
 
 
 class PodAttribution:
@@ -166,13 +221,13 @@ class PodAttribution:
         self._gpus: Mapping[str, PodLabels] = MappingProxyType({})
         self._ranks: Mapping[tuple[str, str], PodLabels] = MappingProxyType({})
         self._version = 0
-        self._devices: dict[int, tuple[str, ...] | None] = {}  # process collector's pid -> its visible devices
+        self._views: dict[int, ProcessView | None] = {}  # process collector's pid -> what its environment says
         self._devices_lock = threading.Lock()
 
     def update(self, containers: Sequence[PodContainer], ranks: Mapping[tuple[str, str], PodLabels]) -> None:
         """The pods collector's cycle: the containers listed and each registered (run, rank)'s labels."""
         self._containers = tuple(containers)
-        self._gpus = MappingProxyType({device: c.labels for c in containers for device in c.devices})
+        self._gpus = MappingProxyType(_sole_holders(containers))
         if ranks != self._ranks:
             self._ranks = MappingProxyType(dict(ranks))
             self._version += 1
@@ -190,15 +245,14 @@ class PodAttribution:
         return self._ranks
 
     def processes(self, pids: Iterable[int]) -> dict[int, PodLabels]:
-        """The labels of each pid (as this exporter sees it) from its NVIDIA_VISIBLE_DEVICES, read once per
-        pid while the process collector keeps asking for it."""
+        """The labels of each pid (as this exporter sees it) from its environment (`_container_seeing`), read
+        once per pid while the process collector keeps asking for it."""
         containers, found = self._containers, {}
         with self._devices_lock:
-            devices = {pid: self._devices[pid] if pid in self._devices else visible_devices(pid, self._procfs)
-                       for pid in pids}
-            self._devices = devices
-        for pid, visible in devices.items():
-            container = _container_seeing(visible or (), containers)
+            views = {pid: self._views[pid] if pid in self._views else process_view(pid, self._procfs) for pid in pids}
+            self._views = views
+        for pid, view in views.items():
+            container = _container_seeing(view, containers)
             found[pid] = container.labels if container else NO_POD
         return found
 
@@ -231,8 +285,8 @@ class PodCollector:
         self._procfs = procfs
         self._resolver = PidResolver(procfs)
         self.attribution = attribution if attribution is not None else PodAttribution(procfs)
-        # NVIDIA_VISIBLE_DEVICES of each registered process, read once: (reported pid, start time) -> ids
-        self._devices: dict[tuple, tuple[str, ...] | None] = {}
+        # the environment of each registered process, read once: (reported pid, start time) -> what it says
+        self._views: dict[tuple, ProcessView | None] = {}
 
     def prime(self) -> None:
         """One List before the collectors start, so their first cycle already carries the labels; a kubelet
@@ -278,11 +332,11 @@ class PodCollector:
         found = self._resolver.resolve((p.pid, p.start_time) for p in registered)
         live = [(found[p.pid, p.start_time], p.run, p.rank, (p.pid, p.start_time))
                 for p in registered if (p.pid, p.start_time) in found]
-        self._devices = {key: self._devices[key] for *_, key in live if key in self._devices}
+        self._views = {key: self._views[key] for *_, key in live if key in self._views}
         return live
 
     def _container_of(self, pid: int, key: tuple, containers: list[PodContainer]) -> PodContainer | None:
         """The container given the GPUs the process sees; None off Kubernetes or where it cannot be told."""
-        if key not in self._devices:
-            self._devices[key] = visible_devices(pid, self._procfs)
-        return _container_seeing(self._devices[key] or (), containers)
+        if key not in self._views:
+            self._views[key] = process_view(pid, self._procfs)
+        return _container_seeing(self._views[key], containers)
