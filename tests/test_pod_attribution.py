@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES, families, recordings
+from stepscope.exporter.collectors import pods as pod_attribution
 from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
 from stepscope.exporter.exposition import render
 from stepscope.exporter.registered import RegisteredProcess
@@ -266,3 +267,37 @@ def test_time_sliced_gpus_are_attributed_by_uuid(tmp_path: Path) -> None:
     finally:
         stop(processes.values())
 
+
+def _answer(collector: PodCollector) -> list | None:
+    """A cycle's families, None while List fails (for _wait)."""
+    try:
+        return list(collector.collect())
+    except ConnectionError:
+        return None
+
+
+def test_labels_outlive_a_kubelet_hiccup_and_not_a_kubelet_gone(tmp_path: Path) -> None:
+    """Before, the first failed List dropped gpu_pod_info while the GPU series kept their pod for as long as the
+    kubelet stayed away. Now the last answer stands for STALE_AFTER_FAILED_LISTS - 1 failed cycles (counted as
+    errors), then the attribution is cleared with it; the kubelet back, the labels are back."""
+    socket = tmp_path / "kubelet.sock"
+    processes = {"0": _sleeper("a", SHARED)}
+    try:
+        with serving(socket, [_pod("a", SHARED)]):
+            collector = PodCollector(PodResourcesClient(str(socket)), registered=lambda: _registered(processes))
+            answered = render(collector.collect())
+        for _ in range(pod_attribution.STALE_AFTER_FAILED_LISTS - 1):  # a hiccup: nothing changes, each an error
+            assert render(collector.collect()) == answered and "UNAVAILABLE" in collector.failed_reading
+            assert collector.attribution.gpu(SHARED) == ("ml", "a", "train")
+            assert collector.attribution.rank("shared", "0") == ("ml", "a", "train")
+        with pytest.raises(ConnectionError, match="UNAVAILABLE"):
+            collector.collect()
+        assert collector.attribution.gpu(SHARED) == ("", "", "")  # as gpu_pod_info: gone
+        assert collector.attribution.rank("shared", "0") == ("", "", "")
+        assert collector.attribution.processes([processes["0"].pid]) == {processes["0"].pid: ("", "", "")}
+        with serving(socket, [_pod("a", SHARED)]):  # the channel reconnects after its backoff (1 s, growing)
+            assert render(_wait(lambda: _answer(collector))) == answered and collector.failed_reading == ""
+        assert collector.attribution.gpu(SHARED) == ("ml", "a", "train")
+        collector.close()
+    finally:
+        stop(processes.values())

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 LIST_METHOD = "/v1.PodResourcesLister/List"
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_TIMEOUT_SECONDS = 2.0
+STALE_AFTER_FAILED_LISTS = 3  # the cycle of this many failed List calls in a row clears the last answer
 VISIBLE_DEVICES = b"NVIDIA_VISIBLE_DEVICES="
 HOSTNAME = b"HOSTNAME="
 REPLICA_SEPARATOR = "::"  # time-slicing's device ids: <uuid>::<replica>
@@ -274,7 +275,14 @@ class PodAttribution:
 
 class PodCollector:
     """Publishes stepscope_gpu_pod_info and stepscope_process_pod_info from one List call per cycle, and
-    hands the answer to the `PodAttribution` the other collectors label their series with."""
+    hands the answer to the `PodAttribution` the other collectors label their series with.
+
+    A failed List keeps the last answer for STALE_AFTER_FAILED_LISTS - 1 cycles in a row (10 s at the
+    default 5 s interval), its families published again and each such cycle counted as an error
+    (`failed_reading`): a kubelet restart or a slow answer does not end and restart every labelled series.
+    The next failure in a row clears the attribution and raises, so the GPU, process and pushed series lose
+    their pod with the info families rather than keep a pod the kubelet no longer vouches for.
+    """
 
     name = "pods"
 
@@ -287,6 +295,9 @@ class PodCollector:
         self.attribution = attribution if attribution is not None else PodAttribution(procfs)
         # the environment of each registered process, read once: (reported pid, start time) -> what it says
         self._views: dict[tuple, ProcessView | None] = {}
+        self._last: list[Metric] = []  # the families of the last answer; [] before one and once cleared
+        self._failed_lists = 0  # in a row
+        self.failed_reading = ""  # the scheduler counts a cycle that kept the last answer as an error
 
     def prime(self) -> None:
         """One List before the collectors start, so their first cycle already carries the labels; a kubelet
@@ -297,7 +308,32 @@ class PodCollector:
             log.debug("first PodResources List failed: %s", exc)
 
     def collect(self) -> Iterable[Metric]:
-        containers = self._client.containers()
+        try:
+            containers = self._client.containers()
+        except ConnectionError as exc:
+            return self._without_answer(exc)
+        if self._failed_lists:
+            log.info("PodResources List answers again")
+        self._failed_lists, self.failed_reading = 0, ""
+        self._last = self._answered(containers)
+        return self._last
+
+    def _without_answer(self, exc: ConnectionError) -> list[Metric]:
+        """The last answer's families while fewer than STALE_AFTER_FAILED_LISTS List calls in a row failed;
+        then, or with no answer yet, the attribution cleared and `exc` raised."""
+        self._failed_lists += 1
+        if not self._last or self._failed_lists >= STALE_AFTER_FAILED_LISTS:
+            self._last = []
+            self.attribution.update([], {})
+            raise exc
+        if self._failed_lists == 1:
+            log.warning("%s; keeping the pod labels of the last answer for %d more failed cycles", exc,
+                        STALE_AFTER_FAILED_LISTS - 2)
+        self.failed_reading = str(exc)
+        return self._last
+
+    def _answered(self, containers: list[PodContainer]) -> list[Metric]:
+        """The info families of a List answer, handed to the attribution with the ranks' labels."""
         gpus = GaugeMetricFamily(families.GPU_POD_INFO, "The pod container the kubelet gave the GPU to.",
                                  labels=["uuid", *families.POD])
         for container in containers:
