@@ -86,9 +86,12 @@ def test_cpu_modes_and_counts(tmp_path: Path) -> None:
 
 
 def test_filesystem_paths_and_missing_path_logged_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A missing path (a typo, a volume not mounted yet) is logged once and, at every cycle it stays missing, a
+    reading left out that the scheduler counts: before, it was counted nowhere."""
     missing = str(tmp_path / "not-there")
+    monkeypatch.setattr(node, "FILESYSTEM_EVERY_SECONDS", 0.0)  # the paths at every cycle
     collector = NodeCollector([str(tmp_path), missing])
     with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
         collected(collector)
@@ -96,6 +99,10 @@ def test_filesystem_paths_and_missing_path_logged_once(
     assert [r.getMessage() for r in caplog.records if "not-there" in r.getMessage()] == [
         f"filesystem path {missing!r} skipped: No such file or directory"
     ]
+    assert collector.failed_reading == f"filesystem path {missing!r} is missing"
+    os.mkdir(missing)
+    assert len(collected(collector)["stepscope_node_filesystem_size_bytes"]) == 2
+    assert collector.failed_reading == ""
     (size,) = by_name["stepscope_node_filesystem_size_bytes"]
     expected_mount = os.path.realpath(tmp_path)
     while not os.path.ismount(expected_mount):
@@ -125,7 +132,7 @@ def test_a_hung_filesystem_path_is_skipped_and_the_cpu_and_memory_readings_go_on
     monkeypatch.setattr(node.psutil, "disk_usage", blocking_on_hung)
     monkeypatch.setattr(node, "FILESYSTEM_EVERY_SECONDS", 0.0)  # the paths at every cycle
     collector = NodeCollector([str(tmp_path), hung])
-    seconds, paths, cpu = [], [], []
+    seconds, paths, cpu, failed = [], [], [], []
     with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.node"):
         for _ in range(3):
             began = time.monotonic()
@@ -133,10 +140,13 @@ def test_a_hung_filesystem_path_is_skipped_and_the_cpu_and_memory_readings_go_on
             seconds.append(time.monotonic() - began)
             paths.append({sample.labels["path"] for sample in by_name["stepscope_node_filesystem_size_bytes"]})
             cpu.append(sum(sample.value for sample in by_name["stepscope_node_cpu_seconds_total"]))
+            failed.append(collector.failed_reading)
             time.sleep(0.1)
         answered.set()
         time.sleep(0.1)  # the blocked read returns
         paths.append({sample.labels["path"] for sample in collected(collector)["stepscope_node_filesystem_size_bytes"]})
+        failed.append(collector.failed_reading)
+    assert failed == [f"filesystem path {hung!r} does not answer (a hung mount?)"] * 3 + [""]  # counted, each cycle
     assert node.FILESYSTEM_READ_SECONDS <= seconds[0] < node.FILESYSTEM_READ_SECONDS + 0.5, seconds
     assert max(seconds[1:]) < 0.5, seconds  # not waited for again
     assert paths == [{str(tmp_path)}] * 3 + [{str(tmp_path), hung}]

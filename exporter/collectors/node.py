@@ -80,7 +80,7 @@ class NodeCollector:
         self._hostname = node_hostname(self._rootfs)
         self._net_dev = net_dev
         # What the last cycle left out ("" when nothing): the scheduler counts such a cycle as an error.
-        self.failed_reading = ""
+        self._network_failure = ""  # why the network readings are left out ("" when they are not)
         self._netdev_exclude = re.compile(netdev_exclude) if netdev_exclude else None
         self._missing_paths: set[str] = set()
         self._mountpoints: dict[str, tuple[int, str]] = {}  # path -> (its device, its mount point on the node)
@@ -89,6 +89,16 @@ class NodeCollector:
         self._mounts_read = float("-inf")
         self._paths_read = float("-inf")
         self._path_values: dict[str, PathReading] = {}  # the last _read_paths()
+
+    @property
+    def failed_reading(self) -> str:
+        """What the last cycle left out, for the scheduler to count (stepscope_exporter_collector_errors_total): the
+        network readings PID 1's net/dev did not give, a --filesystem-paths path that is missing (a typo, an
+        unmounted volume) or whose read hangs. Before, a missing path was one log line at start and counted
+        nowhere: StepscopeExporterCollectionFailing never said that a dataset's free space went unwatched."""
+        paths = [f"filesystem path {path!r} does not answer (a hung mount?)" for path in sorted(self._hung)]
+        paths += [f"filesystem path {path!r} is missing" for path in sorted(self._missing_paths)]
+        return "; ".join([reason for reason in (self._network_failure, *paths) if reason])
 
     def collect(self) -> Iterable[Metric]:
         yield from self._cpu()
@@ -171,17 +181,17 @@ class NodeCollector:
         try:
             counters = read_net_dev(net_dev)
         except OSError as exc:
-            if not self.failed_reading:
+            if not self._network_failure:
                 log.warning("cannot read %s (--collector.node.host-network): %s; publishing no network readings "
                             "(this container's own are not the node's) until it can. Let the exporter read PID 1's "
                             "/proc (SELinux: run it as spc_t, e.g. the pod's securityContext.seLinuxOptions.type), or "
                             "run it in the node's network namespace (hostNetwork, compose's network_mode: host) with "
                             "--no-collector.node.host-network", net_dev, exc.strerror or exc)
-            self.failed_reading = f"network readings: cannot read {net_dev}: {exc.strerror or exc}"
+            self._network_failure = f"network readings: cannot read {net_dev}: {exc.strerror or exc}"
             return {}
-        if self.failed_reading:
+        if self._network_failure:
             log.warning("%s reads again: network readings are back", net_dev)
-            self.failed_reading = ""
+            self._network_failure = ""
         return counters
 
     def _filesystems(self) -> Iterable[Metric]:
