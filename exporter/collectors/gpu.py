@@ -4,8 +4,10 @@ Every NVML call runs off the scrape path: the fast getters (1-15 µs each on an 
 the collector's timer thread, the slow ones (energy, violation time, and PCIe throughput where GPM
 cannot give it) on their own thread every 10 s (`gpu_slow`), XIDs on an event thread. Each field is
 read on its own, so an unsupported query drops one family of one GPU; a GPU that stops answering
-drops to `stepscope_gpu_up 0` while the others keep reporting. Without a driver the collector
-publishes `stepscope_gpu_collector_up 0`, logs that once and retries now and then.
+drops to `stepscope_gpu_up 0` while the others keep reporting; a query failing otherwise than unsupported is
+a failed reading (`failed_reading`, warned once). Without a driver, or with one listing no GPU, the collector
+publishes `stepscope_gpu_collector_up 0`, logs that once and retries now and then; GPUs listed after start,
+or answering only after it, are picked up (XIDs included).
 """
 
 import contextlib
