@@ -135,6 +135,11 @@ RUN_MFU = "run:stepscope_mfu:ratio_rate1m"
 # Seconds since each rank's last push while it has not closed (StepscopeRankLost's test): its last value tells
 # the alert whether a rank that left the scrape (a failed scrape, an exporter restart) was lost when last seen
 RANK_SINCE_LAST_PUSH = "run_rank:stepscope_training_since_last_push:seconds"
+# The runs StepscopeTrainingStalled and StepscopeFirstStepStalled page (their value: the seconds), as one shard
+# sees them: the run's warnings and hints stop while its stall pages, in the rules rather than through an
+# Alertmanager inhibition, whose muted alerts' `resolved` is never sent (prometheus/alertmanager#2754)
+SHARD_RUN_STALLED = "shard_run:stepscope_training_stalled:seconds"
+SHARD_RUN_FIRST_STEP_STALLED = "shard_run:stepscope_first_step_stalled:seconds"
 
 # Where the GPU-hours go (docs/goodput.md). Seconds per second by cause (label `cause`: stepscope.contract.goodput)
 # per rank and per run, each cause's share of the run's and the goodput (the productive share); a rank's stall

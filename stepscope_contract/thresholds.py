@@ -19,6 +19,8 @@ from stepscope.contract.recordings import (
     RUN_GPU_UTILIZATION_TRAINED,
     RUN_LIMITS_VERDICT,
     RUN_VERDICT,
+    SHARD_RUN_FIRST_STEP_STALLED,
+    SHARD_RUN_STALLED,
 )
 
 
@@ -71,11 +73,11 @@ THRESHOLDS: Mapping[str, Threshold] = {
         (RUN_GPU_TRAINING_READINGS,)),
     "stall_seconds": Threshold(
         60, "seconds without a step after which a run whose ranks are all in state train has stalled (or "
-        "stall_step_multiple x its recent step time, if longer)", ("StepscopeTrainingStalled",)),
+        "stall_step_multiple x its recent step time, if longer)", (SHARD_RUN_STALLED,)),
     "stall_step_multiple": Threshold(
         5, "a run stalls after this many times the slowest recent minute's mean step time without a step, or "
         "this many times its process's mean step time so far (a warm-up: a long first step), if longer than "
-        "stall_seconds", ("StepscopeTrainingStalled",)),
+        "stall_seconds", (SHARD_RUN_STALLED,)),
     # A first step holds a warm-up no later step has: torch.compile (83 s here for a small model on the CPU;
     # minutes for a large one), cuDNN benchmarking, the DataLoader's workers starting. A first collective that
     # hangs under NCCL is ended by PyTorch's watchdog after the process group's timeout (default_pg_nccl_timeout,
@@ -88,10 +90,10 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "one; cuDNN benchmarking; DataLoader workers starting) and than NCCL's default collective timeout "
         "(10 min in torch 2.11.0+cu130), after which PyTorch's watchdog ends a hung first collective and "
         "StepscopeRankLost pages the rank instead",
-        ("StepscopeFirstStepStalled", RANK_STALLED_SECONDS)),
+        (SHARD_RUN_FIRST_STEP_STALLED, RANK_STALLED_SECONDS)),
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
-        ("StepscopeRankLost", "StepscopeTrainingStalled", "StepscopeFirstStepStalled", "StepscopeDataLoadingBottleneck",
+        ("StepscopeRankLost", SHARD_RUN_STALLED, SHARD_RUN_FIRST_STEP_STALLED, "StepscopeDataLoadingBottleneck",
          "StepscopeLoaderBelowCompute", "StepscopeStragglerRank")),
     "rank_lost_kept_seconds": Threshold(
         600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "

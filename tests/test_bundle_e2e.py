@@ -69,6 +69,9 @@ EMPTY_BY_DESIGN |= {("stepscope-training.json", "Energy per token"): STATED_ONLY
 BREAKS = "no run validates or checkpoints here: grafana/rules/tests/pauses.yml, tests/test_pauses_victoriametrics.py"
 RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordings.GPU_HELD_IDLE: HELD_IDLE,
                           recordings.RANK_STALLED_SECONDS: "no run stalls here: grafana/rules/tests/goodput.yml",
+                          recordings.SHARD_RUN_STALLED: "no run stalls here: grafana/rules/tests/stall_mutes.yml",
+                          recordings.SHARD_RUN_FIRST_STEP_STALLED: "no run hangs in its first step here: "
+                                                                  "grafana/rules/tests/first_step.yml",
                           recordings.RUN_BREAK_RANKS: BREAKS}
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,

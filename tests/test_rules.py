@@ -154,7 +154,7 @@ def test_every_instant_read_of_a_target_is_held_through_a_scrape_gap() -> None:
                     unheld.append(f"{name}: {sorted(set(reads))}")
     assert not unheld, "instant reads without held(...):\n" + "\n".join(unheld)
     held_rules = {rule.get("record") or rule["alert"] for rule in rules() if "last_over_time(" in rule["expr"]}
-    assert {"StepscopeGpuUnderutilized", "StepscopeTrainingStalled", recordings.RUN_TRAINING_RANKS} <= held_rules
+    assert {"StepscopeGpuUnderutilized", recordings.SHARD_RUN_STALLED, recordings.RUN_TRAINING_RANKS} <= held_rules
 
 
 def test_held_expands_a_selector_and_its_offset_and_refuses_anything_else() -> None:

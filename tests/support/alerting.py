@@ -28,6 +28,7 @@ import yaml
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import THRESHOLDS
+from stepscope.contract.recordings import SHARD_RUN_STALLED
 from stepscope_testkit.fake_nvml.scenario import write_scenario
 from stepscope_testkit.loopback import LoopbackServer, serving
 from stepscope_testkit.processes import REPO_ROOT, free_port, running, running_exporter
@@ -188,7 +189,7 @@ def shorter_for(tmp: Path) -> list[Path]:
             for rule in group["rules"]:
                 if "for" in rule:
                     rule["for"] = f"{seconds(rule['for']) // 60}s"
-                if rule.get("alert") == "StepscopeTrainingStalled":
+                if rule.get("record") == SHARD_RUN_STALLED:  # StepscopeTrainingStalled's expression
                     shipped = rule["expr"]
                     clamp = re.compile(rf",\s*{STALL_SECONDS}\)")  # clamp_min's floor, on its own line or not
                     floor = f"{STALL_SECONDS} + 0 *"

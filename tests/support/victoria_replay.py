@@ -142,16 +142,38 @@ def replay(url: str, rule_file: Path, start: int, end: int, interval: int) -> No
     force_flush(url)
 
 
+ALERTS_SELECTOR = re.compile(r"ALERTS\{[^}]*\}")
+
+
 def replay_history(url: str, rules: Sequence[Rule], start: int, evaluations: int, interval: int, tmp: Path) -> None:
     """Evaluate `rules` at `evaluations` times `interval` seconds apart from `start`: the recordings an
-    evaluation at a time, then the alerts (without annotations) over the whole range."""
+    evaluation at a time, then the alerts (without annotations) over the whole range, causes before the alerts
+    they mute (`_by_causes`)."""
     tmp.mkdir(parents=True, exist_ok=True)
     records = _write_rules(tmp / "recordings.yml", [rule for rule in rules if "record" in rule.rule])
     for at in range(start, start + evaluations * interval, interval):
         replay(url, records, at, at + 1, interval)
     alerts = [Rule(rule.group, {k: v for k, v in rule.rule.items() if k != "annotations"})
               for rule in rules if "alert" in rule.rule]
-    replay(url, _write_rules(tmp / "alerts.yml", alerts), start, start + (evaluations - 1) * interval, interval)
+    for layer, batch in enumerate(_by_causes(alerts)):
+        replay(url, _write_rules(tmp / f"alerts-{layer}.yml", batch), start, start + (evaluations - 1) * interval,
+               interval)
+
+
+def _by_causes(alerts: Sequence[Rule]) -> list[list[Rule]]:
+    """`alerts` in layers, each replayed after the ones before: an alert its cause mutes in the rules reads the
+    cause's ALERTS series (StepscopeGpuUnderutilized those of StepscopeDataLoadingBottleneck, which reads those of
+    StepscopeLoaderBelowCompute), which one replay over the whole range writes only for the alerts before it."""
+    causes = {rule.rule["alert"]: set(re.findall(r"Stepscope\w+", " ".join(ALERTS_SELECTOR.findall(rule.rule["expr"]))))
+              for rule in alerts}
+    layers: list[list[Rule]] = []
+    done: set[str] = set()
+    while len(done) < len(alerts):
+        ready = [rule for rule in alerts if rule.rule["alert"] not in done and causes[rule.rule["alert"]] <= done]
+        assert ready, f"alerts muting each other: {sorted(set(causes) - done)}"
+        layers.append(ready)
+        done |= {rule.rule["alert"] for rule in ready}
+    return layers
 
 
 def samples(url: str, match: str, start: int, end: int) -> Samples:
