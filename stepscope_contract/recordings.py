@@ -139,6 +139,10 @@ RANK_SINCE_LAST_PUSH = "run_rank:stepscope_training_since_last_push:seconds"
 # sees them: the run's warnings and hints stop while its stall pages, in the rules rather than through an
 # Alertmanager inhibition, whose muted alerts' `resolved` is never sent (prometheus/alertmanager#2754)
 SHARD_RUN_STALLED = "shard_run:stepscope_training_stalled:seconds"
+# How many nodes push each run and rank while it is not idle nor lost: more than one is two jobs under one run
+# name (the default is the script's name: `train` on every node that runs `python train.py`), whose steps,
+# verdict and straggler scores the run rules mix into one run (StepscopeRunNameClash)
+RANK_PUSHING_NODES = "run_rank:stepscope_pushing_nodes:count"
 SHARD_RUN_FIRST_STEP_STALLED = "shard_run:stepscope_first_step_stalled:seconds"
 
 # Where the GPU-hours go (docs/goodput.md). Seconds per second by cause (label `cause`: stepscope.contract.goodput)
