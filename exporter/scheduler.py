@@ -1,14 +1,14 @@
 """Runs every collector on its own timer thread and publishes rendered results.
 
-One thread per collector: a wedged NVML call stalls the GPU families only, and scrapes keep
-serving the last good snapshot of everything else. Not of the wedged collector's own: a cycle under
-way for STALE_CYCLES intervals has its families left out of /metrics until it returns (a watchdog
-thread checks once an interval), where before a GPU whose NVML call hung stayed `gpu_up 1` at 98% busy
-and 61 °C for as long as the call did, while it read 0% and 95 °C. Each source re-renders only the families that
-changed since its last cycle and is published only when its text changed, so an idle node costs
-little more than the readings themselves. The self metrics (collector durations, errors, last
-success) change every cycle of every collector but are rendered only when a scrape after a cycle asks
-for them; the exporter's CPU by part is read once an interval, on a collector's thread.
+One thread per collector: a wedged NVML call stalls the GPU families only, and scrapes keep serving the last good
+snapshot of everything else. Not of the wedged collector's own: a cycle under way for STALE_CYCLES intervals (at
+least MIN_STALE_SECONDS) has its families left out of /metrics until it returns (a watchdog thread checks once an
+interval), where before a GPU whose NVML call hung stayed `gpu_up 1` at 98% busy and 61 °C for as long as the
+call did, while it read 0% and 95 °C. Each source re-renders only the families that changed since its last cycle
+and is published only when its text changed, so an idle node costs little more than the readings themselves. The
+self metrics (collector durations, errors, last success) change every cycle of every collector but are rendered
+only when a scrape after a cycle asks for them; the exporter's CPU by part is read once an interval, on a
+collector's thread.
 """
 
 import logging
@@ -28,6 +28,9 @@ from stepscope.exporter.thread_cpu import CpuByPart, collector_thread_name
 
 log = logging.getLogger(__name__)
 STALE_CYCLES = 3  # as the GPU's slow readings, which go absent when older than three of their intervals
+# ... and at least this long: at a short --collect-interval (1 s) a first cycle that walks a big node's process
+# table, or a kubelet List, may take seconds and is no hung call; left out, its series would gap at each one
+MIN_STALE_SECONDS = 10.0
 
 
 @dataclass
@@ -165,9 +168,10 @@ class Scheduler:
             self.run_once(collector)
 
     def _watch(self) -> None:
-        """Once an interval: leaves out of /metrics the families of a collector whose cycle has been under way
-        for STALE_CYCLES intervals (a hung NVML call, a read of a hung mount), so that a stuck reading is absent,
-        not served as current; counts it as a failed cycle and logs it once. The cycle's end publishes again."""
+        """Once an interval: leaves out of /metrics the families of a collector whose cycle has been under way for
+        STALE_CYCLES intervals, MIN_STALE_SECONDS at least (a hung NVML call, a read of a hung mount), so
+        that a stuck reading is absent, not served as current; counts it as a failed cycle and logs it once.
+        The cycle's end publishes again."""
         while not self._stop.wait(self._interval):
             with self._publish_lock:
                 for name, running in self._overdue():
@@ -176,14 +180,14 @@ class Scheduler:
                                 "out of /metrics until it returns", name, running)
 
     def _overdue(self) -> list[tuple[str, float]]:
-        """The collectors whose cycle has now run for STALE_CYCLES intervals, with its seconds; each marked left
-        out and counted as a failed cycle, once."""
+        """The collectors whose cycle has now run for STALE_CYCLES intervals (at least MIN_STALE_SECONDS), with its
+        seconds; each marked left out and counted as a failed cycle, once."""
         overdue = []
         now = time.monotonic()
         with self._stats_lock:
             for name, stats in self._stats.items():
                 running = now - stats.cycle_started if stats.cycle_started is not None else 0.0
-                if running >= STALE_CYCLES * self._interval and not stats.left_out:
+                if running >= max(STALE_CYCLES * self._interval, MIN_STALE_SECONDS) and not stats.left_out:
                     stats.left_out = True
                     stats.errors += 1
                     self._stats_version += 1
@@ -203,7 +207,7 @@ class Scheduler:
         duration = GaugeMetricFamily(
             families.COLLECTOR_DURATION,
             "Wall time of the collector's last cycle, or of the cycle under way once its families are left out "
-            "(it has run for three intervals: a hung call).",
+            "(it has run for three intervals, 10 s at least: a hung call).",
             labels=["collector"],
         )
         errors = CounterMetricFamily(

@@ -231,15 +231,16 @@ _PROCESSES = (
 )
 _SELF = (
     Family(COLLECTOR_DURATION, "gauge", ("collector",),
-           "last cycle's wall time, or the cycle under way once it has run for three intervals (a hung call: the "
-           "collector's families are then left out of `/metrics` until it returns)"),
+           "last cycle's wall time, or the cycle under way once it has run for three intervals, 10 s at least (a "
+           "hung call: the collector's families are then left out of `/metrics` until it returns)"),
     Family(COLLECTOR_ERRORS, "counter", ("collector",),
-           "failed cycles, a cycle left out for running three intervals, and cycles that left a reading out "
-           "(`node`: the network counters of `--collector.node.host-network` where PID 1's `/proc/1/net/dev` cannot "
-           "be read, a `--filesystem-paths` path that is missing or whose read hangs; `gpu`: an NVML query failing "
-           "with an error other than NotSupported/FunctionNotFound, e.g. Timeout, Unknown, Uninitialized, while a "
-           "lost GPU is `stepscope_gpu_up 0`, not counted here; `pods`: a kubelet List that failed while its last "
-           "answer is kept); the log says which, once at WARNING until the reading is back"),
+           "failed cycles, a cycle left out for running three intervals (10 s at least), and cycles that left a "
+           "reading out (`node`: the network counters of `--collector.node.host-network` where PID 1's "
+           "`/proc/1/net/dev` cannot be read, a `--filesystem-paths` path that is missing or whose read hangs; "
+           "`gpu`: an NVML query failing with an error other than NotSupported/FunctionNotFound, e.g. Timeout, "
+           "Unknown, Uninitialized, while a lost GPU is `stepscope_gpu_up 0`, not counted here; `pods`: a "
+           "kubelet List that failed while its last answer is kept); the log says which, once at WARNING until "
+           "the reading is back"),
     Family(COLLECTOR_LAST_SUCCESS, "gauge", ("collector",), "last good cycle"),
     Family(EXPORTER_CPU, "counter", ("part",),
            "the exporter's CPU time by part (Linux), read once a collect interval: `node`, `gpu`, `process` "
