@@ -47,7 +47,8 @@ TRANSIENT_UNDETERMINED = 3
 # The alerts that are true of a workload with this verdict while it trains (the `for: 0s` copies).
 TRUE_ALERTS = {
     verdicts.GPU_BOUND: set(),
-    verdicts.DATA_BOUND: {"StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized"},
+    # its GPU waits too, but StepscopeGpuUnderutilized is its cause's: muted in the rules while it fires
+    verdicts.DATA_BOUND: {"StepscopeDataLoadingBottleneck"},
     verdicts.HOST_BOUND: {"StepscopeGpuUnderutilized"},
     verdicts.GPU_BUSY_IDLE: {"StepscopeGpuBusyButIdle"},
 }

@@ -1,7 +1,9 @@
 """End to end: an exporter restart resolves no alert and restarts no `for`, on both engines.
 
-A real exporter (fake NVML) on one node with two runs, each training process pushing every 0.5 s: a
-data-bound one (its GPU at 25%) and a GPU-bound one (its GPU at 98%, SM active 73%), and both engines
+A real exporter (fake NVML) on one node with three runs, each training process pushing every 0.5 s: a
+data-bound one (its GPU at 25%: StepscopeDataLoadingBottleneck, which mutes its GPU's waiting), one whose GPU
+waits at 25% with no loader time (StepscopeGpuUnderutilized) and a GPU-bound one (its GPU at 98%, SM active
+73%), and both engines
 scraping the exporter every second: Prometheus with the shipped rule files, and VictoriaMetrics with
 vmalert evaluating the same files. Each engine also loads the alerts with `for: 0s`
 (tests/support/replay_judge.py), so an alert's condition is visible at once: the copy fires while it
@@ -35,13 +37,13 @@ from tests.support.prometheus import query, running_prometheus_config, wait_for
 from tests.support.replay_judge import alerts_without_for
 from tests.support.victoria import running_victoria, running_vmalert
 
-RUN, HEALTHY, LOST = "databound", "gpubound", "lost"
+RUN, WAITING, HEALTHY, LOST = "databound", "gpuwaits", "gpubound", "lost"
 RANK_LOST = "StepscopeRankLost"
-ALERTS = ("StepscopeDataLoadingBottleneck", "StepscopeGpuUnderutilized")
+ALERTS = {RUN: "StepscopeDataLoadingBottleneck", WAITING: "StepscopeGpuUnderutilized"}  # run -> the alert it gets
 GAP_SECONDS = 3  # three failed scrapes at 1 s
 WATCH_SECONDS = 20  # from the stop: the gap, the restart, the rank's retry, and some steady time after
-LAYOUT = {0: (25, 10, (RUN, 0)), 1: (98, 73, (HEALTHY, 0))}  # GPU 0 waits for the data-bound rank
-TRAINERS = {RUN: (0.06, 0.01), HEALTHY: (0.0, 0.05)}  # run -> (loader, compute) seconds per step
+LAYOUT = {0: (25, 10, (RUN, 0)), 1: (98, 73, (HEALTHY, 0)), 2: (25, 10, (WAITING, 0))}  # GPUs 0 and 2 wait
+TRAINERS = {RUN: (0.06, 0.01), HEALTHY: (0.0, 0.05), WAITING: (0.0, 0.05)}  # run -> (loader, compute) s per step
 # the exporter (a stack of its own, to stop and start again), its port, engine -> (query URL, alerts URL)
 Engines = tuple[ExitStack, int, dict[str, tuple[str, str]]]
 
@@ -60,8 +62,14 @@ def alert_states(url: str, run: str = RUN) -> dict[tuple[str, str], set[str]]:
     return found
 
 
+def watched_states(url: str) -> dict[tuple[str, str], set[str]]:
+    """The states of each watched run's alert (ALERTS), keyed as alert_states keys them."""
+    return {key: since for run, name in ALERTS.items() for key, since in alert_states(url, run).items()
+            if key[0] == name}
+
+
 def firing_and_pending(states: dict[tuple[str, str], set[str]]) -> bool:
-    return all((name, state) in states for name in ALERTS for state in ("firing", "pending"))
+    return all((name, state) in states for name in ALERTS.values() for state in ("firing", "pending"))
 
 
 def active_since(states: dict[tuple[str, str], set[str]], name: str) -> set[str]:
@@ -78,7 +86,7 @@ def lost_in_both_groups(states: dict[tuple[str, str], set[str]]) -> bool:
 
 
 def pending_since(states: dict[tuple[str, str], set[str]]) -> dict[str, set[str]]:
-    return {name: states.get((name, "pending"), set()) for name in ALERTS}
+    return {name: states.get((name, "pending"), set()) for name in ALERTS.values()}
 
 
 @pytest.fixture
@@ -111,7 +119,7 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
     exporter, port, urls = engines
     url = f"http://127.0.0.1:{port}"
     lost = start_trainer(LOST, 0, url, 0.0, 0.05, world=1)
-    trainers = {run: start_trainer(run, 0, url, *pace) for run, pace in TRAINERS.items()}
+    trainers = {run: start_trainer(run, 0, url, *pace, world=1) for run, pace in TRAINERS.items()}
     looks = 0
     missing: dict[tuple[str, str], list[float]] = {}  # (engine, alert) -> seconds after the stop
     unexpected: set[str] = set()  # alerts of the GPU-bound run, and StepscopeRankLost of a live rank
@@ -121,14 +129,15 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
         while time.monotonic() - stopped < seconds:
             looks += 1
             for engine, (_, alerts_url) in urls.items():
-                states = alert_states(alerts_url)
-                for name in ALERTS:
+                states = watched_states(alerts_url)
+                for name in ALERTS.values():
                     if (name, "firing") not in states:
                         missing.setdefault((engine, name), []).append(time.monotonic() - stopped)
                 if (RANK_LOST, "firing") not in alert_states(alerts_url, LOST):
                     missing.setdefault((engine, f"{RANK_LOST} of {LOST}"), []).append(time.monotonic() - stopped)
                 unexpected.update(f"{engine}: {name} {state}" for name, state in alert_states(alerts_url, HEALTHY))
-                unexpected.update(f"{engine}: {RUN} {name} {state}" for name, state in states if name == RANK_LOST)
+                unexpected.update(f"{engine}: {run} {name} {state}" for run in ALERTS
+                                  for name, state in alert_states(alerts_url, run) if name == RANK_LOST)
             time.sleep(0.5)
 
     try:
@@ -139,12 +148,12 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
         pids = {(run, 0): trainer.pid for run, trainer in trainers.items()}
         write_scenario(tmp_path / "gpus.json", gpus_for_runs(LAYOUT, pids))
         for engine, (query_url, alerts_url) in urls.items():
-            assert wait_for(lambda u=alerts_url: firing_and_pending(alert_states(u)), 120, interval=1), \
-                f"{engine}: {alert_states(alerts_url)}"
+            assert wait_for(lambda u=alerts_url: firing_and_pending(watched_states(u)), 120, interval=1), \
+                f"{engine}: {watched_states(alerts_url)}"
             assert wait_for(lambda u=query_url: healthy_run_read(u), 60, interval=1), engine
             assert wait_for(lambda u=alerts_url: lost_in_both_groups(alert_states(u, LOST)), 120, interval=1), \
                 f"{engine}: {alert_states(alerts_url, LOST)}"
-        before = {engine: pending_since(alert_states(alerts_url)) for engine, (_, alerts_url) in urls.items()}
+        before = {engine: pending_since(watched_states(alerts_url)) for engine, (_, alerts_url) in urls.items()}
         lost_since = {engine: active_since(alert_states(alerts_url, LOST), RANK_LOST)
                       for engine, (_, alerts_url) in urls.items()}
 
@@ -165,7 +174,7 @@ def test_an_exporter_restart_resolves_no_alert_and_restarts_no_for(tmp_path: Pat
                                   for (engine, name), seconds in missing.items())
     assert not unexpected, sorted(unexpected)
     for engine, (query_url, alerts_url) in urls.items():
-        assert pending_since(alert_states(alerts_url)) == before[engine], f"{engine}: a `for` started again"
+        assert pending_since(watched_states(alerts_url)) == before[engine], f"{engine}: a `for` started again"
         assert active_since(alert_states(alerts_url, LOST), RANK_LOST) == lost_since[engine], engine
         assert not query(query_url, f'{families.TRAINING_LAST_PUSH}{{run="{LOST}"}}'), f"{engine}: not forgotten"
         assert healthy_run_read(query_url), engine
