@@ -479,6 +479,33 @@ def test_close_frees_gpm_samples_and_shuts_nvml_down(harness: Callable[..., Harn
         h.nvml.nvmlDeviceGetCount()
 
 
+# --- late GPUs, failed readings, transient errors --------------------------------------------------
+
+EVERY_QUERY = ("utilization", "memory", "memory_v2", "temperature_c", "power_usage_mw", "enforced_power_limit_mw",
+               "clocks_mhz", "clocks_event_reasons", "ecc_aggregate", "gpm", "gpm_sample", "processes")
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("lost", [[1], [0, 1, 2]], ids=["one_gpu", "every_gpu"])
+def test_xids_count_on_a_gpu_that_answered_only_after_start(harness: Callable[..., Harness], lost: list[int]) -> None:
+    """Its XIDs were never counted: events were registered at start for the GPUs that answered then (none at
+    all when no GPU did, and then no GPU ever got XIDs)."""
+    scenario = load_scenario("mixed")
+    for index in lost:
+        scenario["gpus"][index]["lost"] = True
+    h = harness(scenario)
+    assert one(h.scrape(), "stepscope_gpu_up", gpu="1") == 0
+    h.rewrite(lambda s: [s["gpus"][index].pop("lost") for index in lost])
+    assert one(h.scrape(), "stepscope_gpu_up", gpu="1", uuid=UUIDS[1]) == 1
+    h.rewrite(lambda s: s["xid_events"].extend([{"gpu": 1, "xid": 79}, {"gpu": 0, "xid": 48}]))
+    text = wait_for(h.scrape, lambda t: len(sample_values(t, "stepscope_gpu_xid_errors_total")) == 2, "both XIDs")
+    assert one(text, "stepscope_gpu_xid_errors_total", gpu="1", uuid=UUIDS[1], xid="79") == 1
+    assert one(text, "stepscope_gpu_xid_errors_total", gpu="0", uuid=UUIDS[0], xid="48") == 1
+
+
 # --- through a real exporter process -------------------------------------------------------------
 
 

@@ -313,6 +313,7 @@ class GpuCollector:
         try:
             if gpu.handle is None:
                 self._identify(gpu)
+                self._watch_xids(gpu)
                 self._refresh_slow()
             samples: list[Sample] = []
             for what, reader in BASIC_READERS:
@@ -348,6 +349,15 @@ class GpuCollector:
             if process.usedGpuMemory is not None:
                 per_gpu = processes.setdefault(process.pid, {})
                 per_gpu[gpu.index] = per_gpu.get(gpu.index, 0) + process.usedGpuMemory
+
+    def _watch_xids(self, gpu: _Gpu) -> None:
+        """Registers a GPU identified after start for XID events (`_init` registers those identified then),
+        starting the watcher when no GPU had one: before, such a GPU's XIDs were never counted."""
+        if self._events is not None:
+            self._events.watch(gpu.index, gpu.uuid, gpu.handle)
+            return
+        assert self._nvml is not None
+        self._events = XidWatcher.start(self._nvml, [(gpu.index, gpu.uuid, gpu.handle)])
 
     def _refresh_slow(self) -> None:
         if self._slow is not None:

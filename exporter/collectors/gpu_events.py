@@ -42,19 +42,28 @@ class XidWatcher:
         except nvml.NVMLError as exc:
             log.warning("NVML event set unavailable (%s): no XID metrics", exc)
             return None
-        registered = []
-        for index, uuid, handle in gpus:
-            try:
-                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
-                registered.append((index, uuid, handle))
-            except nvml.NVMLError as exc:
-                log.warning("GPU %s: XID events unavailable (%s): no XID metrics for it", index, exc)
-        if not registered:
+        watcher = cls(nvml, event_set, [])
+        if not [gpu for gpu in gpus if watcher.watch(*gpu)]:
             nvml.nvmlEventSetFree(event_set)
             return None
-        watcher = cls(nvml, event_set, registered)
         watcher._thread.start()
         return watcher
+
+    def watch(self, index: str, uuid: str, handle: Any) -> bool:
+        """Registers one more GPU on the running set: a GPU that answered only after start (lost then, or
+        listed later) had no XIDs counted before. False (logged) when it does not support XID events."""
+        key = _handle_key(handle)
+        if key in self._by_handle:  # identified again after a failed identification: registered already
+            return True
+        try:
+            self._nvml.nvmlDeviceRegisterEvents(handle, self._nvml.nvmlEventTypeXidCriticalError, self._event_set)
+        except self._nvml.NVMLError as exc:
+            log.warning("GPU %s: XID events unavailable (%s): no XID metrics for it", index, exc)
+            return False
+        with self._lock:  # the event thread reads these maps (single lookups) while this adds to them
+            self._by_handle[key] = (index, uuid)
+            self._by_uuid[uuid] = (index, uuid)
+        return True
 
     def seen(self) -> list[tuple[tuple[str, str, str], int, float]]:
         """[((gpu, uuid, xid), count, last seen unix time)] accumulated since start."""
