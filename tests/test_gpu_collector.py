@@ -385,8 +385,10 @@ def test_gpu_lost_before_start_is_reported_and_picked_up_later(harness: Callable
 def test_driver_error_on_a_basic_query_marks_the_gpu_down(
     harness: Callable[..., Harness], field: str, down: bool
 ) -> None:
+    """Unknown on one basic query for two cycles running: the first may be a transient, the second is not."""
     h = harness()
     h.rewrite(lambda s: s["gpus"][2].setdefault("errors", {}).update({field: "Unknown"}))
+    assert one(h.scrape(), "stepscope_gpu_up", gpu="2") == 1
     text = h.scrape()
     assert one(text, "stepscope_gpu_up", gpu="2") == (0 if down else 1)
     assert one(text, "stepscope_gpu_up", gpu="0") == 1
@@ -506,6 +508,77 @@ def test_xids_count_on_a_gpu_that_answered_only_after_start(harness: Callable[..
     assert one(text, "stepscope_gpu_xid_errors_total", gpu="0", uuid=UUIDS[0], xid="48") == 1
 
 
+@pytest.mark.parametrize("error", ["Timeout", "Uninitialized", "Unknown"])
+def test_a_gpu_refusing_every_query_is_down_counted_and_warned_once(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture, error: str
+) -> None:
+    """Timeout or Uninitialized on every query left gpu_up 1 with no reading and nothing counted or warned."""
+    caplog.set_level(logging.DEBUG, logger="stepscope.exporter.collectors.gpu")
+    h = harness()
+    h.scrape()
+    assert getattr(h.collector, "failed_reading", "") == ""
+    h.rewrite(lambda s: s["gpus"][1].update(errors=dict.fromkeys(EVERY_QUERY, error)))
+    for cycle in range(3):
+        text = h.scrape()
+        assert one(text, "stepscope_gpu_up", gpu="1") == 0, cycle
+        assert names_for_gpu(text, "1") == {"stepscope_gpu_up", "stepscope_gpu_info"}
+        assert one(text, "stepscope_gpu_up", gpu="0") == 1
+        assert "GPU 1" in getattr(h.collector, "failed_reading", "")  # the scheduler counts each such cycle
+        if cycle == 0:
+            first = warnings_of(caplog)
+            assert first and all("GPU 1" in w for w in first), first
+    assert warnings_of(caplog) == first  # once, not every cycle
+    h.rewrite(lambda s: s["gpus"][1].pop("errors"))
+    assert one(h.scrape(), "stepscope_gpu_up", gpu="1") == 1
+    assert getattr(h.collector, "failed_reading", "") == ""
+
+
+def test_nvml_uninitialized_under_the_collector_marks_every_gpu_down(harness: Callable[..., Harness]) -> None:
+    """The probe's driver-reset case: once NVML is shut down under it every call raises Uninitialized."""
+    h = harness()
+    h.scrape()
+    h.nvml.nvmlShutdown()
+    try:
+        text = h.scrape()
+    finally:
+        h.nvml.nvmlInit()
+    assert sample_values(text, "stepscope_gpu_up") == [0, 0, 0]
+    assert getattr(h.collector, "failed_reading", "") != ""
+
+
+def test_a_failing_field_is_counted_and_warned_once_unsupported_is_not(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="stepscope.exporter.collectors.gpu")
+    h = harness()
+    h.rewrite(lambda s: s["gpus"][0].update(errors={"temperature_c": "Timeout"}))
+    for _ in range(3):
+        text = h.scrape()
+        assert one(text, "stepscope_gpu_up", gpu="0") == 1
+        assert sample_values(text, "stepscope_gpu_temperature_celsius", gpu="0") == []
+        assert "temperature" in getattr(h.collector, "failed_reading", "")
+    assert len(warnings_of(caplog)) == 1 and "temperature" in warnings_of(caplog)[0]
+    h.rewrite(lambda s: s["gpus"][0].update(errors={"temperature_c": "NotSupported"}))
+    h.scrape()
+    assert getattr(h.collector, "failed_reading", "") == ""  # a field the GPU does not have is no failure
+
+
+def test_one_transient_unknown_on_utilization_keeps_the_gpu_up_and_its_gpm(harness: Callable[..., Harness]) -> None:
+    """One Unknown flapped gpu_up 1 -> 0 -> 1 and dropped GPM for a cycle; two in a row still mark it down."""
+    h = harness()
+    second_cycle(h)
+    h.rewrite(lambda s: s["gpus"][0].update(errors={"utilization": "Unknown"}))
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_up", gpu="0") == 1
+    assert sample_values(text, "stepscope_gpu_utilization_ratio", gpu="0") == []
+    assert one(text, "stepscope_gpu_memory_total_bytes", gpu="0") == 80 * GIB
+    h.rewrite(lambda s: s["gpus"][0].pop("errors"))
+    time.sleep(0.12)
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_up", gpu="0") == 1
+    assert set(GPM_FAMILIES) <= names_for_gpu(text, "0")  # the GPM pair was kept
+
+
 # --- through a real exporter process -------------------------------------------------------------
 
 
@@ -559,3 +632,16 @@ def test_exporter_without_driver_logs_once_and_keeps_other_collectors(tmp_path: 
     assert one(text, "stepscope_exporter_collector_errors_total", collector="gpu") == 0
     assert log.count("NVML unavailable") == 1, log
     assert sample_values(text, "stepscope_node_cpus") != []
+
+
+def test_exporter_counts_cycles_with_a_gpu_refusing_every_query(tmp_path: Path) -> None:
+    scenario = load_scenario("mixed")
+    scenario["gpus"][2]["errors"] = dict.fromkeys(EVERY_QUERY, "Timeout")
+    path = write_scenario(tmp_path / "nvml.json", scenario)
+    with running_exporter(tmp_path, "--collectors", "gpu", fake_nvml_scenario=path) as exporter:
+        text = wait_for(lambda: scrape(exporter.url), lambda t: one(
+            t, "stepscope_exporter_collector_errors_total", collector="gpu") >= 2, "two counted cycles")
+        log = exporter.log()
+    assert one(text, "stepscope_gpu_up", gpu="2") == 0
+    assert one(text, "stepscope_gpu_up", gpu="0") == 1
+    assert "WARNING" in log and "Timeout" in log

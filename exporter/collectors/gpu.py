@@ -89,9 +89,12 @@ CLOCK_EVENT_REASONS = (
     ("hw_power_brake_slowdown", 0x80),
     ("display_clock_setting", 0x100),
 )
-# errors that mean the GPU itself stopped answering when the basic queries raise them
+# errors that mean the GPU itself stopped answering when a basic query raises them (two cycles running)
 DEVICE_DOWN_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_DriverNotLoaded",
                       "NVMLError_ResetRequired")
+# errors that say the GPU or driver has no such query: the field is left out quietly, no failed reading
+UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
+FAILURES_NAMED = 3  # failed readings `failed_reading` names; the rest are counted
 
 
 def _utilization(nvml: ModuleType, handle: Any) -> Iterable[Sample]:
@@ -160,7 +163,9 @@ class _Gpu:
     gpm: GpmSampler | None = None
     sm_clock_max: list[Sample] = field(default_factory=list)  # read when identified (see _identify)
     up: bool = True
-    failed_fields: set[tuple[str, str]] = field(default_factory=set)
+    down_errors: int = 0  # consecutive cycles a basic query raised a DEVICE_DOWN_ERRORS error
+    unsupported: set[tuple[str, str]] = field(default_factory=set)  # (field, error): logged at DEBUG once
+    failing: dict[str, str] = field(default_factory=dict)  # field -> error name, warned once until it reads
 
 
 class _Output:
@@ -202,9 +207,14 @@ class GpuCollector:
         self._gpus: list[_Gpu] | None = None  # None until NVML initialised
         self._events: XidWatcher | None = None
         self._down_errors: tuple[type[Exception], ...] = ()
+        self._unsupported: tuple[type[Exception], ...] = ()
+        self._failures: list[str] = []  # this cycle's failed readings
+        self.failed_reading = ""  # read by the scheduler after each cycle (collectors.Collector)
 
     def collect(self) -> list[Metric]:
         out = _Output()
+        self._failures = []
+        self.failed_reading = ""
         if self._gpus is None and not self._init():
             out.add(fam.GPU_COLLECTOR_UP, (), 0)
             self._gpu_processes.replace({})
@@ -221,6 +231,7 @@ class GpuCollector:
             out.add(fam.GPU_XID_ERRORS, (index, uuid, xid), count)
             out.add(fam.GPU_XID_LAST_SEEN, (index, uuid, xid), last_seen)
         self._gpu_processes.replace(processes)
+        self.failed_reading = self._failed_summary()
         if self._pods is None:
             return out.families()
         pods = self._pods  # every family but the collector's own up and the energy read time carries uuid
@@ -268,6 +279,7 @@ class GpuCollector:
             self._unavailable(str(exc))
             return False
         self._down_errors = tuple(getattr(nvml, name) for name in DEVICE_DOWN_ERRORS)
+        self._unsupported = tuple(getattr(nvml, name) for name in UNSUPPORTED_ERRORS)
         self._gpus = [_Gpu(str(index), driver) for index in range(count)]
         for gpu in self._gpus:
             with contextlib.suppress(_GpuDown):  # reported by the first cycle, which tries again
@@ -297,6 +309,8 @@ class GpuCollector:
             uuid, name = nvml.nvmlDeviceGetUUID(handle), nvml.nvmlDeviceGetName(handle)
             bus_id = nvml.nvmlDeviceGetPciInfo(handle).busId
         except nvml.NVMLError as exc:
+            if not isinstance(exc, nvml.NVMLError_GpuIsLost):  # lost: gpu_up 0 says it, no collector error
+                self._failed(gpu, "identity", exc)
             raise _GpuDown(str(exc)) from None
         gpu.handle, gpu.uuid, gpu.name = handle, uuid, name
         gpu.pci_bus_id = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
@@ -315,9 +329,7 @@ class GpuCollector:
                 self._identify(gpu)
                 self._watch_xids(gpu)
                 self._refresh_slow()
-            samples: list[Sample] = []
-            for what, reader in BASIC_READERS:
-                samples += self._read(gpu, what, reader, basic=True) or ()
+            samples = self._read_basic(gpu)
             for what, reader in READERS:
                 samples += self._read(gpu, what, reader) or ()
             gpm = self._read(gpu, "gpm", lambda _n, _h: gpu.gpm.read(now)) if gpu.gpm else None
@@ -367,17 +379,62 @@ class GpuCollector:
     def _add_info(gpu: _Gpu, out: _Output) -> None:
         out.add(fam.GPU_INFO, (gpu.index, gpu.uuid, gpu.name, gpu.driver_version, gpu.pci_bus_id), 1)
 
-    def _read(self, gpu: _Gpu, what: str, reader: Callable[[ModuleType, Any], Any],
-              basic: bool = False) -> Any:
-        """The reader's result; None when NVML refuses this field (logged once per GPU and error)."""
+    def _read_basic(self, gpu: _Gpu) -> list[Sample]:
+        """Utilization and memory; raises _GpuDown when neither answered (before, a GPU refusing every query
+        with Timeout or Uninitialized stayed up with no reading), or when one raised a device-down error for
+        the second cycle running: one Unknown on utilization flapped gpu_up 1 -> 0 -> 1 and dropped GPM."""
+        nvml = self._nvml
+        assert nvml is not None
+        samples: list[Sample] = []
+        down: Exception | None = None
+        for what, reader in BASIC_READERS:
+            try:
+                samples += self._read(gpu, what, reader, quiet=True)
+            except nvml.NVMLError as exc:
+                self._failed(gpu, what, exc)
+                if isinstance(exc, self._down_errors):
+                    down = exc
+        gpu.down_errors = gpu.down_errors + 1 if down else 0
+        if not samples or gpu.down_errors >= 2:
+            raise _GpuDown(str(down or "no basic reading answered"))
+        return samples
+
+    def _read(self, gpu: _Gpu, what: str, reader: Callable[[ModuleType, Any], Any], quiet: bool = False) -> Any:
+        """The reader's result; None when NVML refuses this field (see `_failed`). quiet: errors other than
+        GpuIsLost propagate, for the caller to judge."""
         nvml = self._nvml
         assert nvml is not None
         try:
-            return reader(nvml, gpu.handle)
+            value = reader(nvml, gpu.handle)
         except nvml.NVMLError as exc:
-            if isinstance(exc, nvml.NVMLError_GpuIsLost) or (basic and isinstance(exc, self._down_errors)):
+            if isinstance(exc, nvml.NVMLError_GpuIsLost):
                 raise _GpuDown(str(exc)) from None
-            if (what, type(exc).__name__) not in gpu.failed_fields:
-                gpu.failed_fields.add((what, type(exc).__name__))
-                log.debug("GPU %s: %s unavailable (%s): left out", gpu.index, what, exc)
+            if quiet:
+                raise
+            self._failed(gpu, what, exc)
             return None
+        if gpu.failing and gpu.failing.pop(what, None):  # one dict check per read while nothing fails
+            log.info("GPU %s (%s): %s reads again", gpu.index, gpu.uuid, what)
+        return value
+
+    def _failed(self, gpu: _Gpu, what: str, exc: Exception) -> None:
+        """A field NVML refused. Unsupported (the GPU has no such query): left out, logged at DEBUG once.
+        Any other error is a failed reading: named in `failed_reading`, so every such cycle counts in
+        stepscope_exporter_collector_errors_total, and logged at WARNING once until the field reads again
+        (before, Timeout or Unknown were logged at DEBUG and counted nowhere)."""
+        name = type(exc).__name__
+        if isinstance(exc, self._unsupported):
+            if (what, name) not in gpu.unsupported:
+                gpu.unsupported.add((what, name))
+                log.debug("GPU %s: %s unavailable (%s): left out", gpu.index, what, exc)
+            return
+        self._failures.append(f"GPU {gpu.index} {what}: {name}")
+        if gpu.failing.get(what) != name:
+            gpu.failing[what] = name
+            log.warning("GPU %s (%s): reading %s failed (%s): left out until it reads again",
+                        gpu.index, gpu.uuid or "not identified", what, exc)
+
+    def _failed_summary(self) -> str:
+        named = "; ".join(self._failures[:FAILURES_NAMED])
+        more = len(self._failures) - FAILURES_NAMED
+        return f"{named} (and {more} more)" if more > 0 else named
