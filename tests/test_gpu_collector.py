@@ -563,6 +563,44 @@ def test_a_failing_field_is_counted_and_warned_once_unsupported_is_not(
     assert getattr(h.collector, "failed_reading", "") == ""  # a field the GPU does not have is no failure
 
 
+def test_gpus_appearing_after_start_are_published_with_xids(harness: Callable[..., Harness]) -> None:
+    h = harness(make_scenario(gpus=1, processes_per_gpu=1), init_retry_seconds=0)
+    assert sample_values(h.scrape(), "stepscope_gpu_up") == [1]
+    h.rewrite(lambda s: s.update(gpus=make_scenario(gpus=2, processes_per_gpu=1)["gpus"],
+                                 xid_events=[{"gpu": 1, "xid": 79}]))
+    text = h.scrape()
+    assert sample_values(text, "stepscope_gpu_up") == [1, 1]
+    assert one(text, "stepscope_gpu_utilization_ratio", gpu="1") == 0.98
+    text = wait_for(h.scrape, lambda t: bool(sample_values(t, "stepscope_gpu_xid_errors_total")), "the XID")
+    assert one(text, "stepscope_gpu_xid_errors_total", gpu="1", xid="79") == 1
+
+
+def test_the_gpu_count_is_rechecked_at_the_init_retry_cadence_only(harness: Callable[..., Harness]) -> None:
+    h = harness(make_scenario(gpus=1, processes_per_gpu=1), init_retry_seconds=3600)
+    h.scrape()
+    h.nvml.reset_call_counts()
+    h.rewrite(lambda s: s.update(gpus=make_scenario(gpus=2, processes_per_gpu=1)["gpus"]))
+    for _ in range(3):
+        assert sample_values(h.scrape(), "stepscope_gpu_up") == [1]  # not within the hour
+    assert h.nvml.call_counts()["nvmlDeviceGetCount"] == 0
+
+
+def test_a_driver_listing_no_gpu_is_collector_down_until_gpus_appear(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stepscope.exporter.collectors.gpu")
+    h = harness(make_scenario(gpus=0, processes_per_gpu=0), init_retry_seconds=0)
+    for _ in range(3):
+        text = h.scrape()
+        assert gpu_family_names(text) == {"stepscope_gpu_collector_up"}
+        assert one(text, "stepscope_gpu_collector_up") == 0
+    assert len(warnings_of(caplog)) == 1 and "no GPU" in warnings_of(caplog)[0]
+    h.rewrite(lambda s: s.update(gpus=make_scenario(gpus=2, processes_per_gpu=1)["gpus"]))
+    text = h.scrape()
+    assert one(text, "stepscope_gpu_collector_up") == 1
+    assert sample_values(text, "stepscope_gpu_up") == [1, 1]
+
+
 def test_one_transient_unknown_on_utilization_keeps_the_gpu_up_and_its_gpm(harness: Callable[..., Harness]) -> None:
     """One Unknown flapped gpu_up 1 -> 0 -> 1 and dropped GPM for a cycle; two in a row still mark it down."""
     h = harness()

@@ -203,6 +203,7 @@ class GpuCollector:
         self._poll_pcie = poll_pcie
         self._slow: SlowReadings | None = None
         self._next_init = 0.0
+        self._next_count = 0.0  # when to ask NVML again how many GPUs it lists (see `_add_listed_gpus`)
         self._unavailable_logged = False
         self._gpus: list[_Gpu] | None = None  # None until NVML initialised
         self._events: XidWatcher | None = None
@@ -222,6 +223,8 @@ class GpuCollector:
         out.add(fam.GPU_COLLECTOR_UP, (), 1)
         processes: dict[int, dict[str, int]] = {}
         now = time.monotonic()
+        if now >= self._next_count:
+            self._add_listed_gpus(now)
         slow = self._slow.latest() if self._slow is not None else SlowRound()
         for gpu in self._gpus or ():
             self._collect_gpu(gpu, now, out, processes, slow)
@@ -278,6 +281,12 @@ class GpuCollector:
                 nvml.nvmlShutdown()
             self._unavailable(str(exc))
             return False
+        if count == 0:  # retried like a missing driver: before, collector_up stayed 1 with no GPU until restart
+            with contextlib.suppress(nvml.NVMLError):
+                nvml.nvmlShutdown()
+            self._unavailable("NVML lists no GPU")
+            return False
+        self._next_count = now + self._init_retry_seconds
         self._down_errors = tuple(getattr(nvml, name) for name in DEVICE_DOWN_ERRORS)
         self._unsupported = tuple(getattr(nvml, name) for name in UNSUPPORTED_ERRORS)
         self._gpus = [_Gpu(str(index), driver) for index in range(count)]
@@ -291,6 +300,26 @@ class GpuCollector:
         log.info("NVML initialised: driver %s, %d GPU(s) (%s)", driver, len(self._gpus), ", ".join(
             f"{g.index}: {g.name or 'not answering'}{' +GPM' if g.gpm else ''}" for g in self._gpus))
         return True
+
+    def _add_listed_gpus(self, now: float) -> None:
+        """GPUs NVML lists beyond those known (a GPU the driver finished bringing up after start); the next
+        cycles identify them, register their XIDs and the slow thread reads them. Before, a GPU listed after
+        start was never published. Asked every init_retry_seconds, not every cycle: nvmlDeviceGetCount has not
+        been priced on a GPU (the cycle's calls were, ~0.85 ms per GPU on an H100), and GPUs appear that rarely.
+        A GPU no longer listed stays: its queries fail and gpu_up says so."""
+        self._next_count = now + self._init_retry_seconds
+        nvml, gpus = self._nvml, self._gpus
+        assert nvml is not None and gpus is not None
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            log.debug("nvmlDeviceGetCount failed (%s): GPUs listed later are looked for again later", exc)
+            return
+        if count <= len(gpus):
+            return
+        known, driver = len(gpus), gpus[0].driver_version
+        gpus.extend(_Gpu(str(index), driver) for index in range(known, count))  # the slow thread's list too
+        log.info("NVML lists %d GPU(s) now, %d before: reading the new ones", count, known)
 
     def _unavailable(self, reason: str) -> None:
         if self._unavailable_logged:
