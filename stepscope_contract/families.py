@@ -237,7 +237,8 @@ _SELF = (
            "failed cycles, a cycle left out for running three intervals (10 s at least), and cycles that left a "
            "reading out (`node`: the network counters of `--collector.node.host-network` where PID 1's "
            "`/proc/1/net/dev` cannot be read, a `--filesystem-paths` path that is missing or whose read hangs; "
-           "`gpu`: an NVML query failing with an error other than NotSupported/FunctionNotFound, e.g. Timeout, "
+           "`gpu`: an NVML query (energy and clock-event time too) failing with an error other than "
+           "NotSupported/FunctionNotFound, e.g. Timeout, "
            "Unknown, Uninitialized, while a lost GPU is `stepscope_gpu_up 0`, not counted here; `pods`: a "
            "kubelet List that failed while its last answer is kept); the log says which, once at WARNING until "
            "the reading is back"),

@@ -683,3 +683,25 @@ def test_exporter_counts_cycles_with_a_gpu_refusing_every_query(tmp_path: Path) 
     assert one(text, "stepscope_gpu_up", gpu="2") == 0
     assert one(text, "stepscope_gpu_up", gpu="0") == 1
     assert "WARNING" in log and "Timeout" in log
+
+
+def test_a_failing_slow_reading_is_counted_and_warned_once(
+    harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The energy counter timing out (read on the slow thread): before, the GPU lost its energy and watts with
+    one DEBUG line, and stepscope_exporter_collector_errors_total{collector="gpu"} stayed 0."""
+    caplog.set_level(logging.DEBUG, logger="stepscope.exporter.collectors.gpu_slow")
+    h = harness()
+    h.scrape()  # NVML initialised, the slow readings started
+    h.rewrite(lambda s: s["gpus"][0].update(errors={"total_energy_mj": "Timeout"}))
+    for _ in range(2):
+        h.collector._slow.read_all()
+        text = h.scrape()
+        assert sample_values(text, "stepscope_gpu_energy_joules_total", gpu="0") == []
+        assert "GPU 0 energy: NVMLError_Timeout" in getattr(h.collector, "failed_reading", "")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "energy" in warned[0], warned
+    h.rewrite(lambda s: s["gpus"][0].update(errors={"total_energy_mj": "NotSupported"}))
+    h.collector._slow.read_all()
+    h.scrape()
+    assert getattr(h.collector, "failed_reading", "") == ""  # a counter the GPU does not have is no failure

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 from stepscope.contract import families as fam
 from stepscope.exporter.collectors.gpu_events import XidWatcher
 from stepscope.exporter.collectors.gpu_gpm import GpmSampler
-from stepscope.exporter.collectors.gpu_slow import DEFAULT_INTERVAL_SECONDS, Reader, Sample, SlowReadings, SlowRound
+from stepscope.exporter.collectors.gpu_slow import (
+    DEFAULT_INTERVAL_SECONDS,
+    UNSUPPORTED_ERRORS,
+    Reader,
+    Sample,
+    SlowReadings,
+    SlowRound,
+)
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -93,7 +100,6 @@ CLOCK_EVENT_REASONS = (
 DEVICE_DOWN_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_DriverNotLoaded",
                       "NVMLError_ResetRequired")
 # errors that say the GPU or driver has no such query: the field is left out quietly, no failed reading
-UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
 FAILURES_NAMED = 3  # failed readings `failed_reading` names; the rest are counted
 
 
@@ -230,6 +236,7 @@ class GpuCollector:
             self._collect_gpu(gpu, now, out, processes, slow)
         if slow.fresh(now):
             out.add(fam.GPU_ENERGY_READ_TIME, (), slow.read_time)
+            self._failures += slow.failures
         for (index, uuid, xid), count, last_seen in self._events.seen() if self._events else ():
             out.add(fam.GPU_XID_ERRORS, (index, uuid, xid), count)
             out.add(fam.GPU_XID_LAST_SEEN, (index, uuid, xid), last_seen)

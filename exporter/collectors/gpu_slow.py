@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 Sample = tuple[str, tuple[str, ...], float]  # (family key, labels after gpu+uuid, value)
 Reader = Callable[[ModuleType, Any], Iterable[Sample]]
 
+# What a GPU does not have, not a failure: left out quietly (the collector and the slow readings alike)
+UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
 DEFAULT_INTERVAL_SECONDS = 10.0
 STALE_INTERVALS = 3
 # NVML's timestamp of a field stands for the round's read time only this close to the exporter's clock: a driver
@@ -113,6 +115,9 @@ class SlowRound:
     read_time: float | None = None
     gpus: dict[str, list[Sample]] = field(default_factory=dict)  # index -> samples
     stale_after: float = 0.0
+    # the readings NVML failed to give this round, other than those the GPU does not have ("GPU 0 energy:
+    # NVMLError_Timeout"): the collector names them in its failed_reading while the round is fresh
+    failures: tuple[str, ...] = ()
 
     def fresh(self, now: float) -> bool:
         return self.read_time is not None and now - self.read_at <= self.stale_after
@@ -131,7 +136,9 @@ class SlowReadings:
         self._interval = interval
         self._poll_pcie = poll_pcie
         self._latest = SlowRound()  # replaced whole at the end of each round
-        self._failed: set[tuple[str, str, str]] = set()
+        self._failed: set[tuple[str, str, str]] = set()  # (GPU, reading, error) logged
+        self._failures: list[str] = []  # the round's failed readings (`SlowRound.failures`)
+        self._unsupported = tuple(getattr(nvml, name) for name in UNSUPPORTED_ERRORS if hasattr(nvml, name))
         self._gpus: Sequence[GpuRef] = ()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -176,6 +183,7 @@ class SlowReadings:
         read_at, read_time = time.monotonic(), time.time()
         stamped = False
         gpus: dict[str, list[Sample]] = {}
+        self._failures = []
         for gpu in list(self._gpus):
             handle = gpu.handle
             if handle is None:  # not identified yet: the collector retries, the next round reads it
@@ -192,7 +200,7 @@ class SlowReadings:
             samples_too = self._read_gpu(gpu.index, handle, (*((c.what, c.read) for c in missed), *readers))
             if samples_too is not None:
                 gpus[gpu.index] = samples + samples_too
-        self._latest = SlowRound(read_at, read_time, gpus, STALE_INTERVALS * self._interval)
+        self._latest = SlowRound(read_at, read_time, gpus, STALE_INTERVALS * self._interval, tuple(self._failures))
 
     def _read_batch(self, index: str, handle: Any) -> tuple[list[Sample], list[Counter], float | None]:
         """The counters one nvmlDeviceGetFieldValues call gave, those it did not (read one by one: a driver or
@@ -216,8 +224,20 @@ class SlowReadings:
                  if counter.what in answered], [counter for counter in COUNTERS if counter.what not in answered], stamp)
 
     def _log_once(self, index: str, what: str, exc: Exception) -> None:
-        if (index, what, type(exc).__name__) not in self._failed:
-            self._failed.add((index, what, type(exc).__name__))
+        """A slow reading NVML refused. One the GPU does not have (NotSupported, FunctionNotFound, a driver
+        without the batched call): left out, logged at DEBUG once. Any other error (Timeout, Unknown) is a
+        failed reading of the round, which the collector counts, logged at WARNING once: before, a GPU whose
+        energy read timed out lost its watts and energy with one DEBUG line and no count."""
+        name = type(exc).__name__
+        failed = not isinstance(exc, (AttributeError, *self._unsupported))
+        if failed:
+            self._failures.append(f"GPU {index} {what}: {name}")
+        if (index, what, name) in self._failed:
+            return
+        self._failed.add((index, what, name))
+        if failed:
+            log.warning("GPU %s: slow reading %s failed (%s): left out", index, what, exc)
+        else:
             log.debug("GPU %s: %s unavailable (%s): left out", index, what, exc)
 
     def _read_gpu(self, index: str, handle: Any, readers: Iterable[tuple[str, Reader]]) -> list[Sample] | None:
