@@ -99,7 +99,6 @@ CLOCK_EVENT_REASONS = (
 # errors that mean the GPU itself stopped answering when a basic query raises them (two cycles running)
 DEVICE_DOWN_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_DriverNotLoaded",
                       "NVMLError_ResetRequired")
-# errors that say the GPU or driver has no such query: the field is left out quietly, no failed reading
 FAILURES_NAMED = 3  # failed readings `failed_reading` names; the rest are counted
 
 
