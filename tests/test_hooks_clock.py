@@ -24,6 +24,7 @@ from stepscope_testkit.processes import running_exporter, sample_values, samples
 
 WORK = 0.02  # a step's own work on each side of an interruption
 OUTSIDE = 0.1  # an eval or a checkpoint, or an epoch's end
+SAVE_PREAMBLE_SECONDS = 0.005  # a save_checkpoint call before the hook sees the checkpoint begin, on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -485,7 +486,10 @@ def test_a_save_in_a_callback_before_the_step_is_no_step_time(tmp_path: Path, ex
     assert len(saves.spans) == 5
     value = pushed(exporter, "clock-save-in-callback")
     assert value("stepscope_step_seconds_count") == len(marks) - 1 == 10
-    assert value("stepscope_step_seconds_sum") == pytest.approx(saves.steps(marks), rel=0.03)
+    # the test's mark is taken in its callback before save_checkpoint, the hook leaves train inside it: the save's
+    # preamble lies between, 3.3 ms a save in a clean-clone CI run on 2 busy cores (0.542 s for 0.525)
+    assert value("stepscope_step_seconds_sum") == pytest.approx(saves.steps(marks), rel=0.03,
+                                                                abs=SAVE_PREAMBLE_SECONDS * len(saves.spans))
 
 
 @pytest.mark.parametrize("users_tracker", [False, True], ids=["callbacks-tracker", "users-tracker"])
