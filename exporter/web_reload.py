@@ -1,8 +1,8 @@
 """The web config file's basic-auth users and response headers, re-read when the file changes.
 
 exporter-toolkit reads its web config on every request, so Prometheus users rotate a password or add
-a header by editing the file, without a restart; the exporter does the same, looking at the file's
-modification time at most once a second (a scrape with cached credentials still costs no bcrypt). An
+a header by editing the file, without a restart; the exporter does the same, looking at the file
+at most once a second (`file_watch`) (a scrape with cached credentials still costs no bcrypt). An
 edit that does not load (half-saved, a wrong key, a bad hash) keeps what was loaded and logs why: a
 broken file must neither lock Prometheus out nor open the endpoint. Nor does a file that parses but
 drops what was configured: an editor that truncates before it writes leaves an empty file, then
@@ -13,16 +13,14 @@ listener cannot switch between HTTP and HTTPS); its certificate files reload (we
 """
 
 import logging
-import os
-import time
 from collections.abc import Mapping
 
+from stepscope.exporter.file_watch import FileWatch
 from stepscope.exporter.web_auth import BcryptUsers, Client
 from stepscope.exporter.web_auth_known import KnownGroups
 from stepscope.exporter.web_config import WebConfig, WebConfigError, load
 
 log = logging.getLogger(__name__)
-CHECK_SECONDS = 1.0
 
 
 class WebConfigSource:
@@ -31,19 +29,14 @@ class WebConfigSource:
     def __init__(self, path: str, loaded: WebConfig) -> None:
         self._path = path
         self._config = loaded
-        self._stamp = self._file_stamp()
-        self._checked_at = time.monotonic()
+        self._file = FileWatch(path)
 
     def current(self) -> WebConfig:
-        now = time.monotonic()
-        if now - self._checked_at >= CHECK_SECONDS:
-            self._checked_at = now
-            stamp = self._file_stamp()
-            if stamp is None and self._stamp is not None:  # said once, not every second until it is back
-                log.error("--web.config.file %s is gone; keeping the loaded users and headers", self._path)
-            elif stamp is not None and stamp != self._stamp:
-                self._reload()
-            self._stamp = stamp
+        change = self._file.poll()
+        if change == "gone":
+            log.error("--web.config.file %s is gone; keeping the loaded users and headers", self._path)
+        elif change == "changed":
+            self._reload()
         return self._config
 
     def headers(self) -> Mapping[str, str]:
@@ -63,14 +56,6 @@ class WebConfigSource:
         self._config = WebConfig(tls=self._config.tls, users=config.users, headers=config.headers)
         log.info("reloaded --web.config.file %s: %d users, %d headers", self._path, len(config.users or {}),
                  len(config.headers or {}))
-
-    def _file_stamp(self) -> tuple[float, int] | None:
-        """(mtime, size), or None while the file cannot be read (mid-replace, deleted)."""
-        try:
-            stat = os.stat(self._path)
-        except OSError:
-            return None
-        return stat.st_mtime, stat.st_size
 
 
 def _check_nothing_dropped(loaded: WebConfig, config: WebConfig) -> None:

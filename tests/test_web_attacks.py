@@ -22,7 +22,7 @@ import requests
 import urllib3
 
 from stepscope.contract import families
-from stepscope.exporter import web_reload
+from stepscope.exporter import file_watch, web_reload
 from stepscope.exporter.web_auth import HASH_WAITING, HASH_WORKERS, AuthBusy, BcryptUsers, Client
 from stepscope.exporter.web_config import load
 from stepscope.exporter.web_reload import ReloadingUsers, WebConfigSource
@@ -185,7 +185,7 @@ LOADED = f"basic_auth_users: {{prometheus: '{HASH}'}}\nhttp_server_config: {{hea
 def test_a_reload_that_would_drop_users_or_headers_keeps_them(
     tmp_path: Path, text: str, reason: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(web_reload, "CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(file_watch, "CHECK_SECONDS", 0.0)
     config = tmp_path / "web.yml"
     config.write_text(LOADED)
     source = WebConfigSource(str(config), load(str(config)))
@@ -201,7 +201,7 @@ def test_a_reload_that_would_drop_users_or_headers_keeps_them(
 
 def test_only_an_explicit_file_turns_basic_auth_and_headers_off(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(web_reload, "CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(file_watch, "CHECK_SECONDS", 0.0)
     config = tmp_path / "web.yml"
     config.write_text(LOADED)
     source = WebConfigSource(str(config), load(str(config)))
@@ -212,7 +212,7 @@ def test_only_an_explicit_file_turns_basic_auth_and_headers_off(tmp_path: Path,
 
 def test_a_reload_without_the_tls_section_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(web_reload, "CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(file_watch, "CHECK_SECONDS", 0.0)
     config = tmp_path / "web.yml"
     config.write_text(f"tls_server_config: {{cert_file: tls.crt, key_file: tls.key}}\n{LOADED}")
     source = WebConfigSource(str(config), load(str(config)))

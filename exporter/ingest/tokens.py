@@ -5,22 +5,21 @@ while the exporters run), and training pods read the token at their start. An ex
 file once refused every pod started after a rotation until it was restarted, and a restart refused the
 pods started before it. So the file lists every token still in use, one per line, the newest first
 (clients send the first line): rotating is writing `NEW` above `OLD`, then, once the pods holding `OLD`
-have ended, dropping it. The file's modification time is looked at once a second at most. An edit that
+have ended, dropping it. The file is looked at once a second at most (`file_watch`). An edit that
 does not load (half-written, empty, gone, a token no header can carry) keeps the tokens loaded and logs
 why once: a broken Secret must neither open the push API nor lock every training pod out.
 """
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
+from stepscope.exporter.file_watch import FileWatch
+
 log = logging.getLogger(__name__)
-CHECK_SECONDS = 1.0
 MAX_TOKEN_BYTES = 8192  # half the request head the exporter takes (http_exchange.MAX_HEAD_BYTES)
 MAX_FILE_BYTES = 8 * MAX_TOKEN_BYTES  # a few tokens during a rotation, not a dictionary
-Stamp = tuple[float, int, int]
 
 
 def read_tokens(path: str) -> tuple[str, ...]:
@@ -68,10 +67,7 @@ class IngestTokens:
     def __init__(self, tokens: tuple[str, ...], path: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._tokens = tuple(token.encode() for token in tokens)
-        self._path = path
-        self._clock = clock
-        self._stamp = self._file_stamp()
-        self._checked_at = clock()
+        self._file = FileWatch(path, clock) if path is not None else None
         self._lock = threading.Lock()  # one reload at a time; readers take the tuple as it is
 
     @classmethod
@@ -88,34 +84,21 @@ class IngestTokens:
         return any([hmac.compare_digest(candidate, token) for token in self._tokens])
 
     def _refresh(self) -> None:
-        if self._path is None or self._clock() - self._checked_at < CHECK_SECONDS:
+        if self._file is None:
             return
         with self._lock:
-            self._checked_at = self._clock()
-            stamp = self._file_stamp()
-            if stamp is None and self._stamp is not None:  # said once, not every second until it is back
-                log.error("--ingest-token-file %s is gone; keeping the %d loaded tokens", self._path,
+            change = self._file.poll()
+            if change == "gone":
+                log.error("--ingest-token-file %s is gone; keeping the %d loaded tokens", self._file.path,
                           len(self._tokens))
-            elif stamp is not None and stamp != self._stamp:
-                self._reload()
-            self._stamp = stamp
+            elif change == "changed":
+                self._reload(self._file.path)
 
-    def _reload(self) -> None:
+    def _reload(self, path: str) -> None:
         try:
-            tokens = read_tokens(self._path or "")
+            tokens = read_tokens(path)
         except ValueError as exc:
-            log.error("--ingest-token-file %s: %s; keeping the %d loaded tokens", self._path, exc, len(self._tokens))
+            log.error("--ingest-token-file %s: %s; keeping the %d loaded tokens", path, exc, len(self._tokens))
             return
         self._tokens = tuple(token.encode() for token in tokens)
-        log.info("reloaded --ingest-token-file %s: %d tokens", self._path, len(tokens))
-
-    def _file_stamp(self) -> Stamp | None:
-        """(mtime, size, inode) of the file, links followed (a Secret volume swaps a link to a new file);
-        None while it cannot be read (mid-replace, deleted) or for fixed tokens."""
-        if self._path is None:
-            return None
-        try:
-            stat = os.stat(self._path)
-        except OSError:
-            return None
-        return stat.st_mtime, stat.st_size, stat.st_ino
+        log.info("reloaded --ingest-token-file %s: %d tokens", path, len(tokens))
