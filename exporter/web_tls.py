@@ -8,7 +8,6 @@ so its expiry is logged at start and on every reload (an error once it has passe
 """
 
 import logging
-import os
 import re
 import ssl
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 from stepscope.contract import families
 from stepscope.exporter import web_config
 from stepscope.exporter.exposition import render
+from stepscope.exporter.file_watch import FileWatch
 from stepscope.exporter.metric_families import GaugeMetricFamily
 from stepscope.exporter.web_config import TlsSettings
 
@@ -36,16 +36,16 @@ PEM_BEGIN, PEM_END = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
 class TlsContextSource:
     """Serves an SSLContext for the settings' files and rebuilds it when any of them changes.
 
-    Checked at most once a second on new connections; a broken replacement keeps the old context
-    and logs why, so a half-written renewal never takes the endpoint down. An encrypted key is
+    Checked at most once a second on new connections (`FileWatch`: time, size and inode, as a Secret
+    volume's link swap needs); a broken replacement keeps the old context and logs why, so a half-written
+    renewal never takes the endpoint down. An encrypted key is
     refused (ValueError) instead of letting OpenSSL prompt for a passphrase on the terminal.
     """
 
     def __init__(self, settings: TlsSettings) -> None:
         self._settings = settings
         self._lock = threading.Lock()
-        self._checked_at = 0.0
-        self._stamp = self._file_stamp()
+        self._files = [FileWatch(path) for path in self._paths()]
         self._context = self._build()
         self._expiry = self._note_expiry()
         self._publish: Callable[[bytes], None] | None = None
@@ -56,25 +56,26 @@ class TlsContextSource:
         self._publish_expiry()
 
     def context(self) -> ssl.SSLContext:
-        now = time.monotonic()
-        if now - self._checked_at >= 1.0:
-            with self._lock:
-                self._checked_at = now
-                try:
-                    stamp = self._file_stamp()
-                except OSError as exc:
-                    log.error("TLS files unreadable, keeping the loaded certificate: %s", exc)
-                    return self._context
-                if stamp != self._stamp:
-                    try:
-                        self._context = self._build()
-                        self._stamp = stamp
-                        log.info("reloaded TLS certificate %s", self._settings.cert_file)
-                        self._expiry = self._note_expiry()
-                        self._publish_expiry()
-                    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-                        log.error("TLS reload failed, keeping the loaded certificate: %s", exc)
+        """The current context, rebuilt first when a file changed. A failed rebuild or a missing file is
+        logged once, not on every connection until the files are fixed (before: a line a second)."""
+        with self._lock:
+            changes = [(watch.path, watch.poll()) for watch in self._files]
+            gone = [path for path, change in changes if change == "gone"]
+            if gone:
+                log.error("TLS file %s unreadable, keeping the loaded certificate", ", ".join(gone))
+            elif any(change == "changed" for _path, change in changes):
+                self._reload()
         return self._context
+
+    def _reload(self) -> None:
+        try:
+            self._context = self._build()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            log.error("TLS reload failed, keeping the loaded certificate: %s", exc)
+            return
+        log.info("reloaded TLS certificate %s", self._settings.cert_file)
+        self._expiry = self._note_expiry()
+        self._publish_expiry()
 
     def listening_context(self) -> ssl.SSLContext:
         """A context for the listening socket that hands each handshake the current context.
@@ -90,12 +91,9 @@ class TlsContextSource:
         context.sni_callback = use_current  # type: ignore[assignment]
         return context
 
-    def _files(self) -> list[str]:
+    def _paths(self) -> list[str]:
         settings = self._settings
         return [settings.cert_file, settings.key_file, *([settings.client_ca_file] if settings.client_ca_file else [])]
-
-    def _file_stamp(self) -> tuple[float, ...]:
-        return tuple(os.stat(path).st_mtime for path in self._files())
 
     def _build(self) -> ssl.SSLContext:
         settings = self._settings

@@ -240,10 +240,23 @@ def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert _served_common_name(port) == "second"
 
-        cert.write_text("not a certificate")  # a broken renewal keeps the loaded certificate
-        time.sleep(1.5)
-        assert _served_common_name(port) == "second"
-        assert "TLS reload failed" in exporter.log()
+        cert.write_text("not a certificate")  # a broken renewal keeps the loaded certificate, said once
+        for _ in range(4):  # a connection a second: before, each one logged the failure again
+            time.sleep(1.1)
+            assert _served_common_name(port) == "second"
+        assert exporter.log().count("TLS reload failed") == 1
+        cert.unlink()  # mid-replace: also said once
+        for _ in range(3):
+            time.sleep(1.1)
+            assert _served_common_name(port) == "second"
+        assert exporter.log().count("unreadable, keeping the loaded certificate") == 1
+        third_cert, third_key = make_cert(tmp_path / "renewed", "third")  # back: served at once
+        third_key.replace(key)
+        third_cert.replace(cert)
+        deadline = time.monotonic() + 10
+        while _served_common_name(port) != "third" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _served_common_name(port) == "third"
 
 
 FAULTY_HANDLER = """
