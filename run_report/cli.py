@@ -36,6 +36,7 @@ IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth o
 MIN_STEP = 0.001  # seconds: the report writes the step in PromQL as whole milliseconds
 RECORDING_LAG_SECONDS = 300  # after the window, where a short run's first recordings may still land
 RUN_EDGE_SCRAPES = 2  # --from/--to farther than this many scrapes outside the run's samples is cut to them
+MAX_TIMEOUT_SECONDS = 86400  # a socket cannot wait past about 9.2e9 s: 1e10 ended in an OverflowError traceback
 
 
 class UsageError(Exception):
@@ -66,7 +67,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "window (default: the scrape interval, coarser for long windows: at most 1200 "
                              "points)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="per query (default: 60)")
+                        help=f"per query, at most {MAX_TIMEOUT_SECONDS} (default: 60)")
     args = parser.parse_args(argv)
     problem = _base_url_problem(args.prometheus)
     if problem:
@@ -75,6 +76,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name} must be > 0, got {value:g}")
+    if not args.timeout <= MAX_TIMEOUT_SECONDS:
+        parser.error(f"--timeout must be at most {MAX_TIMEOUT_SECONDS} seconds, got {args.timeout:g}")
     if args.step is not None and not MIN_STEP <= args.step < math.inf:
         parser.error(f"--step must be at least {MIN_STEP:g} (PromQL durations are whole milliseconds), "
                      f"got {args.step:g}")
@@ -92,8 +95,13 @@ def _directory(text: str) -> Path:
 
 def _base_url_problem(url: str) -> str:
     """What keeps `url` from being a base URL the API paths are appended to ('' when nothing does): without a
-    scheme the HTTP client fails with its own words, and a ?query or #fragment would end up before the path."""
-    parts = urllib.parse.urlsplit(url)
+    scheme the HTTP client fails with its own words, and a ?query or #fragment would end up before the path.
+    An unclosed IPv6 bracket (http://[::1:9090) or a port past 65535 ended in a ValueError traceback."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (urlsplit checks the port only when it is read)
+    except ValueError as exc:
+        return f"a well-formed URL ({exc})"
     if parts.scheme not in ("http", "https") or not parts.netloc:
         return "an http:// or https:// URL (http://prometheus:9090)"
     if parts.query or parts.fragment:

@@ -555,11 +555,18 @@ def test_a_run_whose_only_rank_was_killed_is_reported_until_it_is_seen_lost() ->
     (["--prometheus", "http://h:9090?x=1"], "--prometheus must be a base URL without ?query or #fragment (a path "
                                             "prefix works: http://host/prometheus), got 'http://h:9090?x=1'"),
     (["--out", ""], "argument --out: an empty directory name: give one, or '.' for the working directory"),
+    (["--prometheus", "http://[::1:9090"],
+     "--prometheus must be a well-formed URL (Invalid IPv6 URL), got 'http://[::1:9090'"),
+    (["--prometheus", "http://h:99999"],
+     "--prometheus must be a well-formed URL (Port out of range 0-65535), got 'http://h:99999'"),
+    (["--timeout", "1e10"], "--timeout must be at most 86400 seconds, got 1e+10"),
+    (["--timeout", "inf"], "--timeout must be at most 86400 seconds, got inf"),
 ])
 def test_a_prometheus_url_or_out_that_cannot_work_is_one_line_exit_2(
         argv: list[str], text: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Before: 'No connection adapters were found for ...', a query URL built as '...?x=1/api/v1/query_range',
-    and an empty --out (an unset variable) written into the working directory."""
+    an empty --out (an unset variable) written into the working directory; an unclosed IPv6 bracket (ValueError)
+    and a --timeout past what a socket can wait (1e10, inf: OverflowError) ended in tracebacks."""
     with pytest.raises(SystemExit) as exited:
         cli.parse_args(["--run", "r", *argv])
     assert exited.value.code == 2
