@@ -30,6 +30,7 @@ import requests
 from stepscope.exporter.flags import positive_float
 from stepscope.exporter.ingest.tokens import check_token, first_token
 from stepscope.hooks.config import bracket_ipv6_host, sent_token
+from stepscope.report.prometheus import answered_within
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
@@ -129,7 +130,8 @@ class ExporterApi:
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         url = self.base_url + path
         try:
-            response = self._session.request(method, url, timeout=HTTP_TIMEOUT_SECONDS, **kwargs)
+            response = answered_within(HTTP_TIMEOUT_SECONDS, lambda: self._session.request(
+                method, url, timeout=HTTP_TIMEOUT_SECONDS, **kwargs))
         except requests.RequestException as exc:
             raise Failure(f"cannot reach the exporter at {self.base_url} ({type(exc).__name__}): is stepscope-exporter "
                           "running there? (--exporter, STEPSCOPE_PUSH_URL)") from None

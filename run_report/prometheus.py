@@ -7,6 +7,8 @@ line a user can act on: where Prometheus was not reachable, or what it answered.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -66,7 +68,8 @@ class Prometheus:
         at that path) is a PrometheusError naming what was wrong, not a traceback from deep in the report."""
         url = f"{self.base_url}/api/v1/{endpoint}"
         try:
-            response = self._session.post(url, data=form, timeout=self._timeout)
+            response = answered_within(self._timeout,
+                                       lambda: self._session.post(url, data=form, timeout=self._timeout))
         except requests.Timeout:
             raise PrometheusError(f"Prometheus at {self.base_url} did not answer within {self._timeout:g}s") from None
         except requests.RequestException as exc:
@@ -91,6 +94,29 @@ class Prometheus:
                 f"{url} answered success with data not in the Prometheus API's {endpoint} format "
                 f"({type(exc).__name__}: {exc})"
             ) from None
+
+
+def answered_within(seconds: float, send: Callable[[], T]) -> T:
+    """What `send()` returns (a response read whole), or requests.Timeout once `seconds` have passed. requests'
+    timeout bounds each wait for the next bytes, not the exchange: a server answering a byte a second (a sick
+    proxy, a wrong port) kept `--timeout 3` waiting past 40 s, for ever. The exchange runs on a daemon thread,
+    left behind when it overruns: the command ends with the error soon after."""
+    outcome: queue.SimpleQueue[tuple[Any, Exception | None]] = queue.SimpleQueue()
+
+    def exchange() -> None:
+        try:
+            outcome.put((send(), None))
+        except Exception as exc:  # raised in the caller's thread, where its handlers are
+            outcome.put((None, exc))
+
+    threading.Thread(target=exchange, name="http-exchange", daemon=True).start()
+    try:
+        answer, error = outcome.get(timeout=seconds)
+    except queue.Empty:
+        raise requests.Timeout(f"no whole answer within {seconds:g} s") from None
+    if error is not None:
+        raise error
+    return answer
 
 
 def _timestamp(seconds: float) -> str:

@@ -1,12 +1,14 @@
 """The two commands that read an HTTP API, pointed at a server that answers success in another shape: another
 service on that port, a proxy's page wrapped as JSON, another version. stepscope-report (Prometheus' query API)
 and stepscope-profile (the exporter's profile API) each end with one line and exit status 2, where they ended
-with a KeyError, TypeError or ValueError traceback, and the report writes nothing.
+with a KeyError, TypeError or ValueError traceback, and the report writes nothing. So do they when the server
+answers a byte at a time, past their timeout.
 
 The server is the bad input itself: a few lines of http.server answering one fixed JSON body to every request.
 """
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +53,40 @@ def answering(body: object) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def trickling() -> Iterator[str]:
+    """A server on a free loopback port answering every request with HTTP 200 and a JSON body sent a byte every
+    0.2 s: each byte comes well within any timeout a client sets for its next bytes, the answer never ends."""
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            body = b'{"status": "success", "data": []}' + b" " * 100_000
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n" % len(body))
+            for index in range(len(body)):
+                if stop.wait(0.2):
+                    return
+                connection.sendall(body[index:index + 1])
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
 
 
 def _one_line(err: str, prefix: str) -> str:
@@ -123,3 +159,28 @@ def test_stepscope_profile_takes_a_request_without_the_fields_later_exporters_ad
     assert code == 0, captured.err
     assert captured.out == "/traces/r-0.pt.trace.json.gz\n"
     assert captured.err.splitlines()[-1] == "stepscope-profile: rank 0: 20 steps, 2.0 KiB"
+
+
+@pytest.mark.timeout(60)
+def test_the_report_gives_up_on_a_prometheus_answering_a_byte_at_a_time_after_its_timeout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout is per query, the whole answer: requests' own timeout bounds each wait for a byte, and the
+    report waited on such a server for ever (over 40 s with --timeout 3)."""
+    out = tmp_path / "report"
+    with trickling() as url:
+        code = report_cli.main(["--prometheus", url, "--run", "r", "--out", str(out), "--timeout", "1"])
+    line = _one_line(capsys.readouterr().err, "stepscope-report: error: ")
+    assert code == 2 and line.endswith(f"Prometheus at {url} did not answer within 1s"), line
+    assert not out.exists()
+
+
+@pytest.mark.timeout(60)
+def test_stepscope_profile_gives_up_on_an_exporter_answering_a_byte_at_a_time(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each call to the exporter is bounded as a whole: before, `--wait 3` waited on such a server for ever (over
+    40 s), requests' timeout (10 s) being one for each wait for a byte."""
+    monkeypatch.setattr(profile_cli, "HTTP_TIMEOUT_SECONDS", 1.0)
+    with trickling() as url:
+        code = profile_cli.main(["--exporter", url, "--run", "r", "--wait", "1"])
+    line = _one_line(capsys.readouterr().err, "stepscope-profile: ")
+    assert code == 2 and line.startswith(f"stepscope-profile: cannot reach the exporter at {url} (Timeout)"), line
