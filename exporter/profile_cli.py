@@ -30,7 +30,7 @@ import requests
 from stepscope.exporter.flags import positive_float
 from stepscope.exporter.ingest.tokens import check_token, first_token
 from stepscope.hooks.config import bracket_ipv6_host, sent_token
-from stepscope.report.prometheus import answered_within
+from stepscope.report.prometheus import answered_within, without_credentials
 
 PROG = "stepscope-profile"
 DEFAULT_EXPORTER = "http://127.0.0.1:9847"
@@ -123,6 +123,7 @@ class ExporterApi:
 
     def __init__(self, base_url: str, token: str) -> None:
         self.base_url = base_url
+        self.shown_url = without_credentials(base_url)  # in messages: a proxy's user and password stay out of logs
         self._session = requests.Session()
         if token:
             self._session.headers["Authorization"] = f"Bearer {token}"
@@ -133,22 +134,22 @@ class ExporterApi:
             response = answered_within(HTTP_TIMEOUT_SECONDS, lambda: self._session.request(
                 method, url, timeout=HTTP_TIMEOUT_SECONDS, **kwargs))
         except requests.RequestException as exc:
-            raise Failure(f"cannot reach the exporter at {self.base_url} ({type(exc).__name__}): is stepscope-exporter "
-                          "running there? (--exporter, STEPSCOPE_PUSH_URL)") from None
+            raise Failure(f"cannot reach the exporter at {self.shown_url} ({type(exc).__name__}): is stepscope-exporter"
+                          " running there? (--exporter, STEPSCOPE_PUSH_URL)") from None
         try:
             payload = response.json()
         except ValueError:
             payload = None
         if not isinstance(payload, dict):
-            raise Failure(f"{url} answered HTTP {response.status_code} without the profile API's JSON: point "
-                          "--exporter at a stepscope exporter (a Pushgateway cannot take profile requests)")
+            raise Failure(f"{self.shown_url + path} answered HTTP {response.status_code} without the profile API's "
+                          "JSON: point --exporter at a stepscope exporter (a Pushgateway cannot take profile requests)")
         if response.status_code >= 400:
             raise Failure(str(payload.get("error") or f"HTTP {response.status_code}"))
         return payload
 
     def one(self, method: str, path: str) -> dict[str, Any]:
         """The profile request a GET or DELETE of one answers with."""
-        return checked_request(self.base_url + path, self.call(method, path))
+        return checked_request(self.shown_url + path, self.call(method, path))
 
     def close(self) -> None:
         self._session.close()
@@ -158,8 +159,8 @@ def request_traces(api: ExporterApi, args: argparse.Namespace) -> list[dict[str,
     ranks: list[int] | str = "all" if args.all_ranks else (args.rank or [0])
     made = api.call("POST", API, json={"run": args.run, "ranks": ranks, "steps": args.steps}).get("requests")
     if not isinstance(made, list) or not made:
-        raise Failure(f"{api.base_url + API} answered without the requests it made: {NOT_OUR_API}")
-    return [checked_request(api.base_url + API, request) for request in made]
+        raise Failure(f"{api.shown_url + API} answered without the requests it made: {NOT_OUR_API}")
+    return [checked_request(api.shown_url + API, request) for request in made]
 
 
 NOT_OUR_API = "point --exporter at a stepscope exporter of this version"

@@ -142,7 +142,7 @@ def _report(args: argparse.Namespace) -> int:
     if data.totals["steps"] and not data.over_time["run_samples_rate"] and not _recorded(prom, args.run, window):
         raise UsageError(f"Prometheus holds run {args.run!r} but none of stepscope's recording rules "
                          f"({RUN_SAMPLES_RATE}): load the rule files of grafana/rules_out/ into Prometheus")
-    built = report.build(data, _without_credentials(prom.base_url))
+    built = report.build(data, prom.shown_url)
     with output.staged(out) as staging:
         files = report.write(built, staging)
     print(f"{out / 'index.html'} and {len(files) - 1} CSVs for run {args.run} from {iso(window.start)} to "
@@ -259,12 +259,6 @@ def _last_activity(busy: Series, pushes: Series | None) -> float:
         return next(later, t)
     return next(later, next(at for at, pushed in busy.points if pushed == push and at - pushed > LOST_SECONDS))
 
-
-def _without_credentials(url: str) -> str:
-    """The URL as the page shows it: user and password (http://user:secret@host) left out."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=host))
 
 
 def _safe(run: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ class Series:
 class Prometheus:
     def __init__(self, base_url: str, timeout: float = TIMEOUT_SECONDS) -> None:
         self.base_url = base_url.rstrip("/")
+        self.shown_url = without_credentials(self.base_url)  # in messages: they end up in CI logs and tickets
         self._timeout = timeout
         self._session = requests.Session()
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=16)
@@ -71,14 +73,15 @@ class Prometheus:
             response = answered_within(self._timeout,
                                        lambda: self._session.post(url, data=form, timeout=self._timeout))
         except requests.Timeout:
-            raise PrometheusError(f"Prometheus at {self.base_url} did not answer within {self._timeout:g}s") from None
+            raise PrometheusError(f"Prometheus at {self.shown_url} did not answer within {self._timeout:g}s") from None
         except requests.RequestException as exc:
-            raise PrometheusError(f"cannot reach Prometheus at {self.base_url}: {_reason(exc)}") from None
+            raise PrometheusError(f"cannot reach Prometheus at {self.shown_url}: {_reason(exc)}") from None
+        shown = f"{self.shown_url}/api/v1/{endpoint}"
         try:
             body = response.json()
         except ValueError:
             raise PrometheusError(
-                f"{url} answered HTTP {response.status_code} without a Prometheus API response "
+                f"{shown} answered HTTP {response.status_code} without a Prometheus API response "
                 "(is --prometheus the server's base URL?)"
             ) from None
         if not isinstance(body, dict) or body.get("status") != "success":
@@ -91,7 +94,7 @@ class Prometheus:
             return parse(body["data"])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise PrometheusError(
-                f"{url} answered success with data not in the Prometheus API's {endpoint} format "
+                f"{shown} answered success with data not in the Prometheus API's {endpoint} format "
                 f"({type(exc).__name__}: {exc})"
             ) from None
 
@@ -117,6 +120,13 @@ def answered_within(seconds: float, send: Callable[[], T]) -> T:
     if error is not None:
         raise error
     return answer
+
+
+def without_credentials(url: str) -> str:
+    """The URL as the page and the messages show it: user and password (http://user:secret@host) left out."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=host))
 
 
 def _timestamp(seconds: float) -> str:

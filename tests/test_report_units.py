@@ -267,11 +267,11 @@ def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(
 
 
 def test_the_page_never_shows_credentials_of_the_prometheus_url() -> None:
-    from stepscope.report.cli import _without_credentials
+    from stepscope.report.prometheus import without_credentials
 
-    assert _without_credentials("https://reader:s3cret@prom.example:9090/prometheus") == \
+    assert without_credentials("https://reader:s3cret@prom.example:9090/prometheus") == \
         "https://prom.example:9090/prometheus"
-    assert _without_credentials("http://localhost:9090") == "http://localhost:9090"
+    assert without_credentials("http://localhost:9090") == "http://localhost:9090"
 
 
 TIMES = tuple(1000.0 + 10 * i for i in range(10))  # the points of WINDOW

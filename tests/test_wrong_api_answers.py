@@ -184,3 +184,28 @@ def test_stepscope_profile_gives_up_on_an_exporter_answering_a_byte_at_a_time(
         code = profile_cli.main(["--exporter", url, "--run", "r", "--wait", "1"])
     line = _one_line(capsys.readouterr().err, "stepscope-profile: ")
     assert code == 2 and line.startswith(f"stepscope-profile: cannot reach the exporter at {url} (Timeout)"), line
+
+
+def _refusing_url() -> str:
+    """A loopback URL nothing listens on, with a user and password in it."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+    return f"http://reader:s3cret@127.0.0.1:{port}"
+
+
+def test_the_commands_leave_the_password_of_a_url_out_of_their_messages(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The page never showed the password of --prometheus, but the messages that end in CI logs did:
+    'cannot reach Prometheus at http://reader:s3cret@127.0.0.1:1: Connection refused'."""
+    url = _refusing_url()
+    assert report_cli.main(["--prometheus", url, "--run", "r", "--out", str(tmp_path / "report")]) == 2
+    line = _one_line(capsys.readouterr().err, "stepscope-report: error: ")
+    assert line.startswith(f"stepscope-report: error: cannot reach Prometheus at {url.replace('reader:s3cret@', '')}:")
+    assert profile_cli.main(["--exporter", url, "--run", "r", "--wait", "1"]) == 2
+    line = _one_line(capsys.readouterr().err, "stepscope-profile: ")
+    assert line.startswith(f"stepscope-profile: cannot reach the exporter at {url.replace('reader:s3cret@', '')} (")
+    with answering(["not", "an", "object"]) as plain:
+        with_password = plain.replace("http://", "http://reader:s3cret@")
+        assert profile_cli.main(["--exporter", with_password, "--run", "r", "--wait", "1"]) == 2
+    line = _one_line(capsys.readouterr().err, "stepscope-profile: ")
+    assert line.startswith(f"stepscope-profile: {plain}/api/v1/profiles answered HTTP 200 without"), line
