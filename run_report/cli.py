@@ -1,6 +1,6 @@
 """`stepscope-report`: the command line. Bad input, an unreachable Prometheus (or a server answering its API
-in another shape) and a run or range without data end with one line on stderr and exit code 2; the output
-directory then stays as it was.
+in another shape) and a run or range without data end with one line on stderr and exit code 2; Ctrl-C and
+SIGTERM with one line and exit code 130. The output directory then stays as it was.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import signal
 import sys
 import time
 import urllib.parse
@@ -111,6 +112,7 @@ def _base_url_problem(url: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _report(args)
     except (UsageError, NoData, PrometheusError, output.OutputError) as exc:
@@ -119,6 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; nothing written", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM (`timeout`, a cancelled CI job, `kill`) ends the report as Ctrl-C does, its half-written files
+    removed: Python's default ended it on the spot and left them in a hidden .OUT.*.partial directory."""
+    raise KeyboardInterrupt
 
 
 def _report(args: argparse.Namespace) -> int:

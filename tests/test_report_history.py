@@ -2,6 +2,9 @@
 runs whose timing no live test can hold still, read by the report's own command line."""
 
 import csv
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,7 @@ from stepscope.contract import families as fam
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
 from stepscope.report import cli
 from stepscope.report.times import parse_time
+from stepscope_testkit.processes import REPO_ROOT
 from tests.support.prometheus import running_prometheus_holding
 
 pytestmark = pytest.mark.timeout(120)
@@ -113,3 +117,29 @@ def test_a_step_longer_than_the_runs_life_is_refused_not_its_idle_tails(
     message = capsys.readouterr().err
     assert message.startswith("stepscope-report: error: --step 300 is longer than the window (260 s from "), message
     assert _report(prometheus, "paused", tmp_path / "report", "--step", "60")["steps"] == str(FINAL_STEPS)
+
+
+# The report's command line in a process of its own, sent SIGTERM by itself once its files are written into the
+# staging directory and before they are moved to --out: the moment a `timeout` or a cancelled CI job can hit.
+TERMINATED_WHILE_WRITING = """
+import os, signal, sys
+from stepscope.report import cli, report
+real_write = report.write
+def write_then_terminated(built, staging):
+    written = real_write(built, staging)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return written
+report.write = write_then_terminated
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_the_report_is_written_leaves_nothing_behind(prometheus: str, tmp_path: Path) -> None:
+    """Before, SIGTERM ended the report on the spot (exit -15) and left a hidden .report.*.partial directory
+    holding 9 CSVs beside --out; it now ends as Ctrl-C does: its files removed, one line, exit 130."""
+    result = subprocess.run([sys.executable, "-c", TERMINATED_WHILE_WRITING, "--prometheus", prometheus,
+                             "--run", "paused", "--out", str(tmp_path / "report")],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (result.returncode, result.stderr) == (130, "stepscope-report: interrupted; nothing written\n")
+    assert os.listdir(tmp_path) == []
