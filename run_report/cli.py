@@ -19,6 +19,7 @@ from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_LAST_PUSH, TR
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
 from stepscope.report import output
 from stepscope.report.prometheus import Prometheus, PrometheusError, Series
+from stepscope.report.summary import missing_ranks
 from stepscope.report.timeline import LOST_SECONDS
 from stepscope.report.times import iso, parse_time
 from stepscope.report.window import (
@@ -157,6 +158,9 @@ def _report(args: argparse.Namespace) -> int:
         files = report.write(built, staging)
     print(f"{out / 'index.html'} and {len(files) - 1} CSVs for run {args.run} from {iso(window.start)} to "
           f"{iso(window.end)}: {built.assessment.headline}")
+    missing = missing_ranks(data)
+    if missing is not None:
+        print(f"{PROG}: warning: {missing.words}: the report counts the other ranks only", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,7 @@ from stepscope.contract import LOCAL_PHASES, STATES, TRAIN_STATE, verdicts
 from stepscope.contract.recordings import RUN_VERDICT
 from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
-from stepscope.report.summary import STRAGGLER_SCORE
+from stepscope.report.summary import STRAGGLER_SCORE, MissingRanks, missing_ranks
 from stepscope.report.timeline import LOST_SECONDS, lost_ranks
 from stepscope.report.times import iso
 
@@ -111,7 +111,15 @@ def _window_words(report: Report) -> str:
     ranks = len({rank.rank for rank in report.ranks})
     nodes = ", ".join(report.data.nodes) or "no node"
     return (f"{iso(window.start)} to {iso(window.end)} ({fmt.duration(window.seconds)}), "
-            f"{ranks} rank{'s' * (ranks != 1)} on {nodes}")
+            f"{ranks} rank{'s' * (ranks != 1)} on {nodes}{_missing_words(missing_ranks(report.data))}")
+
+
+def _missing_words(missing: MissingRanks | None) -> str:
+    """What the header adds when ranks of the world size never reported: the numbers are the others'."""
+    if missing is None:
+        return ""
+    return (f"; {missing.words}, and every number here leaves {'it' if missing.count == 1 else 'them'} out (is "
+            "the exporter of each node scraped by this Prometheus?)")
 
 
 def _key_numbers(report: Report) -> list[tuple[str, str]]:

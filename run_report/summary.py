@@ -18,6 +18,7 @@ of a loader-limited loop. Counts (steps, samples), quantiles and time per state 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Iterable, Mapping
@@ -359,6 +360,42 @@ def _cuda_memory(totals: Mapping[str, list[Series]], key: tuple[str, str]) -> Cu
 
 def _by_rank(results: list[Series]) -> dict[tuple[str, str], float]:
     return {_key(series): series.last for series in results}
+
+
+@dataclass(frozen=True)
+class MissingRanks:
+    """Ranks below the world size the run's processes state that never reported in the window."""
+
+    world_size: int
+    count: int
+    first: tuple[int, ...]  # the lowest MISSING_SHOWN of them
+
+    @property
+    def words(self) -> str:
+        """`world size 3: rank 1 never reported`, `world size 64: 12 ranks never reported (8, 9, ... and 7 more)`."""
+        if self.count == 1:
+            return f"world size {self.world_size}: rank {self.first[0]} never reported"
+        more = f" and {self.count - len(self.first)} more" if self.count > len(self.first) else ""
+        return (f"world size {self.world_size}: {self.count} ranks never reported "
+                f"({', '.join(str(rank) for rank in self.first)}{more})")
+
+
+MISSING_SHOWN = 5
+
+
+def missing_ranks(data: RunData) -> MissingRanks | None:
+    """The ranks the largest `world_size` of stepscope_training_info promises and no process of the window
+    reported (a node whose exporter this Prometheus does not scrape, a rank that died before its first push),
+    None when every one did. The totals, the verdict and the scores stand for the ranks seen only. The
+    ranks are counted, not listed: a world size of millions costs no more than one of eight."""
+    sizes = [int(size) for series in data.totals["info"] if (size := series.labels.get("world_size", "")).isdigit()]
+    world_size = max(sizes, default=0)
+    seen = {int(rank) for series in data.totals["info"] if (rank := series.labels.get("rank", "")).isdigit()
+            and int(rank) < world_size}
+    if len(seen) >= world_size:
+        return None
+    first = tuple(itertools.islice((rank for rank in range(world_size) if rank not in seen), MISSING_SHOWN))
+    return MissingRanks(world_size, world_size - len(seen), first)
 
 
 def _info(results: list[Series]) -> dict[tuple[str, str], tuple[str, str]]:

@@ -27,13 +27,15 @@ FINAL_STEPS, TOKENS_PER_STEP, BATCH = 2600, 1000, 8
 KILLED_AT = 60  # seconds after START
 
 
-def _scrape_of(run: str, t: int, pushed: int, steps: int, training: bool) -> list[tuple[str, float, float]]:
+def _scrape_of(run: str, t: int, pushed: int, steps: int, training: bool, rank_number: int = 0,
+               world_size: int = 1) -> list[tuple[str, float, float]]:
     """One scrape, `t` seconds after START, of a rank of `run` whose last push was at `pushed` with `steps` done,
     in train or idle; with what the rules recorded of a training run."""
-    rank = f'job="stepscope",instance="n1",run="{run}",rank="0"'
+    rank = f'job="stepscope",instance="n1",run="{run}",rank="{rank_number}"'
     at = START + t
     samples = [
-        (f'{fam.TRAINING_INFO}{{{rank},pid="7",local_rank="0",world_size="1",framework="x"}}', at, 1),
+        (f'{fam.TRAINING_INFO}{{{rank},pid="{7 + rank_number}",local_rank="{rank_number}",world_size="{world_size}",'
+         'framework="x"}', at, 1),
         (f"{fam.TRAINING_LAST_PUSH}{{{rank}}}", at, START + pushed),
         (f'{fam.TRAINING_STATE}{{{rank},state="train"}}', at, int(training)),
         (f'{fam.TRAINING_STATE}{{{rank},state="idle"}}', at, int(not training)),
@@ -64,9 +66,17 @@ def killed_run() -> list[tuple[str, float, float]]:
             for sample in _scrape_of("killed", t, min(t, KILLED_AT), 10 * min(t, KILLED_AT), True)]
 
 
+def gapped_run() -> list[tuple[str, float, float]]:
+    """Run "gapped" of world size 3, each rank stepping 10 a second for 100 s: ranks 0 and 2 are scraped, rank 1
+    never is (its node's exporter missing from the scrape config)."""
+    return [sample for rank in (0, 2) for t in range(0, 121, SCRAPE)
+            for sample in _scrape_of("gapped", t, min(t, 100), 10 * min(t, 100), t < 100, rank, world_size=3)]
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_prometheus_holding(tmp_path_factory.mktemp("history"), paused_run() + killed_run()) as running:
+    history = paused_run() + killed_run() + gapped_run()
+    with running_prometheus_holding(tmp_path_factory.mktemp("history"), history) as running:
         yield running.url
 
 
@@ -143,3 +153,17 @@ def test_sigterm_while_the_report_is_written_leaves_nothing_behind(prometheus: s
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert (result.returncode, result.stderr) == (130, "stepscope-report: interrupted; nothing written\n")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_rank_of_the_world_size_that_never_reported_is_named(
+        prometheus: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ranks 0 and 2 of a world of 3 reported: before, the page said "2 ranks on n1" and its totals and verdict
+    were those of 2 ranks of 3 without a word; the header and a warning now name rank 1."""
+    out = tmp_path / "report"
+    assert cli.main(["--prometheus", prometheus, "--run", "gapped", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ("stepscope-report: warning: world size 3: rank 1 never reported: the report "
+                                       "counts the other ranks only\n")
+    assert ("2 ranks on n1; world size 3: rank 1 never reported, and every number here leaves it out"
+            in (out / "index.html").read_text())
+    assert cli.main(["--prometheus", prometheus, "--run", "paused", "--out", str(tmp_path / "whole")]) == 0
+    assert "never reported" not in capsys.readouterr().err + (tmp_path / "whole" / "index.html").read_text()

@@ -572,3 +572,17 @@ def test_a_prometheus_url_or_out_that_cannot_work_is_one_line_exit_2(
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"stepscope-report: error: {text}"
     assert cli.parse_args(["--prometheus", "http://h:9090/prefix/", "--out", "."]).out == Path(".")
+
+
+def test_missing_ranks_are_counted_not_listed_whatever_the_world_size() -> None:
+    """A world size label of a billion (the label is the process's word) costs a few ranks' work, and the words
+    name the lowest five missing."""
+    from stepscope.report.summary import missing_ranks
+
+    info = [Series({"rank": rank, "world_size": "1000000000"}, ((1.0, 1.0),)) for rank in ("0", "2")]
+    totals: dict[str, list[Series]] = {name: [] for name in queries.build("r", WINDOW, []).totals} | {"info": info}
+    missing = missing_ranks(RunData("r", WINDOW, ("n",), totals, {}))
+    assert missing is not None and missing.words == (
+        "world size 1000000000: 999999998 ranks never reported (1, 3, 4, 5, 6 and 999999993 more)")
+    whole = [Series({"rank": rank, "world_size": "2"}, ((1.0, 1.0),)) for rank in ("0", "1")]
+    assert missing_ranks(RunData("r", WINDOW, ("n",), totals | {"info": whole}, {})) is None
