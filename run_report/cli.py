@@ -61,7 +61,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="window start (default: the run's start: its first sample, or its processes' start "
                              "just before it, where the step counts start)")
     parser.add_argument("--to", dest="end", metavar="T", help="window end (default: the run's end)")
-    parser.add_argument("--out", type=_directory, metavar="DIR",
+    parser.add_argument("--out", type=output.out_directory, metavar="DIR",
                         help="directory for index.html and the CSVs (default: stepscope-report-RUN); replaced "
                              "when it holds an earlier report")
     parser.add_argument("--step", type=float, metavar="SECONDS",
@@ -86,13 +86,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.step is not None:
         args.step = round(args.step, 3)  # the step every query and sum uses, as PromQL writes it
     return args
-
-
-def _directory(text: str) -> Path:
-    """--out's value: an empty one (a variable that was not set) is refused, not taken as the working directory."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty directory name: give one, or '.' for the working directory")
-    return Path(text)
 
 
 def _base_url_problem(url: str) -> str:

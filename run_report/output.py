@@ -12,6 +12,7 @@ folder) is left alone with an error: it would sit among the report's files, one 
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -29,6 +30,14 @@ SHOWN_ENTRIES = 3  # of what is in the way, named in the error
 
 class OutputError(Exception):
     """--out cannot be written; the message is one line."""
+
+
+def out_directory(text: str) -> Path:
+    """--out's value (the report's and the quickstart's): an empty one (a variable that was not set) is refused,
+    not taken as the working directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty directory name: give one, or '.' for the working directory")
+    return Path(text)
 
 
 def report_files() -> frozenset[str]:

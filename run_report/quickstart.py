@@ -35,6 +35,7 @@ import requests
 from stepscope.contract import STEPS_TOTAL, selector
 from stepscope.contract import verdicts as v
 from stepscope.contract.recordings import RUN_DATALOADER_SHARE, RUN_VERDICT
+from stepscope.report.output import out_directory
 from stepscope.report.prometheus import Prometheus, PrometheusError
 from stepscope.report.window import run_matcher
 
@@ -129,7 +130,7 @@ class Setup:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "),
                                      allow_abbrev=False)
-    parser.add_argument("--out", type=Path, default=Path(f"stepscope-report-{RUN}"), metavar="DIR",
+    parser.add_argument("--out", type=out_directory, default=Path(f"stepscope-report-{RUN}"), metavar="DIR",
                         help=f"the report's directory (default: stepscope-report-{RUN})")
     parser.add_argument("--rules", type=Path, default=None, metavar="DIR",
                         help=f"the rule files to load (default: {RULES} of the checkout)")

@@ -147,6 +147,18 @@ def test_an_out_directory_holding_other_files_is_refused_before_anything_starts(
 
 
 
+def test_an_empty_out_is_refused_not_taken_for_the_working_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out "$DIR"` with DIR unset: as stepscope-report refuses it. Before, it was the working directory: the
+    report went there when it was empty (in the checkout, it said the checkout was not a report)."""
+    from stepscope.report import quickstart
+
+    with pytest.raises(SystemExit) as exited:
+        quickstart.parse_args(["--out", ""])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("stepscope-quickstart: error: argument --out: an empty "
+                                                        "directory name: give one, or '.' for the working directory")
+
+
 def _quickstart_whose_report_returns(code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     """The quickstart with its acts skipped and a report that returns `code` (the report answers Ctrl-C
     and SIGTERM while it writes with 130 itself), temporary files under tmp_path."""
