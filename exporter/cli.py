@@ -196,9 +196,13 @@ def _files_read(args: argparse.Namespace, tls_settings: TlsSettings | None) -> l
 
 
 def _check_state_file(args: argparse.Namespace, tls_settings: TlsSettings | None) -> None:
-    """--web.auth.state-file is replaced at the first login: where it is a file another setting names (the
-    web config given twice), that file would be lost, so it is one line at start instead."""
+    """--web.auth.state-file only with --web.config.file, whose basic auth it serves; and it is replaced at the
+    first login: where it is a file another setting names (the web config given twice), that file would be
+    lost, so it is one line at start instead."""
     state_file = args.web_auth_state_file
+    if state_file and not args.web_config_file:  # before: accepted and never read or written, without a word
+        fail(f"--web.auth.state-file {state_file!r} keeps what basic auth of --web.config.file let in: give "
+             "--web.config.file too, or leave the state file out")
     if not state_file or not os.path.exists(state_file):
         return
     for name, path in _files_read(args, tls_settings):

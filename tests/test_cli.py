@@ -95,6 +95,15 @@ def test_tls_files_must_come_in_pairs_and_parse(tmp_path: Path) -> None:
     )
 
 
+def test_an_auth_state_file_without_a_web_config_is_refused(tmp_path: Path) -> None:
+    """Before, the exporter started and never read or wrote it: a user expecting logins kept across restarts
+    had none kept, without a word."""
+    state = tmp_path / "auth-state.json"
+    assert_clean_failure(run_exporter("--web.auth.state-file", str(state), "--collectors", ""),
+                         "--web.auth.state-file", "give --web.config.file too")
+    assert not state.exists()
+
+
 def test_empty_basic_auth_password_is_refused(tmp_path: Path) -> None:
     empty = tmp_path / "password"
     empty.write_text("\n")
