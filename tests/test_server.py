@@ -232,13 +232,8 @@ def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
 
         renewed = tmp_path / "renewed"
         renewed.mkdir()
-        new_cert, new_key = make_cert(renewed, "second")
-        new_key.replace(key)
-        new_cert.replace(cert)
-        deadline = time.monotonic() + 10
-        while _served_common_name(port) != "second" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _served_common_name(port) == "second"
+        _renew(renewed, "second", cert, key)
+        assert _served_after_renewal(port, "second")
 
         cert.write_text("not a certificate")  # a broken renewal keeps the loaded certificate, said once
         for _ in range(4):  # a connection a second: before, each one logged the failure again
@@ -250,13 +245,23 @@ def test_tls_serves_and_reloads_changed_certificate(tmp_path: Path) -> None:
             time.sleep(1.1)
             assert _served_common_name(port) == "second"
         assert exporter.log().count("unreadable, keeping the loaded certificate") == 1
-        third_cert, third_key = make_cert(tmp_path / "renewed", "third")  # back: served at once
-        third_key.replace(key)
-        third_cert.replace(cert)
-        deadline = time.monotonic() + 10
-        while _served_common_name(port) != "third" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _served_common_name(port) == "third"
+        _renew(renewed, "third", cert, key)  # back: served again
+        assert _served_after_renewal(port, "third")
+
+
+def _renew(directory: Path, common_name: str, cert: Path, key: Path) -> None:
+    """A renewal in place: a new pair made in `directory` moved over the served files, key first."""
+    new_cert, new_key = make_cert(directory, common_name)
+    new_key.replace(key)
+    new_cert.replace(cert)
+
+
+def _served_after_renewal(port: int, common_name: str) -> bool:
+    """Whether the exporter serves `common_name`'s certificate within 10 s (it looks once a second)."""
+    deadline = time.monotonic() + 10
+    while _served_common_name(port) != common_name and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _served_common_name(port) == common_name
 
 
 FAULTY_HANDLER = """
