@@ -176,6 +176,9 @@ BAD_SETTINGS = [
     ("STEPSCOPE_RUN", "resnet-a\n", "run", "resnet-a\n", {}),
     ("STEPSCOPE_PUSH_URL", "localhost:9847", "push_url", "localhost:9847", {}),
     ("STEPSCOPE_PUSH_URL", "http://fd00::5", "push_url", "http://fd00::5", {}),  # no port: brackets needed
+    # pushed to http://127.0.0.1:9847?x=1/metrics/job/..., the exporter's `/`: 405 at every push of the run
+    ("STEPSCOPE_PUSH_URL", "http://127.0.0.1:9847?x=1", "push_url", "http://127.0.0.1:9847?x=1", {}),
+    ("STEPSCOPE_PUSH_URL", "http://127.0.0.1:9847/#top", "push_url", "http://127.0.0.1:9847/#top", {}),
     ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act", "push_token", "s3cr\u20act", {}),
     ("STEPSCOPE_PUSH_INTERVAL", "0", "push_interval", 0.0, {}),
     ("STEPSCOPE_PUSH_INTERVAL", "nan", "push_interval", math.nan, {}),

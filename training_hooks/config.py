@@ -69,6 +69,14 @@ def bracket_ipv6_host(url: str) -> str:
     return f"{scheme}{separator}{userinfo}{at}[{host}]:{port}{slash}{path}"
 
 
+def _check_no_query(url: str) -> None:
+    """ValueError where `url` has a query or a fragment: the group's path is appended to the URL as written, so
+    `http://host:9847?x=1` pushed to `http://host:9847?x=1/metrics/job/...`, the exporter's `/` (405 at every push
+    of the run, training unseen)."""
+    if "?" in url or "#" in url:
+        raise ValueError("must not have a query (?...) or a fragment (#...): the push path is appended to it")
+
+
 def _port(url: str) -> int | None:
     """`url`'s port; ValueError where it is not a number from 0 to 65535: requests refuses every push to it
     (InvalidURL), which init took and the pusher retried for the whole run."""
@@ -229,6 +237,7 @@ class Config:
                              f"disables pushing), got {self._shown('push_url')}")
         if self.push_url:
             try:
+                _check_no_query(self.push_url)
                 object.__setattr__(self, "push_url", bracket_ipv6_host(self.push_url))
                 _port(self.push_url)
             except ValueError as exc:
