@@ -282,3 +282,50 @@ def test_a_push_on_a_kept_connection_the_server_closed_as_it_went_out_is_sent_ag
         server.join(timeout=5)
     assert answered == [0, 1]
     assert (pusher.stats.successes, pusher.stats.failures) == (2, 0)
+
+
+class RecordingServer:
+    """A plain HTTP server that answers every PUT 200 and keeps (request target, Authorization) of each."""
+
+    def __init__(self) -> None:
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                received.append((self.path, self.headers.get("Authorization")))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> "RecordingServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_a_push_to_this_machine_skips_the_environments_proxy_and_others_keep_it(monkeypatch) -> None:
+    """Clusters set HTTP_PROXY for downloads, and requests sent even a push to 127.0.0.1 through it: every push
+    failed (ProxyError, or the proxy's 502) and the proxy got the bearer token. Go's clients never proxy
+    loopback; the hooks now neither proxy this machine, and a push elsewhere (a Pushgateway across the network)
+    goes through the proxy as before."""
+    with RecordingServer() as proxy, RecordingServer() as exporter:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        local = Pusher(f"{exporter.url}/metrics/job/stepscope/run/r/rank/0", lambda: "x 1\n", interval=5.0,
+                       token="s3cret")
+        remote = Pusher("http://pushgateway.invalid:9091/metrics/job/stepscope/run/r/rank/0", lambda: "x 1\n",
+                        interval=5.0)
+        assert local.push_once() and remote.push_once()
+    assert exporter.received == [("/metrics/job/stepscope/run/r/rank/0", "Bearer s3cret")]
+    assert proxy.received == [("http://pushgateway.invalid:9091/metrics/job/stepscope/run/r/rank/0", None)]

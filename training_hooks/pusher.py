@@ -87,6 +87,19 @@ def _this_machine_or(host: str) -> str:
 
 
 USER_AGENT = f"stepscope-training-hooks/{VERSION}"
+# requests' spelling of "no proxy for this request": NO_PROXY matching every host.
+_BYPASS_PROXY = {"no_proxy": "*"}
+
+
+def proxies_for(url: str) -> dict[str, str] | None:
+    """The `proxies` of a push to `url`: none for this machine, the environment's (HTTP_PROXY, NO_PROXY) else.
+
+    requests sends even a loopback push through HTTP_PROXY/HTTPS_PROXY/ALL_PROXY unless NO_PROXY names the host,
+    and clusters set those variables for downloads: every push to the default http://127.0.0.1:9847 went to the
+    proxy (ProxyError or its 502, the bearer token with it). Go's clients, Prometheus's among them, never proxy
+    loopback; a push to this machine's exporter needs no proxy either.
+    """
+    return dict(_BYPASS_PROXY) if _this_machine_or(urlsplit(url).hostname or "") == "this machine" else None
 
 
 @dataclass
@@ -115,6 +128,7 @@ class Pusher:
         self.max_backoff = max(max_backoff, interval)
         self.stats = PushStats()
         self._session = requests.Session()
+        self._proxies = proxies_for(url)
         # The User-Agent names the hooks' version in the exporter's and a Pushgateway's access logs.
         self._headers = {"Content-Type": CONTENT_TYPE, "User-Agent": USER_AGENT}
         if token:
@@ -182,11 +196,15 @@ class Pusher:
         """One PUT, sent once more on a new connection if the first failed without a timeout: its kept-alive
         connection may have been closed by the server as it went out (the module's docstring)."""
         try:
-            return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout)
+            return self._send(body, headers)
         except requests.ConnectionError as exc:
             if isinstance(exc, requests.Timeout):
                 raise
-        return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout)
+        return self._send(body, headers)
+
+    def _send(self, body: bytes, headers: Mapping[str, str]) -> requests.Response:
+        proxies = dict(self._proxies) if self._proxies is not None else None  # requests adds to the dict it gets
+        return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout, proxies=proxies)
 
     def _answered(self, headers: Mapping[str, str]) -> None:
         if self._on_answer is None:
