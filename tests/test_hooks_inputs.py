@@ -289,3 +289,14 @@ def test_init_takes_exactly_the_run_names_the_exporter_stores(tmp_path: Path) ->
             assert str(raised.value).endswith(f"got {run!r}")
             refused = requests.put(group_url(exporter.url, run, 0), data=b"", timeout=10)
             assert (refused.status_code, "must be non-empty printable text" in refused.text) == (400, True), run
+
+
+@pytest.mark.parametrize("argument", ["rank", "local_rank", "world_size", "push_interval", "max_phases"])
+def test_a_bool_is_no_count_of_ranks_or_seconds(argument: str) -> None:
+    """True is an int to Python: th.init(rank=True, world_size=2) was taken and every push of the run went to
+    .../rank/True, which the exporter refuses (400: 0 of 2 pushes taken); push_interval=True pushed every second."""
+    others = {"world_size": 2} if argument == "rank" else {}
+    with pytest.raises(ValueError) as refused:
+        Config.resolve(env={"STEPSCOPE_RUN": "r"}, **others, **{argument: True})
+    assert str(refused.value).startswith(f"{argument} must be"), str(refused.value)
+    assert str(refused.value).endswith("got True"), str(refused.value)

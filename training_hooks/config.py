@@ -162,6 +162,12 @@ def _check_token(token: str, name: str) -> None:
                              "carry: use printable ASCII")
 
 
+def _is_whole(value: object) -> bool:
+    """An int that is not a bool: True is an int to Python, and rank=True pushed to .../rank/True, which the exporter
+    refuses (400 at every push of the run)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -225,9 +231,9 @@ class Config:
                              f"{len(self.run)}")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not _is_whole(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if not _is_whole(self.world_size) or self.world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
         if self.rank >= self.world_size:
             raise ValueError(f"{self._named('rank')} {self.rank} must be smaller than {self._named('world_size')} "
@@ -246,7 +252,7 @@ class Config:
             _check_token(self.push_token, self._named("push_token"))
         for name in ("push_interval", "push_timeout", "max_backoff"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value <= MAX_PUSH_SECONDS:  # False for a NaN too
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PUSH_SECONDS:
                 raise self._invalid(name, f"a number > 0 and at most {MAX_PUSH_SECONDS:g} seconds (the exporter's "
                                     "default --ingest-ttl)")
         if self.buckets is not None:
@@ -254,7 +260,7 @@ class Config:
         for name in ("phase_buckets", "share_bounds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.max_phases, int) or self.max_phases < 1:
+        if not _is_whole(self.max_phases) or self.max_phases < 1:
             raise ValueError(f"max_phases must be an integer >= 1, got {self.max_phases!r}")
         if not self.framework or len(self.framework) > MAX_LABEL_LENGTH:
             raise ValueError(f"framework must be a short non-empty string, got {self.framework!r}")
@@ -263,7 +269,7 @@ class Config:
         object.__setattr__(self, "trace_dir", os.path.abspath(os.path.expanduser(self.trace_dir.strip())))
         for name, minimum in (("trace_max_bytes", 1024), ("trace_keep", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            if not _is_whole(value) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
         self._validate_flops()
 
