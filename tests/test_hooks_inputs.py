@@ -179,6 +179,10 @@ BAD_SETTINGS = [
     # pushed to http://127.0.0.1:9847?x=1/metrics/job/..., the exporter's `/`: 405 at every push of the run
     ("STEPSCOPE_PUSH_URL", "http://127.0.0.1:9847?x=1", "push_url", "http://127.0.0.1:9847?x=1", {}),
     ("STEPSCOPE_PUSH_URL", "http://127.0.0.1:9847/#top", "push_url", "http://127.0.0.1:9847/#top", {}),
+    # the scrape URL: pushed to /metrics/metrics/job/..., 404 at every push of the run
+    ("STEPSCOPE_PUSH_URL", "http://127.0.0.1:9847/metrics", "push_url", "http://127.0.0.1:9847/metrics", {}),
+    ("STEPSCOPE_PUSH_URL", "http://127.0.0.1:9847/metrics/job/stepscope", "push_url",
+     "http://127.0.0.1:9847/metrics/job/stepscope", {}),
     ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act", "push_token", "s3cr\u20act", {}),
     ("STEPSCOPE_PUSH_INTERVAL", "0", "push_interval", 0.0, {}),
     ("STEPSCOPE_PUSH_INTERVAL", "nan", "push_interval", math.nan, {}),

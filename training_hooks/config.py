@@ -69,12 +69,17 @@ def bracket_ipv6_host(url: str) -> str:
     return f"{scheme}{separator}{userinfo}{at}[{host}]:{port}{slash}{path}"
 
 
-def _check_no_query(url: str) -> None:
-    """ValueError where `url` has a query or a fragment: the group's path is appended to the URL as written, so
-    `http://host:9847?x=1` pushed to `http://host:9847?x=1/metrics/job/...`, the exporter's `/` (405 at every push
-    of the run, training unseen)."""
+def _check_base_url(url: str) -> None:
+    """ValueError where `url` is no base the group's path can be appended to, as written: one with a query or a
+    fragment (`http://host:9847?x=1` pushed to `http://host:9847?x=1/metrics/job/...`, the exporter's `/`: 405 at
+    every push of the run, training unseen), or one that already ends in the push API's `/metrics` (the scrape
+    URL, `http://host:9847/metrics`, pushed to `/metrics/metrics/job/...`: 404 at every push)."""
     if "?" in url or "#" in url:
         raise ValueError("must not have a query (?...) or a fragment (#...): the push path is appended to it")
+    path = urlsplit(url).path.rstrip("/")
+    if path.endswith("/metrics") or "/metrics/job/" in f"{path}/":
+        raise ValueError("must be the exporter's base URL, without /metrics: the push path /metrics/job/... is "
+                         "appended to it")
 
 
 def _port(url: str) -> int | None:
@@ -243,7 +248,7 @@ class Config:
                              f"disables pushing), got {self._shown('push_url')}")
         if self.push_url:
             try:
-                _check_no_query(self.push_url)
+                _check_base_url(self.push_url)
                 object.__setattr__(self, "push_url", bracket_ipv6_host(self.push_url))
                 _port(self.push_url)
             except ValueError as exc:
