@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stepscope.hooks as th
+from stepscope.contract.thresholds import THRESHOLDS
 from stepscope.hooks.pusher import Pusher
 from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
@@ -329,3 +330,17 @@ def test_a_push_to_this_machine_skips_the_environments_proxy_and_others_keep_it(
         assert local.push_once() and remote.push_once()
     assert exporter.received == [("/metrics/job/stepscope/run/r/rank/0", "Bearer s3cret")]
     assert proxy.received == [("http://pushgateway.invalid:9091/metrics/job/stepscope/run/r/rank/0", None)]
+
+
+def test_a_rank_pushes_again_within_a_third_of_the_rank_lost_silence_after_its_exporter_recovers() -> None:
+    """StepscopeRankLost pages a rank unpushed for rank_lost_seconds (45 s). Backing off to 60 s after timeouts and
+    5xx, a rank whose exporter answered 503 for 40 s (waits of 10, 20, then 40 s) stayed unpushed 75 s and was paged
+    lost from 71 to 86 s, though the exporter answered again at 52 s. The default backoff stops at a third of the
+    threshold: the rank pushed again at 55 s, no page."""
+    config = th.Config.resolve(env={}, run="r")
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts into its backlog, never answers
+        hanging = Pusher(f"http://127.0.0.1:{silent.getsockname()[1]}", lambda: "", interval=config.push_interval,
+                         timeout=0.05, max_backoff=config.max_backoff)
+        delays = retry_delays(hanging, 5)
+    assert delays == [10.0, 15.0, 15.0, 15.0, 15.0]
+    assert max(delays) <= THRESHOLDS["rank_lost_seconds"].value / 3

@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stepscope.contract.peak_flops import DEFAULT_DTYPE, DTYPES
+from stepscope.contract.thresholds import THRESHOLDS
 from stepscope.contract.training import RUN_NAME_RULE, is_run_name
 
 DEFAULT_PUSH_URL = "http://127.0.0.1:9847"
@@ -25,6 +26,11 @@ MAX_LABEL_LENGTH = 128
 # thread cannot make (threading.TIMEOUT_MAX) killed it with OverflowError: no periodic push at all. The rules
 # assume about 20 s at most (StepscopeRankLost, docs/alerts.md).
 MAX_PUSH_SECONDS = 600.0
+# The longest wait between tries after a timeout or a 5xx: a third of the silence after which StepscopeRankLost pages a
+# rank that did not close (rank_lost_seconds, 45 s), so that a rank pushes again within 15 s of its exporter's
+# recovery. At 60 s, waits of 10, 20 and 40 s after an exporter answered 503 for 40 s kept a rank that trained on
+# unpushed for 75 s: StepscopeRankLost paged it from 71 to 86 s, though both were fine again at 52 s.
+DEFAULT_MAX_BACKOFF = THRESHOLDS["rank_lost_seconds"].value / 3
 
 
 # Profiler traces (stepscope.hooks.profiling): where they go, the most one may take compressed, and how
@@ -194,7 +200,7 @@ class Config:
     push_token: str | None = None
     push_interval: float = DEFAULT_PUSH_INTERVAL
     push_timeout: float = 2.0
-    max_backoff: float = 60.0
+    max_backoff: float = DEFAULT_MAX_BACKOFF
     buckets: tuple[float, ...] | None = None  # None: buckets that follow the run (stepscope.hooks.timing)
     phase_buckets: bool = False  # per-phase buckets; phases always have _sum and _count
     share_bounds: bool = True  # agree on bucket bounds with the run's other ranks (stepscope.hooks.run_bounds)

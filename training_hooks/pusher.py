@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 import requests
 
 from stepscope.contract import VERSION
+from stepscope.hooks.config import DEFAULT_MAX_BACKOFF
 from stepscope.hooks.render import CONTENT_TYPE
 
 log = logging.getLogger("stepscope.hooks")
@@ -116,7 +117,8 @@ class PushStats:
 class Pusher:
     def __init__(
         self, url: str, body: Callable[[], str], interval: float, token: str | None = None,
-        timeout: float = 2.0, max_backoff: float = 60.0, headers: Callable[[], Mapping[str, str]] | None = None,
+        timeout: float = 2.0, max_backoff: float = DEFAULT_MAX_BACKOFF,
+        headers: Callable[[], Mapping[str, str]] | None = None,
         on_answer: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
         self.url = url
