@@ -30,6 +30,7 @@ import requests
 from stepscope.exporter.flags import positive_float
 from stepscope.exporter.ingest.tokens import check_token, first_token
 from stepscope.hooks.config import bracket_ipv6_host, sent_token
+from stepscope.hooks.pusher import proxies_for
 from stepscope.report.prometheus import answered_within, without_credentials
 
 PROG = "stepscope-profile"
@@ -125,6 +126,7 @@ class ExporterApi:
         self.base_url = base_url
         self.shown_url = without_credentials(base_url)  # in messages: a proxy's user and password stay out of logs
         self._session = requests.Session()
+        self._proxies = proxies_for(base_url)  # this machine's exporter: never through HTTP_PROXY (pusher.py)
         if token:
             self._session.headers["Authorization"] = f"Bearer {token}"
 
@@ -132,7 +134,7 @@ class ExporterApi:
         url = self.base_url + path
         try:
             response = answered_within(HTTP_TIMEOUT_SECONDS, lambda: self._session.request(
-                method, url, timeout=HTTP_TIMEOUT_SECONDS, **kwargs))
+                method, url, timeout=HTTP_TIMEOUT_SECONDS, proxies=self._proxies and dict(self._proxies), **kwargs))
         except requests.RequestException as exc:
             raise Failure(f"cannot reach the exporter at {self.shown_url} ({type(exc).__name__}): is stepscope-exporter"
                           " running there? (--exporter, STEPSCOPE_PUSH_URL)") from None

@@ -75,6 +75,15 @@ def test_stepscope_profile_still_sends_a_good_token(exporter: Running, tmp_path:
     assert "error:" not in done.stderr, done.stderr
 
 
+def test_stepscope_profile_reaches_this_machines_exporter_past_the_environments_proxy(exporter: Running) -> None:
+    """With HTTP_PROXY set (clusters set it for downloads) it sent its requests to 127.0.0.1 through the proxy:
+    'cannot reach the exporter ... (ProxyError)'. It now goes direct, as the hooks' pushes do: the exporter
+    answers (no rank of run r pushes here)."""
+    done = run_profile_cli(exporter, env={"HTTP_PROXY": "http://127.0.0.1:1", "NO_PROXY": "", "no_proxy": ""})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot reach" not in done.stderr and "ProxyError" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(("lines", "refused"), [("good-token\nold-token\n", False), ("old-token\ngood-token\n", True)],
                          ids=["newest-first", "newest-second"])
 def test_stepscope_profile_sends_the_first_token_of_a_rotating_file(exporter: Running, tmp_path: Path, lines: str,
