@@ -140,7 +140,7 @@ def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
         ({}, {"STEPSCOPE_PHASE_BUCKETS": "maybe"}, "STEPSCOPE_PHASE_BUCKETS must be one of 1, true"),
         ({"phase_buckets": "yes"}, {}, "phase_buckets must be True or False"),
         ({"max_backoff": 1e10}, {}, "max_backoff must be a number > 0 and at most 600 seconds"),
-        ({"push_interval": 600.5}, {}, "push_interval must be a number > 0 and at most 600 seconds"),
+        ({"push_interval": 600.5}, {}, "push_interval must be a number > 0.01 and at most 600 seconds"),
         ({"run": " "}, {}, "run must be a non-empty string"),
         ({"max_phases": 0}, {}, "max_phases must be an integer >= 1"),
     ],

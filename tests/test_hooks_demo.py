@@ -44,7 +44,7 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--push-url", "127.0.0.1:9847"], "must start with http://"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--slow-rank", "1"], "--slow-rank 1 must be smaller than world_size 1"),
-        (["--push-interval", "0"], "push_interval must be a number > 0 and at most 600 seconds"),
+        (["--push-interval", "0"], "push_interval must be a number > 0.01 and at most 600 seconds"),
         (["--progress-every", "0"], "--progress-every: must be > 0"),
         # Before: time.sleep(inf) raised OverflowError (a traceback, exit 1), an eval of inf seconds never ended,
         # and the pusher thread died at a wait of 1e10 s.
@@ -52,7 +52,7 @@ def without_torch(tmp_path: Path, failure: str) -> dict[str, str]:
         (["--extra-step-seconds", "inf"], "--extra-step-seconds: must be at most 3600 seconds, got 'inf'"),
         (["--eval-every", "1", "--eval-seconds", "inf"], "--eval-seconds: must be at most 3600 seconds, got 'inf'"),
         (["--slow-loader", "1e10"], "--slow-loader: must be at most 3600 seconds, got '1e10'"),
-        (["--push-interval", "1e10"], "push_interval must be a number > 0 and at most 600 seconds"),
+        (["--push-interval", "1e10"], "push_interval must be a number > 0.01 and at most 600 seconds"),
     ],
 )
 def test_demo_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:

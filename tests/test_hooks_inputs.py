@@ -186,6 +186,7 @@ BAD_SETTINGS = [
     ("STEPSCOPE_PUSH_TOKEN", "s3cr\u20act", "push_token", "s3cr\u20act", {}),
     ("STEPSCOPE_PUSH_INTERVAL", "0", "push_interval", 0.0, {}),
     ("STEPSCOPE_PUSH_INTERVAL", "nan", "push_interval", math.nan, {}),
+    ("STEPSCOPE_PUSH_INTERVAL", "1e-9", "push_interval", 1e-9, {}),  # pushed flat out, a core at it
     ("STEPSCOPE_PUSH_INTERVAL", "1e10", "push_interval", 1e10, {}),  # killed the pusher thread (OverflowError)
     ("STEPSCOPE_BUCKETS", "0.5,0.1", "buckets", (0.5, 0.1), {}),
     ("STEPSCOPE_PHASE_BUCKETS", "maybe", "phase_buckets", "maybe", {}),

@@ -26,6 +26,9 @@ MAX_LABEL_LENGTH = 128
 # thread cannot make (threading.TIMEOUT_MAX) killed it with OverflowError: no periodic push at all. The rules
 # assume about 20 s at most (StepscopeRankLost, docs/alerts.md).
 MAX_PUSH_SECONDS = 600.0
+# Pushing more often than this is no finer reading (Prometheus scrapes every few seconds) and, at 1e-9, a pusher
+# thread pushing flat out: a core of the training node and the node's exporter spent on it.
+MIN_PUSH_INTERVAL = 0.01
 # The longest wait between tries after a timeout or a 5xx: a third of the silence after which StepscopeRankLost pages a
 # rank that did not close (rank_lost_seconds, 45 s), so that a rank pushes again within 15 s of its exporter's
 # recovery. At 60 s, waits of 10, 20 and 40 s after an exporter answered 503 for 40 s kept a rank that trained on
@@ -263,9 +266,10 @@ class Config:
             _check_token(self.push_token, self._named("push_token"))
         for name in ("push_interval", "push_timeout", "max_backoff"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PUSH_SECONDS:
-                raise self._invalid(name, f"a number > 0 and at most {MAX_PUSH_SECONDS:g} seconds (the exporter's "
-                                    "default --ingest-ttl)")
+            least = MIN_PUSH_INTERVAL if name == "push_interval" else 0
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least < value <= MAX_PUSH_SECONDS:
+                raise self._invalid(name, f"a number > {least:g} and at most {MAX_PUSH_SECONDS:g} seconds (the "
+                                    "exporter's default --ingest-ttl)")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", validate_buckets(self.buckets, self._named("buckets")))
         for name in ("phase_buckets", "share_bounds"):
