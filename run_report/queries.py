@@ -83,14 +83,21 @@ def _series_increase(selector: str, window: Window) -> str:
     the increase since the series's last sample up to BEFORE before that step, or the whole value where the
     counter reset or was born; not the value one step back, which after a short gap (a failed scrape) is stale
     and would add the whole count once more. Exact where no process grew past its predecessor's count within
-    one step or gap, and where no gap over BEFORE comes with a restart in the same series."""
+    one step or gap, and where no gap over BEFORE comes with a restart in the same series.
+
+    A step of several scrapes (a run longer than RESOLUTION_POINTS scrapes: 5 h at 15 s) may hold a restart whose
+    new process is already back at its predecessor's count (a setup of 300 s again, at a 300 s step): the counter
+    went down inside the step (resets, or a sample in it below the step's previous value) and counts whole. Before,
+    the new count less the old was 0: a 3-day run restarted twice read 900 s of setup per rank for 1,200."""
     d, step = window.range_ms, window.step_duration
     just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
     now = f"last_over_time({selector}[{d}])"
     before = f"last_over_time({selector}[{BEFORE}] offset {just_before})"
     reset = f"(resets({selector}[{d}]) > 0)"
     previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
-    through_resets = f"sum_over_time((({selector} - {previous}) >= 0 or {selector} + 0)[{d}:{step}])"
+    went_down = f"(resets({selector}[{step}]) > 0 or min_over_time({selector}[{step}]) < {previous})"
+    counted = f"((({selector} - {previous}) >= 0 unless {went_down}) or {selector} + 0)"
+    through_resets = f"sum_over_time({counted}[{d}:{step}])"
     return f"((({now} - {before}) >= 0 or {now}) unless {reset}) or ({through_resets} and {reset})"
 
 

@@ -474,6 +474,14 @@ def test_goodput_counts_across_a_scrape_gap_over_ten_minutes_only_what_the_count
                                                            "1": ("0+15x10 stale _x49 0+15x19", 435)})
 
 
+def test_goodput_counts_a_restart_back_at_its_predecessors_count_within_one_coarse_step(tmp_path: Path) -> None:
+    """A long run's window is read at 300 s (at most 1,200 points): rank 0's process spent 300 s in setup, was
+    killed at 600 s, and the next one, started at 600 s, spent 300 s in setup again, all between two points of the
+    window (600 and 900 s). Its count at 900 s equals its predecessor's: before, that step counted 300 - 300 = 0,
+    300 s of setup for 600 (a 3-day run restarted twice read 900 s per rank for 1,200)."""
+    _assert_train_seconds(tmp_path, Window(0, 1800, 300), {"0": ("0+15x20 300x19 15+15x19 300x59", 600)})
+
+
 def _assert_train_seconds(tmp_path: Path, window: Window, ranks: dict[str, tuple[str, float]]) -> None:
     """The report's goodput train seconds per rank, by promtool, over `window` ending at its end: rank ->
     (promtool input series of stepscope_state_seconds_total{state="train"} every 15 s, what it must count)."""
