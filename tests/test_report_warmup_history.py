@@ -27,10 +27,12 @@ STEP, FORWARD, LOADING, BATCH = 0.025, 0.8, 0.1, 8  # steady step seconds, share
 # with a first step of 40 s again (compilation anew)
 REQUEUED, RESTART, RESTART_WARMUP = "requeued", 300.0, 40.0
 MID_RUN = 120  # a window from here starts after the first process's warm-up
+# Run "gapped": one rank, warm-up 60 s, trains to 1,500 s; its node's scrapes fail from 300 s for 11 minutes
+GAPPED, GAPPED_END, SCRAPES_FAIL = "gapped", 1500, (300, 960)
 
 
-def _rank(rank: str, warmup: float, run: str = "late", restarts: tuple[tuple[float, float], ...] = ()
-          ) -> list[tuple[str, float, float]]:
+def _rank(rank: str, warmup: float, run: str = "late", restarts: tuple[tuple[float, float], ...] = (),
+          end: int = END) -> list[tuple[str, float, float]]:
     """The rank's pushes as scraped: a process from START whose first step takes `warmup`, then one per
     (seconds after START it starts, its first step) in `restarts`, each ending the one before (its counters
     start from 0, a new pid and process start time); every process pushes from its start, its step and phase
@@ -38,15 +40,15 @@ def _rank(rank: str, warmup: float, run: str = "late", restarts: tuple[tuple[flo
     labels = f'job="stepscope",instance="n1",run="{run}",rank="{rank}"'
     processes = ((0.0, warmup), *restarts)
     samples: list[tuple[str, float, float]] = []
-    for t in range(0, END + 61, SCRAPE):
-        at, now = START + t, min(t, END)
+    for t in range(0, end + 61, SCRAPE):
+        at, now = START + t, min(t, end)
         number, (begun, first) = max((i, process) for i, process in enumerate(processes) if process[0] <= now)
         info = f'pid="{number + 1}{rank}",start_time="{START + begun:.3f}"'
         samples += [
             (f'{fam.TRAINING_INFO}{{{labels},{info},local_rank="{rank}",world_size="2",framework="x"}}', at, 1),
             (f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", at, START + now),
-            (f'{fam.TRAINING_STATE}{{{labels},state="train"}}', at, int(t < END)),
-            (f'{fam.TRAINING_STATE}{{{labels},state="idle"}}', at, int(t >= END)),
+            (f'{fam.TRAINING_STATE}{{{labels},state="train"}}', at, int(t < end)),
+            (f'{fam.TRAINING_STATE}{{{labels},state="idle"}}', at, int(t >= end)),
         ]
         ran = now - begun  # seconds since the process started: all in steps, the first included
         steps = 1 + round((ran - first) / STEP) if ran >= first else 0  # the first step ends at `first`
@@ -67,6 +69,10 @@ def _rank(rank: str, warmup: float, run: str = "late", restarts: tuple[tuple[flo
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     samples = [sample for rank, warmup in WARMUPS.items() for sample in _rank(rank, warmup)]
     samples += _rank("0", WARMUPS["0"], REQUEUED, ((RESTART, RESTART_WARMUP),))
+    samples += [sample for sample in _rank("0", WARMUPS["0"], GAPPED, end=GAPPED_END)
+                if not SCRAPES_FAIL[0] <= sample[1] - START < SCRAPES_FAIL[1]]
+    samples += [(f'{RUN_SAMPLES_RATE}{{run="{GAPPED}"}}', START + t, BATCH / STEP)
+                for t in range(SCRAPE, GAPPED_END, SCRAPE) if not SCRAPES_FAIL[0] <= t < SCRAPES_FAIL[1]]
     samples += [(f'{RUN_SAMPLES_RATE}{{run="{run}"}}', START + t, ranks * BATCH / STEP)  # what the rules
                 for run, ranks in (("late", len(WARMUPS)), (REQUEUED, 1))  # recorded while it trained
                 for t in range(SCRAPE, END, SCRAPE)]
@@ -148,3 +154,17 @@ def test_a_restarted_processs_warm_up_is_left_out_too(
     assert f"first steps {first_warmup:g} s and {restarted} (warm-up" in page, page
     steps = first_steps + restarted_steps
     assert int(row["steps"]) == steps and int(run["samples"]) == BATCH * steps, (row, run)
+
+
+def test_scrapes_failing_for_longer_than_ten_minutes_are_no_restart(
+        prometheus: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rank's node was not scraped for 11 minutes and its process went on counting. Before, the first scrape
+    after the gap was taken for a restarted process's first (nothing within 10 minutes before it): its counts since
+    the process's start were a "first step" of 60 s "after a restart", and a 64-rank run whose node failed its
+    scrapes for 20 minutes left 5 hours of that node's steps out of its means (851 s "first step", 4.4% low)."""
+    out = tmp_path / "report"
+    _, ranks = _summaries(prometheus, out, capsys, run=GAPPED)
+    row = ranks["0"]
+    assert float(row["first_step_seconds"]) == pytest.approx(WARMUPS["0"], rel=1e-6), row
+    assert float(row["mean_step_seconds"]) == pytest.approx(STEP, rel=1e-6), row
+    assert "after a restart" not in (out / "index.html").read_text(encoding="utf-8")
