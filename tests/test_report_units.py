@@ -594,3 +594,20 @@ def test_missing_ranks_are_counted_not_listed_whatever_the_world_size() -> None:
         "world size 1000000000: 999999998 ranks never reported (1, 3, 4, 5, 6 and 999999993 more)")
     whole = [Series({"rank": rank, "world_size": "2"}, ((1.0, 1.0),)) for rank in ("0", "1")]
     assert missing_ranks(RunData("r", WINDOW, ("n",), totals | {"info": whole}, {})) is None
+
+
+def test_a_step_time_plot_of_64_ranks_has_no_legend_over_its_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the legend named every line: 64 ranks and the run's p50 / p95 in 66 entries covered the step-time
+    plot, its title and its lines (a 64-rank run's report); 8 ranks keep theirs."""
+    from matplotlib.axes import Axes
+
+    drawn: list[object] = []
+    monkeypatch.setattr(Axes, "legend", lambda ax, *args, **kwargs: drawn.append(ax))
+    for ranks, legends in ((64, 0), (8, 1)):
+        drawn.clear()
+        points = tuple((WINDOW.start + t, 0.1) for t in range(0, 100, 10))
+        over = {"step_mean": [Series({"rank": str(rank)}, points) for rank in range(ranks)],
+                "run_p50": [Series({}, points)], "run_p95": [Series({}, points)], "run_samples_rate": [],
+                "dataloader_share": []}
+        assert plots.step_time(WINDOW, over).startswith(b"\x89PNG")
+        assert len(drawn) == legends, ranks
