@@ -3,13 +3,27 @@
 import copy
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from stepscope.contract import families
 from stepscope.exporter.metric_families import OPENMETRICS_SUFFIXES, Metric, float_to_go_string, render
 
 _MINUS_INF = float("-inf")
+_NODE_TIME_HEAD = (f"# HELP {families.NODE_TIME} The node's wall clock (Unix seconds) as the exporter answered "
+                   f"this scrape.\n# TYPE {families.NODE_TIME} gauge\n").encode()
+
+
+def node_time(now: float | None = None) -> bytes:
+    """The node's clock at this scrape, read when the scrape is answered (never cached with a snapshot): the
+    server stamps the sample with its own clock at the scrape, so the value less its timestamp() is how far the
+    node's clock is off (node_exporter's node_time_seconds, for the same reading). The rules take that out of
+    every time the node stamps (last push, last step, a phase's entry, an XID, a collector's success), which they
+    compare with their own time() and with other nodes' times."""
+    value = float_to_go_string(time.time() if now is None else now)
+    return _NODE_TIME_HEAD + f"{families.NODE_TIME} {value}\n".encode()
 
 
 class _Rendered:
@@ -134,17 +148,6 @@ _GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, 
 _FINAL_BLOCK = b"\x03\x00"  # an empty final block with fixed Huffman codes
 
 
-def gzip_member(chunks: Sequence[Chunk]) -> bytes:
-    """One gzip member of the chunks' text, from their stored deflate blocks."""
-    crc = 0
-    size = 0
-    for chunk in chunks:
-        crc = zlib.crc32(chunk.plain, crc)
-        size += len(chunk.plain)
-    trailer = struct.pack("<II", crc, size & 0xFFFFFFFF)
-    return b"".join([_GZIP_HEADER, *(chunk.packed for chunk in chunks), _FINAL_BLOCK, trailer])
-
-
 class _Published:
     """A source published as one body (collectors: once per cycle), compressed once at publish."""
 
@@ -174,7 +177,7 @@ class ExpositionStore:
         self._cached_key: tuple[object, ...] | None = None
         self._chunks: list[Chunk] = []
         self._plain: bytes | None = None
-        self._packed: bytes | None = None
+        self._packed: _Packed | None = None
 
     def publish(self, source: str, body: bytes) -> None:
         with self._lock:
@@ -185,7 +188,12 @@ class ExpositionStore:
         with self._lock:
             self._sources = {**self._sources, source: chunks}
 
-    def body(self, compressed: bool = False) -> bytes:
+    def body(self, compressed: bool = False, tail: bytes = b"") -> bytes:
+        """Every source's text, then `tail` (rendered for this scrape alone: the node's clock), plain or gzipped.
+
+        The sources' part is built once per change; `tail` goes in as a stored deflate block, and the CRC goes
+        on from the cached one over its few bytes, so a scrape still costs a concatenation.
+        """
         with self._lock:
             sources = [self._sources[name] for name in sorted(self._sources)]
             key = tuple(source.version() for source in sources)
@@ -196,7 +204,25 @@ class ExpositionStore:
             if not compressed:
                 if self._plain is None:
                     self._plain = b"".join(chunk.plain for chunk in self._chunks)
-                return self._plain
+                return self._plain + tail
             if self._packed is None:
-                self._packed = gzip_member(self._chunks)
-            return self._packed
+                self._packed = _Packed(self._chunks)
+            return self._packed.member(tail)
+
+
+class _Packed:
+    """The sources' deflate blocks behind a gzip header, with their CRC32 and length: one gzip member is
+    these, a stored block of the scrape's own tail, an empty final block and the trailer."""
+
+    def __init__(self, chunks: Sequence[Chunk]) -> None:
+        self.head = b"".join([_GZIP_HEADER, *(chunk.packed for chunk in chunks)])
+        self.crc = 0
+        self.size = 0
+        for chunk in chunks:
+            self.crc = zlib.crc32(chunk.plain, self.crc)
+            self.size += len(chunk.plain)
+
+    def member(self, tail: bytes) -> bytes:
+        stored = struct.pack("<BHH", 0, len(tail), len(tail) ^ 0xFFFF) + tail if tail else b""
+        trailer = struct.pack("<II", zlib.crc32(tail, self.crc), (self.size + len(tail)) & 0xFFFFFFFF)
+        return b"".join([self.head, stored, _FINAL_BLOCK, trailer])

@@ -24,7 +24,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Protocol
 
 from stepscope.exporter import __version__
-from stepscope.exporter.exposition import ExpositionStore
+from stepscope.exporter.exposition import ExpositionStore, node_time
 from stepscope.exporter.http_exchange import (
     BODY_TIMEOUT_SECONDS,
     BodyCutShort,
@@ -390,7 +390,7 @@ class ExporterServer:
         headers = {"Content-Type": CONTENT_TYPE_LATEST}
         if compressed:
             headers["Content-Encoding"] = "gzip"
-        return Response(200, self.store.body(compressed=compressed), headers)
+        return Response(200, self.store.body(compressed=compressed, tail=node_time()), headers)
 
     async def _api(self, exchange: Exchange, request: Request, handler: PushHandler) -> Response:
         """check() on the request head; then the body, bounded in size, time and bytes in flight; handle()."""

@@ -82,6 +82,7 @@ COLLECTOR_ERRORS = "stepscope_exporter_collector_errors_total"
 COLLECTOR_LAST_SUCCESS = "stepscope_exporter_collector_last_success_timestamp_seconds"
 BUILD_INFO = "stepscope_exporter_build_info"
 EXPORTER_START_TIME = "stepscope_exporter_start_time_seconds"
+NODE_TIME = "stepscope_exporter_time_seconds"
 INGEST_ACCEPTED = "stepscope_exporter_ingest_accepted_total"
 INGEST_REJECTED = "stepscope_exporter_ingest_rejected_total"
 INGEST_GROUPS = "stepscope_exporter_ingest_groups"
@@ -251,6 +252,9 @@ _SELF = (
     Family(EXPORTER_START_TIME, "gauge", (),
            f"when the exporter started (Unix seconds): for {SETTLE_SECONDS} s after it the rules hold the readings "
            "it does not serve yet, until every rank has pushed again ([alerts](alerts.md#scrape-gaps))"),
+    Family(NODE_TIME, "gauge", (),
+           "the node's clock (Unix seconds) when the scrape was answered; less `timestamp()` of it, how far the node's "
+           "clock is off, which the rules take out of every time the node stamps ([clock skew](alerts.md#clock-skew))"),
     Family(INGEST_ACCEPTED, "counter", (), "pushes stored"),
     Family(INGEST_REJECTED, "counter", ("reason",), "pushes refused, by reason (every reason present from start)"),
     Family(INGEST_GROUPS, "gauge", (), "(run, rank) groups stored"),

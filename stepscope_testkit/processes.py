@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_NVML_DIR = REPO_ROOT / "stepscope_testkit" / "fake_nvml"
+SKEWED_CLOCK_DIR = REPO_ROOT / "stepscope_testkit" / "skewed_clock"
 _RANDOM = random.Random()  # its own: a test seeding the module's generator must not replay our picks
 _HANDED_OUT: dict[int, float] = {}  # port -> when free_port gave it
 _HANDED_OUT_SECONDS = 300.0
@@ -115,6 +116,13 @@ def exporter_env(fake_nvml_scenario: Path | str | None = None) -> dict[str, str]
         env["PYTHONPATH"] = f"{FAKE_NVML_DIR}{os.pathsep}{REPO_ROOT}"
         env["STEPSCOPE_FAKE_NVML_SCENARIO"] = str(fake_nvml_scenario)
     return env
+
+
+def skewed_clock_env(skew_seconds: float) -> dict[str, str]:
+    """Environment for a Python subprocess (an exporter, a training process) on a node whose wall clock is
+    `skew_seconds` off (negative: behind), through stepscope_testkit/skewed_clock/sitecustomize.py."""
+    return {"PYTHONPATH": f"{SKEWED_CLOCK_DIR}{os.pathsep}{REPO_ROOT}",
+            "STEPSCOPE_TEST_CLOCK_SKEW_SECONDS": str(skew_seconds)}
 
 
 @contextmanager

@@ -146,6 +146,27 @@ def test_bodies_replaced_before_a_gzip_scrape_are_never_compressed(monkeypatch) 
     assert len(compressors) == 2
 
 
+def test_each_scrape_ends_with_its_own_clock_in_one_gzip_member_and_nothing_recompressed(monkeypatch) -> None:
+    """The node's clock is read per scrape (its offset is the value less the scrape's timestamp), behind the
+    cached sources: one gzip member (a client may read only the first) whose CRC goes on
+    from the cached one, with no compressor run for it."""
+    import zlib
+
+    compressors: list[int] = []
+    real = zlib.compressobj
+    monkeypatch.setattr(zlib, "compressobj", lambda *args: (compressors.append(1), real(*args))[1])
+    store = ExpositionStore()
+    store.publish("gpu", b"stepscope_test_cycle 1\n")
+    for now in (1764000000.25, 1764000015.5):
+        clock = exposition.node_time(now)
+        assert store.body(tail=clock) == b"stepscope_test_cycle 1\n" + clock
+        first_member = zlib.decompressobj(31)
+        assert first_member.decompress(store.body(compressed=True, tail=clock)) == store.body(tail=clock)
+        assert first_member.eof and first_member.unused_data == b""
+        assert sample_values(clock.decode(), "stepscope_exporter_time_seconds") == [now]
+    assert len(compressors) == 1  # the cached source's chunk, once
+
+
 class RecordingStore(ExpositionStore):
     """An ExpositionStore that remembers every publish, to see what the scheduler skips."""
 
