@@ -15,6 +15,9 @@ EXPORTER_KNOWN = "instance:stepscope_exporter_known:info"
 GPU_COLLECTOR_KNOWN = "instance:stepscope_gpu_collector_known:info"
 NODE_CPU_UTILIZATION = "instance:stepscope_node_cpu_utilization:ratio"
 NODE_MEMORY_UTILIZATION = "instance:stepscope_node_memory_utilization:ratio"
+# How far each node's clock is off the rules' (seconds, + ahead): every rule that compares a time the node stamped
+# with time(), or with another node's, takes it out.
+NODE_CLOCK_OFFSET = "instance:stepscope_node_clock_offset:seconds"
 
 # The GPU source layer: each GPU's readings from stepscope's GPU collector, or from dcgm-exporter's series where
 # the collector is off (docs/cluster.md); every GPU recording below reads these, never a source itself.

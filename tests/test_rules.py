@@ -129,6 +129,8 @@ UNHELD = {
     "run_rank:stepscope_training_stalled:seconds": "goodput's stalled time counts from time() too",
     "StepscopeExporterCollectionStale": "time() - the last success: held, it would read stale in a gap",
     "StepscopeExporterDown": "reads `up`, the gap itself",
+    "instance:stepscope_node_clock_offset:seconds": "a clock less its scrape's timestamp(): held, timestamp() would be "
+                                                    "the evaluation's; it keeps its own last value through a gap",
     # dcgm-exporter's own target health, built on `up` and last_over_time already
     "instance_gpu:stepscope_gpu_up:dcgm": "up == 1 and last_over_time over 1h",
     "instance_gpu_xid:stepscope_gpu_xid_last_seen_timestamp_seconds:dcgm": "an XID is a change against 1m before",

@@ -24,6 +24,8 @@ from stepscope.contract import selector as sel
 UID = "stepscope-node"
 NODE = 'instance=~"$instance"'
 GPUS = 'instance=~"$instance",gpu=~"$gpu"'
+# Joins a time the node stamped to the node's clock offset (+ to an age, - from a time), as the rules do.
+CLOCK_JOIN = f"on (instance, job) group_left () {rec.NODE_CLOCK_OFFSET}"
 NOT_IDLE = NODE + ',mode!="idle"'  # CPU modes
 BACKWARD = contract.BACKWARD_PHASE
 TO_DEVICE = contract.TO_DEVICE_PHASE
@@ -444,8 +446,9 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "From dcgm-exporter (its last XID's number) only when each new XID came, within the time range.",
                 [
                     Q(f"max by (instance, gpu, xid) ({sel(fam.GPU_XID_ERRORS, GPUS)})", table=True),
-                    Q(f"time() - max by (instance, gpu, xid) ({sel(fam.GPU_XID_LAST_SEEN, GPUS)}) or time() - "
-                      f"max by (instance, gpu, xid) (max_over_time({sel(rec.GPU_DCGM_XID_LAST_SEEN, GPUS)}[$__range]))",
+                    Q(f"time() - max by (instance, gpu, xid) ({sel(fam.GPU_XID_LAST_SEEN, GPUS)} - {CLOCK_JOIN}) or "
+                      f"time() - max by (instance, gpu, xid) (max_over_time({sel(rec.GPU_DCGM_XID_LAST_SEEN, GPUS)}"
+                      "[$__range]))",
                       table=True),
                 ],
                 {"Value #A": ("events", "short"), "Value #B": ("last seen ago", "s")},
@@ -565,7 +568,7 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                         "{{collector}} errors/s",
                     ),
                     Q(
-                        f"time() - {sel(fam.COLLECTOR_LAST_SUCCESS, NODE)}",
+                        f"time() - {sel(fam.COLLECTOR_LAST_SUCCESS, NODE)} + {CLOCK_JOIN}",
                         "{{collector}} since success",
                     ),
                 ],
@@ -629,7 +632,18 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             stat_panel(
                 "Exporter up for",
                 "Time since the exporter on this node started.",
-                [Q(f"time() - {sel(fam.EXPORTER_START_TIME, NODE)}", "up for")],
+                [Q(f"time() - {sel(fam.EXPORTER_START_TIME, NODE)} + {CLOCK_JOIN}", "up for")],
+                "s",
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Clock offset",
+                "How far this node's clock is off Prometheus' (+ ahead), measured at every scrape. The rules and "
+                "these panels take it out of every time the node stamps (a rank's last push and step, an XID, a "
+                "collector's success); the node's own logs and anything else comparing clocks across nodes do not: "
+                "check its time sync (chronyc tracking, timedatectl).",
+                [Q(sel(rec.NODE_CLOCK_OFFSET, NODE), "offset")],
                 "s",
             )
         )
