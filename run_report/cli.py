@@ -15,10 +15,11 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_LAST_PUSH, TRAINING_STATE, selector
+from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
 from stepscope.report import output
 from stepscope.report.prometheus import Prometheus, PrometheusError, Series
+from stepscope.report.queries import pushed_at
 from stepscope.report.summary import missing_ranks
 from stepscope.report.timeline import LOST_SECONDS
 from stepscope.report.times import iso, parse_time
@@ -230,7 +231,7 @@ def _last_active(prom: Prometheus, run: str, start: float, end: float, step: flo
     that died without closing (lost)."""
     busy = prom.query_range(_not_idle_pushes(run), start, end, step)
     pushes = {_rank(series): series for series in
-              prom.query_range(selector(TRAINING_LAST_PUSH, run_matcher(run)), start, end, step)}
+              prom.query_range(pushed_at(run_matcher(run)), start, end, step)}
     return max((_last_activity(series, pushes.get(_rank(series))) for series in busy if series.points),
                default=None)
 
@@ -244,8 +245,7 @@ def _idle_tail_cut(start: float, end: float, last_active: float, step: float) ->
 def _not_idle_pushes(run: str) -> str:
     """Per rank, its last push's time at each time it was not idle."""
     not_idle = f'{run_matcher(run)},state!="{IDLE_STATE}"'
-    return (f"{selector(TRAINING_LAST_PUSH, run_matcher(run))} and on (run, rank, instance)"
-            f" ({selector(TRAINING_STATE, not_idle)} == 1)")
+    return f"({pushed_at(run_matcher(run))}) and on (run, rank, instance) ({selector(TRAINING_STATE, not_idle)} == 1)"
 
 
 def _rank(series: Series) -> tuple[str, str]:

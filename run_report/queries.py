@@ -199,10 +199,18 @@ def _first_scrape(r: str, window: Window) -> dict[str, str]:
     }
 
 
+def pushed_at(r: str) -> str:
+    """Each rank's last push time on Prometheus' clock, which the timeline compares it with: the push's time less
+    its node's clock offset (the rules' recording; docs/alerts.md, "Clock skew"), or as pushed where none is
+    recorded. Before, a node a minute behind had every rank read lost from its first point."""
+    push = sel(fam.TRAINING_LAST_PUSH, r)
+    return f"({push} - on (job, instance) group_left () {rec.NODE_CLOCK_OFFSET}) or {push}"
+
+
 def _training_over_time(r: str) -> dict[str, str]:
     return {
         "state": f"{sel(fam.TRAINING_STATE, r)} == 1",
-        "last_push": sel(fam.TRAINING_LAST_PUSH, r),  # a rank that stopped pushing unclosed is lost (timeline)
+        "last_push": pushed_at(r),  # a rank that stopped pushing unclosed is lost (timeline)
         "verdict": sel(rec.RUN_VERDICT, r),
         "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),
         "run_p50": sel(rec.RUN_STEP_SECONDS_P50, r),

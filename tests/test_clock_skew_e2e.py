@@ -12,6 +12,7 @@ the node ahead's read -59 s, so a rank killed there was paged 120 s after SIGKIL
 grafana/rules/tests/clock_skew.yml has those cases, and the others the offset changes, in promtool.
 """
 
+import csv
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import THRESHOLDS, recordings
+from stepscope.report import cli
 from stepscope_testkit.processes import running_exporter, skewed_clock_env
 from tests.support.prometheus import query, running_prometheus, wait_for
 
@@ -89,3 +91,13 @@ def test_a_training_rank_reads_its_true_age_and_is_not_lost(prometheus: str) -> 
         lost = query(prometheus, 'ALERTS{alertname="StepscopeRankLost"}')
         assert lost == [], lost
         time.sleep(1)
+
+
+def test_the_report_shows_the_ranks_of_a_node_behind_training_not_lost(prometheus: str, tmp_path) -> None:
+    """stepscope-report compared Prometheus' sample times with the node's push times too: the node behind's rank,
+    pushing every second, was `lost` in its state timeline from its first point (a push 60 s old)."""
+    out = tmp_path / "report"
+    assert cli.main(["--prometheus", prometheus, "--run", "run-behind", "--out", str(out)]) == 0
+    with (out / "state_timeline.csv").open(newline="", encoding="utf-8") as file:
+        states = {row["state"] for row in csv.DictReader(file)}
+    assert "train" in states and "lost" not in states, states
