@@ -14,6 +14,8 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from stepscope.contract import families
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_NVML_DIR = REPO_ROOT / "stepscope_testkit" / "fake_nvml"
 SKEWED_CLOCK_DIR = REPO_ROOT / "stepscope_testkit" / "skewed_clock"
@@ -144,6 +146,13 @@ def scrape(base_url: str, timeout: float = 10, **kwargs) -> str:
     response = requests.get(f"{base_url}/metrics", timeout=timeout, **kwargs)
     response.raise_for_status()
     return response.text
+
+
+def without_clock(body: bytes) -> bytes:
+    """A scrape's body less the node's clock (stepscope_exporter_time_seconds), which the exporter appends as it
+    answers each scrape after its cached snapshot: two scrapes of one snapshot are then equal."""
+    head = f"# HELP {families.NODE_TIME} ".encode()
+    return body[:body.index(head)] if head in body else body
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:

@@ -20,7 +20,15 @@ from stepscope.exporter.collectors import node
 from stepscope.exporter.collectors.node import NodeCollector
 from stepscope.exporter.exposition import render
 from stepscope_testkit.hung_mount import hung_mount, hung_mount_available
-from stepscope_testkit.processes import exporter_env, free_port, running, running_exporter, sample_values, scrape
+from stepscope_testkit.processes import (
+    exporter_env,
+    free_port,
+    running,
+    running_exporter,
+    sample_values,
+    scrape,
+    without_clock,
+)
 from tests.support.readme import doc_section
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux ground truth")
@@ -485,7 +493,7 @@ def reading(url: str, after: float = 0.0, timeout: float = 10.0) -> tuple[str, f
                                      collector="node")
         (duration,) = sample_values(second, "stepscope_exporter_collector_duration_seconds", collector="node")
         taken = succeeded - duration
-        if first == second and taken > after:
+        if without_clock(first.encode()) == without_clock(second.encode()) and taken > after:
             return second, taken
         time.sleep(0.05)
     raise TimeoutError(f"no node reading after {after} within {timeout}s")
