@@ -111,13 +111,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _report(args)
     except (UsageError, NoData, PrometheusError, output.OutputError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}{_step_hint(args, exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; nothing written", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# What Prometheus (11,000) and VictoriaMetrics (-search.maxPointsPerTimeseries) say of a range query with too many
+# points: the message names their `?step=`, which the user gave as --step.
+TOO_MANY_POINTS = ("exceeded maximum resolution", "maxPointsPerTimeseries")
+
+
+def _step_hint(args: argparse.Namespace, exc: Exception) -> str:
+    if not (args.step and isinstance(exc, PrometheusError) and any(text in str(exc) for text in TOO_MANY_POINTS)):
+        return ""
+    return f" (--step {args.step:g} asks for more points than the server gives: give a larger --step or leave it out)"
 
 
 def _terminated(signum: int, frame: object) -> None:

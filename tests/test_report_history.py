@@ -129,6 +129,17 @@ def test_a_step_longer_than_the_runs_life_is_refused_not_its_idle_tails(
     assert _report(prometheus, "paused", tmp_path / "report", "--step", "60")["steps"] == str(FINAL_STEPS)
 
 
+def test_a_step_too_fine_for_the_server_names_the_flag(prometheus: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A --step of 0.01 s over the run's 260 s asks for 26,000 points; Prometheus refuses past 11,000, and the
+    message named its `?step=` only."""
+    capsys.readouterr()
+    argv = ["--prometheus", prometheus, "--run", "paused", "--out", str(tmp_path / "report"), "--step", "0.01"]
+    assert cli.main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "exceeded maximum resolution" in line and "give a larger --step or leave it out" in line, line
+
+
 # The report's command line in a process of its own, sent SIGTERM by itself once its files are written into the
 # staging directory and before they are moved to --out: the moment a `timeout` or a cancelled CI job can hit.
 TERMINATED_WHILE_WRITING = """
