@@ -16,6 +16,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ MARKER = f'<meta name="generator" content="{GENERATOR}">'
 # A report being written inside an existing --out (or one a killed run left there): no file of the user's.
 STAGING_PREFIX = ".stepscope-partial-"
 SHOWN_ENTRIES = 3  # of what is in the way, named in the error
+ABANDONED_SECONDS = 3600.0  # a staging directory untouched this long inside --out is a killed report's
 
 
 class OutputError(Exception):
@@ -134,3 +136,16 @@ def _publish(staging: Path, out: Path) -> None:
     for name in report_files() - set(written):  # an earlier report's file this one does not write
         (out / name).unlink(missing_ok=True)
     staging.rmdir()
+    _remove_abandoned_staging(out)
+
+
+def _remove_abandoned_staging(out: Path) -> None:
+    """Staging directories a killed report (SIGKILL, an OOM, a node going down) left inside `out`: hidden, never
+    read, kept for good before. One written to within ABANDONED_SECONDS may be another report's going on."""
+    cutoff = time.time() - ABANDONED_SECONDS
+    for entry in out.glob(f"{STAGING_PREFIX}*"):
+        try:
+            if entry.is_dir() and not entry.is_symlink() and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:  # gone meanwhile: another report removed it
+            continue

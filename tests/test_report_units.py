@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from html import escape
 from pathlib import Path
 
@@ -140,6 +141,21 @@ def test_a_complete_report_replaces_the_previous_one(tmp_path: Path) -> None:
     assert out.stat().st_mode & 0o777 != 0o700  # not mkdtemp's private mode
 
 
+def test_a_killed_reports_staging_is_removed_by_the_next_report_and_a_recent_one_kept(tmp_path: Path) -> None:
+    """A report killed while writing into an existing --out (SIGKILL, OOM) left its hidden staging directory there
+    for good; the next report into it removes one untouched for an hour, not one another report may be writing."""
+    out = _report_dir(tmp_path / "report")
+    abandoned, recent = out / f"{output.STAGING_PREFIX}killed", out / f"{output.STAGING_PREFIX}writing"
+    for staging in (abandoned, recent):
+        staging.mkdir()
+        (staging / "run_summary.csv").write_text("half")
+    hour_ago = time.time() - output.ABANDONED_SECONDS - 60
+    os.utime(abandoned, (hour_ago, hour_ago))
+    with output.staged(out) as staging:
+        (staging / "index.html").write_text(f"{output.MARKER}\nnew")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", recent.name])
+
+
 def test_a_move_cut_short_leaves_no_page_and_no_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C between the renames into an existing --out: the earlier page is gone first, so no page stands over
     a mix of this run's and the earlier run's CSVs (before: the old page and half the new CSVs)."""
@@ -169,6 +185,7 @@ def test_a_write_that_fails_is_one_line_and_keeps_the_earlier_report(tmp_path: P
 
 WRITE_OVER_A_MOUNT = """
 import sys
+import time
 from pathlib import Path
 from stepscope.report import output
 out = Path(sys.argv[1])
