@@ -5,7 +5,9 @@ from grafana_foundation_sdk.models import dashboard as dm
 
 import stepscope.contract as contract
 from grafana.dashboards.panels import (
+    NODE_CLOCK_JOIN,
     Q,
+    age,
     bargauge_panel,
     base_dashboard,
     query_variable,
@@ -24,8 +26,6 @@ from stepscope.contract import selector as sel
 UID = "stepscope-node"
 NODE = 'instance=~"$instance"'
 GPUS = 'instance=~"$instance",gpu=~"$gpu"'
-# Joins a time the node stamped to the node's clock offset (+ to an age, - from a time), as the rules do.
-CLOCK_JOIN = f"on (instance, job) group_left () {rec.NODE_CLOCK_OFFSET}"
 NOT_IDLE = NODE + ',mode!="idle"'  # CPU modes
 BACKWARD = contract.BACKWARD_PHASE
 TO_DEVICE = contract.TO_DEVICE_PHASE
@@ -446,9 +446,9 @@ def _gpu_health(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "From dcgm-exporter (its last XID's number) only when each new XID came, within the time range.",
                 [
                     Q(f"max by (instance, gpu, xid) ({sel(fam.GPU_XID_ERRORS, GPUS)})", table=True),
-                    Q(f"time() - max by (instance, gpu, xid) ({sel(fam.GPU_XID_LAST_SEEN, GPUS)} - {CLOCK_JOIN}) or "
-                      f"time() - max by (instance, gpu, xid) (max_over_time({sel(rec.GPU_DCGM_XID_LAST_SEEN, GPUS)}"
-                      "[$__range]))",
+                    Q(f"time() - max by (instance, gpu, xid) ({sel(fam.GPU_XID_LAST_SEEN, GPUS)} - "
+                      f"{NODE_CLOCK_JOIN}) or time() - max by (instance, gpu, xid) "
+                      f"(max_over_time({sel(rec.GPU_DCGM_XID_LAST_SEEN, GPUS)}[$__range]))",
                       table=True),
                 ],
                 {"Value #A": ("events", "short"), "Value #B": ("last seen ago", "s")},
@@ -568,7 +568,7 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                         "{{collector}} errors/s",
                     ),
                     Q(
-                        f"time() - {sel(fam.COLLECTOR_LAST_SUCCESS, NODE)} + {CLOCK_JOIN}",
+                        age(sel(fam.COLLECTOR_LAST_SUCCESS, NODE)),
                         "{{collector}} since success",
                     ),
                 ],
@@ -632,7 +632,7 @@ def _exporter_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             stat_panel(
                 "Exporter up for",
                 "Time since the exporter on this node started.",
-                [Q(f"time() - {sel(fam.EXPORTER_START_TIME, NODE)} + {CLOCK_JOIN}", "up for")],
+                [Q(age(sel(fam.EXPORTER_START_TIME, NODE)), "up for")],
                 "s",
             )
         )

@@ -26,10 +26,20 @@ from grafana_foundation_sdk.models import heatmap as heatmap_models
 from grafana_foundation_sdk.models import prometheus as prom_models
 from grafana_foundation_sdk.models.common import DataSourceRef
 
+from stepscope.contract import recordings as rec
+
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SAMPLES_PER_SECOND = "suffix: samples/s"
 REF_IDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 TAG = "stepscope"  # every stepscope dashboard's tag: the link set on each lists the others by it
+# Joins a time a node stamped (a rank's last push, an XID) to that node's clock offset, as the rules do: taken
+# from a time (`-`), added to an age (`+`), so a node whose clock is off reads right (docs/alerts.md, "Clock skew").
+NODE_CLOCK_JOIN = f"on (instance, job) group_left () {rec.NODE_CLOCK_OFFSET}"
+
+
+def age(stamped: str) -> str:
+    """Seconds since `stamped`, a time the node stamped, on Prometheus' clock."""
+    return f"time() - {stamped} + {NODE_CLOCK_JOIN}"
 
 B = TypeVar("B", bound=cogbuilder.Builder)
 

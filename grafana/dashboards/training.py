@@ -7,6 +7,7 @@ import stepscope.contract as contract
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
+    age,
     alert_list_panel,
     bargauge_panel,
     base_dashboard,
@@ -30,9 +31,6 @@ from stepscope.contract import verdicts as verdict
 UID = "stepscope-training"
 RUN = 'run=~"$run"'
 RANKS = 'run=~"$run",rank=~"$rank"'
-# Added to `time() - <a time the rank's node stamped>`: that node's clock offset taken out (its clock ahead reads
-# the age short, behind long), as the rules do.
-NODE_CLOCK = f" + on (instance, job) group_left () {rec.NODE_CLOCK_OFFSET}"
 
 # State set -> one code per rank, so the state timeline shows one row per rank; state -> (code, colour).
 STATE_COLOURS = ("blue", "green", "purple", "orange", "text")  # in the contract's order of STATES
@@ -315,9 +313,9 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "in the all-reduce. A rank whose last push is old and that did not close is lost "
                 "(StepscopeRankLost).",
                 [
-                    Q(f"time() - {sel(fam.TRAINING_LAST_STEP, RANKS)}{NODE_CLOCK}", table=True),
-                    Q(f"time() - {sel(fam.TRAINING_PHASE_ENTERED, RANKS)}{NODE_CLOCK}", table=True),
-                    Q(f"time() - {sel(fam.TRAINING_LAST_PUSH, RANKS)}{NODE_CLOCK}", table=True),
+                    Q(age(sel(fam.TRAINING_LAST_STEP, RANKS)), table=True),
+                    Q(age(sel(fam.TRAINING_PHASE_ENTERED, RANKS)), table=True),
+                    Q(age(sel(fam.TRAINING_LAST_PUSH, RANKS)), table=True),
                 ],
                 {
                     "Value #A": ("since last step", "s"),
