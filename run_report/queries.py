@@ -23,8 +23,8 @@ from stepscope.contract import recordings as rec
 from stepscope.contract import selector as sel
 from stepscope.report.window import Window, promql_string, run_matcher
 
-BEFORE = "10m"  # how far before the window a counter's previous value is looked for
-BEFORE_MS = 600_000  # BEFORE in milliseconds
+BEFORE_MS = 600_000  # how far before the window a counter's previous value is looked for
+BEFORE = f"{BEFORE_MS}ms"
 RANK = "rank, instance"  # a rank's identity; `instance` is its node
 PHASE_LOCAL = "|".join(LOCAL_PHASES)  # before the first collective (rules: local score)
 
