@@ -126,7 +126,6 @@ class ExporterApi:
         self.base_url = base_url
         self.shown_url = without_credentials(base_url)  # in messages: a proxy's user and password stay out of logs
         self._session = requests.Session()
-        self._proxies = proxies_for(base_url)  # this machine's exporter: never through HTTP_PROXY (pusher.py)
         if token:
             self._session.headers["Authorization"] = f"Bearer {token}"
 
@@ -134,7 +133,7 @@ class ExporterApi:
         url = self.base_url + path
         try:
             response = answered_within(HTTP_TIMEOUT_SECONDS, lambda: self._session.request(
-                method, url, timeout=HTTP_TIMEOUT_SECONDS, proxies=self._proxies and dict(self._proxies), **kwargs))
+                method, url, timeout=HTTP_TIMEOUT_SECONDS, proxies=proxies_for(url), **kwargs))
         except requests.RequestException as exc:
             raise Failure(f"cannot reach the exporter at {self.shown_url} ({type(exc).__name__}): is stepscope-exporter"
                           " running there? (--exporter, STEPSCOPE_PUSH_URL)") from None

@@ -267,7 +267,7 @@ class Config:
         for name in ("push_interval", "push_timeout", "max_backoff"):
             value = getattr(self, name)
             least = MIN_PUSH_INTERVAL if name == "push_interval" else 0
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least < value <= MAX_PUSH_SECONDS:
+            if not _is_number(value) or not least < value <= MAX_PUSH_SECONDS:
                 raise self._invalid(name, f"a number > {least:g} and at most {MAX_PUSH_SECONDS:g} seconds (the "
                                     "exporter's default --ingest-ttl)")
         if self.buckets is not None:

@@ -93,7 +93,8 @@ _BYPASS_PROXY = {"no_proxy": "*"}
 
 
 def proxies_for(url: str) -> dict[str, str] | None:
-    """The `proxies` of a push to `url`: none for this machine, the environment's (HTTP_PROXY, NO_PROXY) else.
+    """The `proxies` of a request to `url`: none for this machine, the environment's (HTTP_PROXY, NO_PROXY) else.
+    A new dict at each call, as requests adds the environment's proxies to the one it is given.
 
     requests sends even a loopback push through HTTP_PROXY/HTTPS_PROXY/ALL_PROXY unless NO_PROXY names the host,
     and clusters set those variables for downloads: every push to the default http://127.0.0.1:9847 went to the
@@ -130,7 +131,6 @@ class Pusher:
         self.max_backoff = max(max_backoff, interval)
         self.stats = PushStats()
         self._session = requests.Session()
-        self._proxies = proxies_for(url)
         # The User-Agent names the hooks' version in the exporter's and a Pushgateway's access logs.
         self._headers = {"Content-Type": CONTENT_TYPE, "User-Agent": USER_AGENT}
         if token:
@@ -205,8 +205,8 @@ class Pusher:
         return self._send(body, headers)
 
     def _send(self, body: bytes, headers: Mapping[str, str]) -> requests.Response:
-        proxies = dict(self._proxies) if self._proxies is not None else None  # requests adds to the dict it gets
-        return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout, proxies=proxies)
+        return self._session.put(self.url, data=body, headers=headers, timeout=self.timeout,
+                                 proxies=proxies_for(self.url))
 
     def _answered(self, headers: Mapping[str, str]) -> None:
         if self._on_answer is None:
