@@ -94,6 +94,19 @@ def import_series(url: str, input_series: Iterable[dict], start: int, interval: 
     force_flush(url)
 
 
+def import_samples(url: str, samples: Iterable[tuple[str, float, float]]) -> None:
+    """Samples ((series as `name{labels}`, Unix seconds, value)), the shape running_prometheus_holding takes,
+    into VictoriaMetrics at `url`, visible to queries on return: one history on both engines."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for series, at, value in samples:
+        points.setdefault(series, []).append((at, value))
+    lines = [json.dumps({"metric": parse_series(series), "values": [value for _, value in sorted(held)],
+                         "timestamps": [round(at * 1000) for at, _ in sorted(held)]})
+             for series, held in points.items()]
+    requests.post(f"{url}/api/v1/import", data="\n".join(lines), timeout=30).raise_for_status()
+    force_flush(url)
+
+
 def force_flush(url: str) -> None:
     """Make everything written to VictoriaMetrics visible to queries now (a new series otherwise
     waits ~10 s)."""
