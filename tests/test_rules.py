@@ -11,7 +11,7 @@ import yaml
 
 from grafana.rules import NODE_RULES, RULE_FILES, RULES_DIR, RUN_RULES, SOURCES_DIR
 from grafana.rules import rules as rules_of
-from grafana.rules.render import UnknownPlaceholder, fill_placeholders, held, render
+from grafana.rules.render import UnknownPlaceholder, dcgm_node, fill_placeholders, held, render
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.contract import recordings, verdicts
 from stepscope_testkit.sharded import shard_write_filter
@@ -167,6 +167,17 @@ def test_held_expands_a_selector_and_its_offset_and_refuses_anything_else() -> N
     assert "up offset 60s == 1" in held(selector, 60) and "time() - 60 -" in held(selector, 60)
     with pytest.raises(UnknownPlaceholder, match=r"f: held\(\.\.\.\) near rendered line 2 must hold one selector"):
         render("a\nheld(rate(m[1m]))\n", "f")
+
+
+def test_dcgm_node_takes_its_node_from_either_label_around_any_expression() -> None:
+    """The call runs to its own closing parenthesis, past the parentheses of a quoted regex and of a nested call."""
+    expr = render('max(dcgm_node(rate(DCGM_X{a="(b)"}[1m]) * dcgm_node(held(DCGM_Y)))) > 0\n', "f")
+    outer = dcgm_node('rate(DCGM_X{a="(b)"}[1m]) * ' + dcgm_node(held("DCGM_Y")))
+    assert expr == f"max({outer}) > 0\n"
+    assert dcgm_node("m") == ('label_replace(label_replace(m, "instance", "$1", "Hostname", "(.+)"), '
+                              '"instance", "$1", "hostname", "(.+)")')
+    with pytest.raises(UnknownPlaceholder, match=r"f: dcgm_node\( near rendered line 2 is never closed"):
+        render("a\ndcgm_node(rate(m[1m])\n", "f")
 
 
 def names_read(expr: str) -> set[str]:

@@ -16,7 +16,10 @@
 
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
 
-After the placeholders, `held(SELECTOR)` or `held(SELECTOR offset D)` becomes the selector, or where its
+After the placeholders, `dcgm_node(EXPR)` becomes EXPR with dcgm-exporter's node name in `instance`: it names
+the node in `Hostname` (`hostname` from its May 2026 release on), and the rules join on `instance`.
+
+Then `held(SELECTOR)` or `held(SELECTOR offset D)` becomes the selector, or where its
 target's latest scrape failed or its exporter started less than SETTLE_SECONDS before, its last value
 from the last HOLD_SECONDS (stepscope_contract/scrape_gaps.py says why): a scrape gap then changes no
 alert. The selector keeps its `instance` and `job` labels for that (read it inside any aggregation).
@@ -30,6 +33,7 @@ from stepscope.contract.scrape_gaps import HOLD_SECONDS, SETTLE_SECONDS
 
 PLACEHOLDER = re.compile(r"<<(\w+):(\w+)>>")
 HELD_CALL = re.compile(r"\bheld\(")
+DCGM_NODE_CALL = re.compile(r"\bdcgm_node\(")
 HELD = re.compile(r"held\(\s*(?P<selector>[A-Za-z_:][\w:]*(?:\{[^{}]*\})?|\{[^{}]*\})"
                   r"(?:\s+offset\s+(?P<offset>\d+)(?P<unit>[sm]))?\s*\)")
 
@@ -66,7 +70,7 @@ KINDS: dict[str, Callable[[str], str]] = {
 def render(source: str, where: str) -> str:
     """`source` with every placeholder filled and every held(...) expanded; UnknownPlaceholder names
     `where` and the line."""
-    return _expand_held(fill_placeholders(source, where), where)
+    return _expand_held(_expand_dcgm_node(fill_placeholders(source, where), where), where)
 
 
 def held(selector: str, offset_seconds: int = 0) -> str:
@@ -78,6 +82,42 @@ def held(selector: str, offset_seconds: int = 0) -> str:
     fresh = (f"up{at} == 1 unless on (instance, job) "
              f"{now} - {families.EXPORTER_START_TIME}{at} < {SETTLE_SECONDS}")
     return f"({selector}{at} or (last_over_time({selector}[{HOLD_SECONDS}s]{at}) unless on (instance, job) ({fresh})))"
+
+
+def dcgm_node(expr: str) -> str:
+    """`expr` with `instance` set from dcgm-exporter's `Hostname`, or its newer releases' `hostname`."""
+    return (f'label_replace(label_replace({expr}, "instance", "$1", "Hostname", "(.+)"), '
+            '"instance", "$1", "hostname", "(.+)")')
+
+
+def _expand_dcgm_node(text: str, where: str) -> str:
+    """Every dcgm_node(EXPR) expanded, innermost first; EXPR runs to the parenthesis that closes the call."""
+    while match := DCGM_NODE_CALL.search(text):
+        end = _closing(text, match.end())
+        if end is None:
+            line = text.count("\n", 0, match.start()) + 1
+            raise UnknownPlaceholder(f"{where}: dcgm_node( near rendered line {line} is never closed")
+        text = text[:match.start()] + dcgm_node(_expand_dcgm_node(text[match.end():end], where)) + text[end + 1:]
+    return text
+
+
+def _closing(text: str, start: int) -> int | None:
+    """The index of the `)` that closes a parenthesis opened just before `start`, skipping quoted strings (a
+    label_replace regex holds parentheses); an escaped quote (inside an annotation's printf) is no quote."""
+    depth, quoted = 0, False
+    for index in range(start, len(text)):
+        char = text[index]
+        if char == '"' and text[index - 1] != "\\":
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            if depth == 0:
+                return index
+            depth -= 1
+    return None
 
 
 def _expand_held(text: str, where: str) -> str:
