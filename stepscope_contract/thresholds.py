@@ -114,6 +114,14 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "evidence comes in again (GPU readings count as training after gpu_reading_lag_seconds, the 1m step "
         "rate may be empty, VictoriaMetrics reads each level of recordings an evaluation late)",
         (RUN_VERDICT,)),
+    # A 1m rate window of 15 s scrapes spans 45 s of samples: an optimizer step longer than that (gradient
+    # accumulation: 8 micro-batches of 10 s make an 80 s step) ends in some windows and not in others, and the
+    # verdict read idle in every window without one (data_bound, undetermined, idle, data_bound every 4 minutes).
+    "slow_step_seconds": Threshold(
+        30, "mean step time above which a run steps too rarely for every 1m window to hold a step: a run that made "
+        "fewer than 60 / this many steps in each minute of the last pause_hold_seconds keeps its verdict through a "
+        "window without a step, until it stalls",
+        (RUN_VERDICT,)),
     "pause_carry_seconds": Threshold(
         300, "seconds back the GPU readings the training alerts read are carried from while a rank of the run is "
         "in an eval or checkpoint break: longer than an evaluation interval and VictoriaMetrics' lag in "
