@@ -73,6 +73,7 @@ RUN_GPU_SM_ACTIVE_BY_GPU = "instance_gpu_run:stepscope_gpu_sm_active:avg_ratio"
 # The alerts' GPU readings, the 1m training ones carried through eval and checkpoint breaks
 RUN_GPU_UTILIZATION_TRAINED = "instance_gpu_run:stepscope_gpu_utilization_trained:avg_ratio"
 RUN_GPU_SM_ACTIVE_TRAINED = "instance_gpu_run:stepscope_gpu_sm_active_trained:avg_ratio"
+RUN_GPU_TENSOR_ACTIVE_TRAINED = "instance_gpu_run:stepscope_gpu_tensor_active_trained:avg_ratio"
 # The readings of each GPU a settled training rank holds memory on, sampled at every evaluation: the
 # 1m averages above (NVML, SM active, tensor) read only these, so setup and warm-up never dilute them.
 RUN_GPU_UTILIZATION_TRAINING = "instance_gpu_run:stepscope_gpu_utilization:training_ratio"

@@ -15,6 +15,7 @@ from stepscope.contract.recordings import (
     RANK_STRAGGLER_ALERT_SCORES,
     RANK_TRAINING_SETTLED,
     RUN_GPU_SM_ACTIVE_TRAINED,
+    RUN_GPU_TENSOR_ACTIVE_TRAINED,
     RUN_GPU_TRAINING_READINGS,
     RUN_GPU_UTILIZATION_TRAINED,
     RUN_LIMITS_VERDICT,
@@ -125,7 +126,8 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "pause_carry_seconds": Threshold(
         300, "seconds back the GPU readings the training alerts read are carried from while a rank of the run is "
         "in an eval or checkpoint break: longer than an evaluation interval and VictoriaMetrics' lag in "
-        "showing a recorded sample", (RUN_GPU_UTILIZATION_TRAINED, RUN_GPU_SM_ACTIVE_TRAINED)),
+        "showing a recorded sample",
+        (RUN_GPU_UTILIZATION_TRAINED, RUN_GPU_SM_ACTIVE_TRAINED, RUN_GPU_TENSOR_ACTIVE_TRAINED)),
     "tensor_active_idle": Threshold(
         0.01, "tensor-core activity below which a training GPU's tensor cores are idle",
         ("StepscopeTensorCoresIdle",)),
