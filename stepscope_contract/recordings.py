@@ -168,6 +168,10 @@ RUN_TRAINING_SAMPLES_BASELINE = "run:stepscope_samples_per_train_second:median1h
 # is fewer samples per second at the same tokens per second: a new stage of a curriculum, not a slower run)
 RUN_TRAINING_TOKENS_RATE = "run:stepscope_tokens_per_train_second:rate1m"
 RUN_TRAINING_TOKENS_BASELINE = "run:stepscope_tokens_per_train_second:median1h"
+# What StepscopeRunSlowerThanItself compares with those: the readings of minutes clear of eval and checkpoint breaks,
+# carried through the breaks
+RUN_TRAINING_SAMPLES_HELD = "run:stepscope_samples_per_train_second:held_rate1m"
+RUN_TRAINING_TOKENS_HELD = "run:stepscope_tokens_per_train_second:held_rate1m"
 GPU_HELD_IDLE = "instance_gpu_run:stepscope_gpu_held_idle:bool"  # 1 per GPU and holding run (run "" unregistered)
 # Lost progress: each rank's global step and the one its process started from, the run's (the least of its
 # ranks'), and the global steps lost at the restore a rank is catching up from (0 for a rank that passes its

@@ -19,6 +19,8 @@ from stepscope.contract.recordings import (
     RUN_GPU_TRAINING_READINGS,
     RUN_GPU_UTILIZATION_TRAINED,
     RUN_LIMITS_VERDICT,
+    RUN_TRAINING_SAMPLES_HELD,
+    RUN_TRAINING_TOKENS_HELD,
     RUN_VERDICT,
     SHARD_RUN_FIRST_STEP_STALLED,
     SHARD_RUN_STALLED,
@@ -113,8 +115,10 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "verdict_resume_seconds": Threshold(
         180, "seconds after an eval or checkpoint break that the verdict holds the one from before it while the "
         "evidence comes in again (GPU readings count as training after gpu_reading_lag_seconds, the 1m step "
-        "rate may be empty, VictoriaMetrics reads each level of recordings an evaluation late)",
-        (RUN_VERDICT,)),
+        "rate may be empty, VictoriaMetrics reads each level of recordings an evaluation late); the samples per "
+        "second of training StepscopeRunSlowerThanItself compares skip as long after one (a minute over a break's "
+        "edge reads its samples and its time in train apart)",
+        (RUN_VERDICT, RUN_TRAINING_SAMPLES_HELD, RUN_TRAINING_TOKENS_HELD)),
     # A 1m rate window of 15 s scrapes spans 45 s of samples: an optimizer step longer than that (gradient
     # accumulation: 8 micro-batches of 10 s make an 80 s step) ends in some windows and not in others, and the
     # verdict read idle in every window without one (data_bound, undetermined, idle, data_bound every 4 minutes).
