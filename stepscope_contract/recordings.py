@@ -135,6 +135,9 @@ RUN_TOKENS_RATE = "run:stepscope_tokens:rate1m"
 RUN_MODEL_FLOPS_RATE = "run:stepscope_model_flops:rate1m"
 RUN_PEAK_FLOPS = "run:stepscope_peak_flops_per_second:sum"
 RUN_MFU = "run:stepscope_mfu:ratio_rate1m"
+# What StepscopeMfuBelowTensorActivity compares: the MFU of minutes clear of eval and checkpoint breaks, carried
+# through the breaks
+RUN_MFU_HELD = "run:stepscope_mfu:held_ratio_rate1m"
 
 # Seconds since each rank's last push while it has not closed (StepscopeRankLost's test): its last value tells
 # the alert whether a rank that left the scrape (a failed scrape, an exporter restart) was lost when last seen

@@ -19,6 +19,7 @@ from stepscope.contract.recordings import (
     RUN_GPU_TRAINING_READINGS,
     RUN_GPU_UTILIZATION_TRAINED,
     RUN_LIMITS_VERDICT,
+    RUN_MFU_HELD,
     RUN_TRAINING_SAMPLES_HELD,
     RUN_TRAINING_TOKENS_HELD,
     RUN_VERDICT,
@@ -118,7 +119,7 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "rate may be empty, VictoriaMetrics reads each level of recordings an evaluation late); the samples per "
         "second of training StepscopeRunSlowerThanItself compares skip as long after one (a minute over a break's "
         "edge reads its samples and its time in train apart)",
-        (RUN_VERDICT, RUN_TRAINING_SAMPLES_HELD, RUN_TRAINING_TOKENS_HELD)),
+        (RUN_VERDICT, RUN_TRAINING_SAMPLES_HELD, RUN_TRAINING_TOKENS_HELD, RUN_MFU_HELD)),
     # A 1m rate window of 15 s scrapes spans 45 s of samples: an optimizer step longer than that (gradient
     # accumulation: 8 micro-batches of 10 s make an 80 s step) ends in some windows and not in others, and the
     # verdict read idle in every window without one (data_bound, undetermined, idle, data_bound every 4 minutes).
