@@ -169,6 +169,13 @@ def test_held_expands_a_selector_and_its_offset_and_refuses_anything_else() -> N
         render("a\nheld(rate(m[1m]))\n", "f")
 
 
+def test_node_join_puts_a_node_recording_beside_a_series_of_that_node() -> None:
+    expr = render("time() - m + <<node_join:NODE_CLOCK_OFFSET>>\n", "f")
+    assert expr == f"time() - m + on (instance, job) group_left () {recordings.NODE_CLOCK_OFFSET}\n"
+    with pytest.raises(UnknownPlaceholder, match=r"f:1: unknown placeholder <<node_join:NO_SUCH>>"):
+        render("<<node_join:NO_SUCH>>\n", "f")
+
+
 def test_dcgm_node_takes_its_node_from_either_label_around_any_expression() -> None:
     """The call runs to its own closing parenthesis, past the parentheses of a quoted regex and of a nested call."""
     expr = render('max(dcgm_node(rate(DCGM_X{a="(b)"}[1m]) * dcgm_node(held(DCGM_Y)))) > 0\n', "f")

@@ -3,6 +3,8 @@
 
     <<family:STEPS_TOTAL>>             stepscope.contract.families.STEPS_TOTAL (add _bucket etc. after it)
     <<record:RUN_VERDICT>>             stepscope.contract.recordings.RUN_VERDICT
+    <<node_join:NODE_CLOCK_OFFSET>>    that per-node recording joined onto a node's series: `on (instance, job)
+                                       group_left () instance:stepscope_node_clock_offset:seconds`
     <<threshold:data_loading_share>>   THRESHOLDS["data_loading_share"] as a number (0.3)
     <<percent:data_loading_share>>     the same as a share (30%), for annotations
     <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope.contract.training
@@ -55,6 +57,7 @@ def _named(module: object, suffix: str = "", kind: type = str) -> Callable[[str]
 KINDS: dict[str, Callable[[str], str]] = {
     "family": _named(families),
     "record": _named(recordings),
+    "node_join": lambda name: f"on (instance, job) group_left () {_named(recordings)(name)}",
     "threshold": lambda name: THRESHOLDS[name].number,
     "percent": lambda name: THRESHOLDS[name].percent,
     "phase": _named(training, "_PHASE"),
