@@ -186,9 +186,13 @@ RANK_STEPS_REDONE = "run_rank:stepscope_steps_redone:last_restore"
 RUN_STEPS_REDONE = "run:stepscope_steps_redone:last_restore"
 
 
-def rank_step_seconds_quantile(quantile: float, matchers: str) -> str:
+def rank_step_seconds_quantile(quantile: float, matchers: str, ranks: str = "") -> str:
     """Each selected rank's step-time quantile (1m window), at query time: recorded for every rank of a
     cluster it would re-read every step-time bucket each evaluation (benchmarks/results/scale.md), while a
-    dashboard reads one run's. `>= 0` drops a rank without steps in the window (NaN) rather than plot it."""
+    dashboard reads one run's. `>= 0` drops a rank without steps in the window (NaN) rather than plot it.
+    `ranks`, a vector with `run` and `rank` labels, keeps only its ranks' buckets, before the sum: a panel that
+    draws a few of 512 ranks interpolates their quantiles only."""
     buckets = f"rate({selector(families.STEP_SECONDS + '_bucket', matchers)}[1m])"
+    if ranks:
+        buckets = f"({buckets} and on (run, rank) {ranks})"
     return f"histogram_quantile({quantile}, sum by (run, rank, instance, le) ({buckets})) >= 0"

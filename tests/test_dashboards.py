@@ -55,7 +55,8 @@ def test_datasource_variable_feeds_every_panel_and_variable() -> None:
             "query": "prometheus",
         }
         for variable in variables[1:]:
-            assert variable["datasource"] == DATASOURCE, f"{name}: variable {variable['name']}"
+            if variable["type"] == "query":  # a `custom` variable is a fixed list, asking no data source
+                assert variable["datasource"] == DATASOURCE, f"{name}: variable {variable['name']}"
         for panel in panels(model):
             assert panel.get("datasource") == DATASOURCE, f"{name}: {panel['title']}"
             for target in panel.get("targets", []):

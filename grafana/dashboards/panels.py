@@ -122,6 +122,22 @@ def query_variable(
     return variable
 
 
+def custom_variable(
+    name: str, label: str, choices: dict[str, int], *, description: str = ""
+) -> dashboard.CustomVariable:
+    """A fixed list of `choices` (text -> value), the first one picked."""
+    options = [dm.VariableOption(selected=index == 0, text=text, value=str(value))
+               for index, (text, value) in enumerate(choices.items())]
+    return (
+        dashboard.CustomVariable(name)
+        .label(label)
+        .description(description)
+        .values(",".join(f"{text} : {value}" for text, value in choices.items()))
+        .options(options)
+        .current(options[0])
+    )
+
+
 def _target(query: Q, ref_id: str) -> prometheus.Dataquery:
     target = prometheus.Dataquery().expr(query.expr).ref_id(ref_id).datasource(DATASOURCE)
     if query.legend:
@@ -278,11 +294,15 @@ def table_panel(
     columns: dict[str, tuple[str, str]],
     *,
     hide: Sequence[str] = ("Time", "__name__", "job"),
+    sort_by: str = "",
     width: int = 24,
     height: int = 8,
 ) -> table.Panel:
-    """Instant table queries merged on their labels; `columns` maps "Value #<ref>" -> (name, unit)."""
+    """Instant table queries merged on their labels; `columns` maps "Value #<ref>" -> (name, unit); `sort_by`
+    names the column the rows are sorted by, lowest first."""
     panel = _panel(table.Panel(), title, description, queries, None, width, height)
+    if sort_by:
+        panel = panel.sort_by([common.TableSortByFieldState().display_name(sort_by).desc(False)])
     panel = panel.with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
     panel = panel.with_transformation(
         dm.DataTransformerConfig(

@@ -11,6 +11,7 @@ from grafana.dashboards.panels import (
     alert_list_panel,
     bargauge_panel,
     base_dashboard,
+    custom_variable,
     heatmap_panel,
     query_variable,
     range_text,
@@ -54,6 +55,44 @@ BUCKET_STEP = 2 ** (1 / contract.STEPS_PER_OCTAVE) - 1  # neighbouring fine boun
 # list the same ranks as the counter on a plain Prometheus and on a sharded layout's global layer, where the
 # shards send recordings but not the raw counter (the run dropdown was empty there).
 VARIABLE_SOURCE = rec.RANK_STEPS_RATE
+# The ranks a per-rank time series draws: one line per rank is unreadable at 64 ranks (and 512), so the
+# `$ranks_drawn` ranks with the lowest straggler score (step time or local phases, whichever is lower) among the
+# picked ones, beside the run's typical line; the Per-rank comparison table lists every rank, lowest score first.
+# Averaged over the time range and taken once at its end (`@ end()`), so one set of ranks is drawn across the
+# panel: a plain bottomk picks anew at each step, and with two ranks slow in turn over an hour drew 6 ranks for 5
+# asked, some for part of the panel, a different sixth on Prometheus and on VictoriaMetrics
+# (tests/test_dashboards_ranks.py holds that hour). A rank that pushed but has no score over the range (it never
+# stepped: hung, or the run is still in setup) scores 0, so it is drawn first.
+DRAWN_CHOICES = {"5 slowest": 5, "10 slowest": 10, "20 slowest": 20, "all": 1_000_000}
+
+
+def lowest_score(by: str, over_range: bool = False) -> str:
+    """Each picked rank's lower straggler score (step time or local phases) by the labels `by`, now or averaged
+    over the time range at its end."""
+    def score(recorded: str) -> str:
+        selector = sel(recorded, RANKS)
+        return f"avg_over_time({selector}[$__range] @ end())" if over_range else selector
+    return (
+        f"min by ({by}) (\n"
+        f'  label_replace({score(rec.RANK_STRAGGLER_SCORE)}, "score", "step", "", "")\n'
+        f'  or label_replace({score(rec.RANK_STRAGGLER_LOCAL_SCORE)}, "score", "local", "", "")\n'
+        ")"
+    )
+
+
+PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end())) * 0"
+DRAWN = f"bottomk by (run) ($ranks_drawn, {lowest_score('run, rank', over_range=True)} or {PUSHED_UNSCORED})"
+
+
+def drawn(per_rank: str) -> str:
+    """`per_rank` (a vector with `run` and `rank` labels) for the drawn ranks only."""
+    return f"{per_rank} and on (run, rank) {DRAWN}"
+
+
+def median_rank(per_rank: str) -> Q:
+    """The run's typical rank: the median over all its ranks of `per_rank`, the selector of a per-rank series
+    (the line a drawn rank is compared with)."""
+    return Q(f"quantile by (run) (0.5, {per_rank})", "median rank")
 
 
 def _state_expr() -> str:
@@ -142,11 +181,14 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         board.with_panel(
             timeseries_panel(
                 "Step time p50 / p95 per rank",
-                "Step time quantiles per rank from the step histogram (1m window). Ranks far above the "
-                "others are stragglers; p95 spikes are stalls.",
+                "Step time quantiles of the drawn ranks (the slowest by straggler score, `Ranks drawn`) from "
+                "the step histogram (1m window), and the run's over all its ranks. Ranks far above the run's "
+                "are stragglers; p95 spikes are stalls.",
                 [
-                    Q(rec.rank_step_seconds_quantile(0.5, RANKS), "rank {{rank}} p50"),
-                    Q(rec.rank_step_seconds_quantile(0.95, RANKS), "rank {{rank}} p95"),
+                    Q(rec.rank_step_seconds_quantile(0.5, RANKS, DRAWN), "rank {{rank}} p50"),
+                    Q(rec.rank_step_seconds_quantile(0.95, RANKS, DRAWN), "rank {{rank}} p95"),
+                    Q(sel(rec.RUN_STEP_SECONDS_P50, RUN), "run p50"),
+                    Q(sel(rec.RUN_STEP_SECONDS_P95, RUN), "run p95"),
                 ],
                 "s",
                 limits=(0, None),
@@ -155,11 +197,12 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Throughput",
-                "Samples per second of the run and of each rank (1m rate). Drops line up with "
-                "stalls in the step time panel.",
+                "Samples per second of the run, of the drawn ranks and of its median rank (1m rate). Drops line "
+                "up with stalls in the step time panel.",
                 [
                     Q(sel(rec.RUN_SAMPLES_RATE, RUN), "run"),
-                    Q(sel(rec.RANK_SAMPLES_RATE, RANKS), "rank {{rank}}"),
+                    Q(drawn(sel(rec.RANK_SAMPLES_RATE, RANKS)), "rank {{rank}}"),
+                    median_rank(sel(rec.RANK_SAMPLES_RATE, RUN)),
                 ],
                 SAMPLES_PER_SECOND,
                 limits=(0, None),
@@ -187,9 +230,10 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Data-loading share per rank",
-                f"{LOADING} seconds / step seconds per rank (1m). The dashed line is the {DATA_BOUND.percent} "
-                "alert threshold; the I/O-vs-compute rule of thumb wants it near 0.",
-                [Q(sel(rec.RANK_DATALOADER_SHARE, RANKS), "rank {{rank}}")],
+                f"{LOADING} seconds / step seconds of the drawn ranks and the median rank (1m). The dashed line is "
+                f"the {DATA_BOUND.percent} alert threshold; the I/O-vs-compute rule of thumb wants it near 0.",
+                [Q(drawn(sel(rec.RANK_DATALOADER_SHARE, RANKS)), "rank {{rank}}"),
+                 median_rank(sel(rec.RANK_DATALOADER_SHARE, RUN))],
                 "percentunit",
                 limits=(0, 1),
                 threshold_line=thresholds((None, "green"), (DATA_BOUND.value, "red")),
@@ -225,12 +269,14 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         board.with_panel(
             table_panel(
                 "Per-rank comparison",
-                "One line per rank: the two straggler scores (run median / the rank's; 1 typical, below "
-                f"{STRAGGLER.number} a straggler) of step time and of the local phases ({LOCAL}, before the "
-                "first collective), mean and p95 step time, local seconds per step, "
+                "One line per picked rank, the lowest score first (the ranks the time series draw are the first "
+                "`Ranks drawn` of it over the range): the lower of its two straggler scores, then each (run median / "
+                f"the rank's; 1 typical, below {STRAGGLER.number} a straggler) of step time and of the local phases "
+                f"({LOCAL}, before the first collective), mean and p95 step time, local seconds per step, "
                 "data-loading share, steps and samples per second. Under DDP/FSDP step times are equal on "
                 "every rank; under DDP the local score and local seconds still show the straggler.",
                 [
+                    Q(lowest_score("run, rank, instance"), table=True),
                     Q(sel(rec.RANK_STRAGGLER_SCORE, RANKS), table=True),
                     Q(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS), table=True),
                     Q(sel(rec.RANK_STEP_SECONDS_MEAN, RANKS), table=True),
@@ -241,22 +287,25 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                     Q(sel(rec.RANK_SAMPLES_RATE, RANKS), table=True),
                 ],
                 {
-                    "Value #A": ("step-time score", "none"),
-                    "Value #B": ("local score", "none"),
-                    "Value #C": ("mean step", "s"),
-                    "Value #D": ("p95 step", "s"),
-                    "Value #E": ("local per step", "s"),
-                    "Value #F": ("data-loading share", "percentunit"),
-                    "Value #G": ("steps/s", "none"),
-                    "Value #H": ("samples/s", "none"),
+                    "Value #A": ("lowest score", "none"),
+                    "Value #B": ("step-time score", "none"),
+                    "Value #C": ("local score", "none"),
+                    "Value #D": ("mean step", "s"),
+                    "Value #E": ("p95 step", "s"),
+                    "Value #F": ("local per step", "s"),
+                    "Value #G": ("data-loading share", "percentunit"),
+                    "Value #H": ("steps/s", "none"),
+                    "Value #I": ("samples/s", "none"),
                 },
+                sort_by="lowest score",
                 width=14,
             )
         )
         .with_panel(
             bargauge_panel(
                 "Straggler scores",
-                "Run median / the rank's value, of mean step time (step) and of the local phases before the "
+                "The drawn ranks' (the lowest scores over the range, `Ranks drawn`): run median / the rank's value, "
+                "of mean step time (step) and of the local phases before the "
                 f"first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
                 "the Node dashboard. Under DDP/FSDP all ranks wait for the slowest in the all-reduce, so "
@@ -264,9 +313,9 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"all-gathers parameters inside {contract.FORWARD_PHASE}, so the wait lands there and both stay "
                 "near 1).",
                 [
-                    Q(sel(rec.RANK_STRAGGLER_SCORE, RANKS), "rank {{rank}} step ({{instance}})"),
+                    Q(drawn(sel(rec.RANK_STRAGGLER_SCORE, RANKS)), "rank {{rank}} step ({{instance}})"),
                     Q(
-                        sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS),
+                        drawn(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS)),
                         "rank {{rank}} local ({{instance}})",
                     ),
                 ],
@@ -375,17 +424,17 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "PyTorch allocator memory per rank",
-                "What PyTorch's caching allocator of each rank does with the GPU memory it holds (pushed by the "
+                "What PyTorch's caching allocator of each drawn rank does with the GPU memory it holds (pushed by the "
                 "hooks on CUDA from torch.cuda.memory_stats(), summed over the rank's devices): allocated to "
                 "tensors, reserved (allocated plus cached for reuse), the peak allocated since the previous push, "
                 "and inactive split bytes (cached blocks too small to reuse: fragmentation). Reserved far above "
                 "allocated is a full cache, not pressure; allocated near the GPU's memory is real pressure. Empty for "
                 "ranks on the CPU.",
                 [
-                    Q(sel(fam.CUDA_MEMORY_ALLOCATED, RANKS), "rank {{rank}} allocated"),
-                    Q(sel(fam.CUDA_MEMORY_RESERVED, RANKS), "rank {{rank}} reserved"),
-                    Q(sel(fam.CUDA_MEMORY_PEAK, RANKS), "rank {{rank}} peak allocated"),
-                    Q(sel(fam.CUDA_MEMORY_INACTIVE_SPLIT, RANKS), "rank {{rank}} inactive split"),
+                    Q(drawn(sel(fam.CUDA_MEMORY_ALLOCATED, RANKS)), "rank {{rank}} allocated"),
+                    Q(drawn(sel(fam.CUDA_MEMORY_RESERVED, RANKS)), "rank {{rank}} reserved"),
+                    Q(drawn(sel(fam.CUDA_MEMORY_PEAK, RANKS)), "rank {{rank}} peak allocated"),
+                    Q(drawn(sel(fam.CUDA_MEMORY_INACTIVE_SPLIT, RANKS)), "rank {{rank}} inactive split"),
                 ],
                 "bytes",
                 limits=(0, None),
@@ -394,13 +443,13 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "Allocation retries and OOMs per rank",
-                "PyTorch's caching allocator per rank: allocations that failed, flushed the cache and retried, and "
-                "out-of-memory errors, per second over 5 minutes. Retries that keep coming page "
+                "PyTorch's caching allocator of each drawn rank: allocations that failed, flushed the cache and "
+                "retried, and out-of-memory errors, per second over 5 minutes. Retries that keep coming page "
                 "StepscopeCudaAllocRetries; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a smaller "
                 "micro-batch or activation checkpointing make room.",
                 [
-                    Q(f"rate({sel(fam.CUDA_ALLOC_RETRIES, RANKS)}[5m])", "rank {{rank}} retries"),
-                    Q(f"rate({sel(fam.CUDA_OOMS, RANKS)}[5m])", "rank {{rank}} OOMs"),
+                    Q(drawn(f"rate({sel(fam.CUDA_ALLOC_RETRIES, RANKS)}[5m])"), "rank {{rank}} retries"),
+                    Q(drawn(f"rate({sel(fam.CUDA_OOMS, RANKS)}[5m])"), "rank {{rank}} OOMs"),
                 ],
                 "ops",
                 limits=(0, None),
@@ -409,10 +458,10 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "GPU memory held by each rank",
-                "GPU memory each rank's process holds, per GPU (from NVML's process list).",
+                "GPU memory each drawn rank's process holds, per GPU (from NVML's process list).",
                 [
                     Q(
-                        sel(rec.RANK_GPU_MEMORY, RANKS),
+                        drawn(sel(rec.RANK_GPU_MEMORY, RANKS)),
                         "rank {{rank}} on {{instance}} GPU {{gpu}}",
                     )
                 ],
@@ -440,13 +489,11 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "Host CPU of the run's processes (cores)",
-                "CPU cores used by each rank's process and its data-loader workers. Data-bound runs whose "
-                "workers use all their cores need more cores or cheaper decoding.",
+                "CPU cores used by each drawn rank's process and its data-loader workers, and the median rank's. "
+                "Data-bound runs whose workers use all their cores need more cores or cheaper decoding.",
                 [
-                    Q(
-                        f"sum by (rank) (rate({sel(fam.PROCESS_CPU_SECONDS, RANKS)}[1m]))",
-                        "rank {{rank}}",
-                    )
+                    Q(drawn(f"sum by (run, rank) (rate({sel(fam.PROCESS_CPU_SECONDS, RANKS)}[1m]))"), "rank {{rank}}"),
+                    median_rank(f"sum by (run, rank) (rate({sel(fam.PROCESS_CPU_SECONDS, RUN)}[1m]))"),
                 ],
                 "none",
                 limits=(0, None),
@@ -455,8 +502,9 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "Host memory of the run's processes",
-                "Resident memory of each rank's process plus its data-loader workers.",
-                [Q(f"sum by (rank) ({sel(fam.PROCESS_RESIDENT_MEMORY, RANKS)})", "rank {{rank}}")],
+                "Resident memory of each drawn rank's process plus its data-loader workers, and the median rank's.",
+                [Q(drawn(f"sum by (run, rank) ({sel(fam.PROCESS_RESIDENT_MEMORY, RANKS)})"), "rank {{rank}}"),
+                 median_rank(f"sum by (run, rank) ({sel(fam.PROCESS_RESIDENT_MEMORY, RUN)})")],
                 "bytes",
                 limits=(0, None),
             )
@@ -464,12 +512,12 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "Data-loader workers and read throughput",
-                "Live child processes (DataLoader workers) per rank, and bytes they read from storage per "
+                "Live child processes (DataLoader workers) per drawn rank, and bytes they read from storage per "
                 "second. Few workers with a high data-loading share: raise num_workers.",
                 [
-                    Q(f"sum by (rank) ({sel(fam.PROCESS_CHILDREN, RANKS)})", "rank {{rank}} workers"),
+                    Q(drawn(f"sum by (run, rank) ({sel(fam.PROCESS_CHILDREN, RANKS)})"), "rank {{rank}} workers"),
                     Q(
-                        f"sum by (rank) (rate({sel(fam.PROCESS_IO_READ, RANKS)}[1m]))",
+                        drawn(f"sum by (run, rank) (rate({sel(fam.PROCESS_IO_READ, RANKS)}[1m]))"),
                         "rank {{rank}} read",
                     ),
                 ],
@@ -647,6 +695,15 @@ def build() -> dashboard.Dashboard:
                 description="global ranks of the run",
             )
         )
+        .with_variable(
+            custom_variable(
+                "ranks_drawn",
+                "Ranks drawn",
+                DRAWN_CHOICES,
+                description="how many of the picked ranks the per-rank time series draw: those with the lowest "
+                "straggler score over the time range, beside the run's median rank",
+            )
+        )
     )
     for add_row in (_overview_row, _throughput_row, _where_the_time_went_row, _step_time_row, _ranks_row,
                     _gpus_and_processes_of_this_run_row, _alerts_row):
@@ -799,11 +856,11 @@ def _throughput_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "MFU per rank, and tensor-core activity",
-                "Each rank's model FLOP/s over its GPU's peak, the run's, and the tensor-core activity of the "
+                "The drawn ranks' model FLOP/s over their GPU's peak, the run's, and the tensor-core activity of the "
                 "run's GPUs (GPM, Hopper and newer). On an H100, bf16 training read an MFU of 0.88-0.97 of its "
                 "tensor activity; a GPU-bound run far below it for an hour is StepscopeMfuBelowTensorActivity.",
                 [
-                    Q(sel(rec.RANK_MFU, RANKS), "rank {{rank}}"),
+                    Q(drawn(sel(rec.RANK_MFU, RANKS)), "rank {{rank}}"),
                     Q(sel(rec.RUN_MFU, RUN), "run"),
                     Q(sel(rec.RUN_GPU_TENSOR_ACTIVE, RUN), "tensor cores active"),
                 ],
@@ -815,10 +872,10 @@ def _throughput_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             timeseries_panel(
                 "Tokens/s and samples/s per rank",
-                "Each rank's tokens and samples per second (1m rate).",
+                "The drawn ranks' tokens and samples per second (1m rate).",
                 [
-                    Q(sel(rec.RANK_TOKENS_RATE, RANKS), "rank {{rank}} tokens/s"),
-                    Q(sel(rec.RANK_SAMPLES_RATE, RANKS), "rank {{rank}} samples/s"),
+                    Q(drawn(sel(rec.RANK_TOKENS_RATE, RANKS)), "rank {{rank}} tokens/s"),
+                    Q(drawn(sel(rec.RANK_SAMPLES_RATE, RANKS)), "rank {{rank}} samples/s"),
                 ],
                 "short",
                 limits=(0, None),

@@ -7,6 +7,7 @@ promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects
 import json
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards_out"
@@ -35,12 +36,22 @@ class VariableQuery:
 
 
 def substitute(text: str) -> str:
-    """Replaces $var and ${var}: built-ins with fixed windows, the dashboard's variables with `.*`."""
+    """Replaces $var and ${var}: built-ins with fixed windows, a fixed list's variable (`custom`, such as how many
+    ranks to draw) with the value it starts at, the dashboard's query variables with `.*`."""
+    fixed = {**BUILTINS, **custom_defaults()}
 
     def replace(match: re.Match) -> str:
-        return BUILTINS.get(match.group(1) or match.group(2), ".*")
+        return fixed.get(match.group(1) or match.group(2), ".*")
 
     return VARIABLE.sub(replace, text)
+
+
+@cache
+def custom_defaults(directory: Path = DASHBOARDS_DIR) -> dict[str, str]:
+    """{name: the value it starts at} of every dashboard's `custom` variables (their names are the dashboards')."""
+    return {variable["name"]: variable["current"]["value"]
+            for model in load_dashboards(directory).values()
+            for variable in model.get("templating", {}).get("list", []) if variable.get("type") == "custom"}
 
 
 def load_dashboards(directory: Path = DASHBOARDS_DIR) -> dict[str, dict]:

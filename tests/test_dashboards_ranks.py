@@ -1,0 +1,171 @@
+"""The Training dashboard at 64 ranks: its per-rank time series draw the few ranks with the lowest straggler score
+(`Ranks drawn`, 5 at first) and the run's median rank, not a line per rank, the same ranks across the whole panel on
+Prometheus and on VictoriaMetrics; the Per-rank comparison table still lists every rank, lowest score first.
+"""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from grafana.dashboards.training import DRAWN_CHOICES
+from grafana.rules import RULE_FILES
+from stepscope.contract import recordings as rec
+from stepscope_testkit.processes import running_exporter
+from tests.support.dashboard_queries import DASHBOARDS_DIR, load_dashboards, panels
+from tests.support.many_ranks import push_round, ranks_of
+from tests.support.prometheus import running_prometheus, running_prometheus_holding, wait_for
+from tests.support.victoria import running_victoria
+from tests.support.victoria_replay import import_series
+
+pytestmark = pytest.mark.timeout(240)
+WORLD_SIZE = 64
+SLOW_STEP, SLOW_LOADER, HUNG = 17, 40, 63
+DRAWN_AT_FIRST = next(iter(DRAWN_CHOICES.values()))
+BOARD = "stepscope-training.json"
+VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+
+# A stored hour of 64 ranks' two straggler scores, 30 s apart: rank 17 slow in step time for the first half, rank
+# 40 in its local phases for the second half, ranks 3, 5 and 9 a little below typical throughout, the rest at 1.
+INTERVAL = 30
+POINTS = 120
+LOW = {(rec.RANK_STRAGGLER_SCORE, "3"): 0.9, (rec.RANK_STRAGGLER_LOCAL_SCORE, "5"): 0.92,
+       (rec.RANK_STRAGGLER_LOCAL_SCORE, "9"): 0.95}
+LOWEST_OVER_THE_RANGE = {"17", "40", "3", "5", "9"}
+
+
+def _score(name: str, rank: int, point: int) -> float:
+    first_half = point < POINTS // 2
+    if (name, rank) == (rec.RANK_STRAGGLER_SCORE, SLOW_STEP) and first_half:
+        return 0.5
+    if (name, rank) == (rec.RANK_STRAGGLER_LOCAL_SCORE, SLOW_LOADER) and not first_half:
+        return 0.45
+    return LOW.get((name, str(rank)), 1.0)
+
+
+def _history() -> dict[str, list[float]]:
+    """{series: its values}: both scores and the data-loading share of every rank, on two nodes."""
+    history = {}
+    for rank in range(WORLD_SIZE):
+        labels = f'run="big",rank="{rank}",instance="{"ab"[rank * 2 // WORLD_SIZE]}"'
+        for name in (rec.RANK_STRAGGLER_SCORE, rec.RANK_STRAGGLER_LOCAL_SCORE):
+            history[f"{name}{{{labels}}}"] = [_score(name, rank, point) for point in range(POINTS)]
+        history[f"{rec.RANK_DATALOADER_SHARE}{{{labels}}}"] = [0.1 + rank / 1000] * POINTS
+    return history
+
+
+def _panel_targets(title: str) -> list[dict]:
+    (panel,) = [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD]) if panel["title"] == title]
+    return panel["targets"]
+
+
+def _filled(expr: str, range_seconds: int) -> str:
+    """The query Grafana sends for run `big`, every rank picked and the ranks drawn at first."""
+    values = {"run": "big", "rank": ".*", "ranks_drawn": str(DRAWN_AT_FIRST), "__range": f"{range_seconds}s"}
+    return VARIABLE.sub(lambda match: values[match.group(1) or match.group(2)], expr)
+
+
+def _query_range(url: str, expr: str, start: float, end: float, step: int) -> list[dict]:
+    response = requests.get(f"{url}/api/v1/query_range",
+                            params={"query": expr, "start": start, "end": end, "step": step}, timeout=30)
+    body = response.json()
+    assert body["status"] == "success", f"{expr}: {body.get('error')}"
+    return body["data"]["result"]
+
+
+def _drawn(url: str, start: int, end: int) -> tuple[dict[str, int], int]:
+    """The Data-loading share panel over [start, end]: {rank: its points} and the number of median lines."""
+    drawn: dict[str, int] = {}
+    medians = 0
+    for target in _panel_targets("Data-loading share per rank"):
+        found = _query_range(url, _filled(target["expr"], end - start), start, end, INTERVAL)
+        if "{{rank}}" in target["legendFormat"]:
+            drawn |= {series["metric"]["rank"]: len(series["values"]) for series in found}
+        else:
+            medians += len(found)
+    return drawn, medians
+
+
+def _expected(start: int, end: int) -> tuple[dict[str, int], int]:
+    return {rank: (end - start) // INTERVAL + 1 for rank in LOWEST_OVER_THE_RANGE}, 1
+
+
+def test_the_same_slowest_ranks_are_drawn_across_the_panel_on_prometheus(tmp_path: Path) -> None:
+    """Rank 17 is slow in the first half and rank 40 in the second: both are drawn over the whole range, with the
+    three a little below typical, and no other rank (a bottomk taken at each step drew others where one was 1)."""
+    first = int(time.time()) // 60 * 60 - 3 * 3600
+    samples = [(series, first + point * INTERVAL, value) for series, values in _history().items()
+               for point, value in enumerate(values)]
+    start, end = first + 20 * INTERVAL, first + (POINTS - 1) * INTERVAL
+    with running_prometheus_holding(tmp_path, samples) as prometheus:
+        assert _drawn(prometheus.url, start, end) == _expected(start, end)
+
+
+def test_the_same_slowest_ranks_are_drawn_across_the_panel_on_victoriametrics(tmp_path: Path) -> None:
+    first = int(time.time()) // 60 * 60 - 3 * 3600
+    history = [{"series": series, "values": " ".join(map(str, values))} for series, values in _history().items()]
+    start, end = first + 20 * INTERVAL, first + (POINTS - 1) * INTERVAL
+    with running_victoria(tmp_path) as victoria:
+        import_series(victoria.url, history, first, INTERVAL)
+        assert _drawn(victoria.url, start, end) == _expected(start, end)
+
+
+def _rank_panels() -> list[dict]:
+    """The Training dashboard's time series and bars with a line or bar per rank."""
+    return [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD])
+            if panel["type"] in {"timeseries", "bargauge"}
+            and any("{{rank}}" in target.get("legendFormat", "") for target in panel["targets"])]
+
+
+def test_64_pushing_ranks_draw_the_slowest_five_and_the_table_lists_all(tmp_path: Path) -> None:
+    """A real exporter holding 64 ranks' pushes, scraped by a real Prometheus with the shipped rules: every per-rank
+    panel with data draws at most 5 ranks (before: 64 lines, 128 on the p50 / p95 panel), among them the
+    step-time straggler (17), the slow loader (40) and, where it has a reading, the rank that never stepped (63,
+    no score: drawn first); the table has every scored rank, 40 and 17 first."""
+    ranks = ranks_of("big", WORLD_SIZE, SLOW_STEP, SLOW_LOADER, HUNG)
+    with running_exporter(tmp_path) as exporter, \
+            running_prometheus(tmp_path, {"node": exporter.url.removeprefix("http://")}, RULE_FILES) as prometheus:
+
+        def stragglers_scored() -> bool:
+            push_round(exporter.url, ranks)
+            time.sleep(1)
+            return (_lowest(prometheus.url, rec.RANK_STRAGGLER_SCORE) == str(SLOW_STEP)
+                    and _lowest(prometheus.url, rec.RANK_STRAGGLER_LOCAL_SCORE) == str(SLOW_LOADER))
+
+        assert wait_for(stragglers_scored, timeout=90, interval=0)
+        table = _query_range(prometheus.url, _filled(_table_lowest_score(), 60), time.time(), time.time(), 1)
+        end = time.time()
+        drawn = {}
+        for panel in _rank_panels():
+            for target in panel["targets"]:
+                if "{{rank}}" in target["legendFormat"]:
+                    found = _query_range(prometheus.url, _filled(target["expr"], 20), end - 20, end, 1)
+                    drawn.setdefault(panel["title"], set()).update(series["metric"]["rank"] for series in found)
+    with_data = {title: found for title, found in drawn.items() if found}
+    assert {"Step time p50 / p95 per rank", "Throughput", "Data-loading share per rank",
+            "Straggler scores"} <= set(with_data)
+    assert all(len(found) <= DRAWN_AT_FIRST for found in with_data.values()), with_data
+    assert {str(SLOW_STEP), str(SLOW_LOADER)} <= with_data["Step time p50 / p95 per rank"]
+    assert {str(SLOW_STEP), str(SLOW_LOADER), str(HUNG)} <= with_data["Throughput"]
+    assert len(table) == WORLD_SIZE - 1 and _ordered(table)[:2] == [str(SLOW_LOADER), str(SLOW_STEP)]
+    (comparison,) = [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD])
+                     if panel["title"] == "Per-rank comparison"]
+    assert comparison["options"]["sortBy"] == [{"displayName": "lowest score", "desc": False}]
+
+
+def _lowest(url: str, score: str) -> str:
+    """The rank with the lowest `score` now, or "" while none is scored."""
+    found = _query_range(url, f'bottomk(1, {score}{{run="big"}})', time.time(), time.time(), 1)
+    return found[0]["metric"]["rank"] if found else ""
+
+
+def _table_lowest_score() -> str:
+    (lowest, *_) = _panel_targets("Per-rank comparison")
+    return lowest["expr"]
+
+
+def _ordered(results: list[dict]) -> list[str]:
+    """Ranks by their last value, lowest first."""
+    return [series["metric"]["rank"] for series in sorted(results, key=lambda series: float(series["values"][-1][1]))]
