@@ -359,7 +359,7 @@ def family(name: str) -> Family:
 
 
 def selector(name: str, matchers: str) -> str:
-    """The PromQL selector of a family or recorded series with `matchers` (`run=~"$run"`)."""
+    """The PromQL selector of a family or recorded series with `matchers` (`run="$run"`)."""
     return f"{name}{{{matchers}}}"
 
 

@@ -132,9 +132,9 @@ def test_the_per_rank_step_quantiles_come_from_one_helper() -> None:
     """Dashboards ask rank_step_seconds_quantile, so moving them to query time is one edit: the time series of the
     drawn ranks, the per-rank table of every rank."""
     queries = {q.raw_expr for q in panel_queries()}
-    ranks = 'run=~"$run",rank=~"$rank"'
-    asked = [recordings.rank_step_seconds_quantile(quantile, ranks, training.DRAWN) for quantile in (0.5, 0.95)]
-    asked.append(recordings.rank_step_seconds_quantile(0.95, ranks))
+    asked = [recordings.rank_step_seconds_quantile(quantile, training.RANKS, training.DRAWN)
+             for quantile in (0.5, 0.95)]
+    asked.append(recordings.rank_step_seconds_quantile(0.95, training.RANKS))
     for query in asked:
         assert contract.STEP_SECONDS in query and query in queries
 

@@ -10,8 +10,10 @@ import yaml
 from grafana.dashboards import generate
 from grafana.rules import rules
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.contract import recordings as rec
 from tests.support.dashboard_queries import (
     DASHBOARDS_DIR,
+    grafana_interpolate,
     load_dashboards,
     panel_queries,
     panels,
@@ -102,17 +104,41 @@ def test_queries_use_known_metrics_and_recording_rules() -> None:
 GRAFANA_GLOBALS = {"__range"}  # Grafana's own variables the panels use (the time range picked)
 
 
-def test_variables_are_defined_and_matched_as_regex() -> None:
+def test_variables_are_defined_and_matched_as_grafana_writes_them() -> None:
+    """A multi-value variable is matched as a regex (Grafana escapes each value and joins them with |), a
+    single-value one exactly: Grafana writes its value as it is, so `=~` read a run "exp.1" as a regex."""
     for name, model in dashboards().items():
-        defined = {variable["name"] for variable in model["templating"]["list"]}
-        for query in panel_queries():
-            if query.dashboard != name:
-                continue
-            used = {a or b for a, b in re.findall(r"\$\{(\w+)\}|\$(\w+)", query.raw_expr)}
-            assert used <= defined | GRAFANA_GLOBALS, f"{name} / {query.panel}: undefined {used - defined}"
-            assert not re.search(r'[^=!]="\$', query.raw_expr), (
-                f"{name} / {query.panel}: use =~ for variables"
-            )
+        variables = {variable["name"]: variable for variable in model["templating"]["list"]}
+        queries = [(q.panel, q.raw_expr) for q in panel_queries() if q.dashboard == name]
+        queries += [(f"${v.variable}", v.raw_query) for v in variable_queries() if v.dashboard == name]
+        for where, expr in queries:
+            used = {a or b for a, b in re.findall(r"\$\{(\w+)\}|\$(\w+)", expr)}
+            assert used <= variables.keys() | GRAFANA_GLOBALS, f"{name} / {where}: undefined {used - variables.keys()}"
+            for operator, variable in re.findall(r'\w+(=~|=|!=|!~)"\$\{?(\w+)', expr):
+                several = variables[variable].get("multi") or variables[variable].get("includeAll")
+                assert operator == ("=~" if several else "="), f"{name} / {where}: {operator} ${variable}"
+
+
+# Runs whose names are regexes matching something else: "bert+lora" does not match itself, "exp.1" matches "expx1".
+REGEX_LIKE_RUNS = {"bert+lora": 1, "exp.1": 2, "expx1": 4}
+
+
+def test_a_run_named_with_regex_characters_reads_its_own_series_only(tmp_path: Path) -> None:
+    """The Training dashboard's Throughput stat as Grafana sends it for each run, evaluated by promtool: each run's
+    samples/s alone (matched as a regex, "bert+lora" read nothing and "exp.1" read expx1's too)."""
+    model = dashboards()["stepscope-training.json"]
+    (expr,) = [target["expr"] for panel in panels(model) if (panel["type"], panel["title"]) == ("stat", "Throughput")
+               for target in panel["targets"]]
+    inputs = [{"series": f'{rec.RUN_SAMPLES_RATE}{{run="{run}"}}', "values": f"{rate}x10"}
+              for run, rate in REGEX_LIKE_RUNS.items()]
+    tests = [{"expr": grafana_interpolate(expr, model, {"run": run}), "eval_time": "1m",
+              "exp_samples": [{"labels": f'{rec.RUN_SAMPLES_RATE}{{run="{run}"}}', "value": rate}]}
+             for run, rate in REGEX_LIKE_RUNS.items()]
+    spec = {"rule_files": [], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
+    (tmp_path / "runs.yml").write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "runs.yml")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_recording_rules_are_used_by_the_dashboards() -> None:

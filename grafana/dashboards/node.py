@@ -24,8 +24,8 @@ from stepscope.contract import recordings as rec
 from stepscope.contract import selector as sel
 
 UID = "stepscope-node"
-NODE = 'instance=~"$instance"'
-GPUS = 'instance=~"$instance",gpu=~"$gpu"'
+NODE = 'instance="$instance"'  # one node, matched exactly (Grafana regex-escapes only a multi-value variable)
+GPUS = 'instance="$instance",gpu=~"$gpu"'
 NOT_IDLE = NODE + ',mode!="idle"'  # CPU modes
 BACKWARD = contract.BACKWARD_PHASE
 TO_DEVICE = contract.TO_DEVICE_PHASE

@@ -30,8 +30,10 @@ from stepscope.contract import selector as sel
 from stepscope.contract import verdicts as verdict
 
 UID = "stepscope-training"
-RUN = 'run=~"$run"'
-RANKS = 'run=~"$run",rank=~"$rank"'
+# The run is matched exactly: Grafana regex-escapes a variable's value only where several may be picked, so with
+# `=~` a run named "bert+lora" matched no series (an empty dashboard) and "exp.1" matched "expx1" too.
+RUN = 'run="$run"'
+RANKS = 'run="$run",rank=~"$rank"'
 
 # State set -> one code per rank, so the state timeline shows one row per rank; state -> (code, colour).
 STATE_COLOURS = ("blue", "green", "purple", "orange", "text")  # in the contract's order of STATES

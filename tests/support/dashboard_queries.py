@@ -1,7 +1,8 @@
 """Every PromQL query of the generated dashboards (grafana/dashboards_out), with template variables filled in as `.*`.
 
 The end-to-end test runs these against a real Prometheus; the dashboard tests parse them with
-promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects everything.
+promtool. Multi-value variables are matched with `=~`, so the regex `.*` selects everything; single-value ones
+exactly (`=`), turned into `=~".*"` here. `grafana_interpolate` fills them in as Grafana does instead.
 """
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards_out"
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+EXACT_MATCHER = re.compile(r'(\w+)="\$\{?(\w+)\}?"')
 LABEL_VALUES = re.compile(r"^label_values\((?:(.*),\s*)?(\w+)\)$", re.DOTALL)
 # Grafana's built-in interval variables, for a query run outside Grafana.
 BUILTINS = {"__rate_interval": "1m", "__interval": "1m", "__range": "1h"}
@@ -37,13 +39,41 @@ class VariableQuery:
 
 def substitute(text: str) -> str:
     """Replaces $var and ${var}: built-ins with fixed windows, a fixed list's variable (`custom`, such as how many
-    ranks to draw) with the value it starts at, the dashboard's query variables with `.*`."""
+    ranks to draw) with the value it starts at, the dashboard's query variables with `.*`; a label matched exactly
+    to a variable (`run="$run"`, a single-value one) is matched to `.*` as a regex, every value."""
     fixed = {**BUILTINS, **custom_defaults()}
+
+    def every_value(match: re.Match) -> str:
+        return match.group(0) if match.group(2) in fixed else f'{match.group(1)}=~".*"'
 
     def replace(match: re.Match) -> str:
         return fixed.get(match.group(1) or match.group(2), ".*")
 
-    return VARIABLE.sub(replace, text)
+    return VARIABLE.sub(replace, EXACT_MATCHER.sub(every_value, text))
+
+
+def grafana_interpolate(expr: str, model: dict, values: dict[str, str | list[str]]) -> str:
+    """`expr` as Grafana's Prometheus data source sends it with the dashboard's variables at `values`
+    (PrometheusDatasource.interpolateQueryExpr): a variable that takes one value only, neither multi nor with an
+    "All", is written as it is, regex characters included (only backslash and single quote escaped); a multi or
+    include-all one has each value regex-escaped for a PromQL string, several joined as (a|b), and "$__all" is its
+    custom all value, unescaped."""
+    variables = {variable["name"]: variable for variable in model["templating"]["list"]}
+
+    def regex_escaped(value: str) -> str:
+        return re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(0), value.replace("\\", "\\\\\\\\"))
+
+    def replace(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        value, variable = values[name], variables[name]
+        if value == "$__all" and variable.get("allValue"):
+            return variable["allValue"]
+        if not (variable.get("multi") or variable.get("includeAll")):
+            return str(value).replace("\\", "\\\\").replace("'", "\\\\'")
+        escaped = [regex_escaped(item) for item in ([value] if isinstance(value, str) else value)]
+        return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+    return VARIABLE.sub(replace, expr)
 
 
 @cache
