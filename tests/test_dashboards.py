@@ -208,6 +208,19 @@ def test_every_dashboard_links_to_the_others_by_tag() -> None:
             (["stepscope"], True, True)], name
 
 
+def test_training_tables_link_a_ranks_node_to_the_node_dashboard() -> None:
+    """The Straggler scores say to check a straggler's node on the Node dashboard: the instance of each per-rank
+    table opens it on that node, with the time range and the data source picked."""
+    models = dashboards()
+    by_title = {panel["title"]: panel for panel in panels(models["stepscope-training.json"])}
+    for table in ("Per-rank comparison", "Where each rank is"):
+        (link,) = _field_links(by_title[table], "instance")
+        path, _, query_string = link["url"].partition("?")
+        assert path == "/d/stepscope-node"
+        assert {"var-instance=${__value.raw}", "var-datasource=${datasource}", "${__url_time_range}"} == set(
+            query_string.split("&"))
+
+
 def test_cluster_tables_link_runs_and_nodes_to_their_dashboards() -> None:
     """The Runs table's run opens the Training dashboard on that run, the Nodes table's instance the Node
     dashboard on that node: real uids and variables, with the time range and the data source picked."""

@@ -4,6 +4,7 @@ from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import dashboard as dm
 
 import stepscope.contract as contract
+from grafana.dashboards import node
 from grafana.dashboards.panels import (
     SAMPLES_PER_SECOND,
     Q,
@@ -12,6 +13,7 @@ from grafana.dashboards.panels import (
     bargauge_panel,
     base_dashboard,
     custom_variable,
+    data_link,
     heatmap_panel,
     query_variable,
     range_text,
@@ -84,6 +86,11 @@ def lowest_score(by: str, over_range: bool = False) -> str:
 
 PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end())) * 0"
 DRAWN = f"bottomk by (run) ($ranks_drawn, {lowest_score('run, rank', over_range=True)} or {PUSHED_UNSCORED})"
+
+
+# A rank's node (the `instance` column of the per-rank tables) opens the Node dashboard on it: where a straggler's
+# cause is (its GPU, its host), with the same time range.
+NODE_LINK = data_link("Node dashboard of ${__value.raw}", node.UID, "instance")
 
 
 def drawn(per_rank: str) -> str:
@@ -301,7 +308,7 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 },
                 sort_by="lowest score",
                 width=14,
-            )
+            ).override_by_name("instance", NODE_LINK)
         )
         .with_panel(
             bargauge_panel(
@@ -310,8 +317,9 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "of mean step time (step) and of the local phases before the "
                 f"first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
-                "the Node dashboard. Under DDP/FSDP all ranks wait for the slowest in the all-reduce, so "
-                "their step scores stay at 1; under DDP the local score is the one that drops (FSDP "
+                "the Node dashboard (a rank's node in the tables links there). Under DDP/FSDP all ranks wait for "
+                "the slowest in the all-reduce, so their step scores stay at 1; under DDP the local score is the one "
+                "that drops (FSDP "
                 f"all-gathers parameters inside {contract.FORWARD_PHASE}, so the wait lands there and both stay "
                 "near 1).",
                 [
@@ -374,7 +382,7 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                     "Value #C": ("since last push", "s"),
                 },
                 width=24,
-            )
+            ).override_by_name("instance", NODE_LINK)
         )
     )
     return board
