@@ -1,6 +1,7 @@
 """The push API through a real exporter process: hand-written bodies over HTTP, then /metrics."""
 
 import gzip
+import json
 import os
 import socket
 import subprocess
@@ -339,6 +340,47 @@ def test_a_delete_without_a_body_is_answered_at_once(exporter: Running) -> None:
     response = requests.delete(url, timeout=5)
     assert response.status_code == 202 and time.monotonic() - started < 2
     assert not of_run(scrape(exporter.url), "gone-at-once")
+
+
+# --- the bounds of ranks without a store (exporter.ingest.node_bounds) ---------------------------
+
+def _put_wanted(exporter: Running, run: str, rank: str, wanted: str | None) -> requests.Response:
+    headers = {"Stepscope-Bounds": wanted} if wanted is not None else {}
+    response = requests.put(group_url(exporter.url, run, rank), data=full_body(), headers=headers, timeout=10)
+    response.raise_for_status()
+    return response
+
+
+def _run_counts(response: requests.Response) -> dict | None:
+    raw = response.headers.get("Stepscope-Run-Bounds")
+    return json.loads(raw) if raw is not None else None
+
+
+def test_a_push_is_answered_what_the_runs_ranks_here_want(exporter: Running) -> None:
+    """Each rank's push says which fine blocks it wants; the answer counts the run's ranks on this node, its own
+    push included, and no other run's. A push without the header withdraws its rank; a delete forgets it."""
+    _put_wanted(exporter, "wants", "0", '{"step":[40,41],"phase:forward":[9]}')
+    _put_wanted(exporter, "other-wants", "0", '{"step":[70]}')
+    answer = _put_wanted(exporter, "wants", "1", '{"step":[41,42]}')
+    assert _run_counts(answer) == {"step": {"40": 1, "41": 2, "42": 1}, "phase:forward": {"9": 1}}
+    assert _run_counts(_put_wanted(exporter, "wants", "0", None)) is None
+    assert _run_counts(_put_wanted(exporter, "wants", "1", '{"step":[41]}')) == {"step": {"41": 1}}
+    _put_wanted(exporter, "wants", "0", '{"step":[40]}')
+    requests.delete(group_url(exporter.url, "wants", "0"), timeout=10).raise_for_status()
+    assert _run_counts(_put_wanted(exporter, "wants", "1", '{"step":[41]}')) == {"step": {"41": 1}}
+
+
+@pytest.mark.parametrize(("wanted", "message"), [
+    ("[40]", "header Stepscope-Bounds must be an object of at most 5 histograms"),
+    ("{nope", "header Stepscope-Bounds is not JSON"),
+    ('{"step":[40,"41"]}', "header Stepscope-Bounds gives 'step' blocks [40, '41']: a list of integers from 0 to 215"),
+    ('{"step":[-1]}', "a list of integers from 0 to 215 expected"),
+    ('{"forward":[3]}', 'header Stepscope-Bounds names histogram \'forward\': "step" or "phase:<phase>" expected'),
+])
+def test_a_bad_bounds_header_is_refused(exporter: Running, wanted: str, message: str) -> None:
+    """A hook's bug shows as a refused push naming the header, not as bounds that read off."""
+    assert_refused(exporter, "PUT", group_url(exporter.url, "refuse"), 400, message, "malformed",
+                   data=full_body(), headers={"Stepscope-Bounds": wanted})
 
 
 # --- TTL, group limit, access -------------------------------------------------------------------

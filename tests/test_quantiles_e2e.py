@@ -15,6 +15,10 @@ starts at the first push. On VictoriaMetrics the measured push waits until the f
 What the first minutes after a change read through `rate()` (a bucket that appears mid-window) is
 benchmarks/bench_pace.py's subject.
 
+The ranks of a run agree on their bounds through a shared store; those of the `-no-store` runs share none and
+agree through the exporter, pushing every snapshot (their pushes carry the agreement) before the engine
+starts scraping: the engine's first sample is still the window's first push.
+
 Every case runs on Prometheus and on VictoriaMetrics + vmalert (docs/engines.md): VictoriaMetrics scrapes
 the exporter every second, vmalert evaluates the same rule files every second against it.
 """
@@ -124,7 +128,13 @@ CASES: dict[str, tuple[int, float, Callable[[int], Draw]]] = {
     "bimodal-40ms": (1, 0.04, every_rank(two_modes(0.04, 0.1, 5))),
     "ranks-64-50ms": (64, 0.05, per_rank(0.05, 0.04)),
     "two-paces-8": (8, 0.06, two_paces(0.05, 3)),
+    # The ranks of these runs share no torch.distributed store (no process group): they agree on their bounds
+    # through the exporter they push to (stepscope.exporter.ingest.node_bounds), one push at a time.
+    "lognormal-180ms-no-store": (2, 0.18, every_rank(lognormal(0.18, 0.2))),
+    "ranks-64-50ms-no-store": (64, 0.05, per_rank(0.05, 0.04)),
+    "two-paces-8-no-store": (8, 0.06, two_paces(0.05, 3)),
 }
+NO_STORE = frozenset(run for run in CASES if run.endswith("-no-store"))
 # What a run did before the measured minute, in (seconds, step seconds at the segment's start, at its
 # end) segments: the issue's slow start (x50 for 20 s, falling to 80 ms over 50 s, then steady for 90 s)
 # and a shift (x3 slower for two minutes, then back for 30 s). The standard warm-up follows.
@@ -240,49 +250,79 @@ def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     patch.setattr(stepscope.hooks.tracker, "perf_counter_ns", clock)
     patch.setattr(stepscope.hooks.timing, "perf_counter_ns", clock)
     try:
-        with running_exporter(tmp, "--collectors", "node") as exporter, \
-                _engine(request.param, tmp, exporter.url.removeprefix("http://")) as url:
-            yield _measure(request.param, exporter.url, url, clock)
+        with running_exporter(tmp, "--collectors", "node") as exporter:
+            warm = _warm_up(exporter.url, clock)
+            with _engine(request.param, tmp, exporter.url.removeprefix("http://")) as url:
+                yield _measure(request.param, url, clock, warm)
     finally:
         patch.undo()
 
 
-def _measure(engine: str, exporter: str, prometheus: str, clock: ScriptedClock) -> Measured:
-    chained_seconds = CHAINED_SECONDS[engine]
-    store = dist.HashStore()  # what torch.distributed's store is to a real run's ranks
+@dataclass
+class WarmRun:
+    """The ranks a minute or more into their runs, their steps' draws and random streams."""
+
+    ranks: dict[tuple[str, str], Rank]
+    draws: dict[tuple[str, str], Draw]
+    rngs: dict[tuple[str, str], random.Random]
+
+    def snapshot_steps(self, clock: ScriptedClock, key: tuple[str, str], push: bool) -> None:
+        """MEASURED_STEPS steps, then the rank's snapshot: pushed, or only rendered (the layouts decide)."""
+        rank = self.ranks[key]
+        _run_steps(rank, clock, self.draws[key], self.rngs[key], MEASURED_STEPS, keep=False)
+        if push:
+            assert rank.pusher.push_once(), rank.pusher.stats.last_error
+        else:
+            rank.tracker.render()
+
+
+def _start_ranks(exporter: str, clock: ScriptedClock) -> dict[tuple[str, str], Rank]:
+    """Every case's ranks: sharing one store (what torch.distributed's is to a real run's ranks), or, in the
+    NO_STORE runs, none: those push with their tracker's own pusher, whose pushes carry the agreement."""
+    store = dist.HashStore()
     ranks: dict[tuple[str, str], Rank] = {}
     for run, (size, _, _) in CASES.items():
         for rank in range(size):
             clock.switch((run, str(rank)))
-            tracker = th.init(run=run, rank=rank, world_size=size, push_url="", handle_sigterm=False,
-                              phase_buckets=run == PHASE_RUN, push_interval=AGREEMENT_SECONDS, store=store)
-            pusher = Pusher(group_url(exporter, run, rank), tracker.render, interval=60)
+            no_store = run in NO_STORE
+            tracker = th.init(run=run, rank=rank, world_size=size, push_url=exporter if no_store else "",
+                              handle_sigterm=False, phase_buckets=run == PHASE_RUN, push_interval=AGREEMENT_SECONDS,
+                              store=None if no_store else store)
+            pusher = tracker.pusher if no_store else Pusher(group_url(exporter, run, rank), tracker.render, interval=60)
+            assert pusher is not None
             ranks[(run, str(rank))] = Rank((run, str(rank)), tracker, pusher, [], [])
+    # A tracker's pusher pushes once as it starts: done before the test's own pushes, which it would race.
+    assert wait_for(lambda: all(r.pusher.stats.successes for r in ranks.values() if r.key[0] in NO_STORE), 60)
+    return ranks
+
+
+def _warm_up(exporter: str, clock: ScriptedClock) -> WarmRun:
+    """The runs until the push before the measured one (the window's first sample), before any engine scrapes:
+    the NO_STORE ranks push every snapshot, as the hooks do every push interval, and so agree."""
+    ranks = _start_ranks(exporter, clock)
     draws = {(run, rank): CASES[run][2](int(rank)) for run, rank in ranks}
     # Each rank draws from its own stream, so that a case added or reordered leaves the others' steps as they were.
-    rngs = {(run, rank): random.Random(f"{run}/{rank}") for run, rank in ranks}
-
-    def snapshot_steps(key: tuple[str, str], push: bool) -> None:
-        _run_steps(ranks[key], clock, draws[key], rngs[key], MEASURED_STEPS, keep=False)
-        if push:
-            assert ranks[key].pusher.push_once(), ranks[key].pusher.stats.last_error
-        else:
-            ranks[key].tracker.render()
-
+    warm = WarmRun(ranks, draws, {(run, rank): random.Random(f"{run}/{rank}") for run, rank in ranks})
     for key, rank in ranks.items():
         clock.switch(key)
         rank.tracker.state("train")
-        _run_steps(rank, clock, lambda r, draw=draws[key]: 20 * draw(r), rngs[key], 3, keep=False)  # compilation
+        _run_steps(rank, clock, lambda r, draw=draws[key]: 20 * draw(r), warm.rngs[key], 3, keep=False)  # compilation
         rank.tracker.render()  # the first snapshot with steps
-        _prelude(rank, clock, rngs[key], PRELUDES.get(key[0], ()))
-        for _ in range(WARMUP_SNAPSHOTS - 2):  # pushes that left the 1m window long ago
-            snapshot_steps(key, push=False)
+        _prelude(rank, clock, warm.rngs[key], PRELUDES.get(key[0], ()))
+        for _ in range(WARMUP_SNAPSHOTS - 2):  # snapshots that left the 1m window long ago
+            warm.snapshot_steps(clock, key, push=key[0] in NO_STORE)
     _agree(ranks)  # what the agreement's thread does every push interval
     for key in ranks:
-        snapshot_steps(key, push=False)
+        warm.snapshot_steps(clock, key, push=key[0] in NO_STORE)
     _agree(ranks)
     for key in ranks:
-        snapshot_steps(key, push=True)  # the window's first sample
+        warm.snapshot_steps(clock, key, push=True)  # the window's first sample
+    return warm
+
+
+def _measure(engine: str, prometheus: str, clock: ScriptedClock, warm: WarmRun) -> Measured:
+    chained_seconds = CHAINED_SECONDS[engine]
+    ranks, draws, rngs = warm.ranks, warm.draws, warm.rngs
     assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)  # the window's start
     time.sleep(FIRST_PUSH_AGE[engine])  # every first sample is older than that now
     measured_push = time.time()

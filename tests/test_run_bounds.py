@@ -15,19 +15,21 @@ import torch.distributed as dist
 
 import stepscope.hooks as th
 from stepscope.hooks.run_bounds import STEP_HISTOGRAM, RunBounds, run_store
-from stepscope_testkit.processes import REPO_ROOT
+from stepscope_testkit.processes import REPO_ROOT, running_exporter
 
 RANK_SCRIPT = REPO_ROOT / "tests" / "support" / "run_bounds_rank.py"
 PACES = (0.05, 0.15)  # seconds per step of rank 0 and rank 1: 1.6 octaves apart, no fine block in common
 
 
-def _two_ranks(share: str, tmp_path: Path) -> list[dict]:
-    """Runs the two ranks side by side (STEPSCOPE_SHARE_BOUNDS=`share`) and returns what each printed."""
+def _two_ranks(share: str, tmp_path: Path, exporter: str = "") -> list[dict]:
+    """Runs the two ranks side by side (STEPSCOPE_SHARE_BOUNDS=`share`) and returns what each printed; with
+    `exporter`, without a process group, pushing to it."""
     env = {**os.environ, "STEPSCOPE_SHARE_BOUNDS": share, "PYTHONPATH": str(REPO_ROOT)}
     rendezvous = tmp_path / "rendezvous"
     outputs = [(tmp_path / f"rank-{rank}.out", tmp_path / f"rank-{rank}.err") for rank in range(len(PACES))]
     with ExitStack() as files:
-        ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(rank), "2", str(rendezvous), str(pace)],
+        ranks = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(rank), "2", str(rendezvous), str(pace),
+                                   *([exporter] if exporter else [])],
                                   stdout=files.enter_context(out.open("w")), stderr=files.enter_context(err.open("w")),
                                   env=env)
                  for (rank, pace), (out, err) in zip(enumerate(PACES), outputs, strict=True)]
@@ -72,6 +74,20 @@ def test_without_the_agreement_each_rank_exports_its_own_bounds(tmp_path: Path) 
     """What the agreement fixes: the ranks' bounds differ, so a run's bucket sum dips (docs/engines.md)."""
     first, second = (rank["snapshots"][-1]["bounds"] for rank in _two_ranks("0", tmp_path))
     assert first != second
+
+
+def test_ranks_without_a_process_group_agree_through_their_exporter(tmp_path: Path) -> None:
+    """Without a store, the ranks' pushes carry their wanted blocks and the exporter answers the run's
+    (stepscope.exporter.ingest.node_bounds): both ranks export both paces' bounds, at their own exact counts.
+    Before, each exported its own, and VictoriaMetrics read such a run's p95 +2,554% (docs/engines.md)."""
+    with running_exporter(tmp_path, "--collectors", "") as exporter:
+        ranks = _two_ranks("1", tmp_path, exporter.url)
+    first, second = (rank["snapshots"][-1]["bounds"] for rank in ranks)
+    assert first == second
+    for pace in PACES:
+        assert sum(abs(bound / pace - 1) < 0.1 for bound in first) >= 2, (pace, first)
+    for rank in ranks:
+        assert rank["snapshots"][-1]["cumulative"][:-1] == rank["truth"]
 
 
 def test_a_store_that_dies_leaves_each_rank_its_own_bounds(caplog: pytest.LogCaptureFixture) -> None:

@@ -16,9 +16,10 @@ an idle connection when it chooses (the exporter after 10 s), and a push sent as
 nothing is wrong: HTTP lets a client retry an idempotent request then (RFC 9110 9.2.2), as Go's client
 does. A push interval near the server's idle limit met that race (a clean-clone CI run lost one).
 
-Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push) and
-hand the answer's headers to `on_answer` after a 2xx: the exporter's side channel for profile requests
-(stepscope.hooks.profiling); a stock Pushgateway ignores the one and never sends the other.
+Besides the body, a push may carry headers of the caller's (`headers`, asked for on every push once its
+body is rendered) and hand the answer's headers to `on_answer` after a 2xx: the exporter's
+side channel for profile requests (stepscope.hooks.profiling) and for the bounds of ranks without a store
+(stepscope.hooks.run_bounds); a stock Pushgateway ignores the one and never sends the other.
 """
 
 from __future__ import annotations
@@ -170,8 +171,9 @@ class Pusher:
         self.stats.threads.add(threading.get_ident())
         self._at_interval = False
         try:
+            body = self._body().encode()  # first: the headers say what rendering it decided (the bounds wanted)
             headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
-            response = self._put(self._body().encode(), headers)
+            response = self._put(body, headers)
         except requests.RequestException as exc:
             # refused at once (not a timeout): nothing listens, an exporter restarting
             self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)

@@ -18,12 +18,18 @@ hundred at most, whatever the run's size) when something did: each rank reading 
 blocks would move 1.3 MB per rank and round at 2,048 ranks (benchmarks/bench_run_bounds.py). A rank
 that dies keeps its blocks wanted. Store calls run in a thread of their own: a store busy with the
 trainer's own waits (barriers, NCCL set-up) delays the agreement, never a push or a step. Any store
-error turns the agreement off for the process, with one warning: the ranks then export their own
-bounds, as before.
+error turns the agreement off for the process, with one warning.
+
+Ranks without a store (no process group, or its store failed) agree through the exporter of their node
+instead (stepscope.exporter.ingest.node_bounds): each push carries the rank's wanted blocks (`headers`) and
+its answer the counts of the run's ranks pushing there (`on_answer`). Ranks of one node then export the
+same bounds; ranks on different nodes still export their own (docs/engines.md), and so do ranks pushing
+to a Pushgateway, which answers no counts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -34,6 +40,9 @@ from typing import Any, Protocol
 log = logging.getLogger("stepscope.hooks")
 
 STEP_HISTOGRAM = "step"  # phases are keyed "phase:<name>", so a phase named "step" cannot collide
+# The exporter's side channel (stepscope.exporter.ingest.node_bounds): this rank's blocks out, the run's in.
+BOUNDS_HEADER = "Stepscope-Bounds"
+RUN_BOUNDS_HEADER = "Stepscope-Run-Bounds"
 
 
 class Store(Protocol):
@@ -69,6 +78,7 @@ class RunBounds:
 
     `publish` and `wanted` are what the layouts call (in the pusher thread): they touch only memory.
     `exchange` does one round with the store; `start` runs it every `interval` seconds in a daemon thread.
+    `headers` and `on_answer` are the pusher's, for the exporter's counts while no store is connected.
     """
 
     def __init__(self, connect: Callable[[], Store | None], interval: float) -> None:
@@ -83,6 +93,7 @@ class RunBounds:
         self._view: tuple[dict[str, Counter[int]], dict[str, list[int]]] = ({}, {})
         self._lock = threading.Lock()  # one round at a time (the thread, or a caller's exchange)
         self._failed = False
+        self._sent: dict[str, list[int]] = {}  # this rank's blocks as the last push's headers gave them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -106,12 +117,33 @@ class RunBounds:
                 return
             try:
                 self._round()
-            except Exception as exc:  # any store failure: fall back to this rank's own bounds
+            except Exception as exc:  # any store failure: fall back to the exporter's answers (headers)
                 self._failed = True
                 self._view = ({}, {})
                 log.warning("stepscope: cannot share step-time bounds through torch.distributed's store (%r); "
-                            "this rank exports its own bounds, and the run's quantiles may read off where ranks "
-                            "differ (docs/engines.md)", exc)
+                            "this rank now agrees only with the run's ranks that push to its exporter, and the "
+                            "run's quantiles may read off where ranks elsewhere differ (docs/engines.md)", exc)
+
+    def headers(self) -> dict[str, str]:
+        """This rank's blocks for the next push, while the run's store is not connected (none connected yet, or
+        it failed): the exporter answers the counts of the run's ranks on its node."""
+        if self._store is not None and not self._failed:
+            return {}
+        self._sent = own = self._own  # sent even while empty: the answer brings the others' blocks at once
+        return {BOUNDS_HEADER: json.dumps(own, separators=(",", ":"))}
+
+    def on_answer(self, headers: Mapping[str, str]) -> None:
+        """Takes the counts a push's answer carries (none from a Pushgateway, or while the store serves)."""
+        raw = headers.get(RUN_BOUNDS_HEADER)
+        if not raw or (self._store is not None and not self._failed):
+            return
+        try:
+            run = {name: Counter({int(block): int(count) for block, count in blocks.items()})
+                   for name, blocks in json.loads(raw).items()}
+        except (ValueError, TypeError, AttributeError):
+            log.debug("stepscope: ignoring an unreadable %s header: %.80r", RUN_BOUNDS_HEADER, raw)
+            return
+        self._view = (run, self._sent)
 
     def _round(self) -> None:
         if self._store is None:

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from time import perf_counter_ns, time
 from typing import Any
 
@@ -202,7 +202,7 @@ class Tracker:
             self.pusher = Pusher(
                 group_url(config.push_url, config.run, config.rank), self.render, config.push_interval,
                 token=config.push_token, timeout=config.push_timeout, max_backoff=config.max_backoff,
-                headers=self.traces.headers, on_answer=self.traces.on_answer,
+                headers=self._push_headers, on_answer=self._on_push_answer,
             )
             self.pusher.start()
         if self._run_bounds is not None:
@@ -210,6 +210,18 @@ class Tracker:
         atexit.register(self.close)
         if config.handle_sigterm:
             self._sigterm.install()
+
+    def _push_headers(self) -> dict[str, str]:
+        """What a push says besides its body: the profiler's status and, without a store, the bounds wanted."""
+        traces = self.traces.headers() if self.traces is not None else {}
+        return {**traces, **(self._run_bounds.headers() if self._run_bounds is not None else {})}
+
+    def _on_push_answer(self, headers: Mapping[str, str]) -> None:
+        """Hands a push's answer to the profiler and to the bounds agreement."""
+        if self.traces is not None:
+            self.traces.on_answer(headers)
+        if self._run_bounds is not None:
+            self._run_bounds.on_answer(headers)
 
     # -- hot path ---------------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ trace: stepscope_profile_trace_bytes, _steps and _timestamp_seconds, each labell
 (up to 4096 characters). `run` and `rank` come from the path; body labels
 `run`/`rank` must match it and `job`/`instance` are refused. `_created` samples are dropped.
 /metrics then shows every family once, samples of all groups merged, plus
-stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics.
+stepscope_training_last_push_timestamp_seconds{run,rank} and the ingest self metrics. A push may carry the
+step-time blocks its rank wants (`Stepscope-Bounds`), answered with the counts of the run's ranks pushing here
+(`Stepscope-Run-Bounds`, exporter.ingest.node_bounds), and the profiler headers (exporter.ingest.profiles).
 
 Flags, their defaults and STEPSCOPE_* variables: `stepscope-exporter --help` (`add_flags` below). This
 module holds only them and the profile API's path: the cli parses the flags before the server's asyncio
@@ -33,8 +35,8 @@ incomplete_body (a body that stalls past its deadline or ends before its Content
 (chunked body), 413 body_too_large, 415 unsupported_media_type (protobuf or compressed body), 409 run_conflict
 (another process pushes the group: see below), 429 too_many_groups and too_many_series (the total over all
 groups), 503 server_busy (too many body bytes in flight), and 400 for malformed, unknown_family, wrong_type,
-bad_label, label_too_long, bad_value, non_cumulative_buckets, too_many_phases, too_many_series (per group). A
-refused push changes nothing stored.
+bad_label, label_too_long, bad_value, non_cumulative_buckets, too_many_phases, too_many_series (per group) (a
+malformed Stepscope-Bounds header is malformed too). A refused push changes nothing stored.
 
 A group belongs to one process at a time, the `pid` and `start_time` of its stepscope_training_info: a PUT
 or POST whose stepscope_training_info names another process gets 409 while the owner is live, and takes

@@ -17,6 +17,7 @@ from stepscope.contract.training import RUN_NAME_RULE, is_run_name
 from stepscope.exporter.exposition import Chunk, ExpositionStore
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import REASONS, Rejected, clip
+from stepscope.exporter.ingest.node_bounds import BOUNDS_HEADER, NodeBounds, parse_wanted
 from stepscope.exporter.ingest.parser import PushLimits, parse_push
 from stepscope.exporter.ingest.profiles import STATUS_HEADER, ProfileRequests
 from stepscope.exporter.ingest.render import RankPods, SelfSource, TrainingSource, last_push_line
@@ -105,6 +106,7 @@ class PushApi:
         self.max_body_bytes = max_body_bytes
         self._groups = groups
         self.profiles = profiles if profiles is not None else ProfileRequests(groups)
+        self._bounds = NodeBounds()
         self._access = access
         self._limits = limits
         self._stats_lock = threading.Lock()
@@ -134,6 +136,8 @@ class PushApi:
             if len(body) > self.max_body_bytes:
                 raise _too_large(len(body), self.max_body_bytes)
             parsed = parse_push(body, run, rank, self._limits)
+            wanted = parse_wanted(request.headers.get(BOUNDS_HEADER.lower()), self._limits.max_phases + 1,
+                                  self._limits.max_label_length)
             if not any(family.series for family in parsed.values()):  # a PUT of it would wipe the rank's series
                 raise Rejected(400, "empty_body", f"the {request.method} holds no samples; nothing stored: send the "
                                                   "rank's families in the text format (DELETE removes a group)")
@@ -144,6 +148,7 @@ class PushApi:
             return self._refuse(rejected, request)
         self._count_accepted()
         answer = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), current_state(families))
+        answer = {**answer, **self._bounds.on_push(run, rank, wanted)}
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
                             headers=answer)
 
@@ -177,7 +182,7 @@ class PushApi:
         run, rank = parse_group_path(request.path, self._limits.max_label_length)
         if method == "DELETE":
             existed = self._groups.delete(run, rank)
-            self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])
+            self._forget_gone()
             return PushResponse(202, f"deleted group run={run!r} rank={rank}" if existed
                                 else f"no group run={run!r} rank={rank}; nothing deleted")
         headers = request.headers
@@ -238,4 +243,10 @@ class PushApi:
             if self._stop.wait(delay):
                 return
             if self._groups.expire():
-                self.profiles.forget_except((group.run, group.rank) for group in self._groups.snapshot()[1])
+                self._forget_gone()
+
+    def _forget_gone(self) -> None:
+        """Drops what ranks whose groups expired or were deleted reported (profiles, wanted bounds)."""
+        live = [(group.run, group.rank) for group in self._groups.snapshot()[1]]
+        self.profiles.forget_except(live)
+        self._bounds.forget_except(live)
