@@ -47,10 +47,11 @@ def init(
     handle_sigterm=False leaves SIGTERM alone (by default a handler pushes the final state, then chains to
     the previous one). share_bounds (STEPSCOPE_SHARE_BOUNDS, on by default): the ranks of a run agree on
     their step-time bounds through torch.distributed's store (the default process group's once it is
-    initialized, or `store`), so that a run's quantile sums the same bounds on every rank
-    (stepscope.hooks.run_bounds). Raises ValueError with a clear message on bad settings, and when a tracker
-    of this process still open pushes the same run and rank: both would replace the exporter's group at each
-    push, its steps read as 40, 0, 40 (counter resets) and the last to close would win.
+    initialized, or `store`), else through the exporter they push to (the ranks of one node), so that a run's
+    quantile sums the same bounds on every rank (stepscope.hooks.run_bounds). Raises ValueError with a clear
+    message on bad settings, and when a tracker of this process still open pushes the same run and rank: both
+    would replace the exporter's group at each push, its steps read as 40, 0, 40 (counter resets) and the last
+    to close would win.
     """
     config = Config.resolve(
         run=run, push_url=push_url, push_token=push_token, push_interval=push_interval, rank=rank,
