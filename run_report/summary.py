@@ -24,12 +24,11 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from stepscope.contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, THRESHOLDS, TRAIN_STATE
+from stepscope.contract import DATA_LOADING_PHASE, LOCAL_PHASES, STANDARD_PHASES, TRAIN_STATE
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
-from stepscope.report.timeline import rank_key
+from stepscope.report.timeline import STRAGGLER_SCORE, rank_key
 
-STRAGGLER_SCORE = THRESHOLDS["straggler_score"].value
 WARM_UP_FACTOR = 10  # a first step this many times the steady mean step or more is a warm-up
 
 

@@ -5,6 +5,10 @@ A point at time t holds what Prometheus knew at t: the last scraped sample. A st
 (consecutive steps) that another state follows at t_j+1 lasted [t_i, t_j+1); before a gap (the
 series went stale: exporter down, group expired) it lasted [t_i, t_j + step).
 
+A straggler for part of the run (a rank throttled or sharing its node for an hour, then well again) leaves
+its whole-window score near typical: StragglerSpell is each stretch in which a rank's lower score stayed below
+the straggler threshold, so the page can say when, for how long and by how much.
+
 A rank that stopped pushing without closing (killed, its node gone) stays in its last state on the exporter
 until the group's TTL. As StepscopeRankLost does, a rank whose last push is more than
 THRESHOLDS["rank_lost_seconds"] old and that is not idle is `lost`: its last state ends at its last push
@@ -14,6 +18,7 @@ and `lost` follows it.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -24,6 +29,13 @@ from stepscope.report.prometheus import Series
 from stepscope.report.window import Window
 
 LOST_SECONDS = THRESHOLDS["rank_lost_seconds"].value
+STRAGGLER_SCORE = THRESHOLDS["straggler_score"].value
+# A rank below the straggler score this long while training is a straggler for part of the run: as long as
+# StepscopeStragglerRank waits before it pages (`for: 10m`), so the page names what would have paged.
+SPELL_MIN_SECONDS = 600
+# A break without scores (eval, checkpoint: no steps in the 1m rates) shorter than this does not end a spell,
+# as the alert holds a rank's scores through such a break (pause_hold_seconds).
+SPELL_GAP_SECONDS = THRESHOLDS["pause_hold_seconds"].value
 Key = tuple[str, str]  # (rank, node)
 
 
@@ -51,6 +63,20 @@ class Bound:
     kind: str  # step_time or local_phases
     step_time_score: float | None
     local_score: float | None
+
+
+@dataclass(frozen=True)
+class StragglerSpell:
+    """A stretch in which one rank's lower straggler score stayed below STRAGGLER_SCORE while training."""
+
+    rank: str
+    node: str
+    start: float  # its first point below the threshold
+    end: float  # a step after its last
+    slow_seconds: float  # the points below the threshold times the step: the breaks inside it left out
+    score: float  # the median of its lower score over those points
+    kind: str  # the score that was lower at most of them: step_time or local_phases
+    recovered: bool  # whether it scored at or above the threshold again later in the window
 
 
 def rank_key(rank: str) -> tuple[int, int, str]:
@@ -158,3 +184,39 @@ def _runs(values: Mapping[float, str], window: Window) -> list[tuple[str, float,
         else:
             runs.append((values[t], t, following if contiguous else min(t + step, window.end)))
     return [(value, start, end) for value, start, end in runs if end > start]
+
+
+def straggler_spells(step_scores: Iterable[Series], local_scores: Iterable[Series], training: set[float],
+                     step: float) -> list[StragglerSpell]:
+    """Each rank's stretches below STRAGGLER_SCORE at the `training` times of at least SPELL_MIN_SECONDS, in time
+    order: a point at or above the threshold, or a break without scores over SPELL_GAP_SECONDS, ends one."""
+    lowest: dict[Key, dict[float, tuple[float, str]]] = {}
+    for kind, source in (("step_time", step_scores), ("local_phases", local_scores)):
+        for series in source:
+            at = lowest.setdefault(_key(series), {})
+            for t, value in series.points:
+                if t in training and math.isfinite(value) and (t not in at or value < at[t][0]):
+                    at[t] = (value, kind)
+    spells = [spell for key, scores in lowest.items() for spell in _spells(key, scores, step)
+              if spell.slow_seconds >= SPELL_MIN_SECONDS]
+    return sorted(spells, key=lambda spell: (spell.start, rank_key(spell.rank)))
+
+
+def _spells(key: Key, scores: Mapping[float, tuple[float, str]], step: float) -> list[StragglerSpell]:
+    """One rank's stretches below the threshold (straggler_spells), whatever their length."""
+    stretches: list[list[float]] = []
+    for t in sorted(scores):
+        if scores[t][0] >= STRAGGLER_SCORE:
+            stretches.append([])
+        elif stretches and stretches[-1] and t - stretches[-1][-1] <= SPELL_GAP_SECONDS:
+            stretches[-1].append(t)
+        else:
+            stretches.append([t])
+    spells = []
+    for times in filter(None, stretches):
+        kinds = [scores[t][1] for t in times]
+        spells.append(StragglerSpell(
+            rank=key[0], node=key[1], start=times[0], end=times[-1] + step, slow_seconds=len(times) * step,
+            score=statistics.median(scores[t][0] for t in times), kind=max(set(kinds), key=kinds.count),
+            recovered=any(scores[t][0] >= STRAGGLER_SCORE for t in scores if t > times[-1])))
+    return spells

@@ -23,7 +23,14 @@ from stepscope.report.collect import RunData
 from stepscope.report.mfu import Throughput, throughput
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, stragglers
-from stepscope.report.timeline import labelled_intervals, times_in_state, training_times
+from stepscope.report.timeline import (
+    StragglerSpell,
+    labelled_intervals,
+    straggler_spells,
+    times_in_state,
+    training_times,
+)
+from stepscope.report.times import iso
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 BUSY_IDLE_SM_ACTIVE = THRESHOLDS["busy_idle_sm_active"].value
@@ -33,6 +40,7 @@ NO_VERDICT = ""  # ranks trained in the window, but none long enough for the rul
 # A verdict held for less than the rules' rate window is the window catching up with a change, not a period
 # of the run's own: the periods leave it out (a run fixed live read `undetermined` or `idle` for seconds).
 PERIOD_MIN_SECONDS = 60
+SPELLS_NAMED = 5  # straggler spells the verdict names, the earliest first; critical_path.csv has every one
 
 HEADLINES = {
     verdicts.DATA_BOUND: "Data-bound: the ranks wait for the next batch",
@@ -122,6 +130,7 @@ class Assessment:
     gpus: GpuReadings
     throughput: Throughput | None = None  # tokens/s and MFU (docs/mfu.md)
     periods: tuple[tuple[str, float, float], ...] = ()  # (verdict, start, end): what limited the run, in order
+    spells: tuple[StragglerSpell, ...] = ()  # stragglers for part of the window, not over the whole of it
 
 
 def judged_periods(data: RunData) -> tuple[tuple[str, float, float], ...]:
@@ -145,18 +154,32 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     gpus = _gpu_readings(data)
     achieved = throughput(data)
     slow = stragglers(ranks)
+    spells = _partial_stragglers(data, slow)
     periods = judged_periods(data)
     last = periods[-1] if periods and periods[-1][0] != verdict and verdict != NO_VERDICT else None
     fixes = list(FIXES.get(verdict, NO_VERDICT_FIXES))
     fixes += [fix for fix in FIXES[last[0]] if fix not in fixes] if last else []
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
+    fixes += [f"Open rank {spell.rank}'s node {spell.node} from {_clock(spell.start)} to {_clock(spell.end)} UTC: "
+              "GPU throttling, XID/ECC errors, CPU saturation, another job on the node, network." for spell in spells]
     return Assessment(
         verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved, last),
-        because=BECAUSE[verdict](totals, gpus) + _grade_words(gpus) + _straggler_words(slow),
-        rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus),
-        stragglers=slow, gpus=gpus, throughput=achieved, periods=periods,
+        because=BECAUSE[verdict](totals, gpus) + _grade_words(gpus) + _straggler_words(slow) + _spell_words(spells),
+        rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus, spells),
+        stragglers=slow, gpus=gpus, throughput=achieved, periods=periods, spells=spells,
     )
+
+
+def _partial_stragglers(data: RunData, whole: list[RankSummary]) -> tuple[StragglerSpell, ...]:
+    """The straggler spells (timeline.straggler_spells) of ranks that are not stragglers over the whole window: a
+    rank slow for an hour of three scored 0.85 over the window, named nowhere but critical_path.csv."""
+    named = {(rank.rank, rank.node) for rank in whole}
+    over = data.over_time
+    training = times_in_state(over["state"], TRAIN_STATE)
+    return tuple(spell for spell in straggler_spells(over["step_score"], over["local_score"], training,
+                                                     data.window.step)
+                 if (spell.rank, spell.node) not in named)
 
 
 def _gpu_readings(data: RunData) -> GpuReadings:
@@ -309,6 +332,28 @@ def _straggler_words(slow: list[RankSummary]) -> str:
     return f" Straggler: {named}; {steps} slower than the other ranks, which do not wait for {it}."
 
 
+def _spell_words(spells: tuple[StragglerSpell, ...]) -> str:
+    """" Straggler for part of the run: rank 2 on n2 for 58m 00s between 06:30:00 and 07:30:00 UTC (local phases
+    score 0.60 at its median: 1.67x the typical rank's time), typical again after it."""
+    if not spells:
+        return ""
+    named = "; ".join(_spell_text(spell) for spell in spells[:SPELLS_NAMED])
+    more = f"; and {len(spells) - SPELLS_NAMED} more (critical_path.csv)" if len(spells) > SPELLS_NAMED else ""
+    return f" Straggler for part of the run: {named}{more}."
+
+
+def _spell_text(spell: StragglerSpell) -> str:
+    kind = "local phases" if spell.kind == "local_phases" else "step time"
+    after = "typical again after it" if spell.recovered else "to the end of the window"
+    return (f"rank {spell.rank} on {spell.node} for {fmt.duration(spell.slow_seconds)} between "
+            f"{_clock(spell.start)} and {_clock(spell.end)} UTC ({kind} score {spell.score:.2f} at its median: "
+            f"{1 / spell.score:.2f}x the typical rank's time), {after}")
+
+
+def _clock(seconds: float) -> str:
+    return iso(seconds)[11:19]
+
+
 def _gpu_check(gpus: GpuReadings) -> Check:
     """NVML utilization while training against the verdict's threshold: a saturated GPU reads 0.98 whatever
     its SM activity (0.73 on an H100 at full bf16 load), which only grades it. SMs active below the
@@ -323,7 +368,8 @@ def _gpu_check(gpus: GpuReadings) -> Check:
     return Check(rule, measured, target, gpus.nvml >= GPU_BOUND and not idle_sms)
 
 
-def _checks(totals: RunTotals, ranks: list[RankSummary], gpus: GpuReadings) -> list[Check]:
+def _checks(totals: RunTotals, ranks: list[RankSummary], gpus: GpuReadings,
+            spells: tuple[StragglerSpell, ...] = ()) -> list[Check]:
     checks = [_gpu_check(gpus)]
     share, mean = totals.dataloader_share, totals.mean
     if share is None or mean is None:
@@ -341,6 +387,10 @@ def _checks(totals: RunTotals, ranks: list[RankSummary], gpus: GpuReadings) -> l
     if len(scored) >= 2:
         worst = min(scored, key=lambda rank: rank.lowest_score)  # type: ignore[arg-type, return-value]
         kind = "local phases" if worst.lowest_score == worst.local_score else "step time"
-        checks.append(Check("No straggler rank", f"lowest score {worst.lowest_score:.2f} (rank {worst.rank}, {kind})",
-                            f">= {STRAGGLER_SCORE}", (worst.lowest_score or 0) >= STRAGGLER_SCORE))
+        measured = f"lowest score {worst.lowest_score:.2f} (rank {worst.rank}, {kind})"
+        if spells:
+            measured += "; below it for part of the run: " + ", ".join(
+                f"rank {spell.rank} for {fmt.duration(spell.slow_seconds)} ({spell.score:.2f})" for spell in spells)
+        checks.append(Check("No straggler rank", measured, f">= {STRAGGLER_SCORE}",
+                            (worst.lowest_score or 0) >= STRAGGLER_SCORE and not spells))
     return checks

@@ -22,7 +22,13 @@ from stepscope.report import cli, output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
 from stepscope.report.summary import RankSummary, RunTotals
-from stepscope.report.timeline import critical_path, labelled_intervals, state_intervals
+from stepscope.report.timeline import (
+    SPELL_MIN_SECONDS,
+    critical_path,
+    labelled_intervals,
+    state_intervals,
+    straggler_spells,
+)
 from stepscope.report.times import iso, parse_time
 from stepscope.report.verdict import FIXES, HEADLINES, NO_VERDICT, Assessment, Check, assess
 from stepscope.report.window import Window, aligned, resolution, run_start
@@ -115,6 +121,22 @@ def test_critical_path_takes_the_lowest_of_either_score() -> None:
     path = critical_path(step, local)
     assert [(b.time, b.rank, b.kind, b.score) for b in path] == [
         (1000, "1", "local_phases", 0.3), (1010, "0", "step_time", 0.6)]
+
+
+def test_a_straggler_spell_is_one_as_long_as_the_straggler_alert_waits_and_bridges_only_short_breaks() -> None:
+    """Rank 1 below 0.75 for 9 minutes (not named: the alert would not have paged), then for 12 minutes across a
+    2-minute eval without scores (one spell of 12 minutes), then typical; rank 0 typical throughout."""
+    below = [*range(0, 540, 60), *range(600, 900, 60), *range(1020, 1440, 60)]  # 9 points, then 5 + 7 after the eval
+    times = sorted({*below, *range(540, 600, 60), *range(1440, 1800, 60)})
+    local = [Series({"rank": "1", "instance": "n"}, tuple((t, 0.5 if t in below else 1.0) for t in times)),
+             Series({"rank": "0", "instance": "n"}, tuple((t, 1.0) for t in times))]
+    rules = [rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+             for rule in group["rules"] if rule.get("alert") == "StepscopeStragglerRank"]
+    assert [rule["for"] for rule in rules] == [f"{SPELL_MIN_SECONDS // 60}m"]
+    spells = straggler_spells([], local, set(times), 60.0)
+    assert [(s.rank, s.start, s.end, s.slow_seconds, s.score, s.kind, s.recovered) for s in spells] == [
+        ("1", 600, 1440, 720, 0.5, "local_phases", True)]
+    assert straggler_spells([], local, set(times) - set(range(1020, 1440)), 60.0) == []  # outside training: out
 
 
 def _report_dir(path: Path, content: str = "old") -> Path:

@@ -1,0 +1,125 @@
+"""The report on runs that change over time, against a real Prometheus holding a crafted history (promtool's
+blocks, tests/support/prometheus.py): hours of training that no live test can wait for, read by the report's own
+command line. The recording rules' series are written as the rules recorded them while the run trained.
+
+Run "slowhour": four synchronous ranks (DDP) train for three hours at 5 steps a second, with an eval of two
+minutes every half hour; rank 2's node slows it for the hour from 1h35m (thermal throttling, a noisy neighbour):
+its local phases (`dataloader_next` + `to_device` + `forward`) take 1/SLOW_SCORE times the others', and the
+others wait for it in backward, so every step time stays the same.
+"""
+
+import csv
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stepscope.contract import families as fam
+from stepscope.contract.recordings import (
+    RANK_STRAGGLER_LOCAL_SCORE,
+    RANK_STRAGGLER_SCORE,
+    RUN_SAMPLES_RATE,
+    RUN_VERDICT,
+)
+from stepscope.report import cli
+from stepscope.report.fmt import duration
+from stepscope.report.times import iso
+from tests.support.prometheus import running_prometheus_holding
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRAPE = 15
+START = (int(time.time()) // 3600 - 5) * 3600  # five hours ago, on the hour
+SETUP, END = 60, 3 * 3600  # seconds after START: training from SETUP, the final push (idle) at END
+EVAL_EVERY, EVAL_SECONDS = 1800, 120
+STEPS_PER_SECOND, BATCH = 5, 32
+LOCAL = {"dataloader_next": 0.01, "to_device": 0.005, "forward": 0.065}  # seconds per step, typical rank
+SLOW_RANK, SLOW_FROM, SLOW_TO, SLOW_SCORE = "2", 5700, 9300, 0.6  # its local phases: 1/0.6 of the others'
+
+
+def _state(t: int) -> str:
+    if t < SETUP:
+        return "setup"
+    if t >= END:
+        return "idle"
+    return "eval" if t % EVAL_EVERY < EVAL_SECONDS and t >= EVAL_EVERY else "train"
+
+
+def _slow(rank: str, t: int) -> bool:
+    return rank == SLOW_RANK and SLOW_FROM <= t < SLOW_TO
+
+
+def _rank_history(rank: str) -> list[tuple[str, float, float]]:
+    """One rank's pushes as scraped, and what the rules recorded of it, every SCRAPE seconds to END + 60."""
+    labels = f'job="stepscope",instance="n{1 + int(rank) // 2}",run="slowhour",rank="{rank}"'
+    samples: list[tuple[str, float, float]] = []
+    steps, local, seconds_in = 0, dict.fromkeys(LOCAL, 0.0), {"setup": 0.0, "train": 0.0, "eval": 0.0, "idle": 0.0}
+    for t in range(0, END + 61, SCRAPE):
+        at = START + t
+        state = _state(t)
+        if t:
+            before = _state(t - SCRAPE)
+            seconds_in[before] += SCRAPE
+            if before == "train":
+                steps += STEPS_PER_SECOND * SCRAPE
+                slower = 1 / SLOW_SCORE if _slow(rank, t - SCRAPE) else 1.0
+                for phase, per_step in LOCAL.items():
+                    local[phase] += STEPS_PER_SECOND * SCRAPE * per_step * slower
+        samples += [
+            (f'{fam.TRAINING_INFO}{{{labels},pid="4{rank}",local_rank="{int(rank) % 2}",world_size="4",'
+             'framework="torch"}', at, 1),
+            (f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", at, START + min(t, END)),
+            *((f'{fam.TRAINING_STATE}{{{labels},state="{name}"}}', at, int(name == state)) for name in seconds_in),
+            *((f'{fam.STATE_SECONDS}{{{labels},state="{name}"}}', at, value) for name, value in seconds_in.items()),
+            (f"{fam.STEPS_TOTAL}{{{labels}}}", at, steps),
+            (f"{fam.SAMPLES_TOTAL}{{{labels}}}", at, BATCH * steps),
+        ]
+        if steps:
+            samples += [(f"{fam.STEP_SECONDS}_sum{{{labels}}}", at, steps / STEPS_PER_SECOND),
+                        (f"{fam.STEP_SECONDS}_count{{{labels}}}", at, steps),
+                        *((f'{fam.STEP_PHASE_SECONDS}_sum{{{labels},phase="{phase}"}}', at, value)
+                          for phase, value in local.items())]
+        if state == "train" and t >= SETUP + 60:  # the rules' 1m rates, the ranks' step times all the same
+            samples += [(f"{RANK_STRAGGLER_SCORE}{{{labels}}}", at, 1.0),
+                        (f"{RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", at, SLOW_SCORE if _slow(rank, t) else 1.0)]
+    return samples
+
+
+def slowhour_run() -> list[tuple[str, float, float]]:
+    samples = [sample for rank in "0123" for sample in _rank_history(rank)]
+    training = [START + t for t in range(SETUP + 60, END, SCRAPE) if _state(t) == "train"]
+    return samples + [sample for at in training for sample in (
+        (f'{RUN_VERDICT}{{run="slowhour",verdict="gpu_bound"}}', at, 1),
+        (f'{RUN_SAMPLES_RATE}{{run="slowhour"}}', at, 4 * BATCH * STEPS_PER_SECOND))]
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_prometheus_holding(tmp_path_factory.mktemp("shifts-history"), slowhour_run()) as running:
+        yield running.url
+
+
+def _report(prometheus: str, run: str, out: Path) -> tuple[str, dict[str, dict[str, str]]]:
+    """The page's text and rank_summary.csv's rows by rank."""
+    assert cli.main(["--prometheus", prometheus, "--run", run, "--out", str(out)]) == 0
+    with (out / "rank_summary.csv").open() as rows:
+        return (out / "index.html").read_text(encoding="utf-8"), {row["rank"]: row for row in csv.DictReader(rows)}
+
+
+def test_a_rank_that_straggled_for_an_hour_is_named_with_when_how_long_and_how_slow(
+        prometheus: str, tmp_path: Path) -> None:
+    """Over the three hours rank 2's local score reads 0.82, above the 0.75 of a straggler, so the page called the
+    run free of stragglers ("No straggler rank: pass") while critical_path.csv and the Gantt chart held rank 2 for
+    the hour. The page now names it: the hour it was slow less the evals inside it, from when to when, its score."""
+    page, ranks = _report(prometheus, "slowhour", tmp_path / "report")
+    assert 0.8 < float(ranks[SLOW_RANK]["local_score"]) < 0.85, ranks[SLOW_RANK]
+    slow_seconds = sum(SCRAPE for t in range(SLOW_FROM, SLOW_TO, SCRAPE) if _state(t) == "train")  # 2 evals out
+    start, end = (iso(START + t)[11:19] for t in (SLOW_FROM, SLOW_TO))
+    assert (f"Straggler for part of the run: rank {SLOW_RANK} on n2 for {duration(slow_seconds)} between {start} "
+            f"and {end} UTC (local phases score {SLOW_SCORE:.2f} at its median: {1 / SLOW_SCORE:.2f}x the typical "
+            "rank&#x27;s time), typical again after it.") in page, page
+    [check] = [row for row in page.split("<tr>") if "No straggler rank" in row]
+    assert f"below it for part of the run: rank {SLOW_RANK} for {duration(slow_seconds)} ({SLOW_SCORE:.2f})" in check
+    assert '<span class="bad">fail</span>' in check, check
+    assert f"Open rank {SLOW_RANK}&#x27;s node n2 from {start} to {end} UTC" in page
