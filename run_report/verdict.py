@@ -13,6 +13,8 @@ no straggler rank.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +120,20 @@ class GpuReadings:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What the verdict's words measure: the whole window, or where another verdict held part of it, the times this
+    one held. A run data-bound for its first hour and GPU-bound for two read "GPU-bound ... ran kernels 71% of the
+    time while training (NVML utilization: waiting): the step's time is GPU work", the data-bound hour's 30% in it."""
+
+    over: str  # "Over the window", "While gpu_bound (1h 55m, 66% of the judged time)"
+    gpus: GpuReadings
+    loading_share: float | None  # None: dataloader_next is not timed
+    io_samples_per_second: float | None = None  # the whole window's only
+    training_samples_per_second: float | None = None
+    phases_timed: bool = True
+
+
+@dataclass(frozen=True)
 class Assessment:
     verdict: str  # a verdicts.BOTTLENECK_VERDICTS value, or NO_VERDICT
     fractions: dict[str, float]  # share of the window's points with each verdict
@@ -165,7 +181,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
               "GPU throttling, XID/ECC errors, CPU saturation, another job on the node, network." for spell in spells]
     return Assessment(
         verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved, last),
-        because=BECAUSE[verdict](totals, gpus) + _grade_words(gpus) + _straggler_words(slow) + _spell_words(spells),
+        because=_because(data, verdict, totals, gpus) + _straggler_words(slow) + _spell_words(spells),
         rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus, spells),
         stragglers=slow, gpus=gpus, throughput=achieved, periods=periods, spells=spells,
     )
@@ -182,10 +198,42 @@ def _partial_stragglers(data: RunData, whole: list[RankSummary]) -> tuple[Stragg
                  if (spell.rank, spell.node) not in named)
 
 
-def _gpu_readings(data: RunData) -> GpuReadings:
-    """The run's GPU recordings averaged over the times the rules judged it training: the rules record
+def _because(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings) -> str:
+    """The verdict's reasons and GPM grade, measured over the times it held where another verdict held too."""
+    evidence = _evidence(data, verdict, totals, gpus)
+    return BECAUSE[verdict](evidence) + _grade_words(evidence.gpus)
+
+
+def _evidence(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings) -> Evidence:
+    judged = {t for s in data.over_time["verdict"] for t, _ in s.points
+              if s.labels.get("verdict") not in (verdicts.IDLE, verdict)}
+    whole = Evidence("Over the window", gpus, totals.dataloader_share, totals.io_samples_per_second,
+                     totals.training_samples_per_second, bool(totals.phase_seconds))
+    if verdict not in verdicts.BOTTLENECK_VERDICTS or not judged:
+        return whole
+    held = {t for s in data.over_time["verdict"] if s.labels.get("verdict") == verdict for t, _ in s.points}
+    share = len(held) / len(held | judged)
+    shares = _mean_of_ranks_while(data.over_time["dataloader_share"], held)
+    return dataclasses.replace(
+        whole, over=f"While {verdict} ({fmt.duration(len(held) * data.window.step)}, {share:.0%} of the judged time)",
+        gpus=_gpu_readings(data, held), io_samples_per_second=None, training_samples_per_second=None,
+        loading_share=shares if shares is not None else totals.dataloader_share)
+
+
+def _mean_of_ranks_while(series: list[Series], times: set[float]) -> float | None:
+    """The ranks' mean at each of `times`, averaged over those times (each time counts once, whatever its ranks)."""
+    at: dict[float, list[float]] = {}
+    for s in series:
+        for t, value in s.points:
+            if t in times:
+                at.setdefault(t, []).append(value)
+    return statistics.fmean(statistics.fmean(values) for values in at.values()) if at else None
+
+
+def _gpu_readings(data: RunData, times: set[float] | None = None) -> GpuReadings:
+    """The run's GPU recordings averaged over the times the rules judged it training (or `times`): the rules record
     them only for settled training ranks, so setup and warm-up never dilute them."""
-    training = training_times(data.over_time["verdict"])
+    training = training_times(data.over_time["verdict"]) if times is None else times
     over = data.over_time
     return GpuReadings(
         nvml=_mean_while(over["run_gpu_nvml"], training),
@@ -242,8 +290,8 @@ def _mean_while(series: list[Series], times: set[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _loading_words(totals: RunTotals) -> str:
-    share = totals.dataloader_share
+def _loading_words(evidence: Evidence) -> str:
+    share = evidence.loading_share
     return f"data loading took {share:.0%} of step time" if share is not None else "data loading is not timed"
 
 
@@ -260,57 +308,54 @@ def _grade_words(gpus: GpuReadings) -> str:
     return f" GPM grades how well the kernels use the GPUs: {gpus.grade}." if gpus.grade else ""
 
 
-def _data_bound(totals: RunTotals, gpus: GpuReadings) -> str:
+def _data_bound(e: Evidence) -> str:
     rates = ""
-    if totals.io_samples_per_second and totals.training_samples_per_second:
-        rates = (f"; loading delivers {totals.io_samples_per_second:,.0f} samples per second of waiting, "
-                 f"training consumes {totals.training_samples_per_second:,.0f} per second of the rest")
-    return f"Over the whole window {_loading_words(totals)}{rates}; {_gpu_words(gpus)}."
+    if e.io_samples_per_second and e.training_samples_per_second:
+        rates = (f"; loading delivers {e.io_samples_per_second:,.0f} samples per second of waiting, "
+                 f"training consumes {e.training_samples_per_second:,.0f} per second of the rest")
+    return f"{e.over} {_loading_words(e)}{rates}; {_gpu_words(e.gpus)}."
 
 
-def _gpu_bound(totals: RunTotals, gpus: GpuReadings) -> str:
-    return (f"Over the window {_loading_words(totals)} and {_gpu_words(gpus)}: the step's time is GPU work, "
-            "the healthy state.")
+def _gpu_bound(e: Evidence) -> str:
+    return f"{e.over} {_loading_words(e)} and {_gpu_words(e.gpus)}: the step's time is GPU work, the healthy state."
 
 
-def _busy_idle(totals: RunTotals, gpus: GpuReadings) -> str:
-    return (f"Over the window {_gpu_words(gpus)}: kernels too small to fill the GPU, or a loop bound by "
-            "kernel launches.")
+def _busy_idle(e: Evidence) -> str:
+    return f"{e.over} {_gpu_words(e.gpus)}: kernels too small to fill the GPU, or a loop bound by kernel launches."
 
 
-def _host_bound(totals: RunTotals, gpus: GpuReadings) -> str:
-    if gpus.nvml is None:
-        return (f"Over the window {_loading_words(totals)} and {_gpu_words(gpus)}; its phases are host time: "
-                "it trains on the CPU.")
-    return (f"Over the window {_gpu_words(gpus)} and {_loading_words(totals)}: the loader is not why they wait, "
+def _host_bound(e: Evidence) -> str:
+    if e.gpus.nvml is None:
+        return f"{e.over} {_loading_words(e)} and {_gpu_words(e.gpus)}; its phases are host time: it trains on the CPU."
+    return (f"{e.over} {_gpu_words(e.gpus)} and {_loading_words(e)}: the loader is not why they wait, "
             "the steps wait on the host (launches, syncs, copies, Python).")
 
 
-def _undetermined(totals: RunTotals, gpus: GpuReadings) -> str:
+def _undetermined(e: Evidence) -> str:
     """Names the evidence this run lacks, which the fixes then add."""
     missing = []
-    if totals.dataloader_share is None:
+    if e.loading_share is None:
         missing.append(f"{DATA_LOADING_PHASE} is not timed")
-    if gpus.nvml is None:
+    if e.gpus.nvml is None:
         missing.append("no GPU is mapped to the run")
-    elif gpus.nvml < GPU_BOUND:
-        missing.append(f"its GPUs ran kernels only {gpus.nvml:.0%} of the time (NVML utilization: waiting)")
-    if not totals.phase_seconds:
+    elif e.gpus.nvml < GPU_BOUND:
+        missing.append(f"its GPUs ran kernels only {e.gpus.nvml:.0%} of the time (NVML utilization: waiting)")
+    if not e.phases_timed:
         missing.append("no phase is timed")
     found = "; ".join(missing) or "the 1m readings the rules judged by decided nothing"
-    return f"Over the window the run stepped, but {found}: nothing tells the GPU, the loader and the host apart."
+    return f"{e.over} the run stepped, but {found}: nothing tells the GPU, the loader and the host apart."
 
 
-def _idle(totals: RunTotals, gpus: GpuReadings) -> str:
+def _idle(e: Evidence) -> str:
     return "No step was made in state train in this range."
 
 
-def _no_verdict(totals: RunTotals, gpus: GpuReadings) -> str:
+def _no_verdict(e: Evidence) -> str:
     return (f"The ranks trained in this range, but none for {SETTLE_SECONDS} s without a break (setup, eval, "
             "checkpoints or the run's end came first), so the rules gave no verdict; the numbers below hold.")
 
 
-BECAUSE: dict[str, Callable[[RunTotals, GpuReadings], str]] = {
+BECAUSE: dict[str, Callable[[Evidence], str]] = {
     verdicts.DATA_BOUND: _data_bound, verdicts.GPU_BOUND: _gpu_bound, verdicts.GPU_BUSY_IDLE: _busy_idle,
     verdicts.HOST_BOUND: _host_bound, verdicts.UNDETERMINED: _undetermined, verdicts.IDLE: _idle,
     NO_VERDICT: _no_verdict,

@@ -6,6 +6,9 @@ Run "slowhour": four synchronous ranks (DDP) train for three hours at 5 steps a 
 minutes every half hour; rank 2's node slows it for the hour from 1h35m (thermal throttling, a noisy neighbour):
 its local phases (`dataloader_next` + `to_device` + `forward`) take 1/SLOW_SCORE times the others', and the
 others wait for it in backward, so every step time stays the same.
+
+Run "phased": one rank, data-bound for its first hour (its loader holds 60% of a 250 ms step, the GPU busy 30% of
+the time) and GPU-bound for the next two (the page cache warm: loading 5% of a 100 ms step, the GPU busy 97%).
 """
 
 import csv
@@ -17,8 +20,10 @@ import pytest
 
 from stepscope.contract import families as fam
 from stepscope.contract.recordings import (
+    RANK_DATALOADER_SHARE,
     RANK_STRAGGLER_LOCAL_SCORE,
     RANK_STRAGGLER_SCORE,
+    RUN_GPU_UTILIZATION,
     RUN_SAMPLES_RATE,
     RUN_VERDICT,
 )
@@ -94,9 +99,40 @@ def slowhour_run() -> list[tuple[str, float, float]]:
         (f'{RUN_SAMPLES_RATE}{{run="slowhour"}}', at, 4 * BATCH * STEPS_PER_SECOND))]
 
 
+PHASES = ((3600, 0.25, 0.6, 0.3, "data_bound"), (7200, 0.1, 0.05, 0.97, "gpu_bound"))  # seconds, step, loading, NVML
+
+
+def phased_run() -> list[tuple[str, float, float]]:
+    """Run "phased" as scraped every SCRAPE seconds, with what the rules recorded of it while it trained."""
+    labels = 'job="stepscope",instance="n1",run="phased",rank="0"'
+    samples: list[tuple[str, float, float]] = []
+    steps, step_seconds, loading, t = 0.0, 0.0, 0.0, 0
+    for seconds, step, share, nvml, verdict in PHASES:
+        for _ in range(seconds // SCRAPE):
+            t += SCRAPE
+            steps, step_seconds, loading = steps + SCRAPE / step, step_seconds + SCRAPE, loading + SCRAPE * share
+            samples += [
+                (f'{fam.TRAINING_INFO}{{{labels},pid="7",local_rank="0",world_size="1",framework="torch"}}',
+                 START + t, 1),
+                (f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", START + t, START + t),
+                (f'{fam.TRAINING_STATE}{{{labels},state="train"}}', START + t, 1),
+                (f"{fam.STEPS_TOTAL}{{{labels}}}", START + t, round(steps)),
+                (f"{fam.SAMPLES_TOTAL}{{{labels}}}", START + t, BATCH * round(steps)),
+                (f"{fam.STEP_SECONDS}_sum{{{labels}}}", START + t, step_seconds),
+                (f"{fam.STEP_SECONDS}_count{{{labels}}}", START + t, round(steps)),
+                (f'{fam.STEP_PHASE_SECONDS}_sum{{{labels},phase="dataloader_next"}}', START + t, loading),
+                (f"{RANK_DATALOADER_SHARE}{{{labels}}}", START + t, share),
+                (f'{RUN_VERDICT}{{run="phased",verdict="{verdict}"}}', START + t, 1),
+                (f'{RUN_GPU_UTILIZATION}{{run="phased"}}', START + t, nvml),
+                (f'{RUN_SAMPLES_RATE}{{run="phased"}}', START + t, BATCH / step),
+            ]
+    return samples
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_prometheus_holding(tmp_path_factory.mktemp("shifts-history"), slowhour_run()) as running:
+    history = slowhour_run() + phased_run()
+    with running_prometheus_holding(tmp_path_factory.mktemp("shifts-history"), history) as running:
         yield running.url
 
 
@@ -123,3 +159,14 @@ def test_a_rank_that_straggled_for_an_hour_is_named_with_when_how_long_and_how_s
     assert f"below it for part of the run: rank {SLOW_RANK} for {duration(slow_seconds)} ({SLOW_SCORE:.2f})" in check
     assert '<span class="bad">fail</span>' in check, check
     assert f"Open rank {SLOW_RANK}&#x27;s node n2 from {start} to {end} UTC" in page
+
+
+def test_the_verdicts_reasons_are_measured_while_it_held_not_over_a_window_another_verdict_shares(
+        prometheus: str, tmp_path: Path) -> None:
+    """GPU-bound for two hours of three: over the window the GPUs ran kernels 75% of the time and loading took 23% of
+    the step, and the page said "GPU-bound ... ran kernels 75% of the time while training (NVML utilization:
+    waiting): the step's time is GPU work", its reasons the data-bound hour's. They are now the GPU-bound hours'."""
+    page, _ = _report(prometheus, "phased", tmp_path / "report")
+    assert ("While gpu_bound (2h 00m 00s, 67% of the judged time) data loading took 5% of step time and the run&#x27;s "
+            "GPUs ran kernels 97% of the time while training (NVML utilization: busy): the step&#x27;s time is GPU "
+            "work") in page, page
