@@ -4,9 +4,12 @@ from __future__ import annotations
 
 
 def seconds(value: float | None) -> str:
+    """Three significant digits, whole seconds from 1,000 s on: a rank's 10,140 s in train read "1.01e+04 s"."""
     if value is None:
         return "no data"
-    return f"{value * 1000:.3g} ms" if abs(value) < 1 else f"{value:.3g} s"
+    if abs(value) < 1:
+        return f"{value * 1000:.3g} ms"
+    return f"{value:.3g} s" if abs(value) < 1000 else f"{value:,.0f} s"
 
 
 def percent(value: float | None) -> str:

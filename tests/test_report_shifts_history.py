@@ -161,6 +161,15 @@ def test_a_rank_that_straggled_for_an_hour_is_named_with_when_how_long_and_how_s
     assert f"Open rank {SLOW_RANK}&#x27;s node n2 from {start} to {end} UTC" in page
 
 
+def test_hours_in_a_state_read_in_whole_seconds(prometheus: str, tmp_path: Path) -> None:
+    """Each rank trained 10,140 s of the three hours: the time-per-state table read "1.01e+04 s"."""
+    page, ranks = _report(prometheus, "slowhour", tmp_path / "report")
+    train = sum(SCRAPE for t in range(0, END, SCRAPE) if _state(t) == "train")
+    assert float(ranks["0"]["train_seconds"]) == train == 10140
+    table = page.split("<h2>Time per state</h2>")[1].split("<h2>")[0]
+    assert "<td>10,140 s</td>" in table and "e+" not in table, table
+
+
 def test_the_verdicts_reasons_are_measured_while_it_held_not_over_a_window_another_verdict_shares(
         prometheus: str, tmp_path: Path) -> None:
     """GPU-bound for two hours of three: over the window the GPUs ran kernels 75% of the time and loading took 23% of
