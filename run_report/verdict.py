@@ -181,7 +181,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
               "GPU throttling, XID/ECC errors, CPU saturation, another job on the node, network." for spell in spells]
     return Assessment(
         verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved, last),
-        because=_because(data, verdict, totals, gpus) + _straggler_words(slow) + _spell_words(spells),
+        because=_because(data, verdict, totals, gpus, periods) + _straggler_words(slow) + _spell_words(spells),
         rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus, spells),
         stragglers=slow, gpus=gpus, throughput=achieved, periods=periods, spells=spells,
     )
@@ -198,18 +198,22 @@ def _partial_stragglers(data: RunData, whole: list[RankSummary]) -> tuple[Stragg
                  if (spell.rank, spell.node) not in named)
 
 
-def _because(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings) -> str:
+def _because(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings,
+             periods: tuple[tuple[str, float, float], ...]) -> str:
     """The verdict's reasons and GPM grade, measured over the times it held where another verdict held too."""
-    evidence = _evidence(data, verdict, totals, gpus)
+    evidence = _evidence(data, verdict, totals, gpus, periods)
     return BECAUSE[verdict](evidence) + _grade_words(evidence.gpus)
 
 
-def _evidence(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings) -> Evidence:
+def _evidence(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings,
+              periods: tuple[tuple[str, float, float], ...]) -> Evidence:
+    """The whole window's numbers, or where another verdict had a period of its own (a blip shorter than the rules'
+    rate window is none), the ones measured while this verdict held."""
     judged = {t for s in data.over_time["verdict"] for t, _ in s.points
               if s.labels.get("verdict") not in (verdicts.IDLE, verdict)}
     whole = Evidence("Over the window", gpus, totals.dataloader_share, totals.io_samples_per_second,
                      totals.training_samples_per_second, bool(totals.phase_seconds))
-    if verdict not in verdicts.BOTTLENECK_VERDICTS or not judged:
+    if verdict not in verdicts.BOTTLENECK_VERDICTS or all(period[0] == verdict for period in periods):
         return whole
     held = {t for s in data.over_time["verdict"] if s.labels.get("verdict") == verdict for t, _ in s.points}
     share = len(held) / len(held | judged)

@@ -356,6 +356,16 @@ def test_a_saturated_gpu_with_sm_active_073_is_gpu_bound_healthy_and_graded() ->
     assert check.ok is True and "98%" in check.measured and "SM active 0.73" in check.measured
 
 
+def test_a_verdicts_reasons_stay_the_windows_where_another_verdict_only_blipped() -> None:
+    """One point of host_bound in ten (10 s, shorter than the rules' rate window: no period of its own) is the
+    rate window catching up; the page said "While gpu_bound (1m 30s, 90% of the judged time)" for it."""
+    over = _over_time(verdicts.GPU_BOUND, run_gpu_nvml=0.98)
+    over["verdict"] = [Series({"verdict": verdicts.GPU_BOUND}, tuple((t, 1.0) for t in TIMES[:-1])),
+                       Series({"verdict": verdicts.HOST_BOUND}, ((TIMES[-1], 1.0),))]
+    because = _assess(over, {DATA_LOADING_PHASE: 0.2, FORWARD_PHASE: 3.0}).because
+    assert because.startswith("Over the window data loading took"), because
+
+
 def test_a_busy_gpu_whose_sms_idle_fails_the_utilization_check() -> None:
     # one single-SM kernel per step on an H100: NVML 1.00, SM active 0.008
     a = _assess(_over_time(verdicts.GPU_BUSY_IDLE, run_gpu_nvml=1.0, run_gpu_sm_active=0.008))
