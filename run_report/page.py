@@ -12,11 +12,12 @@ from html import escape
 from typing import TYPE_CHECKING
 
 from stepscope.contract import LOCAL_PHASES, STATES, TRAIN_STATE, verdicts
+from stepscope.contract.goodput import LOST
 from stepscope.contract.recordings import RUN_VERDICT
 from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
 from stepscope.report.summary import STRAGGLER_SCORE, MissingRanks, missing_ranks
-from stepscope.report.timeline import LOST_SECONDS, lost_ranks
+from stepscope.report.timeline import LOST_SECONDS, Interval, lost_ranks
 from stepscope.report.times import iso
 
 if TYPE_CHECKING:
@@ -293,8 +294,19 @@ def _energy_words(report: Report) -> str:
 
 
 def _lost_words(report: Report) -> list[str]:
-    """A line per lost rank: the exporter kept its last state, so the page says where it really stopped."""
+    """A line per lost rank: the exporter kept its last state, so the page says where it really stopped, and where
+    a new process of the rank pushed again (a requeue, a restart from a checkpoint), from when."""
     return [f'<p class="lost"><strong>Rank {escape(i.rank)} on {escape(i.node)} lost</strong>: last push at '
             f"{escape(iso(i.start))}, then none for more than {LOST_SECONDS:g} s without closing (as "
-            "StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there.</p>"
+            f"StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there"
+            f"{escape(_back_words(report.intervals, i))}.</p>"
             for i in lost_ranks(report.intervals)]
+
+
+def _back_words(intervals: Sequence[Interval], lost: Interval) -> str:
+    """Where the lost rank (on any node) is seen in a state of its own again after it was lost (a restarted process,
+    or pushes that landed late): a line that said only "lost from there" read as the rank gone for good while a
+    restarted process of it trained for another hour."""
+    back = min((i.start for i in intervals if i.rank == lost.rank and i.state != LOST and i.start > lost.start),
+               default=None)
+    return "" if back is None else f" until {iso(back)}, when the rank pushed again"

@@ -7,6 +7,9 @@ minutes every half hour; rank 2's node slows it for the hour from 1h35m (thermal
 its local phases (`dataloader_next` + `to_device` + `forward`) take 1/SLOW_SCORE times the others', and the
 others wait for it in backward, so every step time stays the same.
 
+Run "requeued": rank 0 of two is killed (SIGKILL: no final push, the exporter keeps its group in train) at 30 min;
+its job is requeued and a new process of it pushes from 35 min, trains again and ends at 1 h, as rank 1 does.
+
 Run "phased": one rank, data-bound for its first hour (its loader holds 60% of a 250 ms step, the GPU busy 30% of
 the time) and GPU-bound for the next two (the page cache warm: loading 5% of a 100 ms step, the GPU busy 97%).
 """
@@ -129,9 +132,34 @@ def phased_run() -> list[tuple[str, float, float]]:
     return samples
 
 
+KILLED, REQUEUED, REQUEUED_END = 1800, 2100, 3600
+
+
+def requeued_run() -> list[tuple[str, float, float]]:
+    """Run "requeued" as scraped: rank 0's pushes (its last push and state kept from KILLED to REQUEUED), rank 1's."""
+    samples: list[tuple[str, float, float]] = []
+    for rank in "01":
+        labels = f'job="stepscope",instance="n1",run="requeued",rank="{rank}"'
+        for t in range(0, REQUEUED_END + 61, SCRAPE):
+            pushed = KILLED if rank == "0" and KILLED < t < REQUEUED else min(t, REQUEUED_END)
+            state = "idle" if t >= REQUEUED_END else "train"
+            new_process = rank == "0" and t >= REQUEUED
+            steps = 10 * (pushed - REQUEUED if new_process else pushed)
+            samples += [
+                (f'{fam.TRAINING_INFO}{{{labels},pid="{8 if new_process else 7}{rank}",local_rank="{rank}",'
+                 'world_size="2",framework="torch"}', START + t, 1),
+                (f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", START + t, START + pushed),
+                *((f'{fam.TRAINING_STATE}{{{labels},state="{name}"}}', START + t, int(name == state))
+                  for name in ("train", "idle")),
+                (f"{fam.STEPS_TOTAL}{{{labels}}}", START + t, steps),
+            ]
+    return samples + [(f'{RUN_SAMPLES_RATE}{{run="requeued"}}', START + t, 20 * BATCH)
+                      for t in range(SCRAPE, REQUEUED_END, SCRAPE)]
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    history = slowhour_run() + phased_run()
+    history = slowhour_run() + phased_run() + requeued_run()
     with running_prometheus_holding(tmp_path_factory.mktemp("shifts-history"), history) as running:
         yield running.url
 
@@ -179,3 +207,16 @@ def test_the_verdicts_reasons_are_measured_while_it_held_not_over_a_window_anoth
     assert ("While gpu_bound (2h 00m 00s, 67% of the judged time) data loading took 5% of step time and the run&#x27;s "
             "GPUs ran kernels 97% of the time while training (NVML utilization: busy): the step&#x27;s time is GPU "
             "work") in page, page
+
+
+def test_a_lost_rank_that_a_requeued_process_brought_back_is_not_said_lost_for_good(
+        prometheus: str, tmp_path: Path) -> None:
+    """Rank 0 was lost at 30 min and a new process of it trained from 35 min to the end; the page said only "lost
+    ... the Gantt chart and state_timeline.csv show it as lost from there", as for a rank gone for good."""
+    page, _ = _report(prometheus, "requeued", tmp_path / "report")
+    with (tmp_path / "report" / "state_timeline.csv").open() as rows:
+        states = [(row["state"], row["start"]) for row in csv.DictReader(rows) if row["rank"] == "0"]
+    assert [state for state, _ in states] == ["train", "lost", "train", "idle"], states
+    assert (f"Rank 0 on n1 lost</strong>: last push at {iso(START + KILLED)}, then none for more than 45 s without "
+            f"closing (as StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there "
+            f"until {states[2][1]}, when the rank pushed again.") in page, page
