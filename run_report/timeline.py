@@ -188,8 +188,10 @@ def _runs(values: Mapping[float, str], window: Window) -> list[tuple[str, float,
 
 def straggler_spells(step_scores: Iterable[Series], local_scores: Iterable[Series], training: set[float],
                      step: float) -> list[StragglerSpell]:
-    """Each rank's stretches below STRAGGLER_SCORE at the `training` times of at least SPELL_MIN_SECONDS, in time
-    order: a point at or above the threshold, or a break without scores over SPELL_GAP_SECONDS, ends one."""
+    """Each rank's stretches below STRAGGLER_SCORE at the `training` times of at least SPELL_MIN_SECONDS and two
+    points, in time order: a point at or above the threshold, or a break without scores over SPELL_GAP_SECONDS (or
+    over a step and a half, at a resolution coarser than that), ends one. At the resolution of a 12-day window
+    (900 s) each point is one sample of a 1m score: one below the threshold is a minute, not a spell."""
     lowest: dict[Key, dict[float, tuple[float, str]]] = {}
     for kind, source in (("step_time", step_scores), ("local_phases", local_scores)):
         for series in source:
@@ -198,7 +200,7 @@ def straggler_spells(step_scores: Iterable[Series], local_scores: Iterable[Serie
                 if t in training and math.isfinite(value) and (t not in at or value < at[t][0]):
                     at[t] = (value, kind)
     spells = [spell for key, scores in lowest.items() for spell in _spells(key, scores, step)
-              if spell.slow_seconds >= SPELL_MIN_SECONDS]
+              if spell.slow_seconds >= SPELL_MIN_SECONDS and spell.slow_seconds > step]
     return sorted(spells, key=lambda spell: (spell.start, rank_key(spell.rank)))
 
 
@@ -208,7 +210,7 @@ def _spells(key: Key, scores: Mapping[float, tuple[float, str]], step: float) ->
     for t in sorted(scores):
         if scores[t][0] >= STRAGGLER_SCORE:
             stretches.append([])
-        elif stretches and stretches[-1] and t - stretches[-1][-1] <= SPELL_GAP_SECONDS:
+        elif stretches and stretches[-1] and t - stretches[-1][-1] <= max(SPELL_GAP_SECONDS, 1.5 * step):
             stretches[-1].append(t)
         else:
             stretches.append([t])

@@ -139,6 +139,20 @@ def test_a_straggler_spell_is_one_as_long_as_the_straggler_alert_waits_and_bridg
     assert straggler_spells([], local, set(times) - set(range(1020, 1440)), 60.0) == []  # outside training: out
 
 
+def test_a_straggler_spell_at_a_coarse_resolution_is_one_and_needs_two_points() -> None:
+    """At a 12-day window's 900 s resolution, rank 1 below 0.75 at three points in a row is one spell of 45
+    minutes, not three (its points were further apart than a 10-minute break), and one point below (a 1m score
+    sampled once) is none."""
+    def local(below: set[int]) -> list[Series]:
+        return [Series({"rank": "1", "instance": "n"}, tuple((t, 0.5 if t in below else 1.0) for t in times)),
+                Series({"rank": "0", "instance": "n"}, tuple((t, 1.0) for t in times))]
+
+    times = list(range(0, 9000, 900))
+    spells = straggler_spells([], local({1800, 2700, 3600}), set(times), 900.0)
+    assert [(s.start, s.end, s.slow_seconds) for s in spells] == [(1800, 4500, 2700)]
+    assert straggler_spells([], local({1800}), set(times), 900.0) == []
+
+
 def _report_dir(path: Path, content: str = "old") -> Path:
     path.mkdir()
     (path / "index.html").write_text(f"{output.MARKER}\n{content}")
