@@ -18,7 +18,8 @@ from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
 from stepscope.report.summary import STRAGGLER_SCORE, MissingRanks, missing_ranks
 from stepscope.report.timeline import LOST_SECONDS, Interval, lost_ranks
-from stepscope.report.times import iso
+from stepscope.report.times import clock, iso
+from stepscope.report.window import Window
 
 if TYPE_CHECKING:
     from stepscope.report.report import Report
@@ -71,7 +72,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         _table(("rule of thumb", "measured", "target", ""),
                [(c.rule, c.measured, c.target, _mark(c.ok)) for c in a.checks], text_columns=3),
         f'<p class="note">Verdict over the window (rule <code>{RUN_VERDICT}</code>): '
-        f"{escape(_fractions(a.fractions))}.{escape(_periods(a.periods))}</p></section>",
+        f"{escape(_fractions(a.fractions))}.{escape(_periods(a.periods, report.data.window))}</p></section>",
         "<h2>Key numbers</h2>",
         _table(("", "value"), _key_numbers(report), text_columns=1),
     ]
@@ -273,12 +274,12 @@ def _fractions(fractions: Mapping[str, float]) -> str:
     return ", ".join(f"{verdict} {share_text(share)}" for verdict, share in fractions.items()) or "no verdict recorded"
 
 
-def _periods(periods: Sequence[tuple[str, float, float]]) -> str:
+def _periods(periods: Sequence[tuple[str, float, float]], window: Window) -> str:
     """" In order: host_bound from 17:57:43 UTC for 2m 25s, then data_bound from 18:00:08 UTC for 1m 58s", where
-    the verdict changed: which came last is what the run needs now."""
+    the verdict changed: which came last is what the run needs now (with the date where the window spans days)."""
     if len(periods) < 2:
         return ""
-    spans = (f"{verdict} from {iso(start)[11:19]} UTC for {fmt.duration(end - start)}"
+    spans = (f"{verdict} from {clock(start, window.start, window.end)} UTC for {fmt.duration(end - start)}"
              for verdict, start, end in periods)
     return " In order: " + ", then ".join(spans) + "."
 

@@ -46,3 +46,10 @@ def iso(seconds: float) -> str:
     """RFC 3339 in UTC with milliseconds: what the CSVs and the page show."""
     moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def clock(seconds: float, start: float, end: float) -> str:
+    """A time inside the window [start, end] in words: `04:35:00`, with its date where the window spans more than
+    one UTC day (`2024-05-03 04:35:00`): on a week-long run a time of day alone does not say which day."""
+    moment = iso(seconds)
+    return moment[11:19] if iso(start)[:10] == iso(end)[:10] else f"{moment[:10]} {moment[11:19]}"

@@ -32,7 +32,8 @@ from stepscope.report.timeline import (
     times_in_state,
     training_times,
 )
-from stepscope.report.times import iso
+from stepscope.report.times import clock
+from stepscope.report.window import Window
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 BUSY_IDLE_SM_ACTIVE = THRESHOLDS["busy_idle_sm_active"].value
@@ -177,11 +178,13 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     fixes += [fix for fix in FIXES[last[0]] if fix not in fixes] if last else []
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
-    fixes += [f"Open rank {spell.rank}'s node {spell.node} from {_clock(spell.start)} to {_clock(spell.end)} UTC: "
+    fixes += [f"Open rank {spell.rank}'s node {spell.node} from {_clock(data.window, spell.start)} to "
+              f"{_clock(data.window, spell.end)} UTC: "
               "GPU throttling, XID/ECC errors, CPU saturation, another job on the node, network." for spell in spells]
     return Assessment(
         verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved, last),
-        because=_because(data, verdict, totals, gpus, periods) + _straggler_words(slow) + _spell_words(spells),
+        because=_because(data, verdict, totals, gpus, periods) + _straggler_words(slow)
+        + _spell_words(spells, data.window),
         rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus, spells),
         stragglers=slow, gpus=gpus, throughput=achieved, periods=periods, spells=spells,
     )
@@ -381,26 +384,26 @@ def _straggler_words(slow: list[RankSummary]) -> str:
     return f" Straggler: {named}; {steps} slower than the other ranks, which do not wait for {it}."
 
 
-def _spell_words(spells: tuple[StragglerSpell, ...]) -> str:
+def _spell_words(spells: tuple[StragglerSpell, ...], window: Window) -> str:
     """" Straggler for part of the run: rank 2 on n2 for 58m 00s between 06:30:00 and 07:30:00 UTC (local phases
     score 0.60 at its median: 1.67x the typical rank's time), typical again after it."""
     if not spells:
         return ""
-    named = "; ".join(_spell_text(spell) for spell in spells[:SPELLS_NAMED])
+    named = "; ".join(_spell_text(spell, window) for spell in spells[:SPELLS_NAMED])
     more = f"; and {len(spells) - SPELLS_NAMED} more (critical_path.csv)" if len(spells) > SPELLS_NAMED else ""
     return f" Straggler for part of the run: {named}{more}."
 
 
-def _spell_text(spell: StragglerSpell) -> str:
+def _spell_text(spell: StragglerSpell, window: Window) -> str:
     kind = "local phases" if spell.kind == "local_phases" else "step time"
     after = "typical again after it" if spell.recovered else "to the end of the window"
     return (f"rank {spell.rank} on {spell.node} for {fmt.duration(spell.slow_seconds)} between "
-            f"{_clock(spell.start)} and {_clock(spell.end)} UTC ({kind} score {spell.score:.2f} at its median: "
-            f"{1 / spell.score:.2f}x the typical rank's time), {after}")
+            f"{_clock(window, spell.start)} and {_clock(window, spell.end)} UTC ({kind} score {spell.score:.2f} at "
+            f"its median: {1 / spell.score:.2f}x the typical rank's time), {after}")
 
 
-def _clock(seconds: float) -> str:
-    return iso(seconds)[11:19]
+def _clock(window: Window, seconds: float) -> str:
+    return clock(seconds, window.start, window.end)
 
 
 def _gpu_check(gpus: GpuReadings) -> Check:

@@ -32,7 +32,7 @@ from stepscope.contract.recordings import (
 )
 from stepscope.report import cli
 from stepscope.report.fmt import duration
-from stepscope.report.times import iso
+from stepscope.report.times import clock, iso
 from tests.support.prometheus import running_prometheus_holding
 
 pytestmark = pytest.mark.timeout(120)
@@ -179,7 +179,7 @@ def test_a_rank_that_straggled_for_an_hour_is_named_with_when_how_long_and_how_s
     page, ranks = _report(prometheus, "slowhour", tmp_path / "report")
     assert 0.8 < float(ranks[SLOW_RANK]["local_score"]) < 0.85, ranks[SLOW_RANK]
     slow_seconds = sum(SCRAPE for t in range(SLOW_FROM, SLOW_TO, SCRAPE) if _state(t) == "train")  # 2 evals out
-    start, end = (iso(START + t)[11:19] for t in (SLOW_FROM, SLOW_TO))
+    start, end = (clock(START + t, START, START + END) for t in (SLOW_FROM, SLOW_TO))  # with a date past midnight
     assert (f"Straggler for part of the run: rank {SLOW_RANK} on n2 for {duration(slow_seconds)} between {start} "
             f"and {end} UTC (local phases score {SLOW_SCORE:.2f} at its median: {1 / SLOW_SCORE:.2f}x the typical "
             "rank&#x27;s time), typical again after it.") in page, page

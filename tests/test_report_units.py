@@ -448,7 +448,31 @@ def test_a_run_whose_verdict_changed_says_which_came_last_and_its_fix() -> None:
     assert ("In order: host_bound from 00:00:38 UTC for 2m 25s, then data_bound from 00:03:06 UTC for 1m 54s."
             in html), html
     steady = _assess(_over_time(verdicts.HOST_BOUND), {DATA_LOADING_PHASE: 0.1, FORWARD_PHASE: 8.0})
-    assert steady.headline.endswith("(100% of the training time)") and "In order" not in page._periods(steady.periods)
+    assert steady.headline.endswith("(100% of the training time)") and "In order" not in page._periods(steady.periods,
+                                                                                                       WINDOW)
+
+
+def test_times_of_day_on_the_page_carry_their_date_where_the_window_spans_days() -> None:
+    """A 3-day run data-bound for its first day: "data_bound from 00:00:00 UTC for 24h 00m 00s, then gpu_bound from
+    00:00:00 UTC" said nothing of which day, and a straggler spell "between 04:35:00 and 05:35:00 UTC" neither."""
+    day = 86400.0
+    periods = (("data_bound", 0.0, day), ("gpu_bound", day, 3 * day))
+    assert page._periods(periods, Window(0.0, 3 * day, 300.0)) == (
+        " In order: data_bound from 1970-01-01 00:00:00 UTC for 24h 00m 00s, then gpu_bound from 1970-01-02 00:00:00 "
+        "UTC for 48h 00m 00s.")
+    assert page._periods(periods, Window(0.0, day - 1, 300.0)).startswith(" In order: data_bound from 00:00:00 UTC")
+    times = [float(t) for t in range(0, int(3 * day), 300)]
+    window = Window(0.0, 3 * day, 300.0)
+    over: dict[str, list[Series]] = {name: [] for name in queries.build("r", window, []).over_time}
+    over["state"] = [_state("0", "train", times), _state("1", "train", times), _state("2", "train", times)]
+    over["local_score"] = [Series({"rank": rank, "instance": "n"},
+                                  tuple((t, 0.5 if rank == "2" and day <= t < day + 3600 else 1.0) for t in times))
+                           for rank in "012"]
+    data = RunData("r", window, ("n",), {}, over)
+    totals = RunTotals(steps=300, samples=19200, step_seconds=40.0, steps_timed=300, phase_seconds={}, p50=0.1,
+                       p95=0.2)
+    because = assess(data, totals, []).because
+    assert "rank 2 on n for 1h 00m 00s between 1970-01-02 00:00:00 and 1970-01-02 01:00:00 UTC" in because, because
 
 
 def test_every_verdict_has_a_colour_headline_and_fix() -> None:
