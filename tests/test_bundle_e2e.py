@@ -75,9 +75,10 @@ RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordin
                           recordings.RUN_BREAK_RANKS: BREAKS}
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
-    recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU)}
+    recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU,
+    recordings.RUN_MFU_HELD)}
 RULES_EMPTY_BY_DESIGN |= {name: "runs that count tokens only: grafana/rules/tests/pace_change.yml" for name in (
-    recordings.RUN_TRAINING_TOKENS_RATE, recordings.RUN_TRAINING_TOKENS_BASELINE)}
+    recordings.RUN_TRAINING_TOKENS_RATE, recordings.RUN_TRAINING_TOKENS_BASELINE, recordings.RUN_TRAINING_TOKENS_HELD)}
 # dcgm-exporter's fill-ins (recordings.GPU_DCGM_*) read its fields alone, so this node, whose GPU readings are
 # stepscope's own, records none of them: that is their point (docs/cluster.md).
 DCGM_ONLY = "dcgm-exporter's fill-ins: tests/test_dcgm_source.py and grafana/rules/tests/dcgm_source.yml"

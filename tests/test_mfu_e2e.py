@@ -179,6 +179,9 @@ def test_mfu_is_the_model_flop_rate_over_the_tables_peak_for_the_gpu_and_dtype(s
     mfu = _by_run(stack.prometheus, "run:stepscope_mfu:ratio_rate1m")
     assert set(mfu) == {"transformer", "stated"}  # the unknown GPU has no peak: no MFU rather than a guess
     assert 0 < mfu["transformer"] < 1e-3  # a CPU loop "on" an H100
+    # what StepscopeMfuBelowTensorActivity reads: with no eval or checkpoint break, the MFU of the evaluation
+    held = _by_run(stack.prometheus, "run:stepscope_mfu:held_ratio_rate1m / on (run) run:stepscope_mfu:ratio_rate1m")
+    assert held == pytest.approx(dict.fromkeys(mfu, 1.0), rel=1e-9)
     peak = _by_run(stack.prometheus, "run:stepscope_peak_flops_per_second:sum")
     assert peak == pytest.approx(peaks, rel=1e-9)
 
