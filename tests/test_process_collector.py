@@ -297,3 +297,98 @@ def test_a_tracked_process_costs_one_stat_read_a_cycle_and_a_reused_pid_starts_a
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# Runs in a mount namespace whose /proc is mounted hidepid=1 (`noaccess`), as root without capabilities in
+# group 65534: /proc lists every process but refuses the files of any process with other credentials. Its
+# rank (a shell) has a worker that later execs a setgid copy of sleep, which makes it unreadable from then on.
+HIDEPID_INSIDE = """
+import json, os, subprocess, sys, time
+from stepscope.exporter.collectors.process import ProcessCollector
+from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
+
+setgid_sleep, stranger = sys.argv[1], int(sys.argv[2])
+
+
+def refused(pid):
+    try:
+        open(f"/proc/{pid}/stat", "rb").close()
+    except PermissionError:
+        return True
+    return False
+
+
+rank = subprocess.Popen(["sh", "-c", 'sh -c "read line; exec $0 60" "$0"; true', setgid_sleep], stdin=subprocess.PIPE,
+                        stdout=subprocess.DEVNULL)
+time.sleep(0.5)
+(worker,) = [int(pid) for pid in open(f"/proc/{rank.pid}/task/{rank.pid}/children").read().split()]
+table = GpuProcessTable()
+table.replace({rank.pid: {"0": 1 << 20}, stranger: {"1": 1 << 20}})
+collector = ProcessCollector(table, registered=lambda: [])
+
+
+def cycle():
+    try:
+        return render(list(collector.collect())).decode()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+cycles = [cycle()]
+rank.stdin.write(b"go\\n")
+rank.stdin.flush()
+deadline = time.monotonic() + 10
+while not refused(worker) and time.monotonic() < deadline:
+    time.sleep(0.05)
+cycles.append(cycle())
+print(json.dumps({"rank": rank.pid, "stranger": stranger, "stranger_refused": refused(stranger),
+                  "worker_refused": refused(worker), "cycles": cycles}), flush=True)
+os.kill(worker, 9)
+rank.kill()
+"""
+
+
+def test_a_proc_mounted_hidepid_noaccess_leaves_out_the_processes_it_refuses(tmp_path: Path) -> None:
+    """/proc with hidepid=1 lists other users' processes and refuses their files. The children table read every
+    process's parent and the first refusal failed the whole collector, every cycle: no CPU, memory or worker
+    series for the processes it could read, and not even NVML's GPU memory per process. Now the refused ones
+    are left out: the rank is published with its readable worker, then without it once it is refused."""
+    unshare, setpriv, mount = (shutil.which(tool) for tool in ("unshare", "setpriv", "mount"))
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or None in (unshare, setpriv, mount):
+        pytest.skip("needs Linux, root, and util-linux's unshare, setpriv and mount")
+    setgid_sleep = tmp_path / "setgid-sleep"
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", setgid_sleep)
+    os.chown(setgid_sleep, 0, 0)
+    os.chmod(setgid_sleep, 0o2755)
+    tmp_path.chmod(0o755)
+    inside = tmp_path / "inside.py"
+    inside.write_text(HIDEPID_INSIDE)
+    stranger = subprocess.Popen(["sleep", "60"])  # root's, with every capability: refused inside
+    script = (f'{mount} -t proc -o hidepid=1 proc /proc || exit 77; exec {setpriv} --regid=65534 --clear-groups '
+              f'--bounding-set=-all --inh-caps=-all "$@"')
+    try:
+        done = subprocess.run([unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh", sys.executable,
+                               str(inside), str(setgid_sleep), str(stranger.pid)],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    finally:
+        stranger.kill()
+        stranger.wait()
+    if done.returncode == 77:
+        pytest.skip(f"cannot mount /proc with hidepid=1 here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    if not found["worker_refused"]:
+        pytest.skip("the setgid worker stayed readable (a nosuid temporary directory?)")
+    assert found["stranger_refused"]
+    first, second = found["cycles"]
+    assert "stepscope_process" in first, first
+    assert "stepscope_process" in second, second
+    rank = str(found["rank"])
+    assert value(first, "stepscope_process_children", pid=rank) == 1
+    assert value(second, "stepscope_process_children", pid=rank) == 0
+    for cycle in (first, second):
+        assert value(cycle, "stepscope_process_cpu_seconds_total", pid=rank) >= 0
+        assert value(cycle, "stepscope_process_gpu_memory_bytes", pid=str(found["stranger"])) == MiB
+        assert sample_values(cycle, "stepscope_process_cpu_seconds_total", pid=str(found["stranger"])) == []

@@ -39,6 +39,8 @@ _LABELS = ["pid", "run", "rank"]
 # A GPU-holding pid this exporter cannot see (another pid namespace, no hostPID) is looked up again
 # only this often: a failed lookup costs ~25 µs, every cycle, for every such pid.
 MISSING_RETRY_SECONDS = 30.0
+# The parent recorded for a process whose stat /proc refuses (hidepid=1): the one the kernel gives init, no process.
+UNKNOWN_PARENT = 0
 
 
 @dataclass
@@ -194,6 +196,11 @@ class _ChildrenMap:
     read again. Two cases read as before until the next change: a parent that exited but is not reaped
     yet (a zombie keeps its pid), normally for an instant, and a pid reused between two cycles, which
     `_descendants` catches by the child's start time. Without /proc the whole table is read every cycle.
+
+    A /proc mounted with hidepid=1 (`noaccess`) lists every process but refuses another user's stat files:
+    such a process is kept with the parent UNKNOWN_PARENT, read once like any other and never counted as
+    anyone's child. Before, the first refusal failed the whole collector every cycle, its GPU memory series
+    (NVML's) included.
     """
 
     def __init__(self) -> None:
@@ -222,8 +229,11 @@ class _ChildrenMap:
 
 
 def _parent_of(pid: int) -> int | None:
-    """The parent pid, or None when the process is gone."""
-    found = stat_of(pid)
+    """The parent pid; None when the process is gone, UNKNOWN_PARENT when /proc may not say (hidepid=1)."""
+    try:
+        found = stat_of(pid)
+    except PermissionError:
+        return UNKNOWN_PARENT
     return None if found is None else found.parent
 
 
@@ -246,11 +256,20 @@ def _descendants(pid: int, started: float, children_of: dict[int, list[int]]) ->
             continue
         seen.add(parent)
         for child_pid in children_of.get(parent, ()):
-            child = stat_of(child_pid)
+            child = _readable_stat_of(child_pid)
             if child is not None and parent_started <= child.started:
                 found.append((child_pid, child))
                 stack.append((child_pid, child.started))
     return found
+
+
+def _readable_stat_of(pid: int) -> ProcStat | None:
+    """The process's readings; None when it is gone or /proc refuses them (a worker that exec'd another user's
+    program under hidepid=1), which leaves it out of its parent's tree rather than fail the cycle."""
+    try:
+        return stat_of(pid)
+    except PermissionError:
+        return None
 
 
 def _read_tree(root: int, own: ProcStat, children_of: dict[int, list[int]]) -> _Reading:
