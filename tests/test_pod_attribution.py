@@ -26,7 +26,7 @@ from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
 from stepscope.exporter.exposition import render
 from stepscope.exporter.registered import RegisteredProcess
 from stepscope_testkit.dcgm import PodRef, dcgm_body
-from stepscope_testkit.podresources import FixtureContainer, FixturePod, PodResourcesServer, serving
+from stepscope_testkit.podresources import FixtureContainer, FixturePod, PodResourcesServer, list_response, serving
 from stepscope_testkit.processes import Running, running_exporter, sample_values, samples, scrape
 from stepscope_testkit.replay import Workload, replaying
 from stepscope_testkit.replay import recordings as corpus
@@ -327,3 +327,24 @@ def test_labels_come_back_soon_after_a_kubelet_gone_for_half_a_minute(tmp_path: 
         waited = time.monotonic() - back
     client.close()
     assert waited < 6, f"List answered {waited:.1f} s after the kubelet was back"
+
+
+def test_a_list_answer_past_grpc_s_default_4_mib_is_read(tmp_path: Path) -> None:
+    """A node of 100 pods whose device plugin lists one id per MiB of GPU memory (HAMi's vGPU sharing) answers
+    List with 4.6 MB: gRPC's default limit, 4 MiB, failed every cycle with RESOURCE_EXHAUSTED ('Received
+    message larger than max (4600790 vs. 4194304)') and the node's pods were never labelled, as dcgm-exporter's
+    were on such nodes until it raised its limit. The kubelet's tools take 16 MiB, and so does the client now."""
+    pods = [FixturePod("ml", f"infer-{index}", (FixtureContainer("server", {
+        "nvidia.com/gpu": (f"GPU-{index:08d}-0000-0000-0000-000000000000",),
+        "volcano.sh/vgpu-memory": tuple(f"GPU-{index:08d}-0000-0000-0000-000000000000-{mib}" for mib in range(1000)),
+    }),)) for index in range(100)]
+    assert list_response(pods).ByteSize() > 4 * 1024 * 1024
+    with serving(tmp_path / "kubelet.sock", pods):
+        client = PodResourcesClient(str(tmp_path / "kubelet.sock"))
+        try:
+            containers = client.containers()
+        finally:
+            client.close()
+    assert len(containers) == 100
+    assert containers[99].labels == ("ml", "infer-99", "server")
+    assert containers[99].devices == ("GPU-00000099-0000-0000-0000-000000000000",)

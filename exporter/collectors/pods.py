@@ -48,6 +48,10 @@ LIST_METHOD = "/v1.PodResourcesLister/List"
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_TIMEOUT_SECONDS = 2.0
 RECONNECT_MAX_MS = 2000  # the longest wait between reconnect attempts to a kubelet that went away
+# The largest List answer taken, the kubelet's own tools' and node e2e tests' (defaultPodResourcesMaxSize). gRPC's
+# default, 4 MiB, refused whole nodes: dcgm-exporter hit 4.7-5.8 MB answers (NVIDIA/dcgm-exporter#378, #509), and
+# device plugins that list one id per share (HAMi's vGPU memory, 1,000 per pod) pass 4 MiB at 100 pods.
+LIST_MAX_BYTES = 16 * 1024 * 1024
 STALE_AFTER_FAILED_LISTS = 3  # the cycle of this many failed List calls in a row clears the last answer
 VISIBLE_DEVICES = b"NVIDIA_VISIBLE_DEVICES="
 HOSTNAME = b"HOSTNAME="
@@ -126,12 +130,14 @@ def gpu_containers(response: object) -> list[PodContainer]:
 class PodResourcesClient:
     """`List` over the kubelet's unix socket; the channel reconnects by itself after a kubelet restart, trying
     at least every RECONNECT_MAX_MS: gRPC's default backoff grows to 120 s, so after a kubelet gone for a minute
-    its pods' labels came back up to a minute or two after it did (an attempt on a unix socket costs nothing)."""
+    its pods' labels came back up to a minute or two after it did (an attempt on a unix socket costs nothing).
+    Answers up to LIST_MAX_BYTES are taken."""
 
     def __init__(self, socket_path: str = DEFAULT_SOCKET) -> None:
         self._socket = socket_path
         self._channel = grpc.insecure_channel(f"unix://{socket_path}",
-                                              options=[("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)])
+                                              options=[("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+                                                       ("grpc.max_receive_message_length", LIST_MAX_BYTES)])
         self._list = self._channel.unary_unary(
             LIST_METHOD,
             request_serializer=MESSAGES["ListPodResourcesRequest"].SerializeToString,
