@@ -27,6 +27,7 @@ from stepscope.exporter.flags import (
     regex,
     seconds_between,
     source_of,
+    unix_socket,
 )
 from stepscope.exporter.ingest import PROFILE_PREFIX
 from stepscope.exporter.plain_http import keep_ssl_unloaded
@@ -123,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
              type=seconds_between(MIN_INTERVAL_SECONDS, MAX_INTERVAL_SECONDS),
              help=f"seconds between hardware readings, {MIN_INTERVAL_SECONDS:g} to {MAX_INTERVAL_SECONDS:g}; "
                   "scrapes serve the latest reading")
-    add_flag(collection, "--kubelet-pod-resources-socket", default="",
-             help="the kubelet's PodResources socket (Kubernetes, e.g. /var/lib/kubelet/pod-resources/kubelet.sock): "
+    add_flag(collection, "--kubelet-pod-resources-socket", default="", type=unix_socket,
+             help="the kubelet's PodResources socket (Kubernetes, e.g. /var/lib/kubelet/pod-resources/kubelet.sock, or "
+                  "unix:///var/lib/kubelet/pod-resources/kubelet.sock): "
                   "label GPUs and training processes with their pod, namespace and container; empty: off")
     add_flag(collection, "--filesystem-paths", default="/", type=comma_list,
              help="comma-separated paths (dataset, cache, checkpoint dirs) whose filesystem size "

@@ -12,6 +12,7 @@ import argparse
 import ipaddress
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -258,6 +259,27 @@ def directory(text: str) -> str:
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
     return os.path.realpath(text)
+
+
+def unix_socket(text: str) -> str:
+    """A unix socket's path made absolute ("" stays "": off), also written as a URL, `unix:///path`, as the kubelet's
+    own configuration writes it. gRPC read a relative path as a URL's host and `unix:///path` as a path under
+    `unix:`: either started and failed every cycle with 'the target uri is not valid'. A path that exists and is no
+    socket (its directory, a file) is refused, as it can never answer; a missing one is taken (the kubelet may
+    start later)."""
+    path = text.removeprefix("unix://")
+    if not path:
+        return ""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return os.path.abspath(path)
+    if stat.S_ISDIR(mode):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a socket: give the socket in it, e.g. "
+                                         f"{os.path.join(path, 'kubelet.sock')}")
+    if not stat.S_ISSOCK(mode):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a unix socket")
+    return os.path.abspath(path)
 
 
 def readable_file(text: str) -> str:

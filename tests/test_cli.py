@@ -60,6 +60,11 @@ def assert_clean_failure(result: subprocess.CompletedProcess, *expected: str) ->
         (["--web.config.file", "/nonexistent/web.yml"], ["cannot read '/nonexistent/web.yml'"]),
         (["--path.rootfs", "/nonexistent/host"], ["--path.rootfs", "'/nonexistent/host' is not a directory"]),
         (["--collector.node.netdev-exclude", "veth("], ["'veth(' is not a regular expression: missing )"]),
+        # the socket's directory (the one the chart mounts) or a file: before, accepted, then 'Connection refused'
+        # from every pods cycle
+        (["--kubelet-pod-resources-socket", "/tmp"], ["'/tmp' is a directory, not a socket: give the socket in it, "
+                                                      "e.g. /tmp/kubelet.sock"]),
+        (["--kubelet-pod-resources-socket", "/etc/hostname"], ["'/etc/hostname' is not a unix socket"]),
     ],
 )
 def test_bad_flags(args: list[str], expected: list[str]) -> None:

@@ -348,3 +348,22 @@ def test_a_list_answer_past_grpc_s_default_4_mib_is_read(tmp_path: Path) -> None
     assert len(containers) == 100
     assert containers[99].labels == ("ml", "infer-99", "server")
     assert containers[99].devices == ("GPU-00000099-0000-0000-0000-000000000000",)
+
+
+@pytest.mark.parametrize("written", ["kubelet.sock", "unix://{socket}"])
+def test_the_socket_flag_takes_a_relative_path_and_the_kubelet_s_url_form(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str) -> None:
+    """gRPC read `kubelet.sock` (run from its directory) as a URL's host and `unix:///...` (the kubelet's own way of
+    writing it) as a path under `unix:`: the exporter started and every pods cycle failed with 'the target uri is
+    not valid', though the socket was there. Both now reach it."""
+    from stepscope.exporter.cli import build_parser
+
+    socket = tmp_path / "kubelet.sock"
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["--kubelet-pod-resources-socket", written.format(socket=socket)])
+    with serving(socket, [_pod("a", SHARED)]):
+        client = PodResourcesClient(args.kubelet_pod_resources_socket)
+        try:
+            assert [container.labels for container in client.containers()] == [("ml", "a", "train")]
+        finally:
+            client.close()
