@@ -149,6 +149,51 @@ def test_a_registered_process_that_exited_costs_one_scan_per_retry_time_not_one_
     assert resolver.scans == 3
 
 
+# Runs in a mount namespace of its own: resolves a process it started, then steps the clock as the exporter sees
+# it (a copy of /proc/stat with btime 2 s later bound over /proc/stat: what an NTP step of +2 s does to btime)
+# and resolves it again.
+CLOCK_STEP_INSIDE = """
+import json, subprocess, sys
+import psutil
+from stepscope.exporter.collectors.pid_namespaces import PidResolver
+
+rank = subprocess.Popen(["sleep", "60"])
+reported = (rank.pid, round(psutil.Process(rank.pid).create_time(), 3))  # as the hooks report it
+resolver = PidResolver()
+before = resolver.resolve([reported])
+with open("/proc/stat") as stat:
+    lines = stat.read().splitlines()
+with open(sys.argv[1], "w") as stepped:
+    stepped.write("".join(f"btime {int(line.split()[1]) + 2}\\n" if line.startswith("btime ") else line + "\\n"
+                          for line in lines))
+subprocess.run(["mount", "--bind", sys.argv[1], "/proc/stat"], check=True)
+seen_after = psutil.Process(rank.pid).create_time()
+after = resolver.resolve([reported])
+rank.kill()
+print(json.dumps({"pid": rank.pid, "before": list(before.values()), "after": list(after.values()),
+                  "step": seen_after - reported[1]}))
+"""
+
+
+def test_a_process_found_before_a_clock_step_is_still_found_after_it(tmp_path: Path) -> None:
+    """A clock step moves /proc/stat's btime, so every process's Unix start time with it: before, the resolver
+    checked the reported start time again each cycle, and a rank found before a 2 s step was found no more (its
+    process series lost their run and rank for good). It is now checked by its start ticks once found."""
+    unshare, mount = shutil.which("unshare"), shutil.which("mount")
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or unshare is None or mount is None:
+        pytest.skip("needs Linux, root, and util-linux's unshare and mount")
+    done = subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, "-c", CLOCK_STEP_INSIDE,
+                           str(tmp_path / "stat")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    if done.returncode != 0 and "mount" in done.stderr:
+        pytest.skip(f"cannot bind a file over /proc/stat here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert abs(found["step"] - 2) < 0.05  # the step is real: psutil now reads the process as started 2 s later
+    assert found["before"] == [found["pid"]]
+    assert found["after"] == [found["pid"]]
+
+
 # --- the process collector and the real exporter ------------------------------------------------
 
 def test_collector_labels_the_host_pid_and_its_gpu_memory(namespaced: Namespaced) -> None:

@@ -15,6 +15,13 @@ second: on the H100 of the shared corpus, a process collector cycle took 6.25 ms
 with no live registered process, against 0.11 ms before the first run. A process that exited cannot be
 found later, so a missed one is looked for again only every RETRY_SECONDS (in case /proc could not be
 read, say).
+
+The start time is Unix time: boot time (/proc/stat's btime) plus the start ticks. A clock step (an NTP step,
+a VM resumed, a leap second) moves btime by the step, and every process then reads as started that much later
+than it reported: checked again by Unix time each cycle, a rank found before a 2 s step was found no more, its
+process series left without run and rank, for the rest of its life. So a process is matched by Unix time once,
+then re-checked by its start ticks, which no clock step moves. (One first met after a step, the exporter
+restarted meanwhile, still cannot be matched: the report says nothing of the ticks.)
 """
 
 import logging
@@ -25,6 +32,8 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
+from stepscope.exporter.collectors.proc_stat import stat_of
+
 log = logging.getLogger(__name__)
 
 TOLERANCE_SECONDS = 0.05  # create_time has clock-tick (10 ms) resolution; the hooks send milliseconds
@@ -32,6 +41,8 @@ RETRY_SECONDS = 30.0  # a reported process a scan missed is scanned for again af
 
 Reported = tuple[int, float | None]
 """(pid in the process's own namespace, its start time in Unix seconds or None when not reported)."""
+Identity = tuple[int, float]
+"""(pid as this exporter sees it, its start in ProcStat.started's units: clock ticks after boot on Linux)."""
 
 
 class PidResolver:
@@ -40,7 +51,7 @@ class PidResolver:
     def __init__(self, procfs: str = "/proc", clock: Callable[[], float] = time.monotonic) -> None:
         self._procfs = procfs
         self._clock = clock
-        self._cache: dict[Reported, int] = {}
+        self._cache: dict[Reported, Identity] = {}
         self._missed: dict[Reported, float] = {}  # reported -> clock time of the scan that missed it
 
     def resolve(self, reported: Iterable[Reported]) -> dict[Reported, int]:
@@ -50,38 +61,42 @@ class PidResolver:
         process that no scan missed in the last RETRY_SECONDS.
         """
         wanted, now = set(reported), self._clock()
-        resolved: dict[Reported, int] = {}
+        trusted: dict[Reported, int] = {}
+        identified: dict[Reported, Identity] = {}
         unresolved: list[Reported] = []
         for key in wanted:
             pid, start_time = key
             if start_time is None:  # an older client, or psutil could not read it: trust the pid
-                resolved[key] = pid
+                trusted[key] = pid
                 continue
-            cached = self._cache.get(key)
-            found = None if self._missed_lately(key, now) else next(
-                (c for c in (cached, pid) if c is not None and _started_at(c, start_time)), None)
+            found = None if self._missed_lately(key, now) else self._still_running(key) or _identity(pid, start_time)
             if found is None:
                 unresolved.append(key)
             else:
-                resolved[key] = found
-        resolved.update(self._scan_for(unresolved, now))
-        self._cache = {key: pid for key, pid in resolved.items() if key[1] is not None}
-        return resolved
+                identified[key] = found
+        identified.update(self._scan_for(unresolved, now))
+        self._cache = identified
+        return trusted | {key: pid for key, (pid, _) in identified.items()}
+
+    def _still_running(self, key: Reported) -> Identity | None:
+        """The process found for `key` before, if its pid still names it (same start ticks)."""
+        cached = self._cache.get(key)
+        return cached if cached is not None and _started(cached[0]) == cached[1] else None
 
     def _missed_lately(self, key: Reported, now: float) -> bool:
         """Whether a scan missed this process in the last RETRY_SECONDS: no process that started later can
         have its start time, which is in the past, so until then it is neither checked nor scanned for."""
         return now - self._missed.get(key, -RETRY_SECONDS) < RETRY_SECONDS
 
-    def _scan_for(self, unresolved: list[Reported], now: float) -> dict[Reported, int]:
+    def _scan_for(self, unresolved: list[Reported], now: float) -> dict[Reported, Identity]:
         """Scans /proc for the unresolved processes not missed lately, and remembers which it missed (a
         process still unresolved stays remembered, any other is forgotten)."""
         due = [key for key in unresolved if not self._missed_lately(key, now)]
-        found: dict[Reported, int] = {}
+        found: dict[Reported, Identity] = {}
         if due and sys.platform.startswith("linux"):
             innermost = self._innermost_pids({pid for pid, _ in due})
             for pid, start_time in due:
-                here = next((c for c in innermost.get(pid, ()) if _started_at(c, start_time)), None)
+                here = next(filter(None, (_identity(c, start_time) for c in innermost.get(pid, ()))), None)
                 if here is not None:
                     found[pid, start_time] = here
         for key in due:
@@ -123,9 +138,21 @@ def _innermost_pid(proc_dir: str) -> int | None:
     return None
 
 
-def _started_at(pid: int, start_time: float) -> bool:
-    """Whether pid names a process here created at start_time (Unix seconds)."""
+def _identity(pid: int, start_time: float) -> Identity | None:
+    """pid with its start ticks, if it names a process here created at start_time (Unix seconds)."""
     try:
-        return abs(psutil.Process(pid).create_time() - start_time) <= TOLERANCE_SECONDS
+        if abs(psutil.Process(pid).create_time() - start_time) > TOLERANCE_SECONDS:
+            return None
     except (psutil.Error, OSError):
-        return False
+        return None
+    started = _started(pid)
+    return None if started is None else (pid, started)
+
+
+def _started(pid: int) -> float | None:
+    """The process's start ticks; None when it is gone or /proc refuses it."""
+    try:
+        found = stat_of(pid)
+    except PermissionError:
+        return None
+    return None if found is None else found.started
