@@ -16,6 +16,7 @@ from stepscope.contract.goodput import LOST
 from stepscope.contract.recordings import RUN_VERDICT
 from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
+from stepscope.report.resize import Resize, ended_with_the_job, ranks_words
 from stepscope.report.summary import STRAGGLER_SCORE, MissingRanks, missing_ranks
 from stepscope.report.timeline import LOST_SECONDS, Interval, lost_ranks
 from stepscope.report.times import clock, iso
@@ -62,6 +63,7 @@ def render(report: Report, images: Mapping[str, tuple[str, bytes | str]], files:
         f"<h1>Run {escape(report.data.run)}</h1>",
         f'<p class="meta">{escape(_window_words(report))}</p>',
         f'<p class="goodput"><strong>{escape(report.goodput.headline())}</strong>{escape(_energy_words(report))}</p>',
+        *_resize_words(report),
         *_lost_words(report),
         f'<section class="verdict v-{escape(a.verdict)}"><h2>{escape(a.headline)}</h2>',
         f"<p>{escape(a.because)}</p>",
@@ -113,7 +115,17 @@ def _window_words(report: Report) -> str:
     ranks = len({rank.rank for rank in report.ranks})
     nodes = ", ".join(report.data.nodes) or "no node"
     return (f"{iso(window.start)} to {iso(window.end)} ({fmt.duration(window.seconds)}), "
-            f"{ranks} rank{'s' * (ranks != 1)} on {nodes}{_missing_words(missing_ranks(report.data))}")
+            f"{ranks} rank{'s' * (ranks != 1)} on {nodes}{_resized_words(report.resizes)}"
+            f"{_missing_words(missing_ranks(report.data))}")
+
+
+def _resized_words(resizes: Sequence[Resize]) -> str:
+    """What the header adds for a run that went on with another world size: its ranks counted over the window
+    read as one world size otherwise (`4 ranks` for a run of 4 ranks, then 2)."""
+    if not resizes:
+        return ""
+    sizes = ", then ".join(f"to {resize.after} at {iso(resize.at)}" for resize in resizes)
+    return f", resized from world size {resizes[0].before} {sizes}"
 
 
 def _missing_words(missing: MissingRanks | None) -> str:
@@ -294,14 +306,45 @@ def _energy_words(report: Report) -> str:
     return f"; GPU energy {g.kwh:.3g} kWh{per_sample}{per_token}"
 
 
+def _resize_words(report: Report) -> list[str]:
+    """A line per resize: the world size the run went on with, from when, and the ranks that ended or joined there.
+    Ranks that ended with the job that was resized (killed whole, requeued smaller) are said here, not as lost."""
+    return [f'<p class="resize"><strong>Resized at {escape(iso(resize.at))}</strong>: the run went on with world '
+            f"size {resize.after}, where it had {resize.before}; {escape(_ended_or_joined(resize, report.intervals))}."
+            "</p>" for resize in report.resizes]
+
+
+def _ended_or_joined(resize: Resize, intervals: Sequence[Interval]) -> str:
+    if resize.joined:
+        return f"{ranks_words(resize.joined)} joined there"
+    ended = ranks_words(resize.ended)
+    with_the_job = ended_with_the_job(resize, intervals)
+    if not with_the_job:
+        return f"{ended} ended there"
+    which = {int(i.rank) for i in with_the_job}
+    whose = "" if which == set(resize.ended) else f" ({ranks_words(which)})"
+    return (f"{ended} ended there, with the job that stopped at {iso(max(i.start for i in with_the_job))}{whose}: "
+            "their last push; the Gantt chart and state_timeline.csv show them lost from it to the resize")
+
+
 def _lost_words(report: Report) -> list[str]:
     """A line per lost rank: the exporter kept its last state, so the page says where it really stopped, and where
-    a new process of the rank pushed again (a requeue, a restart from a checkpoint), from when."""
+    a new process of the rank pushed again (a requeue, a restart from a checkpoint), from when. A rank that ended
+    with its job at a resize is the resize's line's."""
+    with_a_job = {(i.rank, i.node, i.start) for resize in report.resizes
+                  for i in ended_with_the_job(resize, report.intervals)}
     return [f'<p class="lost"><strong>Rank {escape(i.rank)} on {escape(i.node)} lost</strong>: last push at '
             f"{escape(iso(i.start))}, then none for more than {LOST_SECONDS:g} s without closing (as "
             f"StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there"
-            f"{escape(_back_words(report.intervals, i))}.</p>"
-            for i in lost_ranks(report.intervals)]
+            f"{escape(_back_words(report.intervals, i) or _until_resize_words(report.resizes, i))}.</p>"
+            for i in lost_ranks(report.intervals) if (i.rank, i.node, i.start) not in with_a_job]
+
+
+def _until_resize_words(resizes: Sequence[Resize], lost: Interval) -> str:
+    """Where the lost rank ended at a later resize (a node gone, the job requeued without its ranks)."""
+    resize = next((resize for resize in resizes if resize.ends(lost.rank) and resize.at >= lost.start), None)
+    return "" if resize is None else (f" until {iso(resize.at)}, when the run went on with world size {resize.after} "
+                                      "without it")
 
 
 def _back_words(intervals: Sequence[Interval], lost: Interval) -> str:

@@ -228,6 +228,7 @@ def _training_over_time(r: str) -> dict[str, str]:
     return {
         "state": f"{sel(fam.TRAINING_STATE, r)} == 1",
         "last_push": pushed_at(r),  # a rank that stopped pushing unclosed is lost (timeline)
+        "world_size": f"count by (world_size) ({sel(fam.TRAINING_INFO, r)})",  # a resized run (resize.py)
         "verdict": sel(rec.RUN_VERDICT, r),
         "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),
         "run_p50": sel(rec.RUN_STEP_SECONDS_P50, r),

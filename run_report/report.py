@@ -14,6 +14,7 @@ from stepscope.report.goodput import CSV_HEADER as GOODPUT_HEADER
 from stepscope.report.goodput import Goodput, account
 from stepscope.report.mfu import Throughput
 from stepscope.report.prometheus import Series
+from stepscope.report.resize import Resize, end_at_resizes, resizes
 from stepscope.report.summary import (
     NodeSummary,
     RankSummary,
@@ -56,6 +57,7 @@ class Report:
     verdicts: list[tuple[str, float, float]]
     path: list[Bound]
     goodput: Goodput  # where the ranks' held time went, and the run's energy
+    resizes: list[Resize]  # where the run went on with another world size, in time order
 
 
 def build(data: RunData, prometheus_url: str) -> Report:
@@ -65,14 +67,17 @@ def build(data: RunData, prometheus_url: str) -> Report:
     # the pushed state, not the verdict: the rules judge a run only once a rank has trained a while, and
     # the straggler scores hold from its first steps
     training = times_in_state(over["state"], TRAIN_STATE)
+    resized = resizes(over["world_size"], data.window.step)
+    intervals = state_intervals(over["state"], data.window, over.get("last_push", []))
     return Report(
         data=data, prometheus_url=prometheus_url, generated=time.time(), ranks=ranks,
         nodes=node_summaries(ranks), totals=totals, assessment=assess(data, totals, ranks),
-        intervals=state_intervals(over["state"], data.window, over.get("last_push", [])),
+        intervals=end_at_resizes(intervals, resized),
         verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
         path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
         goodput=account(data.totals, over["stalled"], (over["global_step"], over["global_step_base"]),
                         data.window.step, totals.samples),
+        resizes=resized,
     )
 
 

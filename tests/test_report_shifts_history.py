@@ -10,6 +10,10 @@ others wait for it in backward, so every step time stays the same.
 Run "requeued": rank 0 of two is killed (SIGKILL: no final push, the exporter keeps its group in train) at 30 min;
 its job is requeued and a new process of it pushes from 35 min, trains again and ends at 1 h, as rank 1 does.
 
+Runs "resized" and "shrunk": four ranks (0-1 on n1, 2-3 on n2) train for an hour and the job is killed (SIGKILL);
+it is requeued 5 minutes later with world size 2 (ranks 0-1 on n1) and trains another hour. The exporter of n2 keeps
+ranks 2-3 in train until its TTL, 10 minutes after their last push. In "shrunk" rank 3's node lost it at 40 min.
+
 Run "phased": one rank, data-bound for its first hour (its loader holds 60% of a 250 ms step, the GPU busy 30% of
 the time) and GPU-bound for the next two (the page cache warm: loading 5% of a 100 ms step, the GPU busy 97%).
 """
@@ -157,9 +161,37 @@ def requeued_run() -> list[tuple[str, float, float]]:
                       for t in range(SCRAPE, REQUEUED_END, SCRAPE)]
 
 
+RESIZE_KILLED, RESIZED, RESIZED_END, EXPORTER_TTL, RANK_3_LOST = 3600, 3900, 7500, 600, 2400
+
+
+def resized_run(run: str, rank_3_lost: int = RESIZE_KILLED) -> list[tuple[str, float, float]]:
+    """Run `run` as scraped: world size 4 until RESIZE_KILLED (rank 3 until `rank_3_lost`), 2 from RESIZED."""
+    samples: list[tuple[str, float, float]] = []
+    for rank in "0123":
+        labels = f'job="stepscope",instance="n{1 + int(rank) // 2}",run="{run}",rank="{rank}"'
+        killed = rank_3_lost if rank == "3" else RESIZE_KILLED
+        requeued = int(rank) < 2
+        for t in range(0, (RESIZED_END + 61) if requeued else (killed + EXPORTER_TTL), SCRAPE):
+            new_process = requeued and t >= RESIZED
+            pushed = min(t, RESIZED_END) if new_process else min(t, killed)
+            info = f'pid="{8 if new_process else 7}{rank}",world_size="{2 if new_process else 4}"'
+            state = "idle" if t >= RESIZED_END else "train"
+            samples += [
+                (f'{fam.TRAINING_INFO}{{{labels},{info},local_rank="{int(rank) % 2}",framework="torch"}}',
+                 START + t, 1),
+                (f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", START + t, START + pushed),
+                *((f'{fam.TRAINING_STATE}{{{labels},state="{name}"}}', START + t, int(name == state))
+                  for name in ("train", "idle")),
+                (f"{fam.STEPS_TOTAL}{{{labels}}}", START + t, 10 * (pushed - RESIZED if new_process else pushed)),
+            ]
+    return samples + [(f'{RUN_SAMPLES_RATE}{{run="{run}"}}', START + t, 20 * BATCH)
+                      for t in range(SCRAPE, RESIZED_END, SCRAPE) if not RESIZE_KILLED <= t < RESIZED]
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    history = slowhour_run() + phased_run() + requeued_run()
+    history = (slowhour_run() + phased_run() + requeued_run() + resized_run("resized")
+               + resized_run("shrunk", RANK_3_LOST))
     with running_prometheus_holding(tmp_path_factory.mktemp("shifts-history"), history) as running:
         yield running.url
 
@@ -220,3 +252,44 @@ def test_a_lost_rank_that_a_requeued_process_brought_back_is_not_said_lost_for_g
     assert (f"Rank 0 on n1 lost</strong>: last push at {iso(START + KILLED)}, then none for more than 45 s without "
             f"closing (as StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there "
             f"until {states[2][1]}, when the rank pushed again.") in page, page
+
+
+def _state_timeline(out: Path) -> dict[str, list[tuple[str, str, str]]]:
+    """state_timeline.csv's (state, start, end) by rank."""
+    with (out / "state_timeline.csv").open() as rows:
+        by_rank: dict[str, list[tuple[str, str, str]]] = {}
+        for row in csv.DictReader(rows):
+            by_rank.setdefault(row["rank"], []).append((row["state"], row["start"], row["end"]))
+        return by_rank
+
+
+def test_a_run_requeued_with_fewer_ranks_says_it_was_resized_and_that_its_other_ranks_ended_there(
+        prometheus: str, tmp_path: Path) -> None:
+    """Four ranks for an hour, killed, requeued with two: the page read "4 ranks on n1, n2", ranks 2-3 "lost" like
+    a crash to look into, shown lost until the exporter dropped them (915 s, 10 minutes past the resize), and
+    nothing said the run went on with world size 2. It now says when it was resized, from 4 to 2, and that ranks
+    2-3 ended there with the job, lost in the timeline only while the whole job was down."""
+    page, _ = _report(prometheus, "resized", tmp_path / "report")
+    resized, last_push = iso(START + RESIZED), iso(START + RESIZE_KILLED)
+    assert f"4 ranks on n1, n2, resized from world size 4 to 2 at {resized}</p>" in page, page
+    assert (f"<strong>Resized at {resized}</strong>: the run went on with world size 2, where it had 4; ranks 2-3 "
+            f"ended there, with the job that stopped at {last_push}: their last push; the Gantt chart and "
+            "state_timeline.csv show them lost from it to the resize.") in page, page
+    assert "Rank 2 on n2 lost" not in page and "Rank 3 on n2 lost" not in page, page
+    timeline = _state_timeline(tmp_path / "report")
+    for rank in "23":
+        assert timeline[rank] == [("train", iso(START), last_push), ("lost", last_push, resized)], timeline[rank]
+    assert [state for state, _, _ in timeline["0"]] == ["train", "lost", "train", "idle"], timeline["0"]
+
+
+def test_a_rank_lost_before_its_job_was_requeued_smaller_stays_lost_until_the_resize(
+        prometheus: str, tmp_path: Path) -> None:
+    """Rank 3's node lost it 20 minutes before the job was killed: a loss to look into (maybe why the job was
+    requeued), said as lost, until the resize; rank 2 ended with the job."""
+    page, _ = _report(prometheus, "shrunk", tmp_path / "report")
+    resized = iso(START + RESIZED)
+    assert (f"Rank 3 on n2 lost</strong>: last push at {iso(START + RANK_3_LOST)}, then none for more than 45 s "
+            "without closing (as StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost "
+            f"from there until {resized}, when the run went on with world size 2 without it.") in page, page
+    assert f"ranks 2-3 ended there, with the job that stopped at {iso(START + RESIZE_KILLED)} (rank 2)" in page, page
+    assert "Rank 2 on n2 lost" not in page, page

@@ -21,6 +21,7 @@ from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.report import cli, output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
+from stepscope.report.resize import Resize, resizes
 from stepscope.report.summary import RankSummary, RunTotals
 from stepscope.report.timeline import (
     SPELL_MIN_SECONDS,
@@ -698,3 +699,22 @@ def test_a_step_time_plot_of_64_ranks_has_no_legend_over_its_lines(monkeypatch: 
                 "dataloader_share": []}
         assert plots.step_time(WINDOW, over).startswith(b"\x89PNG")
         assert len(drawn) == legends, ranks
+
+
+def _world_size(size: str, start: int, end: int) -> Series:
+    """Processes stating world size `size` from `start` to `end` (Unix seconds) at a 10 s step."""
+    return Series({"world_size": size}, tuple((float(t), 2.0) for t in range(start, end + 1, 10)))
+
+
+def test_a_world_size_that_follows_another_is_a_resize_and_the_same_size_after_a_gap_is_not() -> None:
+    """A run of 2 ranks requeued with 4 (its old groups kept 60 s), then requeued with 4 again after a 10-minute
+    gap, then shrunk to 2 again: two resizes, each at the new size's first point; sizes stated side by side from
+    the start (a rank launched with another WORLD_SIZE) are none, nor is the old size's kept group seen again after
+    a minute of failed scrapes of its node."""
+    grown = [_world_size("2", 1000, 1660), _world_size("4", 1600, 2000), _world_size("4", 2600, 3000),
+             _world_size("2", 3010, 3500)]
+    assert resizes(grown, 10.0) == [Resize(1600, 2, 4), Resize(3010, 4, 2)]
+    assert resizes(grown, 10.0)[0].joined == range(2, 4) and not resizes(grown, 10.0)[0].ended
+    assert resizes([_world_size("4", 1000, 2000), _world_size("1", 1000, 2000)], 10.0) == []
+    kept = Series({"world_size": "4"}, (*_world_size("4", 1000, 1620).points, *_world_size("4", 1680, 1900).points))
+    assert resizes([kept, _world_size("2", 1600, 3000)], 10.0) == [Resize(1600, 4, 2)]
