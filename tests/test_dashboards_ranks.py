@@ -1,6 +1,7 @@
 """The Training dashboard at 64 ranks: its per-rank time series draw the few ranks with the lowest straggler score
 (`Ranks drawn`, 5 at first) and the run's median rank, not a line per rank, the same ranks across the whole panel on
-Prometheus and on VictoriaMetrics; the Per-rank comparison table still lists every rank, lowest score first.
+Prometheus and on VictoriaMetrics; the Per-rank comparison table still lists every rank, lowest score first. A rank
+that moved to another node (a requeued pod) has a line per node, each named with its node.
 """
 
 import re
@@ -12,6 +13,7 @@ import requests
 
 from grafana.dashboards.training import DRAWN_CHOICES
 from grafana.rules import RULE_FILES
+from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
 from stepscope_testkit.processes import running_exporter
 from tests.support.dashboard_queries import DASHBOARDS_DIR, load_dashboards, panels
@@ -56,6 +58,11 @@ def _history() -> dict[str, list[float]]:
     return history
 
 
+def _per_rank(legend: str) -> bool:
+    """Whether a legend names a rank (`{{rank}}`, or `{{rank_shown}}`: with its node where it moved)."""
+    return "{{rank}}" in legend or "{{rank_shown}}" in legend
+
+
 def _panel_targets(title: str) -> list[dict]:
     (panel,) = [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD]) if panel["title"] == title]
     return panel["targets"]
@@ -81,7 +88,7 @@ def _drawn(url: str, start: int, end: int) -> tuple[dict[str, int], int]:
     medians = 0
     for target in _panel_targets("Data-loading share per rank"):
         found = _query_range(url, _filled(target["expr"], end - start), start, end, INTERVAL)
-        if "{{rank}}" in target["legendFormat"]:
+        if _per_rank(target["legendFormat"]):
             drawn |= {series["metric"]["rank"]: len(series["values"]) for series in found}
         else:
             medians += len(found)
@@ -116,7 +123,7 @@ def _rank_panels() -> list[dict]:
     """The Training dashboard's time series and bars with a line or bar per rank."""
     return [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD])
             if panel["type"] in {"timeseries", "bargauge"}
-            and any("{{rank}}" in target.get("legendFormat", "") for target in panel["targets"])]
+            and any(_per_rank(target.get("legendFormat", "")) for target in panel["targets"])]
 
 
 def test_64_pushing_ranks_draw_the_slowest_five_and_the_table_lists_all(tmp_path: Path) -> None:
@@ -140,7 +147,7 @@ def test_64_pushing_ranks_draw_the_slowest_five_and_the_table_lists_all(tmp_path
         drawn = {}
         for panel in _rank_panels():
             for target in panel["targets"]:
-                if "{{rank}}" in target["legendFormat"]:
+                if _per_rank(target["legendFormat"]):
                     found = _query_range(prometheus.url, _filled(target["expr"], 20), end - 20, end, 1)
                     drawn.setdefault(panel["title"], set()).update(series["metric"]["rank"] for series in found)
     with_data = {title: found for title, found in drawn.items() if found}
@@ -169,3 +176,77 @@ def _table_lowest_score() -> str:
 def _ordered(results: list[dict]) -> list[str]:
     """Ranks by their last value, lowest first."""
     return [series["metric"]["rank"] for series in sorted(results, key=lambda series: float(series["values"][-1][1]))]
+
+
+# Run "moved": ranks 0 and 1 on node a; rank 0 is killed at MOVED_AT and its requeued pod lands on node b, where it
+# pushes from a minute later. Node a's exporter keeps rank 0's group (its allocator memory, a steps rate of 0) until
+# its TTL, and its 1m rates read its steps for a minute: both nodes show rank 0 for 10 minutes.
+MOVED_AT, REQUEUED_AFTER, KEPT, MOVED_END = 1800, 60, 600, 3600
+
+
+def _moved_history() -> list[tuple[str, float, float]]:
+    """(series, seconds from the start, value): the rules' recordings and the raw families the panels read."""
+    lives = {("0", "a"): (0, MOVED_AT), ("0", "b"): (MOVED_AT + REQUEUED_AFTER, MOVED_END), ("1", "a"): (0, MOVED_END)}
+    samples = []
+    for (rank, node), (begun, ended) in lives.items():
+        labels = f'run="moved",rank="{rank}",instance="{node}"'
+        kept = KEPT if ended == MOVED_AT else 0
+        for t in range(begun, ended + kept + 1, INTERVAL):
+            stepping = t <= ended + 60  # the 1m rates still read its last steps
+            steps = 10 * (min(t, ended) - begun)
+            samples += [(f"{rec.RANK_STEPS_RATE}{{{labels}}}", t, 10.0 if stepping else 0.0),
+                        (f"{rec.RANK_SAMPLES_RATE}{{{labels}}}", t, 320.0 if stepping else 0.0),
+                        (f"{fam.CUDA_MEMORY_ALLOCATED}{{{labels}}}", t, 2e9),
+                        (f'{fam.STEP_SECONDS}_bucket{{{labels},le="0.1"}}', t, steps),
+                        (f'{fam.STEP_SECONDS}_bucket{{{labels},le="+Inf"}}', t, steps)]
+            if stepping:
+                samples += [(f"{rec.RANK_DATALOADER_SHARE}{{{labels}}}", t, 0.1),
+                            (f"{rec.RANK_STRAGGLER_SCORE}{{{labels}}}", t, 1.0)]
+    return samples
+
+
+def _legend(pattern: str, labels: dict[str, str]) -> str:
+    """A series's name in the legend as Grafana writes it (renderLegendFormat): an absent label as its name."""
+    return re.sub(r"\{\{\s*(.+?)\s*\}\}", lambda match: labels.get(match.group(1)) or match.group(1), pattern)
+
+
+def _moved_legends(url: str, start: int, end: int) -> dict[str, list[str]]:
+    """Every per-rank panel's legends over [start, end] for run "moved"."""
+    legends: dict[str, list[str]] = {}
+    for panel in _rank_panels():
+        for target in panel["targets"]:
+            found = _query_range(url, _filled(target["expr"], end - start).replace("big", "moved"), start, end,
+                                 INTERVAL)
+            legends.setdefault(panel["title"], []).extend(
+                _legend(target["legendFormat"], series["metric"]) for series in found)
+    return legends
+
+
+def _assert_named_by_node_where_moved(legends: dict[str, list[str]]) -> None:
+    for title in ("Throughput", "Data-loading share per rank", "Step time p50 / p95 per rank",
+                  "PyTorch allocator memory per rank"):
+        assert {"rank 0 on a", "rank 0 on b", "rank 1"} <= {legend.split(" p")[0].removesuffix(" allocated")
+                                                          for legend in legends[title]}, (title, legends[title])
+    for title, names in legends.items():
+        assert len(names) == len(set(names)), (title, names)
+
+
+def test_a_rank_that_moved_to_another_node_has_a_line_per_node_named_with_its_node(tmp_path: Path) -> None:
+    """Rank 0's lines on node a and on node b overlap for 10 minutes (allocator memory, a throughput of 0 on a): both
+    read "rank 0" in the throughput, step time, data-loading share and allocator panels. Each is now named with its
+    node ("rank 0 on a", "rank 0 on b"), while rank 1, which stayed on one node, reads "rank 1" as before."""
+    first = int(time.time()) // 60 * 60 - 3 * 3600
+    samples = [(series, first + t, value) for series, t, value in _moved_history()]
+    with running_prometheus_holding(tmp_path, samples) as prometheus:
+        _assert_named_by_node_where_moved(_moved_legends(prometheus.url, first, first + MOVED_END))
+
+
+def test_a_rank_that_moved_is_named_with_its_node_on_victoriametrics(tmp_path: Path) -> None:
+    first = int(time.time()) // 60 * 60 - 3 * 3600
+    values: dict[str, list[str]] = {}
+    for series, t, value in _moved_history():
+        values.setdefault(series, ["_"] * ((MOVED_END + KEPT) // INTERVAL + 1))[t // INTERVAL] = f"{value:g}"
+    history = [{"series": series, "values": " ".join(points)} for series, points in values.items()]
+    with running_victoria(tmp_path) as victoria:
+        import_series(victoria.url, history, first, INTERVAL)
+        _assert_named_by_node_where_moved(_moved_legends(victoria.url, first, first + MOVED_END))

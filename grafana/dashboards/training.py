@@ -98,6 +98,30 @@ def drawn(per_rank: str) -> str:
     return f"{per_rank} and on (run, rank) {DRAWN}"
 
 
+# A rank that ran on more than one node over the time range: a requeued pod that landed on another node. Its old
+# node's series outlive the move (the 1m rates for a minute, a killed rank's kept group until the exporter's TTL),
+# so its lines name their node; every other rank's line stays "rank N". Taken over the range at its end, as DRAWN
+# is, so a line keeps one name across the panel.
+MOVED = (f"count by (run, rank) (group by (run, rank, instance) "
+         f"(max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end()))) > 1")
+RANK_LEGEND = "rank {{rank_shown}}"  # "rank 3", or "rank 3 on n2" for a rank that moved (named_by_node_where_moved)
+
+
+def named_by_node_where_moved(per_rank: str) -> str:
+    """`per_rank` (with `run`, `rank` and `instance` labels) with a label `rank_shown` for RANK_LEGEND: the rank,
+    and for a rank that moved to another node over the range its node too (`3 on n2`). Before, both of a moved
+    rank's lines read "rank 3": Grafana writes an absent label's name in a legend, so the node can only be left
+    out by a label that every series has."""
+    return (f'label_join(({per_rank}) and on (run, rank) ({MOVED}), "rank_shown", " on ", "rank", "instance")\n'
+            f'or label_join(({per_rank}) unless on (run, rank) ({MOVED}), "rank_shown", "", "rank")')
+
+
+def drawn_lines(per_rank: str) -> str:
+    """`per_rank` (a vector with `run`, `rank` and `instance` labels) for the drawn ranks only, named for
+    RANK_LEGEND."""
+    return named_by_node_where_moved(drawn(per_rank))
+
+
 def median_rank(per_rank: str) -> Q:
     """The run's typical rank: the median over all its ranks of `per_rank`, the selector of a per-rank series
     (the line a drawn rank is compared with)."""
@@ -194,8 +218,10 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "the step histogram (1m window), and the run's over all its ranks. Ranks far above the run's "
                 "are stragglers; p95 spikes are stalls.",
                 [
-                    Q(rec.rank_step_seconds_quantile(0.5, RANKS, DRAWN), "rank {{rank}} p50"),
-                    Q(rec.rank_step_seconds_quantile(0.95, RANKS, DRAWN), "rank {{rank}} p95"),
+                    Q(named_by_node_where_moved(rec.rank_step_seconds_quantile(0.5, RANKS, DRAWN)),
+                      f"{RANK_LEGEND} p50"),
+                    Q(named_by_node_where_moved(rec.rank_step_seconds_quantile(0.95, RANKS, DRAWN)),
+                      f"{RANK_LEGEND} p95"),
                     Q(sel(rec.RUN_STEP_SECONDS_P50, RUN), "run p50"),
                     Q(sel(rec.RUN_STEP_SECONDS_P95, RUN), "run p95"),
                 ],
@@ -210,7 +236,7 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "up with stalls in the step time panel.",
                 [
                     Q(sel(rec.RUN_SAMPLES_RATE, RUN), "run"),
-                    Q(drawn(sel(rec.RANK_SAMPLES_RATE, RANKS)), "rank {{rank}}"),
+                    Q(drawn_lines(sel(rec.RANK_SAMPLES_RATE, RANKS)), RANK_LEGEND),
                     median_rank(sel(rec.RANK_SAMPLES_RATE, RUN)),
                 ],
                 SAMPLES_PER_SECOND,
@@ -241,7 +267,7 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Data-loading share per rank",
                 f"{LOADING} seconds / step seconds of the drawn ranks and the median rank (1m). The dashed line is "
                 f"the {DATA_BOUND.percent} alert threshold; the I/O-vs-compute rule of thumb wants it near 0.",
-                [Q(drawn(sel(rec.RANK_DATALOADER_SHARE, RANKS)), "rank {{rank}}"),
+                [Q(drawn_lines(sel(rec.RANK_DATALOADER_SHARE, RANKS)), RANK_LEGEND),
                  median_rank(sel(rec.RANK_DATALOADER_SHARE, RUN))],
                 "percentunit",
                 limits=(0, 1),
@@ -441,10 +467,10 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
                 "allocated is a full cache, not pressure; allocated near the GPU's memory is real pressure. Empty for "
                 "ranks on the CPU.",
                 [
-                    Q(drawn(sel(fam.CUDA_MEMORY_ALLOCATED, RANKS)), "rank {{rank}} allocated"),
-                    Q(drawn(sel(fam.CUDA_MEMORY_RESERVED, RANKS)), "rank {{rank}} reserved"),
-                    Q(drawn(sel(fam.CUDA_MEMORY_PEAK, RANKS)), "rank {{rank}} peak allocated"),
-                    Q(drawn(sel(fam.CUDA_MEMORY_INACTIVE_SPLIT, RANKS)), "rank {{rank}} inactive split"),
+                    Q(drawn_lines(sel(fam.CUDA_MEMORY_ALLOCATED, RANKS)), f"{RANK_LEGEND} allocated"),
+                    Q(drawn_lines(sel(fam.CUDA_MEMORY_RESERVED, RANKS)), f"{RANK_LEGEND} reserved"),
+                    Q(drawn_lines(sel(fam.CUDA_MEMORY_PEAK, RANKS)), f"{RANK_LEGEND} peak allocated"),
+                    Q(drawn_lines(sel(fam.CUDA_MEMORY_INACTIVE_SPLIT, RANKS)), f"{RANK_LEGEND} inactive split"),
                 ],
                 "bytes",
                 limits=(0, None),
@@ -458,8 +484,8 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
                 "StepscopeCudaAllocRetries; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a smaller "
                 "micro-batch or activation checkpointing make room.",
                 [
-                    Q(drawn(f"rate({sel(fam.CUDA_ALLOC_RETRIES, RANKS)}[5m])"), "rank {{rank}} retries"),
-                    Q(drawn(f"rate({sel(fam.CUDA_OOMS, RANKS)}[5m])"), "rank {{rank}} OOMs"),
+                    Q(drawn_lines(f"rate({sel(fam.CUDA_ALLOC_RETRIES, RANKS)}[5m])"), f"{RANK_LEGEND} retries"),
+                    Q(drawn_lines(f"rate({sel(fam.CUDA_OOMS, RANKS)}[5m])"), f"{RANK_LEGEND} OOMs"),
                 ],
                 "ops",
                 limits=(0, None),
@@ -870,7 +896,7 @@ def _throughput_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "run's GPUs (GPM, Hopper and newer). On an H100, bf16 training read an MFU of 0.88-0.97 of its "
                 "tensor activity; a GPU-bound run far below it for an hour is StepscopeMfuBelowTensorActivity.",
                 [
-                    Q(drawn(sel(rec.RANK_MFU, RANKS)), "rank {{rank}}"),
+                    Q(drawn_lines(sel(rec.RANK_MFU, RANKS)), RANK_LEGEND),
                     Q(sel(rec.RUN_MFU, RUN), "run"),
                     Q(sel(rec.RUN_GPU_TENSOR_ACTIVE, RUN), "tensor cores active"),
                 ],
@@ -884,8 +910,8 @@ def _throughput_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Tokens/s and samples/s per rank",
                 "The drawn ranks' tokens and samples per second (1m rate).",
                 [
-                    Q(drawn(sel(rec.RANK_TOKENS_RATE, RANKS)), "rank {{rank}} tokens/s"),
-                    Q(drawn(sel(rec.RANK_SAMPLES_RATE, RANKS)), "rank {{rank}} samples/s"),
+                    Q(drawn_lines(sel(rec.RANK_TOKENS_RATE, RANKS)), f"{RANK_LEGEND} tokens/s"),
+                    Q(drawn_lines(sel(rec.RANK_SAMPLES_RATE, RANKS)), f"{RANK_LEGEND} samples/s"),
                 ],
                 "short",
                 limits=(0, None),
