@@ -250,3 +250,68 @@ def test_a_rank_that_moved_is_named_with_its_node_on_victoriametrics(tmp_path: P
     with running_victoria(tmp_path) as victoria:
         import_series(victoria.url, history, first, INTERVAL)
         _assert_named_by_node_where_moved(_moved_legends(victoria.url, first, first + MOVED_END))
+
+
+CLOSED_AT, SETUP_SECONDS = 1800, 120  # run "closed": rank 0's pod on node a closes (idle); on node b it sets up, trains
+
+
+def _closed_history() -> dict[str, list[str]]:
+    """{series: a value per INTERVAL, `_` for none}: rank 0 on node a until CLOSED_AT, then idle there (kept until the
+    exporter's TTL) while its next pod on node b pushes from a minute later; rank 1 trains on node a throughout, and
+    rank 2 on node c pushed through a stock Pushgateway (no last push exported)."""
+    points = (CLOSED_AT + KEPT) // INTERVAL + 1
+    history: dict[str, list[str]] = {}
+
+    def put(series: str, t: int, value: float) -> None:
+        history.setdefault(series, ["_"] * points)[t // INTERVAL] = str(value)
+
+    for t in range(0, CLOSED_AT + KEPT + 1, INTERVAL):
+        lives = [("0", "a", "train" if t < CLOSED_AT else "idle", min(t, CLOSED_AT)), ("1", "a", "train", t),
+                 ("2", "c", "train", None)]
+        if t >= CLOSED_AT + REQUEUED_AFTER:
+            lives.append(("0", "b", "setup" if t < CLOSED_AT + REQUEUED_AFTER + SETUP_SECONDS else "train", t))
+        for rank, node, state, pushed in lives:
+            labels = f'run="closed",rank="{rank}",instance="{node}"'
+            for name in ("setup", "train", "idle"):
+                put(f'{fam.TRAINING_STATE}{{{labels},state="{name}"}}', t, int(name == state))
+            if pushed is not None:
+                put(f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", t, 1e9 + pushed)
+    return history
+
+
+def _states(url: str, first: int) -> dict[int, dict[str, str]]:
+    """The Training state per rank panel at a few times after the move: {seconds: {rank: its state}}."""
+    (target,) = _panel_targets("Training state per rank")
+    (panel,) = [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD])
+                if panel["title"] == "Training state per rank"]
+    names = {code: mapping["options"][code]["text"] for mapping in panel["fieldConfig"]["defaults"]["mappings"]
+             for code in mapping["options"]}
+    expr = _filled(target["expr"], 3600).replace("big", "closed")
+    seen: dict[int, dict[str, str]] = {}
+    for after in (CLOSED_AT + REQUEUED_AFTER + 30, CLOSED_AT + KEPT - 30):
+        found = _query_range(url, expr, first + after, first + after, INTERVAL)
+        seen[after] = {series["metric"]["rank"]: names[series["values"][0][1]] for series in found}
+    return seen
+
+
+CLOSED_EXPECTED = {CLOSED_AT + REQUEUED_AFTER + 30: {"0": "setup", "1": "train", "2": "train"},
+                   CLOSED_AT + KEPT - 30: {"0": "train", "1": "train", "2": "train"}}
+
+
+@pytest.mark.parametrize("engine", ["prometheus", "victoriametrics"])
+def test_a_rank_that_moved_shows_its_state_on_its_new_node(tmp_path: Path, engine: str) -> None:
+    """Rank 0's old pod closed (idle, kept by its exporter for 10 minutes) and its next pod on another node sets up
+    and trains: the state timeline took the highest state code of both nodes and read rank 0 `idle` for those 10
+    minutes. It now reads the node the rank pushed to last: setup, then train."""
+    first = int(time.time()) // 60 * 60 - 3 * 3600
+    history = _closed_history()
+    if engine == "prometheus":
+        samples = [(series, first + index * INTERVAL, float(value)) for series, values in history.items()
+                   for index, value in enumerate(values) if value != "_"]
+        with running_prometheus_holding(tmp_path, samples) as prometheus:
+            assert _states(prometheus.url, first) == CLOSED_EXPECTED
+    else:
+        with running_victoria(tmp_path) as victoria:
+            import_series(victoria.url, [{"series": series, "values": " ".join(values)}
+                                         for series, values in history.items()], first, INTERVAL)
+            assert _states(victoria.url, first) == CLOSED_EXPECTED

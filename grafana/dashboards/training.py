@@ -129,11 +129,24 @@ def median_rank(per_rank: str) -> Q:
 
 
 def _state_expr() -> str:
+    """One code per rank: its state on the node it pushed to last (`_latest_node`)."""
     selector = f"{contract.TRAINING_STATE}{{{RANKS}"
     known = "|".join(STATES)
     parts = [f'(({selector},state="{state}"}} == 1) * {code})' for state, (code, _) in STATES.items()]
     parts.append(f'(({selector},state!~"{known}"}} == 1) * 0)')
-    return "max by (rank) (\n  " + "\n  or ".join(parts) + "\n)"
+    states = "\n  or ".join(parts)
+    return f"max by (rank) (\n  (\n  {states}\n  )\n  and on (run, rank, instance) {_latest_node()}\n)"
+
+
+def _latest_node() -> str:
+    """Per rank, the node it pushed to last (any node where no last push is exported: a stock Pushgateway). A rank
+    whose requeued pod landed on another node is on two until the old node's exporter drops its group (its TTL);
+    the highest state code of both read a rank that trains on its new node as `idle` (its old process closed) for
+    those 10 minutes."""
+    push = sel(fam.TRAINING_LAST_PUSH, RANKS)
+    state = sel(contract.TRAINING_STATE, RANKS)
+    return (f"(({push} == on (run, rank) group_left () max by (run, rank) ({push}))"
+            f" or (group by (run, rank, instance) ({state}) unless on (run, rank) {push}))")
 
 
 def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
@@ -367,7 +380,8 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "What each rank reports doing (setup, train, eval, checkpoint, idle): long checkpoint or "
                 "eval bands explain throughput dips; a rank stuck in a state while others train is hung. "
                 "Sampled at each push: a state shorter than the push interval may not show here; the time per "
-                "state beside counts it.",
+                "state beside counts it. A rank whose requeued pod landed on another node shows its state there "
+                "(the node it pushed to last), not its old pod's, which the old node keeps for 10 minutes.",
                 [Q(_state_expr(), "rank {{rank}}")],
                 value_text(
                     {str(code): (state, color) for state, (code, color) in STATES.items()}
