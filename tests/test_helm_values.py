@@ -5,6 +5,7 @@ then never converge on) refused at render time with one line."""
 
 import argparse
 import copy
+import functools
 import http.server
 import ipaddress
 import json
@@ -727,3 +728,117 @@ def test_a_label_both_the_rules_and_their_layer_set_lands_once() -> None:
     other = merged(sharded, {"prometheusRule": {"additionalLabels": {"release": "other"}}})
     with pytest.raises(helm_python.HelmRenderError, match=r"sharding.nodeRuleLabels sets the label release"):
         render(CHART, other, api_versions=[OPERATOR_API])
+
+
+# ---- a value set to null ---------------------------------------------------------------------------
+
+CI_VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
+
+
+def value_paths(values: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every key path of a values tree, a map's own path before its keys'."""
+    for key, value in values.items():
+        yield (*prefix, key)
+        if isinstance(value, dict):
+            yield from value_paths(value, (*prefix, key))
+
+
+def with_null(values: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    """The values with `path` set to null, as `--set path=null` (or `key: null` in a values file) hands it to
+    Helm, which then drops the chart's default for it."""
+    out = copy.deepcopy(values)
+    node = out
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = None
+    return out
+
+
+def holds_null(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(holds_null(value) for value in node.values())
+    if isinstance(node, list):
+        return any(holds_null(value) for value in node)
+    return node is None
+
+
+def exporter_refusal(container: dict[str, Any], tmp_path: Path) -> str | None:
+    """What the exporter's own parser says of the container's args (the mounted files stood for by local
+    ones), None where it takes them: a refusal is a CrashLoopBackOff on every node."""
+    from stepscope.exporter.cli import build_parser
+    (tmp_path / "file").write_text("secret\n")
+    local = {"--ingest-token-file": tmp_path / "file", "--web.config.file": tmp_path / "file",
+             "--path.rootfs": tmp_path}
+    args = [str(arg) for arg in container["args"]]
+    args = [f"{arg.split('=', 1)[0]}={local[arg.split('=', 1)[0]]}" if arg.split("=", 1)[0] in local else arg
+            for arg in args]
+    try:
+        build_parser().parse_args(args)
+    except SystemExit:
+        return f"the exporter refuses its args {args}"
+    return None
+
+
+def what_a_null_breaks(values: dict[str, Any], tmp_path: Path) -> str | None:
+    """None where Helm refuses the values with its schema's message or the chart's own one-line `fail`, or
+    renders objects Kubernetes takes and args the exporter takes; else what went wrong."""
+    try:
+        rendered = render(CHART, values, api_versions=[OPERATOR_API], kube_version=f"v{KUBE}")
+    except helm_python.HelmValuesError:
+        return None
+    except helm_python.HelmError as exc:
+        message = str(exc)
+        return None if message.startswith("execution error at") and "<nil>" not in message else message
+    try:
+        found = objects(rendered) + objects(rendered, tests=True)
+    except yaml.YAMLError as exc:
+        return f"the rendered manifest is not YAML: {exc}"
+    for obj in found:
+        if obj["apiVersion"].startswith(OPERATOR_GROUPS):
+            if holds_null(obj["spec"]):
+                return f"{obj['kind']} {obj['metadata']['name']} holds a null"
+        elif problem := kubernetes_refusal(json.dumps(obj, sort_keys=True)):
+            return problem
+    return exporter_refusal(exporter_container(found), tmp_path)
+
+
+@functools.cache
+def kubernetes_refusal(obj_json: str) -> str | None:
+    """kubernetes-validate's word on one object (JSON), kept: most objects come out the same for most nulls,
+    and the validator reads its schema files anew on each call."""
+    obj = json.loads(obj_json)
+    try:
+        kubernetes_validate.validate(obj, KUBE, strict=True)
+    except jsonschema.ValidationError as exc:
+        return f"{obj['kind']} invalid: {exc.message}"
+    return None
+
+
+def swept_paths(values_file: Path, values: dict[str, Any]) -> Iterator[tuple[str, ...]]:
+    """default-values.yaml: every value's path; another scenario: the paths under the keys it sets (the others
+    are swept with the defaults)."""
+    for path in value_paths(merged(DEFAULTS, values)):
+        if values_file.name == "default-values.yaml" or path[0] in values:
+            yield path
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES_FILES, ids=lambda path: path.name)
+def test_a_value_set_to_null_is_refused_by_name_or_renders_a_working_exporter(values_file: Path,
+                                                                               tmp_path: Path) -> None:
+    """`--set livenessProbe=null` rendered the probe's httpGet and then `null` beside it, a manifest that is not
+    YAML (`could not find expected ':'`); `ingest: null` stopped at `nil pointer evaluating interface
+    {}.enabled`; `collectInterval: null` rendered `--collect-interval=`, which every exporter refuses at start;
+    `alerting.alertmanagerConfig.receiver: null` said `receiver %!q(<nil>)`. Each value the chart needs is now
+    required by the schema, so Helm names it (`at '/ingest': missing property 'token'`); a null the chart
+    takes (an empty map or list: resources, tolerations, affinity) still renders a working exporter."""
+    values = helm_python.values_from_yaml(values_file.read_text()) or {}
+    broken = {}
+    for path in swept_paths(values_file, values):
+        swept = with_null(values, path)
+        if path[0] != "dashboards":   # their ConfigMaps are most of a render, and the same each time
+            swept = merged(swept, {"dashboards": {"enabled": False}})
+        problem = what_a_null_breaks(swept, tmp_path)
+        if problem:
+            broken[".".join(path)] = problem.splitlines()[0][:200]
+    assert not broken, json.dumps(broken, indent=1)
+
