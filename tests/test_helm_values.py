@@ -842,3 +842,60 @@ def test_a_value_set_to_null_is_refused_by_name_or_renders_a_working_exporter(va
             broken[".".join(path)] = problem.splitlines()[0][:200]
     assert not broken, json.dumps(broken, indent=1)
 
+
+# ---- extraArgs beside the flags the chart renders ----------------------------------------------------
+
+def exporter_start_refusal(args: list[str], tmp_path: Path) -> str | None:
+    """What the exporter says of its args up to choosing its collectors (where a switch contradicting
+    --collectors is refused), None where it goes on to start."""
+    from stepscope.exporter.cli import build_parser, enabled_collectors
+    refused = exporter_refusal({"args": args}, tmp_path)
+    if refused:
+        return refused
+    try:
+        enabled_collectors(build_parser().parse_args([arg for arg in args if not arg.startswith(
+            ("--ingest-token-file", "--web.config.file", "--path.rootfs"))]))
+    except SystemExit:
+        return f"the exporter exits at start on {args}"
+    return None
+
+
+@pytest.mark.parametrize(("extra", "api_versions", "message"), [
+    ("--no-collector.gpu", (), r"extraArgs --no-collector.gpu: .* set collectors instead"),
+    ("--collector.process", (), r"extraArgs --collector.process: .* set collectors instead"),
+    ("--web.listen-address=:9999", (), r"extraArgs --web.listen-address=:9999: .* set port instead"),
+    ("--listen-address=:9999", (), r"extraArgs --listen-address=:9999: .* set port instead"),
+    ("--web.telemetry-path=/m", (OPERATOR_API,), r"extraArgs --web.telemetry-path=/m: the ServiceMonitor/PodMonitor "
+                                                 r"scrape /metrics"),
+])
+def test_an_extra_arg_that_fights_the_charts_own_is_refused_at_render(extra: str, api_versions: tuple[str, ...],
+                                                                      message: str) -> None:
+    """`extraArgs: [--no-collector.gpu]` rendered beside the chart's `--collectors=node,gpu,process`, and every
+    exporter exited at start with `--collectors node,gpu,process and --no-collector.gpu disagree about the gpu
+    collector` (a CrashLoopBackOff on every node); `--web.listen-address=:9999` left the container port, the
+    hostPort and the probes on 9847 (the kubelet kills each exporter for its liveness probe); and
+    `--web.telemetry-path=/m` left the monitors scraping /metrics, which answered 404. Each is refused with one
+    line naming the value to set."""
+    with pytest.raises(helm_python.HelmError, match=message):
+        render(CHART, {"extraArgs": [extra]}, api_versions=api_versions)
+
+
+@pytest.mark.parametrize(("extra", "api_versions"), [
+    ("--no-collector.gpu.pcie-poll", ()),
+    ("--collector.gpu.slow-interval=20", ()),
+    ("--collector.node.netdev-exclude=", ()),
+    ("--web.telemetry-path=/m", ()),   # no monitor scrapes it: the user's own scrape config does
+])
+def test_an_extra_arg_beside_the_charts_own_reaches_an_exporter_that_starts(extra: str, api_versions: tuple[str, ...],
+                                                                            tmp_path: Path) -> None:
+    args = exporter_container(objects(render(CHART, {"extraArgs": [extra], "dashboards": {"enabled": False}},
+                                             api_versions=api_versions)))["args"]
+    assert args[-1] == extra
+    assert exporter_start_refusal(args, tmp_path) is None
+
+
+def test_the_collector_switch_the_chart_refuses_is_one_the_exporter_refuses_at_start(tmp_path: Path) -> None:
+    """Why the chart refuses it: the exporter itself exits on the chart's --collectors beside the switch."""
+    args = [*exporter_container(objects(render(CHART, {"dashboards": {"enabled": False}})))["args"],
+            "--no-collector.gpu"]
+    assert "exits at start" in (exporter_start_refusal(args, tmp_path) or "")

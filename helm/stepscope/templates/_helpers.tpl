@@ -106,6 +106,26 @@ schema admits whole numbers only, so the digits are the tag. */}}
 {{- if has (kindOf .) (list "int" "int64" "float64") }}{{ int64 . }}{{ else if . }}{{ . }}{{ end }}
 {{- end }}
 
+{{/* Fails on an extraArgs flag that fights a flag the chart renders from a value: a collector switch beside the
+chart's --collectors makes every exporter exit at start ("--collectors node,gpu,process and --no-collector.gpu
+disagree"), and a listen address of its own leaves the container port, the hostPort and the probes on `port`, so
+the kubelet restarts every exporter for failing its liveness probe; a telemetry path of its own leaves the monitors
+scraping /metrics, which answers 404. */}}
+{{- define "stepscope.checkExtraArgs" -}}
+{{- $monitored := or (include "stepscope.serviceMonitorEnabled" .) (include "stepscope.podMonitorEnabled" .) }}
+{{- range .Values.extraArgs }}
+{{- if regexMatch "^--(no-)?collector\\.(node|gpu|process)(=|$)" . }}
+{{- fail (printf "extraArgs %s: the chart passes --collectors from the value collectors, and the exporter refuses a collector switch beside it (every exporter would exit at start); set collectors instead" .) }}
+{{- end }}
+{{- if regexMatch "^--(web\\.)?listen-address(=|$)" . }}
+{{- fail (printf "extraArgs %s: the value port sets the listen address together with the container port, the hostPort and the probes; set port instead" .) }}
+{{- end }}
+{{- if and (regexMatch "^--web\\.telemetry-path(=|$)" .) $monitored }}
+{{- fail (printf "extraArgs %s: the ServiceMonitor/PodMonitor scrape /metrics, which then answers 404; keep the exporter's path, or set serviceMonitor.enabled and podMonitor.enabled false and scrape it yourself" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The Secret holding the ingest token: the user's, or the one this chart generates. */}}
 {{- define "stepscope.ingestSecretName" -}}
 {{- default (printf "%s-ingest" (include "stepscope.fullname" .)) .Values.ingest.token.existingSecret }}
