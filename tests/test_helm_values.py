@@ -203,12 +203,22 @@ def test_every_chart_value_the_docs_name_is_one_the_chart_has() -> None:
     ({"collectInterval": 0.01}, r"at '/collectInterval': minimum"),
     ({"collectInterval": 1e308}, r"at '/collectInterval': maximum"),
     ({"ingest": {"ttl": 1e308}}, r"at '/ingest/ttl'"),
+    # --filesystem-paths is comma-separated: "/data,/x" became two paths
+    ({"filesystemPaths": ["/data,/x"]}, r"at '/filesystemPaths/0'"),
 ])
 def test_a_typo_or_a_wrong_type_is_refused_by_lint_and_template(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=message):
         render(CHART, values)
     report = lint(CHART, values)
     assert any(re.search(message, m["error"]) for m in report["messages"] if m["severity"] == 3), report
+
+
+def test_a_values_file_s_large_whole_number_renders_as_digits() -> None:
+    """A values file's numbers reach the templates as floats, and Go prints 10000000.0 as 1e+07, which the API
+    server refuses for an integer field: `terminationGracePeriodSeconds: 10000000` rendered `1e+07`."""
+    values = helm_python.values_from_yaml("terminationGracePeriodSeconds: 10000000\n")
+    assert "terminationGracePeriodSeconds: 10000000\n" in render(CHART, values)["stepscope/templates/daemonset.yaml"]
+    assert pod_spec(values)["terminationGracePeriodSeconds"] == 10_000_000
 
 
 # ---- image and namespace ---------------------------------------------------------------------------
