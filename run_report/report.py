@@ -14,7 +14,7 @@ from stepscope.report.goodput import CSV_HEADER as GOODPUT_HEADER
 from stepscope.report.goodput import Goodput, account
 from stepscope.report.mfu import Throughput
 from stepscope.report.prometheus import Series
-from stepscope.report.resize import Resize, end_at_resizes, resizes
+from stepscope.report.resize import Resize, end_at_resizes, resizes, world_sizes
 from stepscope.report.summary import (
     NodeSummary,
     RankSummary,
@@ -39,6 +39,7 @@ RUN_SUMMARY_HEADER = (
     "mean_step_seconds", "p50_step_seconds", "p95_step_seconds", "dataloader_share", "io_samples_per_second",
     "training_samples_per_second", "gpu_effective_utilization_ratio", "gpu_utilization_ratio", "verdict",
     "stragglers", "tokens", "tokens_per_second", "model_flops_per_second", "peak_flops_per_second", "mfu_ratio",
+    "world_sizes",
 )
 PAGE = "index.html"
 Table = tuple[Sequence[str], list[list[object]]]  # a CSV's header and rows
@@ -58,6 +59,7 @@ class Report:
     path: list[Bound]
     goodput: Goodput  # where the ranks' held time went, and the run's energy
     resizes: list[Resize]  # where the run went on with another world size, in time order
+    world_sizes: list[int]  # the world sizes it had, in order
 
 
 def build(data: RunData, prometheus_url: str) -> Report:
@@ -78,6 +80,7 @@ def build(data: RunData, prometheus_url: str) -> Report:
         goodput=account(data.totals, over["stalled"], (over["global_step"], over["global_step_base"]),
                         data.window.step, totals.samples),
         resizes=resized,
+        world_sizes=world_sizes(over["world_size"], resized),
     )
 
 
@@ -158,7 +161,7 @@ def _run_row(report: Report) -> list[object]:
         totals.p50, totals.p95,
         totals.dataloader_share, totals.io_samples_per_second, totals.training_samples_per_second,
         a.gpus.effective, a.gpus.nvml, a.verdict, " ".join(rank.rank for rank in a.stragglers),
-        *_throughput_cells(a.throughput),
+        *_throughput_cells(a.throughput), " ".join(str(size) for size in report.world_sizes),
     ]
 
 

@@ -58,6 +58,14 @@ def resizes(world_sizes: Iterable[Series], step: float) -> list[Resize]:
             if start > start_before and after != before]
 
 
+def world_sizes(world_sizes: Iterable[Series], found: Sequence[Resize]) -> list[int]:
+    """The world sizes the run had, in order: before and after each resize, or the one its processes stated
+    (several where they disagreed without a resize: sizes stated together from the start)."""
+    if found:
+        return [found[0].before, *(resize.after for resize in found)]
+    return sorted({size for series in world_sizes if (size := _size(series)) is not None})
+
+
 def _size(series: Series) -> int | None:
     size = series.labels.get("world_size", "")
     return int(size) if size.isdigit() else None

@@ -228,6 +228,8 @@ def test_hours_in_a_state_read_in_whole_seconds(prometheus: str, tmp_path: Path)
     assert float(ranks["0"]["train_seconds"]) == train == 10140
     table = page.split("<h2>Time per state</h2>")[1].split("<h2>")[0]
     assert "<td>10,140 s</td>" in table and "e+" not in table, table
+    with (tmp_path / "report" / "run_summary.csv").open() as rows:  # never resized: the one world size
+        assert next(csv.DictReader(rows))["world_sizes"] == "4"
 
 
 def test_the_verdicts_reasons_are_measured_while_it_held_not_over_a_window_another_verdict_shares(
@@ -280,6 +282,10 @@ def test_a_run_requeued_with_fewer_ranks_says_it_was_resized_and_that_its_other_
     for rank in "23":
         assert timeline[rank] == [("train", iso(START), last_push), ("lost", last_push, resized)], timeline[rank]
     assert [state for state, _, _ in timeline["0"]] == ["train", "lost", "train", "idle"], timeline["0"]
+    # run_summary.csv said only "4" ranks: it now lists the world sizes the run had
+    with (tmp_path / "report" / "run_summary.csv").open() as rows:
+        (summary,) = csv.DictReader(rows)
+    assert (summary["ranks"], summary["world_sizes"]) == ("4", "4 2"), summary
 
 
 def test_a_rank_lost_before_its_job_was_requeued_smaller_stays_lost_until_the_resize(
