@@ -130,13 +130,13 @@ def test_the_rules_conclude_the_contract_verdicts_and_the_report_explains_each()
 
 def test_the_per_rank_step_quantiles_come_from_one_helper() -> None:
     """Dashboards ask rank_step_seconds_quantile, so moving them to query time is one edit: the time series of the
-    drawn ranks, the per-rank table of every rank."""
+    drawn ranks (named by node where a rank moved), the per-rank table of every rank."""
     queries = {q.raw_expr for q in panel_queries()}
     asked = [recordings.rank_step_seconds_quantile(quantile, training.RANKS, training.DRAWN)
              for quantile in (0.5, 0.95)]
     asked.append(recordings.rank_step_seconds_quantile(0.95, training.RANKS))
-    for query in asked:
-        assert contract.STEP_SECONDS in query and query in queries
+    for query in asked:  # as asked, or inside the label naming a rank that moved by its node
+        assert contract.STEP_SECONDS in query and any(query in panel for panel in queries), query
 
 
 def string_literals(path: Path) -> list[tuple[int, str]]:
