@@ -479,6 +479,25 @@ def test_alerts_carry_the_namespace_and_grafana_links(chart: Path) -> None:
     assert all(rule["annotations"]["dashboard_url"].startswith(prometheus_side) for rule in plain)
 
 
+HINTS = {"StepscopeTensorCoresIdle", "StepscopeMfuBelowTensorActivity"}
+
+
+def test_hints_take_the_severity_kube_prometheus_stack_lets_through(chart: Path) -> None:
+    """kube-prometheus-stack's default Alertmanager inhibits every severity="info" alert of a namespace where no
+    warning or critical fires (its InfoInhibitor): a real Alertmanager 0.25 with its inhibit rules held the chart's
+    StepscopeTensorCoresIdle `suppressed`, so the infoReceiver never heard a hint alone. alerting.hintSeverity
+    relabels the hints, and the AlertmanagerConfig's hint route matches it; the other alerts keep theirs."""
+    values = {"alerting": {"hintSeverity": "hint", "alertmanagerConfig": {"enabled": True}}}
+    objs = objects(render(chart, values, api_versions=[OPERATOR_API]))
+    severities = {rule["alert"]: rule["labels"]["severity"] for rule in alerts(objs)}
+    assert {alert for alert, severity in severities.items() if severity == "hint"} == HINTS
+    assert set(severities.values()) == {"hint", "warning", "critical"}
+    hint_route = one(objs, "AlertmanagerConfig")["spec"]["route"]["routes"][0]
+    assert matchers(hint_route["matchers"]) == {'severity="hint"'}
+    with pytest.raises(helm_python.HelmRenderError, match="hintSeverity"):
+        render(chart, {"alerting": {"hintSeverity": "warning"}}, api_versions=[OPERATOR_API])
+
+
 def matchers(items: list[dict[str, str]]) -> set[str]:
     """Operator matchers as Alertmanager's strings: name=~"value"."""
     return {f'{m["name"]}{m["matchType"]}"{m["value"]}"' for m in items}

@@ -265,17 +265,23 @@ spec:
 {{- end }}
 
 {{/* (list $ groups) -> the groups, their alerts labelled with the release namespace
-(alerting.namespaceLabel: what kube-prometheus-stack and AlertmanagerConfig route on) and their
-dashboard links starting with alerting.grafanaUrl where it is set. */}}
+(alerting.namespaceLabel: what kube-prometheus-stack and AlertmanagerConfig route on), the hints' severity
+alerting.hintSeverity, and their dashboard links starting with alerting.grafanaUrl where it is set. */}}
 {{- define "stepscope.alertRouting" -}}
 {{- $alerting := (index . 0).Values.alerting }}
 {{- $namespace := include "stepscope.namespace" (index . 0) }}
 {{- $groups := index . 1 }}
+{{- if has $alerting.hintSeverity (list "warning" "critical") }}
+{{- fail (printf "alerting.hintSeverity %s would page the hints with the warnings and criticals: choose another (e.g. hint)" $alerting.hintSeverity) }}
+{{- end }}
 {{- range $group := $groups }}
 {{- range $rule := $group.rules }}
 {{- if hasKey $rule "alert" }}
 {{- if $alerting.namespaceLabel }}
 {{- $_ := set $rule "labels" (merge (dict "namespace" $namespace) ($rule.labels | default dict)) }}
+{{- end }}
+{{- if eq ($rule.labels | default dict).severity "info" }}
+{{- $_ := set $rule.labels "severity" $alerting.hintSeverity }}
 {{- end }}
 {{- if and $alerting.grafanaUrl (hasKey ($rule.annotations | default dict) "dashboard_url") }}
 {{- $_ := set $rule.annotations "dashboard_url" (replace "{{ $externalLabels.grafana_url }}" $alerting.grafanaUrl $rule.annotations.dashboard_url) }}
