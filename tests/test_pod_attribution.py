@@ -21,17 +21,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES, families, recordings
+from stepscope.exporter.collectors import gpu_events
 from stepscope.exporter.collectors import pods as pod_attribution
+from stepscope.exporter.collectors.gpu import GpuCollector
 from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
 from stepscope.exporter.exposition import render
+from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.registered import RegisteredProcess
 from stepscope_testkit.dcgm import PodRef, dcgm_body
+from stepscope_testkit.fake_nvml.scenario import load_fake_pynvml, make_gpu, write_scenario
 from stepscope_testkit.podresources import FixtureContainer, FixturePod, PodResourcesServer, list_response, serving
 from stepscope_testkit.processes import Running, running_exporter, sample_values, samples, scrape
 from stepscope_testkit.replay import Workload, replaying
 from stepscope_testkit.replay import recordings as corpus
 from tests.support.dashboard_queries import panel_queries
-from tests.support.demos import start_demo, stop
+from tests.support.demos import gpus_for_runs, start_demo, stop
 from tests.support.prometheus import query, running_prometheus_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -367,3 +371,42 @@ def test_the_socket_flag_takes_a_relative_path_and_the_kubelet_s_url_form(
             assert [container.labels for container in client.containers()] == [("ml", "a", "train")]
         finally:
             client.close()
+
+
+def _nvml_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int) -> list[str]:
+    """The fake NVML with `gpus` idle H100s for this test's GPU collectors; their UUIDs by index."""
+    layout = {index: (0, 0.0, None) for index in range(gpus)}
+    monkeypatch.setenv("STEPSCOPE_FAKE_NVML_SCENARIO", str(write_scenario(tmp_path / "nvml.json",
+                                                                          gpus_for_runs(layout, {}))))
+    monkeypatch.setattr(gpu_events, "WAIT_TIMEOUT_MS", 100)  # close() waits for one event wait to end
+    return [make_gpu(index)["uuid"] for index in range(gpus)]
+
+
+def test_gpu_indices_of_the_index_strategy_are_published_by_the_gpu_s_uuid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVIDIA's device plugin with --device-id-strategy=index lists NVML indices ("0"; "2:1" for a MIG device) and
+    puts them in NVIDIA_VISIBLE_DEVICES. Before, gpu_pod_info and process_pod_info carried uuid="0" and the GPU
+    series (labelled by UUID) no pod. Now the GPU collector's index -> UUID names them; a MIG index, which names
+    no whole GPU, stays off the info families; the rank gets its pod either way."""
+    uuids = _nvml_of(tmp_path, monkeypatch, 3)
+    mig = FixturePod("ml", "mig", (FixtureContainer("main", {"nvidia.com/mig-1g.10gb": ("2:1",)}),))
+    pods = [_pod("a", "0", "1"), mig]
+    processes = {"0": _sleeper("a", "0,1")}
+    try:
+        with serving(tmp_path / "kubelet.sock", pods):
+            collector = PodCollector(PodResourcesClient(str(tmp_path / "kubelet.sock")),
+                                     registered=lambda: _registered(processes))
+            gpu = GpuCollector(GpuProcessTable(), nvml=load_fake_pynvml(), pods=collector.attribution)
+            text = render([*collector.collect(), *gpu.collect(), *collector.collect()]).decode()
+            gpu.close()
+            collector.close()
+    finally:
+        stop(processes.values())
+    info = {(name, labels["uuid"], labels["pod"]) for name, pairs in samples(text) for labels in [dict(pairs)]
+            if name in (families.GPU_POD_INFO, families.PROCESS_POD_INFO)}
+    assert info == {(family, uuid, "a") for family in (families.GPU_POD_INFO, families.PROCESS_POD_INFO)
+                    for uuid in uuids[:2]}
+    up = {dict(pairs)["gpu"]: dict(pairs).get("pod", "") for name, pairs in samples(text) if name == families.GPU_UP}
+    assert up == {"0": "a", "1": "a", "2": ""}  # the MIG device's GPU: no pod, as with MIG UUIDs
+    assert collector.attribution.rank("shared", "0") == ("ml", "a", "train")
+

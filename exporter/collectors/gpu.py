@@ -244,7 +244,9 @@ class GpuCollector:
         if self._pods is None:
             return out.families()
         pods = self._pods  # every family but the collector's own up and the energy read time carries uuid
-        return pods.label(out.families(), lambda labels: pods.gpu(labels["uuid"]) if "uuid" in labels else None)
+        pods.name_gpus({gpu.index: gpu.uuid for gpu in self._gpus or () if gpu.uuid})
+        return pods.label(out.families(),
+                          lambda labels: pods.gpu(labels["uuid"], labels["gpu"]) if "uuid" in labels else None)
 
     def close(self) -> None:
         if self._gpus is None:

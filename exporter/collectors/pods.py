@@ -2,11 +2,12 @@
 
 The kubelet's PodResources API (gRPC `v1.PodResourcesLister/List` on the node's pod-resources socket, the
 call dcgm-exporter makes) says which device ids the device plugin gave to which container of which pod:
-for NVIDIA's device plugin, GPU UUIDs (`GPU-...`, `MIG-...`). A training process finds its container
-through the GPUs it was given: the device plugin hands them to the container in NVIDIA_VISIBLE_DEVICES,
-which /proc/<pid>/environ shows. (The process's cgroup names only its pod's UID and its container's runtime
-id, neither of which the List answer carries, so it cannot name the pod on its own.) A GPU several pods share
-(time-slicing lists it as `<uuid>::<replica>`, once per share; MPS) is told apart by the HOSTNAME the runtime
+for NVIDIA's device plugin, GPU UUIDs (`GPU-...`, `MIG-...`), or with `--device-id-strategy=index` NVML indices,
+which the GPU collector's index -> UUID translates where a `uuid` label is published (`published_uuid`). A training
+process finds its container through the GPUs it was given: the device plugin hands them to the container in
+NVIDIA_VISIBLE_DEVICES, which /proc/<pid>/environ shows. (The process's cgroup names only its pod's UID and its
+container's runtime id, neither of which the List answer carries, so it cannot name the pod on its own.) A GPU several
+pods share (time-slicing lists it as `<uuid>::<replica>`, once per share; MPS) is told apart by the HOSTNAME the runtime
 sets to the pod's name; a process it cannot place gets no pod, and a shared GPU's series none either, while
 gpu_pod_info lists every holder (`_container_seeing`, `_sole_holders`). Each cycle publishes
 
@@ -71,6 +72,17 @@ def gpu_uuid(device_id: str) -> str:
     `<uuid>::<replica>`, where the GPU collector and the container's NVIDIA_VISIBLE_DEVICES name the bare uuid;
     dcgm-exporter strips the suffix the same way."""
     return device_id.split(REPLICA_SEPARATOR, 1)[0]
+
+
+def published_uuid(device_id: str, uuids: Mapping[str, str]) -> str | None:
+    """The UUID a device id stands for, given NVML's GPU index -> UUID (`uuids`). NVIDIA's device plugin with
+    `--device-id-strategy=index` lists NVML indices ("0") for whole GPUs, which the GPU collector's UUIDs translate
+    (None until it identified the GPU, or with no NVML in the exporter), and "<gpu>:<mig>" for a MIG device, which
+    names no whole GPU (None); every other id (a UUID) is its own."""
+    if device_id.isdigit():
+        return uuids.get(device_id)
+    gpu, colon, mig = device_id.partition(":")
+    return None if colon and gpu.isdigit() and mig.isdigit() else device_id
 
 
 def _message_classes() -> dict[str, type]:
@@ -231,6 +243,7 @@ class PodAttribution:
         self._containers: tuple[PodContainer, ...] = ()
         self._gpus: Mapping[str, PodLabels] = MappingProxyType({})
         self._ranks: Mapping[tuple[str, str], PodLabels] = MappingProxyType({})
+        self._uuids: Mapping[str, str] = MappingProxyType({})  # NVML index -> UUID, from the GPU collector
         self._version = 0
         self._views: dict[int, ProcessView | None] = {}  # process collector's pid -> what its environment says
         self._devices_lock = threading.Lock()
@@ -246,8 +259,19 @@ class PodAttribution:
     def version(self) -> int:
         return self._version
 
-    def gpu(self, uuid: str) -> PodLabels:
-        return self._gpus.get(uuid, NO_POD)
+    def name_gpus(self, uuids: Mapping[str, str]) -> None:
+        """The GPU collector's NVML index -> UUID of each identified GPU, for a device plugin listing indices."""
+        if uuids != self._uuids:
+            self._uuids = MappingProxyType(dict(uuids))
+
+    def uuid(self, device_id: str) -> str | None:
+        """The UUID a listed device id stands for (`published_uuid`); None where it names no known whole GPU."""
+        return published_uuid(device_id, self._uuids)
+
+    def gpu(self, uuid: str, index: str = "") -> PodLabels:
+        """The labels of the GPU with this UUID and NVML index: the device plugin lists it by one or the other
+        (`--device-id-strategy`)."""
+        return self._gpus.get(uuid) or self._gpus.get(index, NO_POD)
 
     def rank(self, run: str, rank: str) -> PodLabels:
         return self._ranks.get((run, rank), NO_POD)
@@ -307,6 +331,7 @@ class PodCollector:
         self._views: dict[tuple, ProcessView | None] = {}
         self._last: list[Metric] = []  # the families of the last answer; [] before one and once cleared
         self._failed_lists = 0  # in a row
+        self._unpublished: set[str] = set()  # device ids named by no UUID, warned once each
         self.failed_reading = ""  # the scheduler counts a cycle that kept the last answer as an error
 
     def prime(self) -> None:
@@ -346,9 +371,11 @@ class PodCollector:
         """The info families of a List answer, handed to the attribution with the ranks' labels."""
         gpus = GaugeMetricFamily(families.GPU_POD_INFO, "The pod container the kubelet gave the GPU to.",
                                  labels=["uuid", *families.POD])
+        uuids = self._uuids(containers)
         for container in containers:
             for device in container.devices:
-                gpus.add_metric([device, container.namespace, container.pod, container.container], 1)
+                if device in uuids:
+                    gpus.add_metric([uuids[device], container.namespace, container.pod, container.container], 1)
         processes = GaugeMetricFamily(families.PROCESS_POD_INFO,
                                       "The pod container of a registered training process, once per GPU of "
                                       "that container.", labels=[*families.PROCESS, *families.POD, "uuid"])
@@ -358,13 +385,31 @@ class PodCollector:
             if container is not None:
                 ranks[run, rank] = container.labels
             for device in container.devices if container else ():
-                processes.add_metric([str(pid), run, rank, container.namespace, container.pod,
-                                      container.container, device], 1)
+                if device in uuids:
+                    processes.add_metric([str(pid), run, rank, container.namespace, container.pod,
+                                          container.container, uuids[device]], 1)
         self.attribution.update(containers, ranks)
         return [gpus, processes]
 
     def close(self) -> None:
         self._client.close()
+
+    def _uuids(self, containers: list[PodContainer]) -> dict[str, str]:
+        """The UUID of each listed device id that names one (`published_uuid`). An id that does not (a GPU index
+        with no GPU collector to translate it, a MIG index) stays off the uuid-labelled info families, which would
+        otherwise carry uuid="0" and join nothing; its containers' processes still get their pod."""
+        uuids = {}
+        for device in {device for container in containers for device in container.devices}:
+            uuid = self.attribution.uuid(device)
+            if uuid is not None:
+                uuids[device] = uuid
+            elif device not in self._unpublished:
+                self._unpublished.add(device)
+                log.warning("device id %r of the PodResources answer names no GPU UUID this exporter knows (the "
+                            "device plugin's --device-id-strategy=index without the GPU collector, or a MIG "
+                            "device): left out of %s and %s", device, families.GPU_POD_INFO,
+                            families.PROCESS_POD_INFO)
+        return uuids
 
     def _kept_ranks(self) -> dict[tuple[str, str], PodLabels]:
         """The labels of each live group as last found: a group outlives its process (until the ingest TTL
