@@ -24,7 +24,7 @@ from stepscope.contract import FAMILIES, families, recordings
 from stepscope.exporter.collectors import gpu_events
 from stepscope.exporter.collectors import pods as pod_attribution
 from stepscope.exporter.collectors.gpu import GpuCollector
-from stepscope.exporter.collectors.pods import PodCollector, PodResourcesClient
+from stepscope.exporter.collectors.pods import PodAttribution, PodCollector, PodContainer, PodResourcesClient
 from stepscope.exporter.exposition import render
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.registered import RegisteredProcess
@@ -410,3 +410,23 @@ def test_gpu_indices_of_the_index_strategy_are_published_by_the_gpu_s_uuid(
     assert up == {"0": "a", "1": "a", "2": ""}  # the MIG device's GPU: no pod, as with MIG UUIDs
     assert collector.attribution.rank("shared", "0") == ("ml", "a", "train")
 
+
+def test_a_reused_pid_does_not_keep_the_pod_of_the_process_it_named_before(tmp_path: Path) -> None:
+    """The process collector's pod labels come from each process's environment, read once per process. Keyed by
+    the pid alone, a pid the kernel gave to a process of another pod kept the first pod's labels for as long as
+    the process collector saw the pid every cycle. Keyed by pid and start time, the new process is read."""
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+
+    def started(ticks: int, visible: str) -> None:
+        (proc / "4242" / "environ").write_bytes(f"NVIDIA_VISIBLE_DEVICES={visible}\0".encode())
+        (proc / "4242" / "stat").write_text(f"4242 (python) S {' '.join(['1'] * 18)} {ticks} 0 0\n")
+
+    attribution = PodAttribution(str(proc))
+    attribution.update([PodContainer("ml", "a", "train", (SHARED,)), PodContainer("ml", "b", "train", (ALONE,))], {})
+    started(100, SHARED)
+    assert attribution.processes([4242]) == {4242: ("ml", "a", "train")}
+    (proc / "4242" / "environ").write_bytes(f"NVIDIA_VISIBLE_DEVICES={ALONE}\0".encode())
+    assert attribution.processes([4242]) == {4242: ("ml", "a", "train")}  # the same process: read once
+    started(900, ALONE)  # the pid reused by a process of pod b
+    assert attribution.processes([4242]) == {4242: ("ml", "b", "train")}

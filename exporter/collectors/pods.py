@@ -85,6 +85,17 @@ def published_uuid(device_id: str, uuids: Mapping[str, str]) -> str | None:
     return None if colon and gpu.isdigit() and mig.isdigit() else device_id
 
 
+def process_started(pid: int, procfs: str = "/proc") -> int | None:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat): with the pid, what names one process
+    for good, as a pid alone does not once the kernel reuses it. None when it is gone."""
+    try:
+        with open(f"{procfs}/{pid}/stat", "rb") as stat:
+            data = stat.read()
+    except OSError:
+        return None
+    return int(data[data.rfind(b")") + 2:].split()[19])
+
+
 def _message_classes() -> dict[str, type]:
     """The PodResources v1 messages that `List` uses (k8s.io/kubelet/pkg/apis/podresources/v1/api.proto, same
     package, names and field numbers; the fields not read here are skipped on the wire), built in a pool of
@@ -245,7 +256,9 @@ class PodAttribution:
         self._ranks: Mapping[tuple[str, str], PodLabels] = MappingProxyType({})
         self._uuids: Mapping[str, str] = MappingProxyType({})  # NVML index -> UUID, from the GPU collector
         self._version = 0
-        self._views: dict[int, ProcessView | None] = {}  # process collector's pid -> what its environment says
+        # the process collector's (pid, start ticks) -> what its environment says: a pid the kernel reuses for a
+        # process of another pod is another key, so it cannot keep the old process's pod
+        self._views: dict[tuple[int, int | None], ProcessView | None] = {}
         self._devices_lock = threading.Lock()
 
     def update(self, containers: Sequence[PodContainer], ranks: Mapping[tuple[str, str], PodLabels]) -> None:
@@ -281,13 +294,15 @@ class PodAttribution:
 
     def processes(self, pids: Iterable[int]) -> dict[int, PodLabels]:
         """The labels of each pid (as this exporter sees it) from its environment (`_container_seeing`), read
-        once per pid while the process collector keeps asking for it."""
+        once per process (pid and start time) while the process collector keeps asking for it."""
         containers, found = self._containers, {}
+        keys = {pid: (pid, process_started(pid, self._procfs)) for pid in pids}
         with self._devices_lock:
-            views = {pid: self._views[pid] if pid in self._views else process_view(pid, self._procfs) for pid in pids}
+            views = {key: self._views[key] if key in self._views else process_view(key[0], self._procfs)
+                     for key in keys.values()}
             self._views = views
-        for pid, view in views.items():
-            container = _container_seeing(view, containers)
+        for pid, key in keys.items():
+            container = _container_seeing(views[key], containers)
             found[pid] = container.labels if container else NO_POD
         return found
 
