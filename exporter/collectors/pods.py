@@ -54,6 +54,9 @@ RECONNECT_MAX_MS = 2000  # the longest wait between reconnect attempts to a kube
 # device plugins that list one id per share (HAMi's vGPU memory, 1,000 per pod) pass 4 MiB at 100 pods.
 LIST_MAX_BYTES = 16 * 1024 * 1024
 STALE_AFTER_FAILED_LISTS = 3  # the cycle of this many failed List calls in a row clears the last answer
+# a device id named by no UUID this many cycles in a row is warned about: the first cycles run before the GPU
+# collector identified the GPUs whose indices the device plugin may list
+UNPUBLISHED_WARN_CYCLES = 3
 VISIBLE_DEVICES = b"NVIDIA_VISIBLE_DEVICES="
 HOSTNAME = b"HOSTNAME="
 REPLICA_SEPARATOR = "::"  # time-slicing's device ids: <uuid>::<replica>
@@ -346,7 +349,7 @@ class PodCollector:
         self._views: dict[tuple, ProcessView | None] = {}
         self._last: list[Metric] = []  # the families of the last answer; [] before one and once cleared
         self._failed_lists = 0  # in a row
-        self._unpublished: set[str] = set()  # device ids named by no UUID, warned once each
+        self._unpublished: dict[str, int] = {}  # device id named by no UUID -> cycles in a row so
         self.failed_reading = ""  # the scheduler counts a cycle that kept the last answer as an error
 
     def prime(self) -> None:
@@ -413,17 +416,19 @@ class PodCollector:
         """The UUID of each listed device id that names one (`published_uuid`). An id that does not (a GPU index
         with no GPU collector to translate it, a MIG index) stays off the uuid-labelled info families, which would
         otherwise carry uuid="0" and join nothing; its containers' processes still get their pod."""
-        uuids = {}
+        uuids, unpublished = {}, {}
         for device in {device for container in containers for device in container.devices}:
             uuid = self.attribution.uuid(device)
             if uuid is not None:
                 uuids[device] = uuid
-            elif device not in self._unpublished:
-                self._unpublished.add(device)
+                continue
+            unpublished[device] = self._unpublished.get(device, 0) + 1
+            if unpublished[device] == UNPUBLISHED_WARN_CYCLES:
                 log.warning("device id %r of the PodResources answer names no GPU UUID this exporter knows (the "
                             "device plugin's --device-id-strategy=index without the GPU collector, or a MIG "
                             "device): left out of %s and %s", device, families.GPU_POD_INFO,
                             families.PROCESS_POD_INFO)
+        self._unpublished = unpublished
         return uuids
 
     def _kept_ranks(self) -> dict[tuple[str, str], PodLabels]:
