@@ -131,6 +131,9 @@ UNHELD = {
     "StepscopeExporterDown": "reads `up`, the gap itself",
     "instance:stepscope_node_clock_offset:seconds": "a clock less its scrape's timestamp(): held, timestamp() would be "
                                                     "the evaluation's; it keeps its own last value through a gap",
+    "shard_run_le:stepscope_step_seconds_bucket:rate1m": "`and` the buckets scraped now, so a bound its rank dropped "
+                                                         "leaves the quantiles at once; the quantiles feed no alert, "
+                                                         "and held would re-read a minute of every bucket series",
     # dcgm-exporter's own target health, built on `up` and last_over_time already
     "instance_gpu:stepscope_gpu_up:dcgm": "up == 1 and last_over_time over 1h",
     "instance_gpu_xid:stepscope_gpu_xid_last_seen_timestamp_seconds:dcgm": "an XID is a change against 1m before",
