@@ -15,9 +15,6 @@ fast: the run's recorded p50/p95 and the Training dashboard's per-rank query mus
 """
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import requests
@@ -26,9 +23,9 @@ from grafana.rules import RULE_FILES
 from stepscope.contract.recordings import RUN_STEP_SECONDS_P50, RUN_STEP_SECONDS_P95, rank_step_seconds_quantile
 from stepscope_testkit.ingest_bodies import counter, histogram, state_family
 from stepscope_testkit.processes import running_exporter
-from tests.support.prometheus import query, running_prometheus
+from tests.support.prometheus import query
 from tests.support.replay_judge import ENGINES
-from tests.support.victoria import running_victoria, running_vmalert
+from tests.support.victoria import running_engine
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.alone]  # alone: scripts/test.sh says why
 
@@ -58,20 +55,6 @@ def _body(push: int) -> str:
             + counter("stepscope_steps_total", steps) + state_family("train"))
 
 
-@contextmanager
-def _engine(engine: str, tmp: Path, address: str) -> Iterator[str]:
-    """The query URL of `engine` scraping the exporter at `address` and evaluating the shipped rules, every second."""
-    if engine == "victoriametrics":
-        target = {"job_name": "stepscope", "static_configs": [{"targets": [address], "labels": {"instance": "node"}}]}
-        with running_victoria(tmp / "victoria", [target]) as victoria, \
-                running_vmalert(tmp / "vmalert", victoria.url, RULE_FILES):
-            yield victoria.url
-        return
-    (tmp / "prometheus").mkdir()
-    with running_prometheus(tmp / "prometheus", {"node": address}, RULE_FILES) as prometheus:
-        yield prometheus.url
-
-
 def _read(url: str) -> dict[str, float]:
     """The run's recorded quantiles and the dashboard's per-rank ones, as the engine reads them now."""
     exprs = {"run p50": RUN_STEP_SECONDS_P50, "run p95": RUN_STEP_SECONDS_P95,
@@ -86,7 +69,7 @@ def readings(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     """Every second from FIRST_READING to LAST_READING: name -> what the engine reads."""
     tmp = tmp_path_factory.mktemp(f"dropped-{request.param}")
     with running_exporter(tmp, "--collectors", "node") as exporter, \
-            _engine(request.param, tmp, exporter.url.removeprefix("http://")) as url:
+            running_engine(request.param, tmp, exporter.url.removeprefix("http://"), RULE_FILES) as url:
         group = f"{exporter.url}/metrics/job/stepscope/run/{RUN}/rank/0"
         start, found = time.monotonic(), []
         for push in range(LAST_READING + 1):

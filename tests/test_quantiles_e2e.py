@@ -26,9 +26,7 @@ the exporter every second, vmalert evaluates the same rule files every second ag
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,9 +42,9 @@ from stepscope.contract.recordings import rank_step_seconds_quantile
 from stepscope.hooks.pusher import Pusher, group_url
 from stepscope_testkit.processes import running_exporter
 from tests.support.dashboard_queries import substitute
-from tests.support.prometheus import query, running_prometheus, wait_for
+from tests.support.prometheus import query, wait_for
 from tests.support.replay_judge import ENGINES
-from tests.support.victoria import running_victoria, running_vmalert
+from tests.support.victoria import running_engine
 
 WARMUP_SNAPSHOTS = 5  # a run a minute or more in: its fine buckets placed
 PUSH_SECONDS = 5.0  # the hooks' default push interval: a prelude's snapshots are 5 s of steps apart
@@ -228,20 +226,6 @@ def _seen(prometheus: str, ranks: dict[tuple[str, str], Rank]) -> bool:
     return all(pushed.get(key) == rank.tracker.steps for key, rank in ranks.items())
 
 
-@contextmanager
-def _engine(engine: str, tmp: Path, address: str) -> Iterator[str]:
-    """The query URL of `engine` scraping the exporter at `address` (instance "node") every second and
-    evaluating the shipped rules every second."""
-    if engine == "victoriametrics":
-        target = {"job_name": "stepscope", "static_configs": [{"targets": [address], "labels": {"instance": "node"}}]}
-        with running_victoria(tmp / "victoria", [target]) as victoria, \
-                running_vmalert(tmp / "vmalert", victoria.url, RULE_FILES):
-            yield victoria.url
-        return
-    with running_prometheus(tmp, {"node": address}, RULE_FILES) as prometheus:
-        yield prometheus.url
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Measured]:
     tmp = tmp_path_factory.mktemp(f"quantiles-{request.param}")
@@ -252,7 +236,7 @@ def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     try:
         with running_exporter(tmp, "--collectors", "node") as exporter:
             warm = _warm_up(exporter.url, clock)
-            with _engine(request.param, tmp, exporter.url.removeprefix("http://")) as url:
+            with running_engine(request.param, tmp, exporter.url.removeprefix("http://"), RULE_FILES) as url:
                 yield _measure(request.param, url, clock, warm)
     finally:
         patch.undo()

@@ -29,6 +29,7 @@ import yaml
 
 from stepscope_testkit.loopback import LoopbackServer, serving
 from stepscope_testkit.processes import Running, free_port, running
+from tests.support.prometheus import running_prometheus
 
 
 def binary(name: str) -> str:
@@ -94,6 +95,21 @@ def running_vmalert(tmp: Path, victoria_url: str, rule_files: Sequence[Path], in
         with running(argv, f"http://127.0.0.1:{port}/health", tmp / "vmalert.log",
                      base_url=f"http://127.0.0.1:{port}") as proc:
             yield proc
+
+
+@contextmanager
+def running_engine(engine: str, tmp: Path, address: str, rule_files: Sequence[Path]) -> Iterator[str]:
+    """The query URL of `engine` ("prometheus", or "victoriametrics" with vmalert) scraping the exporter at `address`
+    (instance "node") and evaluating `rule_files`, every second, its files under `tmp`."""
+    if engine == "victoriametrics":
+        target = {"job_name": "stepscope", "static_configs": [{"targets": [address], "labels": {"instance": "node"}}]}
+        with running_victoria(tmp / "victoria", [target]) as victoria, \
+                running_vmalert(tmp / "vmalert", victoria.url, rule_files):
+            yield victoria.url
+        return
+    (tmp / "prometheus").mkdir(parents=True, exist_ok=True)
+    with running_prometheus(tmp / "prometheus", {"node": address}, rule_files) as prometheus:
+        yield prometheus.url
 
 
 def alerts(url: str, state: str = "firing") -> list[dict]:
