@@ -40,6 +40,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from stepscope.contract import families
 from stepscope.exporter.collectors.pid_namespaces import PidResolver
+from stepscope.exporter.collectors.proc_stat import stat_of
 from stepscope.exporter.metric_families import GaugeMetricFamily, Metric
 from stepscope.exporter.registered import RegisteredProcess
 
@@ -88,15 +89,15 @@ def published_uuid(device_id: str, uuids: Mapping[str, str]) -> str | None:
     return None if colon and gpu.isdigit() and mig.isdigit() else device_id
 
 
-def process_started(pid: int, procfs: str = "/proc") -> int | None:
-    """The process's start time in clock ticks after boot (/proc/<pid>/stat): with the pid, what names one process
-    for good, as a pid alone does not once the kernel reuses it. None when it is gone."""
+def process_started(pid: int, procfs: str = "/proc") -> float | None:
+    """The process's start time in clock ticks after boot: with the pid, what names one process for good, as a
+    pid alone does not once the kernel reuses it. None when it is gone or hidden (hidepid=1 shows its directory
+    but not what is in it)."""
     try:
-        with open(f"{procfs}/{pid}/stat", "rb") as stat:
-            data = stat.read()
-    except OSError:
+        found = stat_of(pid, procfs)
+    except PermissionError:
         return None
-    return int(data[data.rfind(b")") + 2:].split()[19])
+    return None if found is None else found.started
 
 
 def _message_classes() -> dict[str, type]:

@@ -31,12 +31,13 @@ class ProcStat:
     rss: int  # bytes
 
 
-def stat_of(pid: int) -> ProcStat | None:
-    """The process's readings; None when it is gone."""
+def stat_of(pid: int, procfs: str | None = None) -> ProcStat | None:
+    """The process's readings; None when it is gone. `procfs`: another mount of proc than psutil's (the pod
+    collector reads the host's through its own)."""
     if not _LINUX:
         return _psutil_stat_of(pid)
     try:
-        with open(f"{psutil.PROCFS_PATH}/{pid}/stat", "rb") as stat:
+        with open(f"{procfs or psutil.PROCFS_PATH}/{pid}/stat", "rb") as stat:
             data = stat.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
