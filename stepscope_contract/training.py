@@ -31,13 +31,18 @@ STATES = (SETUP_STATE, TRAIN_STATE, EVAL_STATE, CHECKPOINT_STATE, IDLE_STATE)
 
 # What a run name (the `run` label) must be: the exporter refuses a push for any other, so the hooks refuse
 # it at init rather than push into 400s for the whole run.
-RUN_NAME_RULE = "non-empty printable text"
+RUN_NAME_RULE = "non-empty printable text without quotes (' or \")"
+# Grafana puts a single-valued variable into a query's `run="$run"` with its Prometheus escaping, which leaves
+# a `"` as it is (the query no longer parses: every panel of the run is an error) and turns a `'` into `\\'`
+# (a run that does not exist: every panel empty; grafana/grafana#48138). A run named so could be stored and
+# alerted on, and never shown.
+_QUOTES = frozenset("'\"")
 
 
 def is_run_name(run: str) -> bool:
     """Whether the exporter takes `run` as a run label value: no tab, newline or other control character
-    (str.isprintable: Unicode's printable characters and the ASCII space)."""
-    return bool(run) and run.isprintable()
+    (str.isprintable: Unicode's printable characters and the ASCII space), and no quote (`_QUOTES`)."""
+    return bool(run) and run.isprintable() and _QUOTES.isdisjoint(run)
 
 # Values of stepscope_step_phase_seconds{timing}: what a phase histogram holds.
 HOST_TIMING = "host"  # wall time on the host (perf_counter): CPU work, or launches of async GPU work

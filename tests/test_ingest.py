@@ -123,6 +123,8 @@ def test_group_paths(path: str, expected: tuple[str, str]) -> None:
     ("/metrics/job/stepscope/run/r/rank/1234567890", 400, "integer (at most 9 digits, no leading zero)"),
     ("/metrics/job/stepscope/run//rank/0", 400, "must be non-empty printable text"),
     ("/metrics/job/stepscope/run/a%0Ab/rank/0", 400, "must be non-empty printable text"),
+    ("/metrics/job/stepscope/run/a%22b/rank/0", 400, "without quotes"),  # Grafana could not select it
+    ("/metrics/job/stepscope/run/it%27s/rank/0", 400, "without quotes"),
     ("/metrics/job/stepscope/run@base64/!!/rank/0", 400, "run@base64 is not base64url-encoded"),
     # bytes that are not UTF-8: refused as the Pushgateway does, never stored as run 'a\ufffdb'
     ("/metrics/job/stepscope/run/a%FFb/rank/0", 400, "path segment 'a%FFb' is not percent-encoded UTF-8"),

@@ -238,8 +238,9 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.run, str) or not self.run.strip():
             raise self._invalid("run", "a non-empty string")
-        if not is_run_name(self.run):  # a tab, a newline: the exporter would refuse every push
-            raise self._invalid("run", f"{RUN_NAME_RULE} (no tab, newline or control character)")
+        if not is_run_name(self.run):  # a tab, a newline, a quote: the exporter would refuse every push
+            raise self._invalid("run", f"{RUN_NAME_RULE}: no tab, newline or control character, and no quote, "
+                                       "which Grafana's dashboards cannot select")
         if len(self.run) > MAX_LABEL_LENGTH:
             raise ValueError(f"{self._named('run')} must be at most {MAX_LABEL_LENGTH} characters, got "
                              f"{len(self.run)}")
