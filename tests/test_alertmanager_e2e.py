@@ -115,10 +115,12 @@ def test_shipped_configs_pass_amtool(tmp_path: Path) -> None:
     assert "1 templates" in check.stdout
     shutil.copytree(ALERTMANAGER_DIR / "templates", tmp_path / "templates")
     config = yaml.safe_load((ALERTMANAGER_DIR / "alertmanager.yml").read_text())
-    for example in example_receivers():
-        route = {**config["route"], "receiver": example["name"]}
+    for example in example_receivers():  # each in place of the empty receiver of its name, else as `default`
+        shipped = [r for r in config["receivers"] if r["name"] != example["name"]]
+        route = config["route"] if len(shipped) < len(config["receivers"]) else \
+            {**config["route"], "receiver": example["name"]}
         (tmp_path / "alertmanager.yml").write_text(
-            yaml.safe_dump({**config, "receivers": [example, {"name": "info"}], "route": route}))
+            yaml.safe_dump({**config, "receivers": [example, *shipped], "route": route}))
         check = amtool("check-config", str(tmp_path / "alertmanager.yml"))
         assert check.returncode == 0, f"{example['name']}: {check.stdout}{check.stderr}"
 
@@ -254,6 +256,10 @@ def test_a_stalled_run_pages_for_itself_and_holds_back_nobody(stack: Stack) -> N
     assert delay <= RESOLVED_BOUND_SECONDS
     assert firing_in_prometheus(stack.prometheus, "StepscopeTrainingStalled", "stalled"), "the critical still fires"
     assert stack.inbox.webhooks("stalled", "resolved") == []
+    # the critical also woke the pager, once for the run; the warning did not
+    paged = stack.inbox.webhooks("stalled", path="/page")
+    assert alertnames(paged) == ["StepscopeTrainingStalled"], alertnames(paged)
+    assert stack.inbox.webhooks("databound", path="/page") == []
     # the stalled run's waiting GPU is its stall's: muted in the rules while the stall pages
     assert not firing_in_prometheus(stack.prometheus, "StepscopeGpuUnderutilized", "stalled")
     assert "StepscopeGpuUnderutilized" not in alertnames(stack.inbox.webhooks("stalled"))
@@ -298,11 +304,14 @@ def test_a_warning_that_resolves_while_its_run_stalls_is_told_resolved(alertmana
 
 
 def test_hints_take_their_own_route() -> None:
-    """amtool's route test on the shipped config: info to `info`, run and node alerts to `default`."""
+    """amtool's route test on the shipped config: info to `info`, run and node alerts to `default`, critical ones
+    to the pager too."""
     config = str(ALERTMANAGER_DIR / "alertmanager.yml")
     for receiver, labels in (("info", ["alertname=StepscopeTensorCoresIdle", "severity=info", "run=r", "gpu=0"]),
                              ("default", ["alertname=StepscopeDataLoadingBottleneck", "severity=warning", "run=r"]),
-                             ("default", ["alertname=StepscopeGpuDown", "severity=critical", "instance=n"])):
+                             ("default", ["alertname=StepscopeGpuThrottling", "severity=warning", "instance=n"]),
+                             ("page,default", ["alertname=StepscopeGpuDown", "severity=critical", "instance=n"]),
+                             ("page,default", ["alertname=StepscopeRankLost", "severity=critical", "run=r"])):
         result = amtool("config", "routes", "test", f"--config.file={config}", f"--verify.receivers={receiver}",
                         *labels)
         assert result.returncode == 0, result.stdout + result.stderr

@@ -503,24 +503,51 @@ def matchers(items: list[dict[str, str]]) -> set[str]:
     return {f'{m["name"]}{m["matchType"]}"{m["value"]}"' for m in items}
 
 
-def test_alertmanager_config_routes_and_inhibits_as_the_shipped_config(chart: Path) -> None:
+def operator_routes(routes: list[dict[str, Any]], roles: dict[str, str], parent: str = "default") -> list[tuple]:
+    """The chart's routes as comparable tuples, each receiver (a child route's: its parent's unless set) by its
+    role in the shipped config."""
+    found = []
+    for r in routes:
+        receiver = roles[r["receiver"]] if "receiver" in r else parent
+        found.append((receiver, matchers(r.get("matchers", [])), r.get("groupBy"), r.get("groupInterval"),
+                      r.get("repeatInterval"), r.get("continue", False),
+                      operator_routes(r.get("routes", []), roles, receiver)))
+    return found
+
+
+def shipped_routes(routes: list[dict[str, Any]], parent: str = "default") -> list[tuple]:
+    found = []
+    for r in routes:
+        receiver = r.get("receiver", parent)
+        found.append((receiver, set(r.get("matchers", [])), r.get("group_by"), r.get("group_interval"),
+                      r.get("repeat_interval"), r.get("continue", False),
+                      shipped_routes(r.get("routes", []), receiver)))
+    return found
+
+
+@pytest.mark.parametrize("pager", ["", "oncall"])
+def test_alertmanager_config_routes_and_inhibits_as_the_shipped_config(chart: Path, pager: str) -> None:
     """The chart's AlertmanagerConfig and docker/alertmanager/alertmanager.yml (proven end to end by
-    tests/test_alertmanager_e2e.py) route alike, and neither inhibits (the rules mute a cause's symptoms)."""
+    tests/test_alertmanager_e2e.py) route alike, the pager's route there only where a pageReceiver is set, and
+    neither inhibits (the rules mute a cause's symptoms)."""
     shipped = yaml.safe_load((REPO / "docker" / "alertmanager" / "alertmanager.yml").read_text())
-    values = {"alerting": {"alertmanagerConfig": {"enabled": True}}}
+    receivers = [{"name": name} for name in ("stepscope", "stepscope-info", pager) if name]
+    values = {"alerting": {"alertmanagerConfig": {"enabled": True, "pageReceiver": pager, "receivers": receivers}}}
     spec = one(objects(render(chart, values, api_versions=[OPERATOR_API])), "AlertmanagerConfig")["spec"]
     route, top = spec["route"], shipped["route"]
     assert (route["groupBy"], route["groupWait"], route["groupInterval"], route["repeatInterval"]) == \
         (top["group_by"], top["group_wait"], top["group_interval"], top["repeat_interval"])
-    assert [(matchers(r["matchers"]), r["groupBy"], r.get("groupInterval"), r.get("repeatInterval"))
-            for r in route["routes"]] == \
-        [(set(r["matchers"]), r["group_by"], r.get("group_interval"), r.get("repeat_interval")) for r in top["routes"]]
+    roles = {"stepscope": "default", "stepscope-info": "info", pager: "page"}
+    expected = [r for r in top["routes"] if pager or r.get("receiver") != "page"]
+    assert operator_routes(route["routes"], roles) == shipped_routes(expected)
     assert "inhibitRules" not in spec and "inhibit_rules" not in shipped
 
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"alerting": {"alertmanagerConfig": {"enabled": True, "receiver": "slack"}}},
      'receiver "slack" is not among alerting.alertmanagerConfig.receivers'),
+    ({"alerting": {"alertmanagerConfig": {"enabled": True, "pageReceiver": "pagerduty"}}},
+     'receiver "pagerduty" is not among alerting.alertmanagerConfig.receivers'),
     ({"alerting": {"namespaceLabel": False, "alertmanagerConfig": {"enabled": True}}},
      "alerting.alertmanagerConfig needs alerting.namespaceLabel"),
     ({"alerting": {"alertmanagerConfig": {"enabled": True}}, "sharding": {"enabled": True}},

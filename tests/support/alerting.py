@@ -96,10 +96,11 @@ class Inbox:
         with self.lock:
             self.received.append(Notification(path, time.monotonic(), time.time(), body))
 
-    def webhooks(self, run: str, status: str | None = None) -> list[Notification]:
-        """Notifications of the webhook receiver for `run`'s groups (any status unless given)."""
+    def webhooks(self, run: str, status: str | None = None, path: str = "/webhook") -> list[Notification]:
+        """Notifications of the webhook receiver (`/page`: the pager's) for `run`'s groups (any status unless
+        given)."""
         with self.lock:
-            return [n for n in self.received if n.path == "/webhook"
+            return [n for n in self.received if n.path == path
                     and n.body["commonLabels"].get("run") == run and status in (None, n.body["status"])]
 
     def slack(self, run: str) -> list[dict]:
@@ -142,17 +143,22 @@ def amtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def receivers(url: str) -> list[dict]:
-    """The shipped example receivers' Slack and webhook configs as `default`, pointed at `url`."""
+    """The shipped example receivers' Slack and webhook configs as `default`, pointed at `url`, and a webhook
+    to `url`/page as the pager `page`."""
     examples = {r["name"]: r for r in example_receivers()}
     slack = {**examples["default"]["slack_configs"][0], "api_url": f"{url}/slack"}
     hook = {**examples["webhook"]["webhook_configs"][0], "url": f"{url}/webhook"}
-    return [{"name": "default", "slack_configs": [slack], "webhook_configs": [hook]}]
+    pager = {**hook, "url": f"{url}/page"}
+    return [{"name": "default", "slack_configs": [slack], "webhook_configs": [hook]},
+            {"name": "page", "webhook_configs": [pager]}]
 
 
 def alertmanager_config(tmp: Path, url: str, config: dict, group_wait: float, group_interval: float) -> Path:
-    """`config` (an alertmanager.yml) with `url`'s receiver as `default` and the given group timings,
-    next to the shipped templates."""
-    config = {**config, "receivers": receivers(url) + [r for r in config["receivers"] if r["name"] != "default"]}
+    """`config` (an alertmanager.yml) with `url`'s receivers as `default` and `page` and the given group
+    timings, next to the shipped templates."""
+    ours = receivers(url)
+    names = {r["name"] for r in ours}
+    config = {**config, "receivers": ours + [r for r in config["receivers"] if r["name"] not in names]}
     config["route"] = {**config["route"], "group_wait": f"{group_wait}s", "group_interval": f"{group_interval}s"}
     directory = tmp / "alertmanager"
     shutil.copytree(ALERTMANAGER_DIR / "templates", directory / "templates")
