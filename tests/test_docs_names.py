@@ -1,0 +1,72 @@
+"""The names the README and the reference pages (docs/*.md) tell a user to query or type are the ones the
+code has: recorded series the shipped rules record, metric families of the contract, the exporter's flags.
+A rename in the code that leaves a page behind fails here, in well under a second, rather than in a user's
+empty Grafana panel or an "unrecognized arguments" at start."""
+
+import re
+
+import yaml
+
+from grafana.rules import RULE_FILES
+from stepscope.contract import FAMILIES
+from stepscope.exporter.cli import COLLECTOR_NAMES, build_parser
+from tests.support.readme import DOCS, documents
+
+# a recorded series written out in full (`level:metric:operation`); `..._sm_active:training_ratio` and
+# `instance_gpu_run:stepscope_gpu_*_trained:avg_ratio` abbreviate names the same sentence spells in full
+RECORDED_NAME = re.compile(r"(?<![\w.*])[a-z_]+:stepscope_\w+:\w+(?![\w*])")
+FAMILY_NAME = re.compile(r"(?<![\w:])stepscope_[a-z0-9_]+\b(?![:*])")
+# a family prefix or a Python package, not a metric: `stepscope_training_*`, stepscope_contract/
+NOT_FAMILIES = re.compile(r"stepscope_(?:contract|testkit|shard|training_|gpu_)$")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9.-]*[a-z0-9]")
+# flags docs/exporter.md names that are another command's: the benchmarks it cites, stepscope-profile
+OTHER_COMMANDS_FLAGS = {"--baseline-rev", "--peer-python", "--per-call", "--side-by-side", "--token-file"}
+
+
+def recorded_series() -> set[str]:
+    return {rule["record"] for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+            for rule in group["rules"] if "record" in rule}
+
+
+def exposed_names() -> set[str]:
+    """Every name a scrape can show for a contract family: histograms' parts, counters with their _total."""
+    names = set()
+    for name in FAMILIES:
+        names |= {name, f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        names.add(name.removesuffix("_total"))  # a counter's family name as the client libraries spell it
+    return names
+
+
+def named(pattern: re.Pattern[str], skip: re.Pattern[str] | None = None) -> dict[str, list[str]]:
+    """Each match of `pattern` in the documents -> where it is (file:line)."""
+    found: dict[str, list[str]] = {}
+    for path in documents():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for name in pattern.findall(line):
+                if skip is None or not skip.search(name):
+                    found.setdefault(name, []).append(f"{path.name}:{number}")
+    return found
+
+
+def test_every_recorded_series_the_docs_name_is_recorded_by_the_shipped_rules() -> None:
+    recorded = recorded_series()
+    documented = named(RECORDED_NAME)
+    assert len(documented) > 40
+    assert {name: where for name, where in documented.items() if name not in recorded} == {}
+
+
+def test_every_metric_family_the_docs_name_is_in_the_contract() -> None:
+    exposed = exposed_names()
+    documented = named(FAMILY_NAME, NOT_FAMILIES)
+    assert len(documented) > 60
+    assert {name: where for name, where in documented.items() if name not in exposed} == {}
+
+
+def test_every_flag_the_exporter_page_names_is_the_exporters() -> None:
+    text = (DOCS / "exporter.md").read_text()
+    for switch in ("--collector", "--no-collector"):  # `--collector.NAME`: each collector's
+        text = text.replace(f"{switch}.NAME", " ".join(f"{switch}.{name}" for name in COLLECTOR_NAMES))
+    parser_flags = {flag for action in build_parser()._actions for flag in action.option_strings}
+    documented = set(FLAG.findall(text)) - OTHER_COMMANDS_FLAGS
+    assert len(documented) > 30
+    assert documented - parser_flags == set()
