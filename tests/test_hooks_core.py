@@ -182,6 +182,17 @@ def test_environment_defaults_and_empty_push_url(monkeypatch) -> None:
     quiet.close()
 
 
+@pytest.mark.parametrize(("command", "argv0", "run"), [
+    ("python -m jobs.train", "/home/a/jobs/train.py", "train"),
+    ("python -m jobs", "/home/a/jobs/__main__.py", "jobs"),  # was `__main__` for every such package
+    ("python - < train.py", "-", "default"),  # was `-`
+])
+def test_the_default_run_of_each_way_to_start_python(monkeypatch, command: str, argv0: str, run: str) -> None:
+    """docs/hooks.md, "One process per run and rank": sys.argv[0] as the interpreter sets it for `command`."""
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert Config.resolve(env={}).run == run, command
+
+
 def test_log_buckets_helper_gives_readable_log_spaced_bounds() -> None:
     bounds = th.log_buckets(1e-4, 60.0, 16)
     assert len(bounds) == 16 and bounds[0] == 0.0001 and bounds[-1] == 60.0

@@ -187,8 +187,13 @@ def _is_number(value: object) -> bool:
 
 
 def _default_run() -> str:
-    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
-    return script or "default"
+    """The script's name: `train` for `python train.py` and `python -m jobs.train`. A package run with `-m`
+    is named by its folder (`python -m jobs` runs jobs/__main__.py: every such job would be run `__main__`),
+    and code with no file (`-c`, stdin's `-`) is `default`."""
+    if not sys.argv or sys.argv[0] in ("", "-c", "-m", "-"):
+        return "default"
+    script = Path(sys.argv[0])
+    return (script.parent.name if script.stem == "__main__" else script.stem) or "default"
 
 
 @dataclass(frozen=True)
