@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from stepscope.hooks.demo import ddp_env
 from stepscope_testkit.processes import REPO_ROOT, free_port, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
+from tests.support.readme import documented_commands
 
 STEPS = 10
 EXTRA_SECONDS = 0.02
@@ -100,3 +102,15 @@ def test_ddp_flags_without_a_usable_environment_exit_2(args: list[str], env: dic
     assert proc.returncode == 2
     assert message in stderr
     assert "Traceback" not in stderr
+
+
+def test_the_torchrun_command_the_ddp_error_gives_is_the_documented_one() -> None:
+    """The hint, with a demo flag added as a user would, is how docs/hooks.md starts the DDP demo (a command
+    tests/test_readme_commands.py runs): before, it left out the `--`, and `--run ddp` added to it ended in
+    torchrun's "ambiguous option: --run could match --run-path, --run_path"."""
+    with pytest.raises(ValueError, match="start it with") as refused:
+        ddp_env({})
+    hinted = str(refused.value).split("start it with ", 1)[1].replace(" N ", " 2 ")
+    assert hinted.endswith(" -- --ddp")
+    (documented,) = [c for c in documented_commands() if c.startswith("torchrun")]
+    assert documented.startswith(hinted.removesuffix("--ddp") + "--run ddp --ddp")

@@ -35,6 +35,9 @@ from stepscope.hooks.config import Config
 from stepscope.hooks.render import escape_label_value
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# How --ddp is started, the demo's flags after the `--`: without it torchrun's own parser takes them, and
+# `--run` is an ambiguous abbreviation of its --run-path (docs/hooks.md, "Demo")
+TORCHRUN_COMMAND = "torchrun --nproc-per-node N -m stepscope.hooks.demo --"
 # Rendezvous and collective timeout: a missing or dead peer ends the demo instead of hanging it.
 DDP_TIMEOUT_SECONDS = 60
 PROGRESS_SECONDS = 10.0  # default of --progress-every
@@ -151,7 +154,7 @@ def ddp_env(env: Mapping[str, str]) -> tuple[int, int]:
     missing = [name for name in DDP_ENV if not env.get(name, "").strip()]
     if missing:
         raise ValueError(f"--ddp needs {', '.join(missing)} in the environment: start it with "
-                         "torchrun --nproc-per-node N -m stepscope.hooks.demo --ddp")
+                         f"{TORCHRUN_COMMAND} --ddp")
     try:
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     except ValueError:
