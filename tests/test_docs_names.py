@@ -10,6 +10,7 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES
 from stepscope.exporter.cli import COLLECTOR_NAMES, build_parser
+from stepscope.hooks.config import Config
 from tests.support.readme import DOCS, documents
 
 # a recorded series written out in full (`level:metric:operation`); `..._sm_active:training_ratio` and
@@ -70,3 +71,14 @@ def test_every_flag_the_exporter_page_names_is_the_exporters() -> None:
     documented = set(FLAG.findall(text)) - OTHER_COMMANDS_FLAGS
     assert len(documented) > 30
     assert documented - parser_flags == set()
+
+
+def test_the_hooks_phase_limit_is_the_exporters_and_both_pages_tie_them() -> None:
+    """A rank whose `max_phases=` passes the exporter's `--ingest-max-phases` has every push refused whole
+    (400 too_many_phases: its steps and state never stored); the pages said only "at most 32 (`max_phases=`)"."""
+    assert Config(run="r").max_phases == build_parser().parse_args([]).ingest_max_phases == 32
+    hooks = " ".join((DOCS / "hooks.md").read_text().split())
+    assert ("(`max_phases=`), then one warning and further new names are ignored. The exporter refuses a push with "
+            "more phases than its `--ingest-max-phases` (32) whole") in hooks
+    exporter = " ".join((DOCS / "exporter.md").read_text().split())
+    assert "`--ingest-max-phases` (32; the hooks' `max_phases=` must not pass it" in exporter

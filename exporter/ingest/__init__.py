@@ -78,7 +78,8 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
     add_flag(group, "--ingest-max-label-value-length", default="128", type=positive_int,
              help="longest label value (and run name) accepted, in characters")
     add_flag(group, "--ingest-max-phases", default="32", type=positive_int,
-             help="most distinct phase names per group")
+             help="most distinct phase names per group; a push with more is refused whole (400): raise the "
+                  "hooks' max_phases only as far as this")
     add_flag(group, "--ingest-max-series", default="150000", type=positive_int,
              help="most series stored over all groups (429 above); bounds the exporter's memory")
     add_flag(group, "--ingest-max-bytes-in-flight", default="8388608", type=positive_int,
