@@ -133,7 +133,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=out_directory, default=Path(f"stepscope-report-{RUN}"), metavar="DIR",
                         help=f"the report's directory (default: stepscope-report-{RUN})")
     parser.add_argument("--rules", type=Path, default=None, metavar="DIR",
-                        help=f"the rule files to load (default: {RULES} of the checkout)")
+                        help=f"the rule files to load (default: {RULES} of the working directory, else the checkout's)")
     return parser.parse_args(argv)
 
 
