@@ -77,13 +77,26 @@ def test_the_compute_limit_synchronizes_the_gpu_and_measuring_is_no_step() -> No
     measure(SleepyLoader(), lambda batch: cuda.calls.append("step"), batches=2, warmup_steps=1, cuda=cuda)
     assert cuda.calls == ["step", "synchronize", "step", "step", "synchronize"]
     tracker = th.init(run="limits", push_url="", handle_sigterm=False)
+    states: list[str] = []
+
+    def measured_step(batch: object) -> None:
+        states.extend(line for line in tracker.render().splitlines()
+                      if line.startswith("stepscope_training_state{") and line.endswith(" 1"))
+        time.sleep(0.05)
+
     for _ in tracker.loader(range(2)):
         tracker.step()
-        tracker.measure_limits([[0] * 4] * 10, lambda batch: time.sleep(0.05), batches=2, warmup_steps=0)
+        tracker.measure_limits([[0] * 4] * 10, measured_step, batches=2, warmup_steps=0)
+        assert tracker.render().count('stepscope_training_state{state="train"} 1') == 1  # back in train
     lines = tracker.render().splitlines()
     assert "stepscope_step_seconds_count 2" in lines
     step_sum = next(line for line in lines if line.startswith("stepscope_step_seconds_sum"))
     assert float(step_sum.split()[1]) < 0.05  # the 0.1 s spent measuring after the first step is not in the second
+    # nor is it training time (goodput's productive time; a measure of minutes read as a stalled run): eval's
+    assert set(states) == {'stepscope_training_state{state="eval"} 1'}
+    seconds = {line.split('"')[1]: float(line.split()[1]) for line in lines
+               if line.startswith("stepscope_state_seconds_total{")}
+    assert seconds["eval"] >= 0.2 > seconds["train"], seconds
     tracker.close()
 
 

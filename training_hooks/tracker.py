@@ -7,6 +7,7 @@ Use one Tracker per process, from the training thread only (histograms have a si
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import numbers
@@ -20,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from stepscope.contract.training import IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
+from stepscope.contract.training import EVAL_STATE, IDLE_STATE, SETUP_STATE, STATES, TRAIN_STATE
 from stepscope.hooks.config import Config, validate_phase_name
 from stepscope.hooks.cuda import CudaPhase, CudaTimer, SyncCudaPhase
 from stepscope.hooks.cuda_memory import read_allocator
@@ -369,12 +370,10 @@ class Tracker:
         inside `train_step` count as usual, so pass a step without tracker calls. See
         `stepscope.hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
         """
-        began = perf_counter_ns()
-        limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
-                         samples_per_batch=samples_per_batch, cuda=_cuda_module())
+        with self._measuring():
+            limits = measure(loader, train_step, batches, warmup_steps=warmup_steps, device=device,
+                             samples_per_batch=samples_per_batch, cuda=_cuda_module())
         self._limits = limits
-        if self._state == TRAIN_STATE:  # as time outside train (state()): the step under way keeps its part
-            self._boundary += perf_counter_ns() - began
         log.info("stepscope: %s", limits)
         return limits
 
@@ -386,14 +385,19 @@ class Tracker:
         optimizer's own FLOPs are left out by convention). The step really runs, so pass one without
         tracker calls, and zero the gradients after it; its time is not a step.
         """
-        began = perf_counter_ns()
-        flops = count_flops(train_step, *args, **kwargs)
+        with self._measuring():
+            flops = count_flops(train_step, *args, **kwargs)
         self._flops_per_step = flops
         self._counts_flops = True
-        if self._state == TRAIN_STATE:  # as in measure_limits
-            self._boundary += perf_counter_ns() - began
         log.info("stepscope: %d FLOPs per step (torch.utils.flop_counter)", flops)
         return flops
+
+    def _measuring(self) -> _StateScope | contextlib.nullcontext[None]:
+        """Where measure_limits and measure_flops run: called in train, in state eval until they return. Their
+        time is then no step's (the step under way keeps its part, as across an eval) and no training's: counted
+        as train, a measure of minutes was productive time in the goodput and a step that never came, paged as
+        a stalled run once it outlasted 5 steps."""
+        return self.state(EVAL_STATE) if self._state == TRAIN_STATE else contextlib.nullcontext()
 
     def _arm_tracing(self, boundary: BoundaryHook | None) -> None:
         self._tracing = boundary
