@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # pods.py needs grpc, imported only with --kubelet-pod-resour
     from stepscope.exporter.collectors.pods import PodCollector
 
 log = logging.getLogger("exporter")
+# Half the request head the exporter takes (http_exchange.MAX_HEAD_BYTES), as for an ingest token: the
+# Authorization header carries the password base64-encoded, a third longer.
+MAX_PASSWORD_FILE_BYTES = 8192
 
 
 def serve(args: argparse.Namespace, config: WebConfig, tls_settings: TlsSettings | None) -> int:
@@ -94,15 +97,34 @@ def _web_options(args: argparse.Namespace, config: WebConfig, tls_settings: TlsS
             fail(f"cannot load TLS: {exc}")
     auth: Authenticator | None = ReloadingUsers(source, _known_groups(args)) if source is not None else None
     if args.basic_auth_user:
-        with open(args.basic_auth_password_file, encoding="utf-8") as handle:
-            password = handle.read().rstrip("\r\n")
-        if not password:
-            fail(f"--basic-auth-password-file {args.basic_auth_password_file!r} is empty")
-        auth = PasswordFileUser(args.basic_auth_user, password)
+        auth = PasswordFileUser(args.basic_auth_user, _password(args.basic_auth_password_file))
     limits = WebLimits(max_connections=args.web_max_connections,
                        max_body_bytes_in_flight=args.ingest_max_bytes_in_flight)
     headers = source.headers if source is not None else dict
     return WebOptions(telemetry_path=args.telemetry_path, tls=tls, auth=auth, headers=headers, limits=limits)
+
+
+def _password(path: str) -> str:
+    """The password in --basic-auth-password-file, its line end dropped; one line and exit 2 when the file cannot
+    be what a client sends: empty, not UTF-8 (the exporter decodes the Authorization header as UTF-8, so no
+    client could ever match it), or longer than a request head carries (a device such as /dev/zero was read
+    until memory ran out)."""
+    flag = f"--basic-auth-password-file {path!r}"
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_PASSWORD_FILE_BYTES + 1)
+    except OSError as exc:
+        fail(f"{flag}: cannot read it: {exc.strerror or exc}")
+    if len(raw) > MAX_PASSWORD_FILE_BYTES:
+        fail(f"{flag} is longer than {MAX_PASSWORD_FILE_BYTES} bytes: not a password")
+    try:
+        password = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        fail(f"{flag} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}): a client's "
+             "password is read as UTF-8, so none could match it")
+    if not password:
+        fail(f"{flag} is empty")
+    return password
 
 
 def _build_collectors(

@@ -117,6 +117,20 @@ def test_empty_basic_auth_password_is_refused(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(("content", "expected"), [
+    (b"\xffp\xe4ss\n", "is not UTF-8 text (byte 0xff at offset 0)"),  # Latin-1: a UnicodeDecodeError traceback
+    (None, "is longer than 8192 bytes: not a password"),  # /dev/zero: read until memory ran out
+], ids=["latin-1", "dev-zero"])
+def test_a_password_file_no_client_could_match_is_one_line(tmp_path: Path, content: bytes | None,
+                                                            expected: str) -> None:
+    password = tmp_path / "password"
+    if content is not None:
+        password.write_bytes(content)
+    path = str(password) if content is not None else "/dev/zero"
+    assert_clean_failure(run_exporter("--basic-auth-user", "u", "--basic-auth-password-file", path,
+                                      "--collectors", ""), "--basic-auth-password-file", expected)
+
+
 def test_port_in_use() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
