@@ -17,6 +17,7 @@ from stepscope.hooks import tracker as tracker_module
 from stepscope.hooks.cuda import CudaTimer
 from stepscope.hooks.profiling import (
     CANCEL_HEADER,
+    MAX_RUN_CHARS,
     REQUEST_HEADER,
     STATUS_HEADER,
     TraceSettings,
@@ -25,6 +26,7 @@ from stepscope.hooks.profiling import (
     gzip_capped,
     parse_request,
     prune,
+    trace_file_name,
     trace_file_prefix,
 )
 from stepscope_testkit.fake_cuda import FakeCuda
@@ -79,7 +81,7 @@ def test_a_request_records_exactly_its_steps_from_the_next_boundary(tmp_path: Pa
     last = finish(traces)
     assert last["ok"] and last["steps"] == 4 and last["requested_steps"] == 4 and last["reason"] == ""
     path = Path(last["path"])
-    assert path.parent == tmp_path / "traces" and path.name.startswith("unit_run-rank3-")
+    assert path.parent == tmp_path / "traces" and path.name.startswith(trace_file_prefix("unit/run", 3))
     assert last["size"] == path.stat().st_size
     assert step_annotations(path) == [f"ProfilerStep#{n}" for n in range(1, 5)]
     assert traces.published() is not None and traces.published().path == str(path)
@@ -241,18 +243,47 @@ def test_gzip_capped_writes_whole_or_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.json", "t.gz"]
 
 
+def _traces(directory: Path, prefix: str, count: int) -> list[Path]:
+    """`count` trace files of `prefix` as the writer names them, the first the oldest."""
+    paths = []
+    for index in range(count):
+        path = directory / trace_file_name(prefix, f"req{index}")
+        path.write_text("")
+        os.utime(path, ns=(index * 10**9, index * 10**9))
+        paths.append(path)
+    return paths
+
+
 def test_prune_keeps_the_newest_traces_of_one_run_and_rank(tmp_path: Path) -> None:
     mine, other = trace_file_prefix("run", 0), trace_file_prefix("run", 1)
-    paths = []
-    for index in range(4):
-        for prefix in (mine, other):
-            path = tmp_path / f"{prefix}{index}.pt.trace.json.gz"
-            path.write_text("")
-            os.utime(path, ns=(index * 10**9, index * 10**9))
-            paths.append(path)
-    deleted = prune(tmp_path, mine, keep=2)
-    assert sorted(p.name for p in deleted) == [f"{mine}0.pt.trace.json.gz", f"{mine}1.pt.trace.json.gz"]
-    assert len(list(tmp_path.glob(f"{other}*"))) == 4
+    kept, others = _traces(tmp_path, mine, 4), _traces(tmp_path, other, 4)
+    assert prune(tmp_path, mine, keep=2) == kept[:2]
+    assert all(path.exists() for path in kept[2:] + others)
+
+
+SWEEP = "sweep-2026-11-29-llama-7b-cosine-warmup2000-bs1024-lr3e-4-dropout0.1-seed"  # 73 characters
+
+
+@pytest.mark.parametrize(("run", "neighbour", "rank"), [
+    (f"{SWEEP}1", f"{SWEEP}2", 0),  # both were 'sweep-...-dropou-rank0-': a prune took the other run's traces
+    ("llama/7b", "llama_7b", 0),  # both were 'llama_7b-rank0-'
+    ("a", "a-rank1", 1),  # 'a-rank1-*' took in 'a-rank1-rank0-*'
+], ids=["long-names", "unsafe-characters", "prefix-of-another"])
+def test_a_runs_pruning_never_deletes_another_runs_traces(tmp_path: Path, run: str, neighbour: str,
+                                                          rank: int) -> None:
+    """Runs sharing a node's trace directory (the default /tmp/stepscope-traces) each keep their newest
+    STEPSCOPE_TRACE_KEEP; before, two runs of a sweep named alike had one file name prefix, and tracing one
+    with keep 1 deleted the other's trace."""
+    mine, theirs = trace_file_prefix(run, rank), trace_file_prefix(neighbour, 0)
+    neighbours = _traces(tmp_path, theirs, 2)
+    kept = _traces(tmp_path, mine, 2)
+    assert prune(tmp_path, mine, keep=1) == kept[:1]
+    assert all(path.exists() for path in neighbours)
+
+
+def test_a_long_run_name_is_cut_to_its_limit_in_file_names() -> None:
+    assert len(trace_file_prefix(SWEEP * 3, 0)) == MAX_RUN_CHARS + len("-rank0-")
+    assert trace_file_prefix("quickstart", 2) == "quickstart-rank2-"  # a safe, short name as it is
 
 
 def test_the_step_boundary_hook_joins_gpu_timing_and_an_armed_trace(monkeypatch: pytest.MonkeyPatch) -> None:

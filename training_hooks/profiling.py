@@ -44,6 +44,7 @@ import shutil
 import sys
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -63,6 +64,9 @@ WRITER_JOIN_SECONDS = 10.0  # close() waits this long for a trace being written 
 CLOSE_LOCK_SECONDS = 1.0  # close() from a signal handler may interrupt the holder: never wait forever
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+MAX_RUN_CHARS = 64  # of a run's name in its traces' file names
+TRACE_TIME_FORMAT = "%Y%m%dT%H%M%SZ"
+_TRACE_FILE_TAIL = re.compile(r"\d{8}T\d{6}Z-[A-Za-z0-9_-]{1,8}" + re.escape(TRACE_SUFFIX))  # after the prefix
 
 Arm = Callable[[Callable[[int], None] | None], None]
 
@@ -137,8 +141,19 @@ def _other_session(torch: Any) -> bool:
 
 
 def trace_file_prefix(run: str, rank: int) -> str:
-    """`<run>-rank<k>-`: every trace of this run and rank starts so (pruning counts these)."""
-    return f"{_UNSAFE_FILE_CHARS.sub('_', run)[:64]}-rank{rank}-"
+    """`<run>-rank<k>-`: every trace of this run and rank starts so (pruning counts these). A run whose name is
+    not a safe file name of at most MAX_RUN_CHARS gets the CRC-32 of its name after what is kept of it: runs of
+    a sweep whose long names differ after that, or names that differ only where '_' replaces, shared one prefix
+    in a node's trace directory, and each run's pruning deleted the other's traces."""
+    safe = _UNSAFE_FILE_CHARS.sub("_", run)
+    if safe != run or len(run) > MAX_RUN_CHARS:
+        safe = f"{safe[:MAX_RUN_CHARS - 9]}-{zlib.crc32(run.encode()):08x}"
+    return f"{safe}-rank{rank}-"
+
+
+def trace_file_name(prefix: str, request_id: str) -> str:
+    """`<prefix><UTC time>-<id>.pt.trace.json.gz`, the name of a trace written now (what `prune` counts)."""
+    return f"{prefix}{time.strftime(TRACE_TIME_FORMAT, time.gmtime())}-{request_id[:8]}{TRACE_SUFFIX}"
 
 
 def gzip_capped(source: Path, target: Path, max_bytes: int) -> int:
@@ -164,8 +179,10 @@ def gzip_capped(source: Path, target: Path, max_bytes: int) -> int:
 
 
 def prune(directory: Path, prefix: str, keep: int) -> list[Path]:
-    """Deletes all but the `keep` newest traces named `<prefix>*` in directory; the deleted paths."""
-    traces = sorted(directory.glob(f"{glob_escape(prefix)}*{TRACE_SUFFIX}"), key=_mtime)
+    """Deletes all but the `keep` newest traces named `<prefix><UTC time>-<id>` in directory; the deleted paths.
+    Only that shape: `<prefix>*` of run `a`, rank 1 (`a-rank1-*`) took in the traces of run `a-rank1`, rank 0."""
+    traces = sorted((path for path in directory.glob(f"{glob_escape(prefix)}*{TRACE_SUFFIX}")
+                     if _TRACE_FILE_TAIL.fullmatch(path.name[len(prefix):])), key=_mtime)
     doomed = traces[:-keep] if keep else traces
     for path in doomed:
         path.unlink(missing_ok=True)
@@ -432,8 +449,7 @@ class TraceTaker:
     def _export(self, profiler: Any, request: TraceRequest, steps: int, note: str) -> TraceOutcome:
         directory = Path(self._settings.directory)
         prefix = trace_file_prefix(self._run, self._rank)
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        target = directory / f"{prefix}{stamp}-{request.id[:8]}{TRACE_SUFFIX}"
+        target = directory / trace_file_name(prefix, request.id)
         raw = target.with_name(f".{target.name}.json")
         failed = TraceOutcome(request.id, False, request.steps, steps=steps, time=time.time())
         try:
