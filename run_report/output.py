@@ -75,8 +75,9 @@ def check(out: Path) -> None:
         return
     if not out.is_dir():
         raise OutputError(f"--out {out} exists and is not a directory")
-    try:
-        foreign, present = foreign_entries(out), sorted(os.listdir(out))
+    try:  # a staging directory is a report's own: one a killed report left in an empty --out makes it no other's
+        foreign = foreign_entries(out)
+        present = sorted(name for name in os.listdir(out) if not name.startswith(STAGING_PREFIX))
     except OSError as exc:
         raise OutputError(f"cannot read --out {out}: {exc.strerror or exc}") from None
     if present and (foreign or not is_report(out)):

@@ -193,6 +193,19 @@ def test_a_killed_reports_staging_is_removed_by_the_next_report_and_a_recent_one
     assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", recent.name])
 
 
+def test_a_report_killed_in_an_empty_out_does_not_lock_the_next_one_out(tmp_path: Path) -> None:
+    """SIGKILL while the first report into an existing empty --out (a mount point) was written left only its
+    staging directory there, and every later report refused the directory: 'holds files that are not a
+    stepscope report (.stepscope-partial-...)'."""
+    out = tmp_path / "out"
+    killed = out / f"{output.STAGING_PREFIX}killed"
+    killed.mkdir(parents=True)
+    (killed / "run_summary.csv").write_text("half")
+    with output.staged(out) as staging:
+        (staging / "index.html").write_text(f"{output.MARKER}\nnew")
+    assert (out / "index.html").read_text().endswith("new")
+
+
 def test_a_move_cut_short_leaves_no_page_and_no_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C between the renames into an existing --out: the earlier page is gone first, so no page stands over
     a mix of this run's and the earlier run's CSVs (before: the old page and half the new CSVs)."""
