@@ -13,6 +13,8 @@ folder) is left alone with an error: it would sit among the report's files, one 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -75,6 +77,11 @@ def check(out: Path) -> None:
         return
     if not out.is_dir():
         raise OutputError(f"--out {out} exists and is not a directory")
+    with _exclusive(out):
+        _check_entries(out)
+
+
+def _check_entries(out: Path) -> None:
     try:  # a staging directory is a report's own: one a killed report left in an empty --out makes it no other's
         foreign = foreign_entries(out)
         present = sorted(name for name in os.listdir(out) if not name.startswith(STAGING_PREFIX))
@@ -90,6 +97,25 @@ def _listed(names: list[str]) -> str:
     shown = ", ".join(name if name.isprintable() else ascii(name) for name in names[:SHOWN_ENTRIES])
     more = len(names) - SHOWN_ENTRIES
     return f"{shown} and {more} more" if more > 0 else shown
+
+
+@contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Holds an exclusive lock on `directory` for the block, so that reports into one --out check it and move
+    their files in one at a time. A report's check made while another's moves were half done (its page removed
+    first) found the CSVs without a page and refused them as not a report, and the moves of two reports could
+    interleave. Where the filesystem takes no lock (some NFS mounts), the block runs unlocked."""
+    try:
+        handle = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # gone, or not a directory: the block's own reads say so
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 @contextmanager
@@ -128,6 +154,11 @@ def _publish(staging: Path, out: Path) -> None:
         staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; a report directory is an ordinary one
         staging.rename(out)
         return
+    with _exclusive(out):
+        _publish_in_place(staging, out)
+
+
+def _publish_in_place(staging: Path, out: Path) -> None:
     # The page goes first and comes back last: a move cut short leaves no page, never the earlier one over
     # this run's CSVs, a directory that would look complete.
     (out / "index.html").unlink(missing_ok=True)

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from html import escape
 from pathlib import Path
@@ -223,6 +224,46 @@ def test_a_move_cut_short_leaves_no_page_and_no_staging(tmp_path: Path, monkeypa
         for name in ("goodput.csv", "run_summary.csv", "index.html"):
             (staging / name).write_text(f"{output.MARKER}\nnew" if name == "index.html" else "new")
     assert sorted(p.name for p in out.iterdir()) == ["goodput.csv", "run_summary.csv"]
+
+
+def _waits_on_a_lock(directory: Path) -> bool:
+    """Whether a lock on `directory` has a waiter (/proc/locks marks one with `->`, the inode last of its id)."""
+    inode = f":{directory.stat().st_ino} "
+    return any("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux's /proc/locks")
+def test_a_report_checks_an_out_another_report_is_moving_into_once_the_move_is_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two reports into one --out (a cron job's and a person's): the second's check, made while the first's moves
+    were half done (its page removed first), refused the CSVs as 'files that are not a stepscope report
+    (.stepscope-partial-..., critical_path.csv, goodput.csv and 7 more)'; 198 of 200 reports in a loop of two
+    writers were refused. It now waits for the move and finds the first's whole report."""
+    out = _report_dir(tmp_path / "report")
+    (out / "run_summary.csv").write_text("old")
+    replace, second_check, outcome = os.replace, [], []
+
+    def check_while_moving(source: Path, target: Path) -> None:
+        if not second_check:
+            second_check.append(threading.Thread(target=lambda: outcome.append(_checked(out))))
+            second_check[0].start()
+            while second_check[0].is_alive() and not _waits_on_a_lock(out):
+                time.sleep(0.01)
+        replace(source, target)
+    monkeypatch.setattr(os, "replace", check_while_moving)
+    with output.staged(out) as staging:
+        for name in ("run_summary.csv", "index.html"):
+            (staging / name).write_text(f"{output.MARKER}\nnew" if name == "index.html" else "new")
+    second_check[0].join()
+    assert outcome == ["a report"] and (out / "index.html").read_text().endswith("new")
+
+
+def _checked(out: Path) -> str:
+    try:
+        output.check(out)
+    except output.OutputError as exc:
+        return str(exc)
+    return "a report"
 
 
 def test_a_write_that_fails_is_one_line_and_keeps_the_earlier_report(tmp_path: Path) -> None:
