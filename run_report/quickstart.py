@@ -71,11 +71,17 @@ class Child:
     log: Path
 
     def check(self) -> None:
-        """Raises QuickstartError with the last line of its log when the process ended by itself."""
+        """Raises QuickstartError with the line of its log that says why, when the process ended by itself."""
         code = self.process.poll()
         if code is not None:
-            lines = self.log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
-            raise QuickstartError(f"{self.name} exited with code {code}: {lines[-1]} (log: {self.log})")
+            raise QuickstartError(f"{self.name} exited with code {code}: {self._cause()} (log: {self.log})")
+
+    def _cause(self) -> str:
+        """Prometheus's first error (what it failed on: a rule file and its parse error), as its last one only
+        says that loading its configuration failed and names the quickstart's own prometheus.yml; else the last
+        line (the exporter's one-line error)."""
+        lines = self.log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+        return next((line for line in lines if "level=error" in line), lines[-1])
 
 
 @dataclass

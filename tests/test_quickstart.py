@@ -8,6 +8,7 @@ the demo, the demo's loader workers), so a process left behind is found whatever
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,27 @@ def test_an_out_directory_holding_other_files_is_refused_before_anything_starts(
     assert "holds files that are not a stepscope report" in result.stderr
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"] and marked_processes(mark) == []
 
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs the prometheus binary")
+def test_a_rule_file_prometheus_refuses_is_named_with_its_error(tmp_path: Path) -> None:
+    """--rules with a rule that does not parse: the error was Prometheus's last log line, 'error loading config
+    from \"/tmp/stepscope-quickstart-.../prometheus.yml\": one or more errors occurred ...', naming a file the
+    user never wrote and not the rule file; it is now Prometheus's first error, which names both."""
+    from stepscope.report import quickstart
+
+    rules = tmp_path / "my rules" / "x.rules.yml"
+    rules.parent.mkdir()
+    rules.write_text("groups:\n- name: x\n  rules:\n  - record: a\n    expr: sum(\n")
+    children = quickstart.Children(tmp_path)
+    setup = quickstart.Setup(shutil.which("prometheus"), [rules], tmp_path / "out")
+    try:
+        with pytest.raises(quickstart.QuickstartError) as failed:
+            quickstart.start_prometheus(children, setup, "http://127.0.0.1:9")
+    finally:
+        children.stop_all()
+    assert str(failed.value).startswith("prometheus exited with code 1: ")
+    assert str(rules) in str(failed.value) and "unclosed left parenthesis" in str(failed.value)
 
 
 def test_an_empty_out_is_refused_not_taken_for_the_working_directory(capsys: pytest.CaptureFixture[str]) -> None:
