@@ -64,6 +64,19 @@ def test_a_zombie_reads_as_one_and_a_gone_process_as_none() -> None:
         io_of(child.pid)
 
 
+def test_a_kernel_without_io_accounting_reads_no_io_and_the_process_as_there(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /proc without PID/io (CONFIG_TASK_IO_ACCOUNTING off): the process collector took each process for gone
+    (psutil.NoSuchProcess) and published neither its CPU nor its memory; a process gone still reads as gone."""
+    (tmp_path / str(os.getpid())).mkdir()
+    (tmp_path / str(os.getpid()) / "stat").symlink_to(f"/proc/{os.getpid()}/stat")
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
+    assert io_of(os.getpid()) is None
+    assert stat_of(os.getpid()) is not None
+    with pytest.raises(psutil.NoSuchProcess):
+        io_of(os.getpid() + 1)
+
+
 def test_without_proc_psutil_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     linux = stat_of(os.getpid())
     monkeypatch.setattr(proc_stat, "_LINUX", False)

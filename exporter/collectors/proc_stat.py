@@ -49,13 +49,20 @@ def stat_of(pid: int, procfs: str | None = None) -> ProcStat | None:
 
 def io_of(pid: int) -> tuple[int, int] | None:
     """(read, written) storage bytes, or None where they may not be read (another user's process, a
-    platform without them). Raises psutil.NoSuchProcess when the process is gone."""
+    platform or kernel without them). Raises psutil.NoSuchProcess when the process is gone."""
     if not _LINUX:
         return _psutil_io_of(pid)
+    process = f"{psutil.PROCFS_PATH}/{pid}"
     try:
-        with open(f"{psutil.PROCFS_PATH}/{pid}/io", "rb") as io:
+        with open(f"{process}/io", "rb") as io:
             counters = dict(line.split(b":", 1) for line in io.read().splitlines())
-    except (FileNotFoundError, ProcessLookupError) as exc:
+    except FileNotFoundError as exc:
+        # A kernel built without CONFIG_TASK_IO_ACCOUNTING has no io file for any process: taken for a process
+        # gone, every process lost its CPU and memory series with it.
+        if os.path.isdir(process):
+            return None
+        raise psutil.NoSuchProcess(pid) from exc
+    except ProcessLookupError as exc:
         raise psutil.NoSuchProcess(pid) from exc
     except PermissionError:
         return None
