@@ -169,6 +169,40 @@ def test_lightning_manual_optimization_with_two_backwards_and_optimizers(tmp_pat
     assert optimizer_seconds >= STEPS * OPTIMIZER_SLEEP  # spans from the first optimizer, the slow one
 
 
+def test_lightning_samples_of_several_training_loaders_add_up(tmp_path: Path) -> None:
+    """fit() over a dict of two loaders (Lightning's CombinedLoader, max_size_cycle: the shorter one cycles and ends
+    on a partial batch): each step feeds a batch of both, and samples_total is what training_step was fed. Before,
+    extract_batch_size read the first loader's batch alone: 40 samples for 120 with batches of 4 and 8."""
+    import lightning.pytorch as pl
+
+    import stepscope.hooks as th
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    fed: list[int] = []
+
+    class MultiTask(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            fed.append(sum(len(x) for x, _y in batch.values()))
+            return sum(nn.functional.mse_loss(self.net(x), y) for x, y in batch.values())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    tracker = th.init(run="pl-two-loaders", push_url="", framework="lightning")
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[StepscopeCallback(tracker=tracker)])
+    loaders = {"a": DataLoader(Regression(40), batch_size=4), "b": DataLoader(Regression(20), batch_size=8)}
+    trainer.fit(MultiTask(), train_dataloaders=loaders)
+    assert len(fed) == 10 and sum(fed) == 10 * 4 + 3 * 8 + 3 * 8 + 3 * 4 + 8  # b: 8, 8, 4 and round again
+    tracker.close()
+    assert tracker.snapshot().samples == sum(fed)  # 40 before
+
+
 def test_huggingface_callback_times_trainer(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 

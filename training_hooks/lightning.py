@@ -1,7 +1,8 @@
 """Lightning integration: `Trainer(callbacks=[StepscopeCallback()])` times every training step.
 
 A step is an optimizer step (what `trainer.global_step` counts): with `accumulate_grad_batches=4` one
-step is four batches, counted beside it in micro_batches_total; samples are the batches' real sizes.
+step is four batches, counted beside it in micro_batches_total; samples are the batches' real sizes (with several
+training loaders, a dict or a list of them, the sizes of each loader's batch added up).
 Phases (from Lightning 2.x hooks; GPU phases use CUDA events when the model is on a GPU), summed per step:
   dataloader_next  the training data fetcher's `next()` on the loader, nothing else (wrapped while fitting)
   to_device        the strategy's `batch_to_device` (wrapped while fitting)
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -323,7 +324,7 @@ class StepscopeCallback(Callback):
             self._phase(OPTIMIZER_PHASE).end()
             self._in_optimizer = False
         self._phase(TRAIN_BATCH_PHASE).end()
-        samples = _batch_size(batch)
+        samples = _samples(trainer.train_dataloader, batch)
         tokens = self._length_fn(batch) if self._length_fn is not None else 0
         flops = self._batch_flops(pl_module)
         if trainer.global_step == self._global_step:  # accumulating: the step goes on
@@ -363,6 +364,18 @@ class StepscopeCallback(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.tracker.state(IDLE_STATE)
+
+
+def _samples(loaders: Any, batch: Any) -> int:
+    """The samples a training batch feeds. With several training loaders (a dict or a list of them) Lightning's
+    CombinedLoader hands each step one batch of every loader, in the loaders' structure (None for one run out): their
+    sizes add up. Read as one batch, `extract_batch_size` took the first loader's alone: loaders of 4 and 8 per batch
+    counted 40 samples in 10 steps for 120."""
+    if isinstance(loaders, Mapping) and isinstance(batch, Mapping):
+        return sum(_samples(loader, batch.get(key)) for key, loader in loaders.items())
+    if isinstance(loaders, list | tuple) and isinstance(batch, list | tuple) and len(loaders) == len(batch):
+        return sum(_samples(loader, part) for loader, part in zip(loaders, batch, strict=True))
+    return 0 if batch is None else _batch_size(batch)
 
 
 def _batch_size(batch: Any) -> int:
