@@ -104,6 +104,36 @@ def test_loader_times_next_and_skips_epoch_end() -> None:
     t.close()
 
 
+def test_training_on_after_close_is_said_once_per_close(caplog) -> None:
+    """A loop that trains on a closed tracker (a notebook's training cell run again after its close()) is pushed no
+    more: the hooks say so once, naming reopen(), and say it again after the next close. Before, its steps were
+    counted and never pushed, and nothing said so (the exporter kept the first run's 20 steps, the rank idle)."""
+    t = tracker()
+
+    def train_once() -> None:
+        for _ in t.loader(range(3)):
+            t.step(samples=1)
+        t.close()
+
+    def told() -> int:
+        return sum("trains after close()" in r.message and "reopen()" in r.message for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="stepscope.hooks"):
+        train_once()
+        assert told() == 0
+        train_once()
+        train_once()
+        assert told() == 1
+        t.step()  # a loop without loader(): its step() says it too, once
+        assert told() == 1
+        t.reopen()
+        train_once()
+        assert told() == 1
+        t.step()
+        assert told() == 2
+    assert t.steps == 4 * 3 + 2
+
+
 def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
     t = tracker(max_phases=3)
     t.state("train")

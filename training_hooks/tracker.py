@@ -204,6 +204,7 @@ class Tracker:
         self._boundary_lock = threading.Lock()  # the pusher thread arms, the training thread adds CUDA
         self._limits: Limits | None = None
         self._closed = False
+        self._warned_closed = False  # a loop trained on after close() was told so, once per close
         self.pusher: Pusher | None = None
         self.traces: TraceTaker | None = None
         if config.push_url:
@@ -285,6 +286,8 @@ class Tracker:
             elif self._left_train is not None:  # a step() inside eval: its train time, and the next begins now
                 self._step_hist.observe_ns(self._left_train - self._boundary)
                 self._left_train = now
+            elif self._closed:
+                self._warn_closed()
         else:
             self._step_hist.observe_ns(duration)
         self._micro_batch_ns = 0  # before the boundary moves: a push in between reads the earlier progress
@@ -457,6 +460,8 @@ class Tracker:
         if name != previous:
             now = perf_counter_ns()
             if name == TRAIN_STATE:
+                if self._closed:
+                    self._warn_closed()
                 left = self._left_train
                 if left is None:  # no step under way: none of its micro-batches either
                     self._micro_batch_ns = 0
@@ -477,6 +482,16 @@ class Tracker:
         exception left open (phase_entered{phase="forward"} with state idle)."""
         for phase in (*self._host.values(), *self._gpu.values()):
             phase.leave()
+
+    def _warn_closed(self) -> None:
+        """Says once per close() that the loop trains on a closed tracker, whose steps no push carries any more (a
+        notebook's training cell run again after its close()): its second run's 20 steps were counted and never
+        pushed, the exporter showing the rank idle with the first run's 20, and nothing said so."""
+        if self._warned_closed or os.getpid() != self._pid:  # a forked worker's copy is closed for good
+            return
+        self._warned_closed = True
+        log.warning("stepscope: run %r rank %d trains after close(): its steps are not pushed; call tracker.reopen() "
+                    "to push them (the counts go on), or use a new tracker", self.config.run, self.config.rank)
 
     def _switch_state(self, name: str, now: int) -> None:
         """Adds the time since the current state began to its total, then enters `name`."""
@@ -689,6 +704,7 @@ class Tracker:
             self.traces.reopen()
             _pushing[_group_key(self.config)] = self
         self._closed = False
+        self._warned_closed = False
         self._start_reporting()
 
     def __enter__(self) -> Tracker:
