@@ -273,6 +273,11 @@ class CudaPhase:
             self._start_event = None
             self._untimed = 0
 
+    @property
+    def is_open(self) -> bool:
+        """Entered on a timed step and not yet left (an untimed occurrence's end does nothing anyway)."""
+        return self._start_event is not None
+
     def start(self) -> None:
         self.__enter__()
 
@@ -306,6 +311,10 @@ class SyncCudaPhase:
         self._cuda.synchronize()
         self._hist.observe_ns(perf_counter_ns() - self._start)
         self._start = 0  # left (see HostPhase)
+
+    @property
+    def is_open(self) -> bool:
+        return self._start != 0
 
     def start(self) -> None:
         self.__enter__()

@@ -189,10 +189,10 @@ class StepscopeCallback(TrainerCallback):
         showed the rank in dataloader_next through the epoch's end work (a save, an eval), and a stall alert
         there would have blamed data loading.
         """
-        phase = self._phase(DATA_LOADING_PHASE)
         while True:
             if self.tracker.current_state != TRAIN_STATE:  # back from eval or a save: not a step's time
                 self.tracker.state(TRAIN_STATE)
+            phase = self._phase(DATA_LOADING_PHASE)  # taken in train: from eval or a save phase() times nothing
             if self._loader_starting:  # the epoch's first fetch goes on from its begin
                 self._loader_starting = False
             else:

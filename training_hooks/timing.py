@@ -304,6 +304,11 @@ class HostPhase:
         self._hist.sum_ns += duration
         self._start = 0  # left: the pusher reports the phase a hung rank is in (Tracker.snapshot)
 
+    @property
+    def is_open(self) -> bool:
+        """Entered and not yet left."""
+        return self._start != 0
+
     # Explicit forms for callbacks whose start and end arrive in different hooks.
     def start(self) -> None:
         self._start = perf_counter_ns()
@@ -318,10 +323,11 @@ class HostPhase:
 
 
 class NullPhase:
-    """Stands in for phases over the limit: costs nothing and records nothing."""
+    """Stands in for phases over the limit, and for those entered outside train: costs nothing and records nothing."""
 
     __slots__ = ()
     name = ""
+    is_open = False
 
     def __enter__(self) -> NullPhase:
         return self
