@@ -134,6 +134,17 @@ def test_training_on_after_close_is_said_once_per_close(caplog) -> None:
     assert t.steps == 4 * 3 + 2
 
 
+def test_an_eval_that_close_ends_leaves_the_rank_idle_without_a_warning(caplog) -> None:
+    """close() inside an eval (SIGTERM's final push, then an earlier handler that calls sys.exit): the scope's end
+    leaves the rank idle. Before, it went back to train and warned that the loop trained after close()."""
+    t = tracker()
+    t.state("train")
+    with caplog.at_level(logging.WARNING, logger="stepscope.hooks"), t.state("eval"):
+        t.close()
+    assert t.current_state == "idle"
+    assert not [r for r in caplog.records if "after close()" in r.message]
+
+
 def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
     t = tracker(max_phases=3)
     t.state("train")

@@ -143,9 +143,12 @@ class _StateScope:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Goes back to the previous state, unless the tracker was closed meanwhile (SIGTERM in an eval, whose earlier
+        handler exits): it stays idle. Going back to train there warned that the loop trained after close()."""
         if self._outside:
             self._tracker._outside_scopes -= 1
-        self._tracker.state(self._previous)
+        if not self._tracker.closed:
+            self._tracker.state(self._previous)
 
 
 class Tracker:
