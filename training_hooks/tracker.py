@@ -400,9 +400,8 @@ class Tracker:
         Loader limit: batches drawn from a fresh iterator of `loader` and discarded. Compute limit:
         `train_step(batch)` on its first batch again and again (moved to `device` once when given),
         synchronized at the end when the process uses CUDA. Run it before training or at a checkpoint:
-        the step really runs, so it updates the model; time spent here is not a step. Phases timed
-        inside `train_step` count as usual (except in eval or checkpoint, where none does), so pass a step without
-        tracker calls. See
+        the step really runs, so it updates the model; its time is no step's. Called in train it runs in eval
+        (`_measuring`), so its time is no training's either. Pass a step without tracker calls. See
         `stepscope.hooks.limits.measure` for the warm-up and the errors it raises (ValueError).
         """
         with self._measuring():
