@@ -71,12 +71,18 @@ def _exported_at_rank_end(selector: str, steps_selector: str, window: Window) ->
     bound's last value is its count then, below the counts of the bounds under it at the rank's end, so its
     rank's totals per bound were not cumulative; Prometheus' histogram_quantile repairs that upward, but
     VictoriaMetrics' read the dropped bound for the quantiles (p50 0.5 s for 45 ms steps,
-    tests/test_report_evicted_bounds.py). A series scraped with its rank's steps counter shares its sample times;
-    one last seen earlier was dropped."""
+    tests/test_report_evicted_bounds.py). A series scraped with its rank's steps counter is present at the same
+    points of the window; one last present at an earlier point was dropped (a bound dropped within a step of its
+    rank's end is kept: at the resolution of a long window, five minutes).
+
+    Each series's last point is the last time() it was present at, not timestamp() of its last sample: inside a
+    subquery Prometheus (2.42) reads timestamp() of a selector by seeking through the series's whole range again
+    at every point, and a 3-day run of 16 ranks with restarts took 90 s per quantile query and hit Prometheus'
+    2-minute query timeout for the run's p50 and p95: no report at all."""
     d, step = window.range_ms, window.step_duration
 
     def last_seen(series: str) -> str:
-        return f"last_over_time(timestamp({series})[{d}:{step}])"
+        return f"last_over_time((time() + 0 * {series})[{d}:{step}])"
 
     return f"({last_seen(selector)} >= on (run, {RANK}) group_left () {last_seen(steps_selector)})"
 
