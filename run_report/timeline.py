@@ -90,7 +90,7 @@ def state_intervals(state_series: Iterable[Series], window: Window,
     (see the module docstring) end at its last push, followed by `lost`."""
     pushes = {_key(series): dict(series.points) for series in last_push}
     by_rank: dict[Key, dict[float, str]] = {}
-    lost_at: dict[Key, float] = {}
+    lost_pushes: dict[Key, dict[float, float]] = {}  # per rank, each point seen lost: the last push it saw
     for series in state_series:
         key = _key(series)
         states = by_rank.setdefault(key, {})
@@ -98,23 +98,25 @@ def state_intervals(state_series: Iterable[Series], window: Window,
             state, push = series.labels.get("state", ""), pushes.get(key, {}).get(t)
             if state != IDLE_STATE and push is not None and t - push > LOST_SECONDS:
                 state = LOST
-                lost_at.setdefault(key, push)
+                lost_pushes.setdefault(key, {})[t] = push
             states[t] = state
     intervals = []
     for (rank, node), states in sorted(by_rank.items(), key=lambda item: (rank_key(item[0][0]), item[0][1])):
         runs = [Interval(rank, node, state, start, end) for state, start, end in _runs(states, window)]
-        intervals += _lost_from_last_push(runs, lost_at.get((rank, node)))
+        intervals += _lost_from_last_push(runs, lost_pushes.get((rank, node), {}))
     return intervals
 
 
-def _lost_from_last_push(runs: list[Interval], push: float | None) -> list[Interval]:
-    """One rank's intervals with `lost` starting at its last push (`push`), not at the first point that saw
-    the push too old: the state before it ends there. Lost only seen after a gap keeps its points."""
-    if push is None:
-        return runs
+def _lost_from_last_push(runs: list[Interval], pushes: Mapping[float, float]) -> list[Interval]:
+    """One rank's intervals with each `lost` starting at the last push its first point saw (`pushes`: point ->
+    push), not at that point, which saw the push too old: the state before it ends there. Lost only seen after a
+    gap keeps its points. Each loss its own: a rank lost twice (a job killed, requeued, killed again) had its
+    second loss drawn from its first point, after a minute more of train (at 15 s points; a step more at a long
+    window's), as every loss but its first was taken for the first one's push."""
     moved: list[Interval] = []
     for interval in runs:
-        if interval.state == LOST and moved and moved[-1].end == interval.start and moved[-1].start < push:
+        push = pushes.get(interval.start) if interval.state == LOST else None
+        if push is not None and moved and moved[-1].end == interval.start and moved[-1].start < push:
             moved[-1] = replace(moved[-1], end=min(moved[-1].end, push))
             interval = replace(interval, start=moved[-1].end)
         moved.append(interval)

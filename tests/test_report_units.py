@@ -674,6 +674,28 @@ def test_a_rank_killed_without_closing_is_lost_from_its_last_push_on_the_timelin
     assert plots.gantt(WINDOW, built.intervals, [], []).startswith(b"\x89PNG")
 
 
+LOSSES_WINDOW = Window(0, 400, 10)
+
+
+def _killed_and_requeued(rank: str, node: str, first_end: float, back: float | None, second_end: float) -> list[Series]:
+    """A rank's state and last push at each point of LOSSES_WINDOW: its process killed after its push at `first_end`,
+    a new one pushing from `back` (None: never) to `second_end`, killed too; the exporter kept it in train."""
+    def push(t: float) -> float:
+        return min(t, second_end) if back is not None and t >= back else min(t, first_end)
+
+    points = range(0, 400, 10)
+    return [Series({"rank": rank, "instance": node, "state": "train"}, tuple((t, 1.0) for t in points)),
+            Series({"rank": rank, "instance": node}, tuple((t, push(t)) for t in points))]
+
+
+def test_each_loss_of_a_rank_starts_at_its_own_last_push() -> None:
+    """Killed after its push at 100, requeued at 200, killed again after its push at 280. The second loss was drawn
+    from the first point that saw its push too old (330): 50 s of train the rank never did."""
+    state, last_push = _killed_and_requeued("0", "n", 100, 200, 280)
+    assert [(i.state, i.start, i.end) for i in state_intervals([state], LOSSES_WINDOW, [last_push])] == [
+        ("train", 0, 100), ("lost", 100, 200), ("train", 200, 280), ("lost", 280, 400)]
+
+
 class _PushesProm:
     """Prometheus answering every range query with the same last-push series."""
 
