@@ -18,7 +18,7 @@ from stepscope.report import fmt, mfu
 from stepscope.report.csvs import cell
 from stepscope.report.resize import Resize, ended_with_the_job, ranks_words
 from stepscope.report.summary import STRAGGLER_SCORE, MissingRanks, missing_ranks
-from stepscope.report.timeline import LOST_SECONDS, Interval, lost_ranks
+from stepscope.report.timeline import LOST_SECONDS, Interval, losses, rank_key
 from stepscope.report.times import clock, iso
 from stepscope.report.window import Window
 
@@ -328,29 +328,84 @@ def _ended_or_joined(resize: Resize, intervals: Sequence[Interval]) -> str:
 
 
 def _lost_words(report: Report) -> list[str]:
-    """A line per lost rank: the exporter kept its last state, so the page says where it really stopped, and where
-    a new process of the rank pushed again (a requeue, a restart from a checkpoint), from when. A rank that ended
-    with its job at a resize is the resize's line's."""
+    """A line per loss: the exporter kept the ranks' last state, so the page says where they really stopped, and
+    where new processes of them pushed again (a requeue, a restart from a checkpoint), from when. Ranks lost
+    together (their last pushes within LOST_SECONDS of each other: a job killed whole, a node gone) that ended
+    alike are one line; every loss of a rank is said, not only its first. Before, each rank had a line of its own
+    and only for its first loss: a 256-rank job killed and requeued put 256 lines above the verdict, and the node
+    whose 8 ranks were lost for good an hour later was named nowhere. A rank that ended with its job at a resize is
+    the resize's line's."""
     with_a_job = {(i.rank, i.node, i.start) for resize in report.resizes
                   for i in ended_with_the_job(resize, report.intervals)}
-    return [f'<p class="lost"><strong>Rank {escape(i.rank)} on {escape(i.node)} lost</strong>: last push at '
-            f"{escape(iso(i.start))}, then none for more than {LOST_SECONDS:g} s without closing (as "
-            f"StepscopeRankLost fires); the Gantt chart and state_timeline.csv show it as lost from there"
-            f"{escape(_back_words(report.intervals, i) or _until_resize_words(report.resizes, i))}.</p>"
-            for i in lost_ranks(report.intervals) if (i.rank, i.node, i.start) not in with_a_job]
+    lost = [i for i in losses(report.intervals) if (i.rank, i.node, i.start) not in with_a_job]
+    return [_loss_line(group, report) for group in _lost_together(lost, report)]
 
 
-def _until_resize_words(resizes: Sequence[Resize], lost: Interval) -> str:
-    """Where the lost rank ended at a later resize (a node gone, the job requeued without its ranks)."""
-    resize = next((resize for resize in resizes if resize.ends(lost.rank) and resize.at >= lost.start), None)
+def _lost_together(lost: Sequence[Interval], report: Report) -> list[list[Interval]]:
+    """`lost` (in time order) in groups whose last pushes lie within LOST_SECONDS of the group's first and that
+    ended alike: pushed again, or ended at the same resize, or neither."""
+    groups: list[list[Interval]] = []
+    for cluster in _clustered(lost):
+        by_ending: dict[object, list[Interval]] = {}
+        for interval in cluster:
+            resize = _resize_ending(report.resizes, interval)
+            came_back = _back(report.intervals, interval) is not None
+            by_ending.setdefault(True if came_back else resize.at if resize else None, []).append(interval)
+        groups += by_ending.values()
+    return groups
+
+
+def _clustered(lost: Sequence[Interval]) -> list[list[Interval]]:
+    clusters: list[list[Interval]] = []
+    for interval in lost:
+        if clusters and interval.start - clusters[-1][0].start <= LOST_SECONDS:
+            clusters[-1].append(interval)
+        else:
+            clusters.append([interval])
+    return clusters
+
+
+def _loss_line(group: Sequence[Interval], report: Report) -> str:
+    one = len(group) == 1
+    who = f"Rank {group[0].rank} on {group[0].node}" if one else _ranks_on_nodes(group)
+    pushes = sorted(i.start for i in group)
+    at = f"at {iso(pushes[0])}" if pushes[0] == pushes[-1] else f"between {iso(pushes[0])} and {iso(pushes[-1])}"
+    return (f'<p class="lost"><strong>{escape(who)} lost</strong>: last push {escape(at)}, then none for more than '
+            f"{LOST_SECONDS:g} s without closing (as StepscopeRankLost fires); the Gantt chart and state_timeline.csv "
+            f"show {'it' if one else 'them'} as lost from there{escape(_ending_words(group, report))}.</p>")
+
+
+def _ranks_on_nodes(group: Sequence[Interval]) -> str:
+    """`Ranks 0-255 on 32 nodes`, `Ranks 248-255 on n31`: the nodes named up to four."""
+    ranks = sorted({i.rank for i in group}, key=rank_key)
+    named = ranks_words(map(int, ranks)).capitalize() if all(map(str.isdigit, ranks)) else f"Ranks {', '.join(ranks)}"
+    nodes = sorted({i.node for i in group})
+    return f"{named} on {', '.join(nodes) if len(nodes) <= 4 else f'{len(nodes)} nodes'}"
+
+
+def _ending_words(group: Sequence[Interval], report: Report) -> str:
+    """Where the group's ranks were seen again (a restarted process, or pushes that landed late) or ended at a later
+    resize (a node gone, the job requeued without them): a line that said only "lost from there" read as the rank
+    gone for good while a restarted process of it trained for another hour."""
+    one = len(group) == 1
+    backs = sorted(back for i in group if (back := _back(report.intervals, i)) is not None)
+    if backs:
+        if one:
+            return f" until {iso(backs[0])}, when the rank pushed again"
+        if backs[0] == backs[-1]:
+            return f" until {iso(backs[0])}, when they pushed again"
+        return f" until they pushed again, between {iso(backs[0])} and {iso(backs[-1])}"
+    resize = _resize_ending(report.resizes, group[0])
     return "" if resize is None else (f" until {iso(resize.at)}, when the run went on with world size {resize.after} "
-                                      "without it")
+                                      f"without {'it' if one else 'them'}")
 
 
-def _back_words(intervals: Sequence[Interval], lost: Interval) -> str:
-    """Where the lost rank (on any node) is seen in a state of its own again after it was lost (a restarted process,
-    or pushes that landed late): a line that said only "lost from there" read as the rank gone for good while a
-    restarted process of it trained for another hour."""
-    back = min((i.start for i in intervals if i.rank == lost.rank and i.state != LOST and i.start > lost.start),
+def _resize_ending(resizes: Sequence[Resize], lost: Interval) -> Resize | None:
+    """The later resize where the lost rank ended."""
+    return next((resize for resize in resizes if resize.ends(lost.rank) and resize.at >= lost.start), None)
+
+
+def _back(intervals: Sequence[Interval], lost: Interval) -> float | None:
+    """When the lost rank (on any node) is first seen in a state of its own again after it was lost."""
+    return min((i.start for i in intervals if i.rank == lost.rank and i.state != LOST and i.start > lost.start),
                default=None)
-    return "" if back is None else f" until {iso(back)}, when the rank pushed again"

@@ -123,13 +123,18 @@ def _lost_from_last_push(runs: list[Interval], pushes: Mapping[float, float]) ->
     return moved
 
 
-def lost_ranks(intervals: Iterable[Interval]) -> list[Interval]:
-    """The first `lost` interval of each lost rank: where it last pushed."""
-    first: dict[Key, Interval] = {}
-    for interval in intervals:
-        if interval.state == LOST:
-            first.setdefault((interval.rank, interval.node), interval)
-    return list(first.values())
+def losses(intervals: Iterable[Interval]) -> list[Interval]:
+    """The `lost` interval that begins each loss of a rank (where it last pushed), every loss, in time order: a
+    rank lost again after a new process of it pushed (a job killed, requeued, killed again; a node lost later)
+    is lost twice. A `lost` interval that continues one of its rank before it (split by a gap) is the same loss."""
+    previous: dict[Key, Interval] = {}
+    found = []
+    for interval in sorted(intervals, key=lambda i: i.start):
+        key = (interval.rank, interval.node)
+        if interval.state == LOST and (key not in previous or previous[key].state != LOST):
+            found.append(interval)
+        previous[key] = interval
+    return found
 
 
 def _key(series: Series) -> Key:

@@ -696,6 +696,28 @@ def test_each_loss_of_a_rank_starts_at_its_own_last_push() -> None:
         ("train", 0, 100), ("lost", 100, 200), ("train", 200, 280), ("lost", 280, 400)]
 
 
+def test_ranks_lost_together_are_one_line_and_every_loss_is_said() -> None:
+    """A job of 4 ranks on 2 nodes killed whole (last pushes at 100 and 110) and requeued at 200, then n2's ranks
+    lost for good (last push 280). Before: a line per rank for its first loss only (4 lines, as many as the job
+    had ranks: 256 above the verdict for 256), and nothing said that n2's ranks were lost again."""
+    over = _over_time(None, trained=False)
+    histories = [_killed_and_requeued(str(rank), f"n{1 + rank // 2}", 100 + 10 * (rank % 2), 200,
+                                      280 if rank >= 2 else 390) for rank in range(4)]
+    over["state"], over["last_push"] = [h[0] for h in histories], [h[1] for h in histories]
+    built = report.build(RunData("r", LOSSES_WINDOW, ("n1", "n2"),
+                                 {name: [] for name in queries.build("r", LOSSES_WINDOW, []).totals}, over),
+                         "http://prometheus")
+    html = page.render(built, {}, [])
+    assert re.findall(r'<p class="lost">(.*?)</p>', html) == [
+        "<strong>Ranks 0-3 on n1, n2 lost</strong>: last push between 1970-01-01T00:01:40.000Z and "
+        "1970-01-01T00:01:50.000Z, then none for more than 45 s without closing (as StepscopeRankLost fires); the "
+        "Gantt chart and state_timeline.csv show them as lost from there until 1970-01-01T00:03:20.000Z, when they "
+        "pushed again.",
+        "<strong>Ranks 2-3 on n2 lost</strong>: last push at 1970-01-01T00:04:40.000Z, then none for more than 45 s "
+        "without closing (as StepscopeRankLost fires); the Gantt chart and state_timeline.csv show them as lost from "
+        "there."]
+
+
 class _PushesProm:
     """Prometheus answering every range query with the same last-push series."""
 
