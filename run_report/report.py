@@ -78,7 +78,7 @@ def build(data: RunData, prometheus_url: str) -> Report:
         verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
         path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
         goodput=account(data.totals, over["stalled"], (over["global_step"], over["global_step_base"]),
-                        data.window.step, totals.samples),
+                        data.window.step, totals.samples, data.window.start),
         resizes=resized,
         world_sizes=world_sizes(over["world_size"], resized),
     )

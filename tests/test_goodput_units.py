@@ -32,7 +32,7 @@ def totals(**extra: list[Series]) -> dict[str, list[Series]]:
 
 
 def test_causes_come_from_the_hooks_seconds_and_the_rest_of_the_span_is_a_restart_gap() -> None:
-    good = account(totals(), [], ([], []), step=1, samples=800)
+    good = account(totals(), [], ([], []), step=1, samples=800, window_start=0)
     assert good.held == 200
     assert good.seconds == {PRODUCTIVE: 70, DATA_WAIT: 30, STALLED: 0, LOST_PROGRESS: 0, "setup": 10, "eval": 0,
                             "checkpoint": 20, "idle": 0, RESTART_GAP: 70}
@@ -44,14 +44,14 @@ def test_each_stall_counts_its_last_length_once_and_leaves_productive_time() -> 
     """Two stalls of rank 0: one recorded at 5, 10, 15 s (then the series pauses), one at 3, 6 s."""
     stalls = [Series({"rank": "0", "instance": "a"},
                      ((10.0, 5.0), (11.0, 10.0), (12.0, 15.0), (40.0, 3.0), (41.0, 6.0)))]
-    good = account(totals(), stalls, ([], []), step=1, samples=800)
+    good = account(totals(), stalls, ([], []), step=1, samples=800, window_start=0)
     assert good.seconds[STALLED] == 21
     assert good.seconds[PRODUCTIVE] == 100 - 21 - 30
 
 
 def test_a_stall_that_starts_right_after_another_is_a_new_one() -> None:
     stalls = [Series({"rank": "0"}, ((10.0, 5.0), (11.0, 6.0), (12.0, 1.0), (13.0, 2.0)))]
-    assert account(totals(), stalls, ([], []), step=1, samples=800).seconds[STALLED] == 8
+    assert account(totals(), stalls, ([], []), step=1, samples=800, window_start=0).seconds[STALLED] == 8
 
 
 def test_steps_redone_after_a_restore_are_lost_progress_at_the_productive_time_per_step() -> None:
@@ -63,14 +63,14 @@ def test_steps_redone_after_a_restore_are_lost_progress_at_the_productive_time_p
              Series(b, ((25.0, 430.0), (26.0, 480.0), (27.0, 450.0), (28.0, 460.0)))]
     bases = [Series(a, ((10.0, 0.0), (20.0, 0.0), (30.0, 0.0))),
              Series(b, ((25.0, 420.0), (26.0, 420.0), (27.0, 440.0), (28.0, 440.0)))]
-    good = account(totals(), [], (steps, bases), step=1, samples=800)
+    good = account(totals(), [], (steps, bases), step=1, samples=800, window_start=0)
     assert good.seconds[LOST_PROGRESS] == pytest.approx(12.0)
     assert good.seconds[PRODUCTIVE] == pytest.approx(58.0)
     assert good.held == 200
 
 
 def test_energy_per_kwh_sample_and_token() -> None:
-    good = account(totals(), [], ([], []), step=1, samples=800)
+    good = account(totals(), [], ([], []), step=1, samples=800, window_start=0)
     assert good.kwh == pytest.approx(0.02)
     assert good.joules_per_sample == 90
     assert good.joules_per_token == 18
@@ -80,7 +80,7 @@ def test_energy_per_kwh_sample_and_token() -> None:
 
 
 def test_a_run_without_gpus_or_tokens_has_no_energy_figures() -> None:
-    good = account(totals(energy_joules=[], goodput_tokens=[]), [], ([], []), step=1, samples=800)
+    good = account(totals(energy_joules=[], goodput_tokens=[]), [], ([], []), step=1, samples=800, window_start=0)
     assert good.energy_joules is None and good.kwh is None and good.joules_per_sample is None
     assert good.joules_per_token is None
     assert set(good.seconds) == set(REPORT_CAUSES)
@@ -100,3 +100,11 @@ def test_the_hooks_push_the_global_step_once_the_loop_passes_it() -> None:
         assert f"\n{TRAINING_GLOBAL_STEP} 41\n" in tracker.render()
     finally:
         tracker.close()
+
+
+def test_a_window_inside_the_run_holds_each_rank_from_the_windows_start_not_its_process_start() -> None:
+    """The window starts at 1050, 50 s after rank 0's Tracker started; its states' seconds count inside the window
+    only (130 s). Before, the span ran from 1000: 200 s held, and the 50 s before the window a restart gap (70 s)."""
+    good = account(totals(), [], ([], []), step=1, samples=800, window_start=1050)
+    assert good.held == 150
+    assert good.seconds[RESTART_GAP] == 20
