@@ -112,16 +112,25 @@ def _series_increase(selector: str, window: Window) -> str:
     A step of several scrapes (a run longer than RESOLUTION_POINTS scrapes: 5 h at 15 s) may hold a restart whose
     new process is already back at its predecessor's count (a setup of 300 s again, at a 300 s step): the counter
     went down inside the step (resets, or a sample in it below the step's previous value) and counts whole. Before,
-    the new count less the old was 0: a 3-day run restarted twice read 900 s of setup per rank for 1,200."""
+    the new count less the old was 0: a 3-day run restarted twice read 900 s of setup per rank for 1,200.
+
+    The steps are the window's points after its start, each counting from the point before; a sample at the start
+    itself counts from the last sample before the window, as without a reset. Prometheus' subquery over the window
+    took its start's point too (ranges include both ends there; VictoriaMetrics' leave the start out), which
+    counted a whole step before the window: --from 14 h to 56 h of a 3-day run restarted twice, at 300 s points,
+    read 297,720 steps per rank for 297,120, and 300 s more of train."""
     d, step = window.range_ms, window.step_duration
     just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
+    after_start = f"{max(1, round(window.seconds * 1000) - 1)}ms"
     now = f"last_over_time({selector}[{d}])"
     before = f"last_over_time({selector}[{BEFORE}] offset {just_before})"
     reset = f"(resets({selector}[{d}]) > 0)"
     previous = f"last_over_time({selector}[{BEFORE}] offset {step})"
     went_down = f"(resets({selector}[{step}]) > 0 or min_over_time({selector}[{step}]) < {previous})"
     counted = f"((({selector} - {previous}) >= 0 unless {went_down}) or {selector} + 0)"
-    through_resets = f"sum_over_time({counted}[{d}:{step}])"
+    at_start = f"last_over_time({selector}[1ms] offset {d})"  # a sample at the window's start
+    from_start = f"((({at_start} - {before}) >= 0 or {at_start}) or 0 * {now})"
+    through_resets = f"(sum_over_time({counted}[{after_start}:{step}]) + {from_start})"
     return f"((({now} - {before}) >= 0 or {now}) unless {reset}) or ({through_resets} and {reset})"
 
 

@@ -350,6 +350,12 @@ def _promtool_totals(tmp_path: Path, window: Window, expected: dict[str, list[di
         {"series": 'stepscope_state_seconds_total{run="r",rank="0",instance="n",state="checkpoint"}',
          "values": "0+1x20"},
     ]
+    _promtool_evaluates(tmp_path, window, inputs, expected)
+
+
+def _promtool_evaluates(tmp_path: Path, window: Window, inputs: list[dict], expected: dict[str, list[dict]]) -> None:
+    """The report's total queries over `window`, evaluated by promtool on `inputs` (samples every 15 s from t=0),
+    answer `expected` (query name -> samples)."""
     built = queries.build("r", window, []).totals
     tests = [{"expr": built[name], "eval_time": f"{window.end:g}s", "exp_samples": samples}
              for name, samples in expected.items()]
@@ -657,6 +663,21 @@ def _assert_train_seconds(tmp_path: Path, window: Window, ranks: dict[str, tuple
 
 def _pushes(rank: str, points: list[tuple[float, float]]) -> Series:
     return Series({"rank": rank, "instance": "n"}, tuple(points))
+
+
+def test_a_restarted_ranks_count_in_a_window_inside_the_run_starts_at_the_window_at_a_coarse_resolution(
+        tmp_path: Path) -> None:
+    """Window [120, 300] at 60 s points over 15 s samples: the rank counted 70 at 105 s and 100 at 150 s, its
+    exporter kept that until a new process counted from 0 at 225 s up to 50 at 300 s: 30 + 50 in the window. Prometheus'
+    subquery over the window took its point at 120 s too, whose increase since the point before (60 s) lay mostly
+    before the window: 110 (a backfilled 3-day run of 16 ranks, --from 14 h to 56 h at 300 s points, read 297,720 steps
+    per rank for 297,120, and 300 s more of train)."""
+    rank = 'run="r",rank="2",instance="n"'
+    inputs = [{"series": f"stepscope_steps_total{{{rank}}}", "values": "0+10x10 100x3 0+10x5"},
+              {"series": f'stepscope_state_seconds_total{{{rank},state="train"}}', "values": "0+15x10 150x3 0+15x5"}]
+    _promtool_evaluates(tmp_path, Window(120, 300, 60), inputs, {
+        "steps": [{"labels": '{rank="2",instance="n"}', "value": 80}],
+        "goodput_states": [{"labels": '{rank="2",instance="n",state="train"}', "value": 120}]})
 
 
 def test_a_rank_killed_without_closing_is_lost_from_its_last_push_on_the_timeline_and_the_page() -> None:
