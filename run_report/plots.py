@@ -59,8 +59,9 @@ def step_time(window: Window, over_time: Mapping[str, list[Series]]) -> bytes:
     top, middle, bottom = fig.subplots(3, 1, sharex=True, height_ratios=(3, 1.4, 1.4))
     ranks = _by_rank(over_time["step_mean"])
     colors = _rank_colors(ranks)
-    for rank, series in ranks.items():
-        _line(top, axis, series, color=colors[rank], label=f"rank {rank}", linewidth=1.2)
+    for rank, found in ranks.items():
+        for index, series in enumerate(found):
+            _line(top, axis, series, color=colors[rank], label=f"rank {rank}" if index == 0 else None, linewidth=1.2)
     for name, style in (("run_p50", "--"), ("run_p95", ":")):
         for series in over_time[name]:
             _line(top, axis, series, color="black", linestyle=style, linewidth=1.4,
@@ -72,8 +73,9 @@ def step_time(window: Window, over_time: Mapping[str, list[Series]]) -> bytes:
         _line(middle, axis, series, color="#37474f", linewidth=1.4)
     middle.set_ylabel("samples/s")
     middle.set_title("Run throughput")
-    for rank, series in _by_rank(over_time["dataloader_share"]).items():
-        _line(bottom, axis, series, color=colors.get(rank, OTHER_COLOR), linewidth=1.2)
+    for rank, found in _by_rank(over_time["dataloader_share"]).items():
+        for series in found:
+            _line(bottom, axis, series, color=colors.get(rank, OTHER_COLOR), linewidth=1.2)
     data_bound = THRESHOLDS["data_loading_share"].value
     bottom.axhline(data_bound, color="#c62828", linestyle="--", linewidth=1)
     bottom.yaxis.set_major_formatter(PercentFormatter(1.0))
@@ -248,8 +250,13 @@ def _legend(ax) -> None:
         ax.legend(fontsize="small", ncols=min(4, len(handles)), loc="best")
 
 
-def _by_rank(series: Iterable[Series]) -> dict[str, Series]:
-    return {s.labels.get("rank", ""): s for s in sorted(series, key=lambda s: rank_key(s.labels.get("rank", "")))}
+def _by_rank(series: Iterable[Series]) -> dict[str, list[Series]]:
+    """Each rank's series, ranks in numeric order: one per node it ran on. A job requeued on other nodes has two
+    per rank; keyed by rank alone, each rank kept one, and its lines before the requeue were not drawn."""
+    found: dict[str, list[Series]] = {}
+    for s in sorted(series, key=lambda s: rank_key(s.labels.get("rank", ""))):
+        found.setdefault(s.labels.get("rank", ""), []).append(s)
+    return found
 
 
 def _rank_colors(ranks: Mapping[str, object]) -> dict[str, str]:

@@ -834,6 +834,29 @@ def test_a_step_time_plot_of_64_ranks_has_no_legend_over_its_lines(monkeypatch: 
         assert len(drawn) == legends, ranks
 
 
+def test_a_rank_requeued_on_another_node_has_its_lines_from_both_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 ran on n1 to 1040 and, requeued, on n2 from 1050. The plot kept one series per rank: on a backfilled
+    16-rank run requeued on other nodes at 2 h of 5, no rank's step time or loading share showed before the
+    requeue."""
+    from matplotlib.axes import Axes
+
+    starts: list[float] = []  # where each line drawn begins
+    real_plot = Axes.plot
+
+    def plot(ax: Axes, xs: list[float], *args: object, **kwargs: object) -> object:
+        starts.append(xs[0])
+        return real_plot(ax, xs, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    first, second = ((t, 0.1) for t in range(1000, 1041, 10)), ((t, 0.1) for t in range(1050, 1091, 10))
+    node_series = [Series({"rank": "0", "instance": "n1"}, tuple(first)),
+                   Series({"rank": "0", "instance": "n2"}, tuple(second))]
+    over = {"step_mean": node_series, "dataloader_share": node_series, "run_p50": [], "run_p95": [],
+            "run_samples_rate": []}
+    assert plots.step_time(WINDOW, over).startswith(b"\x89PNG")
+    assert sorted(starts) == [0, 0, 50, 50]  # seconds since the window's start: both nodes in both panels
+
+
 def _world_size(size: str, start: int, end: int) -> Series:
     """Processes stating world size `size` from `start` to `end` (Unix seconds) at a 10 s step."""
     return Series({"world_size": size}, tuple((float(t), 2.0) for t in range(start, end + 1, 10)))
