@@ -121,7 +121,6 @@ def _series_increase(selector: str, window: Window) -> str:
     read 297,720 steps per rank for 297,120, and 300 s more of train."""
     d, step = window.range_ms, window.step_duration
     just_before = f"{round(window.seconds * 1000) + 1}ms"  # range selectors include both ends: skip `start`
-    after_start = f"{max(1, round(window.seconds * 1000) - 1)}ms"
     now = f"last_over_time({selector}[{d}])"
     before = f"last_over_time({selector}[{BEFORE}] offset {just_before})"
     reset = f"(resets({selector}[{d}]) > 0)"
@@ -130,7 +129,7 @@ def _series_increase(selector: str, window: Window) -> str:
     counted = f"((({selector} - {previous}) >= 0 unless {went_down}) or {selector} + 0)"
     at_start = f"last_over_time({selector}[1ms] offset {d})"  # a sample at the window's start
     from_start = f"((({at_start} - {before}) >= 0 or {at_start}) or 0 * {now})"
-    through_resets = f"(sum_over_time({counted}[{after_start}:{step}]) + {from_start})"
+    through_resets = f"(sum_over_time({counted}[{window.after_start_ms}:{step}]) + {from_start})"
     return f"((({now} - {before}) >= 0 or {now}) unless {reset}) or ({through_resets} and {reset})"
 
 
@@ -170,13 +169,14 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         "state_seconds": inc(fam.STATE_SECONDS, f"{RANK}, state"),
         # the goodput's held span per rank and node (stepscope.report.goodput): from the Tracker's start (a
         # push's time less the seconds its states add up to, the same in every push of a process) to the
-        # last push; and the run's GPU energy: its watts (recorded each evaluation) summed at the resolution
+        # last push; and the run's GPU energy: its watts (recorded each evaluation) summed at the resolution, each
+        # point's over the step before it (the start's lies before the window: on Prometheus it added a step of watts)
         "first_push": f"min by ({RANK}) (min_over_time(({sel(fam.TRAINING_LAST_PUSH, r)} - on (run, {RANK})"
                       f" sum by (run, {RANK}) ({sel(fam.STATE_SECONDS, r)}))"
                       f"[{window.range_ms}:{window.step_duration}]))",
         "last_push": f"max by ({RANK}) (max_over_time({sel(fam.TRAINING_LAST_PUSH, r)}[{window.range_ms}]))",
-        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}[{window.range_ms}:{window.step_duration}]))"
-                         f" * {window.step:g}",
+        "energy_joules": f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, r)}"
+                         f"[{window.after_start_ms}:{window.step_duration}])) * {window.step:g}",
         "goodput_states": restart_aware_increase(sel(fam.STATE_SECONDS, r), window, f"{RANK}, state"),
         "goodput_loading": restart_aware_increase(
             sel(f"{fam.STEP_PHASE_SECONDS}_sum", f'{r},phase="{DATA_LOADING_PHASE}"'), window, RANK),

@@ -63,6 +63,12 @@ class Window:
         return f"{max(1, round(self.seconds * 1000))}ms"
 
     @property
+    def after_start_ms(self) -> str:
+        """The window less its start, as a PromQL duration: a subquery over it evaluated at `end` takes the points
+        after the start only, on both engines (Prometheus' ranges include their start; VictoriaMetrics' do not)."""
+        return f"{max(1, round(self.seconds * 1000) - 1)}ms"
+
+    @property
     def step_duration(self) -> str:
         """The step as a PromQL duration: in milliseconds, as PromQL has no fractional seconds ("2.5s")."""
         return f"{max(1, round(self.step * 1000))}ms"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from grafana.rules import RULE_FILES
-from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, verdicts
+from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, recordings, verdicts
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.report import cli, output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
@@ -678,6 +678,14 @@ def test_a_restarted_ranks_count_in_a_window_inside_the_run_starts_at_the_window
     _promtool_evaluates(tmp_path, Window(120, 300, 60), inputs, {
         "steps": [{"labels": '{rank="2",instance="n"}', "value": 80}],
         "goodput_states": [{"labels": '{rank="2",instance="n",state="train"}', "value": 120}]})
+
+
+def test_a_windows_energy_is_its_watts_over_the_window_only(tmp_path: Path) -> None:
+    """The run drew 100 W throughout; the window [120, 300] at 60 s points holds 180 s of it: 18,000 J. Prometheus'
+    subquery over the window took the start's point too, a step of watts before the window: 24,000 J
+    (VictoriaMetrics' leaves it out)."""
+    inputs = [{"series": f'{recordings.RUN_ENERGY_RATE}{{run="r"}}', "values": "100x20"}]
+    _promtool_evaluates(tmp_path, Window(120, 300, 60), inputs, {"energy_joules": [{"labels": "{}", "value": 18000}]})
 
 
 def test_a_rank_killed_without_closing_is_lost_from_its_last_push_on_the_timeline_and_the_page() -> None:
