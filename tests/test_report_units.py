@@ -680,6 +680,16 @@ def test_a_restarted_ranks_count_in_a_window_inside_the_run_starts_at_the_window
         "goodput_states": [{"labels": '{rank="2",instance="n",state="train"}', "value": 120}]})
 
 
+def test_a_process_lost_and_replaced_within_a_step_keeps_its_last_steps(tmp_path: Path) -> None:
+    """Window [0, 300] at 60 s points over 15 s samples: the first process counted up to 100 at 150 s, the next from 0
+    at 165 s to 90 at 300 s: 190. The step (120 s, 180 s] that held the restart counted the new process's 10 only,
+    not the first one's 20 since 120 s: 170."""
+    rank = 'run="r",rank="3",instance="n"'
+    inputs = [{"series": f"stepscope_steps_total{{{rank}}}", "values": "0+10x10 0+10x9"}]
+    _promtool_evaluates(tmp_path, Window(0, 300, 60), inputs,
+                        {"goodput_steps": [{"labels": '{rank="3",instance="n"}', "value": 190}]})
+
+
 def test_a_windows_energy_is_its_watts_over_the_window_only(tmp_path: Path) -> None:
     """The run drew 100 W throughout; the window [120, 300] at 60 s points holds 180 s of it: 18,000 J. Prometheus'
     subquery over the window took the start's point too, a step of watts before the window: 24,000 J
