@@ -33,6 +33,9 @@ VERDICT_COLORS = {verdict_names.GPU_BOUND: "#00897b", verdict_names.DATA_BOUND: 
 OTHER_COLOR = "#6d4c41"
 UNTIMED_COLOR = "#cfd8dc"
 LEGEND_ENTRIES = 18  # a plot's legend at most: 16 ranks (or nodes) and the run's p50 / p95
+# Gantt rows past which the time is labelled above the chart too: 256 ranks drew a chart 8,972 px tall with its
+# time axis only at the bottom, 80 screens below its first rows
+TIME_ON_TOP_ROWS = 32
 
 
 class TimeAxis:
@@ -144,6 +147,8 @@ def gantt(window: Window, intervals: Sequence[Interval], verdicts: Sequence[tupl
     fig.legend(handles=states + verdict_patches, loc="outside lower center", ncols=5, frameon=False,
                fontsize="small")
     _time_axis(ax, axis)
+    if len(rows) > TIME_ON_TOP_ROWS:
+        ax.tick_params(axis="x", top=True, labeltop=True)
     return _png(fig)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from matplotlib.figure import Figure
 
 from grafana.rules import RULE_FILES
 from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, recordings, verdicts
@@ -567,6 +568,24 @@ def test_the_page_states_the_verdict_its_rule_and_the_gpm_grade() -> None:
 def test_the_gantt_chart_draws_a_run_without_a_critical_path() -> None:
     intervals = state_intervals([_state("0", "train", list(TIMES))], WINDOW)
     assert plots.gantt(WINDOW, intervals, [], []).startswith(b"\x89PNG")
+
+
+def test_a_gantt_chart_of_many_ranks_labels_its_time_above_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 ranks drew a chart 8,972 px tall with its time labelled only below the last rank; 40 ranks (1,500 px) get
+    it above too, 8 keep one."""
+    drawn: list[Figure] = []
+    real_png = plots._png
+
+    def png(fig: Figure) -> bytes:
+        drawn.append(fig)
+        return real_png(fig)
+
+    monkeypatch.setattr(plots, "_png", png)
+    for ranks in (40, 8):
+        intervals = state_intervals([_state(str(rank), "train", list(TIMES)) for rank in range(ranks)], WINDOW)
+        plots.gantt(WINDOW, intervals, [], [])
+    labelled_above = [fig.axes[0].xaxis.get_major_ticks()[0].label2.get_visible() for fig in drawn]
+    assert labelled_above == [True, False]
 
 def _rank(rank: str, mean: float, local: float, step_time_score: float, local_score: float) -> RankSummary:
     """A rank of 100 timed steps of `mean` seconds, `local` of them in forward, with its two scores."""
