@@ -184,8 +184,8 @@ def test_dcgm_node_takes_its_node_from_either_label_around_any_expression() -> N
     expr = render('max(dcgm_node(rate(DCGM_X{a="(b)"}[1m]) * dcgm_node(held(DCGM_Y)))) > 0\n', "f")
     outer = dcgm_node('rate(DCGM_X{a="(b)"}[1m]) * ' + dcgm_node(held("DCGM_Y")))
     assert expr == f"max({outer}) > 0\n"
-    assert dcgm_node("m") == ('label_replace(label_replace(m, "instance", "$1", "Hostname", "(.+)"), '
-                              '"instance", "$1", "hostname", "(.+)")')
+    assert dcgm_node("m") == ('label_replace(label_replace(max without (instance) (m), "instance", "$1", "Hostname", '
+                              '"(.+)"), "instance", "$1", "hostname", "(.+)")')
     with pytest.raises(UnknownPlaceholder, match=r"f: dcgm_node\( near rendered line 2 is never closed"):
         render("a\ndcgm_node(rate(m[1m])\n", "f")
 

@@ -19,7 +19,10 @@
 The `<<` `>>` brackets never clash with the `{{ $value }}` templates of alert annotations.
 
 After the placeholders, `dcgm_node(EXPR)` becomes EXPR with dcgm-exporter's node name in `instance`: it names
-the node in `Hostname` (`hostname` from its May 2026 release on), and the rules join on `instance`.
+the node in `Hostname` (`hostname` from its May 2026 release on), and the rules join on `instance`. Its target's own
+`instance` (the pod's address) goes first: a node's dcgm-exporter pod replaced (a DaemonSet rollout) leaves the old
+pod's series beside the new one's, held for a minute and within an hour's ranges, and the two sets, the same but for
+that address, made the node's name a duplicate label set (every GPU source rule of the cluster failed).
 
 Then `held(SELECTOR)` or `held(SELECTOR offset D)` becomes the selector, or where its
 target's latest scrape failed or its exporter started less than SETTLE_SECONDS before, its last value
@@ -88,8 +91,9 @@ def held(selector: str, offset_seconds: int = 0) -> str:
 
 
 def dcgm_node(expr: str) -> str:
-    """`expr` with `instance` set from dcgm-exporter's `Hostname`, or its newer releases' `hostname`."""
-    return (f'label_replace(label_replace({expr}, "instance", "$1", "Hostname", "(.+)"), '
+    """`expr` with `instance` set from dcgm-exporter's `Hostname`, or its newer releases' `hostname`: one series
+    per node and labels, however many of the node's dcgm-exporter targets (pods) `expr` still holds."""
+    return (f'label_replace(label_replace(max without (instance) ({expr}), "instance", "$1", "Hostname", "(.+)"), '
             '"instance", "$1", "hostname", "(.+)")')
 
 
