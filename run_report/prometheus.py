@@ -73,7 +73,8 @@ class Prometheus:
             response = answered_within(self._timeout,
                                        lambda: self._session.post(url, data=form, timeout=self._timeout))
         except requests.Timeout:
-            raise PrometheusError(f"Prometheus at {self.shown_url} did not answer within {self._timeout:g}s") from None
+            raise PrometheusError(
+                f"Prometheus at {self.shown_url} did not answer within {self._timeout:g}s{_LONG_QUERY}") from None
         except requests.RequestException as exc:
             raise PrometheusError(f"cannot reach Prometheus at {self.shown_url}: {_reason(exc)}") from None
         shown = f"{self.shown_url}/api/v1/{endpoint}"
@@ -87,8 +88,9 @@ class Prometheus:
         if not isinstance(body, dict) or body.get("status") != "success":
             error = body.get("error", "no error message") if isinstance(body, dict) else "unexpected body"
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else "no error message"
+            hint = _LONG_QUERY if any(limit in first_line for limit in _QUERY_LIMITS) else ""
             raise PrometheusError(
-                f"Prometheus refused a {endpoint} request (HTTP {response.status_code}): {first_line}"
+                f"Prometheus refused a {endpoint} request (HTTP {response.status_code}): {first_line}{hint}"
             )
         try:
             return parse(body["data"])
@@ -97,6 +99,12 @@ class Prometheus:
                 f"{shown} answered success with data not in the Prometheus API's {endpoint} format "
                 f"({type(exc).__name__}: {exc})"
             ) from None
+
+
+# A run of hundreds of ranks over days asks a lot of the server: what to do when it is too much.
+_LONG_QUERY = ("; a long or wide run's queries can take minutes: raise --timeout (and the server's --query.timeout, "
+               "--query.max-samples), or report a part of the run with --from/--to")
+_QUERY_LIMITS = ("query timed out", "too many samples", "exceeded maximum resolution")  # Prometheus' and VM's words
 
 
 def answered_within(seconds: float, send: Callable[[], T]) -> T:

@@ -19,8 +19,12 @@ def parse_time(text: str, now: float) -> float:
     (inf, nan, 1e20), which no window or output could hold."""
     seconds = _seconds(text.strip(), now)
     if not EARLIEST <= seconds <= LATEST:  # also false for nan
+        hint = ""
+        if LATEST < seconds <= LATEST * 1000:  # Grafana's URLs (from=, to=) carry Unix milliseconds
+            hint = (f"; {text.strip()} looks like Unix milliseconds (Grafana's URLs): {seconds / 1000:.0f} is "
+                    f"{iso(seconds / 1000)}")
         raise ValueError(f"cannot read time {text.strip()!r}: it must lie between {EARLIEST:.0f} "
-                         f"({iso(EARLIEST)}) and {LATEST:.0f} ({iso(LATEST)}) in Unix seconds")
+                         f"({iso(EARLIEST)}) and {LATEST:.0f} ({iso(LATEST)}) in Unix seconds{hint}")
     return seconds
 
 

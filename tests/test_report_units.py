@@ -93,6 +93,16 @@ def test_times_in_every_documented_form() -> None:
     assert iso(1_714_564_800.25) == "2024-05-01T12:00:00.250Z"
 
 
+def test_a_time_in_grafanas_milliseconds_is_named_so() -> None:
+    """Grafana's URLs (from=1714564800000) carry Unix milliseconds: the error said only that the time must lie
+    between years 1 and 9999 in Unix seconds."""
+    with pytest.raises(ValueError, match=r"looks like Unix milliseconds \(Grafana's URLs\): 1714564800 is "
+                                         r"2024-05-01T12:00:00.000Z$"):
+        parse_time("1714564800000", 0)
+    with pytest.raises(ValueError, match=r"in Unix seconds$"):  # past what milliseconds could be: no such hint
+        parse_time("1e20", 0)
+
+
 def test_resolution_is_the_scrape_interval_until_the_window_needs_fewer_points() -> None:
     assert resolution(0, 600, 1.0) == 1
     assert resolution(0, 3600, 15.0) == 15

@@ -170,7 +170,9 @@ def test_the_report_gives_up_on_a_prometheus_answering_a_byte_at_a_time_after_it
     with trickling() as url:
         code = report_cli.main(["--prometheus", url, "--run", "r", "--out", str(out), "--timeout", "1"])
     line = _one_line(capsys.readouterr().err, "stepscope-report: error: ")
-    assert code == 2 and line.endswith(f"Prometheus at {url} did not answer within 1s"), line
+    assert code == 2 and f"Prometheus at {url} did not answer within 1s; " in line, line
+    assert line.endswith("raise --timeout (and the server's --query.timeout, --query.max-samples), or report a part "
+                         "of the run with --from/--to"), line
     assert not out.exists()
 
 
