@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import stepscope.hooks as th
 from stepscope.contract.thresholds import THRESHOLDS
+from stepscope.exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.parser import PushLimits, parse_push, unknown_family
 from stepscope.hooks.pusher import Pusher
 from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
@@ -344,3 +346,62 @@ def test_a_rank_pushes_again_within_a_third_of_the_rank_lost_silence_after_its_e
         delays = retry_delays(hanging, 5)
     assert delays == [10.0, 15.0, 15.0, 15.0, 15.0]
     assert max(delays) <= THRESHOLDS["rank_lost_seconds"].value / 3
+
+
+class OlderExporter:
+    """A push API of an exporter release that predates a family: it refuses any push holding that family with its
+    400 (the exporter's own message), and parses every other with the exporter's parser, keeping what it stored."""
+
+    def __init__(self, unknown: str) -> None:
+        stored = self.stored = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                try:
+                    if unknown.encode() in body:
+                        raise unknown_family(unknown)
+                    stored.append(parse_push(body, "old", "0", PushLimits(128, 2000, 32)))
+                    status, answer = 200, b""
+                except Rejected as exc:
+                    status, answer = exc.status, exc.message.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_port}/metrics/job/stepscope/run/old/rank/0"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> "OlderExporter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_hooks_newer_than_their_exporter_push_without_the_family_it_does_not_know(caplog) -> None:
+    """Training images pin the hooks; the DaemonSet's exporter may be older. An exporter from before the global
+    step's start refused every push of a rank that stated its global step (400 unknown family), so none of its
+    steps landed. The pusher now leaves the unknown family out, says so once, and the rest lands at once."""
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
+    tracker = th.init(run="old", push_url="", handle_sigterm=False)
+    for global_step in (1, 2, 3):
+        tracker.step(samples=4, global_step=global_step)
+    newer = "stepscope_training_global_step_start"
+    assert newer in tracker.render()
+    with OlderExporter(newer) as exporter:
+        pusher = Pusher(exporter.url, tracker.render, interval=5.0)
+        assert pusher.push_once() and pusher.push_once()
+    tracker.close()
+    assert len(exporter.stored) == 2
+    assert newer not in exporter.stored[-1]
+    assert exporter.stored[-1]["stepscope_steps_total"].lines.split()[-1] == b"3.0"
+    assert exporter.stored[-1]["stepscope_training_global_step"].lines.split()[-1] == b"3.0"
+    warnings = [record.getMessage() for record in caplog.records if newer in record.getMessage()]
+    assert len(warnings) == 1 and "older than these hooks" in warnings[0]

@@ -20,6 +20,11 @@ Besides the body, a push may carry headers of the caller's (`headers`, asked for
 body is rendered) and hand the answer's headers to `on_answer` after a 2xx: the exporter's
 side channel for profile requests (stepscope.hooks.profiling) and for the bounds of ranks without a store
 (stepscope.hooks.run_bounds); a stock Pushgateway ignores the one and never sends the other.
+
+Training images pin the hooks and the exporter DaemonSet is upgraded on its own, so hooks newer than their
+node's exporter push families it does not know yet, and its strict parser refuses the whole push (400
+"unknown family 'NAME'"): the rank's steps never landed. The pusher then leaves that family out of this and
+every later push, with one warning, and sends the rest at once.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ log = logging.getLogger("stepscope.hooks")
 _PLAIN_LABEL_VALUE = re.compile(r"[A-Za-z0-9_.:-]+")
 # Plain, but a URL's dot segments: requests normalises `run/./rank/0` to `run/rank/0` (404 at every push).
 _DOT_SEGMENTS = (".", "..")
+# How an exporter refuses a family it does not know (stepscope.exporter.ingest.parser.unknown_family).
+_UNKNOWN_FAMILY = re.compile(r"unknown family '([a-zA-Z_:][a-zA-Z0-9_:]*)'")
+# A family's sample names: the family's own, or one of these suffixes on it (histograms, counters).
+_SAMPLE_SUFFIXES = ("", "_bucket", "_sum", "_count", "_total", "_created")
 
 
 def encode_label_value(value: str) -> str:
@@ -105,6 +114,21 @@ def proxies_for(url: str) -> dict[str, str] | None:
     return dict(_BYPASS_PROXY) if _this_machine_or(urlsplit(url).hostname or "") == "this machine" else None
 
 
+def without_families(body: str, families: set[str]) -> str:
+    """The text exposition `body` less every line (HELP, TYPE, samples) of `families`."""
+    if not families:
+        return body
+    names = {family + suffix for family in families for suffix in _SAMPLE_SUFFIXES}
+    return "".join(line for line in body.splitlines(keepends=True) if _line_metric(line) not in names)
+
+
+def _line_metric(line: str) -> str:
+    """The metric a line of text exposition is about: a sample's name, or the name a HELP or TYPE line gives."""
+    if line.startswith(("# HELP ", "# TYPE ")):
+        return line.split(maxsplit=3)[2]
+    return re.split(r"[{\s]", line, maxsplit=1)[0]
+
+
 @dataclass
 class PushStats:
     """What the pusher did; read by tests and by users who want to know whether pushes land."""
@@ -140,6 +164,7 @@ class Pusher:
         self._thread: threading.Thread | None = None
         self._failing = ""  # the problem already logged, until the next success
         self._at_interval = False  # the last push failed in a way that backing off would not help: no backoff
+        self._unknown_families: set[str] = set()  # families the server refused as unknown: left out from then on
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
@@ -171,9 +196,9 @@ class Pusher:
         self.stats.threads.add(threading.get_ident())
         self._at_interval = False
         try:
-            body = self._body().encode()  # first: the headers say what rendering it decided (the bounds wanted)
+            body = self._body()  # first: the headers say what rendering it decided (the bounds wanted)
             headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
-            response = self._put(body, headers)
+            response = self._put_known_families(body, headers)
         except requests.RequestException as exc:
             # refused at once (not a timeout): nothing listens, an exporter restarting
             self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
@@ -195,6 +220,28 @@ class Pusher:
             f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try
             f"push to {self.url} {kind} ({response.status_code}): {message}; training continues",
         )
+
+    def _put_known_families(self, body: str, headers: Mapping[str, str]) -> requests.Response:
+        """PUTs `body` less the families the server does not know, learning them from its 400s: each try that
+        names a family of the body not yet left out leaves it out too, so the tries end."""
+        while True:
+            response = self._put(without_families(body, self._unknown_families).encode(), headers)
+            family = self._refused_unknown(response, body)
+            if family is None:
+                return response
+            self._unknown_families.add(family)
+            log.warning("stepscope: the server at %s does not know %s (an exporter older than these hooks): "
+                        "pushing without it; upgrade the exporter to have it", self.url, family)
+
+    def _refused_unknown(self, response: requests.Response, body: str) -> str | None:
+        """The family of `body` not yet left out that `response` refused as unknown, if it did."""
+        if response.status_code != 400:
+            return None
+        match = _UNKNOWN_FAMILY.search(response.text)
+        if match is None or match[1] in self._unknown_families:
+            return None
+        family = match[1]
+        return family if without_families(body, {family}) != body else None
 
     def _put(self, body: bytes, headers: Mapping[str, str]) -> requests.Response:
         """One PUT, sent once more on a new connection if the first failed without a timeout: its kept-alive
