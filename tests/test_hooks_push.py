@@ -352,7 +352,7 @@ class OlderExporter:
     """A push API of an exporter release that predates a family: it refuses any push holding that family with its
     400 (the exporter's own message), and parses every other with the exporter's parser, keeping what it stored."""
 
-    def __init__(self, unknown: str) -> None:
+    def __init__(self, unknown: str, port: int = 0) -> None:
         stored = self.stored = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -373,9 +373,10 @@ class OlderExporter:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_port}/metrics/job/stepscope/run/old/rank/0"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self._server.server_port
+        self.url = f"http://127.0.0.1:{self.port}/metrics/job/stepscope/run/old/rank/0"
+        threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
 
     def __enter__(self) -> "OlderExporter":
         return self
@@ -405,3 +406,19 @@ def test_hooks_newer_than_their_exporter_push_without_the_family_it_does_not_kno
     assert exporter.stored[-1]["stepscope_training_global_step"].lines.split()[-1] == b"3.0"
     warnings = [record.getMessage() for record in caplog.records if newer in record.getMessage()]
     assert len(warnings) == 1 and "older than these hooks" in warnings[0]
+
+
+def test_a_family_left_out_for_an_older_exporter_is_pushed_again_once_the_exporter_restarts() -> None:
+    """The DaemonSet upgrades the exporter under running jobs: a process that left a family out for the older
+    release pushes it again after a push finds nothing listening (the restart), so the newer exporter gets it."""
+    tracker = th.init(run="old", push_url="", handle_sigterm=False)
+    tracker.step(samples=4, global_step=7)
+    newer = "stepscope_training_global_step_start"
+    with OlderExporter(newer) as older:
+        pusher = Pusher(older.url, tracker.render, interval=5.0)
+        assert pusher.push_once()
+    assert not pusher.push_once()  # the rollout: nothing listens for a moment
+    with OlderExporter("a family no release lacks", port=older.port) as upgraded:
+        assert pusher.push_once()
+    tracker.close()
+    assert newer in upgraded.stored[-1]

@@ -24,7 +24,8 @@ side channel for profile requests (stepscope.hooks.profiling) and for the bounds
 Training images pin the hooks and the exporter DaemonSet is upgraded on its own, so hooks newer than their
 node's exporter push families it does not know yet, and its strict parser refuses the whole push (400
 "unknown family 'NAME'"): the rank's steps never landed. The pusher then leaves that family out of this and
-every later push, with one warning, and sends the rest at once.
+every later push, with one warning, and sends the rest at once, until a push finds nothing listening: an
+exporter restarting, as a rollout upgrades it, which may know the family by then.
 """
 
 from __future__ import annotations
@@ -202,6 +203,8 @@ class Pusher:
         except requests.RequestException as exc:
             # refused at once (not a timeout): nothing listens, an exporter restarting
             self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
+            if self._at_interval:  # maybe upgraded (a DaemonSet rollout): it may know the families left out now
+                self._unknown_families.clear()
             return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__}); "
                                 "retrying, training continues")
         except Exception as exc:  # a bug in rendering must not kill the thread or the training
