@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import stepscope.hooks as th
+from stepscope.hooks import config as config_module
 from stepscope.hooks import tracker as tracker_module
 from stepscope.hooks.cuda import CudaTimer
 from stepscope.hooks.profiling import (
@@ -261,6 +262,19 @@ def test_prune_keeps_the_newest_traces_of_one_run_and_rank(tmp_path: Path) -> No
     assert all(path.exists() for path in kept[2:] + others)
 
 
+def test_each_user_of_a_node_has_a_default_trace_directory_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default was one /tmp/stepscope-traces, made (mode 0755) by the first user's process that traced: on a
+    node shared by users (Slurm) every other user's trace request then failed, permission denied. Named by the
+    uid's passwd entry, not $USER (which su keeps), and by the uid where it has none (a container's)."""
+    monkeypatch.setenv("USER", "root")
+    names = {}
+    for uid in (0, 65534, 4_242_424):
+        monkeypatch.setattr(os, "getuid", lambda uid=uid: uid)
+        names[uid] = os.path.basename(config_module._user_trace_dir())
+    assert names == {0: "stepscope-traces-root", 65534: "stepscope-traces-nobody",
+                     4_242_424: "stepscope-traces-4242424"}
+
+
 SWEEP = "sweep-2026-11-29-llama-7b-cosine-warmup2000-bs1024-lr3e-4-dropout0.1-seed"  # 73 characters
 
 
@@ -271,7 +285,7 @@ SWEEP = "sweep-2026-11-29-llama-7b-cosine-warmup2000-bs1024-lr3e-4-dropout0.1-se
 ], ids=["long-names", "unsafe-characters", "prefix-of-another"])
 def test_a_runs_pruning_never_deletes_another_runs_traces(tmp_path: Path, run: str, neighbour: str,
                                                           rank: int) -> None:
-    """Runs sharing a node's trace directory (the default /tmp/stepscope-traces) each keep their newest
+    """Runs sharing a node's trace directory (a user's default, or one set) each keep their newest
     STEPSCOPE_TRACE_KEEP; before, two runs of a sweep named alike had one file name prefix, and tracing one
     with keep 1 deleted the other's trace."""
     mine, theirs = trace_file_prefix(run, rank), trace_file_prefix(neighbour, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import pwd
 import re
 import sys
 import tempfile
@@ -38,7 +39,20 @@ DEFAULT_MAX_BACKOFF = THRESHOLDS["rank_lost_seconds"].value / 3
 
 # Profiler traces (stepscope.hooks.profiling): where they go, the most one may take compressed, and how
 # many of a rank's traces are kept (older ones are deleted).
-DEFAULT_TRACE_DIR = os.path.join(tempfile.gettempdir(), "stepscope-traces")
+def _user_trace_dir() -> str:
+    """`$TMPDIR/stepscope-traces-<user>`: one per user, as the first process to make a shared one owns it (mode
+    0755), and on a node of several users (Slurm) every other user's trace requests failed, permission denied.
+    Named by the process's uid, not $USER (which `su` and containers keep from another user), and by the uid
+    itself where it has no name (a container's arbitrary uid)."""
+    uid = os.getuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return os.path.join(tempfile.gettempdir(), f"stepscope-traces-{user}")
+
+
+DEFAULT_TRACE_DIR = _user_trace_dir()
 DEFAULT_TRACE_MAX_BYTES = 200 * 1024 * 1024
 DEFAULT_TRACE_KEEP = 5
 
