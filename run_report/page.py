@@ -29,7 +29,8 @@ GENERATOR = "stepscope-report"
 LOCAL_PHASES_HTML = " + ".join(f"<code>{phase}</code>" for phase in LOCAL_PHASES)
 
 VERDICT_BORDERS = {verdicts.DATA_BOUND: "#c62828", verdicts.GPU_BOUND: "#2e7d32", verdicts.GPU_BUSY_IDLE: "#ef6c00",
-                   verdicts.HOST_BOUND: "#f9a825", verdicts.UNDETERMINED: "#5c6bc0", verdicts.IDLE: "#9e9e9e"}
+                   verdicts.HOST_BOUND: "#f9a825",
+                   verdicts.GPU_SHARED: "#8d6e63", verdicts.UNDETERMINED: "#5c6bc0", verdicts.IDLE: "#9e9e9e"}
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1120px;
 padding:0 16px 48px;color:#212121}

@@ -29,6 +29,7 @@ STATE_COLORS = dict(zip(STATES, ("#9e9e9e", "#2e7d32", "#1565c0", "#ef6c00", "#e
 STATE_COLORS[LOST] = "#b71c1c"  # the timeline's: a rank that stopped pushing without closing
 VERDICT_COLORS = {verdict_names.GPU_BOUND: "#00897b", verdict_names.DATA_BOUND: "#e53935",
                   verdict_names.GPU_BUSY_IDLE: "#8e24aa", verdict_names.HOST_BOUND: "#fdd835",
+                  verdict_names.GPU_SHARED: "#a1887f",
                   verdict_names.UNDETERMINED: "#7986cb", verdict_names.IDLE: "#eeeeee"}
 OTHER_COLOR = "#6d4c41"
 UNTIMED_COLOR = "#cfd8dc"

@@ -50,6 +50,7 @@ HEADLINES = {
     verdicts.GPU_BOUND: "GPU-bound: the GPUs are busy",
     verdicts.GPU_BUSY_IDLE: "GPUs busy but idle: kernels run all the time yet the SMs do little",
     verdicts.HOST_BOUND: "Host-bound: the time goes to work on the host",
+    verdicts.GPU_SHARED: "GPUs shared with another run: their readings count that run's kernels too",
     verdicts.UNDETERMINED: "Undetermined: the run steps, but nothing measured says what limits it",
     verdicts.IDLE: "Idle: no rank trained in this range",
 }
@@ -75,6 +76,11 @@ FIXES = {
         "move augmentation to the GPU, cut Python work and host syncs per step.",
         "Under DDP or FSDP compare the phase breakdown per rank: a long backward on the fast ranks is "
         "time spent waiting for a slow one in the all-reduce.",
+    ],
+    verdicts.GPU_SHARED: [
+        "Judge the run on GPUs of its own: ask the scheduler for whole GPUs (no time-slicing replicas or MPS), "
+        "or give each run its own CUDA_VISIBLE_DEVICES; while it shares, its step and phase times still show "
+        "what it waits on.",
     ],
     verdicts.UNDETERMINED: [
         f"Iterate the training data through tracker.loader(): it times {DATA_LOADING_PHASE}, so a slow loader "
@@ -338,6 +344,13 @@ def _host_bound(e: Evidence) -> str:
             "the steps wait on the host (launches, syncs, copies, Python).")
 
 
+def _gpu_shared(e: Evidence) -> str:
+    """The shared GPUs' reading is given, but as both runs' kernels: it decides nothing about this run."""
+    busy = f" ran kernels {e.gpus.nvml:.0%} of the time while training, but" if e.gpus.nvml is not None else ""
+    return (f"{e.over} every GPU of the run was another run's too (time-sliced or under MPS): they{busy} NVML "
+            f"counts the other run's kernels as well, so that says nothing about this one; {_loading_words(e)}.")
+
+
 def _undetermined(e: Evidence) -> str:
     """Names the evidence this run lacks, which the fixes then add."""
     missing = []
@@ -364,7 +377,8 @@ def _no_verdict(e: Evidence) -> str:
 
 BECAUSE: dict[str, Callable[[Evidence], str]] = {
     verdicts.DATA_BOUND: _data_bound, verdicts.GPU_BOUND: _gpu_bound, verdicts.GPU_BUSY_IDLE: _busy_idle,
-    verdicts.HOST_BOUND: _host_bound, verdicts.UNDETERMINED: _undetermined, verdicts.IDLE: _idle,
+    verdicts.HOST_BOUND: _host_bound, verdicts.GPU_SHARED: _gpu_shared, verdicts.UNDETERMINED: _undetermined,
+    verdicts.IDLE: _idle,
     NO_VERDICT: _no_verdict,
 }
 
