@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ Answer = Future[list[Series]]
 
 @dataclass(frozen=True)
 class RunData:
-    """The answers, keyed like `queries.Queries`: totals over the window and series over time."""
+    """The answers, keyed like `queries.Queries`: totals over the window (and the run's quantiles,
+    queries.run_quantiles) and series over time."""
 
     run: str
     window: Window
@@ -28,9 +30,15 @@ class RunData:
 def fetch(prom: Prometheus, run: str, window: Window, nodes: list[str]) -> RunData:
     built = queries.build(run, window, nodes)
     with ThreadPoolExecutor(PARALLEL_QUERIES) as pool:
-        totals = _sent_once(built.totals, lambda expr: pool.submit(prom.query, expr, window.end))
+
+        def total(expr: str) -> Answer:
+            return pool.submit(prom.query, expr, window.end)
+
+        totals = _sent_once(built.totals, total)
         over_time = _sent_once(
             built.over_time, lambda expr: pool.submit(prom.query_range, expr, window.start, window.end, window.step))
+        bounds = shared_bounds(totals["step_buckets"].result())
+        totals |= _sent_once(queries.run_quantiles(run, window, bounds), total)
         return RunData(
             run,
             window,
@@ -38,6 +46,14 @@ def fetch(prom: Prometheus, run: str, window: Window, nodes: list[str]) -> RunDa
             {name: list(future.result()) for name, future in totals.items()},
             {name: list(future.result()) for name, future in over_time.items()},
         )
+
+
+def shared_bounds(step_buckets: list[Series]) -> list[str]:
+    """The bounds (`le`) that every rank of the answer to `step_buckets` has: `count by (le) (buckets) ==
+    scalar(count(count by (rank, instance) (buckets)))` of PromQL, read off the answer (queries.run_quantiles)."""
+    ranks = {(series.labels.get("rank", ""), series.labels.get("instance", "")) for series in step_buckets}
+    ranks_per_bound = Counter(series.labels.get("le", "") for series in step_buckets)
+    return sorted(bound for bound, count in ranks_per_bound.items() if count == len(ranks))
 
 
 def _sent_once(named: Mapping[str, str], send: Callable[[str], Answer]) -> dict[str, Answer]:

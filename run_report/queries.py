@@ -27,6 +27,7 @@ BEFORE_MS = 600_000  # how far before the window a counter's previous value is l
 BEFORE = f"{BEFORE_MS}ms"
 RANK = "rank, instance"  # a rank's identity; `instance` is its node
 PHASE_LOCAL = "|".join(LOCAL_PHASES)  # before the first collective (rules: local score)
+RUN_QUANTILES = {"run_p50": 0.5, "run_p95": 0.95}  # totals asked once `step_buckets` is answered (run_quantiles)
 
 
 @dataclass(frozen=True)
@@ -156,10 +157,9 @@ def _totals(r: str, window: Window) -> dict[str, str]:
     def inc(metric: str, by: str = RANK, per_rank: bool = False) -> str:
         return f"sum by ({by}) ({window_increase(f'{metric}{{{r}}}', window, steps, per_rank)})"
 
-    buckets = inc(f"{fam.STEP_SECONDS}_bucket", f"{RANK}, le", per_rank=True)
-    # run quantiles over the bounds every rank exports, as the rules do (run_le:...)
-    shared = f"count by (le) ({buckets}) == scalar(count(count by ({RANK}) ({buckets})))"
+    buckets = _step_buckets(r, window)
     return {
+        "step_buckets": buckets,  # first: the run's quantiles wait for it (run_quantiles)
         "info": f"max by ({RANK}, local_rank, world_size, pid) "
                 f"(last_over_time({sel(fam.TRAINING_INFO, r)}[{window.range_ms}]))",
         "steps": inc(fam.STEPS_TOTAL),
@@ -193,9 +193,27 @@ def _totals(r: str, window: Window) -> dict[str, str]:
         **_first_scrape(r, window),
         "p50": f"histogram_quantile(0.5, {buckets})",
         "p95": f"histogram_quantile(0.95, {buckets})",
-        "run_p50": f"histogram_quantile(0.5, sum by (le) ({buckets}) and on (le) ({shared}))",
-        "run_p95": f"histogram_quantile(0.95, sum by (le) ({buckets}) and on (le) ({shared}))",
     }
+
+
+def _step_buckets(r: str, window: Window, bounds: str = "") -> str:
+    """Each rank's step-time histogram over the window: its count per bound (`window_increase`), of the bounds
+    `bounds` matches (a matcher of `le`) or all."""
+    selector = f"{fam.STEP_SECONDS}_bucket{{{r}{bounds}}}"
+    return f"sum by ({RANK}, le) ({window_increase(selector, window, sel(fam.STEPS_TOTAL, r), born_per_rank=True)})"
+
+
+def run_quantiles(run: str, window: Window, shared_bounds: list[str]) -> dict[str, str]:
+    """The run's step-time quantiles (RUN_QUANTILES) over the bounds every rank exports, as the rules do
+    (run_le:...): the bounds the answer to `step_buckets` holds for every rank (collect.shared_bounds), none
+    without any. Asking the server which bounds those are inside each quantile query evaluated the ranks' bucket
+    totals three times over: on a 3 h run of 256 ranks, 9.3 s of Prometheus' time per quantile for the 3.8 s of
+    `p50`; now once, over the shared bounds only, whose totals are the same."""
+    if not shared_bounds:
+        return {}
+    buckets = _step_buckets(run_matcher(run), window, f",le=~{_regex_string(shared_bounds)}")
+    return {name: f"histogram_quantile({quantile:g}, sum by (le) ({buckets}))"
+            for name, quantile in RUN_QUANTILES.items()}
 
 
 def _first_scrape(r: str, window: Window) -> dict[str, str]:

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from grafana.rules import RULE_FILES
 from stepscope.contract import DATA_LOADING_PHASE, FORWARD_PHASE, THRESHOLDS, recordings, verdicts
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope.report import cli, output, page, plots, queries, report, summary
+from stepscope.report import cli, collect, output, page, plots, queries, report, summary
 from stepscope.report.collect import RunData
 from stepscope.report.prometheus import Series
 from stepscope.report.resize import Resize, resizes
@@ -42,8 +42,10 @@ WINDOW = Window(1000.0, 1100.0, 10.0)
 
 
 def _all_queries(step: float = 15.0) -> dict[str, str]:
-    built = queries.build('we"ird\\run', Window(1_700_000_000.0, 1_700_003_600.0, step), ["node-a", "gpu.node+1"])
-    return {**{f"total {k}": v for k, v in built.totals.items()},
+    window = Window(1_700_000_000.0, 1_700_003_600.0, step)
+    built = queries.build('we"ird\\run', window, ["node-a", "gpu.node+1"])
+    run_quantiles = queries.run_quantiles('we"ird\\run', window, ["+Inf", "0.5", "1e-05"])
+    return {**{f"total {k}": v for k, v in (built.totals | run_quantiles).items()},
             **{f"series {k}": v for k, v in built.over_time.items()}}
 
 
@@ -403,6 +405,19 @@ def test_totals_of_a_window_inside_the_run_keep_only_bounds_it_had_at_the_start(
         "state_seconds": [{"labels": '{rank="0",instance="n",state="checkpoint"}', "value": 13},
                           {"labels": '{rank="0",instance="n",state="eval"}', "value": 39}],
     })
+
+
+def test_the_runs_quantiles_take_the_bounds_every_rank_has_as_promqls_count_of_ranks_per_bound_does() -> None:
+    def bucket(rank: str, instance: str, le: str) -> Series:
+        return Series({"rank": rank, "instance": instance, "le": le}, ((0.0, 1.0),))
+
+    # rank 1 on node b never had le=0.25; rank 1 on node a (another process under the same rank) had all three
+    answer = [bucket(rank, node, le) for rank, node in (("0", "a"), ("1", "a")) for le in ("0.25", "0.5", "+Inf")]
+    answer += [bucket("1", "b", "0.5"), bucket("1", "b", "+Inf")]
+    assert collect.shared_bounds(answer) == ["+Inf", "0.5"]
+    assert collect.shared_bounds([]) == []
+    assert queries.run_quantiles("r", WINDOW, []) == {}
+    assert set(queries.run_quantiles("r", WINDOW, ["+Inf", "0.5"])) == {"run_p50", "run_p95"}
 
 
 def test_the_page_never_shows_credentials_of_the_prometheus_url() -> None:
