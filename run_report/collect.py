@@ -28,12 +28,14 @@ class RunData:
 
 
 def fetch(prom: Prometheus, run: str, window: Window, nodes: list[str]) -> RunData:
-    built = queries.build(run, window, nodes)
     with ThreadPoolExecutor(PARALLEL_QUERIES) as pool:
 
         def total(expr: str) -> Answer:
             return pool.submit(prom.query, expr, window.end)
 
+        went_down = _sent_once(queries.counter_resets(run, window), total)
+        steady = {selector for selector, answer in went_down.items() if not answer.result()}
+        built = queries.build(run, window, nodes, steady)
         totals = _sent_once(built.totals, total)
         over_time = _sent_once(
             built.over_time, lambda expr: pool.submit(prom.query_range, expr, window.start, window.end, window.step))

@@ -145,3 +145,18 @@ def test_no_query_evaluates_the_ranks_bucket_totals_more_than_once(engines: dict
     assert {expr[:60]: expr.count(bucket) for expr in prom.sent if expr.count(bucket) > once} == {}
     assert [series.last for series in data.totals["run_p50"]] == [pytest.approx(_true_quantile(0.5), rel=0.01)]
     assert [series.last for series in data.totals["run_p95"]] == [pytest.approx(_true_quantile(0.95), rel=0.01)]
+
+
+@pytest.mark.parametrize("engine", ["prometheus", "victoriametrics"])
+def test_counters_that_never_went_down_are_counted_without_asking_through_resets(engines: dict[str, str],
+                                                                                 engine: str) -> None:
+    """The counters' totals count through resets at every point of the window in a subquery that Prometheus
+    evaluates whether or not a series went down: on a 3 h window of 256 ranks, 3.9 s for the steps, 0.3 s
+    without it. A run whose counters never went down (this one) is answered the same without it."""
+    prom = CountingPrometheus(engines[engine])
+    data = collect.fetch(prom, RUN, WINDOW, ["n1"])
+    sent = set(prom.sent)
+    through_resets = queries.build(RUN, WINDOW, ["n1"]).totals
+    for name in ("steps", "samples", "step_seconds", "step_count", "goodput_steps"):
+        assert through_resets[name] not in sent, name
+        assert data.totals[name] == prom.query(through_resets[name], WINDOW.end) != [], name

@@ -45,7 +45,11 @@ def _all_queries(step: float = 15.0) -> dict[str, str]:
     window = Window(1_700_000_000.0, 1_700_003_600.0, step)
     built = queries.build('we"ird\\run', window, ["node-a", "gpu.node+1"])
     run_quantiles = queries.run_quantiles('we"ird\\run', window, ["+Inf", "0.5", "1e-05"])
+    resets = queries.counter_resets('we"ird\\run', window)
+    steady = queries.build('we"ird\\run', window, [], set(resets)).totals
     return {**{f"total {k}": v for k, v in (built.totals | run_quantiles).items()},
+            **{f"total without resets {k}": v for k, v in steady.items()},
+            **{f"resets of {k}": v for k, v in resets.items()},
             **{f"series {k}": v for k, v in built.over_time.items()}}
 
 
