@@ -239,3 +239,61 @@ def test_cluster_tables_link_runs_and_nodes_to_their_dashboards() -> None:
         assert "var-datasource=${datasource}" in params and "${__url_time_range}" in params, url
         names = {v["name"] for v in models[f"{target}.json"]["templating"]["list"]}
         assert {variable, "datasource"} <= names, (target, names)
+
+
+def _run_gpus_test(name: str, inputs: list[dict], panel: str, expected: dict[str, list[dict]], tmp: Path) -> str:
+    """promtool's verdict on the Training dashboard's `panel` as Grafana sends it for run `big` with the ranks drawn
+    at first, evaluated at the end of a 10m time range: each target (by refId) returns exactly `expected`."""
+    model = dashboards()["stepscope-training.json"]
+    (targets,) = [target_list["targets"] for target_list in panels(model) if target_list["title"] == panel]
+    values = {"run": "big", "ranks_drawn": "5"}
+    tests = [{"expr": grafana_interpolate(target["expr"].replace("$__range", "10m"), model, values),
+              "eval_time": "10m", "exp_samples": expected[target["refId"]]} for target in targets]
+    spec = {"rule_files": [], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": tests}]}
+    (tmp / f"{name}.yml").write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(tmp / f"{name}.yml")], capture_output=True, text=True)
+    return result.stdout + result.stderr if result.returncode else ""
+
+
+# Run `big` on 64 GPUs (8 nodes of 8), run `other` on node o's 8: GPU (node, index) -> its reading where not typical.
+BIG_GPUS = [(f"n{node}", str(gpu)) for node in range(8) for gpu in range(8)]
+LEAST_USED = {("n1", "2"): "0.1x10", ("n3", "0"): "0.2x10", ("n4", "7"): "0.3x10", ("n6", "6"): "0.4x10",
+              ("n7", "1"): "0.1x4 0.9x6"}  # n7's GPU 1 was idle for the first 5 minutes: 0.5 over the range
+FULLEST = {("n0", "0"): "0.99x10", ("n2", "3"): "0.98x10", ("n5", "5"): "0.97x10", ("n5", "6"): "0.96x10",
+           ("n7", "7"): "0.95x4 0.1x6"}
+
+
+def test_the_run_gpu_panels_draw_as_many_gpus_as_ranks_drawn(tmp_path: Path) -> None:
+    """The Training dashboard's per-GPU panels of a run on 64 GPUs, evaluated by promtool: the utilization panel
+    draws the 5 least used GPUs over the range, the memory panel the 5 fullest of the run's GPUs (not those of
+    another run on node o), 5 lines each as for the ranks. Before: a line per GPU, 64 per query (512 for a run of
+    256 GPUs, effective and NVML)."""
+    inputs = []
+    for instance, gpu in BIG_GPUS:
+        where = f'instance="{instance}",gpu="{gpu}"'
+        inputs += [
+            {"series": f'{rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU}{{{where},run="big",source="sm_active"}}',
+             "values": LEAST_USED.get((instance, gpu), "0.8x10")},
+            {"series": f'{rec.RUN_GPU_UTILIZATION_BY_GPU}{{{where},run="big"}}', "values": "0.9x10"},
+            {"series": f'{rec.GPU_MEMORY_USED_RATIO}{{{where}}}', "values": FULLEST.get((instance, gpu), "0.5x10")},
+            {"series": f'{rec.RANK_GPU_MEMORY}{{{where},run="big",rank="{BIG_GPUS.index((instance, gpu))}"}}',
+             "values": "1e9x10"}]
+    for gpu in range(8):
+        where = f'instance="o",gpu="{gpu}"'
+        inputs += [{"series": f'{rec.GPU_MEMORY_USED_RATIO}{{{where}}}', "values": "1x10"},
+                   {"series": f'{rec.RANK_GPU_MEMORY}{{{where},run="other",rank="{gpu}"}}', "values": "1e9x10"}]
+
+    def samples(name: str, readings: dict[tuple[str, str], str], extra: str, at_end: dict[str, float]) -> list[dict]:
+        return [{"labels": f'{name}{{instance="{instance}",gpu="{gpu}"{extra}}}',
+                 "value": at_end.get(values, float(values.rsplit(" ", 1)[-1].split("x")[0]))}
+                for (instance, gpu), values in readings.items()]
+
+    effective = samples(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, LEAST_USED, ',run="big",source="sm_active"', {})
+    nvml = samples(rec.RUN_GPU_UTILIZATION_BY_GPU, {gpu: "0.9x10" for gpu in LEAST_USED}, ',run="big"', {})
+    memory = samples("", FULLEST, "", {})
+    failed = _run_gpus_test("utilization", inputs, "GPU utilization of the run's GPUs",
+                            {"A": effective, "B": nvml}, tmp_path)
+    failed += _run_gpus_test("memory", inputs, "GPU memory used of the run's GPUs", {"A": memory}, tmp_path)
+    assert not failed, failed
+

@@ -88,6 +88,22 @@ PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RA
 DRAWN = f"bottomk by (run) ($ranks_drawn, {lowest_score('run, rank', over_range=True)} or {PUSHED_UNSCORED})"
 
 
+# The run's GPUs a per-GPU time series draws: as many as ranks are drawn, the least used (effective utilization
+# averaged over the time range, taken at its end as DRAWN is) for the utilization panel, the fullest for the memory
+# one. A line per GPU was 512 lines for a run of 256 ranks on 256 GPUs (effective and NVML), one colour per line.
+LEAST_USED_GPUS = (f"bottomk by (run) ($ranks_drawn, avg_over_time("
+                   f"{sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, RUN)}[$__range] @ end()))")
+RUN_GPUS = f"group by (instance, gpu) ({sel(rec.RANK_GPU_MEMORY, RUN)} > 0)"
+FULLEST_GPUS = (f"topk($ranks_drawn, max_over_time({rec.GPU_MEMORY_USED_RATIO}[$__range] @ end())"
+                f" and on (instance, gpu) group by (instance, gpu) (max_over_time({sel(rec.RANK_GPU_MEMORY, RUN)}"
+                f"[$__range] @ end()) > 0))")
+
+
+def on_gpus(per_gpu: str, gpus: str) -> str:
+    """`per_gpu` (a vector with `instance` and `gpu` labels) for the GPUs of `gpus` only."""
+    return f"{per_gpu} and on (instance, gpu) {gpus}"
+
+
 # A rank's node (the `instance` column of the per-rank tables) opens the Node dashboard on it: where a straggler's
 # cause is (its GPU, its host), with the same time range.
 NODE_LINK = data_link("Node dashboard of ${__value.raw}", node.UID, "instance")
@@ -435,18 +451,19 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         board.with_panel(
             timeseries_panel(
                 "GPU utilization of the run's GPUs",
-                "Every GPU the run's ranks hold memory on (average over the last minute of training). NVML "
+                "The least used of the GPUs the run's ranks hold memory on (as many as `Ranks drawn`, by effective "
+                "utilization averaged over the time range; average over the last minute of training). NVML "
                 f"utilization (the share of time a kernel was resident) below {GPU_BOUND.percent} for 15 minutes "
                 "pages StepscopeGpuUnderutilized: the GPU waits. Effective utilization (SM active where GPM reads "
                 f"it, else NVML, named in the legend) grades a busy GPU; below {BUSY_IDLE.percent} SM active on a "
                 "busy GPU pages StepscopeGpuBusyButIdle (larger batch, CUDA graphs, torch.compile, fewer host syncs).",
                 [
                     Q(
-                        sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, RUN),
+                        on_gpus(sel(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, RUN), LEAST_USED_GPUS),
                         "{{instance}} GPU {{gpu}} effective ({{source}})",
                     ),
                     Q(
-                        sel(rec.RUN_GPU_UTILIZATION_BY_GPU, RUN),
+                        on_gpus(sel(rec.RUN_GPU_UTILIZATION_BY_GPU, RUN), LEAST_USED_GPUS),
                         "{{instance}} GPU {{gpu}} NVML",
                     ),
                 ],
@@ -522,13 +539,13 @@ def _gpus_and_processes_of_this_run_row(board: dashboard.Dashboard) -> dashboard
         .with_panel(
             timeseries_panel(
                 "GPU memory used of the run's GPUs",
-                "Used / total memory of the GPUs the run uses (all processes on them). "
+                "Used / total memory of the GPUs the run uses (all processes on them): the fullest over the time "
+                "range, as many as `Ranks drawn`. "
                 f"Above {MEMORY_FULL.percent} the next allocation may fail with CUDA OOM.",
                 [
                     Q(
-                        f"{rec.GPU_MEMORY_USED_RATIO} * on (instance, gpu) group_left ()"
-                        " group by (instance, gpu)"
-                        f" ({sel(rec.RANK_GPU_MEMORY, RUN)} > 0)",
+                        on_gpus(f"{rec.GPU_MEMORY_USED_RATIO} * on (instance, gpu) group_left () {RUN_GPUS}",
+                                FULLEST_GPUS),
                         "{{instance}} GPU {{gpu}}",
                     )
                 ],
@@ -751,7 +768,8 @@ def build() -> dashboard.Dashboard:
                 "Ranks drawn",
                 DRAWN_CHOICES,
                 description="how many of the picked ranks the per-rank time series draw: those with the lowest "
-                "straggler score over the time range, beside the run's median rank",
+                "straggler score over the time range, beside the run's median rank; and how many of the run's GPUs "
+                "the per-GPU ones draw (the least used, the fullest)",
             )
         )
     )
