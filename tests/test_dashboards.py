@@ -313,3 +313,26 @@ def test_the_step_time_lines_match_the_drawn_ranks_before_the_buckets_still_expo
     for expr in quantiles:
         assert re.findall(rf"{rates} and on \(run, rank\) bottomk", expr), expr
         assert not re.findall(rf"{rates} and {buckets}", expr), expr
+
+
+def test_time_per_state_shows_the_time_ranges_seconds_at_every_step(tmp_path: Path) -> None:
+    """The Training dashboard's Time per state over the last hour of two (rank 0 trained the first, idled the
+    second), evaluated by promtool at the range's end and halfway through, as a range query evaluates it at each
+    step (`end()` is the range's end there): the range's 0 s of train and 3,600 s of idle both times. Before, each
+    step took the increase over the hour before it, 1,800 s of each halfway, and a range query re-read the whole range
+    at each of its 1,000 steps."""
+    model = dashboards()["stepscope-training.json"]
+    (expr,) = [target["expr"] for panel in panels(model) if panel["title"] == "Time per state"
+               for target in panel["targets"]]
+    filled = grafana_interpolate(expr.replace("$__range", "1h"), model, {"run": "big", "rank": "$__all"})
+    labels = 'run="big",rank="0",instance="n0",job="stepscope"'
+    inputs = [{"series": f'{fam.STATE_SECONDS}{{{labels},state="train"}}', "values": "0+15x240 3600x240"},
+              {"series": f'{fam.STATE_SECONDS}{{{labels},state="idle"}}', "values": "0x240 15+15x239"}]
+    range_seconds = [{"labels": '{state="idle"}', "value": 3600}, {"labels": '{state="train"}', "value": 0}]
+    tests = [{"expr": filled, "eval_time": "2h", "exp_samples": range_seconds},
+             {"expr": filled.replace("@ end()", "@ 7200"), "eval_time": "90m", "exp_samples": range_seconds}]
+    spec = {"rule_files": [], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
+    (tmp_path / "states.yml").write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "states.yml")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -412,7 +412,7 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Seconds the selected ranks spent in each state over the dashboard's time range, all ranks "
                 "added up (rank-seconds), from the seconds per state the hooks count: every eval and checkpoint "
                 f"is in, however short. The {TRAIN} share of the whole is the time the ranks trained.",
-                [Q(f"sum by (state) (increase({sel(fam.STATE_SECONDS, RANKS)}[$__range]))", "{{state}}")],
+                [Q(f"sum by (state) (increase({sel(fam.STATE_SECONDS, RANKS)}[$__range] @ end()))", "{{state}}")],
                 "s",
                 width=8,
                 height=8,
