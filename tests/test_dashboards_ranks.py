@@ -27,7 +27,7 @@ WORLD_SIZE = 64
 SLOW_STEP, SLOW_LOADER, HUNG = 17, 40, 63
 DRAWN_AT_FIRST = next(iter(DRAWN_CHOICES.values()))
 BOARD = "stepscope-training.json"
-VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?::\w+)?\}|\$([A-Za-z_]\w*)")  # not `$1`: a regex group
 
 # A stored hour of 64 ranks' two straggler scores, 30 s apart: rank 17 slow in step time for the first half, rank
 # 40 in its local phases for the second half, ranks 3, 5 and 9 a little below typical throughout, the rest at 1.

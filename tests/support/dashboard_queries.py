@@ -12,7 +12,9 @@ from functools import cache
 from pathlib import Path
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards_out"
-VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+# A variable's name starts with a letter or _: `$1` is a regex group in label_replace's replacement, which Grafana
+# leaves as it is (no variable has that name).
+VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?::\w+)?\}|\$([A-Za-z_]\w*)")
 EXACT_MATCHER = re.compile(r'(\w+)="\$\{?(\w+)\}?"')
 LABEL_VALUES = re.compile(r"^label_values\((?:(.*),\s*)?(\w+)\)$", re.DOTALL)
 # Grafana's built-in interval variables, for a query run outside Grafana.
