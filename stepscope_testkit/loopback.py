@@ -24,8 +24,9 @@ class LoopbackServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(("127.0.0.1", 0), handler)
+    def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0) -> None:
+        """On `port` (a free one unless given: a server restarted where its clients push)."""
+        super().__init__(("127.0.0.1", port), handler)
 
     def handle_error(self, request: object, client_address: object) -> None:
         """Quiet about a client gone before its answer was written (a scrape past its timeout): socketserver

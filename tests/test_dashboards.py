@@ -37,6 +37,16 @@ def dashboards() -> dict[str, dict]:
     return load_dashboards(DASHBOARDS_DIR)
 
 
+def promtool_expressions(spec_file: Path, inputs: list[dict], tests: list[dict], interval: str = "15s") -> str:
+    """promtool's word on `tests` (expressions with their expected samples) over `inputs`, written to `spec_file`:
+    its output where a test failed, "" where all passed."""
+    spec = {"rule_files": [], "evaluation_interval": interval,
+            "tests": [{"interval": interval, "input_series": inputs, "promql_expr_test": tests}]}
+    spec_file.write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "test", "rules", str(spec_file)], capture_output=True, text=True)
+    return result.stdout + result.stderr if result.returncode else ""
+
+
 def test_the_generator_builds_the_three_dashboards_and_nothing_else() -> None:
     """That the committed JSON is the generator's output is tests/test_generate.py's job."""
     assert set(generate.BUILDERS) == EXPECTED == set(dashboards())
@@ -135,11 +145,7 @@ def test_a_run_named_with_regex_characters_reads_its_own_series_only(tmp_path: P
     tests = [{"expr": grafana_interpolate(expr, model, {"run": run}), "eval_time": "1m",
               "exp_samples": [{"labels": f'{rec.RUN_SAMPLES_RATE}{{run="{run}"}}', "value": rate}]}
              for run, rate in REGEX_LIKE_RUNS.items()]
-    spec = {"rule_files": [], "evaluation_interval": "15s",
-            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
-    (tmp_path / "runs.yml").write_text(yaml.safe_dump(spec))
-    result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "runs.yml")], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert not promtool_expressions(tmp_path / "runs.yml", inputs, tests)
 
 
 def test_recording_rules_are_used_by_the_dashboards() -> None:
@@ -184,12 +190,7 @@ def test_a_process_registered_within_the_rate_window_has_one_row_in_the_process_
     assert len(columns) == 6
     tests = [{"expr": f"count by (pid, run, rank) ({expr})", "eval_time": "5m30s", "exp_samples": rows}
              for expr in columns]  # the rows (partial rates where a series begins or ends in the window)
-    spec = {"rule_files": [], "evaluation_interval": "15s",
-            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
-    (tmp_path / "processes.yml").write_text(yaml.safe_dump(spec))
-    result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "processes.yml")], capture_output=True,
-                            text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert not promtool_expressions(tmp_path / "processes.yml", inputs, tests)
 
 
 def _field_links(panel: dict, field: str) -> list[dict]:
@@ -250,11 +251,7 @@ def _run_gpus_test(name: str, inputs: list[dict], panel: str, expected: dict[str
     values = {"run": "big", "ranks_drawn": "5"}
     tests = [{"expr": grafana_interpolate(target["expr"].replace("$__range", "10m"), model, values),
               "eval_time": "10m", "exp_samples": expected[target["refId"]]} for target in targets]
-    spec = {"rule_files": [], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": tests}]}
-    (tmp / f"{name}.yml").write_text(yaml.safe_dump(spec))
-    result = subprocess.run(["promtool", "test", "rules", str(tmp / f"{name}.yml")], capture_output=True, text=True)
-    return result.stdout + result.stderr if result.returncode else ""
+    return promtool_expressions(tmp / f"{name}.yml", inputs, tests, interval="1m")
 
 
 # Run `big` on 64 GPUs (8 nodes of 8), run `other` on node o's 8: GPU (node, index) -> its reading where not typical.
@@ -331,11 +328,7 @@ def test_time_per_state_shows_the_time_ranges_seconds_at_every_step(tmp_path: Pa
     range_seconds = [{"labels": '{state="idle"}', "value": 3600}, {"labels": '{state="train"}', "value": 0}]
     tests = [{"expr": filled, "eval_time": "2h", "exp_samples": range_seconds},
              {"expr": filled.replace("@ end()", "@ 7200"), "eval_time": "90m", "exp_samples": range_seconds}]
-    spec = {"rule_files": [], "evaluation_interval": "15s",
-            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
-    (tmp_path / "states.yml").write_text(yaml.safe_dump(spec))
-    result = subprocess.run(["promtool", "test", "rules", str(tmp_path / "states.yml")], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert not promtool_expressions(tmp_path / "states.yml", inputs, tests)
 
 
 def test_the_drawn_ranks_lines_read_their_series_once() -> None:

@@ -18,6 +18,7 @@ from stepscope.contract.thresholds import THRESHOLDS
 from stepscope.exporter.ingest.errors import Rejected
 from stepscope.exporter.ingest.parser import PushLimits, parse_push, unknown_family
 from stepscope.hooks.pusher import Pusher
+from stepscope_testkit.loopback import LoopbackServer, serving
 from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
 from stepscope_testkit.pushgateway import running_pushgateway
 
@@ -287,7 +288,7 @@ def test_a_push_on_a_kept_connection_the_server_closed_as_it_went_out_is_sent_ag
     assert (pusher.stats.successes, pusher.stats.failures) == (2, 0)
 
 
-class RecordingServer:
+class RecordingServer(LoopbackServer):
     """A plain HTTP server that answers every PUT 200 and keeps (request target, Authorization) of each."""
 
     def __init__(self) -> None:
@@ -304,16 +305,7 @@ class RecordingServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def __enter__(self) -> "RecordingServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)
 
 
 def test_a_push_to_this_machine_skips_the_environments_proxy_and_others_keep_it(monkeypatch) -> None:
@@ -321,7 +313,7 @@ def test_a_push_to_this_machine_skips_the_environments_proxy_and_others_keep_it(
     failed (ProxyError, or the proxy's 502) and the proxy got the bearer token. Go's clients never proxy
     loopback; the hooks now neither proxy this machine, and a push elsewhere (a Pushgateway across the network)
     goes through the proxy as before."""
-    with RecordingServer() as proxy, RecordingServer() as exporter:
+    with serving(RecordingServer()) as proxy, serving(RecordingServer()) as exporter:
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.delenv("no_proxy", raising=False)
@@ -348,7 +340,7 @@ def test_a_rank_pushes_again_within_a_third_of_the_rank_lost_silence_after_its_e
     assert max(delays) <= THRESHOLDS["rank_lost_seconds"].value / 3
 
 
-class OlderExporter:
+class OlderExporter(LoopbackServer):
     """A push API of an exporter release that predates a family: it refuses any push holding that family with its
     400 (the exporter's own message), and parses every other with the exporter's parser, keeping what it stored."""
 
@@ -373,17 +365,8 @@ class OlderExporter:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self._server.server_port
-        self.url = f"http://127.0.0.1:{self.port}/metrics/job/stepscope/run/old/rank/0"
-        threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
-
-    def __enter__(self) -> "OlderExporter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler, port)
+        self.push_url = f"{self.url}/metrics/job/stepscope/run/old/rank/0"
 
 
 def test_hooks_newer_than_their_exporter_push_without_the_family_it_does_not_know(caplog) -> None:
@@ -396,8 +379,8 @@ def test_hooks_newer_than_their_exporter_push_without_the_family_it_does_not_kno
         tracker.step(samples=4, global_step=global_step)
     newer = "stepscope_training_global_step_start"
     assert newer in tracker.render()
-    with OlderExporter(newer) as exporter:
-        pusher = Pusher(exporter.url, tracker.render, interval=5.0)
+    with serving(OlderExporter(newer)) as exporter:
+        pusher = Pusher(exporter.push_url, tracker.render, interval=5.0)
         assert pusher.push_once() and pusher.push_once()
     tracker.close()
     assert len(exporter.stored) == 2
@@ -414,11 +397,11 @@ def test_a_family_left_out_for_an_older_exporter_is_pushed_again_once_the_export
     tracker = th.init(run="old", push_url="", handle_sigterm=False)
     tracker.step(samples=4, global_step=7)
     newer = "stepscope_training_global_step_start"
-    with OlderExporter(newer) as older:
-        pusher = Pusher(older.url, tracker.render, interval=5.0)
+    with serving(OlderExporter(newer)) as older:
+        pusher = Pusher(older.push_url, tracker.render, interval=5.0)
         assert pusher.push_once()
     assert not pusher.push_once()  # the rollout: nothing listens for a moment
-    with OlderExporter("a family no release lacks", port=older.port) as upgraded:
+    with serving(OlderExporter("a family no release lacks", port=older.server_address[1])) as upgraded:
         assert pusher.push_once()
     tracker.close()
     assert newer in upgraded.stored[-1]
