@@ -87,6 +87,9 @@ def _check_entries(out: Path) -> None:
         present = sorted(name for name in os.listdir(out) if not name.startswith(STAGING_PREFIX))
     except OSError as exc:
         raise OutputError(f"cannot read --out {out}: {exc.strerror or exc}") from None
+    if present and not foreign and not is_report(out):  # a report's files and no page: a move cut short (_publish)
+        raise OutputError(f"--out {out} holds a report's files without its page ({_listed(present)}): a report cut "
+                          "short as it moved them in; delete them, or choose another directory")
     if present and (foreign or not is_report(out)):
         raise OutputError(f"--out {out} holds files that are not a stepscope report ({_listed(foreign or present)}); "
                           "choose another directory")
@@ -135,7 +138,7 @@ def staged(out: Path) -> Iterator[Path]:
             out.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     except OSError as exc:
-        raise OutputError(f"cannot write --out {out}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write --out {out}: {_not_a_folder(out) or exc.strerror or exc}") from None
     try:
         yield staging
         _publish(staging, out)
@@ -145,6 +148,14 @@ def staged(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _not_a_folder(out: Path) -> str:
+    """What mkdir's "File exists" means where a folder above `out` is a file: that file, named; else ""."""
+    for parent in out.parents:
+        if parent.exists():
+            return "" if parent.is_dir() else f"{parent} is a file, not a directory"
+    return ""
 
 
 def _publish(staging: Path, out: Path) -> None:

@@ -255,6 +255,19 @@ def test_a_move_cut_short_leaves_no_page_and_no_staging(tmp_path: Path, monkeypa
         for name in ("goodput.csv", "run_summary.csv", "index.html"):
             (staging / name).write_text(f"{output.MARKER}\nnew" if name == "index.html" else "new")
     assert sorted(p.name for p in out.iterdir()) == ["goodput.csv", "run_summary.csv"]
+    # the next report says what that is and what to do, not that they are some other program's files
+    with pytest.raises(output.OutputError, match=r"holds a report's files without its page \(goodput.csv, "
+                                                 r"run_summary.csv\): a report cut short as it moved them in; "
+                                                 r"delete them, or choose another directory$"):
+        output.check(out)
+
+
+def test_an_out_under_a_file_names_the_file(tmp_path: Path) -> None:
+    """--out afile/report said 'cannot write --out .../afile/report: File exists' (mkdir's word)."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(output.OutputError, match=r"afile is a file, not a directory$"), \
+            output.staged(tmp_path / "afile" / "report"):
+        pass
 
 
 def _waits_on_a_lock(directory: Path) -> bool:
