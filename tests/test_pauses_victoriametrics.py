@@ -23,7 +23,6 @@ Both shipped rule files are replayed, every rule (about 6 s on 2 cores).
 import functools
 import math
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,15 +31,12 @@ import yaml
 
 from grafana.rules import RULE_FILES, RULES_DIR
 from stepscope.contract import recordings, verdicts
-from tests.support.victoria import running_victoria
 from tests.support.victoria_replay import (
     Samples,
     expand_values,
-    import_series,
     parse_series,
-    replay_history,
+    replayed_case,
     samples,
-    shipped_rules,
 )
 
 PAUSES = RULES_DIR / "tests" / "pauses.yml"
@@ -127,13 +123,8 @@ class Replayed:
 def replayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replayed]:
     case = _case()
     interval = _seconds(case["interval"])
-    evaluations = max(len(expand_values(item["values"])) for item in case["input_series"])
-    start = (int(time.time()) // 3600 - 2) * 3600  # in the past, on the grid of every rule's interval
-    tmp = tmp_path_factory.mktemp("pauses-vm")
-    with running_victoria(tmp / "victoria", extra_args=["-search.disableCache"]) as victoria:
-        import_series(victoria.url, case["input_series"], start, interval)
-        replay_history(victoria.url, shipped_rules(RULE_FILES), start, evaluations, interval, tmp / "replay")
-        yield Replayed(victoria.url, start, start + (evaluations - 1) * interval, interval)
+    with replayed_case(case, RULE_FILES, interval, tmp_path_factory.mktemp("pauses-vm")) as (url, start, end):
+        yield Replayed(url, start, end, interval)
 
 
 def _expectations() -> list:

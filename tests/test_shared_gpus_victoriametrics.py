@@ -8,21 +8,16 @@ every expectation of that case holds at its evaluation time.
 
 import math
 import re
-import time
 from collections.abc import Iterator
 
 import pytest
 import yaml
 
 from grafana.rules import RULE_FILES, RULES_DIR
-from tests.support.victoria import running_victoria
 from tests.support.victoria_replay import (
-    expand_values,
-    import_series,
     parse_series,
-    replay_history,
+    replayed_case,
     samples,
-    shipped_rules,
 )
 
 CASE = "runs time-sliced on one GPU are told it is shared, and judged by the GPUs they hold alone"
@@ -42,17 +37,11 @@ def _case() -> dict:
 @pytest.fixture(scope="module")
 def read_at(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """What a selector reads at a number of seconds from the start, from the samples vmalert wrote."""
-    case = _case()
-    evaluations = max(len(expand_values(item["values"])) for item in case["input_series"])
-    start = (int(time.time()) // 3600 - 2) * 3600  # in the past, on the grid of every rule's interval
-    tmp = tmp_path_factory.mktemp("shared-vm")
-    with running_victoria(tmp / "victoria", extra_args=["-search.disableCache"]) as victoria:
-        import_series(victoria.url, case["input_series"], start, INTERVAL)
-        replay_history(victoria.url, shipped_rules(RULE_FILES), start, evaluations, INTERVAL, tmp / "replay")
+    with replayed_case(_case(), RULE_FILES, INTERVAL, tmp_path_factory.mktemp("shared-vm")) as (url, start, _):
 
         def read(selector: str, at: int) -> set[tuple[frozenset, float]]:
             return {(frozenset((k, v) for k, v in labels.items() if k not in ("__name__", "alertgroup")), value)
-                    for labels, points in samples(victoria.url, selector, start, start + at)
+                    for labels, points in samples(url, selector, start, start + at)
                     for t, value in points if round(t - start) == at and not math.isnan(value)}
         yield read
 

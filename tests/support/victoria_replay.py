@@ -38,7 +38,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,7 +48,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from tests.support.victoria import binary
+from tests.support.victoria import binary, running_victoria
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _TERM = re.compile(rf"^(?P<start>_|{_NUMBER})(?:(?P<sign>[-+])(?P<step>{_NUMBER}))?(?:x(?P<times>\d+))?$")
@@ -198,3 +200,15 @@ def samples(url: str, match: str, start: int, end: int) -> Samples:
     series = [json.loads(line) for line in response.text.splitlines() if line]
     return [(item["metric"], sorted(zip((t / 1000 for t in item["timestamps"]), item["values"], strict=True)))
             for item in series]
+
+
+@contextmanager
+def replayed_case(case: dict, rule_files: Sequence[Path], interval: int, tmp: Path) -> Iterator[tuple[str, int, int]]:
+    """A promtool test case's input series in a real VictoriaMetrics, `rule_files` evaluated over them by vmalert
+    at every `interval` of the case: (its URL, the first evaluation's and the last's Unix seconds)."""
+    evaluations = max(len(expand_values(item["values"])) for item in case["input_series"])
+    start = (int(time.time()) // 3600 - 2) * 3600  # in the past, on the grid of every rule's interval
+    with running_victoria(tmp / "victoria", extra_args=["-search.disableCache"]) as victoria:
+        import_series(victoria.url, case["input_series"], start, interval)
+        replay_history(victoria.url, shipped_rules(rule_files), start, evaluations, interval, tmp / "replay")
+        yield victoria.url, start, start + (evaluations - 1) * interval
