@@ -27,12 +27,12 @@ from tests.support.framework_truth import (
 
 STEPS = EPOCHS * 5  # 18 batches an epoch: 4 + 4 + 4 + 4 + 2
 MICRO_BATCHES = EPOCHS * 18
-SHARE_TOLERANCE = 0.02  # the loading share against the Dataset and collate time
-# Two DDP processes on a 2-core machine beside the other tests: each fetch's Lightning and DataLoader work around
-# the Dataset and collate stretches with the wait for a core (a share 0.0213 over in a clean-clone CI run)
-DDP_SHARE_TOLERANCE = 0.03
-# Against each fetch timed where accelerate's DataLoaderShard yields it: only the hook's own generator lies
-# between (+0.0001 measured, idle and beside 3 busy loops).
+# The loading share against each fetch timed where the training loader yields it (tests/support/framework_truth.py),
+# not against the Dataset and collate time alone: the DataLoader's and the framework's own work in each fetch, and
+# the OS's preemption beside the rest of the suite, stretch the fetch past the Dataset (Lightning +0.007 idle and up
+# to +0.019 beside 4 CPU hogs, +0.026 in a clean-clone CI run; accelerate +0.016 idle, +0.030 in CI), where the
+# hooks' own work around the timed fetch stays within +0.0012..+0.0021 (Lightning, idle and beside 4 hogs) and
+# +0.0001 (accelerate's DataLoaderShard, idle and beside 3 busy loops).
 FETCH_SHARE_TOLERANCE = 0.005
 
 
@@ -49,11 +49,9 @@ def pushed(text: str, run: str, rank: str = "0") -> Callable[..., float]:
     return value
 
 
-def check_against_truth(value: Callable[..., float], truth: Truth,
-                        share_tolerance: float | None = SHARE_TOLERANCE) -> None:
-    """Steps, micro-batches and samples exact; the loading share within `share_tolerance` of the Dataset and
-    collate time (None: only at least it) and, where the truth timed the fetches, within 0.005 of them; every
-    eval and save in its state."""
+def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
+    """Steps, micro-batches and samples exact; the loading share at least the Dataset and collate time and within
+    0.005 of the fetches the truth timed; every eval and save in its state."""
     assert value("stepscope_steps_total") == truth.optimizer_steps
     assert value("stepscope_micro_batches_total") == truth.forwards
     assert value("stepscope_samples_total") == truth.samples
@@ -61,10 +59,8 @@ def check_against_truth(value: Callable[..., float], truth: Truth,
     step_seconds = value("stepscope_step_seconds_sum")
     share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / step_seconds
     assert share >= truth.loading / step_seconds - FETCH_SHARE_TOLERANCE  # every fetch holds its Dataset and collate
-    if share_tolerance is not None:
-        assert share == pytest.approx(truth.loading / step_seconds, abs=share_tolerance)
-    if truth.fetching:
-        assert share == pytest.approx(truth.fetching / step_seconds, abs=FETCH_SHARE_TOLERANCE)
+    assert truth.fetching >= truth.loading
+    assert share == pytest.approx(truth.fetching / step_seconds, abs=FETCH_SHARE_TOLERANCE)
     for state, spans in truth.spans.items():
         assert spans, state
         seconds = value("stepscope_state_seconds_total", state=state)
@@ -121,7 +117,7 @@ def test_lightning_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> Non
     for rank in ("0", "1"):
         truth = Truth.load(tmp_path / f"truth-{rank}.json")
         assert truth.samples == ITEMS and truth.optimizer_steps == EPOCHS * 3  # 35 items a rank: 4 + 4 + 1 batches
-        check_against_truth(pushed(text, "pl-ddp", rank), truth, share_tolerance=DDP_SHARE_TOLERANCE)
+        check_against_truth(pushed(text, "pl-ddp", rank), truth)
         assert sample_values(text, "stepscope_training_info", run="pl-ddp", rank=rank, world_size="2")
 
 
@@ -138,7 +134,7 @@ def test_huggingface_with_accumulation_partial_batches_eval_and_saves(tmp_path: 
     # the share is held to the timed fetches (as with two ranks below): accelerate's own work inside each
     # fetch is 0.016 of the step idle here (share 0.169, fetches 0.168, the Dataset's 0.153), and beside the
     # rest of the suite in a clean-clone CI run it read 0.251 against the Dataset's 0.229
-    check_against_truth(value, truth, share_tolerance=None)
+    check_against_truth(value, truth)
     assert value("stepscope_step_phase_seconds_count", phase="dataloader_next") == MICRO_BATCHES
     assert "get_batch_samples" not in vars(trainer)  # the wrapper is gone after training
 
@@ -162,6 +158,5 @@ def test_huggingface_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> N
         # two ranks on shared cores stretch accelerate's own work and the OS's preemption inside each fetch
         # (+0.03 of the step beside the rest of the suite in CI), which the Dataset's truth cannot see: the
         # share is held to the timed fetches instead
-        check_against_truth(pushed(text, "hf-ddp", rank), truth, share_tolerance=None)
-        assert truth.fetching > truth.loading
+        check_against_truth(pushed(text, "hf-ddp", rank), truth)
         assert sample_values(text, "stepscope_training_info", run="hf-ddp", rank=rank, world_size="2")

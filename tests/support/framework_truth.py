@@ -41,7 +41,7 @@ class Truth:
     """What the job really did, measured without stepscope."""
 
     loading: float = 0.0
-    fetching: float = 0.0  # Hugging Face: each next() on the training loader as the Trainer calls it
+    fetching: float = 0.0  # each next() on the training loader where the framework's fetch takes the batch
     optimizer_steps: int = 0
     forwards: int = 0
     samples: int = 0
@@ -157,14 +157,19 @@ class ResumingLoader(DataLoader):
     truth is the dataset's, which survives Lightning re-creating the loader with a distributed sampler."""
 
     def __iter__(self) -> Iterator[Any]:
-        batches = super().__iter__()
+        truth = self.dataset.truth
+        truth.resumed()
+        start = perf_counter()
+        batches = super().__iter__()  # the epoch's first fetch makes the DataLoader's iterator
         while True:
-            self.dataset.truth.resumed()
             try:
                 batch = next(batches)
             except StopIteration:
                 return
+            truth.fetched(perf_counter() - start)
             yield batch
+            truth.resumed()
+            start = perf_counter()
 
 
 class Compute(nn.Module):
