@@ -243,12 +243,13 @@ def test_cluster_tables_link_runs_and_nodes_to_their_dashboards() -> None:
         assert {variable, "datasource"} <= names, (target, names)
 
 
-def _run_gpus_test(name: str, inputs: list[dict], panel: str, expected: dict[str, list[dict]], tmp: Path) -> str:
-    """promtool's verdict on the Training dashboard's `panel` as Grafana sends it for run `big` with the ranks drawn
-    at first, evaluated at the end of a 10m time range: each target (by refId) returns exactly `expected`."""
+def _training_panel_test(name: str, inputs: list[dict], panel: str, expected: dict[str, list[dict]], tmp: Path) -> str:
+    """promtool's verdict on the Training dashboard's `panel` as Grafana sends it for run `big`, every rank picked and
+    the ranks drawn at first, evaluated at the end of a 10m time range: each target (by refId) returns exactly
+    `expected`."""
     model = dashboards()["stepscope-training.json"]
     (targets,) = [target_list["targets"] for target_list in panels(model) if target_list["title"] == panel]
-    values = {"run": "big", "ranks_drawn": "5"}
+    values = {"run": "big", "rank": "$__all", "ranks_drawn": "5"}
     tests = [{"expr": grafana_interpolate(target["expr"].replace("$__range", "10m"), model, values),
               "eval_time": "10m", "exp_samples": expected[target["refId"]]} for target in targets]
     return promtool_expressions(tmp / f"{name}.yml", inputs, tests, interval="1m")
@@ -290,9 +291,35 @@ def test_the_run_gpu_panels_draw_as_many_gpus_as_ranks_drawn(tmp_path: Path) -> 
     effective = samples(rec.RUN_GPU_EFFECTIVE_UTILIZATION_BY_GPU, LEAST_USED, ',run="big",source="sm_active"', {})
     nvml = samples(rec.RUN_GPU_UTILIZATION_BY_GPU, {gpu: "0.9x10" for gpu in LEAST_USED}, ',run="big"', {})
     memory = samples("", FULLEST, "", {})
-    failed = _run_gpus_test("utilization", inputs, "GPU utilization of the run's GPUs",
+    failed = _training_panel_test("utilization", inputs, "GPU utilization of the run's GPUs",
                             {"A": effective, "B": nvml}, tmp_path)
-    failed += _run_gpus_test("memory", inputs, "GPU memory used of the run's GPUs", {"A": memory}, tmp_path)
+    failed += _training_panel_test("memory", inputs, "GPU memory used of the run's GPUs", {"A": memory}, tmp_path)
+    assert not failed, failed
+
+
+# 20 ranks pushing for 10 minutes: ranks 14-19 never scored (still in setup), the rest scored, 5 of them below 1.
+SCORED_LOW = {"3": ("0.5", "1"), "7": ("1", "0.6"), "1": ("0.8", "1"), "2": ("1", "0.85"), "4": ("0.9", "1")}
+
+
+def test_the_straggler_scores_draw_the_lowest_scored_ranks_however_many_are_unscored(tmp_path: Path) -> None:
+    """Straggler scores of a run whose 6 ranks pushed but have no score yet, evaluated by promtool: the bars of the 5
+    lowest scored ranks, step and local. Before, the unscored ranks counted as score 0 took all 5 places, and the
+    panel, which has no bar for them, drew nothing (no series for either query)."""
+    inputs = []
+    for rank in range(20):
+        labels = f'run="big",rank="{rank}",instance="n{rank // 8}"'
+        inputs.append({"series": f"{rec.RANK_STEPS_RATE}{{{labels}}}", "values": "10x10"})
+        if rank < 14:
+            step, local = SCORED_LOW.get(str(rank), ("1", "1"))
+            inputs += [{"series": f"{rec.RANK_STRAGGLER_SCORE}{{{labels}}}", "values": f"{step}x10"},
+                       {"series": f"{rec.RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", "values": f"{local}x10"}]
+
+    def bars(name: str, which: int) -> list[dict]:
+        return [{"labels": f'{name}{{run="big",rank="{rank}",instance="n{int(rank) // 8}"}}',
+                 "value": float(scores[which])} for rank, scores in SCORED_LOW.items()]
+
+    expected = {"A": bars(rec.RANK_STRAGGLER_SCORE, 0), "B": bars(rec.RANK_STRAGGLER_LOCAL_SCORE, 1)}
+    failed = _training_panel_test("scores", inputs, "Straggler scores", expected, tmp_path)
     assert not failed, failed
 
 

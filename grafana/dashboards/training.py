@@ -85,8 +85,12 @@ def lowest_score(by: str, over_range: bool = False) -> str:
 
 
 PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end())) * 0"
-CANDIDATES = f"{lowest_score('run, rank', over_range=True)} or {PUSHED_UNSCORED}"  # every rank that may be drawn
+SCORED = lowest_score("run, rank", over_range=True)
+CANDIDATES = f"{SCORED} or {PUSHED_UNSCORED}"  # every rank that may be drawn
 DRAWN = f"bottomk by (run) ($ranks_drawn, {CANDIDATES})"
+# The ranks the Straggler scores panel draws: the lowest scored ones only. From DRAWN, 5 ranks still in setup (or
+# hung) took every place at score 0 and the panel, which has no bar for an unscored rank, drew nothing.
+DRAWN_SCORED = f"bottomk by (run) ($ranks_drawn, {SCORED})"
 
 
 # The run's GPUs a per-GPU time series draws: as many as ranks are drawn, the least used (effective utilization
@@ -110,9 +114,10 @@ def on_gpus(per_gpu: str, gpus: str) -> str:
 NODE_LINK = data_link("Node dashboard of ${__value.raw}", node.UID, "instance")
 
 
-def drawn(per_rank: str) -> str:
-    """`per_rank` (a vector with `run` and `rank` labels) for the drawn ranks only."""
-    return f"{per_rank} and on (run, rank) {DRAWN}"
+def drawn(per_rank: str, among: str = DRAWN) -> str:
+    """`per_rank` (a vector with `run` and `rank` labels) for the drawn ranks only (`among`: DRAWN or
+    DRAWN_SCORED)."""
+    return f"{per_rank} and on (run, rank) {among}"
 
 
 # A rank that ran on more than one node over the time range: a requeued pod that landed on another node. Its old
@@ -381,8 +386,8 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             bargauge_panel(
                 "Straggler scores",
-                "The drawn ranks' (the lowest scores over the range, `Ranks drawn`): run median / the rank's value, "
-                "of mean step time (step) and of the local phases before the "
+                "The `Ranks drawn` scored ranks with the lowest scores over the range (a rank not yet scored has "
+                "no bar): run median / the rank's value, of mean step time (step) and of the local phases before the "
                 f"first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
                 "the Node dashboard (a rank's node in the tables links there). Under DDP/FSDP all ranks wait for "
@@ -391,9 +396,9 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"all-gathers parameters inside {contract.FORWARD_PHASE}, so the wait lands there and both stay "
                 "near 1).",
                 [
-                    Q(drawn(sel(rec.RANK_STRAGGLER_SCORE, RANKS)), "rank {{rank}} step ({{instance}})"),
+                    Q(drawn(sel(rec.RANK_STRAGGLER_SCORE, RANKS), DRAWN_SCORED), "rank {{rank}} step ({{instance}})"),
                     Q(
-                        drawn(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS)),
+                        drawn(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS), DRAWN_SCORED),
                         "rank {{rank}} local ({{instance}})",
                     ),
                 ],
