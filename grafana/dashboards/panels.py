@@ -246,18 +246,21 @@ def stat_panel(
     *,
     steps: dashboard.ThresholdsConfig | None = None,
     show_name: bool = False,
+    sparkline: bool = True,
     mappings: list[dm.ValueMapping] | None = None,
     width: int = 4,
     height: int = 5,
 ) -> stat.Panel:
+    """A stat of each query's last value; `sparkline=False` for figures of the whole time range, whose line would
+    be flat (the same figure at every step)."""
     panel = _panel(stat.Panel(), title, description, queries, unit, width, height)
     panel = panel.reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     if mappings:
         panel = panel.mappings(mappings)
     if show_name:
-        panel = panel.text_mode(common_models.BigValueTextMode.NAME).graph_mode(
-            common_models.BigValueGraphMode.NONE
-        )
+        panel = panel.text_mode(common_models.BigValueTextMode.NAME)
+    if show_name or not sparkline:
+        panel = panel.graph_mode(common_models.BigValueGraphMode.NONE)
     if steps is not None:
         panel = panel.thresholds(steps).color_mode(common_models.BigValueColorMode.BACKGROUND)
     return panel

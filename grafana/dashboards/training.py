@@ -67,6 +67,11 @@ VARIABLE_SOURCE = rec.RANK_STEPS_RATE
 # asked, some for part of the panel, a different sixth on Prometheus and on VictoriaMetrics
 # (tests/test_dashboards_ranks.py holds that hour). A rank that pushed but has no score over the range (it never
 # stepped: hung, or the run is still in setup) scores 0, so it is drawn first.
+# A figure of the dashboard's whole time range, in a stat or bars: read over the range at its end (`@ end()`), so a
+# range query (Grafana's default) gives the range's figure at every step, not each step's over the range before it:
+# its sparkline read into the hours before the range (a goodput of 0.90 at its start for the range's 0.50), and each
+# step re-read the whole range.
+THE_RANGE = "[$__range] @ end()"
 DRAWN_CHOICES = {"5 slowest": 5, "10 slowest": 10, "20 slowest": 20, "all": 1_000_000}
 
 
@@ -430,8 +435,9 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Seconds the selected ranks spent in each state over the dashboard's time range, all ranks "
                 "added up (rank-seconds), from the seconds per state the hooks count: every eval and checkpoint "
                 f"is in, however short. The {TRAIN} share of the whole is the time the ranks trained.",
-                [Q(f"sum by (state) (increase({sel(fam.STATE_SECONDS, RANKS)}[$__range] @ end()))", "{{state}}")],
+                [Q(f"sum by (state) (increase({sel(fam.STATE_SECONDS, RANKS)}{THE_RANGE}))", "{{state}}")],
                 "s",
+                sparkline=False,
                 width=8,
                 height=8,
             )
@@ -620,7 +626,7 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
     """The "Where the time went" row (docs/goodput.md): goodput and badput by cause, energy, the run's pace
     against its own."""
     causes = sel(rec.RUN_TIME_BY_CAUSE, RUN)
-    over_range = f"sum_over_time({causes}[$__range])"
+    over_range = f"sum_over_time({causes}{THE_RANGE})"
     productive = sel(rec.RUN_TIME_BY_CAUSE, f'{RUN},cause="{goodput.PRODUCTIVE}"')
     step = goodput.ACCOUNTING_STEP
     slower = contract.THRESHOLDS["slower_than_itself"]
@@ -633,7 +639,7 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "The share of the rank-seconds the run's ranks held their GPUs that went into productive training "
                 f"(state {TRAIN}, less the wait for data and stalls), over the time range picked and in the last "
                 "minute; the bars beside name the rest.",
-                [Q(f"sum(sum_over_time({productive}[$__range])) / sum({over_range})", "over the range"),
+                [Q(f"sum(sum_over_time({productive}{THE_RANGE})) / sum({over_range})", "over the range"),
                  Q(sel(rec.RUN_GOODPUT, RUN), "last minute")],
                 "percentunit",
                 width=4,
@@ -666,9 +672,12 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Energy over the range",
                 "Energy of the GPUs the run's processes held memory on (each GPU's energy counter, split equally "
                 f"between the runs holding it), summed at {step} resolution over the time range.",
-                [Q(f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, RUN)}[$__range:{step}]))"
+                # The range's points once each: 1 ms earlier, the point on the range's end is left out and the one
+                # on its start (which Prometheus' ranges include, VictoriaMetrics' not) taken on both engines.
+                [Q(f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, RUN)}[$__range:{step}] @ end() offset 1ms))"
                    f" * {goodput.ACCOUNTING_STEP_SECONDS} / {goodput.JOULES_PER_KWH:g}", "kWh")],
                 "kwatth",
+                sparkline=False,
                 width=3,
             )
         )
@@ -724,8 +733,9 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Lost progress: the most global steps the run had to do again after restoring a checkpoint in the "
                 "time range (where the loop passes its global step): where it was less where it restarted from. "
                 "Their time counts as productive here; the report moves it to lost_progress.",
-                [Q(f"max(max_over_time({redone}[$__range]))", "steps")],
+                [Q(f"max(max_over_time({redone}{THE_RANGE}))", "steps")],
                 "none",
+                sparkline=False,
                 width=6,
             )
         )
