@@ -132,7 +132,7 @@ def test_the_per_rank_step_quantiles_come_from_one_helper() -> None:
     """Dashboards ask rank_step_seconds_quantile, so moving them to query time is one edit: the time series of the
     drawn ranks (named by node where a rank moved), the per-rank table of every rank."""
     queries = {q.raw_expr for q in panel_queries()}
-    asked = [recordings.rank_step_seconds_quantile(quantile, training.RANKS, training.DRAWN)
+    asked = [recordings.rank_step_seconds_quantile(quantile, training.RANKS, training.DRAWN_SCORED)
              for quantile in (0.5, 0.95)]
     asked.append(recordings.rank_step_seconds_quantile(0.95, training.RANKS))
     for query in asked:  # as asked, or inside the label naming a rank that moved by its node

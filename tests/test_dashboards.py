@@ -297,29 +297,49 @@ def test_the_run_gpu_panels_draw_as_many_gpus_as_ranks_drawn(tmp_path: Path) -> 
     assert not failed, failed
 
 
-# 20 ranks pushing for 10 minutes: ranks 14-19 never scored (still in setup), the rest scored, 5 of them below 1.
+# 20 ranks pushing for 10 minutes: ranks 14-19 never stepped (still in setup) and have no score, the rest step in
+# 0.1 s or less with a data-loading share of 0.1, 5 of them scored below 1 (step, local).
 SCORED_LOW = {"3": ("0.5", "1"), "7": ("1", "0.6"), "1": ("0.8", "1"), "2": ("1", "0.85"), "4": ("0.9", "1")}
+STEPPING = 14
 
 
-def test_the_straggler_scores_draw_the_lowest_scored_ranks_however_many_are_unscored(tmp_path: Path) -> None:
-    """Straggler scores of a run whose 6 ranks pushed but have no score yet, evaluated by promtool: the bars of the 5
-    lowest scored ranks, step and local. Before, the unscored ranks counted as score 0 took all 5 places, and the
-    panel, which has no bar for them, drew nothing (no series for either query)."""
+def _pushing_with_six_unscored() -> list[dict]:
     inputs = []
     for rank in range(20):
         labels = f'run="big",rank="{rank}",instance="n{rank // 8}"'
-        inputs.append({"series": f"{rec.RANK_STEPS_RATE}{{{labels}}}", "values": "10x10"})
-        if rank < 14:
+        inputs.append({"series": f"{rec.RANK_STEPS_RATE}{{{labels}}}", "values": f"{10 * (rank < STEPPING)}x10"})
+        if rank < STEPPING:
             step, local = SCORED_LOW.get(str(rank), ("1", "1"))
             inputs += [{"series": f"{rec.RANK_STRAGGLER_SCORE}{{{labels}}}", "values": f"{step}x10"},
-                       {"series": f"{rec.RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", "values": f"{local}x10"}]
+                       {"series": f"{rec.RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", "values": f"{local}x10"},
+                       {"series": f"{rec.RANK_DATALOADER_SHARE}{{{labels}}}", "values": "0.1x10"}]
+            inputs += [{"series": f'{fam.STEP_SECONDS}_bucket{{{labels},le="{le}"}}', "values": "0+600x10"}
+                       for le in ("0.1", "+Inf")]
+    return inputs
 
-    def bars(name: str, which: int) -> list[dict]:
+
+def test_the_panels_of_stepping_ranks_draw_the_lowest_scored_however_many_are_unscored(tmp_path: Path) -> None:
+    """Straggler scores, Data-loading share and Step time per rank of a run whose 6 ranks pushed but have no score
+    yet, evaluated by promtool: the 5 lowest scored ranks (bars of both scores, lines of their share, p50 and p95).
+    Before, the unscored ranks counted as score 0 took all 5 places, and these panels, which have nothing to draw
+    for a rank that never stepped, drew no rank at all (no series for any of the 5 queries)."""
+    def scored(name: str, value: object) -> list[dict]:
         return [{"labels": f'{name}{{run="big",rank="{rank}",instance="n{int(rank) // 8}"}}',
-                 "value": float(scores[which])} for rank, scores in SCORED_LOW.items()]
+                 "value": float(value(scores) if callable(value) else value)} for rank, scores in SCORED_LOW.items()]
 
-    expected = {"A": bars(rec.RANK_STRAGGLER_SCORE, 0), "B": bars(rec.RANK_STRAGGLER_LOCAL_SCORE, 1)}
-    failed = _training_panel_test("scores", inputs, "Straggler scores", expected, tmp_path)
+    def lines(value: float) -> list[dict]:  # named for the legend: the metric's name is gone
+        return [{"labels": f'{{run="big",rank="{rank}",instance="n{int(rank) // 8}",rank_shown="{rank}"}}',
+                 "value": value} for rank in SCORED_LOW]
+
+    expected = {
+        "Straggler scores": {"A": scored(rec.RANK_STRAGGLER_SCORE, lambda scores: scores[0]),
+                             "B": scored(rec.RANK_STRAGGLER_LOCAL_SCORE, lambda scores: scores[1])},
+        "Data-loading share per rank": {"A": lines(0.1),
+                                        "B": [{"labels": '{run="big"}', "value": 0.1}]},
+        "Step time p50 / p95 per rank": {"A": lines(0.05), "B": lines(0.095), "C": [], "D": []},
+    }
+    failed = "".join(_training_panel_test(f"panel{index}", _pushing_with_six_unscored(), panel, targets, tmp_path)
+                     for index, (panel, targets) in enumerate(expected.items()))
     assert not failed, failed
 
 

@@ -66,7 +66,8 @@ VARIABLE_SOURCE = rec.RANK_STEPS_RATE
 # panel: a plain bottomk picks anew at each step, and with two ranks slow in turn over an hour drew 6 ranks for 5
 # asked, some for part of the panel, a different sixth on Prometheus and on VictoriaMetrics
 # (tests/test_dashboards_ranks.py holds that hour). A rank that pushed but has no score over the range (it never
-# stepped: hung, or the run is still in setup) scores 0, so it is drawn first.
+# stepped: hung, or the run is still in setup) scores 0, so it is drawn first where it has a line (throughput,
+# memory, CPU); the panels of what only a stepping rank has draw the lowest scored ranks (DRAWN_SCORED).
 # A figure of the dashboard's whole time range, in a stat or bars: read over the range at its end (`@ end()`), so a
 # range query (Grafana's default) gives the range's figure at every step, not each step's over the range before it:
 # its sparkline read into the hours before the range (a goodput of 0.90 at its start for the range's 0.50), and each
@@ -93,8 +94,9 @@ PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RA
 SCORED = lowest_score("run, rank", over_range=True)
 CANDIDATES = f"{SCORED} or {PUSHED_UNSCORED}"  # every rank that may be drawn
 DRAWN = f"bottomk by (run) ($ranks_drawn, {CANDIDATES})"
-# The ranks the Straggler scores panel draws: the lowest scored ones only. From DRAWN, 5 ranks still in setup (or
-# hung) took every place at score 0 and the panel, which has no bar for an unscored rank, drew nothing.
+# The ranks a panel of what only a stepping rank has draws (scores, step time, data-loading share): the lowest scored
+# ones only. From DRAWN, 5 ranks still in setup (or hung) took every place at score 0, and such a panel, with no line
+# or bar for them, drew none.
 DRAWN_SCORED = f"bottomk by (run) ($ranks_drawn, {SCORED})"
 
 
@@ -155,10 +157,10 @@ def named_by_node_where_moved(per_rank: str) -> str:
            '"node_separator", "", "", "")'
 
 
-def drawn_lines(per_rank: str) -> str:
-    """`per_rank` (a vector with `run`, `rank` and `instance` labels) for the drawn ranks only, named for
-    RANK_LEGEND."""
-    return named_by_node_where_moved(drawn(per_rank))
+def drawn_lines(per_rank: str, among: str = DRAWN) -> str:
+    """`per_rank` (a vector with `run`, `rank` and `instance` labels) for the drawn ranks only (`among`: DRAWN or
+    DRAWN_SCORED), named for RANK_LEGEND."""
+    return named_by_node_where_moved(drawn(per_rank, among))
 
 
 def median_rank(per_rank: str) -> Q:
@@ -270,9 +272,9 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "the step histogram (1m window), and the run's over all its ranks. Ranks far above the run's "
                 "are stragglers; p95 spikes are stalls.",
                 [
-                    Q(named_by_node_where_moved(rec.rank_step_seconds_quantile(0.5, RANKS, DRAWN)),
+                    Q(named_by_node_where_moved(rec.rank_step_seconds_quantile(0.5, RANKS, DRAWN_SCORED)),
                       f"{RANK_LEGEND} p50"),
-                    Q(named_by_node_where_moved(rec.rank_step_seconds_quantile(0.95, RANKS, DRAWN)),
+                    Q(named_by_node_where_moved(rec.rank_step_seconds_quantile(0.95, RANKS, DRAWN_SCORED)),
                       f"{RANK_LEGEND} p95"),
                     Q(sel(rec.RUN_STEP_SECONDS_P50, RUN), "run p50"),
                     Q(sel(rec.RUN_STEP_SECONDS_P95, RUN), "run p95"),
@@ -319,7 +321,7 @@ def _step_time_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Data-loading share per rank",
                 f"{LOADING} seconds / step seconds of the drawn ranks and the median rank (1m). The dashed line is "
                 f"the {DATA_BOUND.percent} alert threshold; the I/O-vs-compute rule of thumb wants it near 0.",
-                [Q(drawn_lines(sel(rec.RANK_DATALOADER_SHARE, RANKS)), RANK_LEGEND),
+                [Q(drawn_lines(sel(rec.RANK_DATALOADER_SHARE, RANKS), DRAWN_SCORED), RANK_LEGEND),
                  median_rank(sel(rec.RANK_DATALOADER_SHARE, RUN))],
                 "percentunit",
                 limits=(0, 1),
