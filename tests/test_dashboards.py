@@ -10,6 +10,7 @@ import yaml
 from grafana.dashboards import generate
 from grafana.rules import rules
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
+from stepscope.contract import STATES
 from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
 from tests.support.dashboard_queries import (
@@ -112,7 +113,7 @@ def test_queries_use_known_metrics_and_recording_rules() -> None:
             assert name in EXPORTER_METRICS, f"{dashboard} / {where}: {name} is not an exporter metric"
 
 
-GRAFANA_GLOBALS = {"__range"}  # Grafana's own variables the panels use (the time range picked)
+GRAFANA_GLOBALS = {"__range", "__interval"}  # Grafana's own variables the panels use (the time range, its steps)
 
 
 def test_variables_are_defined_and_matched_as_grafana_writes_them() -> None:
@@ -245,13 +246,15 @@ def test_cluster_tables_link_runs_and_nodes_to_their_dashboards() -> None:
 
 def _training_panel_test(name: str, inputs: list[dict], panel: str, expected: dict[str, list[dict]], tmp: Path) -> str:
     """promtool's verdict on the Training dashboard's `panel` as Grafana sends it for run `big`, every rank picked and
-    the ranks drawn at first, evaluated at the end of a 10m time range: each target (by refId) returns exactly
-    `expected`."""
+    the ranks drawn at first, evaluated at the end of a 10m time range (Grafana's `$__interval` 1m): each target of
+    `expected` (by refId) returns exactly its samples."""
     model = dashboards()["stepscope-training.json"]
     (targets,) = [target_list["targets"] for target_list in panels(model) if target_list["title"] == panel]
     values = {"run": "big", "rank": "$__all", "ranks_drawn": "5"}
-    tests = [{"expr": grafana_interpolate(target["expr"].replace("$__range", "10m"), model, values),
-              "eval_time": "10m", "exp_samples": expected[target["refId"]]} for target in targets]
+    tests = [{"expr": grafana_interpolate(target["expr"].replace("$__range", "10m").replace("$__interval", "1m"),
+                                          model, values),
+              "eval_time": "10m", "exp_samples": expected[target["refId"]]}
+             for target in targets if target["refId"] in expected]
     return promtool_expressions(tmp / f"{name}.yml", inputs, tests, interval="1m")
 
 
@@ -323,8 +326,8 @@ def test_the_panels_of_stepping_ranks_draw_the_lowest_scored_however_many_are_un
     yet, evaluated by promtool: the 5 lowest scored ranks (bars of both scores, lines of their share, p50 and p95).
     Before, the unscored ranks counted as score 0 took all 5 places, and these panels, which have nothing to draw
     for a rank that never stepped, drew no rank at all (no series for any of the 5 queries)."""
-    def scored(name: str, value: object) -> list[dict]:
-        return [{"labels": f'{name}{{run="big",rank="{rank}",instance="n{int(rank) // 8}"}}',
+    def scored(value: object) -> list[dict]:  # averaged over the range: the metric's name is gone
+        return [{"labels": f'{{run="big",rank="{rank}",instance="n{int(rank) // 8}"}}',
                  "value": float(value(scores) if callable(value) else value)} for rank, scores in SCORED_LOW.items()]
 
     def lines(value: float) -> list[dict]:  # named for the legend: the metric's name is gone
@@ -332,14 +335,93 @@ def test_the_panels_of_stepping_ranks_draw_the_lowest_scored_however_many_are_un
                  "value": value} for rank in SCORED_LOW]
 
     expected = {
-        "Straggler scores": {"A": scored(rec.RANK_STRAGGLER_SCORE, lambda scores: scores[0]),
-                             "B": scored(rec.RANK_STRAGGLER_LOCAL_SCORE, lambda scores: scores[1])},
+        "Straggler scores": {"A": scored(lambda scores: scores[0]), "B": scored(lambda scores: scores[1])},
         "Data-loading share per rank": {"A": lines(0.1),
                                         "B": [{"labels": '{run="big"}', "value": 0.1}]},
         "Step time p50 / p95 per rank": {"A": lines(0.05), "B": lines(0.095), "C": [], "D": []},
     }
     failed = "".join(_training_panel_test(f"panel{index}", _pushing_with_six_unscored(), panel, targets, tmp_path)
                      for index, (panel, targets) in enumerate(expected.items()))
+    assert not failed, failed
+
+
+# 20 ranks stepping for 10 minutes, 1m apart: rank 17 slow in step time for the first 5 readings (0.5, then 1), ranks
+# 3, 5, 9 and 11 a little below typical throughout (step, local), the rest at 1.
+HALF_SLOW = "0.5x4 1x6"
+SCORES = {"17": (HALF_SLOW, "1"), "3": ("0.9", "1"), "5": ("1", "0.92"), "9": ("1", "0.95"), "11": ("1", "0.97")}
+
+
+def _scores_over_the_range() -> list[dict]:
+    inputs = []
+    for rank in range(20):
+        labels = f'run="big",rank="{rank}",instance="n{rank // 8}"'
+        step, local = SCORES.get(str(rank), ("1", "1"))
+        inputs += [{"series": f"{rec.RANK_STEPS_RATE}{{{labels}}}", "values": "10x10"},
+                   {"series": f"{rec.RANK_STRAGGLER_SCORE}{{{labels}}}",
+                    "values": step if " " in step else f"{step}x10"},
+                   {"series": f"{rec.RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", "values": f"{local}x10"}]
+    return inputs
+
+
+def test_the_table_sorts_and_the_bars_show_the_figure_that_draws_the_ranks(tmp_path: Path) -> None:
+    """Rank 17, slow for the first half of the range (0.5, then 1: 0.773 over it), is drawn everywhere for its range
+    average. The Per-rank comparison sorts on the lower score over the range, and the Straggler scores bars show each
+    score over the range: rank 17 reads 0.773 in both. Before, the table sorted on the score now, where rank 17 reads
+    1, tied with 15 of 20 ranks (14th of 64 in an hour's test), and its step bar read 1 too."""
+    over_the_range = (5 * 0.5 + 6) / 11  # the 11 readings of the 10m range at its end, both ends in
+
+    def labelled(rank: str, value: float) -> dict:
+        return {"labels": f'{{run="big",rank="{rank}",instance="n{int(rank) // 8}"}}', "value": value}
+
+    def average(values: str) -> float:
+        return over_the_range if values == HALF_SLOW else float(values)
+
+    lowest = [labelled(str(rank), min(average(score) for score in SCORES.get(str(rank), ("1", "1"))))
+              for rank in range(20)]
+    bars = {ref_id: [labelled(rank, average(scores[index])) for rank, scores in SCORES.items()]
+            for index, ref_id in enumerate("AB")}
+    failed = _training_panel_test("table", _scores_over_the_range(), "Per-rank comparison", {"A": lowest}, tmp_path)
+    failed += _training_panel_test("bars", _scores_over_the_range(), "Straggler scores", bars, tmp_path)
+    assert not failed, failed
+    (table,) = [panel for panel in panels(dashboards()["stepscope-training.json"])
+                if panel["title"] == "Per-rank comparison"]
+    (organize,) = [step["options"] for step in table["transformations"] if step["id"] == "organize"]
+    assert table["options"]["sortBy"] == [{"displayName": organize["renameByName"]["Value #A"], "desc": False}]
+
+
+# 64 ranks training for 10 minutes, 1m apart, each pushing to its node: rank 50 hangs in a checkpoint from minute 6,
+# ranks 60 and 61 evaluate at minutes 2-3 while the rest train; ranks 1, 2, 3, 4 and 7 score lowest.
+TRAINING, EVALUATING, HUNG_IN_CHECKPOINT = ["train"] * 11, ["train"] * 2 + ["eval"] * 2 + ["train"] * 7, \
+    ["train"] * 6 + ["checkpoint"] * 5
+STATE_OF = {"50": HUNG_IN_CHECKPOINT, "60": EVALUATING, "61": EVALUATING}
+LOW_SCORES = {"3": "0.5", "7": "0.6", "1": "0.8", "2": "0.85", "4": "0.9"}
+
+
+def _states_of_64_ranks() -> list[dict]:
+    inputs = []
+    for rank in range(64):
+        labels = f'run="big",rank="{rank}",instance="n{rank // 8}"'
+        states = STATE_OF.get(str(rank), TRAINING)
+        inputs += [{"series": f'{fam.TRAINING_STATE}{{{labels},state="{state}"}}',
+                    "values": " ".join(str(int(now == state)) for now in states)} for state in STATES]
+        score = LOW_SCORES.get(str(rank), "1")
+        inputs += [{"series": f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", "values": "1e9+60x10"},
+                   {"series": f"{rec.RANK_STEPS_RATE}{{{labels}}}", "values": "10x10"},
+                   {"series": f"{rec.RANK_STRAGGLER_SCORE}{{{labels}}}", "values": f"{score}x10"},
+                   {"series": f"{rec.RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", "values": "1x10"}]
+    return inputs
+
+
+def test_the_state_timeline_draws_the_ranks_in_another_state_and_the_drawn_ones_and_counts_the_rest(
+        tmp_path: Path) -> None:
+    """Training state per rank of 64 ranks, evaluated by promtool at the end of 10 minutes: a row for the rank hung in
+    a checkpoint (50, checkpoint now), the two that evaluated while the others trained (60, 61), the 5 ranks drawn
+    (1, 2, 3, 4, 7), and one row "56 other ranks" in the run's most common state, train. Before: 64 rows, one per
+    rank, in a panel 8 units high."""
+    shown = {rank: 2 for rank in ("1", "2", "3", "4", "7", "60", "61")} | {"50": 4}
+    expected = {"A": [{"labels": f'{{rank="{rank}"}}', "value": code} for rank, code in shown.items()],
+                "B": [{"labels": '{run="big",hidden="56"}', "value": 2}]}
+    failed = _training_panel_test("states", _states_of_64_ranks(), "Training state per rank", expected, tmp_path)
     assert not failed, failed
 
 

@@ -61,7 +61,8 @@ BUCKET_STEP = 2 ** (1 / contract.STEPS_PER_OCTAVE) - 1  # neighbouring fine boun
 VARIABLE_SOURCE = rec.RANK_STEPS_RATE
 # The ranks a per-rank time series draws: one line per rank is unreadable at 64 ranks (and 512), so the
 # `$ranks_drawn` ranks with the lowest straggler score (step time or local phases, whichever is lower) among the
-# picked ones, beside the run's typical line; the Per-rank comparison table lists every rank, lowest score first.
+# picked ones, beside the run's typical line; the Per-rank comparison table lists every rank, lowest score over
+# the range first.
 # Averaged over the time range and taken once at its end (`@ end()`), so one set of ranks is drawn across the
 # panel: a plain bottomk picks anew at each step, and with two ranks slow in turn over an hour drew 6 ranks for 5
 # asked, some for part of the panel, a different sixth on Prometheus and on VictoriaMetrics
@@ -76,18 +77,29 @@ THE_RANGE = "[$__range] @ end()"
 DRAWN_CHOICES = {"5 slowest": 5, "10 slowest": 10, "20 slowest": 20, "all": 1_000_000}
 
 
+def over_the_range(selector: str) -> str:
+    """`selector`'s series averaged over the dashboard's time range, taken at its end (one figure at every step)."""
+    return f"avg_over_time({selector}[$__range] @ end())"
+
+
 def lowest_score(by: str, over_range: bool = False) -> str:
     """Each picked rank's lower straggler score (step time or local phases) by the labels `by`, now or averaged
     over the time range at its end."""
     def score(recorded: str) -> str:
         selector = sel(recorded, RANKS)
-        return f"avg_over_time({selector}[$__range] @ end())" if over_range else selector
+        return over_the_range(selector) if over_range else selector
     return (
         f"min by ({by}) (\n"
         f'  label_replace({score(rec.RANK_STRAGGLER_SCORE)}, "score", "step", "", "")\n'
         f'  or label_replace({score(rec.RANK_STRAGGLER_LOCAL_SCORE)}, "score", "local", "", "")\n'
         ")"
     )
+
+
+# The Per-rank comparison's sort column: the lower score over the range, the figure the ranks drawn are chosen by.
+# Sorted on the score now, a rank slow for the first half of an hour (0.5, 1 since: 0.75 over the hour) was drawn on
+# every panel but sat 14th of 64, tied at 1 with 59 ranks, in a table said to begin with the drawn ranks.
+RANGE_SCORE_COLUMN = "lowest score over the range"
 
 
 PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end())) * 0"
@@ -169,6 +181,17 @@ def median_rank(per_rank: str) -> Q:
     return Q(f"quantile by (run) (0.5, {per_rank})", "median rank")
 
 
+def _latest_node() -> str:
+    """Per rank, the node it pushed to last (any node where no last push is exported: a stock Pushgateway). A rank
+    whose requeued pod landed on another node is on two until the old node's exporter drops its group (its TTL);
+    the highest state code of both read a rank that trains on its new node as `idle` (its old process closed) for
+    those 10 minutes."""
+    push = sel(fam.TRAINING_LAST_PUSH, RANKS)
+    state = sel(contract.TRAINING_STATE, RANKS)
+    return (f"(({push} == on (run, rank) group_left () max by (run, rank) ({push}))"
+            f" or (group by (run, rank, instance) ({state}) unless on (run, rank) {push}))")
+
+
 def _state_expr() -> str:
     """One code per rank: its state on the node it pushed to last (`_latest_node`)."""
     selector = f"{contract.TRAINING_STATE}{{{RANKS}"
@@ -179,15 +202,31 @@ def _state_expr() -> str:
     return f"max by (rank) (\n  (\n  {states}\n  )\n  and on (run, rank, instance) {_latest_node()}\n)"
 
 
-def _latest_node() -> str:
-    """Per rank, the node it pushed to last (any node where no last push is exported: a stock Pushgateway). A rank
-    whose requeued pod landed on another node is on two until the old node's exporter drops its group (its TTL);
-    the highest state code of both read a rank that trains on its new node as `idle` (its old process closed) for
-    those 10 minutes."""
-    push = sel(fam.TRAINING_LAST_PUSH, RANKS)
-    state = sel(contract.TRAINING_STATE, RANKS)
-    return (f"(({push} == on (run, rank) group_left () max by (run, rank) ({push}))"
-            f" or (group by (run, rank, instance) ({state}) unless on (run, rank) {push}))")
+# The Training state per rank panel at 64-512 ranks: a row per rank was 64 rows (512) in a panel 8 units high, and
+# the rank that matters (hung in a checkpoint, stuck in eval, idle while the others train) was one unreadable line
+# among them. It draws the `Ranks drawn` ranks that spent the most of the time range in a state other than the
+# run's most common one, the ranks drawn (DRAWN: the slowest, a rank that pushed but never stepped first), and one
+# row for all other ranks, named with their count, that shows the run's most common state.
+STATE_NOW = f"({sel(contract.TRAINING_STATE, RANKS)} == 1) and on (run, rank, instance) {_latest_node()}"
+RANKS_PER_STATE = f"count by (run, state) ({STATE_NOW})"
+MOST_COMMON_STATE = f"({RANKS_PER_STATE}) == on (run) group_left () max by (run) ({RANKS_PER_STATE})"
+# Each rank's count of the panel's steps over the range (`$__interval` apart, taken at its end as DRAWN is) at which
+# it was in a state other than the run's most common one (ties: each of the most common states counts as such).
+STEPS_APART = (f"count_over_time((group by (run, rank) (({STATE_NOW}) unless on (run, state) ({MOST_COMMON_STATE})))"
+               f"[$__range:$__interval] @ end())")
+STATE_RANKS_SHOWN = f"group by (run, rank) (topk by (run) ($ranks_drawn, {STEPS_APART}) or {DRAWN})"
+STATE_CODES = " or ".join(f'label_replace(vector({code}), "state", "{state}", "", "")'
+                          for state, (code, _) in STATES.items())
+RANKS_HIDDEN = (f"count by (run) (group by (run, rank) (max_over_time({sel(contract.TRAINING_STATE, RANKS)}"
+                f"[$__range] @ end())) unless on (run, rank) {STATE_RANKS_SHOWN})")
+
+
+def _other_ranks_state() -> str:
+    """The row of the ranks the panel hides: the code of the run's most common state at each step (the highest code
+    on a tie; 0 for a state the contract does not name), with a label `hidden`, their count, for the legend."""
+    code = (f"max by (run) (({MOST_COMMON_STATE}) * 0 + on (state) group_left () ({STATE_CODES})"
+            f" or ({MOST_COMMON_STATE}) * 0)")
+    return f'count_values by (run) ("hidden", {RANKS_HIDDEN}) * 0 + on (run) group_left () {code}'
 
 
 def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
@@ -358,13 +397,16 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         board.with_panel(
             table_panel(
                 "Per-rank comparison",
-                "One line per picked rank, the lowest score first (the ranks the time series draw are the first "
-                "`Ranks drawn` of it over the range): the lower of its two straggler scores, then each (run median / "
-                f"the rank's; 1 typical, below {STRAGGLER.number} a straggler) of step time and of the local phases "
-                f"({LOCAL}, before the first collective), mean and p95 step time, local seconds per step, "
-                "data-loading share, steps and samples per second. Under DDP/FSDP step times are equal on "
-                "every rank; under DDP the local score and local seconds still show the straggler.",
+                "One line per picked rank, sorted by the lower of its two straggler scores averaged over the time "
+                "range (the figure that picks the ranks the time series and the Straggler scores bars draw: they "
+                "are its first `Ranks drawn` rows, a rank not yet scored aside). Then, now (the last minute), the "
+                "lower score and each (run median / the rank's; 1 typical, below "
+                f"{STRAGGLER.number} a straggler) of step time and of the local phases ({LOCAL}, before the first "
+                "collective), mean and p95 step time, local seconds per step, data-loading share, steps and samples "
+                "per second. Under DDP/FSDP step times are equal on every rank; under DDP the local score and local "
+                "seconds still show the straggler.",
                 [
+                    Q(lowest_score("run, rank, instance", over_range=True), table=True),
                     Q(lowest_score("run, rank, instance"), table=True),
                     Q(sel(rec.RANK_STRAGGLER_SCORE, RANKS), table=True),
                     Q(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS), table=True),
@@ -376,26 +418,28 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                     Q(sel(rec.RANK_SAMPLES_RATE, RANKS), table=True),
                 ],
                 {
-                    "Value #A": ("lowest score", "none"),
-                    "Value #B": ("step-time score", "none"),
-                    "Value #C": ("local score", "none"),
-                    "Value #D": ("mean step", "s"),
-                    "Value #E": ("p95 step", "s"),
-                    "Value #F": ("local per step", "s"),
-                    "Value #G": ("data-loading share", "percentunit"),
-                    "Value #H": ("steps/s", "none"),
-                    "Value #I": ("samples/s", "none"),
+                    "Value #A": (RANGE_SCORE_COLUMN, "none"),
+                    "Value #B": ("lowest score now", "none"),
+                    "Value #C": ("step-time score", "none"),
+                    "Value #D": ("local score", "none"),
+                    "Value #E": ("mean step", "s"),
+                    "Value #F": ("p95 step", "s"),
+                    "Value #G": ("local per step", "s"),
+                    "Value #H": ("data-loading share", "percentunit"),
+                    "Value #I": ("steps/s", "none"),
+                    "Value #J": ("samples/s", "none"),
                 },
-                sort_by="lowest score",
+                sort_by=RANGE_SCORE_COLUMN,
                 width=14,
             ).override_by_name("instance", NODE_LINK)
         )
         .with_panel(
             bargauge_panel(
                 "Straggler scores",
-                "The `Ranks drawn` scored ranks with the lowest scores over the range (a rank not yet scored has "
-                "no bar): run median / the rank's value, of mean step time (step) and of the local phases before the "
-                f"first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
+                "The `Ranks drawn` scored ranks with the lowest scores, each score averaged over the time range (the "
+                "figure that picks them, and the Per-rank comparison's first column; its other columns read now): a "
+                "rank not yet scored has no bar. Run median / the rank's value, of mean step time (step) and of the "
+                f"local phases before the first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
                 "the Node dashboard (a rank's node in the tables links there). Under DDP/FSDP all ranks wait for "
                 "the slowest in the all-reduce, so their step scores stay at 1; under DDP the local score is the one "
@@ -403,9 +447,10 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 f"all-gathers parameters inside {contract.FORWARD_PHASE}, so the wait lands there and both stay "
                 "near 1).",
                 [
-                    Q(drawn(sel(rec.RANK_STRAGGLER_SCORE, RANKS), DRAWN_SCORED), "rank {{rank}} step ({{instance}})"),
+                    Q(drawn(over_the_range(sel(rec.RANK_STRAGGLER_SCORE, RANKS)), DRAWN_SCORED),
+                      "rank {{rank}} step ({{instance}})"),
                     Q(
-                        drawn(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS), DRAWN_SCORED),
+                        drawn(over_the_range(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS)), DRAWN_SCORED),
                         "rank {{rank}} local ({{instance}})",
                     ),
                 ],
@@ -418,12 +463,17 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             state_timeline_panel(
                 "Training state per rank",
-                "What each rank reports doing (setup, train, eval, checkpoint, idle): long checkpoint or "
-                "eval bands explain throughput dips; a rank stuck in a state while others train is hung. "
+                "What ranks report doing (setup, train, eval, checkpoint, idle): long checkpoint or eval bands "
+                "explain throughput dips; a rank stuck in a state while others train is hung. Not a row per rank "
+                "(64 to 512 rows): the `Ranks drawn` ranks that spent the most of the time range in a state other "
+                "than the run's most common one at the same time (hung in a checkpoint, stuck in eval, idle), the "
+                "ranks the other panels draw, and one row, \"N other ranks\", for the ranks it hides, showing the "
+                "run's most common state. Where more ranks stray than `Ranks drawn`, raise it. "
                 "Sampled at each push: a state shorter than the push interval may not show here; the time per "
                 "state beside counts it. A rank whose requeued pod landed on another node shows its state there "
                 "(the node it pushed to last), not its old pod's, which the old node keeps for 10 minutes.",
-                [Q(_state_expr(), "rank {{rank}}")],
+                [Q(f"{_state_expr()}\nand on (rank) {STATE_RANKS_SHOWN}", "rank {{rank}}"),
+                 Q(_other_ranks_state(), "{{hidden}} other ranks")],
                 value_text(
                     {str(code): (state, color) for state, (code, color) in STATES.items()}
                     | {"0": ("other", "text")}
