@@ -425,6 +425,62 @@ def test_the_state_timeline_draws_the_ranks_in_another_state_and_the_drawn_ones_
     assert not failed, failed
 
 
+# 32 nodes of 8 GPUs for 10 minutes, 1m apart: node n17's GPUs idle for the first half (0.1, then 0.9: 0.536 over
+# the range), n3, n8, n20 and n29 a little less used than the rest (0.9); n5 and four others busiest on the CPU; n11
+# and four others slowest in samples per second.
+NODES = [f"n{node}" for node in range(32)]
+GPU_USE = {"n17": "0.1x4 0.9x6", "n3": "0.7x10", "n8": "0.75x10", "n20": "0.8x10", "n29": "0.85x10"}
+CPU_USE = {"n5": "0.99x10", "n6": "0.95x10", "n7": "0.9x10", "n30": "0.85x10", "n31": "0.8x10"}
+SAMPLES = {"n11": "100x10", "n12": "200x10", "n13": "300x10", "n14": "400x10", "n15": "450x10"}
+
+
+def _cluster_panel_test(name: str, inputs: list[dict], panel: str, expected: dict[str, list[dict]], tmp: Path) -> str:
+    """promtool's verdict on the Cluster dashboard's `panel` with its variables at their defaults, at the end of a
+    10m time range: each target of `expected` (by refId) returns exactly its samples."""
+    model = dashboards()["stepscope-cluster.json"]
+    (targets,) = [found["targets"] for found in panels(model) if found["title"] == panel]
+    tests = [{"expr": grafana_interpolate(target["expr"].replace("$__range", "10m"), model, {"nodes_drawn": "5"}),
+              "eval_time": "10m", "exp_samples": expected[target["refId"]]}
+             for target in targets if target["refId"] in expected]
+    return promtool_expressions(tmp / f"{name}.yml", inputs, tests, interval="1m")
+
+
+def test_the_cluster_per_node_panels_draw_the_nodes_that_stand_out_beside_the_median(tmp_path: Path) -> None:
+    """The Cluster dashboard's per-node lines and bars at 32 nodes, evaluated by promtool: the 5 least used nodes
+    over the range (n17, idle for half of it, among them though it reads 0.9 now), the 5 busiest on the CPU, the 5
+    slowest in samples per second, each beside the median node. Before: 32 lines (bars) per panel."""
+    inputs = []
+    for node in NODES:
+        inputs += [{"series": f'{rec.NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN}{{instance="{node}"}}',
+                    "values": GPU_USE.get(node, "0.9x10")},
+                   {"series": f'{rec.NODE_GPU_EFFECTIVE_UTILIZATION}{{instance="{node}"}}',
+                    "values": GPU_USE.get(node, "0.9x10")},
+                   {"series": f'{rec.NODE_CPU_UTILIZATION}{{instance="{node}"}}',
+                    "values": CPU_USE.get(node, "0.3x10")},
+                   {"series": f'{rec.RANK_SAMPLES_RATE}{{instance="{node}",run="big",rank="{node[1:]}"}}',
+                    "values": SAMPLES.get(node, "500x10")}]
+
+    def now(name: str, readings: dict[str, str]) -> list[dict]:
+        return [{"labels": f'{name}{{instance="{node}"}}', "value": float(values.split()[-1].split("x")[0])}
+                for node, values in readings.items()]
+
+    over_the_range = {"n17": (5 * 0.1 + 6 * 0.9) / 11, "n3": 0.7, "n8": 0.75, "n20": 0.8, "n29": 0.85}
+    expected = {
+        "GPU utilization in runs per node": {"A": now(rec.NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN, GPU_USE),
+                                             "B": [{"labels": "{}", "value": 0.9}]},
+        "GPU utilization per node": {"A": [{"labels": f'{{instance="{node}"}}', "value": value}
+                                           for node, value in over_the_range.items()]},
+        "CPU utilization per node": {"A": now(rec.NODE_CPU_UTILIZATION, CPU_USE),
+                                     "B": [{"labels": "{}", "value": 0.3}]},
+        "Samples per second per node": {"A": [{"labels": f'{{instance="{node}"}}', "value": sample["value"]}
+                                              for node, sample in zip(SAMPLES, now("", SAMPLES), strict=True)],
+                                        "B": [{"labels": "{}", "value": 500}]},
+    }
+    failed = "".join(_cluster_panel_test(f"cluster{index}", inputs, panel, targets, tmp_path)
+                     for index, (panel, targets) in enumerate(expected.items()))
+    assert not failed, failed
+
+
 def test_the_step_time_lines_match_the_drawn_ranks_before_the_buckets_still_exported() -> None:
     """The p50 / p95 lines keep the drawn ranks' bucket rates first, then match those to the buckets still exported:
     matching all 6,400 bucket rates of 256 ranks to all 6,400 buckets first took 8-38 s per line over 6 hours on

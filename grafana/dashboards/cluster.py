@@ -10,6 +10,7 @@ from grafana.dashboards.panels import (
     alert_list_panel,
     bargauge_panel,
     base_dashboard,
+    custom_variable,
     data_link,
     heatmap_panel,
     row,
@@ -44,6 +45,36 @@ GPUS_PER_NODE = f"count by (instance) ({rec.GPU_SOURCE_NAME})"
 HELD_IDLE_HOURS_BY_NAMESPACE = (
     f"sum by (namespace) (count_over_time(({rec.GPU_HELD_IDLE} * on (instance, gpu) group_left (namespace) "
     f"{GPU_NAMESPACE})[$__range:{STEP}])) * {goodput.ACCOUNTING_STEP_SECONDS} / 3600")
+# The nodes a per-node time series or bar draws: a line per node was 32 lines at 32 nodes (a legend of 32 names, one
+# colour each) and the node that holds a run back one of them. `$nodes_drawn` of them, the least used or the busiest
+# (averaged over the time range and taken at its end, so one set of nodes is drawn across the panel), beside the
+# cluster's median node.
+NODES_DRAWN_CHOICES = {"5": 5, "10": 10, "20": 20, "all": 1_000_000}
+
+
+def over_the_range(per_node: str) -> str:
+    """`per_node` averaged over the dashboard's time range, taken at its end (one figure at every step)."""
+    return f"avg_over_time({per_node}[$__range] @ end())"
+
+
+def lowest_nodes(per_node: str, ranked_by: str = "") -> str:
+    """`per_node` (a vector with an `instance` label) of the `$nodes_drawn` nodes lowest over the time range:
+    `per_node` averaged over it, or `ranked_by` where `per_node` is not a selector."""
+    return f"{per_node} and on (instance) bottomk($nodes_drawn, {ranked_by or over_the_range(per_node)})"
+
+
+def highest_nodes(per_node: str) -> str:
+    """`per_node` (a selector with an `instance` label) of the `$nodes_drawn` nodes highest over the time range."""
+    return f"{per_node} and on (instance) topk($nodes_drawn, {over_the_range(per_node)})"
+
+
+def median_node(per_node: str) -> Q:
+    """The cluster's typical node: the median over all nodes of `per_node` (the line a drawn node is compared with)."""
+    return Q(f"quantile(0.5, {per_node})", "median node")
+
+
+NODE_SAMPLES_RATE = f"sum by (instance) ({rec.RANK_SAMPLES_RATE})"
+NODE_SAMPLES_RATE_OVER_THE_RANGE = f"sum by (instance) ({over_the_range(rec.RANK_SAMPLES_RATE)})"
 UTILIZATION = thresholds(
     (None, "red"),
     (contract.THRESHOLDS["utilization_low"].value, "yellow"),
@@ -166,8 +197,10 @@ def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             bargauge_panel(
                 "GPU utilization per node",
-                "Average effective utilization of all GPUs of each node (1m).",
-                [Q(rec.NODE_GPU_EFFECTIVE_UTILIZATION, "{{instance}}")],
+                "Average effective utilization of all GPUs of a node, averaged over the time range: the "
+                "`Nodes drawn` least used nodes.",
+                [Q(f"bottomk($nodes_drawn, {over_the_range(rec.NODE_GPU_EFFECTIVE_UTILIZATION)})",
+                   "{{instance}}")],
                 "percentunit",
                 steps=UTILIZATION,
             )
@@ -183,9 +216,11 @@ def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Da
         board.with_panel(
             timeseries_panel(
                 "GPU utilization in runs per node",
-                "Average effective utilization of the GPUs runs use, per node. Nodes of the same run should "
-                "sit together; one lower line is where the run loses time.",
-                [Q(rec.NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN, "{{instance}}")],
+                "Average effective utilization of the GPUs runs use, per node: the `Nodes drawn` least used over "
+                "the time range, beside the median node. Nodes of the same run should sit together; a lower line "
+                "is where the run loses time.",
+                [Q(lowest_nodes(rec.NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN), "{{instance}}"),
+                 median_node(rec.NODE_GPU_EFFECTIVE_UTILIZATION_IN_RUN)],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -193,9 +228,9 @@ def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Da
         .with_panel(
             timeseries_panel(
                 "CPU utilization per node",
-                "Host CPU utilization per node (all but idle and iowait, 1m): a saturated node starves its "
-                "data loaders.",
-                [Q(rec.NODE_CPU_UTILIZATION, "{{instance}}")],
+                "Host CPU utilization per node (all but idle and iowait, 1m): the `Nodes drawn` busiest over the "
+                "time range, beside the median node. A saturated node starves its data loaders.",
+                [Q(highest_nodes(rec.NODE_CPU_UTILIZATION), "{{instance}}"), median_node(rec.NODE_CPU_UTILIZATION)],
                 "percentunit",
                 limits=(0, 1),
             )
@@ -203,9 +238,11 @@ def _skew_across_nodes_and_ranks_row(board: dashboard.Dashboard) -> dashboard.Da
         .with_panel(
             timeseries_panel(
                 "Samples per second per node",
-                "Throughput each node contributes over all runs: uneven bars for equal hardware mean uneven "
-                "work or a slow node.",
-                [Q(f"sum by (instance) ({rec.RANK_SAMPLES_RATE})", "{{instance}}")],
+                "Throughput each node contributes over all runs: the `Nodes drawn` slowest over the time range, "
+                "beside the median node. A node far below the median for equal hardware means uneven work or a "
+                "slow node.",
+                [Q(lowest_nodes(NODE_SAMPLES_RATE, NODE_SAMPLES_RATE_OVER_THE_RANGE), "{{instance}}"),
+                 median_node(NODE_SAMPLES_RATE)],
                 SAMPLES_PER_SECOND,
                 limits=(0, None),
             )
@@ -297,6 +334,15 @@ def build() -> dashboard.Dashboard:
             "stepscope / Cluster", UID, ["stepscope", "cluster"],
             "All stepscope agents side by side: GPU use per node and GPU, idle GPUs, skew.",
             since="now-3h", refresh="1m",
+        )
+        .with_variable(
+            custom_variable(
+                "nodes_drawn",
+                "Nodes drawn",
+                NODES_DRAWN_CHOICES,
+                description="how many nodes the per-node time series and bars draw: the least used (GPU, "
+                "throughput) or the busiest (CPU) over the time range, beside the median node",
+            )
         )
     )
     for add_row in (_fleet_row, _gpus_row, _skew_across_nodes_and_ranks_row, _alerts_row):
