@@ -209,9 +209,10 @@ def _state_expr() -> str:
 # row for all other ranks, named with their count, that shows the run's most common state.
 STATE_NOW = f"({sel(contract.TRAINING_STATE, RANKS)} == 1) and on (run, rank, instance) {_latest_node()}"
 RANKS_PER_STATE = f"count by (run, state) ({STATE_NOW})"
-MOST_COMMON_STATE = f"({RANKS_PER_STATE}) == on (run) group_left () max by (run) ({RANKS_PER_STATE})"
+# topk, not `== max`: the states are counted once, not twice (a tie picks one of the most common states).
+MOST_COMMON_STATE = f"topk by (run) (1, {RANKS_PER_STATE})"
 # Each rank's count of the panel's steps over the range (`$__interval` apart, taken at its end as DRAWN is) at which
-# it was in a state other than the run's most common one (ties: each of the most common states counts as such).
+# it was in a state other than the run's most common one.
 STEPS_APART = (f"count_over_time((group by (run, rank) (({STATE_NOW}) unless on (run, state) ({MOST_COMMON_STATE})))"
                f"[$__range:$__interval] @ end())")
 STATE_RANKS_SHOWN = f"group by (run, rank) (topk by (run) ($ranks_drawn, {STEPS_APART}) or {DRAWN})"
@@ -222,10 +223,9 @@ RANKS_HIDDEN = (f"count by (run) (group by (run, rank) (max_over_time({sel(contr
 
 
 def _other_ranks_state() -> str:
-    """The row of the ranks the panel hides: the code of the run's most common state at each step (the highest code
-    on a tie; 0 for a state the contract does not name), with a label `hidden`, their count, for the legend."""
-    code = (f"max by (run) (({MOST_COMMON_STATE}) * 0 + on (state) group_left () ({STATE_CODES})"
-            f" or ({MOST_COMMON_STATE}) * 0)")
+    """The row of the ranks the panel hides: the code of the run's most common state at each step (none where it is
+    a state the contract does not name), with a label `hidden`, their count, for the legend."""
+    code = f"max by (run) (({MOST_COMMON_STATE}) * 0 + on (state) group_left () ({STATE_CODES}))"
     return f'count_values by (run) ("hidden", {RANKS_HIDDEN}) * 0 + on (run) group_left () {code}'
 
 
