@@ -1,6 +1,7 @@
 """GPU collector against the scripted fake NVML: in-process, and through a real exporter process."""
 
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -407,6 +408,44 @@ def test_process_gpu_memory_lands_in_the_table(harness: Callable[..., Harness]) 
     assert h.table.get()[4102] == {"0": 21 * GIB}  # two contexts of one pid on one GPU add up
 
 
+def test_processes_through_mps_land_in_the_table_once(harness: Callable[..., Harness]) -> None:
+    """Under MPS NVML lists the training processes only by nvmlDeviceGetMPSComputeRunningProcesses (the compute
+    list holds the MPS server): before, they were never in the table, so no run was mapped to the GPU. A pid in
+    both lists is one process, not two contexts."""
+    h = harness()
+    h.rewrite(lambda s: s["gpus"][0].update(mps_processes=[{"pid": 4105, "used_memory": 3 * GIB},
+                                                           {"pid": 4102, "used_memory": 20 * GIB},
+                                                           {"pid": 4106, "used_memory": None}]))
+    h.rewrite(lambda s: s["gpus"][1].update(mps_processes=[{"pid": 4103, "used_memory": GIB}]))
+    h.scrape()
+    table = {pid: dict(gpus) for pid, gpus in h.table.get().items()}
+    assert table[4105] == {"0": 3 * GIB}
+    assert table[4102] == {"0": 20 * GIB}  # listed in both: counted once
+    assert table[4103] == {"1": GIB}  # no figure in the compute list: the MPS list's
+    assert 4106 not in table
+    assert getattr(h.collector, "failed_reading", "") == ""
+
+
+@pytest.mark.parametrize("refusal", ["NotSupported", "FunctionNotFound", "bindings without the call", "Unknown"])
+def test_a_refused_mps_list_keeps_the_compute_processes(
+    harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """A driver or GPU without MPS refuses the call (NotSupported), an older driver has no such function
+    (FunctionNotFound), older bindings no such attribute: none of them is a failed reading, and the compute
+    processes are read as before. Any other error is counted, as any failed field."""
+    h = harness()
+    if refusal == "bindings without the call":
+        monkeypatch.delattr(h.nvml, "nvmlDeviceGetMPSComputeRunningProcesses")
+    else:
+        h.rewrite(lambda s: [gpu.setdefault("errors", {}).update(mps_processes=refusal) for gpu in s["gpus"]])
+    text = h.scrape()
+    assert {pid: dict(gpus) for pid, gpus in h.table.get().items()} == {
+        4101: {"0": 30 * GIB, "1": 8 * GIB}, 4102: {"0": 20 * GIB}, 4104: {"2": 2 * GIB}}
+    assert sample_values(text, "stepscope_gpu_up") == [1, 1, 1]
+    failed = getattr(h.collector, "failed_reading", "")
+    assert ("mps_processes" in failed) == (refusal == "Unknown"), failed
+
+
 def test_generated_eight_by_eight_scenario(harness: Callable[..., Harness]) -> None:
     h = harness(make_scenario(gpus=8, processes_per_gpu=8, models=("H100", "A100")))
     text = h.scrape()
@@ -621,12 +660,17 @@ def test_one_transient_unknown_on_utilization_keeps_the_gpu_up_and_its_gpm(harne
 
 
 def test_exporter_scrape_with_mixed_gpus_passes_promtool(tmp_path: Path) -> None:
-    scenario = write_scenario(tmp_path / "nvml.json", load_scenario("mixed"))
-    with running_exporter(tmp_path, "--collectors", "gpu", fake_nvml_scenario=scenario) as exporter:
+    """Also: this test's process, a client of the MPS server on GPU 0 (listed by NVML's MPS call alone), is
+    published with its GPU memory by the process collector."""
+    scenario = load_scenario("mixed")
+    scenario["gpus"][0]["mps_processes"] = [{"pid": os.getpid(), "used_memory": 3 * GIB}]
+    path = write_scenario(tmp_path / "nvml.json", scenario)
+    with running_exporter(tmp_path, "--collectors", "gpu,process", fake_nvml_scenario=path) as exporter:
         text = wait_for(lambda: scrape(exporter.url), lambda t: "stepscope_gpu_sm_active_ratio{" in t,
                         "GPM ratios (second cycle)")
     for index in range(3):
         assert set(PER_GPU_FAMILIES) <= names_for_gpu(text, str(index))
+    assert one(text, "stepscope_process_gpu_memory_bytes", pid=str(os.getpid()), gpu="0") == 3 * GIB
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                              timeout=60)
     assert (checked.returncode, checked.stdout + checked.stderr) == (0, "")

@@ -153,6 +153,32 @@ READERS: tuple[tuple[str, Reader], ...] = (
 )
 
 
+def _compute_processes(nvml: ModuleType, handle: Any) -> list[Any]:
+    return nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+
+
+def _mps_processes(nvml: ModuleType, handle: Any) -> list[Any]:
+    """The processes that run on the GPU through the MPS server: NVML lists them only here (the compute
+    processes hold the server, nvidia-cuda-mps-server, instead), so under MPS no training pid was mapped to its
+    GPU. Bindings without the call are refused as a driver without it is (FunctionNotFound: left out)."""
+    read = getattr(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", None)
+    if read is None:
+        raise nvml.NVMLError_FunctionNotFound()
+    return read(handle)
+
+
+def _held_memory(compute: Iterable[Any], through_mps: Iterable[Any]) -> list[tuple[int, int]]:
+    """(pid, bytes) of every process holding memory on the GPU, from both of NVML's lists. A pid in both is one
+    process (a driver may list an MPS client in both), counted once: from the compute list where it has a memory
+    figure there. Two entries of one pid within a list are two contexts, which add up. Entries without a memory
+    figure are left out."""
+    listed = [(process.pid, process.usedGpuMemory) for process in compute if process.usedGpuMemory is not None]
+    counted = {pid for pid, _ in listed}
+    listed += [(process.pid, process.usedGpuMemory) for process in through_mps
+               if process.usedGpuMemory is not None and process.pid not in counted]
+    return listed
+
+
 class _GpuDown(Exception):
     """A GPU stopped answering during this cycle."""
 
@@ -370,7 +396,8 @@ class GpuCollector:
             for what, reader in READERS:
                 samples += self._read(gpu, what, reader) or ()
             gpm = self._read(gpu, "gpm", lambda _n, _h: gpu.gpm.read(now)) if gpu.gpm else None
-            held = self._read(gpu, "processes", lambda n, h: n.nvmlDeviceGetComputeRunningProcesses(h))
+            held = self._read(gpu, "processes", _compute_processes)
+            held_through_mps = self._read(gpu, "mps_processes", _mps_processes)
         except _GpuDown as exc:
             if gpu.up:
                 log.warning("GPU %s (%s) stopped answering (%s)", gpu.index, gpu.uuid, exc)
@@ -394,10 +421,9 @@ class GpuCollector:
             out.add(key, (*labels, *extra), value)
         for key, value in (gpm or {}).items():
             out.add(key, labels, value)
-        for process in held or ():
-            if process.usedGpuMemory is not None:
-                per_gpu = processes.setdefault(process.pid, {})
-                per_gpu[gpu.index] = per_gpu.get(gpu.index, 0) + process.usedGpuMemory
+        for pid, used in _held_memory(held or (), held_through_mps or ()):
+            per_gpu = processes.setdefault(pid, {})
+            per_gpu[gpu.index] = per_gpu.get(gpu.index, 0) + used
 
     def _watch_xids(self, gpu: _Gpu) -> None:
         """Registers a GPU identified after start for XID events (`_init` registers those identified then),

@@ -34,6 +34,7 @@ GPU (every key optional; a missing field raises NVMLError_NotSupported, like a G
     "pcie_kbps": {"rx": 1200000, "tx": 800000},
     "ecc_aggregate": {"corrected": COUNTER, "uncorrected": COUNTER},
     "processes": [{"pid": 1234, "used_memory": B}],  # used_memory null = not available; missing = []
+    "mps_processes": [{"pid": 1235, "used_memory": B}],  # the clients of the MPS server; missing = []
     "gpm": {"sm_util": 80, "sm_occupancy": 40, "any_tensor_util": 55, "dram_bw_util": 60,
             "pcie_tx_per_sec": 781.25, "pcie_rx_per_sec": 1171.9,
             "nvlink_total_tx_per_sec": 40000, "nvlink_total_rx_per_sec": 40000,
@@ -575,13 +576,24 @@ def nvmlDeviceGetTotalEccErrors(handle: _Device, error_type: int, counter_type: 
     return int(_counter(_key(_field(handle, "ecc_aggregate"), names[error_type])))
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: _Device) -> list[_Struct]:
-    processes = _gpu(handle, "processes").get("processes", [])
+def _processes(listed: list[dict[str, Any]]) -> list[_Struct]:
     return [
         _Struct(pid=p["pid"], usedGpuMemory=p.get("used_memory"), gpuInstanceId=0xFFFFFFFF,
                 computeInstanceId=0xFFFFFFFF)
-        for p in processes
+        for p in listed
     ]
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: _Device) -> list[_Struct]:
+    return _processes(_gpu(handle, "processes").get("processes", []))
+
+
+def nvmlDeviceGetMPSComputeRunningProcesses(handle: _Device) -> list[_Struct]:
+    """The processes that run on the GPU through the MPS server, which NVML lists here and not among the compute
+    processes (that list holds the server, nvidia-cuda-mps-server, instead). [] where no MPS server runs, as a
+    driver answers; a driver or GPU without MPS refuses it (errors "mps_processes": "NotSupported"), and a
+    driver older than the call has no such function ("FunctionNotFound")."""
+    return _processes(_gpu(handle, "mps_processes").get("mps_processes", []))
 
 
 def nvmlGpmQueryDeviceSupport(handle: _Device) -> _Struct:
