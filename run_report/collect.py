@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,13 +41,42 @@ def fetch(prom: Prometheus, run: str, window: Window, nodes: list[str]) -> RunDa
             built.over_time, lambda expr: pool.submit(prom.query_range, expr, window.start, window.end, window.step))
         bounds = shared_bounds(totals["step_buckets"].result())
         totals |= _sent_once(queries.run_quantiles(run, window, bounds), total)
+        firsts = totals["first_step_count"].result()
+        at_first = queries.first_scrape_values(run, window)
+        answers = {at: _sent_once(at_first, lambda expr, at=at: pool.submit(prom.query, expr, at))
+                   for at in sorted({at for series in firsts for at, _ in series.points})}
+        answered = {name: list(future.result()) for name, future in totals.items()}
         return RunData(
             run,
             window,
             tuple(nodes),
-            {name: list(future.result()) for name, future in totals.items()},
+            answered | at_first_points(firsts, answers, at_first),
             {name: list(future.result()) for name, future in over_time.items()},
         )
+
+
+def at_first_points(firsts: list[Series], answers: Mapping[float, Mapping[str, Answer]],
+                    names: Iterable[str]) -> dict[str, list[Series]]:
+    """Each name's answers (instant, at each time of `answers`) kept where a rank has a first point (`firsts`,
+    queries._first_scrape), as series of those points: what the report asked, for each name, as a subquery over
+    the window kept at the first points only."""
+    ranks_at: dict[float, set[tuple[str, str]]] = {}
+    for series in firsts:
+        for at, _ in series.points:
+            ranks_at.setdefault(at, set()).add(_rank(series.labels))
+    points: dict[str, dict[tuple[tuple[str, str], ...], list[tuple[float, float]]]] = {}
+    for at, named in sorted(answers.items()):
+        for name, answer in named.items():
+            for series in answer.result():
+                if _rank(series.labels) in ranks_at.get(at, set()):
+                    points.setdefault(name, {}).setdefault(tuple(sorted(series.labels.items())), []).append(
+                        (at, series.last))
+    return {name: [Series(dict(labels), tuple(found)) for labels, found in points.get(name, {}).items()]
+            for name in names}
+
+
+def _rank(labels: Mapping[str, str]) -> tuple[str, str]:
+    return labels.get("rank", ""), labels.get("instance", "")
 
 
 def shared_bounds(step_buckets: list[Series]) -> list[str]:

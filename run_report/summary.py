@@ -247,10 +247,11 @@ class _FirstScrape:
 
 def _first_scrapes(totals: Mapping[str, list[Series]]) -> dict[tuple[str, str], list[_FirstScrape]]:
     """Per rank, its processes' first scrapes in the window in time order: each that follows a restart, and the
-    first of a rank whose step histogram was born in the window (any other first point is the window's start)."""
+    first of a rank whose step histogram was born in the window (any other first point is the window's start).
+    The counts at the first points are asked only where there are some (collect.at_first_points): none, none."""
     def points(name: str) -> dict[tuple[str, str], dict[float, float]]:
         found: dict[tuple[str, str], dict[float, float]] = {}
-        for series in totals[name]:
+        for series in totals.get(name, ()):
             found.setdefault(_key(series), {}).update(series.points)
         return found
 
@@ -258,7 +259,7 @@ def _first_scrapes(totals: Mapping[str, list[Series]]) -> dict[tuple[str, str], 
     restarts = points("first_restarts")
     born = {_key(series) for series in totals["step_histogram_born"]}
     phases: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
-    for series in totals["first_phase_seconds"]:
+    for series in totals.get("first_phase_seconds", ()):
         at = phases.setdefault(_key(series), {})
         for when, value in series.points:
             at.setdefault(when, {})[series.labels.get("phase", "")] = value
