@@ -222,7 +222,7 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
     step = args.step or default_step
     if last_active is not None:
         end = _idle_tail_cut(start, end, last_active, step)
-    window = aligned(start, max(end, start + step), step)
+    window = aligned(start, max(end, start + step), step, scrape_interval)
     nodes = sorted({labels.get("instance", "") for labels in
                     prom.series(selector(TRAINING_INFO, run_matcher(args.run)), window.start, window.end)})
     return window, nodes

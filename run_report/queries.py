@@ -155,7 +155,7 @@ def build(run: str, window: Window, nodes: list[str], steady: Collection[str] = 
     """`steady`: the counters' selectors whose series did not go down in the window (`counter_resets`)."""
     r = run_matcher(run)
     w = window.rate_window
-    over_time = _training_over_time(r) | _gpu_over_time(r) | _process_over_time(r, w)
+    over_time = _training_over_time(r, window) | _gpu_over_time(r) | _process_over_time(r, w)
     if nodes:  # the nodes the run's ranks ran on
         over_time |= _node_over_time(f"instance=~{_regex_string(nodes)}", w)
     return Queries(_totals(r, window, steady), over_time)
@@ -308,10 +308,21 @@ def pushed_at(r: str) -> str:
     return f"({push} - on (job, instance) group_left () {rec.NODE_CLOCK_OFFSET}) or {push}"
 
 
-def _training_over_time(r: str) -> dict[str, str]:
+def fresh(expr: str, selector: str, window: Window) -> str:
+    """`expr` at the points where `selector` (whose series `expr`'s keep their labels) has a sample at most
+    Window.fresh_duration old. A series that ended without a staleness marker (history backfilled with promtool,
+    imported into VictoriaMetrics) went on at every point of Prometheus' 5-minute lookback: a rank whose
+    exporter group expired after it was lost read lost for 915 s on Prometheus, 630 s on VictoriaMetrics, for
+    615 s up to the scrape that no longer had it. A staleness marker ends the series as before."""
+    return f"({expr}) and last_over_time({selector}[{window.fresh_duration}])"
+
+
+def _training_over_time(r: str, window: Window) -> dict[str, str]:
+    state = sel(fam.TRAINING_STATE, r)
     return {
-        "state": f"{sel(fam.TRAINING_STATE, r)} == 1",
-        "last_push": pushed_at(r),  # a rank that stopped pushing unclosed is lost (timeline)
+        "state": fresh(f"{state} == 1", state, window),
+        # a rank that stopped pushing unclosed is lost (timeline)
+        "last_push": fresh(pushed_at(r), sel(fam.TRAINING_LAST_PUSH, r), window),
         "world_size": f"count by (world_size) ({sel(fam.TRAINING_INFO, r)})",  # a resized run (resize.py)
         "verdict": sel(rec.RUN_VERDICT, r),
         "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),

@@ -47,11 +47,13 @@ class RunSeen:
 
 @dataclass(frozen=True)
 class Window:
-    """The report's range [start, end] (unix seconds) and its query resolution `step` (seconds)."""
+    """The report's range [start, end] (unix seconds), its query resolution `step` and the run's scrape interval
+    (seconds; 0 where not measured: the step)."""
 
     start: float
     end: float
     step: float
+    scrape_interval: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -72,6 +74,14 @@ class Window:
     def step_duration(self) -> str:
         """The step as a PromQL duration: in milliseconds, as PromQL has no fractional seconds ("2.5s")."""
         return f"{max(1, round(self.step * 1000))}ms"
+
+    @property
+    def fresh_duration(self) -> str:
+        """How old a sample a point of the timeline's series may show: a step and a half, or a scrape interval and a
+        half where --step is finer, with room for a late scrape. A series that ends without a staleness marker
+        (backfilled, imported) was shown by Prometheus for its 5-minute lookback, by VictoriaMetrics for about an
+        interval."""
+        return f"{max(1, round(max(self.step, self.scrape_interval) * 1500))}ms"
 
     @property
     def rate_window(self) -> str:
@@ -184,9 +194,9 @@ def resolution(start: float, end: float, scrape_interval: float) -> float:
     return float(next((step for step in NICE_STEPS if step >= wanted), math.ceil(wanted)))
 
 
-def aligned(start: float, end: float, step: float) -> Window:
+def aligned(start: float, end: float, step: float, scrape_interval: float = 0.0) -> Window:
     """The window widened to whole steps, so every query (instant or range) sees the same points."""
-    return Window(math.floor(start / step) * step, math.ceil(end / step) * step, step)
+    return Window(math.floor(start / step) * step, math.ceil(end / step) * step, step, scrape_interval)
 
 
 def _bucket_ends(prom: Prometheus, selector: str, lo: float, hi: float, size: int, from_end: bool) -> list[float]:
