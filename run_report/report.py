@@ -30,9 +30,12 @@ from stepscope.report.timeline import (
     labelled_intervals,
     state_intervals,
     times_in_state,
+    while_training,
 )
 from stepscope.report.times import iso
 from stepscope.report.verdict import SETTLE_SECONDS, Assessment, assess
+
+SCORES = ("step_score", "local_score")  # the straggler scores: the critical path's
 
 RUN_SUMMARY_HEADER = (
     "run", "start", "end", "resolution_seconds", "ranks", "nodes", "steps", "samples", "first_step_seconds",
@@ -76,7 +79,8 @@ def build(data: RunData, prometheus_url: str) -> Report:
         nodes=node_summaries(ranks), totals=totals, assessment=assess(data, totals, ranks),
         intervals=end_at_resizes(intervals, resized),
         verdicts=labelled_intervals(over["verdict"], "verdict", data.window),
-        path=[bound for bound in critical_path(over["step_score"], over["local_score"]) if bound.time in training],
+        path=[bound for bound in critical_path(*(while_training(over[score], intervals) for score in SCORES))
+              if bound.time in training],
         goodput=account(data.totals, over["stalled"], (over["global_step"], over["global_step_base"]),
                         data.window.step, totals.samples, data.window.start),
         resizes=resized,

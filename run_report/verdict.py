@@ -28,9 +28,11 @@ from stepscope.report.summary import STRAGGLER_SCORE, RankSummary, RunTotals, st
 from stepscope.report.timeline import (
     StragglerSpell,
     labelled_intervals,
+    state_intervals,
     straggler_spells,
     times_in_state,
     training_times,
+    while_training,
 )
 from stepscope.report.times import clock
 from stepscope.report.window import Window
@@ -202,7 +204,9 @@ def _partial_stragglers(data: RunData, whole: list[RankSummary]) -> tuple[Stragg
     named = {(rank.rank, rank.node) for rank in whole}
     over = data.over_time
     training = times_in_state(over["state"], TRAIN_STATE)
-    return tuple(spell for spell in straggler_spells(over["step_score"], over["local_score"], training,
+    intervals = state_intervals(over["state"], data.window, over.get("last_push", []))
+    return tuple(spell for spell in straggler_spells(while_training(over["step_score"], intervals),
+                                                     while_training(over["local_score"], intervals), training,
                                                      data.window.step)
                  if (spell.rank, spell.node) not in named)
 

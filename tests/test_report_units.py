@@ -872,6 +872,39 @@ def test_ranks_lost_together_are_one_line_and_every_loss_is_said() -> None:
         "there."]
 
 
+def test_a_lost_ranks_lingering_score_does_not_bound_the_run() -> None:
+    """Rank 0 killed after its push at 100, rank 1 training on; rank 0's last score (0.5, a straggler) is read until
+    150, as Prometheus' lookback holds a recording that ended without a staleness marker (backfilled history).
+    Before, rank 0 bounded the run from 110 to 150 though lost from 100: on a 16-rank run killed at 09:30, 19
+    points of critical path more on Prometheus than on VictoriaMetrics, none of them true."""
+    over = _over_time(None, trained=False)
+    histories = [_killed_and_requeued("0", "n1", 100, None, 0), _killed_and_requeued("1", "n1", 390, None, 0)]
+    over["state"], over["last_push"] = [h[0] for h in histories], [h[1] for h in histories]
+    over["local_score"] = [Series({"rank": "0", "instance": "n1"}, tuple((t, 0.5) for t in range(0, 160, 10))),
+                           Series({"rank": "1", "instance": "n1"}, tuple((t, 1.0) for t in range(0, 400, 10)))]
+    built = report.build(RunData("r", LOSSES_WINDOW, ("n1",),
+                                 {name: [] for name in queries.build("r", LOSSES_WINDOW, []).totals}, over),
+                         "http://prometheus")
+    assert {bound.time: bound.rank for bound in built.path} == {t: "0" if t <= 100 else "1" for t in range(0, 400, 10)}
+
+
+def test_a_lost_ranks_lingering_score_does_not_make_a_straggler_spell_of_a_short_one() -> None:
+    """Rank 0 slow (0.5) from its start until it was killed after its push at 420 s, its score read on for
+    Prometheus' 5-minute lookback (to 720 s): 7 minutes below the threshold, under the 10 the alert waits, read as a
+    12-minute spell that the page named."""
+    window, points = Window(0, 1200, 10), range(0, 1200, 10)
+    over = _over_time(None, trained=False)
+    over["state"] = [Series({"rank": rank, "instance": "n", "state": "train"}, tuple((t, 1.0) for t in points))
+                     for rank in ("0", "1")]
+    over["last_push"] = [Series({"rank": "0", "instance": "n"}, tuple((t, min(t, 420)) for t in points)),
+                         Series({"rank": "1", "instance": "n"}, tuple((t, t) for t in points))]
+    over["local_score"] = [Series({"rank": "0", "instance": "n"}, tuple((t, 0.5) for t in range(0, 730, 10))),
+                           Series({"rank": "1", "instance": "n"}, tuple((t, 1.0) for t in points))]
+    assessment = assess(RunData("r", window, ("n",), {}, over), RunTotals(
+        steps=100, samples=6400, step_seconds=10.0, steps_timed=100, phase_seconds={}, p50=0.1, p95=0.12), [])
+    assert assessment.spells == ()
+
+
 class _PushesProm:
     """Prometheus answering every range query with the same last-push series."""
 
