@@ -26,6 +26,7 @@ the exporter every second, vmalert evaluates the same rule files every second ag
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,10 +150,10 @@ class ScriptedClock:
     after the others' would last all of theirs."""
 
     def __init__(self) -> None:
-        self._times: dict[tuple[str, str], int] = {}
-        self._current: tuple[str, str] = ("", "")
+        self._times: dict[tuple[str, ...], int] = {}
+        self._current: tuple[str, ...] = ()
 
-    def switch(self, rank: tuple[str, str]) -> None:
+    def switch(self, rank: tuple[str, ...]) -> None:
         self._current = rank
         self._times.setdefault(rank, 10**12)
 
@@ -166,6 +167,7 @@ class ScriptedClock:
 @dataclass
 class Rank:
     key: tuple[str, str]  # (run, rank)
+    timeline: tuple[str, str, str]  # (engine, run, rank): its clock's timeline, apart from the other engine's rank
     tracker: th.Tracker
     pusher: Pusher
     steps: list[float]
@@ -192,7 +194,7 @@ class Measured:
 
 def _run_steps(rank: Rank, clock: ScriptedClock, draw: Draw, rng: random.Random, n: int, keep: bool) -> None:
     """`n` steps on the rank's timeline, which stays current for its snapshot or push that follows."""
-    clock.switch(rank.key)
+    clock.switch(rank.timeline)
     phase = rank.tracker.phase(PHASE)
     for _ in range(n):
         seconds = max(draw(rng), 1e-6)
@@ -226,20 +228,35 @@ def _seen(prometheus: str, ranks: dict[tuple[str, str], Rank]) -> bool:
     return all(pushed.get(key) == rank.tracker.steps for key, rank in ranks.items())
 
 
-@pytest.fixture(scope="module", params=ENGINES)
-def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Measured]:
-    tmp = tmp_path_factory.mktemp(f"quantiles-{request.param}")
+@pytest.fixture(scope="module")
+def measured_by_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Measured]]:
+    """Both engines' runs, each with its own exporter, side by side: VictoriaMetrics' window starts first, and
+    Prometheus is measured while VictoriaMetrics waits for its first push to leave the 1m window
+    (FIRST_PUSH_AGE), rather than after it."""
+    tmp = tmp_path_factory.mktemp("quantiles")
     clock = ScriptedClock()
     patch = pytest.MonkeyPatch()
     patch.setattr(stepscope.hooks.tracker, "perf_counter_ns", clock)
     patch.setattr(stepscope.hooks.timing, "perf_counter_ns", clock)
+    longest_wait_first = sorted(ENGINES, key=lambda engine: -FIRST_PUSH_AGE[engine])
     try:
-        with running_exporter(tmp, "--collectors", "node") as exporter:
-            warm = _warm_up(exporter.url, clock)
-            with running_engine(request.param, tmp, exporter.url.removeprefix("http://"), RULE_FILES) as url:
-                yield _measure(request.param, url, clock, warm)
+        with ExitStack() as stack:
+            started = {}
+            for engine in longest_wait_first:
+                (tmp / engine).mkdir()
+                exporter = stack.enter_context(running_exporter(tmp / engine, "--collectors", "node"))
+                warm = _warm_up(engine, exporter.url, clock)
+                url = stack.enter_context(running_engine(engine, tmp / engine, exporter.url.removeprefix("http://"),
+                                                         RULE_FILES))
+                started[engine] = (url, warm, _window_started(url, warm.ranks))
+            yield {engine: _measure(engine, *started[engine], clock) for engine in reversed(longest_wait_first)}
     finally:
         patch.undo()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def measured(request: pytest.FixtureRequest, measured_by_engine: dict[str, Measured]) -> Measured:
+    return measured_by_engine[request.param]
 
 
 @dataclass
@@ -260,35 +277,36 @@ class WarmRun:
             rank.tracker.render()
 
 
-def _start_ranks(exporter: str, clock: ScriptedClock) -> dict[tuple[str, str], Rank]:
+def _start_ranks(engine: str, exporter: str, clock: ScriptedClock) -> dict[tuple[str, str], Rank]:
     """Every case's ranks: sharing one store (what torch.distributed's is to a real run's ranks), or, in the
     NO_STORE runs, none: those push with their tracker's own pusher, whose pushes carry the agreement."""
     store = dist.HashStore()
     ranks: dict[tuple[str, str], Rank] = {}
     for run, (size, _, _) in CASES.items():
         for rank in range(size):
-            clock.switch((run, str(rank)))
+            timeline = (engine, run, str(rank))
+            clock.switch(timeline)
             no_store = run in NO_STORE
             tracker = th.init(run=run, rank=rank, world_size=size, push_url=exporter if no_store else "",
                               handle_sigterm=False, phase_buckets=run == PHASE_RUN, push_interval=AGREEMENT_SECONDS,
                               store=None if no_store else store)
             pusher = tracker.pusher if no_store else Pusher(group_url(exporter, run, rank), tracker.render, interval=60)
             assert pusher is not None
-            ranks[(run, str(rank))] = Rank((run, str(rank)), tracker, pusher, [], [])
+            ranks[(run, str(rank))] = Rank((run, str(rank)), timeline, tracker, pusher, [], [])
     # A tracker's pusher pushes once as it starts: done before the test's own pushes, which it would race.
     assert wait_for(lambda: all(r.pusher.stats.successes for r in ranks.values() if r.key[0] in NO_STORE), 60)
     return ranks
 
 
-def _warm_up(exporter: str, clock: ScriptedClock) -> WarmRun:
+def _warm_up(engine: str, exporter: str, clock: ScriptedClock) -> WarmRun:
     """The runs until the push before the measured one (the window's first sample), before any engine scrapes:
     the NO_STORE ranks push every snapshot, as the hooks do every push interval, and so agree."""
-    ranks = _start_ranks(exporter, clock)
+    ranks = _start_ranks(engine, exporter, clock)
     draws = {(run, rank): CASES[run][2](int(rank)) for run, rank in ranks}
     # Each rank draws from its own stream, so that a case added or reordered leaves the others' steps as they were.
     warm = WarmRun(ranks, draws, {(run, rank): random.Random(f"{run}/{rank}") for run, rank in ranks})
     for key, rank in ranks.items():
-        clock.switch(key)
+        clock.switch(rank.timeline)
         rank.tracker.state("train")
         _run_steps(rank, clock, lambda r, draw=draws[key]: 20 * draw(r), warm.rngs[key], 3, keep=False)  # compilation
         rank.tracker.render()  # the first snapshot with steps
@@ -304,11 +322,16 @@ def _warm_up(exporter: str, clock: ScriptedClock) -> WarmRun:
     return warm
 
 
-def _measure(engine: str, prometheus: str, clock: ScriptedClock, warm: WarmRun) -> Measured:
+def _window_started(prometheus: str, ranks: dict[tuple[str, str], Rank]) -> float:
+    """When the engine had every rank's first push: the window's start."""
+    assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)
+    return time.monotonic()
+
+
+def _measure(engine: str, prometheus: str, warm: WarmRun, window_started: float, clock: ScriptedClock) -> Measured:
     chained_seconds = CHAINED_SECONDS[engine]
     ranks, draws, rngs = warm.ranks, warm.draws, warm.rngs
-    assert wait_for(lambda: _seen(prometheus, ranks), 60), _pushed_steps(prometheus)  # the window's start
-    time.sleep(FIRST_PUSH_AGE[engine])  # every first sample is older than that now
+    time.sleep(max(0.0, window_started + FIRST_PUSH_AGE[engine] - time.monotonic()))  # every first sample is older
     measured_push = time.time()
     for key, rank in ranks.items():
         _run_steps(rank, clock, draws[key], rngs[key], MEASURED_STEPS, keep=True)
@@ -327,7 +350,7 @@ def _measure(engine: str, prometheus: str, clock: ScriptedClock, warm: WarmRun) 
     assert at, "the rules did not evaluate the measured push"
     assert at < measured_push + WINDOW_SECONDS, "the measured push left the 1m window before the rules read it"
     for rank in ranks.values():
-        clock.switch(rank.key)
+        clock.switch(rank.timeline)
         rank.tracker.close()
     return Measured(engine, prometheus, {key: rank.steps for key, rank in ranks.items()},
                     ranks[(PHASE_RUN, "0")].phase_times, at)
