@@ -275,6 +275,15 @@ def test_every_runbook_url_opens_its_row_in_the_alerts_page() -> None:
             assert f'<a id="{rule["alert"].lower()}"></a>`{rule["alert"]}`' in page, rule["alert"]
 
 
+def test_every_runbook_holds_for_every_alert_of_its_group() -> None:
+    """stepscope.tmpl shows a group's runbook once, its first alert's, under the alerts: a runbook that named
+    its alert's node ("Open the Node dashboard for n3") sent a run's stragglers on n3 and n4 to n3 alone. Each
+    alert's description names where; its runbook says what to do, the same for every alert of the rule."""
+    for rule in rules():
+        if "alert" in rule:
+            assert "{{" not in rule["annotations"]["runbook"], rule["alert"]
+
+
 def post_alert(alertmanager: str, labels: dict[str, str], resolved: bool = False) -> None:
     """One alert as Prometheus sends it: firing (ends in an hour, resent while it holds) or resolved now."""
     ends = time.time() + (0 if resolved else 3600)
