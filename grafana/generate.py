@@ -8,6 +8,7 @@ Sources and outputs stay apart (the monitoring-mixin layout):
   grafana/rules/src/*.rules.yml      -> grafana/rules_out/*.rules.yml (contract placeholders filled in)
   grafana/rules_out/*.rules.yml      -> grafana/alerting_out/stepscope-alerts.yml (Grafana-managed alerts)
   stepscope_contract                 -> docs/exporter.md's metric table (between its markers)
+  docker/alertmanager/templates/stepscope.tmpl -> helm/stepscope/files/notifications.yaml (its texts inline)
 Helm reads only files inside the chart, so the chart reaches the outputs through links (LINKS):
 helm/stepscope/files/dashboards -> ../../../grafana/dashboards_out and files/rules -> ../../../grafana/
 rules_out. The Helm SDK follows them when it loads, renders and packages the chart, so each output is
@@ -17,7 +18,7 @@ kept once.
 import os
 from pathlib import Path
 
-from grafana import readme_table
+from grafana import notifications, readme_table
 from grafana.alerting import generate as alerting
 from grafana.dashboards import generate as dashboards
 from grafana.rules import render as rules
@@ -31,6 +32,8 @@ DATASOURCE = Path("grafana/provisioning/datasources/stepscope.yml")
 CHART_FILES = Path("helm/stepscope/files")
 CHART_DASHBOARDS = CHART_FILES / "dashboards"
 CHART_RULES = CHART_FILES / "rules"
+CHART_NOTIFICATIONS = CHART_FILES / "notifications.yaml"
+NOTIFICATION_TEMPLATES = Path("docker/alertmanager/templates/stepscope.tmpl")
 LINKS = ((CHART_DASHBOARDS, DASHBOARDS_OUT), (CHART_RULES, RULES_OUT))  # link -> the output directory
 METRICS_DOC = Path("docs/exporter.md")  # the reference page with the metric table
 GENERATED_DIRS = {DASHBOARDS_OUT: "*.json", RULES_OUT: "*.rules.yml"}  # whole directories generate owns
@@ -60,6 +63,10 @@ def outputs(root: Path = REPO) -> dict[Path, str]:
     files.update(rule_files)
     files[ALERTS_OUT] = alerting.render(tuple(rule_files.values()), root / DATASOURCE)
     files[METRICS_DOC] = readme_table.rewrite((root / METRICS_DOC).read_text())
+    try:
+        files[CHART_NOTIFICATIONS] = notifications.render((root / NOTIFICATION_TEMPLATES).read_text())
+    except notifications.TemplateError as error:
+        raise GenerateError(str(error)) from None
     return files
 
 

@@ -30,7 +30,7 @@ def checkout(tmp_path: Path) -> Path:
     """The generated files and their non-Python sources, copied with the chart's link kept a link."""
     root = tmp_path / "repo"
     for part in ("grafana/rules/src", "grafana/rules_out", "grafana/provisioning", "grafana/dashboards_out",
-                 "grafana/alerting_out", "helm/stepscope"):
+                 "grafana/alerting_out", "helm/stepscope", "docker/alertmanager/templates"):
         shutil.copytree(REPO / part, root / part, symlinks=True)
     (root / "docs").mkdir()
     shutil.copy(REPO / generate.METRICS_DOC, root / generate.METRICS_DOC)

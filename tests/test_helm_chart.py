@@ -24,6 +24,7 @@ from grafana.rules import groups as rule_groups
 from stepscope.exporter.cli import build_parser
 from stepscope_testkit.processes import exporter_env, free_port, running, sample_values
 from stepscope_testkit.sharded import shard_write_filter
+from tests.support.alerting import ALERTMANAGER_DIR, amtool
 from tests.support.helm_chart import (
     CHART,
     GRAFANA,
@@ -541,6 +542,58 @@ def test_alertmanager_config_routes_and_inhibits_as_the_shipped_config(chart: Pa
     expected = [r for r in top["routes"] if pager or r.get("receiver") != "page"]
     assert operator_routes(route["routes"], roles) == shipped_routes(expected)
     assert "inhibitRules" not in spec and "inhibit_rules" not in shipped
+
+
+def documented_alertmanager_values() -> dict[str, Any]:
+    """The AlertmanagerConfig values docs/alerts.md shows (its one yaml block of the alerts section)."""
+    (block,) = re.findall(r"```yaml\n(alerting:.*?)```", doc_section("alerts"), re.DOTALL)
+    return yaml.safe_load(block)
+
+
+def rendered_by_alertmanager(tmp_path: Path, text: str, data: dict[str, Any], kind: str = "text") -> str:
+    """`text` as Alertmanager 0.25 renders a receiver's field (amtool), with stepscope.tmpl loaded."""
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    result = amtool("template", "render", f"--template.glob={ALERTMANAGER_DIR / 'templates' / '*.tmpl'}",
+                    f"--template.text={text}", f"--template.type={kind}", f"--template.data={tmp_path / 'data.json'}")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_documented_receivers_say_what_the_compose_templates_say(chart: Path, tmp_path: Path) -> None:
+    """An AlertmanagerConfig loads no template file: the docs' Slack receiver (apiURL, channel, sendResolved) got
+    Alertmanager's defaults, a title and an empty text (a real Alertmanager sent Slack `"text": ""`: no
+    description, dashboard, runbook or what to try). The chart fills each Slack, e-mail and PagerDuty field a
+    receiver leaves unset with stepscope.tmpl's text, which Alertmanager renders as the compose receivers do."""
+    values = documented_alertmanager_values()
+    values["alerting"]["alertmanagerConfig"]["receivers"][2]["pagerdutyConfigs"][0]["description"] = "set by the user"
+    spec = one(objects(render(chart, values, api_versions=[OPERATOR_API])), "AlertmanagerConfig")["spec"]
+    receivers = spec["receivers"]
+    slack, page = receivers[0]["slackConfigs"][0], receivers[2]["pagerdutyConfigs"][0]
+    assert slack["channel"] == "#training-alerts" and page["description"] == "set by the user"
+    alerts = [{"status": "firing",
+               "labels": {"alertname": "StepscopeStragglerRank", "run": "llama-ft", "rank": str(rank), "instance": node,
+                          "severity": "warning"},
+               "annotations": {"summary": f"Rank {rank} of run llama-ft is a straggler",
+                               "description": f"Rank {rank} of run llama-ft on {node} has a straggler score of 0.6.",
+                               "runbook": "Open the Node dashboard of the rank's node.",
+                               "runbook_url": "https://runbook.example/straggler",
+                               "dashboard_url": f"https://grafana.example.com/d/stepscope-training?var-rank={rank}"}}
+              for rank, node in ((3, "n3"), (5, "n4"))]
+    data = {"receiver": "stepscope", "status": "firing", "alerts": alerts, "externalURL": "https://am.example",
+            "groupLabels": {"alertname": "StepscopeStragglerRank", "run": "llama-ft"},
+            "commonLabels": {"alertname": "StepscopeStragglerRank", "run": "llama-ft", "severity": "warning"},
+            "commonAnnotations": {"runbook": "Open the Node dashboard of the rank's node."}}
+    for field, name in (("title", "stepscope.title"), ("titleLink", "stepscope.dashboard_url"),
+                        ("text", "stepscope.text")):
+        assert rendered_by_alertmanager(tmp_path, slack[field], data) == \
+            rendered_by_alertmanager(tmp_path, f'{{{{ template "{name}" . }}}}', data), field
+    text = rendered_by_alertmanager(tmp_path, slack["text"], data)
+    for expected in ("run llama-ft rank 3 on n3 (warning): Rank 3 of run llama-ft on n3 has a straggler score of 0.6.",
+                     "Dashboard: https://grafana.example.com/d/stepscope-training?var-rank=5",
+                     "Runbook: https://runbook.example/straggler", "What to try: Open the Node dashboard"):
+        assert expected in text
+    title = rendered_by_alertmanager(tmp_path, slack["title"], data)
+    assert title == "[FIRING:2] StepscopeStragglerRank in run llama-ft"
 
 
 @pytest.mark.parametrize(("values", "message"), [

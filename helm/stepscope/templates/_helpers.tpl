@@ -432,3 +432,22 @@ basicAuth:
     key: {{ $credentials.passwordKey }}
 {{- end }}
 {{- end }}
+
+{{/* The receivers of (list $ RECEIVERS) as YAML, each Slack, e-mail and PagerDuty config given the fields of
+files/notifications.yaml it does not set itself (the description, dashboard and runbook links, what to try). */}}
+{{- define "stepscope.notifiedReceivers" -}}
+{{- $texts := (index . 0).Files.Get "files/notifications.yaml" | fromYaml }}
+{{- $receivers := list }}
+{{- range (index . 1) }}
+{{- $receiver := deepCopy . }}
+{{- range $kind, $fields := $texts }}
+{{- with (get $receiver $kind) }}
+{{- $configs := list }}
+{{- range . }}{{ $configs = append $configs (merge (deepCopy .) $fields) }}{{ end }}
+{{- $_ := set $receiver $kind $configs }}
+{{- end }}
+{{- end }}
+{{- $receivers = append $receivers $receiver }}
+{{- end }}
+{{- toYaml $receivers }}
+{{- end }}
