@@ -151,6 +151,25 @@ def test_email_template_renders_every_field(tmp_path: Path) -> None:
     assert "<no value>" not in html
 
 
+@pytest.mark.parametrize(("dashboard_url", "link"), [
+    ("https://grafana.example/d/stepscope-training?var-run=r1", "https://grafana.example/d/stepscope-training?var-run=r1"),
+    ("/d/stepscope-training?var-run=r1", "https://am.example"),
+])
+def test_the_title_link_opens_grafana_or_else_the_alertmanager(tmp_path: Path, dashboard_url: str, link: str) -> None:
+    """Slack's title link and PagerDuty's link are the dashboard where Prometheus knows Grafana's address; without
+    it (the chart's default alerting.grafanaUrl beside a Prometheus with no grafana_url label) the annotation is a
+    bare path no chat or pager opens, and the link is the Alertmanager's page, as Alertmanager's default."""
+    alert = {"status": "firing", "labels": {"alertname": "StepscopeRunNameClash", "run": "r1", "severity": "warning"},
+             "annotations": {"dashboard_url": dashboard_url}}
+    data = {"status": "firing", "alerts": [alert], "externalURL": "https://am.example"}
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    result = amtool("template", "render", f"--template.glob={ALERTMANAGER_DIR / 'templates' / '*.tmpl'}",
+                    '--template.text={{ template "stepscope.dashboard_url" . }}',
+                    f"--template.data={tmp_path / 'data.json'}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == link
+
+
 def test_a_data_bound_run_pages_once_with_its_cause_and_a_link(stack: Stack) -> None:
     """One notification for the run, its cause (the data loading) and not the GPU symptom that
     Prometheus fires too; the Slack message carries summary, description, links and what to try."""
