@@ -388,6 +388,23 @@ def test_a_closed_owner_is_taken_over_at_once() -> None:
     assert rejected(push, store, "0", process_push(111, state="train")).reason == "run_conflict"
 
 
+def test_a_post_that_takes_a_group_over_keeps_nothing_of_the_previous_process() -> None:
+    """A run name reused by a Pushgateway-style client that POSTs: the closed run's tokens (9e9) and loader limit
+    stayed under the new process, a counter the new run never pushed, and one that would go back once it does."""
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    previous = (info_family(pid=111, start_time="1795000000.25") + state_family("idle", STATES)
+                + counter("stepscope_tokens_total", 9e9)
+                + "# TYPE stepscope_loader_limit_samples_per_second gauge\n"
+                + "stepscope_loader_limit_samples_per_second 1234\n")
+    push(store, "0", families(previous))
+    push(store, "0", process_push(222, steps=3), replace=False)
+    assert sorted(store.snapshot()[1][0].families) == sorted(process_push(222))
+    assert "tokens" not in training_text(store) and "loader_limit" not in training_text(store)
+    push(store, "0", families(counter("stepscope_tokens_total", 50)), replace=False)  # its own POSTs still merge
+    assert owner_pid(store) == 222 and 'stepscope_steps_total{rank="0",run="r"} 3.0' in training_text(store)
+
+
 @pytest.mark.parametrize(("interval", "hold"), [
     (None, 12.5),  # one push so far: 2.5 x the hooks' default 5 s
     (2.0, 5.0),    # 2.5 x the interval

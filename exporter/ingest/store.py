@@ -143,7 +143,7 @@ class GroupStore:
                     f"limit (--ingest-max-groups {limits.max_groups}); a group expires "
                     f"{limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE",
                 )
-            merged = dict(families) if replace or old is None else {**old.families, **families}
+            merged = dict(families) if replace or _starts_afresh(old, owner) else {**old.families, **families}
             self._check_phases(run, rank, merged)
             series = sum(family.series for family in merged.values())
             if series > limits.max_series_per_group:
@@ -271,6 +271,13 @@ def _owner(families: Mapping[str, StoredFamily]) -> Owner | None:
     info = families.get(INFO_FAMILY)
     keys = info.keys if info else ()
     return min((Owner(key[_INFO_PID], key[_INFO_START_TIME]) for key in keys), default=None)
+
+
+def _starts_afresh(old: Group | None, pusher: Owner | None) -> bool:
+    """Whether a push replaces the whole group even as a POST: there is none yet, or another process takes it
+    over. A POST merges into its own process's families; merged into the previous owner's, it kept that process's
+    families it does not push (tokens, loader limits, a profiler trace, seconds per state) under the new one."""
+    return old is None or (pusher is not None and old.owner is not None and old.owner != pusher)
 
 
 def _intervals(old: Group | None, now: float) -> tuple[float, ...]:
