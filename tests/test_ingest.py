@@ -483,6 +483,25 @@ def test_push_api_answers_a_conflict_with_409_counts_it_and_logs_each_new_one(
                                   "run 'a' rank 0 is pushed by another process")
 
 
+def test_a_rank_expired_by_another_push_takes_its_wanted_bounds_with_it() -> None:
+    """A killed rank's group expires inside whichever push comes next on a busy node, before the expiry thread
+    wakes: its wanted step block (5) stayed counted in its run's answer for good (10 of 10 runs on a real
+    exporter pushed to steadily)."""
+    clock = FakeClock()
+    api = PushApi(ExpositionStore(), GroupStore(LIMITS, clock=clock, wall_clock=clock), AccessPolicy(),
+                  max_body_bytes=10_000, limits=PushLimits(128, max_series=40, max_phases=4))
+
+    def put(run: str, rank: str, wanted: str) -> str | None:
+        body, path = full_body().encode(), f"/metrics/job/stepscope/run/{run}/rank/{rank}"
+        request = push_request("PUT", path, len(body), **{"stepscope-bounds": wanted})
+        return api.handle(request, body).headers.get("Stepscope-Run-Bounds")
+
+    assert put("r", "1", '{"step":[5]}') == '{"step":{"5":1}}'  # then killed: it never pushes again
+    clock.now += LIMITS.ttl_seconds
+    put("busy", "0", '{"step":[9]}')  # another run's push drops rank 1's group
+    assert put("r", "0", '{"step":[7]}') == '{"step":{"7":1}}'
+
+
 def push_request(method: str, path: str, length: int | None = None, **headers: str) -> PushRequest:
     return PushRequest(method, path, headers, "127.0.0.1", length)
 

@@ -107,6 +107,7 @@ class PushApi:
         self._groups = groups
         self.profiles = profiles if profiles is not None else ProfileRequests(groups)
         self._bounds = NodeBounds()
+        self._forgotten_drops = 0  # the store's dropped() when what gone ranks reported was last forgotten
         self._access = access
         self._limits = limits
         self._stats_lock = threading.Lock()
@@ -147,6 +148,7 @@ class PushApi:
         except Rejected as rejected:
             return self._refuse(rejected, request)
         self._count_accepted()
+        self._forget_gone()
         answer = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), current_state(families))
         answer = {**answer, **self._bounds.on_push(run, rank, wanted)}
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
@@ -242,11 +244,20 @@ class PushApi:
             delay = max(0.0, self._groups.next_expiry() - time.monotonic()) + 0.01
             if self._stop.wait(delay):
                 return
-            if self._groups.expire():
-                self._forget_gone()
+            self._groups.expire()
+            self._forget_gone()
 
     def _forget_gone(self) -> None:
-        """Drops what ranks whose groups expired or were deleted reported (profiles, wanted bounds)."""
+        """Drops what ranks whose groups expired or were deleted reported (profiles, wanted bounds), once any went.
+
+        Called after every push too: a push expires the groups past their TTL, and on a busy node pushes dropped
+        nearly all of them before the expiry thread woke, which then found none to drop and forgot nothing. A
+        killed rank's wanted bounds then counted in its run's answer for good (10 of 10 runs on a node pushing
+        steadily), and every run's gone ranks stayed in memory."""
+        dropped = self._groups.dropped()
+        if dropped == self._forgotten_drops:
+            return
+        self._forgotten_drops = dropped
         live = [(group.run, group.rank) for group in self._groups.snapshot()[1]]
         self.profiles.forget_except(live)
         self._bounds.forget_except(live)

@@ -118,6 +118,7 @@ class GroupStore:
         self._groups: Mapping[GroupKey, Group] = MappingProxyType({})
         self._series = 0
         self._version = 0
+        self._dropped = 0
 
     def push(
         self, run: str, rank: str, families: Mapping[str, StoredFamily], last_push: Callable[[float], Chunk],
@@ -172,12 +173,19 @@ class GroupStore:
             if (run, rank) not in self._groups:
                 return False
             self._replace_locked({k: g for k, g in self._groups.items() if k != (run, rank)})
+            self._dropped += 1
             return True
 
     def expire(self) -> bool:
         """Drops groups past their TTL; True when any went."""
         with self._lock:
             return self._expire_locked(self._clock())
+
+    def dropped(self) -> int:
+        """How many groups have gone (expired or deleted) since start. A push expires groups as well as the expiry
+        thread: what their ranks reported beside them (profile status, wanted bounds) is forgotten when this grows,
+        whichever of the two dropped them."""
+        return self._dropped
 
     def version(self) -> int:
         """Grows on every change of the stored groups."""
@@ -245,6 +253,7 @@ class GroupStore:
         live = {k: g for k, g in self._groups.items() if g.expires_at > now}
         if len(live) == len(self._groups):
             return False
+        self._dropped += len(self._groups) - len(live)
         self._replace_locked(live)
         return True
 
