@@ -13,6 +13,7 @@ from stepscope.exporter.collectors import Collector
 from stepscope.exporter.exposition import ExpositionStore
 from stepscope.exporter.flags import fail
 from stepscope.exporter.gpu_processes import GpuProcessTable
+from stepscope.exporter.ingest import short_ttl_warning
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi
 from stepscope.exporter.ingest.parser import PushLimits
@@ -42,6 +43,8 @@ def serve(args: argparse.Namespace, config: WebConfig, tls_settings: TlsSettings
     if options.tls is not None:
         options.tls.publish_expiry(lambda body: store.publish("stepscope_exporter_tls", body))
     push_api, profile_api = _push_apis(args, store)
+    if (ttl_warning := short_ttl_warning(args.ingest_ttl)) is not None:
+        log.warning("%s", ttl_warning)
     collectors = _build_collectors(args, push_api)
     scheduler = Scheduler(collectors, args.collect_interval, store)
     host, port = args.listen_address

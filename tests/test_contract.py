@@ -172,6 +172,16 @@ def test_a_forgotten_lost_rank_is_kept_as_long_as_the_exporter_keeps_a_group() -
     assert contract.THRESHOLDS["rank_lost_kept_seconds"].value == build_parser().parse_args([]).ingest_ttl
 
 
+def test_the_exporter_says_a_ttl_too_short_for_rank_lost_by_the_alerts_own_for() -> None:
+    """The exporter warns of a --ingest-ttl that drops a killed rank before StepscopeRankLost pages it: its sum must
+    follow the shipped alert's `for`."""
+    from stepscope.exporter.ingest import RANK_LOST_FOR_SECONDS, short_ttl_warning
+
+    (rank_lost,) = [rule for rule in rules() if rule.get("alert") == "StepscopeRankLost"]
+    assert rank_lost["for"] == f"{RANK_LOST_FOR_SECONDS}s"
+    assert short_ttl_warning(60) is not None and short_ttl_warning(61) is None
+
+
 def test_dashboards_select_only_contract_phases_and_states() -> None:
     for query in panel_queries():
         for phases in PHASE_SELECTOR.findall(query.raw_expr):

@@ -385,12 +385,17 @@ def test_a_bad_bounds_header_is_refused(exporter: Running, wanted: str, message:
 
 # --- TTL, group limit, access -------------------------------------------------------------------
 
-def test_groups_expire_after_the_ttl(tmp_path: Path) -> None:
+def test_groups_expire_after_the_ttl_and_a_ttl_too_short_for_rank_lost_is_said(tmp_path: Path) -> None:
+    """A TTL under StepscopeRankLost's 45 s + 15 s drops a killed rank before the alert can page it: said at start
+    (2 SIGKILLed ranks went unpaged under --ingest-ttl 20 with nothing logged)."""
     with running_exporter(tmp_path, "--collectors", "", "--ingest-ttl", "3") as exp:
         requests.put(group_url(exp.url, "short"), data=full_body(), timeout=10).raise_for_status()
         assert of_run(scrape(exp.url), "short")
         assert wait_for(lambda: of_run(scrape(exp.url), "short") == {})
         assert samples(scrape(exp.url))[key("stepscope_exporter_ingest_groups")] == 0
+        assert ("WARNING exporter: --ingest-ttl 3 drops a rank that stops pushing without closing "
+                "(SIGKILL, the OOM killer) before StepscopeRankLost can page it (no push for 45 s, for 15 s): killed "
+                "ranks go unalerted; use more than 60 s (the default is 600)") in exp.log()
 
 
 def test_group_limit(tmp_path: Path) -> None:

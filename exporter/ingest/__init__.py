@@ -49,9 +49,12 @@ checked (exporter.ingest.store).
 
 import argparse
 
+from stepscope.contract import THRESHOLDS
 from stepscope.exporter.flags import add_flag, cidr_list, positive_int, readable_file, seconds_between
 
 MAX_TTL_SECONDS = 30 * 86400  # past a month a group is kept for no one; 1e308 overflowed the expiry's wait
+RANK_LOST_FOR_SECONDS = 15  # StepscopeRankLost's `for` (grafana/rules/src/stepscope-node.rules.yml)
+RANK_LOST_PAGED_SECONDS = THRESHOLDS["rank_lost_seconds"].value + RANK_LOST_FOR_SECONDS
 PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 
@@ -68,7 +71,8 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
                   "--ingest-token-file is set (a node-local training subnet)")
     add_flag(group, "--ingest-ttl", default="600", type=seconds_between(1, MAX_TTL_SECONDS),
              help=f"seconds after its last push at which a pushed group (run, rank) is dropped, 1 to "
-                  f"{MAX_TTL_SECONDS} (30 days)")
+                  f"{MAX_TTL_SECONDS} (30 days); at {RANK_LOST_PAGED_SECONDS:g} or less a killed rank is dropped "
+                  "before StepscopeRankLost pages it")
     add_flag(group, "--ingest-max-body-bytes", default="1048576", type=positive_int,
              help="largest accepted push body (413 above)")
     add_flag(group, "--ingest-max-series-per-group", default="2000", type=positive_int,
@@ -86,3 +90,18 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
              help="most push-body bytes received at once, by Content-Length; a push beyond it gets 503 "
                   "before its body is read, so pushes never crowd out scrapes")
 
+
+
+def short_ttl_warning(ttl_seconds: float) -> str | None:
+    """The line to log when --ingest-ttl drops a killed rank before StepscopeRankLost can page it; None otherwise.
+
+    The alert pages a rank its exporter shows without a push for rank_lost_seconds, for RANK_LOST_FOR_SECONDS; a
+    group a healthy exporter dropped is, by design, no longer lost (it may have been deleted). With --ingest-ttl 20,
+    2 ranks SIGKILLed were never paged in 4 minutes of a real Prometheus running the shipped rules, and nothing said
+    why. A TTL that short is legitimate (tests, a node that must forget fast), so it is said once, not refused."""
+    if ttl_seconds > RANK_LOST_PAGED_SECONDS:
+        return None
+    return (f"--ingest-ttl {ttl_seconds:g} drops a rank that stops pushing without closing (SIGKILL, the OOM killer) "
+            f"before StepscopeRankLost can page it (no push for {THRESHOLDS['rank_lost_seconds'].value:g} s, for "
+            f"{RANK_LOST_FOR_SECONDS} s): killed ranks go unalerted; use more than {RANK_LOST_PAGED_SECONDS:g} s "
+            "(the default is 600)")
