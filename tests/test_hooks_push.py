@@ -211,6 +211,19 @@ def test_a_refused_push_is_retried_at_the_interval_and_a_timeout_backs_off() -> 
     assert "ReadTimeout" in hanging.stats.last_error
 
 
+def test_a_failed_final_push_says_that_the_rank_may_be_paged_lost_not_that_it_retries(caplog) -> None:
+    """close() at a moment its exporter cannot be reached, the pushes before having landed: the last state, idle, may
+    never land. Said once as what it is; before, "retrying, training continues" (neither happens)."""
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
+    pusher = Pusher(f"http://127.0.0.1:{free_port()}", lambda: "", interval=5.0, timeout=0.5, max_backoff=60.0)
+    pusher.stop()
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert warning.startswith("stepscope: the final push (state idle) failed: cannot push to http://127.0.0.1:")
+    assert warning.endswith("the exporter may show this rank in its last state until its --ingest-ttl, and "
+                            "StepscopeRankLost page it as lost")
+    assert "retrying" not in warning
+
+
 def test_a_conflict_is_retried_at_the_interval_and_logged_once(caplog) -> None:
     """409: the exporter gives the run and rank to another process of the node until it closes or stops
     pushing. Backing off (up to 60 s) would keep this process's series out for a minute after that; at the

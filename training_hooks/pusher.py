@@ -179,7 +179,11 @@ class Pusher:
             if self._thread.is_alive():  # wedged beyond its timeout: do not share the session with it
                 log.warning("stepscope: pusher thread did not stop; skipping the final push")
                 return
-        self.push_once()
+        already_said = self._failing  # the pushes before failed alike: logged, and the rank's state there is older
+        if not self.push_once() and not already_said:
+            log.warning("stepscope: the final push (state idle) failed: %s; the exporter may show this rank in its "
+                        "last state until its --ingest-ttl, and StepscopeRankLost page it as lost",
+                        self.stats.last_error)
         self._session.close()
 
     def _loop(self) -> None:
@@ -205,7 +209,7 @@ class Pusher:
             self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
             if self._at_interval:  # maybe upgraded (a DaemonSet rollout): it may know the families left out now
                 self._unknown_families.clear()
-            return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__}); "
+            return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__})",
                                 "retrying, training continues")
         except Exception as exc:  # a bug in rendering must not kill the thread or the training
             return self._failed("error", f"push to {self.url} failed: {exc!r}")
@@ -221,7 +225,7 @@ class Pusher:
         kind = "rejected" if response.status_code < 500 else "server error"
         return self._failed(
             f"{kind} {response.status_code}",  # not keyed on the message: it may differ on every try
-            f"push to {self.url} {kind} ({response.status_code}): {message}; training continues",
+            f"push to {self.url} {kind} ({response.status_code}): {message}",
         )
 
     def _put_known_families(self, body: str, headers: Mapping[str, str]) -> requests.Response:
@@ -268,10 +272,15 @@ class Pusher:
         except Exception as exc:  # a bug in answer handling must not count as a failed push
             log.warning("stepscope: could not handle the answer of %s: %r", self.url, exc)
 
-    def _failed(self, key: str, message: str) -> bool:
+    def _failed(self, key: str, problem: str, going_on: str = "training continues") -> bool:
+        """Logs a failed push once per kind of failure, until one succeeds. Not once stopping: the final push's
+        failure is stop()'s to say, since no retry follows and training has ended (a close() that met a busy
+        exporter said "retrying, training continues")."""
         self.stats.failures += 1
-        self.stats.last_error = message
+        self.stats.last_error = problem
+        if self._stop.is_set():
+            return False
         if self._failing != key:
-            log.warning("stepscope: %s", message)
+            log.warning("stepscope: %s; %s", problem, going_on)
             self._failing = key
         return False
