@@ -247,6 +247,27 @@ def test_group_limit_counts_only_new_groups_and_expired_ones_free_room() -> None
     assert [g.rank for g in store.snapshot()[1]] == ["3"]
 
 
+def test_a_closed_group_gives_its_slot_to_a_new_one_the_longest_closed_first() -> None:
+    """A sweep's short trials closed within the TTL filled every slot (16 of 16 on a real exporter), and a training
+    rank was refused 429 until one expired. Closed groups give way, the earliest pushed first; live ones never,
+    and a refused push still changes nothing."""
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    for rank, pid in (("0", 100), ("1", 101)):
+        push(store, rank, process_push(pid, state="idle"))
+        clock.now += 1
+    push(store, "2", process_push(102))
+    push(store, "3", process_push(103))
+    assert [g.rank for g in store.snapshot()[1]] == ["1", "2", "3"]  # rank 0 closed first: it gave way
+    push(store, "4", process_push(104))
+    assert [g.rank for g in store.snapshot()[1]] == ["2", "3", "4"]
+    before = store.snapshot()
+    error = rejected(push, store, "5", process_push(105))
+    assert (error.status, error.reason) == (429, "too_many_groups") and store.snapshot() == before
+    assert "none of a rank that closed (those give way)" in error.message
+    assert store.dropped() == 2
+
+
 def test_ttl_expiry_and_registered_processes() -> None:
     clock = FakeClock()
     store = GroupStore(LIMITS, clock=clock, wall_clock=clock)

@@ -78,14 +78,16 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
     add_flag(group, "--ingest-max-series-per-group", default="2000", type=positive_int,
              help="most series one group (run, rank) may hold, histogram buckets included")
     add_flag(group, "--ingest-max-groups", default="512", type=positive_int,
-             help="most groups (run, rank) stored at once; pushes for new groups beyond it get 429")
+             help="most groups (run, rank) stored at once; a closed one (state idle) gives way to a new group, "
+                  "and pushes for new groups beyond live ones get 429")
     add_flag(group, "--ingest-max-label-value-length", default="128", type=positive_int,
              help="longest label value (and run name) accepted, in characters")
     add_flag(group, "--ingest-max-phases", default="32", type=positive_int,
              help="most distinct phase names per group; a push with more is refused whole (400): raise the "
                   "hooks' max_phases only as far as this")
     add_flag(group, "--ingest-max-series", default="150000", type=positive_int,
-             help="most series stored over all groups (429 above); bounds the exporter's memory")
+             help="most series stored over all groups (429 above, once closed groups gave way); bounds the "
+                  "exporter's memory")
     add_flag(group, "--ingest-max-bytes-in-flight", default="8388608", type=positive_int,
              help="most push-body bytes received at once, by Content-Length; a push beyond it gets 503 "
                   "before its body is read, so pushes never crowd out scrapes")

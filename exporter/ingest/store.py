@@ -137,13 +137,6 @@ class GroupStore:
             owner = _owner(families)
             if old is not None and owner is not None:
                 self._check_owner(old, owner, now)
-            if old is None and len(self._groups) >= limits.max_groups:
-                raise Rejected(
-                    429, "too_many_groups",
-                    f"cannot add group run={run!r} rank={rank}: {len(self._groups)} groups are stored, the "
-                    f"limit (--ingest-max-groups {limits.max_groups}); a group expires "
-                    f"{limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE",
-                )
             merged = dict(families) if replace or _starts_afresh(old, owner) else {**old.families, **families}
             self._check_phases(run, rank, merged)
             series = sum(family.series for family in merged.values())
@@ -153,19 +146,13 @@ class GroupStore:
                     f"group run={run!r} rank={rank} would hold {series} series, over the limit of "
                     f"{limits.max_series_per_group} (--ingest-max-series-per-group)",
                 )
-            total = self._series - (old.series if old else 0) + series
-            if total > limits.max_series:
-                raise Rejected(
-                    429, "too_many_series",
-                    f"storing group run={run!r} rank={rank} would make {total} series on this exporter, over "
-                    f"the limit of {limits.max_series} (--ingest-max-series); groups expire "
-                    f"{limits.ttl_seconds:g}s after their last push (--ingest-ttl) or on DELETE",
-                )
+            kept = self._room_for(run, rank, old, series)
             pushed_at = self._wall_clock()
             group = Group(run, rank, MappingProxyType(merged), last_push(pushed_at), pushed_at,
                           now + limits.ttl_seconds, series, _owner(merged), current_state(merged), now,
                           _intervals(old, now))
-            self._replace_locked({**self._groups, (run, rank): group})
+            self._dropped += len(self._groups) - len(kept)
+            self._replace_locked({**kept, (run, rank): group})
             return group
 
     def delete(self, run: str, rank: str) -> bool:
@@ -220,6 +207,38 @@ class GroupStore:
         from now with none stored. Every group has the same TTL, so no push can bring that time closer."""
         with self._lock:
             return min((g.expires_at for g in self._groups.values()), default=self._clock() + self._limits.ttl_seconds)
+
+    def _room_for(self, run: str, rank: str, old: Group | None, series: int) -> dict[GroupKey, Group]:
+        """The stored groups, less the closed ones (last state idle, the earliest pushed first) that must give way
+        for this push to fit --ingest-max-groups and --ingest-max-series; 429 when the live ones leave no room.
+
+        A closed group is kept until its TTL only to show how its run ended: a node running a sweep of short
+        trials filled its 512 slots with closed runs within the TTL, and a training rank was then refused (429)
+        until one expired, its series lost meanwhile. A live group never gives way."""
+        limits = self._limits
+        kept = dict(self._groups)
+        closed = sorted((g for g in kept.values() if g.state == IDLE_STATE and (g.run, g.rank) != (run, rank)),
+                        key=lambda g: g.pushed_clock)
+        total = self._series - (old.series if old else 0) + series
+        while closed and ((old is None and len(kept) >= limits.max_groups) or total > limits.max_series):
+            gone = closed.pop(0)
+            del kept[(gone.run, gone.rank)]
+            total -= gone.series
+        if old is None and len(kept) >= limits.max_groups:
+            raise Rejected(
+                429, "too_many_groups",
+                f"cannot add group run={run!r} rank={rank}: {len(kept)} groups are stored, the limit "
+                f"(--ingest-max-groups {limits.max_groups}), none of a rank that closed (those give way); a group "
+                f"expires {limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE",
+            )
+        if total > limits.max_series:
+            raise Rejected(
+                429, "too_many_series",
+                f"storing group run={run!r} rank={rank} would make {total} series on this exporter, over "
+                f"the limit of {limits.max_series} (--ingest-max-series); groups expire "
+                f"{limits.ttl_seconds:g}s after their last push (--ingest-ttl) or on DELETE",
+            )
+        return kept
 
     @staticmethod
     def _check_owner(old: Group, pusher: Owner, now: float) -> None:
