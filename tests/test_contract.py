@@ -193,7 +193,7 @@ def test_dashboards_select_only_contract_phases_and_states() -> None:
 # ---- a rename is one edit plus `python -m grafana generate` --------------------------------------------
 
 COPIED = ("stepscope", "stepscope_contract", "training_hooks", "exporter", "run_report", "grafana", "helm", "tests",
-          "docs")
+          "docs", "docker")  # docker: the Alertmanager template the chart's notification texts are generated from
 
 
 @pytest.fixture
