@@ -9,6 +9,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -17,6 +18,7 @@ import stepscope.hooks as th
 from stepscope.contract.thresholds import THRESHOLDS
 from stepscope.exporter.ingest.errors import Rejected
 from stepscope.exporter.ingest.parser import PushLimits, parse_push, unknown_family
+from stepscope.hooks import pusher as pusher_module
 from stepscope.hooks.pusher import Pusher
 from stepscope_testkit.loopback import LoopbackServer, serving
 from stepscope_testkit.processes import free_port, running_exporter, sample_values, scrape
@@ -222,6 +224,54 @@ def test_a_failed_final_push_says_that_the_rank_may_be_paged_lost_not_that_it_re
     assert warning.endswith("the exporter may show this rank in its last state until its --ingest-ttl, and "
                             "StepscopeRankLost page it as lost")
     assert "retrying" not in warning
+
+
+class BusyFirst(BaseHTTPRequestHandler):
+    """An exporter with too many bodies in flight: 503 server_busy with Retry-After (`retry_after`) to the
+    first `busy` PUTs, then 200; records each PUT's body."""
+
+    busy = 1
+    retry_after = "1"
+    bodies: list[bytes] = []
+
+    def do_PUT(self) -> None:
+        self.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+        refused = len(self.bodies) <= self.busy
+        self.send_response(503 if refused else 200)
+        if refused:
+            self.send_header("Retry-After", self.retry_after)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("busy", "retry_after", "landed"), [(1, "1", True), (1, "30", False), (9, "1", False)])
+def test_the_final_push_waits_as_a_busy_server_asks_within_its_grace(busy: int, retry_after: str,
+                                                                     landed: bool, caplog, monkeypatch) -> None:
+    """close() beside an exporter busy for now (503, Retry-After): the final push, whose idle ends the rank, is
+    sent again after the delay asked, so a cleanly finished rank is not left `train` there to be paged lost; a
+    delay beyond the grace (2.5 s here), or a server busy all through it, is not waited for."""
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
+    monkeypatch.setattr(pusher_module, "FINAL_PUSH_GRACE_SECONDS", 2.5, raising=False)
+    handler = type("Busy", (BusyFirst,), {"busy": busy, "retry_after": retry_after, "bodies": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pusher = Pusher(f"http://127.0.0.1:{server.server_port}/metrics/job/stepscope/run/r/rank/0",
+                        lambda: "idle\n", interval=60.0, max_backoff=60.0)
+        pusher.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    tries = len(handler.bodies)
+    if landed:
+        assert (pusher.stats.successes, tries) == (1, 2)
+    else:  # busy all through: tried after 1 s and 2 s, not after 3 s (a try that stalled a second: one fewer)
+        assert pusher.stats.successes == 0 and tries in ((1,) if retry_after == "30" else (2, 3))
+    assert bool(caplog.records) is not landed  # the final push's failure is said
+    assert all(body == b"idle\n" for body in handler.bodies)
 
 
 def test_a_conflict_is_retried_at_the_interval_and_logged_once(caplog) -> None:

@@ -11,6 +11,12 @@ has every rank's series within one interval of its start, as the rules' scrape-g
 time, and this one's pushes are taken at once when the other process closes or stops pushing, so its
 series land within one interval of that.
 
+The final push (close, exit, SIGTERM), whose state `idle` tells the rules the rank ended, is tried again when
+the server answers that it is busy for now (503 or 429 with Retry-After, as the exporter answers with too many
+bodies in flight), after the delay it asks for, within FINAL_PUSH_GRACE_SECONDS: a rank that finished cleanly
+beside a busy exporter stayed `train` there until its TTL, and StepscopeRankLost paged it. Nothing else is
+tried again at the end: a process without an exporter must exit at once.
+
 A push that finds its kept-alive connection closed is sent again at once on a new one. A server closes
 an idle connection when it chooses (the exporter after 10 s), and a push sent as it does fails though
 nothing is wrong: HTTP lets a client retry an idempotent request then (RFC 9110 9.2.2), as Go's client
@@ -36,6 +42,7 @@ import posixpath
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -53,6 +60,9 @@ _PLAIN_LABEL_VALUE = re.compile(r"[A-Za-z0-9_.:-]+")
 _DOT_SEGMENTS = (".", "..")
 # How an exporter refuses a family it does not know (stepscope.exporter.ingest.parser.unknown_family).
 _UNKNOWN_FAMILY = re.compile(r"unknown family '([a-zA-Z_:][a-zA-Z0-9_:]*)'")
+# The longest the final push waits, in all, on a server that asks to be tried again (Retry-After): well inside
+# Kubernetes' default 30 s termination grace, where SIGTERM's close() runs.
+FINAL_PUSH_GRACE_SECONDS = 5.0
 # A family's sample names: the family's own, or one of these suffixes on it (histograms, counters).
 _SAMPLE_SUFFIXES = ("", "_bucket", "_sum", "_count", "_total", "_created")
 
@@ -166,6 +176,7 @@ class Pusher:
         self._failing = ""  # the problem already logged, until the next success
         self._at_interval = False  # the last push failed in a way that backing off would not help: no backoff
         self._unknown_families: set[str] = set()  # families the server refused as unknown: left out from then on
+        self._retry_after: float | None = None  # the last answer's asked delay, where it was busy for now
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="stepscope-pusher", daemon=True)
@@ -180,11 +191,20 @@ class Pusher:
                 log.warning("stepscope: pusher thread did not stop; skipping the final push")
                 return
         already_said = self._failing  # the pushes before failed alike: logged, and the rank's state there is older
-        if not self.push_once() and not already_said:
+        if not self._push_final() and not already_said:
             log.warning("stepscope: the final push (state idle) failed: %s; the exporter may show this rank in its "
                         "last state until its --ingest-ttl, and StepscopeRankLost page it as lost",
                         self.stats.last_error)
         self._session.close()
+
+    def _push_final(self) -> bool:
+        """The final push, tried again after each delay a busy server asks for, while the grace lasts."""
+        deadline = time.monotonic() + FINAL_PUSH_GRACE_SECONDS
+        while not self.push_once():
+            if self._retry_after is None or time.monotonic() + self._retry_after > deadline:
+                return False
+            time.sleep(self._retry_after)
+        return True
 
     def _loop(self) -> None:
         delay = self.interval  # never below the interval: max_backoff >= interval
@@ -200,6 +220,7 @@ class Pusher:
         self.stats.attempts += 1
         self.stats.threads.add(threading.get_ident())
         self._at_interval = False
+        self._retry_after = None
         try:
             body = self._body()  # first: the headers say what rendering it decided (the bounds wanted)
             headers = self._headers if self._extra_headers is None else {**self._headers, **self._extra_headers()}
@@ -221,6 +242,7 @@ class Pusher:
             self._answered(response.headers)
             return True
         self._at_interval = response.status_code == 409  # another process holds the run and rank, until it closes
+        self._retry_after = _asked_delay(response)
         message = response.text.strip()[:600] or response.reason
         kind = "rejected" if response.status_code < 500 else "server error"
         return self._failed(
@@ -284,3 +306,14 @@ class Pusher:
             log.warning("stepscope: %s; %s", problem, going_on)
             self._failing = key
         return False
+
+
+def _asked_delay(response: requests.Response) -> float | None:
+    """The seconds a 503 or 429 asks the client to wait before trying again (Retry-After in seconds), if it asks."""
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        delay = float(response.headers.get("Retry-After", ""))
+    except ValueError:  # absent, or an HTTP date: no server of ours sends one
+        return None
+    return delay if 0 <= delay <= FINAL_PUSH_GRACE_SECONDS else None
