@@ -45,6 +45,11 @@ class RunSeen:
     nodes: tuple[str, ...]
 
 
+# A timeline point looks back a step and a half for its series' latest sample, and at least 1.5 x this many scrape
+# intervals: a live run's late scrapes must not cut its states apart.
+FRESH_SCRAPES = 4
+
+
 @dataclass(frozen=True)
 class Window:
     """The report's range [start, end] (unix seconds), its query resolution `step` and the run's scrape interval
@@ -77,11 +82,12 @@ class Window:
 
     @property
     def fresh_duration(self) -> str:
-        """How old a sample a point of the timeline's series may show: a step and a half, or a scrape interval and a
-        half where --step is finer, with room for a late scrape. A series that ends without a staleness marker
-        (backfilled, imported) was shown by Prometheus for its 5-minute lookback, by VictoriaMetrics for about an
-        interval."""
-        return f"{max(1, round(max(self.step, self.scrape_interval) * 1500))}ms"
+        """How old a sample a point of the timeline's series may show: a step and a half, and at least six scrape
+        intervals, room for scrapes that came late. A series that ends without a staleness marker (backfilled,
+        imported) was shown by Prometheus for its 5-minute lookback, by VictoriaMetrics for about an interval;
+        with a scrape interval and a half, a live run's scrapes 2 s late on a busy server (1 s scrapes, --step 1)
+        cut its ranks' states into pieces the report drew apart."""
+        return f"{max(1, round(max(self.step, FRESH_SCRAPES * self.scrape_interval) * 1500))}ms"
 
     @property
     def rate_window(self) -> str:

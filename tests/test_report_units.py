@@ -426,25 +426,38 @@ def test_a_rank_series_that_ended_without_a_staleness_marker_ends_a_step_and_a_h
     """Backfilled or imported history has no staleness markers. A rank lost at 600 s whose exporter group then
     expired: Prometheus showed its state and last push for its 5-minute lookback, and the report drew the rank
     lost 285 s longer than VictoriaMetrics (915 s for 630 s). Now a point shows a sample up to a step and a half
-    old (a scrape interval and a half at a finer --step) on both, as VictoriaMetrics' own lookback does."""
+    old, and six scrape intervals where the scrape interval is known (late scrapes: the next test)."""
     labels = 'run="r",rank="0",instance="n"'
     inputs = [{"series": f'stepscope_training_state{{{labels},state="train"}}', "values": "1x40"},
               {"series": f"stepscope_training_last_push_timestamp_seconds{{{labels}}}", "values": "0+15x40"}]
     state = {"labels": f'stepscope_training_state{{{labels},state="train"}}', "value": 1}
     push = {"labels": f"stepscope_training_last_push_timestamp_seconds{{{labels}}}", "value": 600}
-    for window in (Window(0.0, 1200.0, 15.0), Window(0.0, 1200.0, 1.0, scrape_interval=15.0)):
+    for window, shown, gone in ((Window(0.0, 1200.0, 15.0), 615, 630),
+                                (Window(0.0, 1200.0, 1.0, scrape_interval=15.0), 690, 705)):
         over_time = queries.build("r", window, []).over_time
         _promtool_evaluates_at(tmp_path, {
-            (over_time["state"], 615): [state], (over_time["last_push"], 615): [push],
-            (over_time["state"], 630): [], (over_time["last_push"], 630): []}, inputs)
+            (over_time["state"], shown): [state], (over_time["last_push"], shown): [push],
+            (over_time["state"], gone): [], (over_time["last_push"], gone): []}, inputs)
 
 
-def _promtool_evaluates_at(tmp_path: Path, expected: dict[tuple[str, float], list[dict]], inputs: list[dict]) -> None:
-    """Each (expression, time) answers its samples, by promtool on `inputs` (samples every 15 s from t=0)."""
+def test_late_scrapes_of_a_live_run_leave_its_states_whole(tmp_path: Path) -> None:
+    """1 s scrapes on a busy server, --step 1: two scrapes 2 s late left points with no sample a scrape interval
+    and a half old, and the report cut the rank's train state in two (a clean-clone CI run's Gantt test)."""
+    labels = 'run="r",rank="0",instance="n"'
+    inputs = [{"series": f'stepscope_training_state{{{labels},state="train"}}', "values": "1x10 _x2 1x10"}]
+    state = {"labels": f'stepscope_training_state{{{labels},state="train"}}', "value": 1}
+    over_time = queries.build("r", Window(0.0, 30.0, 1.0, scrape_interval=1.0), []).over_time
+    _promtool_evaluates_at(tmp_path, {(over_time["state"], at): [state] for at in (11, 12, 13)}, inputs,
+                           interval="1s")
+
+
+def _promtool_evaluates_at(tmp_path: Path, expected: dict[tuple[str, float], list[dict]], inputs: list[dict],
+                           interval: str = "15s") -> None:
+    """Each (expression, time) answers its samples, by promtool on `inputs` (samples every `interval` from t=0)."""
     tests = [{"expr": expr, "eval_time": f"{at:g}s", "exp_samples": samples}
              for (expr, at), samples in expected.items()]
-    spec = {"rule_files": [], "evaluation_interval": "15s",
-            "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": tests}]}
+    spec = {"rule_files": [], "evaluation_interval": interval,
+            "tests": [{"interval": interval, "input_series": inputs, "promql_expr_test": tests}]}
     path = tmp_path / "series.yml"
     path.write_text(yaml.safe_dump(spec))
     result = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
