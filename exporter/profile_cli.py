@@ -11,7 +11,7 @@ stderr. Exit 0 when every rank wrote its trace; exit 2 with the reason per rank 
 exporter that cannot be reached or an answer not in the profile API's shape; 130 on Ctrl-C, which cancels
 the requests: a rank tracing stops at its next step and writes no file (hooks older than the exporter trace
 on: the line says so). It stops waiting early when every rank still to take its request stopped pushing
-(nothing for 3 of its push intervals and a second). Requests no rank took are cancelled on the way out.
+(nothing for 3 of its push intervals and a second, 10 s at least). Requests no rank took are cancelled on the way out.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ DEFAULT_EXPORTER = "http://127.0.0.1:9847"
 API = "/api/v1/profiles"
 MAX_STEPS = 1000
 POLL_SECONDS = 0.5
+# A rank is called gone after 3 of its push intervals and a second without a push, and never before this.
+STOPPED_PUSHING_FLOOR_SECONDS = 10.0
 HTTP_TIMEOUT_SECONDS = 10.0
 FINISHED = ("done", "failed", "cancelled")
 # A profile request as the exporter writes it (ProfileRequest.as_json): every field this command reads, by type.
@@ -184,12 +186,15 @@ def checked_request(url: str, request: Any) -> dict[str, Any]:
 
 def stopped_pushing(request: dict[str, Any]) -> bool:
     """Whether a request not finished waits for a rank that stopped pushing: its last push is older than 3 of
-    its push intervals and a second (a rank that never pushed twice cannot tell). A rank pushes while it traces
-    (the pusher is a thread of its own, the trace is written by another), so a running request's rank that
-    stopped pushing was killed or hung mid-trace: waiting out --wait for it tells nothing more."""
+    its push intervals and a second, and than STOPPED_PUSHING_FLOOR_SECONDS (a rank that never pushed twice
+    cannot tell). A rank pushes while it traces (the pusher is a thread of its own, the trace is written by
+    another), so a running request's rank that stopped pushing was killed or hung mid-trace: waiting out --wait
+    for it tells nothing more. The floor: starting the profiler holds the interpreter in the training thread,
+    and the pusher with it, for seconds (CUPTI's first start on a GPU; on a busy CPU a clean-clone CI run's rank
+    at 1.1 s pushes went 4.3 s without one and was called gone before it recorded a step)."""
     age, interval = request.get("last_push_age_seconds"), request.get("push_interval_seconds")
     return request["state"] in ("pending", "running") and age is not None and interval is not None \
-        and age > 3 * interval + 1
+        and age > max(3 * interval + 1, STOPPED_PUSHING_FLOOR_SECONDS)
 
 
 def wait_for(api: ExporterApi, requests_made: list[dict[str, Any]], wait: float) -> list[dict[str, Any]]:

@@ -294,3 +294,16 @@ def test_a_rank_whose_last_push_said_idle_is_refused_and_a_final_push_does_not_s
     assert refusal(registry.create, "r", ["0"], 5).status == 409
     registry.on_push("r", "0", READY, "train")
     assert registry.create("r", ["0"], 5)
+
+
+@pytest.mark.parametrize(("age", "interval", "gone"), [(4.5, 1.1, False), (9.9, 0.2, False), (10.5, 0.2, True),
+                                                       (16.5, 5.0, True), (15.5, 5.0, False)])
+def test_a_rank_is_called_gone_after_three_intervals_and_a_second_and_never_within_ten_seconds(
+        age: float, interval: float, gone: bool) -> None:
+    """Starting the profiler holds a rank's interpreter, its pusher thread too: in a clean-clone CI run a rank
+    pushing every 1.1 s went 4.3 s without a push as it took a trace, and stepscope-profile called it killed,
+    hung or gone (3 intervals and a second) before it recorded a step."""
+    from stepscope.exporter.profile_cli import stopped_pushing
+
+    request = {"state": "running", "last_push_age_seconds": age, "push_interval_seconds": interval}
+    assert stopped_pushing(request) is gone
