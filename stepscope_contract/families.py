@@ -12,6 +12,16 @@ from stepscope.contract.scrape_gaps import SETTLE_SECONDS
 
 GPU = ("gpu", "uuid")
 PROCESS = ("pid", "run", "rank")
+# Who holds memory on a GPU (stepscope_process_gpu_memory_bytes' `holder`). A foreign holder is a process this
+# exporter sees that is neither a registered rank, nor one of its descendants (a data-loader worker that opened a
+# CUDA context), nor the MPS server: another tenant whose kernels the GPU's readings count with the run's. A holder
+# this exporter cannot see (another pid namespace without hostPID, hidepid) is unknown: it may be a rank.
+HOLDER_RANK = "rank"
+HOLDER_WORKER = "worker"
+HOLDER_MPS_SERVER = "mps_server"
+HOLDER_FOREIGN = "foreign"
+HOLDER_UNKNOWN = "unknown"
+GPU_HOLDERS = (HOLDER_RANK, HOLDER_WORKER, HOLDER_MPS_SERVER, HOLDER_FOREIGN, HOLDER_UNKNOWN)
 RUN_RANK = ("run", "rank")
 # Every family by role: the exporter, the hooks' renderer, the ingest, the dashboards and the report name
 # them through these, so a rename is an edit here.
@@ -224,7 +234,10 @@ _PROCESSES = (
     *(Family(n, "counter", PROCESS, "storage I/O of the process plus its children")
       for n in (PROCESS_IO_READ, PROCESS_IO_WRITE)),
     Family(PROCESS_CHILDREN, "gauge", PROCESS, "live descendant processes (data-loader workers)"),
-    Family(PROCESS_GPU_MEMORY, "gauge", (*PROCESS, "gpu"), "GPU memory the process holds"),
+    Family(PROCESS_GPU_MEMORY, "gauge", (*PROCESS, "gpu", "holder"),
+           "GPU memory the process holds; a registered rank's includes its descendants' (data-loader workers) on "
+           "the GPUs it holds",
+           label_notes={"holder": ", ".join(GPU_HOLDERS)}),
     Family(GPU_POD_INFO, "gauge", ("uuid", *POD), "the pod container the kubelet gave the GPU to (Kubernetes only)",
            kind="info"),
     Family(PROCESS_POD_INFO, "gauge", (*PROCESS, *POD, "uuid"),

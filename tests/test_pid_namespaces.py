@@ -202,7 +202,7 @@ def test_collector_labels_the_host_pid_and_its_gpu_memory(namespaced: Namespaced
     registered = [RegisteredProcess(namespaced.inner_pid, "ns", "2", namespaced.start_time)]
     text = render(list(ProcessCollector(table, lambda: registered).collect())).decode()
     labels = {"pid": str(namespaced.host_pid), "run": "ns", "rank": "2"}
-    assert sample_values(text, "stepscope_process_gpu_memory_bytes", gpu="0", **labels) == [5 * MiB]
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", gpu="0", holder="rank", **labels) == [5 * MiB]
     (cpu,) = sample_values(text, "stepscope_process_cpu_seconds_total", **labels)
     assert cpu >= 0.25  # the 0.3 s the process burned inside its namespace
     assert sample_values(text, "stepscope_process_cpu_seconds_total", pid=str(namespaced.inner_pid)) == []

@@ -7,16 +7,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from stepscope.exporter.collectors.process import ProcessCollector
 from stepscope.exporter.exposition import render
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.registered import RegisteredProcess
-from stepscope_testkit.processes import sample_values
+from stepscope_testkit.fake_nvml.scenario import make_gpu, write_scenario
+from stepscope_testkit.ingest_bodies import info_family
+from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="uses fork() workers")
@@ -123,6 +127,109 @@ def test_gpu_process_without_registration_has_empty_run_and_rank(
     registered = {"pid": str(process.pid), "run": "r1", "rank": "3"}
     assert value(text, "stepscope_process_gpu_memory_bytes", gpu="1", **registered) == 2 * MiB
     assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(process.pid)) == [MiB, 2 * MiB]
+
+
+# A rank whose data-loader worker opened a CUDA context: it prints the worker's pid once the worker runs.
+RANK_WITH_WORKER = """
+import multiprocessing, time
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+worker.start()
+print(worker.pid, flush=True)
+time.sleep(60)
+"""
+# The MPS server as the kernel names it (comm), without being it.
+MPS_SERVER = ("open('/proc/self/comm', 'w').write('nvidia-cuda-mps'); print('named', flush=True)\n"
+              "import time; time.sleep(60)")
+
+
+@dataclass
+class GpuNeighbours:
+    """Real processes that may share a GPU with a rank, by pid."""
+
+    rank: int
+    worker: int  # the rank's child
+    mps_server: int
+    stranger: int  # a process the hooks do not know
+    unseen: int  # no process this test (or an exporter) can see
+
+
+@pytest.fixture
+def neighbours() -> Iterator[GpuNeighbours]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("names the MPS server through /proc/self/comm")
+    rank = subprocess.Popen([sys.executable, "-c", RANK_WITH_WORKER], stdout=subprocess.PIPE, text=True)
+    mps = subprocess.Popen([sys.executable, "-c", MPS_SERVER], stdout=subprocess.PIPE, text=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        worker = int(rank.stdout.readline())
+        assert mps.stdout.readline() == "named\n"
+        yield GpuNeighbours(rank.pid, worker, mps.pid, stranger.pid, max(psutil.pids()) + 100_000)
+    finally:
+        for process in (*psutil.Process(rank.pid).children(), rank, mps, stranger):
+            process.kill()
+        for process in (rank, mps, stranger):
+            process.wait()
+            if process.stdout:
+                process.stdout.close()
+
+
+def test_gpu_holders_are_told_apart_and_a_workers_memory_is_its_ranks(neighbours: GpuNeighbours) -> None:
+    """Only a process that is neither a rank, nor a rank's worker, nor the MPS server is a foreign tenant of the
+    GPU; one this exporter cannot read is unknown. Before, all but the rank read run "" alike, and the worker's
+    memory on its rank's GPU was not the rank's."""
+    table = GpuProcessTable()
+    table.replace({neighbours.rank: {"0": 2048 * MiB}, neighbours.worker: {"0": 500 * MiB, "1": 300 * MiB},
+                   neighbours.mps_server: {"0": 30 * MiB}, neighbours.stranger: {"0": 20480 * MiB},
+                   neighbours.unseen: {"0": 700 * MiB}})
+    text = scraped(ProcessCollector(table, lambda: [RegisteredProcess(neighbours.rank, "light", "0")]))
+    gpu_memory = "stepscope_process_gpu_memory_bytes"
+    # the worker's memory on its rank's GPU is the rank's, as its CPU and resident memory are
+    assert value(text, gpu_memory, pid=str(neighbours.rank), run="light", rank="0", holder="rank") == 2548 * MiB
+    # a context on a GPU its rank does not hold (spawned workers' land on GPU 0) does not make that GPU the run's
+    assert value(text, gpu_memory, pid=str(neighbours.worker), run="", holder="worker") == 300 * MiB
+    assert value(text, gpu_memory, pid=str(neighbours.mps_server), run="", holder="mps_server") == 30 * MiB
+    assert value(text, gpu_memory, pid=str(neighbours.stranger), run="", holder="foreign") == 20480 * MiB
+    assert value(text, gpu_memory, pid=str(neighbours.unseen), run="", holder="unknown") == 700 * MiB
+    assert sample_values(text, gpu_memory, holder="foreign") == [20480 * MiB]
+
+
+def test_the_exporter_names_the_holders_of_a_gpu_from_nvml(tmp_path: Path, neighbours: GpuNeighbours) -> None:
+    """The real exporter on the fake NVML: GPU 0 time-sliced between the rank, its worker and a stranger, GPU 1
+    under MPS (the server in the compute list, the rank among its clients)."""
+    scenario = {"driver_version": "550.54.15", "gpus": [
+        make_gpu(0, processes=[(neighbours.rank, 2048 * MiB), (neighbours.worker, 500 * MiB),
+                               (neighbours.stranger, 20480 * MiB)]),
+        make_gpu(1, processes=[(neighbours.mps_server, 30 * MiB)],
+                 mps_processes=[{"pid": neighbours.rank, "used_memory": 1024 * MiB}]),
+    ]}
+    started = f"{psutil.Process(neighbours.rank).create_time():.3f}"
+    with running_exporter(tmp_path, "--collectors", "gpu,process",
+                          fake_nvml_scenario=write_scenario(tmp_path / "nvml.json", scenario)) as exporter:
+        requests.put(f"{exporter.url}/metrics/job/stepscope/run/light/rank/0", timeout=10,
+                     data=info_family(pid=neighbours.rank, start_time=started)).raise_for_status()
+        text = wait_for(exporter.url, "stepscope_process_gpu_memory_bytes", holder="rank")
+    holders = {(labels["gpu"], labels["pid"]): (labels["holder"], labels["run"])
+               for name, labels in ((name, dict(items)) for name, items in samples(text))
+               if name == "stepscope_process_gpu_memory_bytes"}
+    assert holders == {
+        ("0", str(neighbours.rank)): ("rank", "light"),
+        ("0", str(neighbours.stranger)): ("foreign", ""), ("1", str(neighbours.rank)): ("rank", "light"),
+        ("1", str(neighbours.mps_server)): ("mps_server", ""),
+    }
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", gpu="0", pid=str(neighbours.rank)) == [
+        2548 * MiB]  # its worker's 500 MiB included
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def wait_for(base_url: str, name: str, timeout: float = 15.0, **labels: str) -> str:
+    """The first scrape with a `name` sample carrying `labels`, within `timeout` (the last one tried after it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = scrape(base_url)
+        if sample_values(text, name, **labels) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
 
 
 def test_vanished_and_unknown_pids_are_dropped_quietly() -> None:

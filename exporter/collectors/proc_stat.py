@@ -29,6 +29,7 @@ class ProcStat:
     zombie: bool  # exited and not yet reaped: its CPU time is not yet in its parent's
     cpu_seconds: float  # user + system, its reaped children's included
     rss: int  # bytes
+    name: str  # the kernel's name for it (comm: the executable's, 15 characters at most), which tells the MPS server
 
 
 def stat_of(pid: int, procfs: str | None = None) -> ProcStat | None:
@@ -41,10 +42,12 @@ def stat_of(pid: int, procfs: str | None = None) -> ProcStat | None:
             data = stat.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = data[data.rfind(b")") + 2:].split()  # after the name: proc(5)'s fields from the 3rd, the state
+    name_ends = data.rfind(b")")
+    fields = data[name_ends + 2:].split()  # after the name: proc(5)'s fields from the 3rd, the state
     return ProcStat(parent=int(fields[1]), started=int(fields[19]), zombie=fields[0] == b"Z",
                     cpu_seconds=sum(int(ticks) for ticks in fields[11:15]) / _CLOCK_TICKS,
-                    rss=int(fields[21]) * _PAGE_SIZE)
+                    rss=int(fields[21]) * _PAGE_SIZE,
+                    name=data[data.find(b"(") + 1:name_ends].decode(errors="replace"))
 
 
 def io_of(pid: int) -> tuple[int, int] | None:
@@ -76,7 +79,7 @@ def _psutil_stat_of(pid: int) -> ProcStat | None:
             times = process.cpu_times()
             return ProcStat(process.ppid(), process.create_time(), process.status() == psutil.STATUS_ZOMBIE,
                             times.user + times.system + times.children_user + times.children_system,
-                            process.memory_info().rss)
+                            process.memory_info().rss, process.name())
     except psutil.NoSuchProcess:  # ZombieProcess included: its readings are gone with it here
         return None
 

@@ -6,6 +6,13 @@ workers count towards the rank that owns them. The `pid` label is the pid this e
 sees; a registered process that reported a pid from another pid namespace is found by
 `pid_namespaces`, so its run and rank also land on its GPU memory.
 
+The GPU memory series say who holds it (`holder`), from what the cycle reads anyway: a registered rank (its
+workers' memory on its GPUs included, as their CPU and memory are: a data-loader worker that opened a CUDA context),
+a worker (a rank's descendant, on a GPU the rank does not hold), the MPS server (by its name in /proc/PID/stat), a
+foreign process (any other this exporter sees: another tenant of the GPU, whose kernels its readings count, so the
+rules take the GPU as shared) or unknown (one it cannot read: another pid namespace, hidepid). A worker's memory
+used to read run "", like a stranger's, and a stranger's could not be told from a worker's or the MPS server's.
+
 Counters stay monotonic as workers come and go: an exited worker stays visible (as a zombie) until
 its parent reaps it, and reaping moves its CPU time into the parent's children_user/children_system
 and its I/O into the parent's own counters, both of which are included. Where time does leave the
@@ -17,7 +24,7 @@ would read as a counter reset.
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +48,9 @@ _LABELS = ["pid", "run", "rank"]
 MISSING_RETRY_SECONDS = 30.0
 # The parent recorded for a process whose stat /proc refuses (hidepid=1): the one the kernel gives init, no process.
 UNKNOWN_PARENT = 0
+# nvidia-cuda-mps-server as the kernel names it (15 characters): under MPS it holds memory on every GPU it serves,
+# for its clients, which NVML lists apart (collectors.gpu); it is no tenant of its own.
+MPS_SERVER_NAME = "nvidia-cuda-mps"
 
 
 @dataclass
@@ -63,6 +73,46 @@ class _Reading:
     rss: int
     children: int
     io: tuple[int, int] | None  # (read, written) bytes; None where the platform or permissions deny it
+    descendants: list[int]  # pids, the exited ones not yet reaped included
+
+
+@dataclass
+class _Holders:
+    """What one cycle learnt of the processes that may hold GPU memory, to tell who each holder is (`holder`)."""
+
+    identities: dict[int, tuple[str, str]]  # registered processes: pid -> (run, rank)
+    gpu_table: Mapping[int, Mapping[str, int]]  # the GPU collector's: pid -> {gpu: bytes}
+    names: dict[int, str] = field(default_factory=dict)  # pid -> kernel name, for every process read this cycle
+    owners: dict[int, tuple[float, int]] = field(default_factory=dict)  # descendant -> (its registered ancestor's
+    # start, that ancestor's pid): the nearest ancestor, the one started last, wins
+
+    def own(self, root: int, root_started: float, descendants: Iterable[int]) -> None:
+        for pid in descendants:
+            if pid not in self.owners or self.owners[pid][0] < root_started:
+                self.owners[pid] = (root_started, root)
+
+    def series(self, pid: int, gpu: str) -> tuple[str, str, str, str, str]:
+        """The labels (pid, run, rank, gpu, holder) that pid's memory on gpu is published under. A worker's
+        memory on a GPU its rank holds is the rank's, in the rank's series, as its CPU and memory are; on another
+        GPU (a spawned worker's CUDA calls land on GPU 0) it stays the worker's, with run "": counted as the
+        run's, that GPU's idle readings would lower the run's (StepscopeGpuHeldIdle names it instead). A process
+        this exporter could not read is unknown (it may be a rank in a pid namespace it does not see), never
+        foreign."""
+        if pid in self.identities:
+            return (str(pid), *self.identities[pid], gpu, families.HOLDER_RANK)
+        if pid in self.owners:
+            rank = self.owners[pid][1]
+            if gpu in self.gpu_table.get(rank, {}):
+                return (str(rank), *self.identities[rank], gpu, families.HOLDER_RANK)
+            return str(pid), "", "", gpu, families.HOLDER_WORKER
+        name = self.names.get(pid)
+        if name is None:
+            holder = families.HOLDER_UNKNOWN
+        elif name.startswith(MPS_SERVER_NAME):
+            holder = families.HOLDER_MPS_SERVER
+        else:
+            holder = families.HOLDER_FOREIGN
+        return str(pid), "", "", gpu, holder
 
 
 class ProcessCollector:
@@ -112,17 +162,20 @@ class ProcessCollector:
         children = GaugeMetricFamily(families.PROCESS_CHILDREN,
                                      "Live descendant processes (data-loader workers).", labels=_LABELS)
         gpu_memory = GaugeMetricFamily(families.PROCESS_GPU_MEMORY,
-                                       "GPU memory the process holds on the GPU.", labels=[*_LABELS, "gpu"])
+                                       "GPU memory the process holds on the GPU (a rank: its workers' included); "
+                                       "holder: rank, worker (a rank's, on another GPU), mps_server, foreign, "
+                                       "unknown.",
+                                       labels=[*_LABELS, "gpu", "holder"])
 
+        holders = _Holders(identities, gpu_table)
         children_of: dict[int, list[int]] | None = None  # read once per cycle, when first needed
         for pid in pids:
             labels = [str(pid), *identities.get(pid, ("", ""))]
-            for gpu, used in sorted(gpu_table.get(pid, {}).items()):
-                gpu_memory.add_metric([*labels, gpu], used)
             found = self._track(pid)
             if found is None:
                 continue
             tracked, own = found
+            holders.names[pid] = own.name
             if children_of is None:
                 children_of = self._children.get()
             try:
@@ -132,12 +185,20 @@ class ProcessCollector:
                 if isinstance(exc, psutil.NoSuchProcess):
                     del self._tracked[pid]
                 continue
+            if pid in identities:
+                holders.own(pid, own.started, reading.descendants)
             cpu.add_metric(labels, tracked.monotonic("cpu", reading.cpu_seconds))
             rss.add_metric(labels, reading.rss)
             children.add_metric(labels, reading.children)
             if reading.io is not None:
                 io_read.add_metric(labels, tracked.monotonic("io_read", reading.io[0]))
                 io_write.add_metric(labels, tracked.monotonic("io_write", reading.io[1]))
+        held_memory: dict[tuple[str, str, str, str, str], int] = defaultdict(int)
+        for pid, held in gpu_table.items():
+            for gpu, used in held.items():
+                held_memory[holders.series(pid, gpu)] += used
+        for labels, used in sorted(held_memory.items()):
+            gpu_memory.add_metric(list(labels), used)
         published = [cpu, rss, io_read, io_write, children, gpu_memory]
         if self._pods is None:
             return published
@@ -276,7 +337,8 @@ def _read_tree(root: int, own: ProcStat, children_of: dict[int, list[int]]) -> _
     """Sums the process (`own`: its reading this cycle) and its live descendants; a descendant that exits
     mid-read is left out."""
     cpu_seconds, rss, live, io = own.cpu_seconds, own.rss, 0, io_of(root)
-    for pid, child in _descendants(root, own.started, children_of):
+    descendants = _descendants(root, own.started, children_of)
+    for pid, child in descendants:
         cpu_seconds += child.cpu_seconds
         if child.zombie:  # exited, its time not yet in the parent's
             continue
@@ -287,4 +349,4 @@ def _read_tree(root: int, own: ProcStat, children_of: dict[int, list[int]]) -> _
         rss += child.rss
         live += 1
         io = (io[0] + child_io[0], io[1] + child_io[1]) if io is not None and child_io is not None else None
-    return _Reading(cpu_seconds, rss, live, io)
+    return _Reading(cpu_seconds, rss, live, io, [pid for pid, _ in descendants])
