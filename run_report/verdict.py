@@ -52,7 +52,7 @@ HEADLINES = {
     verdicts.GPU_BOUND: "GPU-bound: the GPUs are busy",
     verdicts.GPU_BUSY_IDLE: "GPUs busy but idle: kernels run all the time yet the SMs do little",
     verdicts.HOST_BOUND: "Host-bound: the time goes to work on the host",
-    verdicts.GPU_SHARED: "GPUs shared with another run: their readings count that run's kernels too",
+    verdicts.GPU_SHARED: "GPUs shared with another run or process: their readings count its kernels too",
     verdicts.UNDETERMINED: "Undetermined: the run steps, but nothing measured says what limits it",
     verdicts.IDLE: "Idle: no rank trained in this range",
 }
@@ -81,8 +81,9 @@ FIXES = {
     ],
     verdicts.GPU_SHARED: [
         "Judge the run on GPUs of its own: ask the scheduler for whole GPUs (no time-slicing replicas or MPS), "
-        "or give each run its own CUDA_VISIBLE_DEVICES; while it shares, its step and phase times still show "
-        "what it waits on.",
+        "or give each run its own CUDA_VISIBLE_DEVICES, or stop the process that shares it "
+        "(stepscope_process_gpu_memory_bytes{holder=\"foreign\"} names its pid); while it shares, its step and "
+        "phase times still show what it waits on.",
     ],
     verdicts.UNDETERMINED: [
         f"Iterate the training data through tracker.loader(): it times {DATA_LOADING_PHASE}, so a slow loader "
@@ -351,8 +352,9 @@ def _host_bound(e: Evidence) -> str:
 def _gpu_shared(e: Evidence) -> str:
     """The shared GPUs' reading is given, but as both runs' kernels: it decides nothing about this run."""
     busy = f" ran kernels {e.gpus.nvml:.0%} of the time while training, but" if e.gpus.nvml is not None else ""
-    return (f"{e.over} every GPU of the run was another run's too (time-sliced or under MPS): they{busy} NVML "
-            f"counts the other run's kernels as well, so that says nothing about this one; {_loading_words(e)}.")
+    return (f"{e.over} every GPU of the run was another run's too, or held a process the hooks do not know "
+            f"(time-sliced or under MPS): they{busy} NVML counts the other tenant's kernels as well, so that says "
+            f"nothing about this one; {_loading_words(e)}.")
 
 
 def _undetermined(e: Evidence) -> str:

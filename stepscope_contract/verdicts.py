@@ -13,8 +13,8 @@ GPU_BUSY_IDLE = "gpu_busy_idle"  # the GPUs run kernels most of the time but the
 GPU_BOUND = "gpu_bound"  # the run's GPUs are busy (NVML utilization): the healthy state
 HOST_BOUND = "host_bound"  # evidence of host time: the GPUs wait and the timed loader is not why, or
 # a run without GPUs whose phases are host time (CPU training)
-GPU_SHARED = "gpu_shared"  # every GPU of the run is another run's too (time-slicing, MPS): its readings count
-# both runs' kernels, so they say nothing about this one
+GPU_SHARED = "gpu_shared"  # every GPU of the run is another run's too (time-slicing, MPS), or a foreign process's:
+# its readings count both tenants' kernels, so they say nothing about this one
 UNDETERMINED = "undetermined"  # steps, but the evidence says none of these (untimed loader, no GPU reading)
 BOTTLENECK_VERDICTS = (IDLE, DATA_BOUND, GPU_BUSY_IDLE, GPU_BOUND, HOST_BOUND, GPU_SHARED, UNDETERMINED)
 
@@ -43,8 +43,9 @@ def _meanings() -> dict[str, str]:
         HOST_BOUND: f"the GPUs wait (kernels less than {busy} of the time) and the timed loader is not why, so "
                     "the step waits on the host: launches, syncs, copies, Python; or a run without GPUs "
                     "whose phases are host time (CPU training)",
-        GPU_SHARED: "every GPU of the run is another run's too (time-slicing, MPS, overlapping CUDA_VISIBLE_DEVICES): "
-                    "its utilization counts the other run's kernels as well, so it tells nothing about this run "
+        GPU_SHARED: "every GPU of the run is another run's too, or holds a process the hooks do not know "
+                    "(time-slicing, MPS, overlapping CUDA_VISIBLE_DEVICES, a notebook): its utilization counts the "
+                    "other tenant's kernels as well, so it tells nothing about this run "
                     "(a run with GPUs of its own as well is judged by those)",
         UNDETERMINED: "the run steps, but the evidence decides nothing: time the loader (tracker.loader()) "
                       "so a waiting GPU can be told apart from a slow loader, or map the run's processes "

@@ -13,6 +13,7 @@
     <<timing:HOST_TIMING>>             a `timing` value of stepscope.contract.training
     <<timings:GPU_TIMINGS>>            a tuple of `timing` values as a regex alternation
     <<verdict:DATA_BOUND>>             a verdict of stepscope.contract.verdicts
+    <<holder:FOREIGN>>                 a `holder` of stepscope.contract.families (HOLDER_FOREIGN)
     <<peak_flops:BF16>>                the peak FLOP/s table for a dtype of stepscope.contract.peak_flops
                                        (several lines, each indented as the placeholder's line)
 
@@ -69,6 +70,7 @@ KINDS: dict[str, Callable[[str], str]] = {
     "timing": _named(training, "_TIMING"),
     "timings": _named(training, "TIMINGS", tuple),
     "verdict": _named(verdicts),
+    "holder": lambda name: _named(families)(f"HOLDER_{name}"),
     "peak_flops": lambda name: peak_flops.rules_table(_named(peak_flops)(name), recordings.GPU_SOURCE_NAME),
 }
 
