@@ -112,7 +112,8 @@ SHARD_RUN_ATTEMPT_START = "shard_run:stepscope_attempt_start:timestamp_seconds"
 RANK_TRAINING_SETTLED = "run_rank:stepscope_training_settled:bool"  # in train now and 30 s-5.5 min ago
 RUN_SETTLED_RANKS = "run:stepscope_training_settled_ranks:count"
 RUN_GPUS = "run:stepscope_gpus:count"  # GPUs the run's ranks hold memory on
-# Runs whose ranks hold memory on each GPU: above 1, a GPU time-sliced (or under MPS) between runs
+# Runs whose ranks hold memory on each GPU, plus 1 where processes the hooks do not know do (holder "foreign"): above
+# 1, a GPU time-sliced (or under MPS) between runs, or with a stranger
 GPU_RUNS = "instance_gpu:stepscope_gpu_runs:count"
 # The GPUs whose readings are a run's training now: a rank of the run on it has trained 10 s without a break
 RUN_GPU_TRAINING_READINGS = "instance_gpu_run:stepscope_gpu_training_readings:bool"
