@@ -723,7 +723,8 @@ def _where_the_time_went_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             stat_panel(
                 "Energy over the range",
                 "Energy of the GPUs the run's processes held memory on (each GPU's energy counter, split equally "
-                f"between the runs holding it), summed at {step} resolution over the time range.",
+                "between the runs holding it and any process the hooks do not know), summed at "
+                f"{step} resolution over the time range.",
                 # The range's points once each: 1 ms earlier, the point on the range's end is left out and the one
                 # on its start (which Prometheus' ranges include, VictoriaMetrics' not) taken on both engines.
                 [Q(f"sum(sum_over_time({sel(rec.RUN_ENERGY_RATE, RUN)}[$__range:{step}] @ end() offset 1ms))"
