@@ -170,6 +170,59 @@ def test_the_title_link_opens_grafana_or_else_the_alertmanager(tmp_path: Path, d
     assert result.stdout == link
 
 
+def rendered(tmp_path: Path, name: str, data: dict, kind: str = "text") -> str:
+    """Template `name` of the shipped templates as Alertmanager 0.25 renders it for `data` (amtool)."""
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    result = amtool("template", "render", f"--template.glob={ALERTMANAGER_DIR / 'templates' / '*.tmpl'}",
+                    f"--template.text={{{{ template \"{name}\" . }}}}", f"--template.type={kind}",
+                    f"--template.data={tmp_path / 'data.json'}")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def bottleneck_alert(rank: int, share: str, ended: str | None = None) -> dict:
+    """Rank `rank`'s StepscopeDataLoadingBottleneck as the webhook carries it: firing, or resolved at `ended`."""
+    labels = {"alertname": "StepscopeDataLoadingBottleneck", "run": "r1", "rank": str(rank), "instance": f"n{rank}",
+              "severity": "warning"}
+    annotations = {"summary": f"Run r1 rank {rank} waits for data", "runbook": "Raise num_workers.",
+                   "description": f"Rank {rank} of run r1 spends {share} of its step time waiting.",
+                   "runbook_url": "https://runbook.example/x", "dashboard_url": "https://grafana.example/d/t?var-run=r1"}
+    return {"status": "resolved" if ended else "firing", "labels": labels, "annotations": annotations,
+            "startsAt": "2026-11-29T13:50:00Z", "endsAt": ended or "0001-01-01T00:00:00Z"}
+
+
+@pytest.mark.parametrize("name", ["stepscope.text", "stepscope.email.html"])
+def test_a_resolved_alert_says_it_ended_and_gives_no_advice(tmp_path: Path, name: str) -> None:
+    """A resolved notification ended with "What to try" and the runbook link, its description in the present tense
+    ("RESOLVED run r1 rank 0 on n0 (warning): Rank 0 ... spends 50% of its step time waiting"). It now says when the
+    alert ended and what it said while firing; in a group with alerts still firing, the advice is theirs alone."""
+    resolved = bottleneck_alert(0, "50%", ended="2026-11-29T14:03:05Z")
+    group = {"status": "resolved", "alerts": [resolved], "externalURL": "https://am.example",
+             "commonLabels": {"alertname": "StepscopeDataLoadingBottleneck", "run": "r1"}}
+    alone = rendered(tmp_path, name, group, "html" if "html" in name else "text")
+    ended = ("RESOLVED run r1 rank 0 on n0 (warning): ended at 2026-11-29 14:03:05 UTC, after firing since "
+             "2026-11-29 13:50:00 UTC. While it fired it said: Rank 0 of run r1 spends 50% of its step time waiting.")
+    assert ended in alone
+    assert "What to try" not in alone and "runbook.example" not in alone and "Raise num_workers" not in alone
+    mixed = rendered(tmp_path, name, {**group, "status": "firing", "alerts": [resolved, bottleneck_alert(1, "60%")]},
+                     "html" if "html" in name else "text")
+    assert ended in mixed and "Rank 1 of run r1 spends 60%" in mixed
+    assert mixed.count("Raise num_workers") == 1 and mixed.count("runbook.example") == 1
+    assert mixed.index("Raise num_workers") < mixed.index("RESOLVED")
+
+
+@pytest.mark.parametrize(("labels", "where"), [
+    ({"instance": "n9", "gpu": "0", "xid": "79", "severity": "critical"}, "GPU 0 on n9 (critical): "),
+    ({"instance": "n9", "collector": "gpu", "severity": "warning"}, "node n9 (warning): "),
+    ({"run": "r1", "rank": "3", "instance": "n9", "severity": "warning"}, "run r1 rank 3 on n9 (warning): "),
+    ({"run": "r1", "gpu": "2", "instance": "n9", "severity": "info"}, "run r1 GPU 2 on n9 (info): "),
+])
+def test_each_alert_says_where_as_a_person_reads_it(tmp_path: Path, labels: dict[str, str], where: str) -> None:
+    """A node's alert began "on n9 GPU 0 (critical)", as if the node were on the GPU, and a node alert "on n9"."""
+    alert = {"status": "firing", "labels": {"alertname": "StepscopeX", **labels}, "annotations": {"description": "D."}}
+    assert rendered(tmp_path, "stepscope.text", {"status": "firing", "alerts": [alert]}).startswith(where + "D.")
+
+
 def test_a_data_bound_run_pages_once_with_its_cause_and_a_link(stack: Stack) -> None:
     """One notification for the run, its cause (the data loading) and not the GPU symptom that
     Prometheus fires too; the Slack message carries summary, description, links and what to try."""
@@ -306,7 +359,9 @@ def test_every_runbook_holds_for_every_alert_of_its_group() -> None:
 def post_alert(alertmanager: str, labels: dict[str, str], resolved: bool = False) -> None:
     """One alert as Prometheus sends it: firing (ends in an hour, resent while it holds) or resolved now."""
     ends = time.time() + (0 if resolved else 3600)
-    alert = {"labels": labels, "annotations": {"summary": f"{labels['alertname']} of {labels['run']}"},
+    annotations = {"summary": f"{labels['alertname']} of {labels['run']}", "runbook": "Act on it.",
+                   "description": f"{labels['alertname']} holds."}
+    alert = {"labels": labels, "annotations": annotations,
              "endsAt": datetime.fromtimestamp(ends).astimezone().isoformat()}
     requests.post(f"{alertmanager}/api/v2/alerts", json=[alert], timeout=10).raise_for_status()
 
@@ -328,6 +383,10 @@ def test_a_warning_that_resolves_while_its_run_stalls_is_told_resolved(alertmana
     told = wait_for(lambda: [n for n in inbox.webhooks("am-hang", "resolved")
                              if n.body["commonLabels"]["alertname"] == warning["alertname"]], 20, 0.2)
     assert told, [(n.body["status"], n.body["commonLabels"]) for n in inbox.webhooks("am-hang")]
+    # the person's chat says it ended, with nothing to act on (it ended "What to try: Act on it.")
+    (said,) = [m["attachments"][0]["text"] for m in inbox.slack("am-hang")
+               if m["attachments"][0]["title"].startswith("[RESOLVED]")]
+    assert said.startswith("RESOLVED run am-hang rank 0 on i1 (warning): ended at ") and "What to try" not in said
     post_alert(alertmanager, stall, resolved=True)
 
 

@@ -579,7 +579,9 @@ def test_the_documented_receivers_say_what_the_compose_templates_say(chart: Path
                                "runbook_url": "https://runbook.example/straggler",
                                "dashboard_url": f"https://grafana.example.com/d/stepscope-training?var-rank={rank}"}}
               for rank, node in ((3, "n3"), (5, "n4"))]
-    data = {"receiver": "stepscope", "status": "firing", "alerts": alerts, "externalURL": "https://am.example",
+    ended = {**alerts[0], "status": "resolved", "labels": {**alerts[0]["labels"], "rank": "7"},
+             "startsAt": "2026-11-29T13:50:00Z", "endsAt": "2026-11-29T14:03:05Z"}
+    data = {"receiver": "stepscope", "status": "firing", "alerts": [*alerts, ended], "externalURL": "https://am.example",
             "groupLabels": {"alertname": "StepscopeStragglerRank", "run": "llama-ft"},
             "commonLabels": {"alertname": "StepscopeStragglerRank", "run": "llama-ft", "severity": "warning"},
             "commonAnnotations": {"runbook": "Open the Node dashboard of the rank's node."}}
@@ -590,7 +592,8 @@ def test_the_documented_receivers_say_what_the_compose_templates_say(chart: Path
     text = rendered_by_alertmanager(tmp_path, slack["text"], data)
     for expected in ("run llama-ft rank 3 on n3 (warning): Rank 3 of run llama-ft on n3 has a straggler score of 0.6.",
                      "Dashboard: https://grafana.example.com/d/stepscope-training?var-rank=5",
-                     "Runbook: https://runbook.example/straggler", "What to try: Open the Node dashboard"):
+                     "Runbook: https://runbook.example/straggler", "What to try: Open the Node dashboard",
+                     "RESOLVED run llama-ft rank 7 on n3 (warning): ended at 2026-11-29 14:03:05 UTC"):
         assert expected in text
     title = rendered_by_alertmanager(tmp_path, slack["title"], data)
     assert title == "[FIRING:2] StepscopeStragglerRank in run llama-ft"
