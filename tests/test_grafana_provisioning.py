@@ -114,3 +114,17 @@ def test_annotations_run_no_prometheus_query() -> None:
         for key, text in rule["annotations"].items():
             for template in TEMPLATE.findall(text):
                 assert not re.search(r"\|\s*query\b", template), f"{name}.{key}: {template}"
+
+
+# What a Grafana copy cannot say once its query blocks are gone: a pid "above" (StepscopeTrainingStalled's runbook
+# sent the person to "py-spy dump --pid above" and no description listed a pid), and a query's `else` that left a
+# gap in its sentence ("the loader can deliver (see the Training run dashboard) samples/s").
+DROPPED = re.compile(r"pid above|rank\s+named above|\(see the [^)]*\) (samples/s|of the time)")
+
+
+def test_grafana_copies_say_nothing_only_their_queries_gave() -> None:
+    for name, rule in grafana_rules().items():
+        for key, text in rule["annotations"].items():
+            assert not DROPPED.search(text), f"{name}.{key}: {DROPPED.search(text).group()}"
+    loader = grafana_rules()["StepscopeLoaderBelowCompute"]["annotations"]["description"]
+    assert "its loader can deliver fewer samples/s than training consumes (the Training run dashboard's" in loader
