@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stepscope.contract import DATA_LOADING_PHASE, THRESHOLDS, TRAIN_STATE, verdicts
+from stepscope.contract import DATA_LOADING_PHASE, THRESHOLDS, TRAIN_STATE, families, verdicts
 from stepscope.report import fmt
 from stepscope.report.collect import RunData
 from stepscope.report.mfu import Throughput, throughput
@@ -82,7 +82,7 @@ FIXES = {
     verdicts.GPU_SHARED: [
         "Judge the run on GPUs of its own: ask the scheduler for whole GPUs (no time-slicing replicas or MPS), "
         "or give each run its own CUDA_VISIBLE_DEVICES, or stop the process that shares it "
-        "(stepscope_process_gpu_memory_bytes{holder=\"foreign\"} names its pid); while it shares, its step and "
+        f"({families.PROCESS_GPU_MEMORY}{{holder=\"foreign\"}} names its pid); while it shares, its step and "
         "phase times still show what it waits on.",
     ],
     verdicts.UNDETERMINED: [
