@@ -9,8 +9,8 @@ import yaml
 
 from grafana.dashboards import generate
 from grafana.rules import rules
+from stepscope.contract import BACKWARD_PHASE, DATA_LOADING_PHASE, STATES
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
-from stepscope.contract import STATES
 from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
 from tests.support.dashboard_queries import (
@@ -423,6 +423,37 @@ def test_the_state_timeline_draws_the_ranks_in_another_state_and_the_drawn_ones_
                 "B": [{"labels": '{run="big",hidden="56"}', "value": 2}]}
     failed = _training_panel_test("states", _states_of_64_ranks(), "Training state per rank", expected, tmp_path)
     assert not failed, failed
+
+
+def _stalled_by_one_loader() -> list[dict]:
+    """64 ranks on 8 nodes whose run stalled at 4m: rank 50's loader hung in dataloader_next since 240 s, the
+    others entered backward 0.3 s later and wait in its all-reduce; all ended their last step at 239.9 s."""
+    inputs = [{"series": f'{rec.NODE_CLOCK_OFFSET}{{instance="n{node}",job="stepscope"}}', "values": "0x10"}
+              for node in range(8)]
+    for rank in range(64):
+        labels = f'run="big",rank="{rank}",instance="n{rank // 8}",job="stepscope"'
+        phase, entered = (DATA_LOADING_PHASE, 240) if rank == 50 else (BACKWARD_PHASE, 240.3)
+        inputs += [{"series": f"{fam.TRAINING_LAST_STEP}{{{labels}}}", "values": "239.9x10"},
+                   {"series": f'{fam.TRAINING_PHASE_ENTERED}{{{labels},phase="{phase}"}}', "values": f"{entered}x10"},
+                   {"series": f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", "values": "0+60x10"}]
+    return inputs
+
+
+def test_where_each_rank_is_puts_the_rank_a_stalled_run_waits_for_on_top(tmp_path: Path) -> None:
+    """Where each rank is, 64 ranks stalled by rank 50's hung loader, evaluated by promtool at 10m: the table sorts
+    on seconds in its phase, highest first, where rank 50 reads the most (360 s, the others 359.7 s). Before, the
+    table had no sort: rows in label order, rank 50 the 51st of 64 on a real Prometheus."""
+    (table,) = [panel for panel in panels(dashboards()["stepscope-training.json"])
+                if panel["title"] == "Where each rank is"]
+    (organize,) = [step["options"] for step in table["transformations"] if step["id"] == "organize"]
+    assert table["options"].get("sortBy") == [{"displayName": organize["renameByName"]["Value #B"], "desc": True}]
+    (in_its_phase,) = [target["expr"] for target in table["targets"] if target["refId"] == "B"]
+    expr = grafana_interpolate(in_its_phase, dashboards()["stepscope-training.json"], {"run": "big", "rank": "$__all"})
+    on_top = [{"labels": f'{{run="big",rank="50",instance="n6",job="stepscope",phase="{DATA_LOADING_PHASE}"}}',
+               "value": 360}]
+    assert not promtool_expressions(tmp_path / "stalled.yml", _stalled_by_one_loader(),
+                                    [{"expr": f"topk(1, {expr})", "eval_time": "10m", "exp_samples": on_top}],
+                                    interval="1m")
 
 
 # 32 nodes of 8 GPUs for 10 minutes, 1m apart: node n17's GPUs idle for the first half (0.1, then 0.9: 0.536 over

@@ -298,14 +298,16 @@ def table_panel(
     *,
     hide: Sequence[str] = ("Time", "__name__", "job"),
     sort_by: str = "",
+    descending: bool = False,
     width: int = 24,
     height: int = 8,
 ) -> table.Panel:
     """Instant table queries merged on their labels; `columns` maps "Value #<ref>" -> (name, unit); `sort_by`
-    names the column the rows are sorted by, lowest first."""
+    names the column the rows are sorted by, lowest first, or highest first where `descending`: the row that
+    matters on top, not wherever the labels put it."""
     panel = _panel(table.Panel(), title, description, queries, None, width, height)
     if sort_by:
-        panel = panel.sort_by([common.TableSortByFieldState().display_name(sort_by).desc(False)])
+        panel = panel.sort_by([common.TableSortByFieldState().display_name(sort_by).desc(descending)])
     panel = panel.with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
     panel = panel.with_transformation(
         dm.DataTransformerConfig(

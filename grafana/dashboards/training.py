@@ -100,6 +100,10 @@ def lowest_score(by: str, over_range: bool = False) -> str:
 # Sorted on the score now, a rank slow for the first half of an hour (0.5, 1 since: 0.75 over the hour) was drawn on
 # every panel but sat 14th of 64, tied at 1 with 59 ranks, in a table said to begin with the drawn ranks.
 RANGE_SCORE_COLUMN = "lowest score over the range"
+# Where each rank is: sorted on it, longest first. In a run stalled by one rank (a hung loader), every rank stopped
+# stepping at once (360.0 s against up to 360.1 s, 64 ranks): seconds in its phase set the hung rank apart (360.0 s,
+# the others entered backward's all-reduce after it: 359.7 s), where the label order put it 51st of 64.
+IN_ITS_PHASE_COLUMN = "in its phase"
 
 
 PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end())) * 0"
@@ -497,12 +501,12 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             table_panel(
                 "Where each rank is",
-                "Per rank: seconds since its last step, the host-timed phase it is in and for how long, and "
-                "seconds since its last push. When a run stops stepping (StepscopeTrainingStalled), the rank in "
-                "a different phase from the others, or in its phase the longest, holds them up (a loader in "
-                f"{contract.DATA_LOADING_PHASE}, a hung GPU); the ranks in {contract.BACKWARD_PHASE} wait for it "
-                "in the all-reduce. A rank whose last push is old and that did not close is lost "
-                "(StepscopeRankLost).",
+                "Per rank, the longest in its phase first: seconds since its last step, the host-timed phase it "
+                "is in and for how long, and seconds since its last push. When a run stops stepping "
+                "(StepscopeTrainingStalled), the rank in its phase the longest, on top, or in a different phase "
+                f"from the others holds them up (a loader in {contract.DATA_LOADING_PHASE}, a hung GPU); the ranks "
+                f"in {contract.BACKWARD_PHASE} wait for it in the all-reduce, and all stopped stepping together. "
+                "A rank whose last push is old and that did not close is lost (StepscopeRankLost).",
                 [
                     Q(age(sel(fam.TRAINING_LAST_STEP, RANKS)), table=True),
                     Q(age(sel(fam.TRAINING_PHASE_ENTERED, RANKS)), table=True),
@@ -510,9 +514,11 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 ],
                 {
                     "Value #A": ("since last step", "s"),
-                    "Value #B": ("in its phase", "s"),
+                    "Value #B": (IN_ITS_PHASE_COLUMN, "s"),
                     "Value #C": ("since last push", "s"),
                 },
+                sort_by=IN_ITS_PHASE_COLUMN,
+                descending=True,
                 width=24,
             ).override_by_name("instance", NODE_LINK)
         )
