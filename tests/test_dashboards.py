@@ -512,6 +512,20 @@ def test_the_cluster_per_node_panels_draw_the_nodes_that_stand_out_beside_the_me
     assert not failed, failed
 
 
+def test_the_gpu_utilization_bars_put_the_least_used_node_on_top() -> None:
+    """GPU utilization per node: a bar gauge draws its series in the order they come, and a range query's come in
+    label order (on a real Prometheus at 32 nodes: n17 0.61, n20 0.80, n29 0.85, n3 0.70, n8 0.75). Its one query is
+    now an instant table whose rows Grafana's sortBy orders by value, lowest first, a bar per row (the values the
+    promtool test above checks): n17, n3, n8, n20, n29."""
+    (bars,) = [panel for panel in panels(dashboards()["stepscope-cluster.json"])
+               if panel["title"] == "GPU utilization per node"]
+    (target,) = bars["targets"]
+    assert (target.get("instant"), target.get("format")) == (True, "table")
+    assert bars["options"]["reduceOptions"]["values"] is True
+    assert bars["transformations"] == [{"id": "sortBy",
+                                        "options": {"fields": {}, "sort": [{"field": "Value", "desc": False}]}}]
+
+
 def test_the_step_time_lines_match_the_drawn_ranks_before_the_buckets_still_exported() -> None:
     """The p50 / p95 lines keep the drawn ranks' bucket rates first, then match those to the buckets still exported:
     matching all 6,400 bucket rates of 256 ranks to all 6,400 buckets first took 8-38 s per line over 6 hours on

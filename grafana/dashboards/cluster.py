@@ -198,11 +198,11 @@ def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
             bargauge_panel(
                 "GPU utilization per node",
                 "Average effective utilization of all GPUs of a node, averaged over the time range: the "
-                "`Nodes drawn` least used nodes.",
-                [Q(f"bottomk($nodes_drawn, {over_the_range(rec.NODE_GPU_EFFECTIVE_UTILIZATION)})",
-                   "{{instance}}")],
+                "`Nodes drawn` least used nodes, the least used on top.",
+                [Q(f"bottomk($nodes_drawn, {over_the_range(rec.NODE_GPU_EFFECTIVE_UTILIZATION)})", table=True)],
                 "percentunit",
                 steps=UTILIZATION,
+                lowest_first=True,
             )
         )
     )

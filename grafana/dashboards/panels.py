@@ -274,20 +274,32 @@ def bargauge_panel(
     *,
     limits: tuple[float, float] = (0, 1),
     steps: dashboard.ThresholdsConfig | None = None,
+    lowest_first: bool = False,
     width: int = 12,
     height: int = 8,
 ) -> bargauge.Panel:
+    """A bar per series, in the order the series come (Prometheus' label order): a bar gauge has no sort of its
+    own. `lowest_first`: the one query is an instant table, a bar per row (named by its labels), sorted by value
+    lowest first, so the bar that matters is on top."""
     panel = _panel(bargauge.Panel(), title, description, queries, unit, width, height)
     panel = (
         panel.min(limits[0])
         .max(limits[1])
         .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
         .orientation(common_models.VizOrientation.HORIZONTAL)
-        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(lowest_first))
     )
+    if lowest_first:
+        panel = panel.with_transformation(_sorted_by("Value", descending=False))
     if steps is not None:
         panel = panel.thresholds(steps)
     return panel
+
+
+def _sorted_by(field: str, *, descending: bool) -> dm.DataTransformerConfig:
+    """Grafana's sortBy transformation: the rows of a table ordered by `field`."""
+    return dm.DataTransformerConfig(id_val="sortBy", options={"fields": {}, "sort": [{"field": field,
+                                                                                      "desc": descending}]})
 
 
 def table_panel(
