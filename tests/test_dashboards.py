@@ -181,10 +181,14 @@ def test_a_process_registered_within_the_rate_window_has_one_row_in_the_process_
         inputs += [{"series": f'{family}{{instance="n",{before}}}', "values": "0+15x20"},
                    {"series": f'{family}{{instance="n",{after}}}', "values": "_x20 300+15x10"},
                    {"series": f'{family}{{instance="n",pid="42",run="",rank=""}}', "values": "0+15x40"}]
-    for family in ("stepscope_process_resident_memory_bytes", "stepscope_process_children",
-                   "stepscope_process_gpu_memory_bytes"):
+    for family in ("stepscope_process_resident_memory_bytes", "stepscope_process_children"):
         inputs += [{"series": f'{family}{{instance="n",{after}}}', "values": "_x20 1x10"},
                    {"series": f'{family}{{instance="n",pid="42",run="",rank=""}}', "values": "1x40"}]
+    gpu_memory = "stepscope_process_gpu_memory_bytes"  # held by the pid before it registered: foreign then
+    inputs += [{"series": f'{gpu_memory}{{instance="n",{before},gpu="0",holder="foreign"}}', "values": "1x20"},
+               {"series": f'{gpu_memory}{{instance="n",{after},gpu="0",holder="rank"}}', "values": "_x20 1x10"},
+               {"series": f'{gpu_memory}{{instance="n",pid="42",run="",rank="",gpu="0",holder="foreign"}}',
+                "values": "1x40"}]
     rows = [{"labels": '{pid="41",run="r",rank="0"}', "value": 1}, {"labels": '{pid="42"}', "value": 1}]
     columns = [query.expr for query in panel_queries() if (query.dashboard, query.panel) == (
         "stepscope-node.json", "Processes")]
@@ -192,6 +196,23 @@ def test_a_process_registered_within_the_rate_window_has_one_row_in_the_process_
     tests = [{"expr": f"count by (pid, run, rank) ({expr})", "eval_time": "5m30s", "exp_samples": rows}
              for expr in columns]  # the rows (partial rates where a series begins or ends in the window)
     assert not promtool_expressions(tmp_path / "processes.yml", inputs, tests)
+
+
+def test_the_process_table_says_who_holds_each_pids_gpu_memory(tmp_path: Path) -> None:
+    """The Processes table's GPU memory column keeps `holder`, which Grafana's merge adds to the pid's row (it merges
+    on the labels all columns share): a notebook (pid 77, foreign) beside a rank (pid 41) on the same GPU, a row
+    each. Before, `sum by (pid, run, rank)` summed the label away and pid 77 read only `{pid="77"}` on a real
+    Prometheus: nothing told it from a rank's process."""
+    (gpu_memory,) = [query.expr for query in panel_queries() if (query.dashboard, query.panel, query.ref_id) == (
+        "stepscope-node.json", "Processes", "F")]
+    inputs = [{"series": f'{fam.PROCESS_GPU_MEMORY}{{instance="n",pid="{pid}",run="{run}",rank="{rank}",gpu="{gpu}",'
+                         f'holder="{holder}"}}', "values": "1e9x10"}
+              for pid, run, rank, gpu, holder in (("41", "r", "0", "0", "rank"), ("41", "r", "0", "1", "rank"),
+                                                  ("77", "", "", "0", "foreign"))]
+    rows = [{"labels": '{pid="41",run="r",rank="0",holder="rank"}', "value": 2e9},
+            {"labels": '{pid="77",holder="foreign"}', "value": 1e9}]
+    assert not promtool_expressions(tmp_path / "holders.yml", inputs,
+                                    [{"expr": gpu_memory, "eval_time": "5m", "exp_samples": rows}])
 
 
 def _field_links(panel: dict, field: str) -> list[dict]:

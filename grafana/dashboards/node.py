@@ -39,11 +39,12 @@ HOT = contract.THRESHOLDS["gpu_temperature_hot_celsius"]
 STALE = contract.THRESHOLDS["collector_stale_seconds"]
 
 
-def _per_process(series: str) -> Q:
-    """A column of the process table: one row per process, whose columns merge on (pid, run, rank);
-    GPU memory adds up the process's GPUs. A process the hooks registered less than a rate window ago still
+def _per_process(series: str, also_by: str = "") -> Q:
+    """A column of the process table: one row per process, whose columns merge on (pid, run, rank), the labels
+    every column has (Grafana's merge); `also_by` keeps a label of this column's only, which the merge adds to the
+    row. GPU memory adds up the process's GPUs. A process the hooks registered less than a rate window ago still
     has its row from before (no run, 0 CPU): left out where the pid has another (a pid's only row stays)."""
-    per_process = f"sum by (pid, run, rank) ({series})"
+    per_process = f"sum by (pid, run, rank{', ' + also_by if also_by else ''}) ({series})"
     return Q(f"{per_process} unless on (pid, run) (count by (pid) ({per_process}) > 1)", table=True)
 
 
@@ -509,7 +510,10 @@ def _processes_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         table_panel(
             "Processes",
             "Processes registered by the training hooks or holding GPU memory: CPU cores (process plus "
-            "data-loader workers), resident memory, worker count, storage reads and writes, GPU memory. "
+            "data-loader workers), resident memory, worker count, storage reads and writes, GPU memory and who "
+            "holds it (holder): rank (a registered rank, its workers' memory on its GPUs included), worker (a "
+            "rank's worker on a GPU its rank does not hold), mps_server, foreign (any other process: a notebook "
+            "or another team's job sharing the GPU) or unknown (a process the exporter cannot read). "
             "Unregistered GPU processes have an empty run.",
             [
                 _per_process(f"rate({sel(fam.PROCESS_CPU_SECONDS, NODE)}[1m])"),
@@ -517,7 +521,7 @@ def _processes_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 _per_process(sel(fam.PROCESS_CHILDREN, NODE)),
                 _per_process(f"rate({sel(fam.PROCESS_IO_READ, NODE)}[1m])"),
                 _per_process(f"rate({sel(fam.PROCESS_IO_WRITE, NODE)}[1m])"),
-                _per_process(sel(fam.PROCESS_GPU_MEMORY, NODE)),
+                _per_process(sel(fam.PROCESS_GPU_MEMORY, NODE), also_by="holder"),
             ],
             {
                 "Value #A": ("CPU cores", "none"),
