@@ -533,6 +533,25 @@ def test_the_cluster_per_node_panels_draw_the_nodes_that_stand_out_beside_the_me
     assert not failed, failed
 
 
+def test_the_heat_map_draws_the_gpus_of_the_nodes_with_the_least_used_gpu(tmp_path: Path) -> None:
+    """GPU utilization, node x GPU at 32 nodes of 8 GPUs, evaluated by promtool at the end of 10 minutes: the 8 GPUs
+    of each of the 5 nodes whose least used GPU is lowest over the range, n8 among them for its one sick GPU (0.2
+    among 0.9s), n17 for its GPU idle the first half (0.54 over the range though 0.9 now), not n30 (0.86): 40 rows.
+    Before: 256 rows in a panel 10 units high, about a pixel each."""
+    least_used_gpu = {"n17": {"5": "0.1x4 0.9x6"}, "n8": {"2": "0.2x10"}, "n3": dict.fromkeys("01234567", "0.7x10"),
+                      "n20": dict.fromkeys("01234567", "0.8x10"), "n29": dict.fromkeys("01234567", "0.85x10"),
+                      "n30": dict.fromkeys("01234567", "0.86x10")}
+    inputs = [{"series": f'{rec.GPU_EFFECTIVE_UTILIZATION}{{instance="{node}",gpu="{gpu}",source="sm_active"}}',
+               "values": least_used_gpu.get(node, {}).get(str(gpu), "0.9x10")} for node in NODES for gpu in range(8)]
+    model = dashboards()["stepscope-cluster.json"]
+    (heat_map,) = [panel for panel in panels(model) if panel["title"] == "GPU utilization, node x GPU"]
+    (target,) = heat_map["targets"]
+    expr = grafana_interpolate(target["expr"].replace("$__range", "10m"), model, {"nodes_drawn": "5"})
+    rows = [{"labels": f'{{instance="{node}"}}', "value": 8} for node in ("n17", "n8", "n3", "n20", "n29")]
+    test = {"expr": f"count by (instance) ({expr})", "eval_time": "10m", "exp_samples": rows}
+    assert not promtool_expressions(tmp_path / "heatmap.yml", inputs, [test], interval="1m")
+
+
 def test_the_gpu_utilization_bars_put_the_least_used_node_on_top() -> None:
     """GPU utilization per node: a bar gauge draws its series in the order they come, and a range query's come in
     label order (on a real Prometheus at 32 nodes: n17 0.61, n20 0.80, n29 0.85, n3 0.70, n8 0.75). Its one query is

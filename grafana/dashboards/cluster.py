@@ -63,6 +63,12 @@ def lowest_nodes(per_node: str, ranked_by: str = "") -> str:
     return f"{per_node} and on (instance) bottomk($nodes_drawn, {ranked_by or over_the_range(per_node)})"
 
 
+def gpus_of_nodes_with_the_least_used_gpu(per_gpu: str) -> str:
+    """`per_gpu` (a selector with `instance` and `gpu`) of the `$nodes_drawn` nodes whose least used GPU, averaged
+    over the time range, is lowest: a node with one sick GPU among busy ones is drawn, every GPU of it beside it."""
+    return f"{per_gpu} and on (instance) bottomk($nodes_drawn, min by (instance) ({over_the_range(per_gpu)}))"
+
+
 def highest_nodes(per_node: str) -> str:
     """`per_node` (a selector with an `instance` label) of the `$nodes_drawn` nodes highest over the time range."""
     return f"{per_node} and on (instance) topk($nodes_drawn, {over_the_range(per_node)})"
@@ -149,18 +155,19 @@ def _gpus_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
         board.with_panel(
             heatmap_panel(
                 "GPU utilization, node x GPU",
-                "One row per GPU (node and index), colour = effective utilization (1m average: SM active "
-                "where GPM reads it, NVML utilization elsewhere): dark rows are idle, starved or busy-but-idle "
-                "GPUs, a single dark row in a busy run is a sick GPU or a straggler.",
+                "One row per GPU (node and index) of the `Nodes drawn` nodes whose least used GPU is lowest over "
+                "the time range, colour = effective utilization (1m average: SM active where GPM reads it, NVML "
+                "utilization elsewhere): dark rows are idle, starved or busy-but-idle GPUs, a single dark row in "
+                "a busy run is a sick GPU or a straggler. Idle GPUs lists every idle GPU of the fleet.",
                 [
                     Q(
-                        rec.GPU_EFFECTIVE_UTILIZATION,
+                        gpus_of_nodes_with_the_least_used_gpu(rec.GPU_EFFECTIVE_UTILIZATION),
                         "{{instance}} GPU {{gpu}} ({{source}})",
                     )
                 ],
                 "percentunit",
                 width=24,
-                height=10,
+                height=12,
             )
         )
         .with_panel(
