@@ -128,3 +128,15 @@ def test_grafana_copies_say_nothing_only_their_queries_gave() -> None:
             assert not DROPPED.search(text), f"{name}.{key}: {DROPPED.search(text).group()}"
     loader = grafana_rules()["StepscopeLoaderBelowCompute"]["annotations"]["description"]
     assert "its loader can deliver fewer samples/s than training consumes (the Training run dashboard's" in loader
+
+
+def test_a_slower_run_is_told_its_own_unit_in_both_copies() -> None:
+    """StepscopeRunSlowerThanItself compares tokens per second where a run counts tokens, else samples. Its Grafana
+    copy lost the query that chose the word and said "samples per second" of every run; both copies now read the
+    alert's `unit` label, which the rule sets (promtool: pace_change.yml tokens, goodput.yml samples)."""
+    unit_per_second = "{{ $labels.unit }} per second of training"
+    prometheus = prometheus_alerts()["StepscopeRunSlowerThanItself"]
+    grafana = grafana_rules()["StepscopeRunSlowerThanItself"]
+    assert unit_per_second in " ".join(prometheus["annotations"]["description"].split())
+    assert unit_per_second in grafana["annotations"]["description"]
+    assert '"unit", "tokens"' in prometheus["expr"] and '"unit", "samples"' in prometheus["expr"]
