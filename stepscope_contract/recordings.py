@@ -145,6 +145,9 @@ RUN_MFU_HELD = "run:stepscope_mfu:held_ratio_rate1m"
 # Seconds since each rank's last push while it has not closed (StepscopeRankLost's test): its last value tells
 # the alert whether a rank that left the scrape (a failed scrape, an exporter restart) was lost when last seen
 RANK_SINCE_LAST_PUSH = "run_rank:stepscope_training_since_last_push:seconds"
+# The last push (on the rules' clock) of each rank StepscopeRankLost pages, carried from one evaluation to the next
+# once its exporter drops it (--ingest-ttl), while the rest of its run is still there and nothing brought it back
+RANK_LOST_LAST_PUSH = "run_rank:stepscope_lost_last_push:timestamp_seconds"
 # The runs StepscopeTrainingStalled and StepscopeFirstStepStalled page (their value: the seconds), as one shard
 # sees them: the run's warnings and hints stop while its stall pages, in the rules rather than through an
 # Alertmanager inhibition, whose muted alerts' `resolved` is never sent (prometheus/alertmanager#2754)

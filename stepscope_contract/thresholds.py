@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from stepscope.contract.recordings import (
     GPU_HELD_IDLE,
+    RANK_LOST_LAST_PUSH,
     RANK_STALLED_SECONDS,
     RANK_STRAGGLER_ALERT_SCORES,
     RANK_TRAINING_SETTLED,
@@ -97,12 +98,19 @@ THRESHOLDS: Mapping[str, Threshold] = {
         (SHARD_RUN_FIRST_STEP_STALLED, RANK_STALLED_SECONDS)),
     "rank_lost_seconds": Threshold(
         45, "seconds without a push (the hooks push every 5 s) after which a rank that did not close is lost",
-        ("StepscopeRankLost", SHARD_RUN_STALLED, SHARD_RUN_FIRST_STEP_STALLED, "StepscopeDataLoadingBottleneck",
+        (RANK_LOST_LAST_PUSH, SHARD_RUN_STALLED, SHARD_RUN_FIRST_STEP_STALLED, "StepscopeDataLoadingBottleneck",
          "StepscopeLoaderBelowCompute", "StepscopeStragglerRank")),
     "rank_lost_kept_seconds": Threshold(
         600, "seconds after its last push that a lost rank stays lost once its exporter's scrape failed or the "
         "exporter restarted and forgot it: the exporter's default --ingest-ttl, as long as it keeps a group",
-        ("StepscopeRankLost",)),
+        (RANK_LOST_LAST_PUSH,)),
+    # A lost rank whose run goes on without it (its other ranks push, waiting in a collective with no timeout, or
+    # training on without it) stays paged; this bounds how long, so a run left waiting for a week is not paged for
+    # a week: a work shift after the kill, the person has had the page.
+    "rank_lost_max_seconds": Threshold(
+        21600, "seconds after its last push that StepscopeRankLost stops paging a lost rank whose run is still "
+        "there but that never came back (a restart of its run, or its own push, ends it sooner)",
+        (RANK_LOST_LAST_PUSH,)),
     # 10 minutes, not more: each evaluation reads this much of every rank's and GPU's recorded reading, and at
     # 250 nodes (2,000 ranks, bench_scale side by side) the holds already took StepscopeGpuBusyButIdle from 0.30
     # to 1.89 s an evaluation with under 5 minutes of history to read.

@@ -122,8 +122,9 @@ def test_rules_read_only_published_metrics_and_recording_rules() -> None:
 # and why: a gap must end them, or holding would lie.
 UNHELD = {
     # time() minus a held push or success time grows through the gap: the rank or collector would look lost
-    "StepscopeRankLost": "time() - the last push: held, every rank of a down exporter would look lost; it keeps "
-                         "the ranks that were lost when last seen itself (last_over_time of the record below)",
+    recordings.RANK_LOST_LAST_PUSH: "time() - the last push: held, every rank of a down exporter would look lost; "
+                                    "it keeps the ranks that were lost when last seen itself (last_over_time of "
+                                    "the record below, and of its own earlier values)",
     "run_rank:stepscope_training_since_last_push:seconds": "StepscopeRankLost's test as it is seen now",
     "run_rank_cause:stepscope_time_seconds:rate1m": "goodput's lost and stalled time count from time() too",
     "run_rank:stepscope_training_stalled:seconds": "goodput's stalled time counts from time() too",
