@@ -55,19 +55,26 @@ _TERM = re.compile(rf"^(?P<start>_|{_NUMBER})(?:(?P<sign>[-+])(?P<step>{_NUMBER}
 _SERIES = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)?\s*\{(?P<labels>.*)\}$")
 _LABEL = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
 Samples = list[tuple[dict[str, str], list[tuple[float, float]]]]
+TIMES = re.compile(r"_(?:timestamp|time)_seconds$")  # the families whose values are Unix times
 
 
 def expand_values(text: str) -> list[float | None]:
-    """promtool's expanding notation (`a+bxn`: n+1 values from a by b; `axn`: a n+1 times; `_`: none) as
-    one value per interval, None where there is no sample."""
+    """promtool's expanding notation (`a+bxn`: n+1 values from a by b; `axn`: a n+1 times; `_xn`: n none) as
+    one value per interval, None where there is no sample. `stale` (a staleness marker) is no sample too: the
+    JSON import drops NaN, so a series that ends there is read for VictoriaMetrics' lookback after its last
+    sample (1.25 intervals), an evaluation longer than on Prometheus or behind a vmagent, which writes the
+    markers."""
     values: list[float | None] = []
     for term in text.split():
+        if term == "stale":
+            values.append(None)
+            continue
         match = _TERM.match(term)
         if match is None:
             raise ValueError(f"unsupported series value {term!r} (numbers, _, a+bxn, a-bxn, axn)")
         times = int(match["times"]) + 1 if match["times"] else 1
-        if match["start"] == "_":
-            values += [None] * times
+        if match["start"] == "_":  # `_xn` is n blanks, not n+1 (promtool's expansion)
+            values += [None] * (times - 1 if match["times"] else 1)
             continue
         step = float(match["step"] or 0) * (-1 if match["sign"] == "-" else 1)
         values += [float(match["start"]) + step * i for i in range(times)]
@@ -85,12 +92,15 @@ def parse_series(text: str) -> dict[str, str]:
 
 def import_series(url: str, input_series: Iterable[dict], start: int, interval: int) -> None:
     """A promtool test's input series into VictoriaMetrics at `url`, the first sample at `start` (Unix
-    seconds), one every `interval` seconds, visible to queries on return."""
+    seconds), one every `interval` seconds, visible to queries on return. A series of times (a push's, an
+    exporter's start) moves with them: promtool's clock starts at 0, so its values are seconds from the start."""
     lines = []
     for item in input_series:
-        points = [(start + i * interval, value) for i, value in enumerate(expand_values(item["values"]))
+        labels = parse_series(item["series"])
+        moved = start if TIMES.search(labels.get("__name__", "")) else 0
+        points = [(start + i * interval, value + moved) for i, value in enumerate(expand_values(item["values"]))
                   if value is not None]
-        lines.append(json.dumps({"metric": parse_series(item["series"]), "values": [v for _, v in points],
+        lines.append(json.dumps({"metric": labels, "values": [v for _, v in points],
                                  "timestamps": [t * 1000 for t, _ in points]}))
     requests.post(f"{url}/api/v1/import", data="\n".join(lines), timeout=30).raise_for_status()
     force_flush(url)
