@@ -211,6 +211,16 @@ def test_a_resolved_alert_says_it_ended_and_gives_no_advice(tmp_path: Path, name
     assert mixed.index("Raise num_workers") < mixed.index("RESOLVED")
 
 
+@pytest.mark.parametrize("name", ["stepscope.text", "stepscope.email.html"])
+def test_a_firing_alert_says_since_when_it_fires(tmp_path: Path, name: str) -> None:
+    """A description states its alert's `for` ("for at least 10 minutes"), and Alertmanager repeats a firing alert
+    every 4 hours with the same words: the person read how long the problem had lasted from nothing. Each firing
+    alert now says since when it fires, as a resolved one says since when it fired."""
+    group = {"status": "firing", "alerts": [bottleneck_alert(0, "50%")], "externalURL": "https://am.example"}
+    text = rendered(tmp_path, name, group, "html" if "html" in name else "text")
+    assert ", firing since 2026-11-29 13:50:00 UTC: Rank 0 of run r1 spends 50%" in text
+
+
 @pytest.mark.parametrize(("labels", "where"), [
     ({"instance": "n9", "gpu": "0", "xid": "79", "severity": "critical"}, "GPU 0 on n9 (critical): "),
     ({"instance": "n9", "collector": "gpu", "severity": "warning"}, "node n9 (warning): "),
@@ -241,7 +251,9 @@ def test_a_data_bound_run_pages_once_with_its_cause_and_a_link(stack: Stack) -> 
     attachment = slack["attachments"][0]
     assert attachment["title"] == "[FIRING:1] Run databound rank 0 waits for data"
     assert attachment["title_link"] == alert["annotations"]["dashboard_url"]
-    for text in ("run databound rank 0 on node-a (warning): Rank 0 of run databound on node-a spends",
+    since = alert["startsAt"][:19].replace("T", " ")  # to the second, in whatever zone Prometheus sent it
+    for text in (f"run databound rank 0 on node-a (warning), firing since {since}",
+                 "Rank 0 of run databound on node-a spends",
                  f"Dashboard: {alert['annotations']['dashboard_url']}",
                  "Runbook: https://github.com/stepscope/stepscope/blob/main/docs/alerts.md#stepscopedataloadingbottleneck",
                  "What to try: Raise DataLoader num_workers"):

@@ -577,7 +577,8 @@ def test_the_documented_receivers_say_what_the_compose_templates_say(chart: Path
                                "description": f"Rank {rank} of run llama-ft on {node} has a straggler score of 0.6.",
                                "runbook": "Open the Node dashboard of the rank's node.",
                                "runbook_url": "https://runbook.example/straggler",
-                               "dashboard_url": f"https://grafana.example.com/d/stepscope-training?var-rank={rank}"}}
+                               "dashboard_url": f"https://grafana.example.com/d/stepscope-training?var-rank={rank}"},
+               "startsAt": "2026-11-29T10:00:00Z"}
               for rank, node in ((3, "n3"), (5, "n4"))]
     ended = {**alerts[0], "status": "resolved", "labels": {**alerts[0]["labels"], "rank": "7"},
              "startsAt": "2026-11-29T13:50:00Z", "endsAt": "2026-11-29T14:03:05Z"}
@@ -590,7 +591,8 @@ def test_the_documented_receivers_say_what_the_compose_templates_say(chart: Path
         assert rendered_by_alertmanager(tmp_path, slack[field], data) == \
             rendered_by_alertmanager(tmp_path, f'{{{{ template "{name}" . }}}}', data), field
     text = rendered_by_alertmanager(tmp_path, slack["text"], data)
-    for expected in ("run llama-ft rank 3 on n3 (warning): Rank 3 of run llama-ft on n3 has a straggler score of 0.6.",
+    for expected in ("run llama-ft rank 3 on n3 (warning), firing since 2026-11-29 10:00:00 UTC: Rank 3 of run "
+                     "llama-ft on n3 has a straggler score of 0.6.",
                      "Dashboard: https://grafana.example.com/d/stepscope-training?var-rank=5",
                      "Runbook: https://runbook.example/straggler", "What to try: Open the Node dashboard",
                      "RESOLVED run llama-ft rank 7 on n3 (warning): ended at 2026-11-29 14:03:05 UTC"):
