@@ -106,6 +106,27 @@ def test_every_alert_has_severity_and_annotations() -> None:
             assert "$value" in rule["annotations"]["description"], f"{rule['alert']} hides the live value"
 
 
+FOR_WORDS = {"s": "second", "m": "minute", "h": "hour"}
+STATED_FOR = re.compile(r"\bfor (at least )?(an hour|\d+ (?:second|minute|hour)s?)\b")
+
+
+def for_in_words(duration: str) -> str:
+    """An alert's `for` as its description writes it: 15m -> "15 minutes", 1h -> "an hour"."""
+    count, unit = int(duration[:-1]), FOR_WORDS[duration[-1]]
+    return f"an {unit}" if (count, unit) == (1, "hour") else f"{count} {unit}{'s' if count != 1 else ''}"
+
+
+def test_an_alert_states_its_for_as_a_minimum() -> None:
+    """"has been held for 30 minutes" (StepscopeGpuHeldIdle), "could not scrape ... for 5 minutes"
+    (StepscopeExporterDown): the `for`, stated as how long the problem has lasted, which Alertmanager's repeat
+    4 hours later still said. A description says "for at least" its alert's `for`; stepscope.tmpl says since when."""
+    stated = [(rule["alert"], rule.get("for"), match[0]) for rule in alerts()
+              for match in STATED_FOR.finditer(rule["annotations"]["description"])]
+    assert stated, "no alert states its for: the pattern is stale"
+    assert [(name, said) for name, duration, said in stated
+            if said != f"for at least {for_in_words(duration or '0s')}"] == []
+
+
 def test_rules_read_only_published_metrics_and_recording_rules() -> None:
     """A misspelt metric passes promtool's unit tests when the test series repeat the typo; the names
     must be the exporter's (stepscope_contract, checked against a real scrape by the e2e test)."""
