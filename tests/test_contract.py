@@ -165,6 +165,24 @@ def test_rules_compare_with_the_contract_thresholds(name: str) -> None:
         assert number.search(by_name[user]["expr"]), f"{user} does not compare with {name} = {threshold.number}"
 
 
+STATED_THRESHOLD = re.compile(r"\bthreshold ([^;),{]+)")
+
+
+def test_alert_texts_state_the_thresholds_the_contract_gives_them() -> None:
+    """StepscopeExporterCollectionStale said "(threshold 2 minutes)" as fixed text, so collector_stale_seconds
+    changed in the contract moved its expression and not its words. Each "threshold X" an alert states is one of
+    the contract thresholds it compares with, as a number, a share or seconds."""
+    said = {}
+    for rule in rules():
+        if "alert" in rule:
+            written = {form for threshold in contract.THRESHOLDS.values() if rule["alert"] in threshold.used_by
+                       for form in (threshold.number, threshold.percent, f"{threshold.number} s")}
+            said[rule["alert"]] = [(stated.strip(), stated.strip() in written)
+                                   for stated in STATED_THRESHOLD.findall(rule["annotations"]["description"])]
+    assert any(said.values()), "no alert states a threshold: the pattern is stale"
+    assert {name: stated for name, stated in said.items() if not all(known for _, known in stated)} == {}
+
+
 def test_a_forgotten_lost_rank_is_kept_as_long_as_the_exporter_keeps_a_group() -> None:
     """StepscopeRankLost keeps a rank that a restarted exporter forgot for the exporter's own --ingest-ttl."""
     from stepscope.exporter.cli import build_parser
