@@ -265,6 +265,13 @@ def test_cluster_tables_link_runs_and_nodes_to_their_dashboards() -> None:
         assert {variable, "datasource"} <= names, (target, names)
 
 
+def score_bars(scores: dict[str, tuple[float, float]]) -> list[dict]:
+    """The Straggler scores bars' rows of ranks on nodes of 8 (rank -> step and local score): one per rank and
+    score, named by its `bar` label alone."""
+    return [{"labels": f'{{bar="rank {rank} {kind} (n{int(rank) // 8})"}}', "value": value}
+            for rank, pair in scores.items() for kind, value in zip(("step", "local"), pair, strict=True)]
+
+
 def _training_panel_test(name: str, inputs: list[dict], panel: str, expected: dict[str, list[dict]], tmp: Path) -> str:
     """promtool's verdict on the Training dashboard's `panel` as Grafana sends it for run `big`, every rank picked and
     the ranks drawn at first, evaluated at the end of a 10m time range (Grafana's `$__interval` 1m): each target of
@@ -356,7 +363,7 @@ def test_the_panels_of_stepping_ranks_draw_the_lowest_scored_however_many_are_un
                  "value": value} for rank in SCORED_LOW]
 
     expected = {
-        "Straggler scores": {"A": scored(lambda scores: scores[0]), "B": scored(lambda scores: scores[1])},
+        "Straggler scores": {"A": score_bars({rank: tuple(map(float, scores)) for rank, scores in SCORED_LOW.items()})},
         "Data-loading share per rank": {"A": lines(0.1),
                                         "B": [{"labels": '{run="big"}', "value": 0.1}]},
         "Step time p50 / p95 per rank": {"A": lines(0.05), "B": lines(0.095), "C": [], "D": []},
@@ -399,8 +406,7 @@ def test_the_table_sorts_and_the_bars_show_the_figure_that_draws_the_ranks(tmp_p
 
     lowest = [labelled(str(rank), min(average(score) for score in SCORES.get(str(rank), ("1", "1"))))
               for rank in range(20)]
-    bars = {ref_id: [labelled(rank, average(scores[index])) for rank, scores in SCORES.items()]
-            for index, ref_id in enumerate("AB")}
+    bars = {"A": score_bars({rank: (average(step), average(local)) for rank, (step, local) in SCORES.items()})}
     failed = _training_panel_test("table", _scores_over_the_range(), "Per-rank comparison", {"A": lowest}, tmp_path)
     failed += _training_panel_test("bars", _scores_over_the_range(), "Straggler scores", bars, tmp_path)
     assert not failed, failed
@@ -408,6 +414,50 @@ def test_the_table_sorts_and_the_bars_show_the_figure_that_draws_the_ranks(tmp_p
                 if panel["title"] == "Per-rank comparison"]
     (organize,) = [step["options"] for step in table["transformations"] if step["id"] == "organize"]
     assert table["options"]["sortBy"] == [{"displayName": organize["renameByName"]["Value #A"], "desc": False}]
+
+
+# 64 ranks scored for 10 minutes, 1m apart: rank -> (step, local) where not typical (1, 1). The lowest scores are
+# those of ranks 3, 9, 17, 40 and 60, in label order 0.5, 0.65 (local), 0.6, 0.7, 0.9.
+UNEVEN_SCORES = {"3": (0.5, 1.0), "9": (0.8, 0.65), "17": (0.6, 1.0), "40": (0.7, 0.95), "60": (0.9, 1.0)}
+# Grafana's bar gauge draws 25 table rows unless told more; 512 ranks with a bar for each of 2 scores must fit.
+ROWS_A_BAR_GAUGE_MUST_DRAW = 2 * 512
+
+
+def _uneven_scores() -> list[dict]:
+    inputs = []
+    for rank in range(64):
+        labels = f'run="big",rank="{rank}",instance="n{rank // 8}"'
+        step, local = UNEVEN_SCORES.get(str(rank), (1.0, 1.0))
+        inputs += [{"series": f"{rec.RANK_STEPS_RATE}{{{labels}}}", "values": "10x10"},
+                   {"series": f"{rec.RANK_STRAGGLER_SCORE}{{{labels}}}", "values": f"{step}x10"},
+                   {"series": f"{rec.RANK_STRAGGLER_LOCAL_SCORE}{{{labels}}}", "values": f"{local}x10"}]
+    return inputs
+
+
+def test_the_straggler_bars_are_one_list_lowest_first(tmp_path: Path) -> None:
+    """Straggler scores of 64 ranks, the 5 drawn scoring 0.5-0.9: one instant table query returns a row per drawn
+    rank and score (promtool), named "rank 17 step (n2)", and Grafana sorts the rows on their value, lowest first,
+    drawing every row. Before, a query per score gave the bars in label order, query by query: rank 17's 0.6 third
+    after rank 9's 0.8, rank 9's local 0.65 seventh."""
+    failed = _training_panel_test("uneven", _uneven_scores(), "Straggler scores",
+                                  {"A": score_bars(UNEVEN_SCORES)}, tmp_path)
+    assert not failed, failed
+    (bars,) = [panel for panel in panels(dashboards()["stepscope-training.json"])
+               if panel["title"] == "Straggler scores"]
+    (target,) = bars["targets"]
+    assert (target["format"], target["instant"]) == ("table", True)
+    assert [step for step in bars["transformations"] if step["id"] == "sortBy"] == [
+        {"id": "sortBy", "options": {"fields": {}, "sort": [{"field": "Value", "desc": False}]}}]
+
+
+def test_a_bar_gauge_of_table_rows_draws_every_row() -> None:
+    """A bar gauge showing table rows ("All values") draws its first 25 unless its `limit` says more: the Cluster
+    dashboard's GPU utilization per node, `all` nodes drawn, dropped every node after the 25th least used."""
+    rows_panels = [(name, panel) for name, model in dashboards().items() for panel in panels(model)
+                   if panel["type"] == "bargauge" and panel["options"]["reduceOptions"]["values"]]
+    assert rows_panels
+    for name, panel in rows_panels:
+        assert panel["options"]["reduceOptions"].get("limit", 25) >= ROWS_A_BAR_GAUGE_MUST_DRAW, (name, panel["title"])
 
 
 # 64 ranks training for 10 minutes, 1m apart, each pushing to its node: rank 50 hangs in a checkpoint from minute 6,

@@ -27,6 +27,7 @@ WORLD_SIZE = 64
 SLOW_STEP, SLOW_LOADER, HUNG = 17, 40, 63
 DRAWN_AT_FIRST = next(iter(DRAWN_CHOICES.values()))
 BOARD = "stepscope-training.json"
+BAR_OF_A_RANK = '"bar", "rank $1'  # a bar's name made from its rank, as the Straggler scores name theirs
 VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?::\w+)?\}|\$([A-Za-z_]\w*)")  # not `$1`: a regex group
 
 # A stored hour of 64 ranks' two straggler scores, 30 s apart: rank 17 slow in step time for the first half, rank
@@ -58,9 +59,17 @@ def _history() -> dict[str, list[float]]:
     return history
 
 
-def _per_rank(legend: str) -> bool:
-    """Whether a legend names a rank (`{{rank}}`, or `{{rank_shown}}`: with its node where it moved)."""
-    return "{{rank}}" in legend or "{{rank_shown}}" in legend
+def _per_rank(target: dict) -> bool:
+    """Whether a target's series are a rank's: its legend names the rank (`{{rank}}`, or `{{rank_shown}}`: with its
+    node where it moved), or its rows name a bar after the rank (the Straggler scores: "rank 17 step (n2)")."""
+    legend = target.get("legendFormat", "")
+    return "{{rank}}" in legend or "{{rank_shown}}" in legend or BAR_OF_A_RANK in target["expr"]
+
+
+def _rank_of(series: dict) -> str:
+    """The rank a per-rank series is of: its label, or the second word of its bar's name."""
+    labels = series["metric"]
+    return labels["rank"] if "rank" in labels else labels["bar"].split()[1]
 
 
 def _panel_targets(title: str) -> list[dict]:
@@ -89,7 +98,7 @@ def _drawn(url: str, start: int, end: int) -> tuple[dict[str, int], int]:
     medians = 0
     for target in _panel_targets("Data-loading share per rank"):
         found = _query_range(url, _filled(target["expr"], end - start), start, end, INTERVAL)
-        if _per_rank(target["legendFormat"]):
+        if _per_rank(target):
             drawn |= {series["metric"]["rank"]: len(series["values"]) for series in found}
         else:
             medians += len(found)
@@ -124,7 +133,7 @@ def _rank_panels() -> list[dict]:
     """The Training dashboard's time series and bars with a line or bar per rank."""
     return [panel for panel in panels(load_dashboards(DASHBOARDS_DIR)[BOARD])
             if panel["type"] in {"timeseries", "bargauge"}
-            and any(_per_rank(target.get("legendFormat", "")) for target in panel["targets"])]
+            and any(_per_rank(target) for target in panel["targets"])]
 
 
 def test_64_pushing_ranks_draw_the_slowest_five_and_the_table_lists_all(tmp_path: Path) -> None:
@@ -149,9 +158,9 @@ def test_64_pushing_ranks_draw_the_slowest_five_and_the_table_lists_all(tmp_path
         drawn = {}
         for panel in _rank_panels():
             for target in panel["targets"]:
-                if _per_rank(target["legendFormat"]):
+                if _per_rank(target):
                     found = _query_range(prometheus.url, _filled(target["expr"], 20), end - 20, end, 1)
-                    drawn.setdefault(panel["title"], set()).update(series["metric"]["rank"] for series in found)
+                    drawn.setdefault(panel["title"], set()).update(_rank_of(series) for series in found)
     with_data = {title: found for title, found in drawn.items() if found}
     assert {"Step time p50 / p95 per rank", "Throughput", "Data-loading share per rank",
             "Straggler scores"} <= set(with_data)
@@ -228,7 +237,7 @@ def _moved_legends(url: str, start: int, end: int) -> dict[str, list[str]]:
             found = _query_range(url, _filled(target["expr"], end - start).replace("big", "moved"), start, end,
                                  INTERVAL)
             legends.setdefault(panel["title"], []).extend(
-                _legend(target["legendFormat"], series["metric"]) for series in found)
+                series["metric"].get("bar") or _legend(target["legendFormat"], series["metric"]) for series in found)
     return legends
 
 

@@ -31,6 +31,10 @@ from stepscope.contract import recordings as rec
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SAMPLES_PER_SECOND = "suffix: samples/s"
 REF_IDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# A bar gauge of table rows ("All values") draws 25 rows unless told otherwise: the Cluster dashboard's 64 nodes,
+# `all` drawn, lost the 39 busiest, and 20 ranks drawn with a bar per score (40 rows) their 15 highest. As many as a
+# dashboard's `all` may ask, so the bars drawn are the rows the query returns.
+BARS_AT_MOST = 1_000_000
 TAG = "stepscope"  # every stepscope dashboard's tag: the link set on each lists the others by it
 # Joins a time a node stamped (a rank's last push, an XID) to that node's clock offset, as the rules do: taken
 # from a time (`-`), added to an age (`+`), so a node whose clock is off reads right (docs/alerts.md, "Clock skew").
@@ -280,17 +284,19 @@ def bargauge_panel(
 ) -> bargauge.Panel:
     """A bar per series, in the order the series come (Prometheus' label order): a bar gauge has no sort of its
     own. `lowest_first`: the one query is an instant table, a bar per row (named by its labels), sorted by value
-    lowest first, so the bar that matters is on top."""
+    lowest first, so the bar that matters is on top; every row gets its bar (BARS_AT_MOST)."""
     panel = _panel(bargauge.Panel(), title, description, queries, unit, width, height)
     panel = (
         panel.min(limits[0])
         .max(limits[1])
         .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
         .orientation(common_models.VizOrientation.HORIZONTAL)
-        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(lowest_first))
     )
     if lowest_first:
+        panel = panel.reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(True).limit(BARS_AT_MOST))
         panel = panel.with_transformation(_sorted_by("Value", descending=False))
+    else:
+        panel = panel.reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     if steps is not None:
         panel = panel.thresholds(steps)
     return panel

@@ -116,6 +116,18 @@ DRAWN = f"bottomk by (run) ($ranks_drawn, {CANDIDATES})"
 DRAWN_SCORED = f"bottomk by (run) ($ranks_drawn, {SCORED})"
 
 
+def _score_bars() -> str:
+    """The Straggler scores bars: a row per drawn rank and score (step, local), averaged over the range, whose one
+    label `bar` ("rank 3 step (n0)") names its bar, for a sort on the value to put the lowest on top. A query per
+    score drew the bars in label order, query by query: step scores 0.5, 0.8, 0.6, 0.7, 0.9 of ranks 3, 9, 17, 40, 60
+    put rank 17's 0.6 third, and every local bar under the step bars."""
+    scores = " or ".join(
+        f'label_replace({over_the_range(sel(recorded, RANKS))}, "score", "{kind}", "", "")'
+        for kind, recorded in (("step", rec.RANK_STRAGGLER_SCORE), ("local", rec.RANK_STRAGGLER_LOCAL_SCORE)))
+    joined = f'label_join({drawn(f"({scores})", DRAWN_SCORED)}, "bar", ";", "rank", "score", "instance")'
+    return f'max by (bar) (label_replace({joined}, "bar", "rank $1 $2 ($3)", "bar", "(.*);(.*);(.*)"))'
+
+
 # The run's GPUs a per-GPU time series draws: as many as ranks are drawn, the least used (effective utilization
 # averaged over the time range, taken at its end as DRAWN is) for the utilization panel, the fullest for the memory
 # one. A line per GPU was 512 lines for a run of 256 ranks on 256 GPUs (effective and NVML), one colour per line.
@@ -442,7 +454,8 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "Straggler scores",
                 "The `Ranks drawn` scored ranks with the lowest scores, each score averaged over the time range (the "
                 "figure that picks them, and the Per-rank comparison's first column; its other columns read now): a "
-                "rank not yet scored has no bar. Run median / the rank's value, of mean step time (step) and of the "
+                "bar per rank and score, the lowest on top; a rank not yet scored has no bar. Run median / the rank's "
+                "value, of mean step time (step) and of the "
                 f"local phases before the first collective (local: {LOCAL}). 1 = typical; below {STRAGGLER.number} "
                 "(red) the rank is a straggler and every synchronised step waits for it: check its node on "
                 "the Node dashboard (a rank's node in the tables links there). Under DDP/FSDP all ranks wait for "
@@ -450,17 +463,11 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "that drops (FSDP "
                 f"all-gathers parameters inside {contract.FORWARD_PHASE}, so the wait lands there and both stay "
                 "near 1).",
-                [
-                    Q(drawn(over_the_range(sel(rec.RANK_STRAGGLER_SCORE, RANKS)), DRAWN_SCORED),
-                      "rank {{rank}} step ({{instance}})"),
-                    Q(
-                        drawn(over_the_range(sel(rec.RANK_STRAGGLER_LOCAL_SCORE, RANKS)), DRAWN_SCORED),
-                        "rank {{rank}} local ({{instance}})",
-                    ),
-                ],
+                [Q(_score_bars(), table=True)],
                 "none",
                 limits=(0, 1.5),
                 steps=thresholds((None, "red"), (STRAGGLER.value, "yellow"), (TYPICAL.value, "green")),
+                lowest_first=True,
                 width=10,
             )
         )
