@@ -57,6 +57,9 @@ GPU_DCGM_ECC_ERRORS = "instance_gpu_type:stepscope_gpu_ecc_errors:dcgm"
 GPU_DCGM_XID_LAST_SEEN = "instance_gpu_xid:stepscope_gpu_xid_last_seen_timestamp_seconds:dcgm"
 GPU_DCGM_UP = "instance_gpu:stepscope_gpu_up:dcgm"
 GPU_DCGM_COLLECTOR_UP = "instance:stepscope_gpu_collector_up:dcgm"
+# StepscopeGpuDown's GPUs that stepscope's collector read (by uuid) and the node's exporter publishes no more: a
+# restarted exporter asks NVML afresh, which lists a GPU fallen off the bus no more, or unidentified.
+GPU_GONE = "instance_gpu:stepscope_gpu_up:gone"
 GPU_UTILIZATION = "instance_gpu:stepscope_gpu_utilization:avg_ratio"  # NVML, 1m average
 GPU_EFFECTIVE_UTILIZATION = "instance_gpu:stepscope_gpu_effective_utilization:avg_ratio"  # label `source`
 NODE_GPU_EFFECTIVE_UTILIZATION = "instance:stepscope_gpu_effective_utilization:avg_ratio"
