@@ -80,6 +80,10 @@ RULES_EMPTY_BY_DESIGN |= {recordings.RUN_ENERGY_PER_TOKEN: STATED_ONLY, recordin
                           recordings.SHARD_RUN_FIRST_STEP_STALLED: "no run hangs in its first step here: "
                                                                   "grafana/rules/tests/first_step.yml",
                           recordings.RUN_BREAK_RANKS: BREAKS}
+RULES_EMPTY_BY_DESIGN |= {
+    recordings.RANK_LOST_LAST_PUSH: "no rank is lost here: grafana/rules/tests/lost_rank_*.yml and "
+                                    "tests/test_lost_rank_victoriametrics.py",
+    recordings.GPU_GONE: "no GPU falls off the bus here: grafana/rules/tests/gpu_restart.yml"}
 RULES_EMPTY_BY_DESIGN |= {name: STATED_ONLY for name in (
     recordings.RANK_TOKENS_RATE, recordings.RANK_MODEL_FLOPS_RATE, recordings.RANK_PEAK_FLOPS, recordings.RANK_MFU,
     recordings.RUN_TOKENS_RATE, recordings.RUN_MODEL_FLOPS_RATE, recordings.RUN_PEAK_FLOPS, recordings.RUN_MFU,
