@@ -34,6 +34,10 @@ MICRO_BATCHES = EPOCHS * 18
 # hooks' own work around the timed fetch stays within +0.0012..+0.0021 (Lightning, idle and beside 4 hogs) and
 # +0.0001 (accelerate's DataLoaderShard, idle and beside 3 busy loops).
 FETCH_SHARE_TOLERANCE = 0.005
+# Lightning DDP: two ranks on the 2 cores stretch the work the hook counts as loading besides the fetch (the
+# epoch's iterator start, Lightning's combined loader): against the timed fetch +0.0024..+0.0037 idle, +0.0070 in a
+# clean-clone CI run, +0.0021..+0.0119 beside 4 CPU hogs (against the Dataset alone up to +0.0162 there).
+DDP_FETCH_SHARE_TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +53,10 @@ def pushed(text: str, run: str, rank: str = "0") -> Callable[..., float]:
     return value
 
 
-def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
+def check_against_truth(value: Callable[..., float], truth: Truth,
+                        fetch_tolerance: float = FETCH_SHARE_TOLERANCE) -> None:
     """Steps, micro-batches and samples exact; the loading share at least the Dataset and collate time and within
-    0.005 of the fetches the truth timed; every eval and save in its state."""
+    `fetch_tolerance` of the fetches the truth timed; every eval and save in its state."""
     assert value("stepscope_steps_total") == truth.optimizer_steps
     assert value("stepscope_micro_batches_total") == truth.forwards
     assert value("stepscope_samples_total") == truth.samples
@@ -60,7 +65,7 @@ def check_against_truth(value: Callable[..., float], truth: Truth) -> None:
     share = value("stepscope_step_phase_seconds_sum", phase="dataloader_next") / step_seconds
     assert share >= truth.loading / step_seconds - FETCH_SHARE_TOLERANCE  # every fetch holds its Dataset and collate
     assert truth.fetching >= truth.loading
-    assert share == pytest.approx(truth.fetching / step_seconds, abs=FETCH_SHARE_TOLERANCE)
+    assert share == pytest.approx(truth.fetching / step_seconds, abs=fetch_tolerance)
     for state, spans in truth.spans.items():
         assert spans, state
         seconds = value("stepscope_state_seconds_total", state=state)
@@ -117,7 +122,7 @@ def test_lightning_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> Non
     for rank in ("0", "1"):
         truth = Truth.load(tmp_path / f"truth-{rank}.json")
         assert truth.samples == ITEMS and truth.optimizer_steps == EPOCHS * 3  # 35 items a rank: 4 + 4 + 1 batches
-        check_against_truth(pushed(text, "pl-ddp", rank), truth)
+        check_against_truth(pushed(text, "pl-ddp", rank), truth, DDP_FETCH_SHARE_TOLERANCE)
         assert sample_values(text, "stepscope_training_info", run="pl-ddp", rank=rank, world_size="2")
 
 
