@@ -217,13 +217,18 @@ class GroupStore:
         until one expired, its series lost meanwhile. A live group never gives way."""
         limits = self._limits
         kept = dict(self._groups)
-        closed = sorted((g for g in kept.values() if g.state == IDLE_STATE and (g.run, g.rank) != (run, rank)),
-                        key=lambda g: g.pushed_clock)
         total = self._series - (old.series if old else 0) + series
-        while closed and ((old is None and len(kept) >= limits.max_groups) or total > limits.max_series):
-            gone = closed.pop(0)
-            del kept[(gone.run, gone.rank)]
-            total -= gone.series
+
+        def over() -> bool:
+            return (old is None and len(kept) >= limits.max_groups) or total > limits.max_series
+
+        if over():  # only then: a push within the limits (nearly every one) sorts nothing
+            closed = sorted((g for g in kept.values() if g.state == IDLE_STATE and (g.run, g.rank) != (run, rank)),
+                            key=lambda g: g.pushed_clock, reverse=True)
+            while closed and over():
+                gone = closed.pop()
+                del kept[(gone.run, gone.rank)]
+                total -= gone.series
         if old is None and len(kept) >= limits.max_groups:
             raise Rejected(
                 429, "too_many_groups",
