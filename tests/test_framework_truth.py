@@ -34,10 +34,12 @@ MICRO_BATCHES = EPOCHS * 18
 # hooks' own work around the timed fetch stays within +0.0012..+0.0021 (Lightning, idle and beside 4 hogs) and
 # +0.0001 (accelerate's DataLoaderShard, idle and beside 3 busy loops).
 FETCH_SHARE_TOLERANCE = 0.005
-# Lightning DDP: two ranks on the 2 cores stretch the work the hook counts as loading besides the fetch (the
-# epoch's iterator start, Lightning's combined loader): against the timed fetch +0.0024..+0.0037 idle, +0.0070 in a
-# clean-clone CI run, +0.0021..+0.0119 beside 4 CPU hogs (against the Dataset alone up to +0.0162 there).
-DDP_FETCH_SHARE_TOLERANCE = 0.02
+# Lightning: the hook also counts as loading the work around the fetch that the loader's own timing cannot see (the
+# epoch's iterator start, Lightning's combined loader), which a busy CI stretches. Against the timed fetch, one
+# process: +0.0012..+0.0021 idle and beside 4 CPU hogs, +0.0077 in a clean-clone CI run; DDP, two ranks on the 2
+# cores: +0.0024..+0.0037 idle, +0.0070 in CI, +0.0021..+0.0119 beside 4 hogs (against the Dataset alone up to
+# +0.0162 there).
+LIGHTNING_FETCH_SHARE_TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def test_lightning_with_accumulation_validation_checkpoints_and_max_time(tmp_pat
     value = pushed(scrape(exporter.url), "pl-truth")
     assert trainer.global_step == truth.optimizer_steps == STEPS
     assert (truth.forwards, truth.samples) == (MICRO_BATCHES, EPOCHS * ITEMS)
-    check_against_truth(value, truth)
+    check_against_truth(value, truth, LIGHTNING_FETCH_SHARE_TOLERANCE)
     assert value("stepscope_step_phase_seconds_count", phase="forward") == MICRO_BATCHES
     assert value("stepscope_step_seconds_count") == STEPS
 
@@ -122,7 +124,7 @@ def test_lightning_ddp_over_gloo_each_rank(tmp_path: Path, exporter: Any) -> Non
     for rank in ("0", "1"):
         truth = Truth.load(tmp_path / f"truth-{rank}.json")
         assert truth.samples == ITEMS and truth.optimizer_steps == EPOCHS * 3  # 35 items a rank: 4 + 4 + 1 batches
-        check_against_truth(pushed(text, "pl-ddp", rank), truth, DDP_FETCH_SHARE_TOLERANCE)
+        check_against_truth(pushed(text, "pl-ddp", rank), truth, LIGHTNING_FETCH_SHARE_TOLERANCE)
         assert sample_values(text, "stepscope_training_info", run="pl-ddp", rank=rank, world_size="2")
 
 
