@@ -5,11 +5,13 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from grafana.dashboards import generate
+from grafana.dashboards.training import BETWEEN_PHASES
 from grafana.rules import rules
-from stepscope.contract import BACKWARD_PHASE, DATA_LOADING_PHASE, STATES
+from stepscope.contract import BACKWARD_PHASE, DATA_LOADING_PHASE, IDLE_STATE, STATES, TRAIN_STATE
 from stepscope.contract import SAMPLE_NAMES as EXPORTER_METRICS
 from stepscope.contract import families as fam
 from stepscope.contract import recordings as rec
@@ -496,34 +498,46 @@ def test_the_state_timeline_draws_the_ranks_in_another_state_and_the_drawn_ones_
     assert not failed, failed
 
 
-def _stalled_by_one_loader() -> list[dict]:
-    """64 ranks on 8 nodes whose run stalled at 4m: rank 50's loader hung in dataloader_next since 240 s, the
-    others entered backward 0.3 s later and wait in its all-reduce; all ended their last step at 239.9 s."""
+def _stalled_by_one_rank(hung_in: str | None) -> list[dict]:
+    """64 training ranks on 8 nodes whose run stalled at 4m: rank 50 hung since 240 s in phase `hung_in` (or between
+    phases: None), the others entered backward 0.3 s later and wait in its all-reduce; all ended their last step at
+    239.9 s. Rank 64 closed at 10 s (idle, its last step then)."""
     inputs = [{"series": f'{rec.NODE_CLOCK_OFFSET}{{instance="n{node}",job="stepscope"}}', "values": "0x10"}
               for node in range(8)]
-    for rank in range(64):
-        labels = f'run="big",rank="{rank}",instance="n{rank // 8}",job="stepscope"'
-        phase, entered = (DATA_LOADING_PHASE, 240) if rank == 50 else (BACKWARD_PHASE, 240.3)
-        inputs += [{"series": f"{fam.TRAINING_LAST_STEP}{{{labels}}}", "values": "239.9x10"},
-                   {"series": f'{fam.TRAINING_PHASE_ENTERED}{{{labels},phase="{phase}"}}', "values": f"{entered}x10"},
+    for rank in range(65):
+        labels = f'run="big",rank="{rank}",instance="n{min(rank, 63) // 8}",job="stepscope"'
+        training = rank < 64
+        phase, entered = (hung_in, 240) if rank == 50 else (BACKWARD_PHASE, 240.3)
+        inputs += [{"series": f"{fam.TRAINING_LAST_STEP}{{{labels}}}", "values": "239.9x10" if training else "10x10"},
                    {"series": f"{fam.TRAINING_LAST_PUSH}{{{labels}}}", "values": "0+60x10"}]
+        inputs += [{"series": f'{fam.TRAINING_STATE}{{{labels},state="{state}"}}',
+                    "values": f"{int(state == (TRAIN_STATE if training else IDLE_STATE))}x10"} for state in STATES]
+        if training and phase is not None:
+            inputs.append({"series": f'{fam.TRAINING_PHASE_ENTERED}{{{labels},phase="{phase}"}}',
+                           "values": f"{entered}x10"})
     return inputs
 
 
-def test_where_each_rank_is_puts_the_rank_a_stalled_run_waits_for_on_top(tmp_path: Path) -> None:
-    """Where each rank is, 64 ranks stalled by rank 50's hung loader, evaluated by promtool at 10m: the table sorts
-    on seconds in its phase, highest first, where rank 50 reads the most (360 s, the others 359.7 s). Before, the
-    table had no sort: rows in label order, rank 50 the 51st of 64 on a real Prometheus."""
+@pytest.mark.parametrize(("hung_in", "shown_as", "seconds"), [(DATA_LOADING_PHASE, DATA_LOADING_PHASE, 360),
+                                                               (None, BETWEEN_PHASES, 360.1)])
+def test_where_each_rank_is_puts_the_rank_a_stalled_run_waits_for_on_top(
+        hung_in: str | None, shown_as: str, seconds: float, tmp_path: Path) -> None:
+    """Where each rank is, 64 ranks stalled by rank 50, evaluated by promtool at 10m: the table sorts on seconds in
+    its phase, highest first, where rank 50 reads the most (360 s hung in its loader, the others 359.7 s). Before,
+    the table had no sort: rows in label order, rank 50 the 51st of 64 on a real Prometheus. A rank hung between the
+    timed phases had no figure and sorted last: now its seconds since its last step (360.1 s) stand in; rank 64,
+    closed 590 s ago, has none and stays below."""
     (table,) = [panel for panel in panels(dashboards()["stepscope-training.json"])
                 if panel["title"] == "Where each rank is"]
     (organize,) = [step["options"] for step in table["transformations"] if step["id"] == "organize"]
     assert table["options"].get("sortBy") == [{"displayName": organize["renameByName"]["Value #B"], "desc": True}]
     (in_its_phase,) = [target["expr"] for target in table["targets"] if target["refId"] == "B"]
     expr = grafana_interpolate(in_its_phase, dashboards()["stepscope-training.json"], {"run": "big", "rank": "$__all"})
-    on_top = [{"labels": f'{{run="big",rank="50",instance="n6",job="stepscope",phase="{DATA_LOADING_PHASE}"}}',
-               "value": 360}]
-    assert not promtool_expressions(tmp_path / "stalled.yml", _stalled_by_one_loader(),
-                                    [{"expr": f"topk(1, {expr})", "eval_time": "10m", "exp_samples": on_top}],
+    on_top = [{"labels": f'{{run="big",rank="50",instance="n6",job="stepscope",phase="{shown_as}"}}',
+               "value": seconds}]
+    assert not promtool_expressions(tmp_path / "stalled.yml", _stalled_by_one_rank(hung_in),
+                                    [{"expr": f"topk(1, {expr})", "eval_time": "10m", "exp_samples": on_top},
+                                     {"expr": f"count({expr})", "eval_time": "10m", "exp_samples": [{"value": 64}]}],
                                     interval="1m")
 
 

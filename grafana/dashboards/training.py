@@ -104,6 +104,10 @@ RANGE_SCORE_COLUMN = "lowest score over the range"
 # stepping at once (360.0 s against up to 360.1 s, 64 ranks): seconds in its phase set the hung rank apart (360.0 s,
 # the others entered backward's all-reduce after it: 359.7 s), where the label order put it 51st of 64.
 IN_ITS_PHASE_COLUMN = "in its phase"
+# A training rank outside every host-timed phase (hung in the loop's own code, a collective the hooks do not time)
+# has no phase entered: its row had no "in its phase", and the sort put it last of 64 (rank 50 hung there 360.1 s,
+# the others 359.7 s in backward's all-reduce). Its seconds since its last step stand in, as the phase it is in.
+BETWEEN_PHASES = "(between phases)"
 
 
 PUSHED_UNSCORED = f"group by (run, rank) (max_over_time({sel(VARIABLE_SOURCE, RANKS)}[$__range] @ end())) * 0"
@@ -114,6 +118,16 @@ DRAWN = f"bottomk by (run) ($ranks_drawn, {CANDIDATES})"
 # ones only. From DRAWN, 5 ranks still in setup (or hung) took every place at score 0, and such a panel, with no line
 # or bar for them, drew none.
 DRAWN_SCORED = f"bottomk by (run) ($ranks_drawn, {SCORED})"
+
+
+def _in_its_phase() -> str:
+    """Per rank, seconds in the host-timed phase it is in; for a rank in train between phases, seconds since its
+    last step, under the phase BETWEEN_PHASES. Ranks in setup, eval, checkpoint or idle stay without a figure: they
+    are not stepping on purpose, and a closed rank's old last step would top the table."""
+    training = sel(contract.TRAINING_STATE, f'{RANKS},state="{TRAIN}"')
+    between = f"{age(sel(fam.TRAINING_LAST_STEP, RANKS))}\n  and ignoring (state) {training} == 1"
+    return (f"{age(sel(fam.TRAINING_PHASE_ENTERED, RANKS))}\nor ignoring (phase)\n"
+            f'label_replace(\n  {between},\n  "phase", "{BETWEEN_PHASES}", "", ""\n)')
 
 
 def _score_bars() -> str:
@@ -513,10 +527,12 @@ def _ranks_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "(StepscopeTrainingStalled), the rank in its phase the longest, on top, or in a different phase "
                 f"from the others holds them up (a loader in {contract.DATA_LOADING_PHASE}, a hung GPU); the ranks "
                 f"in {contract.BACKWARD_PHASE} wait for it in the all-reduce, and all stopped stepping together. "
+                "A rank training outside every timed phase (hung in the loop's own code) reads its seconds since "
+                f"its last step, in phase {BETWEEN_PHASES}. "
                 "A rank whose last push is old and that did not close is lost (StepscopeRankLost).",
                 [
                     Q(age(sel(fam.TRAINING_LAST_STEP, RANKS)), table=True),
-                    Q(age(sel(fam.TRAINING_PHASE_ENTERED, RANKS)), table=True),
+                    Q(_in_its_phase(), table=True),
                     Q(age(sel(fam.TRAINING_LAST_PUSH, RANKS)), table=True),
                 ],
                 {
