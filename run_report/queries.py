@@ -317,6 +317,19 @@ def fresh(expr: str, selector: str, window: Window) -> str:
     return f"({expr}) and last_over_time({selector}[{window.fresh_duration}])"
 
 
+def latest_verdict(r: str, window: Window) -> str:
+    """The run's verdict at each point: the verdict series written in the last step (or scrape interval, if longer),
+    and where none was (an evaluation that came late) any fresh one. A verdict is one series per value, and a series
+    that ended without a staleness marker (history backfilled with promtool, imported) went on for Prometheus'
+    5-minute lookback beside the next one: a run data-bound for 10 minutes, then GPU-bound for 6, read "While
+    data_bound (15m 00s, 88% of the judged time)". timestamp() would pick the newest, at a cost over long windows
+    (test_no_query_takes_the_timestamp_of_a_selector_point_by_point)."""
+    verdict = sel(rec.RUN_VERDICT, r)
+    last_step = f"{max(1, round(max(window.step, window.scrape_interval) * 1000) - 1)}ms"
+    written_last = f"{verdict} and last_over_time({verdict}[{last_step}])"
+    return f"({written_last}) or on (run) ({fresh(verdict, verdict, window)})"
+
+
 def _training_over_time(r: str, window: Window) -> dict[str, str]:
     state = sel(fam.TRAINING_STATE, r)
     return {
@@ -324,7 +337,7 @@ def _training_over_time(r: str, window: Window) -> dict[str, str]:
         # a rank that stopped pushing unclosed is lost (timeline)
         "last_push": fresh(pushed_at(r), sel(fam.TRAINING_LAST_PUSH, r), window),
         "world_size": f"count by (world_size) ({sel(fam.TRAINING_INFO, r)})",  # a resized run (resize.py)
-        "verdict": sel(rec.RUN_VERDICT, r),
+        "verdict": latest_verdict(r, window),
         "step_mean": sel(rec.RANK_STEP_SECONDS_MEAN, r),
         "run_p50": sel(rec.RUN_STEP_SECONDS_P50, r),
         "run_p95": sel(rec.RUN_STEP_SECONDS_P95, r),

@@ -299,3 +299,15 @@ def test_a_rank_lost_before_its_job_was_requeued_smaller_stays_lost_until_the_re
             f"from there until {resized}, when the run went on with world size 2 without it.") in page, page
     assert f"ranks 2-3 ended there, with the job that stopped at {iso(START + RESIZE_KILLED)} (rank 2)" in page, page
     assert "Rank 2 on n2 lost" not in page, page
+
+
+def test_a_verdict_that_gave_way_is_not_counted_on_beside_the_next(prometheus: str, tmp_path: Path) -> None:
+    """Data-bound for an hour of three, then GPU-bound. The history holds no staleness markers, so the data_bound
+    series went on for Prometheus' 5-minute lookback beside gpu_bound: the page read data_bound 35%, gpu_bound 65%
+    (a run data-bound for 10 minutes then GPU-bound for 6 read "While data_bound (15m 00s, 88% of the judged time)").
+    At each point the report now reads the verdict written last."""
+    page, _ = _report(prometheus, "phased", tmp_path / "report")
+    judged = {verdict: seconds // SCRAPE for seconds, _, _, _, verdict in PHASES}
+    shares = ", ".join(f"{verdict} {count / sum(judged.values()):.0%}"
+                       for verdict, count in sorted(judged.items(), key=lambda item: -item[1]))
+    assert f"run:stepscope_bottleneck:verdict</code>): {shares}" in page, page
