@@ -10,8 +10,9 @@ from grafana import generate
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grafana", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("generate", help="write the dashboards, alert provisioning, chart files and "
-                                               "docs/exporter.md metric table from their sources")
+    run = commands.add_parser("generate", help="write the dashboards, alert provisioning, chart files, "
+                                               "docs/exporter.md metric table and docs/alerts.md alert table from "
+                                               "their sources")
     run.add_argument("--check", action="store_true", help="write nothing; list stale outputs and exit 1")
     args = parser.parse_args(argv)
     try:

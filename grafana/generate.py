@@ -8,6 +8,8 @@ Sources and outputs stay apart (the monitoring-mixin layout):
   grafana/rules/src/*.rules.yml      -> grafana/rules_out/*.rules.yml (contract placeholders filled in)
   grafana/rules_out/*.rules.yml      -> grafana/alerting_out/stepscope-alerts.yml (Grafana-managed alerts)
   stepscope_contract                 -> docs/exporter.md's metric table (between its markers)
+  grafana/docs/alert-table.md        -> docs/alerts.md's alert table (between its markers; thresholds from
+                                        stepscope_contract, each alert's `for` from grafana/rules_out)
   docker/alertmanager/templates/stepscope.tmpl -> helm/stepscope/files/notifications.yaml (its texts inline)
 Helm reads only files inside the chart, so the chart reaches the outputs through links (LINKS):
 helm/stepscope/files/dashboards -> ../../../grafana/dashboards_out and files/rules -> ../../../grafana/
@@ -18,7 +20,7 @@ kept once.
 import os
 from pathlib import Path
 
-from grafana import notifications, readme_table
+from grafana import alert_table, notifications, readme_table
 from grafana.alerting import generate as alerting
 from grafana.dashboards import generate as dashboards
 from grafana.rules import render as rules
@@ -36,6 +38,8 @@ CHART_NOTIFICATIONS = CHART_FILES / "notifications.yaml"
 NOTIFICATION_TEMPLATES = Path("docker/alertmanager/templates/stepscope.tmpl")
 LINKS = ((CHART_DASHBOARDS, DASHBOARDS_OUT), (CHART_RULES, RULES_OUT))  # link -> the output directory
 METRICS_DOC = Path("docs/exporter.md")  # the reference page with the metric table
+ALERTS_DOC = Path("docs/alerts.md")  # the reference page with the alert table
+ALERT_TABLE_SRC = Path(alert_table.SOURCE)
 GENERATED_DIRS = {DASHBOARDS_OUT: "*.json", RULES_OUT: "*.rules.yml"}  # whole directories generate owns
 
 
@@ -63,6 +67,11 @@ def outputs(root: Path = REPO) -> dict[Path, str]:
     files.update(rule_files)
     files[ALERTS_OUT] = alerting.render(tuple(rule_files.values()), root / DATASOURCE)
     files[METRICS_DOC] = readme_table.rewrite((root / METRICS_DOC).read_text())
+    try:
+        files[ALERTS_DOC] = alert_table.rewrite((root / ALERTS_DOC).read_text(), (root / ALERT_TABLE_SRC).read_text(),
+                                                {str(path): text for path, text in rule_files.items()})
+    except alert_table.TableError as error:
+        raise GenerateError(str(error)) from None
     try:
         files[CHART_NOTIFICATIONS] = notifications.render((root / NOTIFICATION_TEMPLATES).read_text())
     except notifications.TemplateError as error:

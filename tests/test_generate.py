@@ -1,5 +1,6 @@
 """One command writes every generated file, and the committed files are exactly its output."""
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -9,9 +10,11 @@ import pytest
 
 from grafana import __main__ as cli
 from grafana import generate
+from stepscope.contract import THRESHOLDS
 from tests.support.helm_chart import objects, render
 
 REPO = generate.REPO
+ALERTS_PAGE = Path("docs/alerts.md")  # its alert table is generated
 
 
 def test_committed_outputs_are_what_generate_writes() -> None:
@@ -29,11 +32,12 @@ def test_check_command_passes_on_the_repository() -> None:
 def checkout(tmp_path: Path) -> Path:
     """The generated files and their non-Python sources, copied with the chart's link kept a link."""
     root = tmp_path / "repo"
-    for part in ("grafana/rules/src", "grafana/rules_out", "grafana/provisioning", "grafana/dashboards_out",
-                 "grafana/alerting_out", "helm/stepscope", "docker/alertmanager/templates"):
+    for part in ("grafana/rules/src", "grafana/rules_out", "grafana/docs", "grafana/provisioning",
+                 "grafana/dashboards_out", "grafana/alerting_out", "helm/stepscope", "docker/alertmanager/templates"):
         shutil.copytree(REPO / part, root / part, symlinks=True)
     (root / "docs").mkdir()
     shutil.copy(REPO / generate.METRICS_DOC, root / generate.METRICS_DOC)
+    shutil.copy(REPO / ALERTS_PAGE, root / ALERTS_PAGE)
     assert generate.stale(root) == []
     return root
 
@@ -69,6 +73,36 @@ def test_generate_mends_hand_edits_stale_files_and_the_chart_links(checkout: Pat
     assert {name for o in dashboards for name in o["data"]} == set(generate.dashboards.BUILDERS)
     rules = render(checkout / "helm" / "stepscope", api_versions=["monitoring.coreos.com/v1"])
     assert "StepscopeStragglerRank" in "".join(rules.values())
+
+
+def alert_row(page: Path, alert: str) -> str:
+    (row,) = [line for line in page.read_text().splitlines() if line.startswith(f'| <a id="{alert.lower()}"></a>')]
+    return row
+
+
+def test_a_threshold_or_for_changed_at_its_source_reaches_the_alert_table(checkout: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table spelled "`dataloader_next` > 30% of step time for 10m" by hand: a contract threshold or a rule's
+    `for` changed and regenerated left the page telling users the old number, with `generate --check` clean."""
+    monkeypatch.setitem(THRESHOLDS, "data_loading_share", dataclasses.replace(THRESHOLDS["data_loading_share"],
+                                                                               value=0.25))
+    source = checkout / generate.RULES_SRC / "stepscope-node.rules.yml"
+    text = source.read_text()
+    alert = text.index("- alert: StepscopeDataLoadingBottleneck")
+    source.write_text(text[:alert] + text[alert:].replace("for: 10m", "for: 20m", 1))
+    assert "differs: docs/alerts.md" in generate.stale(checkout)
+    generate.write(checkout)
+    assert "`dataloader_next` > 25% of step time for 20m |" in alert_row(checkout / ALERTS_PAGE,
+                                                                          "StepscopeDataLoadingBottleneck")
+
+
+def test_an_alert_without_a_row_in_the_alert_table_is_a_one_line_error(checkout: Path) -> None:
+    source = checkout / generate.ALERT_TABLE_SRC
+    source.write_text("".join(line for line in source.read_text().splitlines(keepends=True)
+                              if "`StepscopeCpuSaturated`" not in line))
+    with pytest.raises(generate.GenerateError, match=r"^grafana/docs/alert-table.md: no row for the alert\(s\) "
+                                                     r"StepscopeCpuSaturated$"):
+        generate.stale(checkout)
 
 
 def test_an_unknown_placeholder_is_a_one_line_error(checkout: Path, monkeypatch: pytest.MonkeyPatch,
