@@ -10,7 +10,7 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES
 from stepscope.exporter.cli import COLLECTOR_NAMES, build_parser
-from stepscope.hooks.config import Config
+from stepscope.hooks.config import ENVIRONMENT, Config
 from tests.support.readme import DOCS, documents
 
 # a recorded series written out in full (`level:metric:operation`); `..._sm_active:training_ratio` and
@@ -82,3 +82,12 @@ def test_the_hooks_phase_limit_is_the_exporters_and_both_pages_tie_them() -> Non
             "more phases than its `--ingest-max-phases` (32) whole") in hooks
     exporter = " ".join((DOCS / "exporter.md").read_text().split())
     assert "`--ingest-max-phases` (32; the hooks' `max_phases=` must not pass it" in exporter
+
+
+def test_every_environment_variable_the_hooks_read_has_a_row_in_the_hooks_environment_table() -> None:
+    """README sends users to docs/hooks.md for "every environment variable"; its table lacked STEPSCOPE_FLOPS_DTYPE
+    and STEPSCOPE_PEAK_FLOPS, which `th.init` reads (a user setting them from the table found nothing there)."""
+    section = (DOCS / "hooks.md").read_text().split("## Environment", 1)[1].split("\n## ", 1)[0]
+    rows = {name for row in re.findall(r"^\| (`[A-Z_]+`(?:, `[A-Z_]+`)*) \|", section, re.M)
+            for name in re.findall(r"`([A-Z_]+)`", row)}
+    assert set(ENVIRONMENT.values()) - rows == set()
