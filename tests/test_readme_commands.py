@@ -274,6 +274,15 @@ def test_the_test_command_is_what_ci_runs() -> None:
     assert (REPO_ROOT / "scripts" / "test.sh").is_file()
 
 
+def test_the_readme_names_every_module_the_test_script_runs_alone() -> None:
+    """README said "the three modules whose rules must keep a 1 s evaluation (the replay, the energy checks)" while
+    four ran alone beside the quickstart (goodput and dropped bounds joined later): it names each module now."""
+    alone = re.compile(r"^(?:pytestmark = .*|@)pytest\.mark\.alone\b", re.M)
+    marked = {path.name for path in (REPO_ROOT / "tests").glob("test_*.py") if alone.search(path.read_text())}
+    paragraph = README.read_text().split("bash scripts/test.sh", 2)[1].split("`.ci/run`", 1)[0]
+    assert set(re.findall(r"`(test_\w+\.py)`", paragraph)) == marked
+
+
 def _phases_collect(*args: str) -> list[set[str]]:
     """The test modules each phase of scripts/test_phases.sh collects with these arguments."""
     out = subprocess.run(["bash", "scripts/test_phases.sh", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
