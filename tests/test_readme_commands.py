@@ -369,8 +369,10 @@ def test_a_dangling_marker_flag_is_refused_with_a_message() -> None:
 
 
 def test_the_benchmark_scripts_exist_and_compile() -> None:
+    """Each benchmark has a command in the docs: five (bench_auth_flood, bench_dashboard_queries, bench_http_cost,
+    bench_push_starvation, bench_verdict_delay) had none, though the pages cite their results."""
     scripts = {c.split()[2] for c in documented_commands() if c.startswith("PYTHONPATH=. .venv/bin/python benchmarks/")}
-    assert len(scripts) >= 8
+    assert {f"benchmarks/{path.name}" for path in (REPO_ROOT / "benchmarks").glob("bench_*.py")} - scripts == set()
     for script in scripts:
         compile((REPO_ROOT / script).read_text(), script, "exec")
 
