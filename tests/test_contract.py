@@ -265,8 +265,8 @@ def generated_dashboards(root: Path) -> str:
 
 def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_and_docs(copy: Path) -> None:
     """Renames one family and one phase in a copy: the renderer, the ingest, the report's queries and
-    (after the one generate command) the dashboards and the metric table of docs/exporter.md all use the
-    new names."""
+    (after the one generate command) the dashboards, the metric table of docs/exporter.md and the alert table of
+    docs/alerts.md all use the new names."""
     rename_in_contract(copy)
     follows = run_in(copy, "-c", FOLLOWS)
     assert follows.returncode == 0, follows.stderr
@@ -280,7 +280,8 @@ def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_
                                          "differs: grafana/rules_out/stepscope-node.rules.yml",
                                          "differs: grafana/rules_out/stepscope-run.rules.yml",
                                          "differs: grafana/alerting_out/stepscope-alerts.yml",
-                                         "differs: docs/exporter.md"], check.stdout
+                                         "differs: docs/exporter.md",
+                                         "differs: docs/alerts.md"], check.stdout
     assert run_in(copy, "-m", "grafana", "generate").returncode == 0
     metrics = (copy / "docs" / "exporter.md").read_text()
     assert "`stepscope_profile_trace_step_count`" in metrics and "`stepscope_profile_trace_steps`" not in metrics
@@ -288,6 +289,8 @@ def test_a_rename_in_the_contract_is_followed_by_hooks_ingest_report_dashboards_
     assert "stepscope_profile_trace_step_count{" in dashboards and "stepscope_profile_trace_steps" not in dashboards
     assert "fetch_batch" in dashboards and "dataloader_next" not in dashboards
     assert "above 35% the run is data bound" in dashboards and "above 30% the run is data bound" not in dashboards
+    alerts = (copy / "docs" / "alerts.md").read_text()
+    assert "> 35% of step time for 10m" in alerts and "> 30% of step time for 10m" not in alerts
     report = run_in(copy, "-c", "from stepscope.report.queries import PHASE_LOCAL; print(PHASE_LOCAL)")
     assert report.stdout == "fetch_batch|to_device|forward\n", report.stderr
 
