@@ -3,8 +3,11 @@ DaemonSet runs without its GPU collector and without NVML, and mounts the kubele
 read-only with only what reading it needs. Both modes lint and validate (helm/stepscope/ci/dcgm-values.yaml
 and pod-resources-values.yaml run through every test of tests/test_helm_chart.py as well)."""
 
+import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ def test_dcgm_mode_runs_without_the_gpu_collector_and_without_nvml() -> None:
                                if not a.startswith("--ingest-token-file")])
 
 
-def test_dcgm_mode_reads_the_pod_resources_socket_read_only_as_root_with_sys_ptrace_alone() -> None:
+def test_dcgm_mode_reads_the_pod_resources_socket_read_only_as_root_with_sys_ptrace_and_dac_read_search() -> None:
     pod, container = _daemonset({"gpuSource": "dcgm"})
     assert _args(container)["--kubelet-pod-resources-socket"] == f"{SOCKET_DIR}/kubelet.sock"
     (volume,) = [v for v in pod["volumes"] if v["name"] == "pod-resources"]
@@ -56,10 +59,42 @@ def test_dcgm_mode_reads_the_pod_resources_socket_read_only_as_root_with_sys_ptr
     assert mount == {"name": "pod-resources", "mountPath": SOCKET_DIR, "readOnly": True}
     ctx = container["securityContext"]
     assert ctx["runAsUser"] == 0 and ctx["runAsNonRoot"] is False
-    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
     assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
     assert "privileged" not in ctx and pod["automountServiceAccountToken"] is False  # no Kubernetes API access
     assert {m["name"] for m in container["volumeMounts"]} == {"ingest-token", "pod-resources", "host-root"}
+
+
+TRAINING_UID = 1000  # a training image's non-root user (restricted namespaces, OpenShift's random UIDs)
+READ_VIEW = ("import sys; from stepscope.exporter.collectors.pods import process_view; "
+             "print(process_view(int(sys.argv[1])))")
+
+
+def test_the_charts_privileges_read_the_gpus_of_a_non_root_training_process() -> None:
+    """The exporter finds a rank's GPUs in its process's /proc/<pid>/environ (mode 0400, the process's owner's).
+    As root with CAP_SYS_PTRACE alone it passed the ptrace check but not the file mode: open() failed with
+    EACCES for every training process not running as root, so no rank of such a pod got a GPU (dcgm mode's
+    verdicts stayed undetermined). Here the exporter's own process_view runs with exactly the rendered
+    container's user, group and capabilities against a process of another user."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("switching users and capabilities needs root and setpriv")
+    _, container = _daemonset({"gpuSource": "dcgm"})
+    ctx = container["securityContext"]
+    capabilities = ",".join(f"+{cap.lower()}" for cap in ctx["capabilities"]["add"])
+    training = subprocess.Popen(["setpriv", f"--reuid={TRAINING_UID}", f"--regid={TRAINING_UID}", "--clear-groups",
+                                 "env", "-i", "NVIDIA_VISIBLE_DEVICES=GPU-1b2c", "sleep", "30"])
+    try:
+        while Path(f"/proc/{training.pid}/comm").read_text().strip() != "sleep":   # its environment is set
+            training.poll()
+        exporter = subprocess.run(
+            ["setpriv", f"--reuid={ctx['runAsUser']}", f"--regid={ctx['runAsGroup']}", "--clear-groups",
+             f"--bounding-set=-all,{capabilities}", "--no-new-privs", sys.executable, "-c", READ_VIEW,
+             str(training.pid)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    finally:
+        training.kill()
+        training.wait()
+    assert exporter.returncode == 0, exporter.stderr
+    assert exporter.stdout.strip() == "ProcessView(devices=('GPU-1b2c',), hostname='')"
 
 
 def test_nvml_mode_keeps_the_gpu_collector_and_adds_pod_attribution_on_request() -> None:

@@ -194,7 +194,7 @@ class ProcessView:
 
 def process_view(pid: int, procfs: str = "/proc") -> ProcessView | None:
     """The process's `ProcessView`; None when its environment cannot be read (another user's process without
-    CAP_SYS_PTRACE) or has no NVIDIA_VISIBLE_DEVICES."""
+    CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH) or has no NVIDIA_VISIBLE_DEVICES."""
     try:
         with open(f"{procfs}/{pid}/environ", "rb") as environ:
             entries = environ.read().split(b"\0")
