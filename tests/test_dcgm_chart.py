@@ -8,6 +8,10 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,8 @@ import yaml
 
 from stepscope.exporter.cli import build_parser
 from tests.support.helm_chart import CHART, REPO, lint, objects, render
+from tests.support.prometheus import query, running_prometheus_config, wait_for
+from tests.support.readme import doc_section
 
 SOCKET_DIR = "/var/lib/kubelet/pod-resources"
 
@@ -150,3 +156,73 @@ def test_compose_and_chart_ship_the_prometheus_the_tests_run() -> None:
     values = yaml.safe_load((CHART / "ci" / "sharding-values.yaml").read_text())
     sharded = [o for o in objects(render(CHART, values)) if o["kind"] == "Prometheus"]
     assert len(sharded) == 2 and {o["spec"]["version"] for o in sharded} == {_tested_prometheus()}
+
+
+# dcgm-exporter's scrape on a node of two GPUs, its Kubernetes mapping on: GPU 0 given to a training pod, GPU 1 to
+# none (dcgm-exporter then writes no pod, namespace or container).
+DCGM_SCRAPE = """\
+# TYPE DCGM_FI_DEV_FB_USED gauge
+DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-a0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="gpu-1",\
+container="trainer",namespace="ml",pod="llama-0"} 40000
+DCGM_FI_DEV_FB_USED{gpu="1",UUID="GPU-b1",device="nvidia1",modelName="NVIDIA H100 80GB HBM3",Hostname="gpu-1"} 0
+"""
+# What the Prometheus Operator puts on each target of a ServiceMonitor before the endpoint's relabelings: the
+# dcgm-exporter pod's own namespace, pod and container among them (the GPU Operator's names).
+OPERATOR_TARGET_LABELS = {"namespace": "gpu-operator", "service": "nvidia-dcgm-exporter",
+                          "pod": "nvidia-dcgm-exporter-7xk2p", "container": "nvidia-dcgm-exporter",
+                          "endpoint": "gpu-metrics"}
+RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+
+
+@contextmanager
+def serving_dcgm_scrape() -> Iterator[str]:
+    """DCGM_SCRAPE on /metrics of a local server: its host:port."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = DCGM_SCRAPE.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            """Quiet: the test reads Prometheus, not the server's log."""
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def operator_scrape_config(monitor: dict[str, Any], address: str) -> dict[str, Any]:
+    """The scrape config the Prometheus Operator makes of a ServiceMonitor endpoint for one dcgm-exporter pod:
+    its target labels (static labels here, which relabeling treats alike), then the endpoint's relabelings."""
+    relabelings = [{RELABEL_KEYS.get(key, key): value for key, value in step.items()}
+                   for step in monitor.get("relabelings", [])]
+    return {"job_name": "nvidia-dcgm-exporter", "scrape_interval": "1s",
+            "honor_labels": monitor.get("honorLabels", False), "relabel_configs": relabelings,
+            "static_configs": [{"targets": [address], "labels": OPERATOR_TARGET_LABELS}]}
+
+
+def test_the_documented_dcgm_exporter_monitor_keeps_the_workloads_pod_and_gives_a_free_gpu_none(
+        tmp_path: Path) -> None:
+    """docs/cluster.md's ServiceMonitor settings for dcgm-exporter, scraped by a real Prometheus the way the
+    operator configures it. The docs said honorLabels: true, which keeps the workload's labels where dcgm-exporter
+    writes them, but fills a GPU given to no pod with the dcgm-exporter pod's own: the rules' held-idle recording
+    (instance_gpu:stepscope_gpu_memory_used_bytes:source{pod!=""}) then counted every idle free GPU as held, and
+    StepscopeGpuHeldIdle fired for it."""
+    (block,) = re.findall(r"```yaml\n(.*?)```", doc_section("dcgm-exporter-service-monitor"), flags=re.S)
+    monitor = yaml.safe_load(block)["dcgmExporter"]["serviceMonitor"]
+    with serving_dcgm_scrape() as address, running_prometheus_config(
+            tmp_path, {"scrape_configs": [operator_scrape_config(monitor, address)]}) as prometheus:
+        scraped = wait_for(lambda: query(prometheus.url, "DCGM_FI_DEV_FB_USED"), timeout=30, interval=0.2)
+    pods = {sample["metric"]["gpu"]: {key: sample["metric"].get(key) for key in ("namespace", "pod", "container")}
+            for sample in scraped}
+    assert pods == {"0": {"namespace": "ml", "pod": "llama-0", "container": "trainer"},
+                    "1": {"namespace": None, "pod": None, "container": None}}
+    assert not any(key.startswith("exported_") for sample in scraped for key in sample["metric"])
