@@ -735,6 +735,21 @@ def test_each_prometheus_runs_as_a_service_account_that_may_find_its_targets_and
             kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
 
 
+def test_releases_of_one_name_in_two_namespaces_share_no_object(chart: Path) -> None:
+    """Two teams each install `stepscope` in their namespace, alerting to the one kube-prometheus-stack
+    Alertmanager: both rendered Role and RoleBinding stepscope-prometheus in its namespace, and the second install
+    failed on the first's ("exists and cannot be imported into the current release")."""
+    alertmanagers = [{"namespace": "monitoring", "name": "alertmanager-operated", "port": "web"}]
+    values = {"sharding": {"enabled": True, "alertmanagers": alertmanagers}}
+
+    def placed(namespace: str) -> set[tuple[str, str, str]]:
+        rendered = render(chart, values, api_versions=[OPERATOR_API], release="stepscope", namespace=namespace)
+        return {(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects(rendered)}
+    team_a, team_b = placed("team-a"), placed("team-b")
+    assert not team_a & team_b, sorted(team_a & team_b)
+    assert ("Role", "monitoring", "stepscope-prometheus-team-a") in team_a
+
+
 def test_no_service_account_for_prometheus_when_the_chart_creates_none(chart: Path) -> None:
     """VictoriaMetrics as the global layer and your own shards: nothing runs as the chart's Prometheus account."""
     values = {"sharding": {"enabled": True, "shards": {"create": False}, "global": {"create": False},

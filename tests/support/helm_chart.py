@@ -42,9 +42,10 @@ def render(
     api_versions: Iterable[str] = (),
     kube_version: str | None = None,
     release: str = RELEASE,
+    namespace: str = NAMESPACE,
 ) -> dict[str, str]:
     """Template path -> rendered text, as `helm template` would produce offline."""
-    opts: dict[str, Any] = {"name": release, "namespace": NAMESPACE, "api_versions": list(api_versions)}
+    opts: dict[str, Any] = {"name": release, "namespace": namespace, "api_versions": list(api_versions)}
     if kube_version:
         opts["kube_version"] = kube_version
     with helm_python.Chart.load(chart_dir) as chart:

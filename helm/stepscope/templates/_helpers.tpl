@@ -327,6 +327,16 @@ most 63 characters. */}}
 {{- include "stepscope.componentName" (list . "vmalert" 55) }}
 {{- end }}
 
+{{/* The name of an object this release puts in `namespace`: (list $ name namespace). In another namespace than the
+release's (an Alertmanager's), the release's namespace follows the name: releases of one name in two namespaces
+(a team's stepscope each) put their Roles in the one Alertmanager namespace under one name, and the second install
+failed on the first's Role ("exists and cannot be imported into the current release"). */}}
+{{- define "stepscope.nameIn" -}}
+{{- $root := index . 0 }}
+{{- $home := include "stepscope.namespace" $root }}
+{{- if eq (index . 2) $home }}{{ index . 1 }}{{ else }}{{ printf "%s-%s" (index . 1) $home }}{{ end }}
+{{- end }}
+
 {{- define "stepscope.prometheusServiceAccountName" -}}
 {{- default (printf "%s-prometheus" (include "stepscope.fullname" .)) .Values.sharding.serviceAccountName }}
 {{- end }}
