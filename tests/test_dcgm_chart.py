@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from stepscope.exporter.cli import build_parser
-from tests.support.helm_chart import CHART, REPO, lint, objects, render
+from tests.support.helm_chart import CHART, REPO, lint, notes, objects, render
 from tests.support.prometheus import query, running_prometheus_config, wait_for
 from tests.support.readme import doc_section
 
@@ -226,3 +226,13 @@ def test_the_documented_dcgm_exporter_monitor_keeps_the_workloads_pod_and_gives_
     assert pods == {"0": {"namespace": "ml", "pod": "llama-0", "container": "trainer"},
                     "1": {"namespace": None, "pod": None, "container": None}}
     assert not any(key.startswith("exported_") for sample in scraped for key in sample["metric"])
+
+
+def test_dcgm_mode_notes_give_the_documented_dcgm_exporter_monitor() -> None:
+    """dcgm mode's verdicts and held-idle alerts depend on how dcgm-exporter is scraped, which the chart does not
+    render: the install notes give the documented ServiceMonitor settings, not only docs/cluster.md."""
+    (block,) = re.findall(r"```yaml\n(.*?)```", doc_section("dcgm-exporter-service-monitor"), flags=re.S)
+    text = notes(render(CHART, {"gpuSource": "dcgm"}))
+    given = text[text.index("  dcgmExporter:"):].split("\n\n")[0]
+    assert yaml.safe_load(given) == yaml.safe_load(block)
+    assert "dcgmExporter" not in notes(render(CHART, {}))
