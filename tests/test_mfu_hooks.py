@@ -2,6 +2,7 @@
 refuses, torch's FLOP counter through `tracker.measure_flops`, and the contract's peak table."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,19 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import stepscope.hooks as th
 from stepscope.contract import families
-from stepscope.contract.peak_flops import BY_NVML_NAME, DTYPES, GPUS, peak_flops, rules_table
+from stepscope.contract.peak_flops import (
+    BF16,
+    BY_NVML_NAME,
+    DTYPES,
+    FP8,
+    FP16,
+    FP32,
+    GPUS,
+    TF32,
+    GpuPeak,
+    peak_flops,
+    rules_table,
+)
 from stepscope.contract.recordings import GPU_SOURCE_NAME
 from stepscope_testkit.fake_nvml.scenario import MODELS
 
@@ -130,3 +143,30 @@ def test_the_rules_table_matches_each_name_exactly() -> None:
         name for name, gpu in BY_NVML_NAME.items() if gpu.peak("bf16") is not None}
     with pytest.raises(ValueError, match="flops_dtype must be one of"):
         rules_table("int4", GPU_SOURCE_NAME)
+
+
+def _documented_peaks() -> dict[str, list[str]]:
+    """docs/mfu.md's dense TFLOP/s table: part -> its fp8, bf16 / fp16, tf32 and fp32 cells."""
+    text = (Path(__file__).parents[1] / "docs" / "mfu.md").read_text()
+    table = text[text.index("| part | NVML names |"):].split("\n\n")[0].splitlines()[2:]
+    return {cells[0]: cells[2:] for cells in ([cell.strip() for cell in row.strip("|").split("|")] for row in table)}
+
+
+def _peak_cells(gpu: GpuPeak) -> list[str]:
+    """The cells docs/mfu.md should show for `gpu`: empty where it lacks the math, "fp16 N" where only fp16 has it."""
+    def figure(dtype: str) -> str:
+        return f"{gpu.tflops[dtype]:g}" if dtype in gpu.tflops else ""
+    half = figure(BF16) or (f"fp16 {figure(FP16)}" if FP16 in gpu.tflops else "")
+    return [figure(FP8), half, figure(TF32), figure(FP32)]
+
+
+def test_the_documented_peak_table_is_the_contracts() -> None:
+    """docs/mfu.md copies stepscope.contract.peak_flops by hand: each part's row (the A100's says "(SXM and PCIe)")
+    shows the contract's figures, and there is a row for every part and none besides."""
+    documented = _documented_peaks()
+    rows = {gpu.part: next((row for row in documented if row == gpu.part or row.startswith(f"{gpu.part} (")), None)
+            for gpu in GPUS}
+    assert sorted(filter(None, rows.values())) == sorted(documented), "a documented part the contract lacks"
+    for gpu in GPUS:
+        assert rows[gpu.part] is not None, f"no row for {gpu.part}"
+        assert documented[rows[gpu.part]] == _peak_cells(gpu), gpu.part
