@@ -25,8 +25,9 @@ unset PYTHONDONTWRITEBYTECODE
 # So does the README's quickstart: its fixed act's 4 loader workers hand batches over at the machine's pace.
 # Beside the others (the official CI on 3c9bf3c, the demo's first step 41 s late) the act waited for data 34-41%
 # of the step for 100 s, over the 30% that is data-bound, and host_bound never came; alone it reads 19% (101 s).
-# The alone phase runs on two workers: the replay (148 s, 0.87 of a core) on one, the energy, goodput, quickstart
-# modules (36 + 48 + 101 s, a quarter of a core each) one after the other on the other: 197-200 s instead of
+# The alone phase runs on two workers: the replay (148 s, 0.87 of a core) on one, the energy, goodput and quickstart
+# modules (36 + 48 + 101 s, a quarter of a core each; the dropped-bounds module, 73 s, joined them later) one after
+# the other on the other: 197-200 s instead of
 # 334 s, with the same readings as one at a time (0 missed iterations and 0 failed scrapes on either engine, the
 # verdicts 2.3-3.3 s after the settle time on Prometheus, host_bound at 37 s in the quickstart).
 # Beside them, the modules marked `background` run at idle CPU priority (chrt --idle: they get only the CPU no other
