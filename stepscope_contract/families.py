@@ -292,8 +292,10 @@ _TRAINING = (
            help="Training batches fed to the model (micro-batches: several per step under gradient "
                 "accumulation).", pushed=True),
     Family(TRAINING_INFO, "gauge", (*RUN_RANK, "local_rank", "world_size", "pid", "framework"),
-           "pushed: rank identity; `pid` as the process sees it, `start_time` its creation time (Unix seconds)",
-           kind="info", optional=("start_time",), help="Identity of the training process (value 1).", pushed=True),
+           "pushed: rank identity; `pid` as the process sees it, `start_time` its creation time (Unix seconds), "
+           "`pid_namespace` the inode of its pid namespace (/proc/self/ns/pid)",
+           kind="info", optional=("start_time", "pid_namespace"), help="Identity of the training process (value 1).",
+           pushed=True),
     Family(TRAINING_STATE, "gauge", (*RUN_RANK, "state"), "pushed: 1 for the rank's current state",
            kind="state set", help="Current state of the training process (1 for the current state).",
            pushed=True),

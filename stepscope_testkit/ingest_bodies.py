@@ -33,13 +33,16 @@ def counter(name: str, value: float) -> str:
     return f"# HELP {name} A counter.\n# TYPE {name} counter\n{name} {value}\n"
 
 
-def info_family(pid: int | None = None, framework: str = "torch", start_time: str | None = None) -> str:
-    """The identity sample; `start_time` (the optional label, Unix seconds) is left out when None."""
+def info_family(pid: int | None = None, framework: str = "torch", start_time: str | None = None,
+                pid_namespace: str | None = None) -> str:
+    """The identity sample; the optional labels `start_time` (Unix seconds) and `pid_namespace` (an inode) are
+    left out when None."""
     pid = os.getpid() if pid is None else pid
     started = "" if start_time is None else f',start_time="{start_time}"'
+    namespace = "" if pid_namespace is None else f',pid_namespace="{pid_namespace}"'
     return ("# TYPE stepscope_training_info gauge\n"
             f'stepscope_training_info{{local_rank="0",world_size="2",pid="{pid}",'
-            f'framework="{framework}"{started}}} 1\n')
+            f'framework="{framework}"{started}{namespace}}} 1\n')
 
 
 def state_family(current: str = "train", states: Sequence[str] = ("setup", "train", "eval")) -> str:

@@ -51,7 +51,8 @@ def full_push() -> str:
     model FLOPs, a stated peak and (on CUDA) the allocator's memory."""
     hist = HistogramSnapshot((0.1, 1.0), (1, 2, 3), 1.5)
     phases = [(phase, "host", hist) for phase in contract.STANDARD_PHASES]
-    info = {"local_rank": "0", "world_size": "8", "pid": "42", "framework": "torch", "start_time": "1712345678.25"}
+    info = {"local_rank": "0", "world_size": "8", "pid": "42", "framework": "torch", "start_time": "1712345678.25",
+            "pid_namespace": "4026531836"}
     return render(Snapshot(phases, hist, 3, 24, "train", info, Limits(10.0, 20.0, 8, 2, 2),
                            TraceOutcome("t", True, 1, 1, "/tmp/trace.json.gz", 5, 1.5),
                            last_step_time=1712345700.5, open_phase=("forward", 1712345700.75),

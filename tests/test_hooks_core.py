@@ -56,7 +56,8 @@ def test_rendered_histogram_families() -> None:
     assert sample_values(text, "stepscope_samples_total") == [16]
     assert sample_values(text, "stepscope_step_seconds_count") == [2]
     info = dict(next(s for s in got if s[0] == "stepscope_training_info")[1])
-    start_time = info.pop("start_time")
+    start_time, namespace = info.pop("start_time"), info.pop("pid_namespace")
+    assert namespace == str(os.stat("/proc/self/ns/pid").st_ino)  # tells two pods' pid 1 apart
     assert info == {"local_rank": "0", "world_size": "1", "pid": str(os.getpid()), "framework": "pytorch"}
     # the creation time the exporter compares with, fixed precision, whatever namespace it looks from
     assert re.fullmatch(r"[0-9]+\.[0-9]{3}", start_time)

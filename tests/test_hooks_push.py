@@ -1,5 +1,6 @@
 """A real torch CPU training loop with the hooks, pushing to a real Pushgateway (and the exporter)."""
 
+import dataclasses
 import importlib.metadata
 import logging
 import socket
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 import stepscope.hooks as th
 from stepscope.contract.thresholds import THRESHOLDS
 from stepscope.exporter.ingest.errors import Rejected
+from stepscope.exporter.ingest.families import FAMILIES, INFO_FAMILY
 from stepscope.exporter.ingest.parser import PushLimits, parse_push, unknown_family
 from stepscope.hooks import pusher as pusher_module
 from stepscope.hooks.pusher import Pusher
@@ -451,6 +453,26 @@ def test_hooks_newer_than_their_exporter_push_without_the_family_it_does_not_kno
     assert exporter.stored[-1]["stepscope_steps_total"].lines.split()[-1] == b"3.0"
     assert exporter.stored[-1]["stepscope_training_global_step"].lines.split()[-1] == b"3.0"
     warnings = [record.getMessage() for record in caplog.records if newer in record.getMessage()]
+    assert len(warnings) == 1 and "older than these hooks" in warnings[0]
+
+
+def test_hooks_newer_than_their_exporter_push_without_the_label_it_does_not_know(monkeypatch, caplog) -> None:
+    """An exporter from before `pid_namespace` refuses stepscope_training_info with it (400 unexpected label):
+    every push of the newer hooks was refused, none of the rank's steps landed. The pusher leaves the label out."""
+    caplog.set_level(logging.WARNING, logger="stepscope.hooks")
+    older_info = dataclasses.replace(FAMILIES[INFO_FAMILY], optional=("start_time",))
+    monkeypatch.setitem(FAMILIES, INFO_FAMILY, older_info)  # the parser of that release
+    tracker = th.init(run="old", push_url="", handle_sigterm=False)
+    tracker.step(samples=4)
+    assert 'pid_namespace="' in tracker.render()
+    with serving(OlderExporter("a family no release lacks")) as exporter:
+        pusher = Pusher(exporter.push_url, tracker.render, interval=5.0)
+        assert pusher.push_once() and pusher.push_once()
+    tracker.close()
+    assert len(exporter.stored) == 2
+    assert b"start_time=" in exporter.stored[-1][INFO_FAMILY].lines
+    assert exporter.stored[-1]["stepscope_steps_total"].lines.split()[-1] == b"1.0"
+    warnings = [record.getMessage() for record in caplog.records if "pid_namespace" in record.getMessage()]
     assert len(warnings) == 1 and "older than these hooks" in warnings[0]
 
 

@@ -303,6 +303,22 @@ def test_a_process_in_two_runs_registers_each_with_its_last_push_time() -> None:
                                             RegisteredProcess(7, "b", "0", 100.5, 1000.0)]
 
 
+def test_two_pods_pid_1_started_in_one_tick_register_with_their_pid_namespaces() -> None:
+    """Their pid and start time are the same: only the namespace tells the exporter which process is which."""
+    store = GroupStore(LIMITS, wall_clock=lambda: 1000.0)
+    push(store, "0", families(info_family(pid=1, start_time="100.5", pid_namespace="4026532178"), run="a"), run="a")
+    push(store, "0", families(info_family(pid=1, start_time="100.5", pid_namespace="4026532180"), run="b"), run="b")
+    assert store.registered_processes() == [RegisteredProcess(1, "a", "0", 100.5, 1000.0, 4026532178),
+                                            RegisteredProcess(1, "b", "0", 100.5, 1000.0, 4026532180)]
+
+
+@pytest.mark.parametrize("pid_namespace", ["0", "-4026532178", "4026532178.5", "pid:[4026532178]", "1" * 21])
+def test_training_info_refuses_a_malformed_pid_namespace(pid_namespace: str) -> None:
+    error = rejected(families, info_family(pid_namespace=pid_namespace))
+    assert (error.status, error.reason) == (400, "bad_label")
+    assert "label 'pid_namespace' must be the inode number of the process's pid namespace" in error.message
+
+
 @pytest.mark.parametrize(("start_time", "stored"), [
     ("1712345678.250", "1712345678.250"), ("0", "0"), ("", None),  # empty = absent, as in Prometheus
 ])

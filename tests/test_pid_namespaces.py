@@ -4,13 +4,14 @@ The process reports its in-namespace pid (1 here) and start time; the exporter m
 under the pid it sees, and never the unrelated process that has pid 1 in the exporter's namespace.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from stepscope.exporter.collectors.process import ProcessCollector
 from stepscope.exporter.exposition import render
 from stepscope.exporter.gpu_processes import GpuProcessTable
 from stepscope.exporter.registered import RegisteredProcess
+from stepscope_testkit.fake_nvml.scenario import make_gpu, make_scenario, write_scenario
 from stepscope_testkit.ingest_bodies import counter, info_family
 from stepscope_testkit.processes import running_exporter, sample_values, samples, scrape
 
@@ -47,26 +49,42 @@ class Namespaced:
     start_time: float
 
 
-@pytest.fixture
-def namespaced() -> Iterator[Namespaced]:
+@contextlib.contextmanager
+def in_pid_namespaces(script: str, *argvs: Sequence[str]) -> Iterator[list[Namespaced]]:
+    """`script` run once per argv, each in a pid namespace of its own (pid 1 there), started back to back as a
+    Job's pods are; each prints its pid and start time as it sees them, then waits for its stdin to close."""
     unshare = shutil.which("unshare")
     if not sys.platform.startswith("linux") or unshare is None:
         pytest.skip("needs Linux and util-linux's unshare")
-    process = subprocess.Popen([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", INSIDE],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with contextlib.ExitStack() as stack:
+        processes = [stack.enter_context(_waited(subprocess.Popen(
+            [unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", script, *argv], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))) for argv in argvs]
+        yield [_reported(process) for process in processes]
+
+
+def _reported(process: subprocess.Popen) -> Namespaced:
+    """What the process in its namespace printed, with the pid this test sees it under."""
+    line = process.stdout.readline()
+    if not line:
+        process.wait(timeout=10)
+        error = process.stderr.read()
+        if "Operation not permitted" in error:
+            pytest.skip(f"creating a pid namespace is not permitted here (EPERM): {error.strip()}")
+        raise RuntimeError(f"unshare exited with {process.returncode}: {error}")
+    reported = json.loads(line)
+    (child,) = psutil.Process(process.pid).children()  # unshare --fork's child, pid 1 inside
+    return Namespaced(reported["pid"], child.pid, reported["start_time"])
+
+
+@contextlib.contextmanager
+def _waited(process: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Closes the process's stdin on the way out (its script returns, pid 1 exits, the namespace goes)."""
     try:
-        line = process.stdout.readline()
-        if not line:
-            process.wait(timeout=10)
-            error = process.stderr.read()
-            if "Operation not permitted" in error:
-                pytest.skip(f"creating a pid namespace is not permitted here (EPERM): {error.strip()}")
-            raise RuntimeError(f"unshare exited with {process.returncode}: {error}")
-        reported = json.loads(line)
-        (child,) = psutil.Process(process.pid).children()  # unshare --fork's child, pid 1 inside
-        yield Namespaced(reported["pid"], child.pid, reported["start_time"])
+        yield process
     finally:
-        process.stdin.close()  # the script returns, pid 1 exits, the namespace goes
+        process.stdin.close()
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -76,6 +94,12 @@ def namespaced() -> Iterator[Namespaced]:
         process.stderr.close()
 
 
+@pytest.fixture
+def namespaced() -> Iterator[Namespaced]:
+    with in_pid_namespaces(INSIDE, []) as (process,):
+        yield process
+
+
 def test_the_namespace_is_real(namespaced: Namespaced) -> None:
     assert namespaced.inner_pid == 1 != namespaced.host_pid
     assert psutil.Process(1).create_time() != pytest.approx(namespaced.start_time, abs=1)  # pid 1 here differs
@@ -83,25 +107,40 @@ def test_the_namespace_is_real(namespaced: Namespaced) -> None:
 
 # --- the resolver -------------------------------------------------------------------------------
 
+def own_pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
 def test_a_pid_from_this_namespace_with_its_start_time_is_itself() -> None:
-    mine = (os.getpid(), psutil.Process().create_time())
-    assert PidResolver().resolve([mine]) == {mine: os.getpid()}
+    mine = (os.getpid(), psutil.Process().create_time(), None)
+    named = (os.getpid(), psutil.Process().create_time(), own_pid_namespace())
+    assert PidResolver().resolve([mine, named]) == {mine: os.getpid(), named: os.getpid()}
 
 
 def test_a_pid_with_another_start_time_is_a_stranger() -> None:
-    stranger = (os.getpid(), psutil.Process().create_time() - 10)
+    stranger = (os.getpid(), psutil.Process().create_time() - 10, None)
     assert PidResolver().resolve([stranger]) == {}
 
 
-def test_without_a_start_time_the_pid_is_trusted() -> None:
-    never = max(psutil.pids()) + 100_000
-    assert PidResolver().resolve([(never, None), (1, None)]) == {(never, None): never, (1, None): 1}
+def test_without_a_start_time_a_pid_only_one_process_has_is_trusted() -> None:
+    never = (max(psutil.pids()) + 100_000, None, None)
+    mine = (os.getpid(), None, None)
+    assert PidResolver().resolve([never, mine]) == {mine: os.getpid()}
 
 
 def test_a_pid_from_another_namespace_resolves_to_the_pid_seen_here(namespaced: Namespaced) -> None:
-    reported = (namespaced.inner_pid, namespaced.start_time)
-    later = (namespaced.inner_pid, namespaced.start_time + 1)  # pid 1 of some other namespace
+    reported = (namespaced.inner_pid, namespaced.start_time, None)
+    later = (namespaced.inner_pid, namespaced.start_time + 1, None)  # pid 1 of some other namespace
     assert PidResolver().resolve([reported, later]) == {reported: namespaced.host_pid}
+
+
+def test_a_pid_and_start_time_from_another_pid_namespace_is_a_stranger(namespaced: Namespaced) -> None:
+    """Two pods' pid 1 started in one clock tick report the same pid and start time: only the namespace tells
+    them apart (before, both resolved to the first process found)."""
+    inode = os.stat(f"/proc/{namespaced.host_pid}/ns/pid").st_ino
+    reported = (namespaced.inner_pid, namespaced.start_time, inode)
+    other_pod = (namespaced.inner_pid, namespaced.start_time, own_pid_namespace())
+    assert PidResolver().resolve([reported, other_pod]) == {reported: namespaced.host_pid}
 
 
 class CountingResolver(PidResolver):
@@ -115,8 +154,8 @@ class CountingResolver(PidResolver):
 
 
 def test_resolutions_are_cached_and_scans_happen_once_per_call_at_most(namespaced: Namespaced) -> None:
-    reported = (namespaced.inner_pid, namespaced.start_time)
-    strangers = [(namespaced.inner_pid, namespaced.start_time + 1), (2, namespaced.start_time + 2)]
+    reported = (namespaced.inner_pid, namespaced.start_time, None)
+    strangers = [(namespaced.inner_pid, namespaced.start_time + 1, None), (2, namespaced.start_time + 2, None)]
     now = [1000.0]
     resolver = CountingResolver(clock=lambda: now[0])
     assert resolver.resolve([reported, *strangers]) == {reported: namespaced.host_pid}
@@ -137,14 +176,14 @@ def test_a_registered_process_that_exited_costs_one_scan_per_retry_time_not_one_
     exited = subprocess.run([sys.executable, "-c", "import os, psutil; print(os.getpid(), "
                              "psutil.Process().create_time())"], capture_output=True, text=True, check=True)
     pid, start_time = exited.stdout.split()
-    gone = (int(pid), float(start_time))
+    gone = (int(pid), float(start_time), None)
     now = [0.0]
     resolver = CountingResolver(clock=lambda: now[0])
     for _ in range(45):  # 45 s of 1 s cycles
         assert resolver.resolve([gone]) == {}
         now[0] += 1.0
     assert resolver.scans == 2  # at 0 s and 30 s
-    newcomer = (os.getpid(), psutil.Process().create_time() + 5)  # at 45 s: a new key is scanned for at once
+    newcomer = (os.getpid(), psutil.Process().create_time() + 5, None)  # at 45 s: a new key is scanned for at once
     assert resolver.resolve([gone, newcomer]) == {}
     assert resolver.scans == 3
 
@@ -158,7 +197,7 @@ import psutil
 from stepscope.exporter.collectors.pid_namespaces import PidResolver
 
 rank = subprocess.Popen(["sleep", "60"])
-reported = (rank.pid, round(psutil.Process(rank.pid).create_time(), 3))  # as the hooks report it
+reported = (rank.pid, round(psutil.Process(rank.pid).create_time(), 3), None)  # as the hooks report it
 resolver = PidResolver()
 before = resolver.resolve([reported])
 with open("/proc/stat") as stat:
@@ -208,11 +247,26 @@ def test_collector_labels_the_host_pid_and_its_gpu_memory(namespaced: Namespaced
     assert sample_values(text, "stepscope_process_cpu_seconds_total", pid=str(namespaced.inner_pid)) == []
 
 
-def published(base_url: str, timeout: float = 15.0, **labels: str) -> bool:
-    """Whether a scrape shows stepscope_process_cpu_seconds_total with `labels` within `timeout`."""
+def test_an_older_client_without_a_start_time_is_not_taken_for_the_nodes_init(namespaced: Namespaced) -> None:
+    """Hooks from before `start_time` report a pod's rank as pid 1 and nothing else. Trusted as is, the node's
+    init took the run and rank, and with it the whole node's CPU (76444 s) and memory (6.9 GB), every GPU holder
+    a "worker" of it. Several processes here are pid 1 in their own namespace: nothing is published for it."""
+    table = GpuProcessTable()
+    table.replace({namespaced.host_pid: {"0": 5 * MiB}})
+    registered = [RegisteredProcess(namespaced.inner_pid, "old", "0")]
+    text = render(list(ProcessCollector(table, lambda: registered).collect())).decode()
+    assert sample_values(text, "stepscope_process_cpu_seconds_total", run="old") == []
+    assert sample_values(text, "stepscope_process_cpu_seconds_total", pid="1") == []
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(namespaced.host_pid),
+                         holder="worker") == []
+
+
+def published(base_url: str, timeout: float = 15.0, family: str = "stepscope_process_cpu_seconds_total",
+              **labels: str) -> bool:
+    """Whether a scrape shows `family` with `labels` within `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sample_values(scrape(base_url), "stepscope_process_cpu_seconds_total", **labels):
+        if sample_values(scrape(base_url), family, **labels):
             return True
         time.sleep(0.1)
     return False
@@ -229,3 +283,43 @@ def test_exporter_publishes_a_namespaced_push_under_the_host_pid(tmp_path: Path,
     process_series = [dict(lbls) for name, lbls in samples(text) if name.startswith("stepscope_process_")]
     assert not [series for series in process_series if series["pid"] == str(namespaced.inner_pid)]
     assert [series["pid"] for series in process_series if series["run"] == "pods"] == [str(namespaced.host_pid)] * 5
+
+
+# A pod's rank with the real hooks: pushes a few steps to the exporter at argv[2] as run argv[1], says who it is.
+HOOKED_INSIDE = """
+import json, os, sys
+import psutil
+import stepscope.hooks as th
+tracker = th.init(run=sys.argv[1], push_url=sys.argv[2], push_interval=0.2, rank=0, local_rank=0, world_size=1,
+                  handle_sigterm=False, share_bounds=False)
+for _ in range(3):
+    tracker.step(samples=8)
+print(json.dumps({"pid": os.getpid(), "start_time": psutil.Process().create_time()}), flush=True)
+sys.stdin.read()
+tracker.close()
+"""
+
+
+def test_two_pods_pid_1_are_each_published_under_their_own_host_pid(tmp_path: Path) -> None:
+    """Two pods of a Job started together: both ranks are pid 1, and their start times fell in one clock tick (as
+    they did in 4 tries of 4 here). Both resolved to the first one found: pod A's CPU, memory and GPU memory were
+    published as pod-b's rank, and pod B's process, alone on GPU 1, as a foreign tenant of it. The hooks now
+    send their pid namespace, which tells them apart."""
+    scenario = write_scenario(tmp_path / "nvml.json", make_scenario(gpus=2, processes_per_gpu=0))
+    with running_exporter(tmp_path, "--collectors", "gpu,process", fake_nvml_scenario=scenario) as exp, \
+            in_pid_namespaces(HOOKED_INSIDE, ["pod-a", exp.url], ["pod-b", exp.url]) as pods:
+        assert [pod.inner_pid for pod in pods] == [1, 1]
+        gpus = make_scenario(gpus=2, processes_per_gpu=0)
+        gpus["gpus"] = [make_gpu(index, processes=[(pod.host_pid, (index + 2) * MiB)])
+                        for index, pod in enumerate(pods)]
+        write_scenario(scenario, gpus)
+        for pod, run in zip(pods, ["pod-a", "pod-b"], strict=True):
+            assert published(exp.url, pid=str(pod.host_pid), run=run, rank="0"), exp.log()
+        assert published(exp.url, family="stepscope_process_gpu_memory_bytes", gpu="1"), exp.log()
+        text = scrape(exp.url)
+    for index, (pod, run) in enumerate(zip(pods, ["pod-a", "pod-b"], strict=True)):
+        assert sample_values(text, "stepscope_process_cpu_seconds_total", pid=str(pod.host_pid), run=run) != []
+        assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(pod.host_pid), run=run,
+                             gpu=str(index), holder="rank") == [(index + 2) * MiB]
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", holder="foreign") == []
+    assert sample_values(text, "stepscope_process_cpu_seconds_total", pid="1") == []

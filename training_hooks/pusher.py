@@ -31,7 +31,9 @@ Training images pin the hooks and the exporter DaemonSet is upgraded on its own,
 node's exporter push families it does not know yet, and its strict parser refuses the whole push (400
 "unknown family 'NAME'"): the rank's steps never landed. The pusher then leaves that family out of this and
 every later push, with one warning, and sends the rest at once, until a push finds nothing listening: an
-exporter restarting, as a rollout upgrades it, which may know the family by then.
+exporter restarting, as a rollout upgrades it, which may know the family by then. An optional label the
+contract added later (`pid_namespace` of stepscope_training_info) is left out the same way on the exporter's
+400 "unexpected label 'NAME'".
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from stepscope.contract import VERSION
+from stepscope.contract import FAMILIES, VERSION
 from stepscope.hooks.config import DEFAULT_MAX_BACKOFF
 from stepscope.hooks.render import CONTENT_TYPE
 
@@ -60,6 +62,9 @@ _PLAIN_LABEL_VALUE = re.compile(r"[A-Za-z0-9_.:-]+")
 _DOT_SEGMENTS = (".", "..")
 # How an exporter refuses a family it does not know (stepscope.exporter.ingest.parser.unknown_family).
 _UNKNOWN_FAMILY = re.compile(r"unknown family '([a-zA-Z_:][a-zA-Z0-9_:]*)'")
+# How an exporter refuses a label it does not know (the parser's bad_label), and the labels an older one may lack.
+_UNEXPECTED_LABEL = re.compile(r"unexpected label '([a-zA-Z_][a-zA-Z0-9_]*)'")
+_OPTIONAL_LABELS = frozenset(label for spec in FAMILIES.values() for label in spec.optional)
 # The longest the final push waits, in all, on a server that asks to be tried again (Retry-After): well inside
 # Kubernetes' default 30 s termination grace, where SIGTERM's close() runs.
 FINAL_PUSH_GRACE_SECONDS = 5.0
@@ -133,6 +138,14 @@ def without_families(body: str, families: set[str]) -> str:
     return "".join(line for line in body.splitlines(keepends=True) if _line_metric(line) not in names)
 
 
+def without_labels(body: str, labels: set[str]) -> str:
+    """The text exposition `body` with every `label="value"` pair of `labels` taken out of its samples."""
+    if not labels:
+        return body
+    pair = re.compile(r'([{,])(?:' + "|".join(map(re.escape, sorted(labels))) + r')="(?:[^"\\\n]|\\.)*"(,?)')
+    return pair.sub(lambda found: found[1] if found[1] == "{" or found[2] else "", body)
+
+
 def _line_metric(line: str) -> str:
     """The metric a line of text exposition is about: a sample's name, or the name a HELP or TYPE line gives."""
     if line.startswith(("# HELP ", "# TYPE ")):
@@ -176,6 +189,7 @@ class Pusher:
         self._failing = ""  # the problem already logged, until the next success
         self._at_interval = False  # the last push failed in a way that backing off would not help: no backoff
         self._unknown_families: set[str] = set()  # families the server refused as unknown: left out from then on
+        self._unknown_labels: set[str] = set()  # optional labels the server refused: left out from then on
         self._retry_after: float | None = None  # the last answer's asked delay, where it was busy for now
 
     def start(self) -> None:
@@ -230,6 +244,7 @@ class Pusher:
             self._at_interval = isinstance(exc, requests.ConnectionError) and not isinstance(exc, requests.Timeout)
             if self._at_interval:  # maybe upgraded (a DaemonSet rollout): it may know the families left out now
                 self._unknown_families.clear()
+                self._unknown_labels.clear()
             return self._failed("unreachable", f"cannot push to {self.url} ({type(exc).__name__})",
                                 "retrying, training continues")
         except Exception as exc:  # a bug in rendering must not kill the thread or the training
@@ -254,13 +269,25 @@ class Pusher:
         """PUTs `body` less the families the server does not know, learning them from its 400s: each try that
         names a family of the body not yet left out leaves it out too, so the tries end."""
         while True:
-            response = self._put(without_families(body, self._unknown_families).encode(), headers)
-            family = self._refused_unknown(response, body)
-            if family is None:
+            sent = without_labels(without_families(body, self._unknown_families), self._unknown_labels)
+            response = self._put(sent.encode(), headers)
+            family, label = self._refused_unknown(response, body), self._refused_label(response, sent)
+            if family is not None:
+                self._unknown_families.add(family)
+            elif label is not None:
+                self._unknown_labels.add(label)
+            else:
                 return response
-            self._unknown_families.add(family)
             log.warning("stepscope: the server at %s does not know %s (an exporter older than these hooks): "
-                        "pushing without it; upgrade the exporter to have it", self.url, family)
+                        "pushing without it; upgrade the exporter to have it", self.url,
+                        family or f"the label {label}")
+
+    def _refused_label(self, response: requests.Response, sent: str) -> str | None:
+        """The optional label of `sent` that `response` refused as unexpected, if it did."""
+        match = _UNEXPECTED_LABEL.search(response.text) if response.status_code == 400 else None
+        if match is None or match[1] not in _OPTIONAL_LABELS:
+            return None
+        return match[1] if without_labels(sent, {match[1]}) != sent else None
 
     def _refused_unknown(self, response: requests.Response, body: str) -> str | None:
         """The family of `body` not yet left out that `response` refused as unknown, if it did."""

@@ -57,7 +57,7 @@ class Snapshot:
     steps: int  # optimizer steps
     samples: int
     state: str
-    info: Mapping[str, str]  # local_rank, world_size, pid, framework, start_time where known
+    info: Mapping[str, str]  # local_rank, world_size, pid, framework, start_time, pid_namespace where known
     limits: Limits | None = None  # from tracker.measure_limits
     trace: TraceOutcome | None = None  # the latest profiler trace written
     micro_batches: int = 0  # batches fed to the model: steps x gradient accumulation

@@ -99,6 +99,19 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+@functools.cache
+def _pid_namespace(pid: int) -> str | None:
+    """The inode of this process's pid namespace, None off Linux; cached per pid, which a fork changes.
+
+    Two pods' training processes are both pid 1 in their own namespaces, and started together they share
+    the start time to the clock tick: the exporter tells them apart by this.
+    """
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+
+
 def _counts(**counts: Any) -> tuple[Any, ...]:
     """The counts passed to `step()` or `micro_batch()`, in order, as plain ints or floats (numpy's scalars
     too); ValueError naming the first that is not a finite number >= 0 (flops and global_step may be None), or
@@ -627,9 +640,11 @@ class Tracker:
         pid = os.getpid()
         info = {"local_rank": str(cfg.local_rank), "world_size": str(cfg.world_size), "pid": str(pid),
                 "framework": cfg.framework}
-        start_time = _start_time(pid)
+        start_time, namespace = _start_time(pid), _pid_namespace(pid)
         if start_time is not None:
             info["start_time"] = start_time
+        if namespace is not None:
+            info["pid_namespace"] = namespace
         last_step, open_phase = self._progress()
         step = self._step_hist.snapshot()
         return Snapshot(

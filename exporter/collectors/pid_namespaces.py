@@ -8,6 +8,16 @@ A pid is trusted only when that start time matches; otherwise the process is fou
 pid in the `NSpid:` line of /proc/<pid>/status. A reported start time that matches nothing resolves
 to nothing: publishing nothing beats attributing a stranger.
 
+The start time alone does not tell two pods apart: both training processes are pid 1 in their own
+namespaces, and two pods started together share a clock tick (10 ms, within TOLERANCE_SECONDS): both
+resolved to the first one found, pod A's CPU, memory and GPU memory published as pod B's rank and pod B's
+process as a foreign tenant of its own GPU. The hooks therefore also report their pid namespace's inode
+(/proc/self/ns/pid), which a candidate must match; a report that still matches several processes (hooks
+without it) resolves to nothing. An older client that reports no start time at all is resolved by its
+innermost pid alone, and only when one process here has it: trusted as is, its pid 1 was the node's
+init, and the whole node's CPU (76444 s) and memory were published as its rank's, every GPU holder a
+"worker" of it.
+
 That scan reads every process's status file (~20 µs of CPU each on a 2-core VM), and a reported
 process it misses is almost always one that exited: its pushed group stays registered until the ingest
 TTL (10 minutes by default) after every run. Looked for every cycle, such a process cost a scan per
@@ -39,8 +49,9 @@ log = logging.getLogger(__name__)
 TOLERANCE_SECONDS = 0.05  # create_time has clock-tick (10 ms) resolution; the hooks send milliseconds
 RETRY_SECONDS = 30.0  # a reported process a scan missed is scanned for again after this long
 
-Reported = tuple[int, float | None]
-"""(pid in the process's own namespace, its start time in Unix seconds or None when not reported)."""
+Reported = tuple[int, float | None, int | None]
+"""(pid in the process's own namespace, its start time in Unix seconds, its pid namespace's inode; None when
+not reported)."""
 Identity = tuple[int, float]
 """(pid as this exporter sees it, its start in ProcStat.started's units: clock ticks after boot on Linux)."""
 
@@ -65,11 +76,11 @@ class PidResolver:
         identified: dict[Reported, Identity] = {}
         unresolved: list[Reported] = []
         for key in wanted:
-            pid, start_time = key
-            if start_time is None:  # an older client, or psutil could not read it: trust the pid
+            pid, start_time, _ = key
+            if start_time is None and not sys.platform.startswith("linux"):  # no pid namespaces: trust the pid
                 trusted[key] = pid
                 continue
-            found = None if self._missed_lately(key, now) else self._still_running(key) or _identity(pid, start_time)
+            found = None if self._missed_lately(key, now) else self._still_running(key) or self._checked(key)
             if found is None:
                 unresolved.append(key)
             else:
@@ -83,6 +94,13 @@ class PidResolver:
         cached = self._cache.get(key)
         return cached if cached is not None and _started(cached[0]) == cached[1] else None
 
+    @staticmethod
+    def _checked(key: Reported) -> Identity | None:
+        """The process with the reported pid here, if it is the reported one. Without a start time nothing
+        says so (pid 1 is this node's init as well as every pod's first process): the scan decides."""
+        pid, start_time, namespace = key
+        return None if start_time is None else _identity(pid, start_time, namespace)
+
     def _missed_lately(self, key: Reported, now: float) -> bool:
         """Whether a scan missed this process in the last RETRY_SECONDS: no process that started later can
         have its start time, which is in the past, so until then it is neither checked nor scanned for."""
@@ -94,15 +112,16 @@ class PidResolver:
         due = [key for key in unresolved if not self._missed_lately(key, now)]
         found: dict[Reported, Identity] = {}
         if due and sys.platform.startswith("linux"):
-            innermost = self._innermost_pids({pid for pid, _ in due})
-            for pid, start_time in due:
-                here = next(filter(None, (_identity(c, start_time) for c in innermost.get(pid, ()))), None)
-                if here is not None:
-                    found[pid, start_time] = here
-        for key in due:
-            if key not in found and key not in self._missed:
-                log.debug("no process here has pid %d in its own pid namespace and start time %.3f; "
-                          "publishing nothing for it", *key)
+            innermost = self._innermost_pids({pid for pid, *_ in due})
+            for key in due:
+                pid, start_time, namespace = key
+                matching = [here for here in (_identity(c, start_time, namespace) for c in innermost.get(pid, ()))
+                            if here is not None]
+                if len(matching) == 1:
+                    found[key] = matching[0]
+                elif key not in self._missed:
+                    log.debug("%d processes here have pid %d in their own pid namespace, start time %s and pid "
+                              "namespace %s; publishing nothing for it", len(matching), *key)
         missed = {key: now for key in due if key not in found}
         self._missed = {key: self._missed[key] for key in unresolved if key in self._missed} | missed
         return found
@@ -123,30 +142,63 @@ class PidResolver:
 
 
 def _innermost_pid(proc_dir: str) -> int | None:
-    """The last entry of `NSpid:` in <proc_dir>/status: the pid in the process's own namespace.
+    """The last entry of `NSpid:` in <proc_dir>/status: the pid in the process's own namespace."""
+    nspid = _nspid(proc_dir)
+    return nspid[-1] if nspid else None
 
-    Read by hand because psutil has no accessor for it. The line lists the pid in each nested
-    namespace from this /proc's namespace inwards (Linux 4.1+); None when unreadable or absent.
+
+def _namespace_depth(proc_dir: str) -> int | None:
+    """How many pid namespaces, from this /proc's inwards, the process has a pid in (1: this one's only)."""
+    nspid = _nspid(proc_dir)
+    return len(nspid) if nspid else None
+
+
+def _nspid(proc_dir: str) -> list[int] | None:
+    """The `NSpid:` line of <proc_dir>/status, read by hand because psutil has no accessor for it.
+
+    It lists the pid in each nested namespace from this /proc's namespace inwards (Linux 4.1+); None when
+    unreadable or absent.
     """
     try:
         with open(f"{proc_dir}/status", "rb") as status:
             for line in status:
                 if line.startswith(b"NSpid:"):
-                    return int(line.split()[-1])
+                    return [int(pid) for pid in line.split()[1:]]
     except (OSError, ValueError):
         pass
     return None
 
 
-def _identity(pid: int, start_time: float) -> Identity | None:
-    """pid with its start ticks, if it names a process here created at start_time (Unix seconds)."""
+def _identity(pid: int, start_time: float | None, namespace: int | None) -> Identity | None:
+    """pid with its start ticks, if it names a process here created at start_time (Unix seconds) in the pid
+    namespace whose inode is `namespace` (either None: not checked)."""
     try:
-        if abs(psutil.Process(pid).create_time() - start_time) > TOLERANCE_SECONDS:
+        if start_time is not None and abs(psutil.Process(pid).create_time() - start_time) > TOLERANCE_SECONDS:
             return None
     except (psutil.Error, OSError):
         return None
+    if namespace is not None and _namespace_of(pid) not in (namespace, None):
+        return None
     started = _started(pid)
     return None if started is None else (pid, started)
+
+
+def _namespace_of(pid: int) -> int | None:
+    """The inode of pid's pid namespace; None where /proc does not say (gone, not Linux): then the start time
+    alone decides, as for hooks that do not send theirs.
+
+    /proc/<pid>/ns/pid asks for ptrace access, which even root may lack (this node's init refused it: then
+    it matched every pod's pid 1); a process whose `NSpid:` has one entry lives in this exporter's own
+    namespace, which /proc/self/ns/pid always gives.
+    """
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        pass
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino if _namespace_depth(f"/proc/{pid}") == 1 else None
+    except OSError:
+        return None
 
 
 def _started(pid: int) -> float | None:

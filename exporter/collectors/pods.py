@@ -441,9 +441,8 @@ class PodCollector:
     def _processes(self) -> list[tuple[int, str, str, tuple]]:
         """(pid here, run, rank, the process as it reported itself) of each registered process found here."""
         registered = self._registered()
-        found = self._resolver.resolve((p.pid, p.start_time) for p in registered)
-        live = [(found[p.pid, p.start_time], p.run, p.rank, (p.pid, p.start_time))
-                for p in registered if (p.pid, p.start_time) in found]
+        found = self._resolver.resolve(p.reported for p in registered)
+        live = [(found[p.reported], p.run, p.rank, p.reported) for p in registered if p.reported in found]
         self._views = {key: self._views[key] for *_, key in live if key in self._views}
         return live
 

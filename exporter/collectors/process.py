@@ -216,10 +216,10 @@ class ProcessCollector:
         one, while the closed run's group lingers until its TTL.
         """
         registered = self._registered()
-        found = self._resolver.resolve((p.pid, p.start_time) for p in registered)
+        found = self._resolver.resolve(p.reported for p in registered)
         latest: dict[int, RegisteredProcess] = {}
         for process in registered:
-            pid = found.get((process.pid, process.start_time))
+            pid = found.get(process.reported)
             if pid is not None and (pid not in latest or process.pushed_at > latest[pid].pushed_at):
                 latest[pid] = process
         return {pid: (process.run, process.rank) for pid, process in latest.items()}

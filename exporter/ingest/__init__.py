@@ -7,7 +7,7 @@
 Path values may be base64url-encoded Pushgateway style (`/run@base64/<b64>`). The body is a text
 exposition (format 0.0.4) of only these families: stepscope_step_phase_seconds{phase} and
 stepscope_step_seconds (histograms), stepscope_steps_total and stepscope_samples_total (counters),
-stepscope_training_info{local_rank,world_size,pid,framework[,start_time]} (1) and
+stepscope_training_info{local_rank,world_size,pid,framework[,start_time][,pid_namespace]} (1) and
 stepscope_training_state{state} (state set), stepscope_loader_limit_samples_per_second and
 stepscope_compute_limit_samples_per_second (tracker.measure_limits), and the rank's latest profiler
 trace: stepscope_profile_trace_bytes, _steps and _timestamp_seconds, each labelled with its `path`

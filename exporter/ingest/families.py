@@ -57,6 +57,7 @@ LAST_PUSH_FAMILY = stepscope.contract.TRAINING_LAST_PUSH
 
 _PID = re.compile(r"[1-9][0-9]{0,9}")
 _START_TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")  # Unix seconds, as psutil's create_time()
+_INODE = re.compile(r"[1-9][0-9]{0,19}")  # a namespace's inode number, as stat(2) gives it
 
 # Per label name: (check of a non-empty value, what the refusal says the value must be).
 LABEL_RULES: Mapping[str, tuple[Callable[[str], object], str]] = {
@@ -65,4 +66,6 @@ LABEL_RULES: Mapping[str, tuple[Callable[[str], object], str]] = {
     "state": (frozenset(stepscope.contract.STATES).__contains__, "one of " + ", ".join(stepscope.contract.STATES)),
     "start_time": (_START_TIME.fullmatch, "the process start time in Unix seconds (a non-negative decimal "
                                           "number like 1712345678.25)"),
+    "pid_namespace": (_INODE.fullmatch, "the inode number of the process's pid namespace (a positive integer "
+                                        "like 4026531836, from stat /proc/self/ns/pid)"),
 }

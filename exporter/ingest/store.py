@@ -31,6 +31,7 @@ from stepscope.exporter.registered import RegisteredProcess
 GroupKey = tuple[str, str]
 _INFO_PID = FAMILIES[INFO_FAMILY].body_labels.index("pid")
 _INFO_START_TIME = FAMILIES[INFO_FAMILY].body_labels.index("start_time")
+_INFO_PID_NAMESPACE = FAMILIES[INFO_FAMILY].body_labels.index("pid_namespace")
 
 INTERVALS_KEPT = 8  # a group's push interval is the median of its last intervals: a final push right after
                     # a periodic one (what close() does) must not read as the rank's pace
@@ -187,7 +188,7 @@ class GroupStore:
         return version, tuple(sorted(live, key=lambda g: (g.run, int(g.rank))))
 
     def registered_processes(self) -> list[RegisteredProcess]:
-        """The `pid` and `start_time` labels of live groups' stepscope_training_info, by run and rank.
+        """The `pid`, `start_time` and `pid_namespace` of live groups' stepscope_training_info, by run and rank.
 
         A list, not a mapping by pid: processes in different pid namespaces may report the same pid, and
         one process may sit in several groups (one run closed, the next opened); each entry carries its
@@ -197,9 +198,10 @@ class GroupStore:
         for group in self.snapshot()[1]:
             info = group.families.get(INFO_FAMILY)
             for key in info.keys if info else ():
-                start_time = key[_INFO_START_TIME]
+                start_time, namespace = key[_INFO_START_TIME], key[_INFO_PID_NAMESPACE]
                 processes.append(RegisteredProcess(int(key[_INFO_PID]), group.run, group.rank,
-                                                   float(start_time) if start_time else None, group.pushed_at))
+                                                   float(start_time) if start_time else None, group.pushed_at,
+                                                   int(namespace) if namespace else None))
         return processes
 
     def next_expiry(self) -> float:
