@@ -401,6 +401,20 @@ def test_the_same_pid_with_another_start_time_is_another_process() -> None:
     push(store, "0", process_push(7, start_time="100.5"))
 
 
+def test_two_pods_pid_1_started_in_one_tick_are_two_processes() -> None:
+    """Two pods of a Job, each rank pid 1 and started in the same clock tick, both run "train" rank 0 (the
+    script's name): pod B's pushes replaced pod A's group at each push (steps 40, 3, 41). The namespace tells
+    them apart: pod B gets the 409."""
+    store = GroupStore(LIMITS)
+    pod_a, pod_b = (info_family(pid=1, start_time="100.5", pid_namespace=namespace)
+                    for namespace in ("4026532178", "4026532180"))
+    push(store, "0", families(pod_a + counter("stepscope_steps_total", 40)))
+    error = rejected(push, store, "0", families(pod_b + counter("stepscope_steps_total", 3)))
+    assert error.reason == "run_conflict" and "pid 1, started 1970-01-01 00:01:40 UTC, pid namespace 4026532178" \
+        in error.message
+    assert 'stepscope_steps_total{rank="0",run="r"} 40.0' in training_text(store)
+
+
 def test_a_push_without_training_info_names_no_process_and_is_not_checked() -> None:
     """A Pushgateway-style client sends what it has: nothing to tell its process by."""
     store = GroupStore(LIMITS)

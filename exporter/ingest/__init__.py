@@ -38,13 +38,13 @@ groups), 503 server_busy (too many body bytes in flight), and 400 for malformed,
 bad_label, label_too_long, bad_value, non_cumulative_buckets, too_many_phases, too_many_series (per group) (a
 malformed Stepscope-Bounds header is malformed too). A refused push changes nothing stored.
 
-A group belongs to one process at a time, the `pid` and `start_time` of its stepscope_training_info: a PUT
-or POST whose stepscope_training_info names another process gets 409 while the owner is live, and takes
-the group over (its families replacing all of the owner's, a POST's as a PUT's) once the owner's last push
-said `idle` (it closed), the owner has not pushed for 2.5 of its push intervals (the median of its last 8; at least
-3 s, 12.5 s while only one push is known, at most 30 s: two thirds of the rules' rank_lost_seconds), or
-the group expired or was deleted. A push without stepscope_training_info names no process and is not
-checked (exporter.ingest.store).
+A group belongs to one process at a time, the `pid`, `start_time` and `pid_namespace` of its
+stepscope_training_info: a PUT or POST whose stepscope_training_info names another process gets 409 while the
+owner is live, and takes the group over (its families replacing all of the owner's, a POST's as a PUT's) once
+the owner's last push said `idle` (it closed), the owner has not pushed for 2.5 of its push intervals (the
+median of its last 8; at least 3 s, 12.5 s while only one push is known, at most 30 s: two thirds of the rules'
+rank_lost_seconds), or the group expired or was deleted. A push without stepscope_training_info names no process
+and is not checked (exporter.ingest.store).
 """
 
 import argparse

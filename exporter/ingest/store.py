@@ -5,7 +5,7 @@ and the series keys the limits and the process collector need: no sample objects
 groups is copy-on-write under one lock, so renderers and the process collector read a consistent
 snapshot without holding it.
 
-A group belongs to one process at a time, the one named by the `pid` and `start_time` of its
+A group belongs to one process at a time, the one named by the `pid`, `start_time` and `pid_namespace` of its
 stepscope_training_info: two processes pushing one run and rank (two users' `train.py`, both
 defaulting to run "train") would otherwise replace each other's counters at every push, and every
 rate, share and alert of the group would be garbage. Another process's push is refused (409
@@ -46,16 +46,20 @@ HOLD_MAX_SECONDS = THRESHOLDS["rank_lost_seconds"].value * 2 / 3  # 30 s: under 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Owner:
-    """The process that pushes a group: its stepscope_training_info's pid and start_time ("" when not sent)."""
+    """The process that pushes a group: its stepscope_training_info's pid, start_time and pid_namespace ("" when
+    not sent). Two pods' ranks are both pid 1 and may start in one clock tick: without the namespace, the second
+    pod's pushes to the same run and rank replaced the first's group at each push (steps 40, 3, 41)."""
 
     pid: str
     start_time: str
+    pid_namespace: str = ""
 
     def describe(self) -> str:
+        namespace = f", pid namespace {self.pid_namespace}" if self.pid_namespace else ""
         if not self.start_time:
-            return f"pid {self.pid}"
+            return f"pid {self.pid}{namespace}"
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(self.start_time)))
-        return f"pid {self.pid}, started {started}"
+        return f"pid {self.pid}, started {started}{namespace}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +265,7 @@ class GroupStore:
             f"last push {since:.1f}s ago): two processes cannot share a run and rank; give each its own run "
             "(STEPSCOPE_RUN or init(run=...); the default is the script's name). This process's pushes are "
             f"taken once the other one closes or stops pushing for {hold:.1f}s",
-            subject=f"{old.run}\0{old.rank}\0{pusher.pid}\0{pusher.start_time}",
+            subject=f"{old.run}\0{old.rank}\0{pusher.pid}\0{pusher.start_time}\0{pusher.pid_namespace}",
         )
 
     def _check_phases(self, run: str, rank: str, merged: Mapping[str, StoredFamily]) -> None:
@@ -305,7 +309,7 @@ def _owner(families: Mapping[str, StoredFamily]) -> Owner | None:
     """The process named by the families' stepscope_training_info; None without one (no identity)."""
     info = families.get(INFO_FAMILY)
     keys = info.keys if info else ()
-    return min((Owner(key[_INFO_PID], key[_INFO_START_TIME]) for key in keys), default=None)
+    return min((Owner(key[_INFO_PID], key[_INFO_START_TIME], key[_INFO_PID_NAMESPACE]) for key in keys), default=None)
 
 
 def _starts_afresh(old: Group | None, pusher: Owner | None) -> bool:
