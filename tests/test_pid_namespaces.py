@@ -19,7 +19,7 @@ import psutil
 import pytest
 import requests
 
-from stepscope.exporter.collectors.pid_namespaces import RETRY_SECONDS, PidResolver
+from stepscope.exporter.collectors.pid_namespaces import RETRY_SECONDS, TOLERANCE_SECONDS, PidResolver
 from stepscope.exporter.collectors.process import ProcessCollector
 from stepscope.exporter.exposition import render
 from stepscope.exporter.gpu_processes import GpuProcessTable
@@ -259,6 +259,31 @@ def test_an_older_client_without_a_start_time_is_not_taken_for_the_nodes_init(na
     assert sample_values(text, "stepscope_process_cpu_seconds_total", pid="1") == []
     assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(namespaced.host_pid),
                          holder="worker") == []
+
+
+@pytest.fixture
+def two_pods() -> Iterator[list[Namespaced]]:
+    with in_pid_namespaces(INSIDE, [], []) as pods:
+        yield pods
+
+
+def test_ranks_the_exporter_cannot_tell_apart_are_no_foreign_tenants_of_their_gpus(two_pods: list[Namespaced]) -> None:
+    """Two pods' pid 1 started in one clock tick, hooks without pid_namespace (or the chart's exporter, a user
+    without ptrace access, who cannot read it): nothing says which rank is which, so neither is published as a
+    rank. Each read holder "foreign" on its own GPU, a tenant for the rules (gpu_runs, the energy split); they are
+    "unknown" now, as a process the exporter cannot read."""
+    apart = abs(two_pods[0].start_time - two_pods[1].start_time)
+    if apart > 2 * TOLERANCE_SECONDS:
+        pytest.skip(f"the two pods started {apart * 1000:.0f} ms apart: no start time matches both")
+    start_time = (two_pods[0].start_time + two_pods[1].start_time) / 2
+    table = GpuProcessTable()
+    table.replace({pod.host_pid: {str(gpu): 5 * MiB} for gpu, pod in enumerate(two_pods)})
+    registered = [RegisteredProcess(1, "pod-a", "0", start_time), RegisteredProcess(1, "pod-b", "0", start_time)]
+    text = render(list(ProcessCollector(table, lambda: registered).collect())).decode()
+    for gpu, pod in enumerate(two_pods):
+        assert sample_values(text, "stepscope_process_gpu_memory_bytes", pid=str(pod.host_pid), gpu=str(gpu), run="",
+                             holder="unknown") == [5 * MiB]
+    assert sample_values(text, "stepscope_process_gpu_memory_bytes", holder="foreign") == []
 
 
 def published(base_url: str, timeout: float = 15.0, family: str = "stepscope_process_cpu_seconds_total",

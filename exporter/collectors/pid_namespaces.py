@@ -64,6 +64,7 @@ class PidResolver:
         self._clock = clock
         self._cache: dict[Reported, Identity] = {}
         self._missed: dict[Reported, float] = {}  # reported -> clock time of the scan that missed it
+        self._ambiguous: dict[Reported, list[Identity]] = {}  # reported -> the processes its start time matched
 
     def resolve(self, reported: Iterable[Reported]) -> dict[Reported, int]:
         """{reported: pid as this exporter sees it}; a process that cannot be found is left out.
@@ -88,6 +89,13 @@ class PidResolver:
         identified.update(self._scan_for(unresolved, now))
         self._cache = identified
         return trusted | {key: pid for key, (pid, _) in identified.items()}
+
+    def unidentified(self) -> set[int]:
+        """Pids here of the processes that match a reported pid and start time but as well as another does:
+        ranks this exporter cannot tell apart (two pods' pid 1 started in one clock tick, their namespaces
+        unsent or unreadable: the chart's exporter runs as a user without ptrace access). No stranger has
+        a rank's start time to the tick, so the process collector takes them for no tenant of their GPUs."""
+        return {pid for found in self._ambiguous.values() for pid, started in found if _started(pid) == started}
 
     def _still_running(self, key: Reported) -> Identity | None:
         """The process found for `key` before, if its pid still names it (same start ticks)."""
@@ -119,11 +127,15 @@ class PidResolver:
                             if here is not None]
                 if len(matching) == 1:
                     found[key] = matching[0]
-                elif key not in self._missed:
+                    continue
+                if start_time is not None and matching:
+                    self._ambiguous[key] = matching
+                if key not in self._missed:
                     log.debug("%d processes here have pid %d in their own pid namespace, start time %s and pid "
                               "namespace %s; publishing nothing for it", len(matching), *key)
         missed = {key: now for key in due if key not in found}
         self._missed = {key: self._missed[key] for key in unresolved if key in self._missed} | missed
+        self._ambiguous = {key: here for key, here in self._ambiguous.items() if key in self._missed}
         return found
 
     def _innermost_pids(self, wanted: set[int]) -> dict[int, list[int]]:

@@ -6,12 +6,14 @@ workers count towards the rank that owns them. The `pid` label is the pid this e
 sees; a registered process that reported a pid from another pid namespace is found by
 `pid_namespaces`, so its run and rank also land on its GPU memory.
 
-The GPU memory series say who holds it (`holder`), from what the cycle reads anyway: a registered rank (its
-workers' memory on its GPUs included, as their CPU and memory are: a data-loader worker that opened a CUDA context),
-a worker (a rank's descendant, on a GPU the rank does not hold), the MPS server (by its name in /proc/PID/stat), a
-foreign process (any other this exporter sees: another tenant of the GPU, whose kernels its readings count, so the
-rules take the GPU as shared) or unknown (one it cannot read: another pid namespace, hidepid). A worker's memory
-used to read run "", like a stranger's, and a stranger's could not be told from a worker's or the MPS server's.
+The GPU memory series say who holds it (`holder`), from what the cycle reads anyway: a registered rank (its workers'
+memory on its GPUs included, as their CPU and memory are: a data-loader worker that opened a CUDA context), a worker
+(a rank's descendant, on a GPU the rank does not hold), the MPS server (by its name in /proc/PID/stat), a foreign
+process (any other this exporter sees: another tenant of the GPU, whose kernels its readings count, so the rules
+take the GPU as shared) or unknown (one it cannot read: another pid namespace, hidepid; or a rank it cannot tell
+from another, with its workers: two pods' pid 1 started in one clock tick, their pid namespaces unsent or
+unreadable). A worker's memory used to read run "", like a stranger's, and a stranger's could not be told from a
+worker's or the MPS server's.
 
 Counters stay monotonic as workers come and go: an exited worker stays visible (as a zombie) until
 its parent reaps it, and reaping moves its CPU time into the parent's children_user/children_system
@@ -85,6 +87,7 @@ class _Holders:
     names: dict[int, str] = field(default_factory=dict)  # pid -> kernel name, for every process read this cycle
     owners: dict[int, tuple[float, int]] = field(default_factory=dict)  # descendant -> (its registered ancestor's
     # start, that ancestor's pid): the nearest ancestor, the one started last, wins
+    unidentified: set[int] = field(default_factory=set)  # ranks the resolver cannot tell apart, and their workers
 
     def own(self, root: int, root_started: float, descendants: Iterable[int]) -> None:
         for pid in descendants:
@@ -97,7 +100,7 @@ class _Holders:
         GPU (a spawned worker's CUDA calls land on GPU 0) it stays the worker's, with run "": counted as the
         run's, that GPU's idle readings would lower the run's (StepscopeGpuHeldIdle names it instead). A process
         this exporter could not read is unknown (it may be a rank in a pid namespace it does not see), never
-        foreign."""
+        foreign, as is a rank it cannot tell from another (two pods' pid 1 started in one clock tick)."""
         if pid in self.identities:
             return (str(pid), *self.identities[pid], gpu, families.HOLDER_RANK)
         if pid in self.owners:
@@ -106,7 +109,7 @@ class _Holders:
                 return (str(rank), *self.identities[rank], gpu, families.HOLDER_RANK)
             return str(pid), "", "", gpu, families.HOLDER_WORKER
         name = self.names.get(pid)
-        if name is None:
+        if name is None or pid in self.unidentified:
             holder = families.HOLDER_UNKNOWN
         elif name.startswith(MPS_SERVER_NAME):
             holder = families.HOLDER_MPS_SERVER
@@ -167,7 +170,7 @@ class ProcessCollector:
                                        "unknown.",
                                        labels=[*_LABELS, "gpu", "holder"])
 
-        holders = _Holders(identities, gpu_table)
+        holders = _Holders(identities, gpu_table, unidentified=self._resolver.unidentified())
         children_of: dict[int, list[int]] | None = None  # read once per cycle, when first needed
         for pid in pids:
             labels = [str(pid), *identities.get(pid, ("", ""))]
@@ -187,6 +190,8 @@ class ProcessCollector:
                 continue
             if pid in identities:
                 holders.own(pid, own.started, reading.descendants)
+            elif pid in holders.unidentified:
+                holders.unidentified.update(reading.descendants)
             cpu.add_metric(labels, tracked.monotonic("cpu", reading.cpu_seconds))
             rss.add_metric(labels, reading.rss)
             children.add_metric(labels, reading.children)
