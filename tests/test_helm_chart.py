@@ -766,8 +766,24 @@ def test_notes_say_which_rules_go_where(chart: Path) -> None:
     assert f"writing to http://rel-stepscope-global.{NAMESPACE}.svc:9090/api/v1/write" in text
 
 
+KUBE_PROMETHEUS_STACK_SELECTOR = {"release": "kube-prometheus-stack"}   # the install docs' label
+
+
+def test_kube_prometheus_stacks_prometheus_selects_no_per_node_work_of_the_sharded_layout(chart: Path) -> None:
+    """The install docs' release label on the rules, then sharding.enabled: kube-prometheus-stack's Prometheus
+    selected the per-node rules beside the shards and sent every node alert twice; only the per-run rule is its."""
+    objs = sharded(chart, {"prometheusRule": {"enabled": True, "additionalLabels": KUBE_PROMETHEUS_STACK_SELECTOR}})
+    selected = {o["metadata"]["name"] for o in objs
+                if KUBE_PROMETHEUS_STACK_SELECTOR.items() <= o["metadata"].get("labels", {}).items()}
+    assert selected == {"rel-stepscope-run"}
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"prometheusRule": {"enabled": False}}, "sharding.enabled needs prometheusRule.enabled"),
+    ({"serviceMonitor": {"enabled": True, "additionalLabels": KUBE_PROMETHEUS_STACK_SELECTOR}},
+     "would scrape every exporter beside the shards.*leave serviceMonitor.additionalLabels empty"),
+    ({"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True, "additionalLabels": {"team": "ml"}}},
+     "leave podMonitor.additionalLabels empty"),
     ({"sharding": {"enabled": True, "global": {"create": False}}}, "sharding.remoteWrite.url is empty"),
 ])
 def test_sharding_misconfigurations_fail_clearly(chart: Path, values: dict[str, Any], message: str) -> None:

@@ -196,6 +196,18 @@ PrometheusRule it could not create. Where the list names no kind of the group at
 {{- include "stepscope.operatorObjectEnabled" (list .Values.prometheusRule.enabled . "PrometheusRule") }}
 {{- end }}
 
+{{/* Fails where the sharded layout's own shards scrape the exporters (sharding.shards.create) and a monitor
+carries labels of the user's, (list setting labels $): the shards select the monitor by the chart's labels, so
+extra ones only let another Prometheus select it too. kube-prometheus-stack's selects by `release` (the label the
+install docs add): it scraped every exporter beside the shards and evaluated their rules again, the load sharding
+is there to take off it, and every node alert came twice. */}}
+{{- define "stepscope.checkShardedMonitorLabels" -}}
+{{- $sharding := (index . 2).Values.sharding }}
+{{- if and $sharding.enabled $sharding.shards.create (index . 1) }}
+{{- fail (printf "%s %s with sharding.enabled: the chart's shards select the monitor by its own labels, and a Prometheus selecting it by these (kube-prometheus-stack's, by release) would scrape every exporter beside the shards, which sharding is there to avoid; leave %s empty" (index . 0) (toJson (index . 1)) (index . 0)) }}
+{{- end }}
+{{- end }}
+
 {{/* Scrape relabeling shared by the ServiceMonitor and the PodMonitor: the node is the instance, and the
 operator's target labels namespace, pod and container (the exporter's own pod) are dropped, so that the
 training pod's namespace, pod and container the exporter publishes with pod attribution keep their names
@@ -249,7 +261,8 @@ or broken. (list $files path) */}}
 {{- toYaml (get $rules "groups") }}
 {{- end }}
 
-{{/* One PrometheusRule: (list $ name extraLabels groups extraLabelsSetting). */}}
+{{/* One PrometheusRule: (list $ name labelSources groups), labelSources a list of (list setting labels) that
+stepscope.labelsWith puts on top of the chart's labels. */}}
 {{- define "stepscope.prometheusRule" -}}
 {{- $root := index . 0 }}
 apiVersion: monitoring.coreos.com/v1
@@ -258,7 +271,7 @@ metadata:
   name: {{ index . 1 }}
   namespace: {{ include "stepscope.namespace" $root }}
   labels:
-    {{- include "stepscope.labelsWith" (list $root (list "prometheusRule.additionalLabels" $root.Values.prometheusRule.additionalLabels) (list (index . 4) (index . 2))) | nindent 4 }}
+    {{- include "stepscope.labelsWith" (prepend (index . 2) $root) | nindent 4 }}
 spec:
   groups:
     {{- toYaml (include "stepscope.alertRouting" (list $root (index . 3)) | fromYamlArray) | nindent 4 }}
