@@ -805,6 +805,21 @@ def test_dashboards_are_the_bundle_json(chart: Path) -> None:
     assert all(json.loads(text)["title"] for text in shipped.values())
 
 
+def dashboard_annotations(chart: Path, dashboards: dict[str, Any] | None = None) -> list[dict[str, str] | None]:
+    maps = by_kind(objects(render(chart, {"dashboards": dashboards} if dashboards else {})), "ConfigMap")
+    return [config_map["metadata"].get("annotations") for config_map in maps]
+
+
+def test_dashboards_land_in_the_documented_folder(chart: Path) -> None:
+    """docs/dashboards.md names the folder stepscope; the ConfigMaps carried no annotation the sidecar reads a
+    folder from, so kube-prometheus-stack's Grafana put them in General."""
+    documented = re.search(r"Grafana folder \*\*(\w+)\*\*", (REPO / "docs" / "dashboards.md").read_text()).group(1)
+    assert set(map(str, dashboard_annotations(chart))) == {str({"grafana_folder": documented})}
+    assert set(map(str, dashboard_annotations(chart, {"folder": ""}))) == {"None"}
+    own = {"grafana_folder": "ML", "team": "ml"}
+    assert set(map(str, dashboard_annotations(chart, {"annotations": own}))) == {str(own)}
+
+
 # ---- object names ----------------------------------------------------------------------------------
 
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")

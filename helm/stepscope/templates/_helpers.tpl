@@ -321,6 +321,18 @@ Service one name too. */}}
 {{- $name }}
 {{- end }}
 
+{{/* The dashboards' ConfigMap annotations: dashboards.folder under dashboards.folderAnnotation, which the Grafana
+sidecar reads the folder from (without one the dashboards landed in General, not the documented folder
+stepscope), and dashboards.annotations, which win. */}}
+{{- define "stepscope.dashboardAnnotations" -}}
+{{- $dashboards := .Values.dashboards }}
+{{- $annotations := deepCopy ($dashboards.annotations | default dict) }}
+{{- if $dashboards.folder }}
+{{- $annotations = merge $annotations (dict $dashboards.folderAnnotation $dashboards.folder) }}
+{{- end }}
+{{- toYaml $annotations }}
+{{- end }}
+
 {{/* Prometheus objects of the sharded layout: names and the global layer's write URL. The Prometheus Operator
 runs a Prometheus as StatefulSet prometheus-<name> (shards: prometheus-<name>-shard-<n>), and a StatefulSet's pods
 are created only while its name has at most 52 characters (their controller-revision-hash label is the name and
