@@ -315,6 +315,52 @@ def test_notes_give_the_push_url_only_where_something_listens_on_the_node(
     assert "ingest.hostPort=true" in text and "hostNetwork=true" in text and "Secret rel-stepscope-ingest" in text
 
 
+# Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), the checks of the fields
+# the chart's pod can set: what the baseline level refuses, then what restricted refuses on top.
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+
+
+def pod_security_level(pod: dict[str, Any]) -> str:
+    """The strictest Pod Security level that admits the pod spec, as the admission controller checks it."""
+    containers = pod["containers"] + pod.get("initContainers", [])
+    contexts = [c.get("securityContext", {}) for c in containers]
+    added = {cap for context in contexts for cap in context.get("capabilities", {}).get("add", [])}
+    if (any(pod.get(field) for field in ("hostPID", "hostNetwork", "hostIPC"))
+            or any(port.get("hostPort") for c in containers for port in c.get("ports", []))
+            or any("hostPath" in volume for volume in pod.get("volumes", []))
+            or any(context.get("privileged") for context in contexts) or not added <= BASELINE_CAPABILITIES):
+        return "privileged"
+    pod_context = pod.get("securityContext", {})
+    for context in contexts:
+        as_root = context.get("runAsUser", pod_context.get("runAsUser")) == 0
+        if as_root or not context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) or added - {"NET_BIND_SERVICE"}:
+            return "baseline"
+        if context.get("allowPrivilegeEscalation") is not False or "ALL" not in context["capabilities"]["drop"]:
+            return "baseline"
+    return "restricted"
+
+
+@pytest.mark.parametrize("values", [
+    {},
+    {"gpuSource": "dcgm"},
+    {"hostNetwork": True, "hostPID": False},
+    {"hostPID": False, "ingest": {"hostPort": False}, "hostRootfs": {"enabled": False}},
+    {"hostPID": False, "ingest": {"hostPort": False}, "hostRootfs": {"enabled": False},
+     "securityContext": {"runAsUser": 0, "runAsNonRoot": False}},
+], ids=["default", "dcgm", "host-network", "no-host-access", "root"])
+def test_notes_name_the_pod_security_level_the_pods_need(chart: Path, values: dict[str, Any]) -> None:
+    """In a baseline or restricted namespace the chart installed cleanly and its DaemonSet sat at 0 ready, the
+    refusal only in its events: the NOTES say which level the rendered pod needs, checked as admission checks it."""
+    rendered = render(chart, values)
+    level = pod_security_level(one(objects(rendered), "DaemonSet")["spec"]["template"]["spec"])
+    text = " ".join(notes(rendered).split())
+    privileged = f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=privileged"
+    assert (privileged in text and "stays at 0 ready" in text) == (level == "privileged")
+    assert ("enforce label must be baseline or privileged" in text) == (level == "baseline")
+    assert ("Pod Security" in text) == (level != "restricted")
+
+
 def test_existing_secret_host_network_and_runtime_class(chart: Path) -> None:
     rendered = render(chart, ci_values(CHART / "ci" / "existing-secret-hostnetwork-values.yaml"))
     objs = objects(rendered)
@@ -1082,5 +1128,6 @@ def test_the_rendered_exporter_reads_the_nodes_filesystems_and_interfaces(chart:
 
 def test_notes_commands_each_finish(chart: Path) -> None:
     """`kubectl port-forward` never returns: NOTES must not chain a command after it with &&."""
-    lines = [line.strip() for line in notes(render(chart)).splitlines() if line.strip().startswith("kubectl")]
+    lines = [line.strip() for line in notes(render(chart)).splitlines()
+             if line.strip().startswith("kubectl") and "port-forward" in line]
     assert lines and all(line.endswith("&") and "&&" not in line for line in lines)

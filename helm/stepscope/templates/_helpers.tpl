@@ -333,6 +333,29 @@ stepscope), and dashboards.annotations, which win. */}}
 {{- toYaml $annotations }}
 {{- end }}
 
+{{/* What of the exporter's pod Pod Security admission's baseline level refuses (host namespaces, host ports,
+hostPath volumes, capabilities past its list), comma-separated; empty when none. The chart creates no namespace:
+in one labelled baseline or restricted the DaemonSet renders and installs, and creates no pod ("violates
+PodSecurity" in its events only), so the NOTES name these. Mirrors daemonset.yaml's conditions. */}}
+{{- define "stepscope.baselineViolations" -}}
+{{- $values := .Values }}
+{{- $podResources := or $values.podResources.enabled (eq $values.gpuSource "dcgm") }}
+{{- $found := list }}
+{{- if $values.hostPID }}{{ $found = append $found "hostPID" }}{{ end }}
+{{- if $values.hostNetwork }}{{ $found = append $found "hostNetwork" }}{{ end }}
+{{- if or $values.hostNetwork (and $values.ingest.enabled $values.ingest.hostPort) }}{{ $found = append $found "hostPort" }}{{ end }}
+{{- if $podResources }}{{ $found = append $found "hostPath (the kubelet's pod-resources socket), capabilities SYS_PTRACE and DAC_READ_SEARCH" }}{{ end }}
+{{- if $values.hostRootfs.enabled }}{{ $found = append $found "hostPath (the node's /)" }}{{ end }}
+{{- if and (include "stepscope.authStateFileEnabled" .) $values.webConfig.authStateFile.hostPath }}{{ $found = append $found "hostPath (webConfig.authStateFile)" }}{{ end }}
+{{- join ", " $found }}
+{{- end }}
+
+{{/* "true" when the exporter runs as root, which Pod Security's restricted level refuses (runAsNonRoot). */}}
+{{- define "stepscope.runsAsRoot" -}}
+{{- $context := .Values.securityContext | default dict }}
+{{- if or .Values.podResources.enabled (eq .Values.gpuSource "dcgm") (not $context.runAsNonRoot) (eq (toString $context.runAsUser) "0") }}true{{ end }}
+{{- end }}
+
 {{/* Prometheus objects of the sharded layout: names and the global layer's write URL. The Prometheus Operator
 runs a Prometheus as StatefulSet prometheus-<name> (shards: prometheus-<name>-shard-<n>), and a StatefulSet's pods
 are created only while its name has at most 52 characters (their controller-revision-hash label is the name and
