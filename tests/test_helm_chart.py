@@ -866,6 +866,68 @@ def test_dashboards_land_in_the_documented_folder(chart: Path) -> None:
     assert set(map(str, dashboard_annotations(chart, {"annotations": own}))) == {str(own)}
 
 
+# ---- NetworkPolicy ---------------------------------------------------------------------------------
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector applied to labels ({} selects everything)."""
+    tests = {"In": lambda e: labels.get(e["key"]) in e["values"],
+             "NotIn": lambda e: labels.get(e["key"]) not in e["values"],
+             "Exists": lambda e: e["key"] in labels, "DoesNotExist": lambda e: e["key"] not in labels}
+    return (selector.get("matchLabels", {}).items() <= labels.items()
+            and all(tests[e["operator"]](e) for e in selector.get("matchExpressions", [])))
+
+
+def admits(policy: dict[str, Any], pod: dict[str, str], namespace: str, port: int) -> bool:
+    """Whether the policy lets a pod (labels) of `namespace` (labelled kubernetes.io/metadata.name only, unless
+    it is "ml-training": team=ml) reach `port`, as a CNI enforces the ingress rules."""
+    namespace_labels = {"kubernetes.io/metadata.name": namespace}
+    if namespace == "ml-training":
+        namespace_labels["team"] = "ml"
+
+    def peer_matches(peer: dict[str, Any]) -> bool:
+        if "namespaceSelector" in peer:
+            in_namespace = selects(peer["namespaceSelector"], namespace_labels)
+        else:
+            in_namespace = "podSelector" in peer and namespace == policy["metadata"]["namespace"]
+        return in_namespace and selects(peer.get("podSelector", {}), pod)
+
+    return any(any(p["port"] == port for p in rule["ports"]) and any(map(peer_matches, rule["from"]))
+               for rule in policy["spec"]["ingress"])
+
+
+KUBE_PROMETHEUS_STACK_POD = {"app.kubernetes.io/name": "prometheus", "prometheus": "kube-prometheus-stack-prometheus"}
+SHARD_POD = {"app.kubernetes.io/name": "prometheus", "operator.prometheus.io/name": "rel-stepscope-shards"}
+TRAINING_POD = {"app": "trainer"}
+
+
+def test_network_policy_lets_the_scrapers_pushers_and_helm_test_through_a_default_deny(chart: Path) -> None:
+    """A default-deny NetworkPolicy blocked every scrape and push and the chart offered no way through; the
+    opt-in policy selects the exporter's pods and opens its port to Prometheus, the training pods and helm test."""
+    rendered = render(chart, {"networkPolicy": {"enabled": True}})
+    policy, daemonset = one(objects(rendered), "NetworkPolicy"), one(objects(rendered), "DaemonSet")
+    kubernetes_validate.validate(policy, KUBE_VERSIONS[0], strict=True)
+    pod = daemonset["spec"]["template"]
+    assert selects(policy["spec"]["podSelector"], pod["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (port,) = exporter_container(objects(rendered))["ports"]
+    test_pod = one(objects(rendered, tests=True), "Pod")["metadata"]["labels"]
+    for client, namespace in [(KUBE_PROMETHEUS_STACK_POD, "kube-prometheus-stack"), (SHARD_POD, NAMESPACE),
+                              (TRAINING_POD, "ml-training"), (test_pod, NAMESPACE)]:
+        assert admits(policy, client, namespace, port["containerPort"]), (client, namespace)
+
+
+def test_network_policy_admits_only_the_peers_given(chart: Path) -> None:
+    """An empty peer list admits nobody (a rule without `from` would admit every source); narrowed pushers
+    keep other namespaces out."""
+    training_only = [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}]
+    policy = one(objects(render(chart, {"networkPolicy": {"enabled": True, "scrapers": [],
+                                                          "pushers": training_only}})), "NetworkPolicy")
+    assert all(rule["from"] for rule in policy["spec"]["ingress"])
+    assert not admits(policy, KUBE_PROMETHEUS_STACK_POD, "kube-prometheus-stack", 9847)
+    assert admits(policy, TRAINING_POD, "ml-training", 9847) and not admits(policy, TRAINING_POD, "default", 9847)
+    assert not by_kind(objects(render(chart)), "NetworkPolicy")
+
+
 # ---- object names ----------------------------------------------------------------------------------
 
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -999,6 +1061,9 @@ def test_chart_without_generated_files_fails_clearly(tmp_path: Path) -> None:
     ({"alerting": {"grafanaUrl": "https://grafana.example.com/"}}, r"at '/alerting/grafanaUrl'"),
     ({"alerting": {"alertmanagerConfig": {"groupInterval": "1 minute"}}},
      r"at '/alerting/alertmanagerConfig/groupInterval'"),
+    ({"networkPolicy": {"scrapers": [{"podSelector": {"matchLabel": {"app": "prometheus"}}}]}},
+     r"at '/networkPolicy/scrapers/0/podSelector'.*matchLabel"),
+    ({"dashboards": {"folder": "../etc"}}, r"at '/dashboards/folder'"),
 ])
 def test_schema_rejects_bad_values(chart: Path, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=message):

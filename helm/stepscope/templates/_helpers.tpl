@@ -31,6 +31,13 @@ app.kubernetes.io/name: {{ include "stepscope.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The `helm test` pod's own labels, which the NetworkPolicy lets reach the exporter: not the exporter's selector
+labels, so that the Service and a PodMonitor never select it. */}}
+{{- define "stepscope.testPodSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "stepscope.name" . }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
 {{- define "stepscope.labels" -}}
 helm.sh/chart: {{ include "stepscope.chart" . }}
 {{ include "stepscope.selectorLabels" . }}
