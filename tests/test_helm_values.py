@@ -728,15 +728,17 @@ def test_extra_labels_land_once_beside_the_charts(setting: str) -> None:
 
 def test_a_label_both_the_rules_and_their_layer_set_lands_once() -> None:
     """`prometheusRule.additionalLabels: {release: kube-prometheus-stack}` beside the same label in
-    sharding.nodeRuleLabels (both select the rules) wrote `release` twice into each PrometheusRule; the same value
-    now lands once, and two different values are refused (the layer's ruleSelector needs its own)."""
+    sharding.runRuleLabels (both select the run rules) wrote `release` twice into the PrometheusRule; the same value
+    now lands once, and two different values are refused (the layer's ruleSelector needs its own). The node rules
+    carry only sharding.nodeRuleLabels: the shards' selector, which kube-prometheus-stack's Prometheus must not
+    share (test_kube_prometheus_stacks_prometheus_selects_no_per_node_work_of_the_sharded_layout)."""
     sharded = {"sharding": {"enabled": True, "alertmanagers": [{"name": "am", "port": "web"}],
                             "nodeRuleLabels": {"release": "kps"}, "runRuleLabels": {"release": "kps"}}}
     same = merged(sharded, {"prometheusRule": {"additionalLabels": {"release": "kps"}}})
     rules = by_kind(strict_objects(render(CHART, same, api_versions=[OPERATOR_API])), "PrometheusRule")
     assert [r["metadata"]["labels"]["release"] for r in rules] == ["kps", "kps"]
     other = merged(sharded, {"prometheusRule": {"additionalLabels": {"release": "other"}}})
-    with pytest.raises(helm_python.HelmRenderError, match=r"sharding.nodeRuleLabels sets the label release"):
+    with pytest.raises(helm_python.HelmRenderError, match=r"sharding.runRuleLabels sets the label release"):
         render(CHART, other, api_versions=[OPERATOR_API])
 
 
