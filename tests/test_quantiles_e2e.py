@@ -42,7 +42,7 @@ from stepscope.contract.recordings import rank_step_seconds_quantile
 from stepscope.hooks.pusher import Pusher, group_url
 from stepscope_testkit.processes import running_exporter
 from tests.support.dashboard_queries import substitute
-from tests.support.prometheus import query, shipped_groups, wait_for
+from tests.support.prometheus import QUANTILE_CHAIN, query, shipped_groups, wait_for
 from tests.support.replay_judge import ENGINES
 from tests.support.victoria import running_engine
 
@@ -141,10 +141,8 @@ PRELUDES: dict[str, tuple[tuple[float, float, float], ...]] = {
     "shift-30ms": ((60, 0.03, 0.03), (120, 0.09, 0.09), (30, 0.03, 0.03)),
 }
 PHASE_RUN, PHASE = "lognormal-180ms", "forward"  # this run also pushes phase buckets (the switch on)
-# The shipped groups of the step-time quantile chain (raw buckets -> shard partial sums -> run buckets and
-# quantiles), the only recordings read here; the chain reads no other recording. With every shipped group the
-# two engines took 111 s of the module's 118 s of CPU, evaluating over 159 ranks' series each second.
-QUANTILE_CHAIN = ("stepscope-shard-buckets-even", "stepscope-shard-buckets-odd", "stepscope-run-quantiles")
+# The engines load the step-time quantile chain (QUANTILE_CHAIN), the only recordings read here: with every shipped
+# group the two engines took 111 s of the module's 118 s of CPU, evaluating over 159 ranks' series each second.
 
 
 class ScriptedClock:

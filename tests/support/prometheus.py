@@ -23,6 +23,11 @@ T = TypeVar("T")
 PROMTOOL_TEST_ENV = {**os.environ, "GOGC": "400"}
 
 
+# The shipped groups of the step-time quantile chain: raw buckets -> shard partial sums -> run buckets and quantiles.
+# The chain reads no other recording.
+QUANTILE_CHAIN = ("stepscope-shard-buckets-even", "stepscope-shard-buckets-odd", "stepscope-run-quantiles")
+
+
 def shipped_groups(tmp_path: Path, *names: str) -> Path:
     """A rule file holding the shipped rule groups `names` as they are (grafana/rules_out), for a test whose claim
     is about a few chains: each engine evaluates every loaded group every second over every series, and the
