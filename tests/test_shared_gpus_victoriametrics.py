@@ -3,8 +3,9 @@
 grafana/rules/tests/shared_node_gpus.yml proves with promtool that runs time-sliced on one GPU are told it is
 shared (`gpu_shared`) and that a run is judged by the GPUs it holds alone; foreign_gpu_holders.yml that a process
 the hooks do not know (holder "foreign") shares a run's GPU while its worker, the MPS server and an unseen holder
-do not. Here their input series go into a real VictoriaMetrics and real vmalert evaluates the shipped rule files
-over them (tests/support/victoria_replay.py), and every expectation of those cases holds at its evaluation time.
+do not, nor a rank that its restarted exporter reads as foreign until it pushes again. Here their input series
+go into a real VictoriaMetrics and real vmalert evaluates the shipped rule files over them
+(tests/support/victoria_replay.py), and every expectation of those cases holds at its evaluation time.
 """
 
 import math
@@ -27,14 +28,18 @@ CASES = (
      "alone", 15),
     ("foreign_gpu_holders.yml", "a GPU held by a foreign process is shared; a worker, the MPS server or an unseen "
      "holder does not share it", 30),
+    ("foreign_gpu_holders.yml", "a rank read as foreign by its restarted exporter before its first push shares no GPU",
+     15),
 )
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _case(file: str, name: str, interval: int) -> dict:
+    """The named case, whose samples are `interval` apart; vmalert evaluates at each sample, promtool at each of
+    the file's evaluations, which fall on samples (a case of 15 s samples in a file evaluated every 30 s)."""
     document = yaml.load((RULES_DIR / "tests" / file).read_text(), Loader=yaml.BaseLoader)
-    assert document["evaluation_interval"] == f"{interval}s"
+    assert int(document["evaluation_interval"].removesuffix("s")) % interval == 0
     (case,) = [test for test in document["tests"] if test["name"] == name]
     assert case["interval"] == f"{interval}s"
     return case
