@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import signal
 import sys
 import time
 import urllib.parse
 from collections.abc import Sequence
-from pathlib import Path
 
 from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
@@ -148,7 +146,7 @@ def _report(args: argparse.Namespace) -> int:
     prom = Prometheus(args.prometheus, timeout=args.timeout)
     if args.run is None:
         _list_runs(prom, start, end)
-    out = args.out or Path(f"stepscope-report-{_safe(args.run)}")
+    out = args.out or output.default_out(args.run)
     output.check(out)
     window, nodes = _window(prom, args, now)
     from stepscope.report.collect import fetch
@@ -276,9 +274,3 @@ def _last_activity(busy: Series, pushes: Series | None) -> float:
     if t - push <= LOST_SECONDS:
         return next(later, t)
     return next(later, next(at for at, pushed in busy.points if pushed == push and at - pushed > LOST_SECONDS))
-
-
-
-def _safe(run: str) -> str:
-    """The run name as a directory name (the default --out)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", run).strip(".") or "run"

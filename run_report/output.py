@@ -16,9 +16,11 @@ import argparse
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +32,11 @@ MARKER = f'<meta name="generator" content="{GENERATOR}">'
 STAGING_PREFIX = ".stepscope-partial-"
 SHOWN_ENTRIES = 3  # of what is in the way, named in the error
 ABANDONED_SECONDS = 3600.0  # a staging directory untouched this long inside --out is a killed report's
+DEFAULT_OUT_PREFIX = "stepscope-report-"
+# Of a run's name in the default --out: a directory name is at most 255 bytes (NAME_MAX), and a run 128 characters
+# of 4 bytes each; this leaves room for the prefix and the checksum.
+MAX_RUN_NAME_BYTES = 200
+_NOT_IN_FILE_NAMES = re.compile(r"[^\w.-]+")  # \w: letters and digits of any script, and _
 
 
 class OutputError(Exception):
@@ -42,6 +49,18 @@ def out_directory(text: str) -> Path:
     if not text:
         raise argparse.ArgumentTypeError("an empty directory name: give one, or '.' for the working directory")
     return Path(text)
+
+
+def default_out(run: str) -> Path:
+    """`stepscope-report-<run>`: the run's name where it is a safe file name, else what is kept of it (`_` for
+    the other characters, cut to MAX_RUN_NAME_BYTES) and the CRC-32 of the whole name. Without the checksum,
+    `exp/a` and `exp a` (and every run named in CJK only) shared one directory, and each run's report silently
+    replaced the other's."""
+    kept = _NOT_IN_FILE_NAMES.sub("_", run).strip(".")
+    kept = kept.encode()[:MAX_RUN_NAME_BYTES].decode(errors="ignore")
+    if kept != run:
+        kept = f"{kept or 'run'}-{zlib.crc32(run.encode()):08x}"
+    return Path(DEFAULT_OUT_PREFIX + kept)
 
 
 def report_files() -> frozenset[str]:

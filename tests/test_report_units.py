@@ -982,6 +982,28 @@ def test_a_prometheus_url_or_out_that_cannot_work_is_one_line_exit_2(
     assert cli.parse_args(["--prometheus", "http://h:9090/prefix/", "--out", "."]).out == Path(".")
 
 
+RUNS_ONE_DIRECTORY_BEFORE = (("exp/ablation/no-dropout", "exp ablation no-dropout", "exp_ablation_no-dropout"),
+                             ("日本", "中文"), ("résumé-ü-日本", "résumé-ü-中文"), ("run.*", "run.?"), ("..", "..."))
+
+
+@pytest.mark.parametrize("runs", RUNS_ONE_DIRECTORY_BEFORE, ids=ascii)
+def test_runs_with_different_names_get_different_default_report_directories(runs: tuple[str, ...]) -> None:
+    """Before: every character outside [A-Za-z0-9_.-] became `_`, so these runs each had one default --out
+    (`stepscope-report-exp_ablation_no-dropout`, `stepscope-report-_` for every name in CJK) and the second
+    run's report silently replaced the first's (an earlier report is written over)."""
+    directories = {output.default_out(run) for run in runs}
+    assert len(directories) == len(runs), directories
+    assert all(directory.parent == Path(".") for directory in directories)
+
+
+def test_a_default_report_directory_keeps_a_name_it_can_and_fits_a_file_name() -> None:
+    """Names that are file names stay as they are; the longest run the exporter takes (128 characters of 4 bytes)
+    still makes a directory name (at most 255 bytes)."""
+    assert output.default_out("résumé-ü-日本") == Path("stepscope-report-résumé-ü-日本")
+    assert output.default_out("llama-3.1-8b") == Path("stepscope-report-llama-3.1-8b")
+    assert len(str(output.default_out("🚀" * 128)).encode()) <= 255
+
+
 def test_missing_ranks_are_counted_not_listed_whatever_the_world_size() -> None:
     """A world size label of a billion (the label is the process's word) costs a few ranks' work, and the words
     name the lowest five missing."""
