@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import signal
 import sys
 import time
@@ -192,8 +193,16 @@ def _list_runs(prom: Prometheus, start: float, end: float) -> None:
     if not seen:
         raise NoData(f"no run pushed training metrics between {iso(start)} and {iso(end)} "
                      "(is Prometheus scraping the stepscope exporter?)")
-    listing = "; ".join(f"{s.run} ({s.ranks} rank{'s' * (s.ranks != 1)} on {', '.join(s.nodes)})" for s in seen)
+    listing = "; ".join(f"{shlex.quote(s.run)} ({s.ranks} rank{'s' * (s.ranks != 1)} on {', '.join(s.nodes)})"
+                        for s in seen)
     raise UsageError(f"--run is required; runs seen between {iso(start)} and {iso(end)}: {listing}")
+
+
+def runs_listed(runs: Sequence[str]) -> str:
+    """Run names as a message lists them: each as a shell writes it for --run (shlex.quote). Listed as they are,
+    `exp1 ` (a trailing space from an env file) read as `exp1`, which --run then did not find, and a run named
+    `lr=1e-3, bs=64` as two runs."""
+    return ", ".join(shlex.quote(run) for run in runs)
 
 
 def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Window, list[str]]:
@@ -206,7 +215,7 @@ def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Win
         known = [s.run for s in runs_seen(prom, now - SEARCH_DAYS * 86400, now)]
         if args.run in known:
             raise NoData(f"run {args.run!r} has no samples between {iso(start)} and {iso(end)}") from None
-        hint = f"runs seen in the last {SEARCH_DAYS} days: {', '.join(known)}" if known else "no run seen at all"
+        hint = f"runs seen in the last {SEARCH_DAYS} days: {runs_listed(known)}" if known else "no run seen at all"
         raise NoData(f"no data for run {args.run!r} ({hint})") from None
     start = first if _past_the_run(bool(args.start), first - start, scrape_interval) else start
     to_run_end = _past_the_run(bool(args.end), end - last, scrape_interval)

@@ -88,6 +88,16 @@ def test_a_request_moves_with_the_ranks_pushes(groups: GroupStore, clock: Clock)
     assert registry.get(request.id)["reason"] == "torch.profiler could not start: x"
 
 
+def test_a_refusal_lists_the_runs_here_as_a_shell_writes_them(groups: GroupStore, clock: Clock) -> None:
+    """Before: `(runs pushing here: exp1 , lr=1e-3, bs=64)`: the trailing space that made --run exp1 miss was
+    invisible, and one run read as two."""
+    registry = ProfileRequests(groups, clock=clock)
+    for run in ("exp1 ", "lr=1e-3, bs=64", "train"):
+        push(groups, registry, "0", READY, run=run)
+    error = refusal(registry.create, "exp1", None, 5)
+    assert error.status == 404 and "(runs pushing here: 'exp1 ', 'lr=1e-3, bs=64', train)" in error.message
+
+
 def test_refusals_name_the_reason_and_create_nothing(groups: GroupStore, clock: Clock) -> None:
     registry = ProfileRequests(groups, clock=clock)
     assert refusal(registry.create, "r", ["0"], 5).status == 404

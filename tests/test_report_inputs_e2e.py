@@ -21,7 +21,8 @@ from tests.support.prometheus import running_prometheus, wait_for
 pytestmark = pytest.mark.timeout(90)
 
 # the exporter refuses control characters (a newline, a tab) and quotes in a run name
-NAMES = ("emoji🚀", "back\\slash", "héllo wörld", "日本語 run", "dollar$ {brace} (paren)|pipe.dot*")
+NAMES = ("emoji🚀", "back\\slash", "héllo wörld", "日本語 run", "dollar$ {brace} (paren)|pipe.dot*",
+         "lr=1e-3, bs=64 ")
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +75,13 @@ def test_a_fractional_step_reports_and_a_step_longer_than_the_run_is_refused(
     assert cli.main([*argv, "--step", "100000"]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("stepscope-report: error: --step 100000 is longer than the window (")
+
+
+def test_the_runs_a_report_lists_are_written_as_a_shell_takes_them_for_run(
+        prom: Prometheus, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `runs seen in the last 30 days: back\\slash, dollar$ ..., lr=1e-3, bs=64 , ...`: the trailing space
+    that made `--run 'lr=1e-3, bs=64'` miss was invisible, and that run read as two."""
+    for argv in (["--run", "lr=1e-3, bs=64"], []):
+        assert cli.main(["--prometheus", prom.base_url, *argv]) != 0
+        [line] = capsys.readouterr().err.splitlines()
+        assert "'lr=1e-3, bs=64 '" in line and "'back\\slash'" in line and "'héllo wörld'" in line, line

@@ -13,6 +13,7 @@ understand that (protocol version 2); older hooks' traces run their steps.
 """
 
 import json
+import shlex
 import threading
 import time
 from collections import OrderedDict
@@ -333,7 +334,9 @@ def _describe(status: RankStatus | None) -> str:
 
 def _not_pushing(run: str, missing: Sequence[str], here: Mapping[str, float], runs: Sequence[str]) -> str:
     if not here:
-        others = f" (runs pushing here: {', '.join(clip(r, 40) for r in runs[:10])})" if runs else " (no run is)"
+        # each as a shell writes it for --run: a trailing space, a comma in a name, were read as other runs
+        listed = ", ".join(shlex.quote(clip(r, 40)) for r in runs[:10])
+        others = f" (runs pushing here: {listed})" if runs else " (no run is)"
         return (f"run {run!r} has no rank pushing to this exporter{others}: a rank pushes to the exporter on its own "
                 "node (STEPSCOPE_PUSH_URL)")
     ranks = ", ".join(sorted(here, key=int)[:20])
