@@ -235,6 +235,22 @@ def test_the_default_run_of_each_way_to_start_python(monkeypatch, command: str, 
     assert Config.resolve(env={}).run == run, command
 
 
+@pytest.mark.parametrize(("argv0", "must"), [
+    ("/home/a/it's.py", "must be non-empty printable text without quotes"),
+    ("/home/a/" + "x" * 140 + ".py", "must be at most 128 characters, got 140"),
+])
+def test_a_default_run_the_exporter_refuses_is_named_as_the_scripts_name(monkeypatch, argv0: str, must: str) -> None:
+    """Before: `python "it's.py"` was told "run must be ...", and a script of 140 characters "run must be at most 128
+    characters, got 140": an argument the user never passed, and no word of how to name the run."""
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(ValueError) as refused:
+        Config.resolve(env={"STEPSCOPE_RUN": ""})  # empty: as if unset
+    assert str(refused.value).startswith(
+        "the run, the script's name by default (name it with STEPSCOPE_RUN or init(run=...)), " + must)
+    with pytest.raises(ValueError, match=r"^STEPSCOPE_RUN must be non-empty printable"):
+        Config.resolve(env={"STEPSCOPE_RUN": "it's"})
+
+
 def test_log_buckets_helper_gives_readable_log_spaced_bounds() -> None:
     bounds = th.log_buckets(1e-4, 60.0, 16)
     assert len(bounds) == 16 and bounds[0] == 0.0001 and bounds[-1] == 60.0

@@ -200,6 +200,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# How an error names a run the user never named: `python "it's.py"` was told "run must be ...", an argument it never
+# passed, and a script of 140 characters "run must be at most 128 characters, got 140".
+SCRIPT_NAME_RUN = "the run, the script's name by default (name it with STEPSCOPE_RUN or init(run=...)),"
+
+
 def _default_run() -> str:
     """The script's name: `train` for `python train.py` and `python -m jobs.train`. A package run with `-m`
     is named by its folder (`python -m jobs` runs jobs/__main__.py: every such job would be run `__main__`),
@@ -239,8 +244,8 @@ class Config:
     flops_per_sample: float = 0
     flops_dtype: str = DEFAULT_DTYPE
     peak_flops: float | None = None
-    # Setting -> (environment variable, its text) for each value `resolve` took from the environment, so
-    # that an error names what the user set, not an argument they never passed.
+    # Setting -> (environment variable, its text) for each value `resolve` took from the environment (or, for the
+    # run, from the script's name), so that an error names what the user set, not an argument they never passed.
     from_env: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
     def _named(self, setting: str) -> str:
@@ -333,6 +338,7 @@ class Config:
                     if setting not in values and env.get(variable)}
         if "run" not in values:
             values["run"] = env.get("STEPSCOPE_RUN") or _default_run()
+            from_env.setdefault("run", (SCRIPT_NAME_RUN, values["run"]))
         values.setdefault("rank", _int_env(env, "RANK", 0, 0))
         values.setdefault("local_rank", _int_env(env, "LOCAL_RANK", 0, 0))
         values.setdefault("world_size", _int_env(env, "WORLD_SIZE", 1, 1))
