@@ -114,6 +114,7 @@ def test_lightning_callback_times_fit(tmp_path: Path) -> None:
 
 
 OPTIMIZER_SLEEP = 0.02
+FORWARD_SLEEP = 0.02
 
 
 def test_lightning_manual_optimization_with_two_backwards_and_optimizers(tmp_path: Path) -> None:
@@ -164,9 +165,60 @@ def test_lightning_manual_optimization_with_two_backwards_and_optimizers(tmp_pat
     assert sample_values(text, "stepscope_steps_total", **group) == [STEPS]
     assert count("forward") == [STEPS]  # ended by the first backward only
     assert count("backward") == [2 * STEPS]
-    assert count("optimizer_step") == [STEPS]
+    assert count("optimizer_step") == [2 * STEPS]  # each optimizer's step, to its end
     [optimizer_seconds] = sample_values(text, "stepscope_step_phase_seconds_sum", phase="optimizer_step", **group)
-    assert optimizer_seconds >= STEPS * OPTIMIZER_SLEEP  # spans from the first optimizer, the slow one
+    assert optimizer_seconds >= STEPS * OPTIMIZER_SLEEP  # the slow optimizer's steps
+
+
+def test_lightning_manual_optimization_gan_forward_after_a_step_is_forward_not_optimizer(tmp_path: Path) -> None:
+    """GAN style: the discriminator's forward, backward and step, then the generator's. Lightning has no hook after
+    an optimizer step: the generator's forward (and backward) were in optimizer_step, from the discriminator's step to
+    the batch's end (10 batches: optimizer_step 0.172 s for 0.002 s of stepping, forward 0.110 s for 0.216 s)."""
+    import lightning.pytorch as pl
+
+    from stepscope.hooks.lightning import StepscopeCallback
+
+    class Gan(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.generator, self.discriminator = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward_sleeping(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(FORWARD_SLEEP)
+            return self.discriminator(self.generator(x)).mean()
+
+        def training_step(self, batch, batch_idx):
+            discriminator_optimizer, generator_optimizer = self.optimizers()
+            x, _ = batch
+            self.manual_backward(self.forward_sleeping(x))
+            discriminator_optimizer.step()
+            discriminator_optimizer.zero_grad()
+            self.manual_backward(-self.forward_sleeping(x))
+            generator_optimizer.step()
+            generator_optimizer.zero_grad()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.discriminator.parameters(), lr=1e-3),
+                    torch.optim.SGD(self.generator.parameters(), lr=1e-3)]
+
+    callback = StepscopeCallback(run="pl-gan", push_url="", handle_sigterm=False)
+    trainer = pl.Trainer(max_steps=2 * STEPS, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+                         default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(Gan(), DataLoader(Regression(100), batch_size=BATCH))
+    text = callback.tracker.render()
+
+    def phase(name: str) -> tuple[float, float]:
+        [seconds] = sample_values(text, "stepscope_step_phase_seconds_sum", phase=name)
+        [count] = sample_values(text, "stepscope_step_phase_seconds_count", phase=name)
+        return seconds, count
+
+    forward_seconds, forward_count = phase("forward")
+    optimizer_seconds, optimizer_count = phase("optimizer_step")
+    assert (forward_count, optimizer_count) == (2 * STEPS, 2 * STEPS)
+    assert forward_seconds >= 2 * STEPS * FORWARD_SLEEP  # both networks' forwards
+    assert optimizer_seconds < STEPS * FORWARD_SLEEP / 2  # two SGD steps of tiny layers, no forward
 
 
 def test_lightning_samples_of_several_training_loaders_add_up(tmp_path: Path) -> None:
