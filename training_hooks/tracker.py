@@ -86,6 +86,20 @@ def _cuda_module() -> Any | None:
         return None
 
 
+def _not_compiling() -> bool:
+    return False
+
+
+def _dynamo_check() -> Callable[[], bool]:
+    """torch.compiler.is_dynamo_compiling where torch is already imported, else a function that says False.
+
+    Eager, it returns False; while torch.compile traces a function, dynamo folds it to True. Never imports torch.
+    """
+    torch = sys.modules.get("torch")
+    check = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
+    return check if callable(check) else _not_compiling
+
+
 @functools.cache
 def _start_time(pid: int) -> str | None:
     """The process's creation time in Unix seconds, None where psutil cannot read it.
@@ -182,6 +196,9 @@ class Tracker:
         self._host_lookup = self._host
         self._gpu_lookup = self._gpu
         self._warned_limit = False
+        self._dynamo_compiling = _dynamo_check()  # looked up again at each new phase: torch may come after init
+        self._compiled_phase = ""  # a phase that torch.compile traced, which then times nothing (warned once)
+        self._warned_compiled = False
         self._run_bounds = self._agree_on_bounds(store)
         self._step_hist = self._new_histogram(STEP_HISTOGRAM, buckets=True)
         self._steps = 0
@@ -269,8 +286,20 @@ class Tracker:
 
         cuda=True times with CUDA events when torch.cuda is available (host wall time otherwise).
         """
+        if self._dynamo_compiling():  # inside a function that torch.compile traces; eager, one call
+            return self._traced_phase(name)
         found = (self._gpu_lookup if cuda else self._host_lookup).get(name)
         return found if found is not None else self._new_phase(name, cuda)
+
+    def _traced_phase(self, name: str) -> Any:
+        """What `phase()` gives code that torch.compile traces: a phase that times nothing, noted for one warning.
+
+        A timed phase there is a clock that dynamo cannot trace (time.perf_counter_ns), and a graph break inside a
+        `with` block makes dynamo run the whole function eagerly: a compiled training step with its phases inside
+        compiled no graph at all (1 graph without them), silently as slow as eager. Its time is the step's still.
+        """
+        self._compiled_phase = name
+        return contextlib.nullcontext()  # made inside the traced code: the one kind dynamo enters and breaks in
 
     def step(self, samples: int = 0, micro_batches: int = 1, tokens: int = 0, flops: float | None = None,
              global_step: int | None = None) -> None:
@@ -574,6 +603,7 @@ class Tracker:
 
     def _new_phase(self, name: str, cuda: bool) -> Phase:
         validate_phase_name(name)
+        self._dynamo_compiling = _dynamo_check()
         if self._state in _OUTSIDE_TRAIN:  # no step's (_time_phases_entered): made once the loop trains
             return NULL_PHASE
         cuda_module = _cuda_module() if cuda else None
@@ -647,6 +677,7 @@ class Tracker:
             info["pid_namespace"] = namespace
         last_step, open_phase = self._progress()
         step = self._step_hist.snapshot()
+        self._warn_compiled_phase()
         return Snapshot(
             # Pushed from the push that first holds the step histogram (held back until its first step): pushed from
             # each phase's first entry, a phase histogram held a long first step's seconds one push before the step
@@ -674,6 +705,14 @@ class Tracker:
             open_phase=open_phase,
             allocator=read_allocator(_cuda_module()),
         )
+
+    def _warn_compiled_phase(self) -> None:
+        """Says once, from the pusher thread, that a phase sits inside a torch.compile'd function (`_traced_phase`)."""
+        if self._compiled_phase and not self._warned_compiled:
+            self._warned_compiled = True
+            log.warning("stepscope: phase %r is inside a function that torch.compile compiles, where it cannot time "
+                        "(a timed one would make torch.compile run that function uncompiled): it times nothing; "
+                        "time around the compiled call instead (docs/hooks.md)", self._compiled_phase)
 
     def _progress(self) -> tuple[float | None, tuple[str, float] | None]:
         """When the last step ended, or the last micro-batch of the step under way was counted (Unix seconds; None
