@@ -432,3 +432,30 @@ def test_lightning_fit_ended_by_an_exception_leaves_the_rank_idle_in_no_phase(tm
             if name == "stepscope_training_phase_entered_timestamp_seconds" and ("run", "pl-error") in labels] == []
     assert sample_values(text, "stepscope_training_state", state="idle", **group) == [1]
     assert sample_values(text, "stepscope_steps_total", **group) == [3]
+
+
+def test_accelerate_recipe_of_the_docs_counts_optimizer_steps_under_accumulation() -> None:
+    """docs/hooks.md's Accelerate loop, run as written: under `accelerator.accumulate` the loop calls optimizer.step()
+    at every batch and accelerate steps at every 4th and the epoch's last; the plain loop's step() at every batch
+    counted each batch as a step (18 for 5)."""
+    from accelerate import Accelerator
+
+    import stepscope.hooks as th
+
+    section = (Path(__file__).parents[1] / "docs" / "hooks.md").read_text().split("## Hugging Face Accelerate\n")[1]
+    recipe = section.split("```python\n", 1)[1].split("```", 1)[0]
+    accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer_steps = []
+    optimizer.register_step_post_hook(lambda *args: optimizer_steps.append(1))
+    tracker = th.init(run="accelerate-recipe", push_url="", handle_sigterm=False)
+    exec(recipe, {"accelerator": accelerator, "model": model, "optimizer": optimizer, "tracker": tracker,
+                  "train_loader": DataLoader(Regression(70), batch_size=BATCH), "loss_fn": nn.functional.mse_loss})
+    tracker.close()
+    text = tracker.render()
+
+    assert len(optimizer_steps) == 5  # 18 batches: 4 + 4 + 4 + 4 + 2
+    assert sample_values(text, "stepscope_steps_total") == [5]
+    assert sample_values(text, "stepscope_micro_batches_total") == [18]
+    assert sample_values(text, "stepscope_samples_total") == [70]
