@@ -140,3 +140,18 @@ def test_bad_arguments_raise_a_clear_value_error(kwargs: dict, message: str) -> 
 def test_samples_per_batch_overrides_the_guess() -> None:
     limits = measure([object()] * 10, lambda batch: None, batches=2, samples_per_batch=16)
     assert limits.samples_per_batch == 16
+
+
+def test_measuring_mid_epoch_leaves_a_persistent_workers_loaders_epoch_whole() -> None:
+    """A DataLoader with persistent workers gives every iter() its one iterator, reset: measured at a checkpoint after
+    3 of 10 batches, the measure reset and drained the training loop's iterator, which then got 4 batches in all."""
+    tracker = th.init(run="limits-persistent", push_url="", handle_sigterm=False)
+    loader = DataLoader(torch.arange(40.0), batch_size=4, num_workers=1, persistent_workers=True)
+    seen: list[float] = []
+    for index, batch in enumerate(tracker.loader(loader)):
+        seen.extend(batch.tolist())
+        tracker.step(samples=len(batch))
+        if index == 2:
+            tracker.measure_limits(loader, lambda batch: batch.sum(), batches=2, warmup_steps=0)
+    tracker.close()
+    assert seen == [float(item) for item in range(40)]

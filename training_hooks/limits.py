@@ -13,7 +13,7 @@ process uses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -115,7 +115,7 @@ def measure(
 
 def _loader_rate(loader: Iterable[Any], batches: int, samples_per_batch: int | None) -> tuple[Any, float, int]:
     """(the first batch, samples per second, batches timed)."""
-    iterator = iter(loader)
+    iterator = _fresh_iterator(loader)
     skipped: list[Any] = []
     for _ in range(1 + prefetched_batches(loader)):
         skipped.append(_next(iterator, len(skipped), batches))
@@ -132,6 +132,19 @@ def _loader_rate(loader: Iterable[Any], batches: int, samples_per_batch: int | N
         samples += found
     elapsed = max(perf_counter() - start, 1e-9)
     return first, samples / elapsed, batches
+
+
+def _fresh_iterator(loader: Iterable[Any]) -> Iterator[Any]:
+    """An iterator of `loader` of the measure's own, which leaves any other iterator of it as it is.
+
+    A DataLoader with persistent workers hands every `iter()` its one iterator, reset to a new epoch: measured at a
+    checkpoint mid-epoch, the training loop's iterator was reset and drained by the measure, and the loop then went on
+    from where the measure left it (10 batches an epoch: the loop got 4, 24 of 40 samples never trained). Its own
+    iterator starts workers of its own, shut down when the measure drops it.
+    """
+    live = getattr(loader, "_iterator", None) is not None and getattr(loader, "persistent_workers", False) is True
+    make = getattr(loader, "_get_iterator", None)
+    return make() if live and callable(make) else iter(loader)
 
 
 def _next(iterator: Any, drawn: int, batches: int) -> Any:
