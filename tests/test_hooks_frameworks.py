@@ -439,6 +439,7 @@ def test_accelerate_recipe_of_the_docs_counts_optimizer_steps_under_accumulation
     at every batch and accelerate steps at every 4th and the epoch's last; the plain loop's step() at every batch
     counted each batch as a step (18 for 5)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
     import stepscope.hooks as th
 
@@ -450,9 +451,13 @@ def test_accelerate_recipe_of_the_docs_counts_optimizer_steps_under_accumulation
     optimizer_steps = []
     optimizer.register_step_post_hook(lambda *args: optimizer_steps.append(1))
     tracker = th.init(run="accelerate-recipe", push_url="", handle_sigterm=False)
-    exec(recipe, {"accelerator": accelerator, "model": model, "optimizer": optimizer, "tracker": tracker,
-                  "train_loader": DataLoader(Regression(70), batch_size=BATCH), "loss_fn": nn.functional.mse_loss})
-    tracker.close()
+    try:
+        exec(recipe, {"accelerator": accelerator, "model": model, "optimizer": optimizer, "tracker": tracker,
+                      "train_loader": DataLoader(Regression(70), batch_size=BATCH), "loss_fn": nn.functional.mse_loss})
+    finally:
+        tracker.close()
+        AcceleratorState._reset_state(reset_partial_state=True)  # process-wide: the Trainers of later tests make theirs
+        GradientState._reset_state()
     text = tracker.render()
 
     assert len(optimizer_steps) == 5  # 18 batches: 4 + 4 + 4 + 4 + 2
