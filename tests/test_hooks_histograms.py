@@ -52,12 +52,10 @@ def test_fine_grid_is_2_to_the_eighth_apart_from_a_microsecond_to_two_minutes() 
     assert all(SKELETON[i + 1] - SKELETON[i] == 16 for i in range(len(SKELETON) - 1))  # every 2nd octave
 
 
-def test_a_histogram_is_empty_until_its_first_step_then_all_its_fine_buckets_start_together() -> None:
-    """Every fine bucket series of a histogram starts in one push: rates over a window add up from then on. Before
-    it, +Inf, _sum and _count are exported at 0, so that rates count the first step."""
+def test_a_histogram_is_held_back_until_its_first_step_then_all_its_buckets_start_together() -> None:
+    """Every bucket series of a histogram starts in one push: rates over a window add up from then on."""
     hist = Histogram.following()
-    empty = hist.snapshot()
-    assert (empty.held_back, empty.bounds, empty.cumulative, empty.sum_seconds) == (False, (), (0,), 0.0)
+    assert hist.snapshot().held_back, "nothing to export before the first observation"
     observe(hist, around(random.Random(1), 0.024, 3))
     first = hist.snapshot()
     assert not first.held_back
@@ -261,9 +259,7 @@ def test_phase_histograms_are_pushed_from_the_push_that_first_holds_the_step_his
     starts where the steps' does: pushed from the phase's first entry, a long first step's phases were in the push
     before the step histogram's first, and the rules' per-step phase seconds (a phase's rate over the steps') held
     that step in the phases' windows only (an 80 s first step read forward 0.37 s per step of 100 ms for 45 s,
-    grafana/rules/tests/warmup.yml). Both are pushed during the first step, the step histogram at 0, so that rates
-    count that step: held back until it, following buckets lost it, and a rank that waited 8 s for its first batch
-    read data_wait 0 (run_cause:stepscope_time_seconds:rate1m) 15 s into the run."""
+    grafana/rules/tests/warmup.yml). Fixed buckets are pushed from the start, and the phases with them."""
     track = tracker(buckets=buckets)
     track.state("train")
     with track.phase("dataloader_next"):
@@ -271,8 +267,8 @@ def test_phase_histograms_are_pushed_from_the_push_that_first_holds_the_step_his
     forward = track.phase("forward")
     with forward:
         during = track.render()  # the first step under way, its loading done
-    assert sample_values(during, "stepscope_step_phase_seconds_count", phase="dataloader_next") == [1]
-    assert sample_values(during, "stepscope_step_seconds_count") == [0]
+    assert bool(sample_values(during, "stepscope_step_phase_seconds_count")) is (buckets is not None)
+    assert bool(sample_values(during, "stepscope_step_seconds_count")) is (buckets is not None)
     track.step(samples=1)
     text = track.render()
     track.close()

@@ -60,7 +60,7 @@ class HistogramSnapshot:
     bounds: tuple[float, ...]  # seconds, without +Inf
     cumulative: tuple[int, ...]  # one per bound, then +Inf
     sum_seconds: float
-    held_back: bool = False  # its buckets are not decided yet and it counts steps: render none of it
+    held_back: bool = False  # its buckets are not decided yet: render none of it
 
     @property
     def count(self) -> int:
@@ -259,12 +259,6 @@ class Histogram:
         counts = self.counts.copy()  # one C-level copy: consistent with itself
         cumulative = list(accumulate(counts))
         exported = self.layout.export(cumulative)
-        if exported is None and not cumulative[-1]:
-            # Nothing observed yet: +Inf, _sum and _count at 0, so that a rate sees the first observations (and
-            # the phases pushed with it a first step's seconds). Held back until then, a step histogram and its
-            # phases appeared with the first step, which no rate counts: 8 s waiting for the first batch read
-            # data_wait 0 and productive time 15 s into the run. Its fine buckets still start together.
-            exported = ()
         return HistogramSnapshot(
             tuple(self.bounds[i] for i in exported or ()),
             (*(cumulative[i] for i in exported or ()), cumulative[-1]),

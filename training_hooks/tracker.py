@@ -679,12 +679,11 @@ class Tracker:
         step = self._step_hist.snapshot()
         self._warn_compiled_phase()
         return Snapshot(
-            # Pushed from the push that first holds the step histogram (from the first push, at 0 until the first
-            # step; held back only where its first buckets are being decided): pushed from each phase's first entry,
-            # a phase histogram held a long first step's seconds one push before the step histogram existed, so the
-            # rules' per-step phase seconds (a phase's rate over the steps' rate) counted that step in the phases'
-            # rate windows and not in the steps' for a minute: an 80 s first step then 100 ms steps of 60 ms forward
-            # read forward 0.37, 0.25, 0.20 s per step, above the whole step.
+            # Pushed from the push that first holds the step histogram (held back until its first step): pushed from
+            # each phase's first entry, a phase histogram held a long first step's seconds one push before the step
+            # histogram existed, so the rules' per-step phase seconds (a phase's rate over the steps' rate) counted
+            # that step in the phases' rate windows and not in the steps' for a minute: an 80 s first step then
+            # 100 ms steps of 60 ms forward read forward 0.37, 0.25, 0.20 s per step, above the whole step.
             phases=[] if step.held_back else [(name, timing, hist.snapshot())
                                               for name, timing, hist in self._phase_order],
             step=step,
