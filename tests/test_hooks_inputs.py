@@ -306,3 +306,17 @@ def test_a_bool_is_no_count_of_ranks_or_seconds(argument: str) -> None:
         Config.resolve(env={"STEPSCOPE_RUN": "r"}, **others, **{argument: True})
     assert str(refused.value).startswith(f"{argument} must be"), str(refused.value)
     assert str(refused.value).endswith("got True"), str(refused.value)
+
+
+@pytest.mark.parametrize(("variable", "text"), [
+    ("RANK", "1_0"), ("RANK", "\u0661"), ("RANK", "+1"), ("LOCAL_RANK", "\u0662"), ("WORLD_SIZE", "1_6"),
+    ("STEPSCOPE_TRACE_KEEP", "1_0"), ("STEPSCOPE_PUSH_INTERVAL", "1_0"), ("STEPSCOPE_PUSH_INTERVAL", "\u0665"),
+    ("STEPSCOPE_BUCKETS", "0.1,1_0"), ("STEPSCOPE_PEAK_FLOPS", "1_000e12"),
+])
+def test_a_number_not_written_in_ascii_is_refused_naming_the_variable(variable: str, text: str) -> None:
+    """int() and float() read `RANK=1_0` as rank 10, an Arabic-Indic one (U+0661) as rank 1 and `+1` as 1: a rank
+    pushed as another one. Only ASCII numbers are taken (blanks around them are; a blank one is unset)."""
+    with pytest.raises(ValueError, match=rf"^{variable} must be .*, got {re.escape(repr(text))}$"):
+        Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "32", variable: text})
+    spaced = Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": " 3 ", "WORLD_SIZE": "4\n"})
+    assert (spaced.rank, spaced.world_size) == (3, 4)

@@ -67,6 +67,7 @@ ENVIRONMENT: Mapping[str, str] = {
 }
 
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
 
 
 def bracket_ipv6_host(url: str) -> str:
@@ -144,23 +145,30 @@ def validate_phase_name(name: str) -> str:
     return name
 
 
+def _ascii_float(text: str) -> float:
+    """`text` as float() reads it, where it is written in ASCII without `_`: float() also takes `1_0` (10) and other
+    scripts' digits (Arabic-Indic five, U+0665, as 5), which no one writes meaning a number of seconds or a bound."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(f"not an ASCII number: {text!r}")
+    return float(text)
+
+
 def _int_env(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    """The variable's whole number, written in ASCII digits (blanks around them ignored; blank is unset). int() took
+    `RANK=1_0` as rank 10, `+1` as 1 and an Arabic-Indic one (U+0661) as 1: a rank pushed as one it is not."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {raw!r}")
-    return value
+    digits = raw.strip()
+    if not _ASCII_DIGITS.fullmatch(digits) or int(digits) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} in ASCII digits, got {raw!r}")
+    return int(digits)
 
 
 def _float_env(env: Mapping[str, str], name: str, what: str) -> float:
     raw = env[name]
     try:
-        return float(raw)
+        return _ascii_float(raw)
     except ValueError:
         raise ValueError(f"{name} must be {what}, got {raw!r}") from None
 
@@ -352,7 +360,7 @@ class Config:
         if "buckets" not in values and env.get("STEPSCOPE_BUCKETS"):
             raw = env["STEPSCOPE_BUCKETS"]
             try:
-                values["buckets"] = tuple(float(part) for part in raw.split(","))
+                values["buckets"] = tuple(_ascii_float(part) for part in raw.split(","))
             except ValueError:
                 raise ValueError(f"STEPSCOPE_BUCKETS must be comma-separated seconds, got {raw!r}") from None
         for name in ("phase_buckets", "share_bounds"):
