@@ -271,7 +271,7 @@ def test_another_spelling_of_the_same_exporter_is_the_same_rank(tmp_path: Path, 
 # Run names at the edges of what a path carries and what the exporter takes: a backslash, non-ASCII,
 # a `/`, the base64 marker, URL escapes and dot segments; then tabs, newlines, control characters, the
 # Unicode separators that are not printable, and quotes (Grafana's dashboards cannot select such a run).
-STORED_RUN_NAMES = [" lead", "back\\slash", "h\u00e9llo w\u00f6rld", "emoji\U0001f680", "a/b", "=",
+STORED_RUN_NAMES = ["back\\slash", "h\u00e9llo w\u00f6rld", "emoji\U0001f680", "a/b", "=",
                     "run@base64", "percent%2F", ".", "..", "x" * 128]
 REFUSED_RUN_NAMES = ["tab\there", "line\nbreak", "trail\n", "ctl\x01", "del\x7f", "nbsp\xa0x", "ls\u2028x", 'a"b',
                      "it's"]
@@ -295,6 +295,12 @@ def test_init_takes_exactly_the_run_names_the_exporter_stores(tmp_path: Path) ->
             assert str(raised.value).endswith(f"got {run!r}")
             refused = requests.put(group_url(exporter.url, run, 0), data=b"", timeout=10)
             assert (refused.status_code, "must be non-empty printable text" in refused.text) == (400, True), run
+        older_hooks = th.Tracker(Config.resolve(env={}, run="lead", push_url=""))  # init refuses " lead" now
+        older_hooks.step(samples=1)
+        stored = requests.put(group_url(exporter.url, " lead", 0), data=older_hooks.render(), timeout=10)
+        older_hooks.close()
+        assert stored.status_code < 300, stored.text
+        assert sample_values(scrape(exporter.url), "stepscope_steps_total", run=" lead", rank="0") == [1]
 
 
 @pytest.mark.parametrize("argument", ["rank", "local_rank", "world_size", "push_interval", "max_phases"])
@@ -320,3 +326,13 @@ def test_a_number_not_written_in_ascii_is_refused_naming_the_variable(variable: 
         Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "32", variable: text})
     spaced = Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": " 3 ", "WORLD_SIZE": "4\n"})
     assert (spaced.rank, spaced.world_size) == (3, 4)
+
+
+@pytest.mark.parametrize("run", ["trail ", " lead", "  both  "])
+def test_a_run_name_with_blanks_at_its_ends_is_refused_at_init(run: str) -> None:
+    """`trail ` and `trail` were two runs that Grafana's run list shows alike, each with half of the steps. init
+    refuses such a name, from the environment or an argument; the exporter still stores what older hooks push."""
+    with pytest.raises(ValueError, match=r"^STEPSCOPE_RUN must be a name without blanks at its start or end"):
+        Config.resolve(env={"STEPSCOPE_RUN": run})
+    with pytest.raises(ValueError, match=rf"^run must be a name without blanks .*, got {re.escape(repr(run))}$"):
+        Config.resolve(env={}, run=run)

@@ -273,6 +273,9 @@ class Config:
         if not is_run_name(self.run):  # a tab, a newline, a quote: the exporter would refuse every push
             raise self._invalid("run", f"{RUN_NAME_RULE}: no tab, newline or control character, and no quote, "
                                        "which Grafana's dashboards cannot select")
+        if self.run != self.run.strip():  # Grafana's run list shows "trail " and "trail" alike: two runs, one name
+            raise self._invalid("run", "a name without blanks at its start or end, which Grafana's run list does not "
+                                       "show")
         if len(self.run) > MAX_LABEL_LENGTH:
             raise ValueError(f"{self._named('run')} must be at most {MAX_LABEL_LENGTH} characters, got "
                              f"{len(self.run)}")
