@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import psutil
 import pytest
@@ -249,6 +250,41 @@ def test_a_default_run_the_exporter_refuses_is_named_as_the_scripts_name(monkeyp
         "the run, the script's name by default (name it with STEPSCOPE_RUN or init(run=...)), " + must)
     with pytest.raises(ValueError, match=r"^STEPSCOPE_RUN must be non-empty printable"):
         Config.resolve(env={"STEPSCOPE_RUN": "it's"})
+
+
+def _in_a_notebook_kernel(monkeypatch, **namespace: str) -> None:
+    """sys as ipykernel 7.4 sets it in a kernel (seen in a real one): argv [.../ipykernel_launcher.py, -f,
+    <connection file>], ipykernel loaded, and `__main__` the user's namespace, which has no `__file__`."""
+    monkeypatch.setattr(sys, "argv", ["/venv/lib/site-packages/ipykernel_launcher.py", "-f", "/tmp/kernel-1f.json"])
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(namespace)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+
+@pytest.mark.parametrize(("env", "namespace", "run"), [
+    ({"JPY_SESSION_NAME": "work/exp/Untitled1.ipynb"}, {}, "Untitled1"),  # Jupyter's server: the notebook's path
+    ({}, {"__vsc_ipynb_file__": "/home/a/prep data.ipynb"}, "prep data"),  # VS Code
+    ({}, {}, f"notebook-{os.getpid()}"),  # a kernel that names no notebook: one run per kernel
+])
+def test_a_notebook_is_named_by_its_notebook_not_the_kernel_launcher(
+    monkeypatch, caplog, env: dict[str, str], namespace: dict[str, str], run: str
+) -> None:
+    """Every notebook was run `ipykernel_launcher`: in two real kernels on one exporter, the second's pushes were
+    refused (409, 4 of 5) and the exporter held one run. init logs the run it chose and how to name it."""
+    _in_a_notebook_kernel(monkeypatch, **namespace)
+    with caplog.at_level(logging.INFO, logger="stepscope.hooks"):
+        tracker = th.Tracker(Config.resolve(env={"STEPSCOPE_PUSH_URL": "", **env}))
+        tracker.close()
+    assert tracker.config.run == run
+    assert f"by default (name it with STEPSCOPE_RUN or init(run=...)), is {run!r}; rank 0 of 1" in caplog.text
+
+
+def test_a_script_that_imports_ipykernel_is_still_named_by_its_file(monkeypatch) -> None:
+    """Only a kernel's namespace, which has no `__file__`, is a notebook."""
+    _in_a_notebook_kernel(monkeypatch, __file__="/jobs/train.py")
+    monkeypatch.setattr(sys, "argv", ["/jobs/train.py"])
+    assert Config.resolve(env={"JPY_SESSION_NAME": "a.ipynb"}).run == "train"
 
 
 def test_log_buckets_helper_gives_readable_log_spaced_bounds() -> None:

@@ -208,19 +208,42 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# How an error names a run the user never named: `python "it's.py"` was told "run must be ...", an argument it never
-# passed, and a script of 140 characters "run must be at most 128 characters, got 140".
-SCRIPT_NAME_RUN = "the run, the script's name by default (name it with STEPSCOPE_RUN or init(run=...)),"
+def default_run_origin(source: str) -> str:
+    """How errors and the init log name a run the user never named: `python "it's.py"` was told "run must be ...",
+    an argument it never passed, and a script of 140 characters "run must be at most 128 characters, got 140"."""
+    return f"the run, {source} by default (name it with STEPSCOPE_RUN or init(run=...)),"
 
 
-def _default_run() -> str:
-    """The script's name: `train` for `python train.py` and `python -m jobs.train`. A package run with `-m`
-    is named by its folder (`python -m jobs` runs jobs/__main__.py: every such job would be run `__main__`),
-    and code with no file (`-c`, stdin's `-`) is `default`."""
+SCRIPT_NAME_RUN = default_run_origin("the script's name")
+
+
+def _in_ipython_kernel() -> bool:
+    """A Jupyter (or VS Code, Colab) kernel: ipykernel is loaded and `__main__` is its namespace, not a file. There
+    sys.argv[0] is the kernel's launcher, so every notebook was run `ipykernel_launcher`: two on one node took turns
+    being refused (409), and notebooks on two nodes raised StepscopeRunNameClash against each other."""
+    return "ipykernel" in sys.modules and not hasattr(sys.modules.get("__main__"), "__file__")
+
+
+def _notebook_run(env: Mapping[str, str]) -> tuple[str, str]:
+    """The notebook's file name without `.ipynb`, where the kernel knows it (Jupyter's server sets JPY_SESSION_NAME
+    to its path, VS Code `__vsc_ipynb_file__` in its namespace), else `notebook-<pid>`: one per kernel."""
+    path = env.get("JPY_SESSION_NAME") or getattr(sys.modules.get("__main__"), "__vsc_ipynb_file__", "")
+    if isinstance(path, str) and Path(path).stem:
+        return Path(path).stem, default_run_origin("the notebook's name")
+    return f"notebook-{os.getpid()}", default_run_origin("a kernel's notebook-<pid>")
+
+
+def _default_run(env: Mapping[str, str]) -> tuple[str, str]:
+    """The run and how errors name it. In a script, the script's name: `train` for `python train.py` and `python -m
+    jobs.train`. A package run with `-m` is named by its folder (`python -m jobs` runs jobs/__main__.py: every such
+    job would be run `__main__`), and code with no file (`-c`, stdin's `-`, the REPL) is `default`. In a notebook's
+    kernel, the notebook's name (`_notebook_run`)."""
+    if _in_ipython_kernel():
+        return _notebook_run(env)
     if not sys.argv or sys.argv[0] in ("", "-c", "-m", "-"):
-        return "default"
+        return "default", SCRIPT_NAME_RUN
     script = Path(sys.argv[0])
-    return (script.parent.name if script.stem == "__main__" else script.stem) or "default"
+    return (script.parent.name if script.stem == "__main__" else script.stem) or "default", SCRIPT_NAME_RUN
 
 
 @dataclass(frozen=True)
@@ -348,8 +371,11 @@ class Config:
         from_env = {setting: (variable, env[variable]) for setting, variable in ENVIRONMENT.items()
                     if setting not in values and env.get(variable)}
         if "run" not in values:
-            values["run"] = env.get("STEPSCOPE_RUN") or _default_run()
-            from_env.setdefault("run", (SCRIPT_NAME_RUN, values["run"]))
+            if not env.get("STEPSCOPE_RUN"):
+                values["run"], origin = _default_run(env)
+                from_env["run"] = (origin, values["run"])
+            else:
+                values["run"] = env["STEPSCOPE_RUN"]
         values.setdefault("rank", _int_env(env, "RANK", 0, 0))
         values.setdefault("local_rank", _int_env(env, "LOCAL_RANK", 0, 0))
         values.setdefault("world_size", _int_env(env, "WORLD_SIZE", 1, 1))

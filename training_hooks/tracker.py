@@ -250,6 +250,16 @@ class Tracker:
             _pushing[_group_key(config)] = self
         self._sigterm = FinalPushOnSigterm(self.close)
         self._start_reporting()
+        self._log_run()
+
+    def _log_run(self) -> None:
+        """One line (INFO) saying which run this process is and how to name it: a name the hooks chose (the script's,
+        the notebook's) is the one the dashboards list, and another process of the node pushing it is refused."""
+        config = self.config
+        named = config.from_env.get("run", ("run=",))[0]
+        how = f"the run ({named}) is" if named in ("run=", "STEPSCOPE_RUN") else f"{named} is"
+        pushing = f"pushing every {config.push_interval:g} s" if config.push_url else "not pushing"
+        log.info("stepscope: %s %r; rank %d of %d, %s", how, config.run, config.rank, config.world_size, pushing)
 
     def _start_reporting(self) -> None:
         """Starts pushing (and agreeing on bounds), and the final push at exit and on SIGTERM."""
