@@ -169,7 +169,7 @@ def test_phase_count_is_bounded_with_one_warning(caplog) -> None:
         ({"buckets": (0.1, 0.1)}, {}, "strictly increasing"),
         ({"buckets": (0.5, 0.1)}, {}, "strictly increasing"),
         ({"buckets": (0.1, float("inf"))}, {}, "finite"),
-        ({}, {"RANK": "abc"}, "RANK must be an integer >= 0, got 'abc'"),
+        ({}, {"RANK": "abc"}, "RANK must be an integer >= 0 in ASCII digits, got 'abc'"),
         ({}, {"RANK": "-1"}, "RANK must be an integer >= 0"),
         ({}, {"RANK": "4", "WORLD_SIZE": "4"}, "RANK 4 must be smaller than WORLD_SIZE 4"),
         ({}, {"WORLD_SIZE": "0"}, "WORLD_SIZE must be an integer >= 1"),
