@@ -265,8 +265,8 @@ def _in_a_notebook_kernel(monkeypatch, **namespace: str) -> None:
 @pytest.mark.parametrize(("env", "namespace", "run"), [
     ({"JPY_SESSION_NAME": "work/exp/Untitled1.ipynb"}, {}, "Untitled1"),  # Jupyter's server: the notebook's path
     ({}, {"__vsc_ipynb_file__": "/home/a/prep data.ipynb"}, "prep data"),  # VS Code
-    ({}, {}, f"notebook-{os.getpid()}"),  # a kernel that names no notebook: one run per kernel
-])
+    ({}, {}, "notebook-{pid}"),  # a kernel that names no notebook: one run per kernel (its pid, filled in below:
+])  # in the parameters, each xdist worker's own pid made its collection differ from the others' and none ran)
 def test_a_notebook_is_named_by_its_notebook_not_the_kernel_launcher(
     monkeypatch, caplog, env: dict[str, str], namespace: dict[str, str], run: str
 ) -> None:
@@ -276,6 +276,7 @@ def test_a_notebook_is_named_by_its_notebook_not_the_kernel_launcher(
     with caplog.at_level(logging.INFO, logger="stepscope.hooks"):
         tracker = th.Tracker(Config.resolve(env={"STEPSCOPE_PUSH_URL": "", **env}))
         tracker.close()
+    run = run.format(pid=os.getpid())
     assert tracker.config.run == run
     assert f"by default (name it with STEPSCOPE_RUN or init(run=...)), is {run!r}; rank 0 of 1" in caplog.text
 
