@@ -651,3 +651,19 @@ def test_expiry_sleeps_until_a_group_can_expire_not_a_second_at_a_time(monkeypat
     finally:
         api.stop()
     assert len(asked) == 1  # one sleep of a TTL (a wake a second: 3)
+
+
+def test_the_owner_that_adds_its_pid_namespace_is_the_same_process() -> None:
+    """Hooks newer than their exporter push without `pid_namespace` until that exporter is upgraded under them, then
+    with it: measured with 97d12fc's exporter swapped for this one, the same process's next push got 409 run_conflict
+    (its 10 s hold) as another process. A namespace on one side only now tells no process apart; two differ."""
+    clock = FakeClock()
+    store = GroupStore(LIMITS, clock=clock, wall_clock=clock)
+    push(store, "0", families(info_family(pid=1, start_time="100.5") + counter("stepscope_steps_total", 5)))
+    clock.now += 5
+    push(store, "0", families(info_family(pid=1, start_time="100.5", pid_namespace="4026532178")
+                              + counter("stepscope_steps_total", 6)), replace=False)
+    assert 'stepscope_steps_total{rank="0",run="r"} 6.0' in training_text(store)
+    clock.now += 5
+    other = families(info_family(pid=1, start_time="100.5", pid_namespace="4026532180"))
+    assert (rejected(push, store, "0", other).status, owner_pid(store)) == (409, 1)

@@ -54,6 +54,13 @@ class Owner:
     start_time: str
     pid_namespace: str = ""
 
+    def is_same_process(self, other: "Owner") -> bool:
+        """Whether `other` names this process: a namespace on one side only does not tell them apart. Hooks newer
+        than an older exporter push without theirs, and with it again once that exporter is upgraded under them:
+        the same process was refused (409) as another one for its hold, 10 s of its pushes lost."""
+        namespaces = {self.pid_namespace, other.pid_namespace} - {""}
+        return (self.pid, self.start_time) == (other.pid, other.start_time) and len(namespaces) <= 1
+
     def describe(self) -> str:
         namespace = f", pid namespace {self.pid_namespace}" if self.pid_namespace else ""
         if not self.start_time:
@@ -254,7 +261,7 @@ class GroupStore:
     @staticmethod
     def _check_owner(old: Group, pusher: Owner, now: float) -> None:
         """Refuses a push of another process while the group's owner is live: pushing, and not closed."""
-        if old.owner is None or old.owner == pusher or old.state == IDLE_STATE:
+        if old.owner is None or old.owner.is_same_process(pusher) or old.state == IDLE_STATE:
             return
         hold, since = old.hold_seconds(), now - old.pushed_clock
         if since >= hold:
@@ -316,7 +323,7 @@ def _starts_afresh(old: Group | None, pusher: Owner | None) -> bool:
     """Whether a push replaces the whole group even as a POST: there is none yet, or another process takes it
     over. A POST merges into its own process's families; merged into the previous owner's, it kept that process's
     families it does not push (tokens, loader limits, a profiler trace, seconds per state) under the new one."""
-    return old is None or (pusher is not None and old.owner is not None and old.owner != pusher)
+    return old is None or (pusher is not None and old.owner is not None and not old.owner.is_same_process(pusher))
 
 
 def _intervals(old: Group | None, now: float) -> tuple[float, ...]:
