@@ -10,6 +10,7 @@ and the report read one in `recordings`.
 
 from stepscope.contract.families import (
     COMPUTE_LIMIT,
+    EXPORTER_INSTANCE_HEADER,
     FAMILIES,
     LOADER_LIMIT,
     MICRO_BATCHES_TOTAL,
@@ -61,6 +62,7 @@ __all__ = [
     "BACKWARD_PHASE",
     "COMPUTE_LIMIT",
     "DATA_LOADING_PHASE",
+    "EXPORTER_INSTANCE_HEADER",
     "FAMILIES",
     "FORWARD_PHASE",
     "GRID_OCTAVES",

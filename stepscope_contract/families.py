@@ -128,6 +128,10 @@ MODEL_FLOPS_TOTAL = "stepscope_model_flops_total"
 PEAK_FLOPS = "stepscope_peak_flops_per_second"
 # The labels a push's URL carries (/metrics/job/stepscope/run/<run>/rank/<rank>), never its body.
 PATH_LABELS = RUN_RANK
+# The header of an accepted push's answer naming the exporter process that stored it, new at each start. Hooks that
+# left out what an older exporter refused push it all again once the answer comes from another process (an upgrade
+# that restarted the exporter between two pushes, which no failed push revealed); a release without it never sends it.
+EXPORTER_INSTANCE_HEADER = "Stepscope-Exporter-Instance"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stepscope.hooks as th
+from stepscope.contract import EXPORTER_INSTANCE_HEADER
 from stepscope.contract.thresholds import THRESHOLDS
 from stepscope.exporter.ingest.errors import Rejected
 from stepscope.exporter.ingest.families import FAMILIES, INFO_FAMILY
@@ -409,7 +410,7 @@ class OlderExporter(LoopbackServer):
     """A push API of an exporter release that predates a family: it refuses any push holding that family with its
     400 (the exporter's own message), and parses every other with the exporter's parser, keeping what it stored."""
 
-    def __init__(self, unknown: str, port: int = 0) -> None:
+    def __init__(self, unknown: str, port: int = 0, answer_headers: dict[str, str] | None = None) -> None:
         stored = self.stored = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -424,6 +425,8 @@ class OlderExporter(LoopbackServer):
                     status, answer = exc.status, exc.message.encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(answer)))
+                for name, value in (answer_headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(answer)
 
@@ -490,3 +493,24 @@ def test_a_family_left_out_for_an_older_exporter_is_pushed_again_once_the_export
         assert pusher.push_once()
     tracker.close()
     assert newer in upgraded.stored[-1]
+
+
+def test_a_family_left_out_for_an_older_exporter_is_pushed_again_once_another_exporter_answers() -> None:
+    """A rollout that replaced the node's exporter between two pushes fails none of them: the hooks left
+    stepscope_training_global_step_start and pid_namespace out of every later push to the upgraded exporter
+    (measured: 97d12fc's exporter swapped for this one under a 5 s push interval, 4 pushes over 16 s, none with
+    them). An exporter names its process in each accepted push's answer; another name offers everything again."""
+    tracker = th.init(run="old", push_url="", handle_sigterm=False)
+    tracker.step(samples=4, global_step=7)
+    newer = "stepscope_training_global_step_start"
+    with serving(OlderExporter(newer)) as older:
+        pusher = Pusher(older.push_url, tracker.render, interval=5.0)
+        assert pusher.push_once() and pusher.push_once()  # an older release names no process: nothing offered again
+    assert older.stored and newer not in older.stored[-1]
+    answer = {EXPORTER_INSTANCE_HEADER: "upgraded"}
+    with serving(OlderExporter("a family no release lacks", port=older.server_address[1],
+                               answer_headers=answer)) as upgraded:
+        assert pusher.push_once() and pusher.push_once()
+    tracker.close()
+    assert newer in upgraded.stored[-1]
+

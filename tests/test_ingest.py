@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from stepscope.contract import EXPORTER_INSTANCE_HEADER
 from stepscope.contract.training import STATES
 from stepscope.exporter.exposition import Chunk, ExpositionStore, render
 from stepscope.exporter.ingest.access import AccessPolicy
@@ -651,6 +652,19 @@ def test_expiry_sleeps_until_a_group_can_expire_not_a_second_at_a_time(monkeypat
     finally:
         api.stop()
     assert len(asked) == 1  # one sleep of a TTL (a wake a second: 3)
+
+
+def test_an_accepted_push_names_the_exporter_process_that_stored_it() -> None:
+    """Hooks that left out what an older exporter refused offer it again once another exporter process answers
+    (tests/test_hooks_push.py): one exporter names itself alike in every accepted answer, a restarted one
+    (a new PushApi) otherwise, and a refusal names none."""
+    first, restarted = (PushApi(ExpositionStore(), GroupStore(LIMITS), AccessPolicy(), max_body_bytes=10_000,
+                                limits=PushLimits(128, max_series=40, max_phases=4)) for _ in range(2))
+    body = full_body(pid=111).encode()
+    request = push_request("PUT", "/metrics/job/stepscope/run/a/rank/0", len(body))
+    names = [api.handle(request, body).headers.get(EXPORTER_INSTANCE_HEADER) for api in (first, first, restarted)]
+    assert names[0] and names[0] == names[1] and names[2] and names[2] != names[0]
+    assert EXPORTER_INSTANCE_HEADER not in first.handle(request, b"not exposition\n").headers
 
 
 def test_the_owner_that_adds_its_pid_namespace_is_the_same_process() -> None:

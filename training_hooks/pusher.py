@@ -30,10 +30,11 @@ side channel for profile requests (stepscope.hooks.profiling) and for the bounds
 Training images pin the hooks and the exporter DaemonSet is upgraded on its own, so hooks newer than their
 node's exporter push families it does not know yet, and its strict parser refuses the whole push (400
 "unknown family 'NAME'"): the rank's steps never landed. The pusher then leaves that family out of this and
-every later push, with one warning, and sends the rest at once, until a push finds nothing listening: an
-exporter restarting, as a rollout upgrades it, which may know the family by then. An optional label the
-contract added later (`pid_namespace` of stepscope_training_info) is left out the same way on the exporter's
-400 "unexpected label 'NAME'".
+every later push, with one warning, and sends the rest at once, until a push finds nothing listening (an
+exporter restarting, as a rollout upgrades it, which may know the family by then) or is accepted by another exporter
+process than the last (its answer's Stepscope-Exporter-Instance: one restarted between two pushes). An optional
+label the contract added later (`pid_namespace` of stepscope_training_info) is left out the same way on the
+exporter's 400 "unexpected label 'NAME'".
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from stepscope.contract import FAMILIES, VERSION
+from stepscope.contract import EXPORTER_INSTANCE_HEADER, FAMILIES, VERSION
 from stepscope.hooks.config import DEFAULT_MAX_BACKOFF
 from stepscope.hooks.render import CONTENT_TYPE
 
@@ -190,6 +191,7 @@ class Pusher:
         self._at_interval = False  # the last push failed in a way that backing off would not help: no backoff
         self._unknown_families: set[str] = set()  # families the server refused as unknown: left out from then on
         self._unknown_labels: set[str] = set()  # optional labels the server refused: left out from then on
+        self._exporter_instance: str | None = None  # the last accepting answer's EXPORTER_INSTANCE_HEADER
         self._retry_after: float | None = None  # the last answer's asked delay, where it was busy for now
 
     def start(self) -> None:
@@ -254,6 +256,7 @@ class Pusher:
             if self._failing:
                 log.warning("stepscope: pushing to %s works again", self.url)
                 self._failing = ""
+            self._note_exporter_instance(response.headers.get(EXPORTER_INSTANCE_HEADER))
             self._answered(response.headers)
             return True
         self._at_interval = response.status_code == 409  # another process holds the run and rank, until it closes
@@ -281,6 +284,15 @@ class Pusher:
             log.warning("stepscope: the server at %s does not know %s (an exporter older than these hooks): "
                         "pushing without it; upgrade the exporter to have it", self.url,
                         family or f"the label {label}")
+
+    def _note_exporter_instance(self, instance: str | None) -> None:
+        """Offers again what was left out once another exporter process answers: one restarted between two pushes
+        (a rollout's upgrade) fails none of them, and the newer release would never get those families and labels.
+        An older release never names itself, so against it nothing is offered again (no refusals at every push)."""
+        if instance is not None and instance != self._exporter_instance:
+            self._unknown_families.clear()
+            self._unknown_labels.clear()
+        self._exporter_instance = instance
 
     def _refused_label(self, response: requests.Response, sent: str) -> str | None:
         """The optional label of `sent` that `response` refused as unexpected, if it did."""

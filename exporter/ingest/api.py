@@ -9,10 +9,12 @@ import base64
 import binascii
 import logging
 import re
+import secrets
 import threading
 import time
 from urllib.parse import unquote
 
+from stepscope.contract.families import EXPORTER_INSTANCE_HEADER
 from stepscope.contract.training import RUN_NAME_RULE, is_run_name
 from stepscope.exporter.exposition import Chunk, ExpositionStore
 from stepscope.exporter.ingest.access import AccessPolicy
@@ -107,6 +109,7 @@ class PushApi:
         self._groups = groups
         self.profiles = profiles if profiles is not None else ProfileRequests(groups)
         self._bounds = NodeBounds()
+        self._instance = secrets.token_hex(8)  # EXPORTER_INSTANCE_HEADER: another after a restart, so hooks re-offer
         self._forgotten_drops = 0  # the store's dropped() when what gone ranks reported was last forgotten
         self._access = access
         self._limits = limits
@@ -150,7 +153,7 @@ class PushApi:
         self._count_accepted()
         self._forget_gone()
         answer = self.profiles.on_push(run, rank, request.headers.get(STATUS_HEADER.lower()), current_state(families))
-        answer = {**answer, **self._bounds.on_push(run, rank, wanted)}
+        answer = {**answer, **self._bounds.on_push(run, rank, wanted), EXPORTER_INSTANCE_HEADER: self._instance}
         return PushResponse(200, f"stored group run={run!r} rank={rank}: {group.series} series",
                             headers=answer)
 
