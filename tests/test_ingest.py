@@ -681,3 +681,17 @@ def test_the_owner_that_adds_its_pid_namespace_is_the_same_process() -> None:
     clock.now += 5
     other = families(info_family(pid=1, start_time="100.5", pid_namespace="4026532180"))
     assert (rejected(push, store, "0", other).status, owner_pid(store)) == (409, 1)
+
+
+def test_a_closed_rank_is_in_no_phase_whatever_its_hooks_pushed() -> None:
+    """Hooks before 2026-11-27 (48fb572) closed with stepscope_training_phase_entered{phase="dataloader_next"} in
+    their final idle push (measured: 16.4 s after close the exporter still published it, the finished rank read as
+    waiting on its loader). A closed rank is in no phase: the exporter stores none; a training rank keeps its own."""
+    entered = ("# TYPE stepscope_training_phase_entered_timestamp_seconds gauge\n"
+               'stepscope_training_phase_entered_timestamp_seconds{phase="dataloader_next"} 1795973231.5\n')
+    store = GroupStore(LIMITS)
+    push(store, "0", families(entered + state_family("train", STATES)))
+    assert "stepscope_training_phase_entered_timestamp_seconds{" in training_text(store)
+    push(store, "0", families(entered + state_family("idle", STATES)))
+    assert "phase_entered" not in training_text(store)
+    assert 'stepscope_training_state{rank="0",run="r",state="idle"} 1.0' in training_text(store)

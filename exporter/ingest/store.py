@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from stepscope.contract import THRESHOLDS, TRAINING_STATE
+from stepscope.contract import THRESHOLDS, TRAINING_PHASE_ENTERED, TRAINING_STATE
 from stepscope.contract.training import IDLE_STATE
 from stepscope.exporter.exposition import Chunk
 from stepscope.exporter.ingest.errors import Rejected
@@ -149,7 +149,8 @@ class GroupStore:
             owner = _owner(families)
             if old is not None and owner is not None:
                 self._check_owner(old, owner, now)
-            merged = dict(families) if replace or _starts_afresh(old, owner) else {**old.families, **families}
+            merged = _in_no_phase_once_closed(
+                dict(families) if replace or _starts_afresh(old, owner) else {**old.families, **families})
             self._check_phases(run, rank, merged)
             series = sum(family.series for family in merged.values())
             if series > limits.max_series_per_group:
@@ -311,6 +312,15 @@ def current_state(families: Mapping[str, StoredFamily]) -> str | None:
             return key[0]
     return ""
 
+
+def _in_no_phase_once_closed(families: dict[str, StoredFamily]) -> dict[str, StoredFamily]:
+    """`families` less the phase the rank entered where its state is idle: a closed rank is in no phase. Hooks from
+    before 2026-11-27 pushed the dataloader_next their loader's last next() entered with their final idle state, and
+    the Training dashboard's "Where each rank is" read the finished rank as waiting on its loader, longer at each
+    refresh, for the group's whole --ingest-ttl."""
+    if TRAINING_PHASE_ENTERED in families and current_state(families) == IDLE_STATE:
+        del families[TRAINING_PHASE_ENTERED]
+    return families
 
 def _owner(families: Mapping[str, StoredFamily]) -> Owner | None:
     """The process named by the families' stepscope_training_info; None without one (no identity)."""
