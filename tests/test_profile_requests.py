@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from stepscope.contract import EXPORTER_INSTANCE_HEADER
 from stepscope.exporter.exposition import ExpositionStore
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi
@@ -228,7 +229,7 @@ def test_pushes_answer_with_the_request_header(groups: GroupStore) -> None:
     body = full_body().encode()
     request = PushRequest("PUT", "/metrics/job/stepscope/run/r/rank/0", {"stepscope-profile": READY}, "127.0.0.1",
                           len(body))
-    assert api.handle(request, body).headers == {}
+    assert set(api.handle(request, body).headers) == {EXPORTER_INSTANCE_HEADER}  # no profile request header yet
     [created] = api.profiles.create("r", ["0"], 3)
     answer = api.handle(request, body)
     assert answer.status == 200 and json.loads(answer.headers[REQUEST_HEADER]) == {"id": created.id, "steps": 3}

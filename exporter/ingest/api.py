@@ -8,8 +8,8 @@ before the store changes, so a refused push leaves /metrics as it was.
 import base64
 import binascii
 import logging
+import os
 import re
-import secrets
 import threading
 import time
 from urllib.parse import unquote
@@ -109,7 +109,9 @@ class PushApi:
         self._groups = groups
         self.profiles = profiles if profiles is not None else ProfileRequests(groups)
         self._bounds = NodeBounds()
-        self._instance = secrets.token_hex(8)  # EXPORTER_INSTANCE_HEADER: another after a restart, so hooks re-offer
+        # EXPORTER_INSTANCE_HEADER: another after a restart, so hooks re-offer. os.urandom, not secrets: secrets
+        # loads hashlib (through hmac), which the exporter loads only where a token, password or trace needs it.
+        self._instance = os.urandom(8).hex()
         self._forgotten_drops = 0  # the store's dropped() when what gone ranks reported was last forgotten
         self._access = access
         self._limits = limits
