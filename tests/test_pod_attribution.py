@@ -134,7 +134,8 @@ def test_the_rules_join_the_rank_to_its_dcgm_gpu_by_pod(cluster: Cluster) -> Non
         (NODE, "0", "0")]
     used = sample_values(BODY, families.GPU_MEMORY_USED)[0]
     assert abs(float(joined[0]["value"][1]) - used) <= 1024 * 1024  # MiB from dcgm-exporter
-    source = query(cluster.prometheus.url, recordings.GPU_SOURCE_UTILIZATION)
+    # waited for as the join is: a late scrape of dcgm-exporter on a busy machine left it empty at one reading
+    source = _wait(lambda: query(cluster.prometheus.url, recordings.GPU_SOURCE_UTILIZATION))
     assert [(item["metric"]["instance"], item["metric"]["gpu"]) for item in source] == [(NODE, "0")]
 
 
