@@ -58,18 +58,23 @@ class PodResourcesServer:
 @contextmanager
 def serving(socket: Path, pods: Sequence[FixturePod]) -> Iterator[PodResourcesServer]:
     """Serves `pods` on `socket` until the block ends."""
-    state = PodResourcesServer(socket)
-    response = list_response(pods)
+    with serving_bytes(socket, list_response(pods).SerializeToString()) as state:
+        yield state
 
-    def list_pods(request: object, context: grpc.ServicerContext) -> object:
+
+@contextmanager
+def serving_bytes(socket: Path, answer: bytes) -> Iterator[PodResourcesServer]:
+    """Answers every List on `socket` with `answer` as it is on the wire: a kubelet's message, or garbage."""
+    state = PodResourcesServer(socket)
+
+    def list_pods(request: object, context: grpc.ServicerContext) -> bytes:
         with state.lock:
             state.calls += 1
-        return response
+        return answer
 
     service, method = LIST_METHOD.strip("/").split("/")
     handler = grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
-        list_pods, request_deserializer=MESSAGES["ListPodResourcesRequest"].FromString,
-        response_serializer=MESSAGES["ListPodResourcesResponse"].SerializeToString)})
+        list_pods, request_deserializer=MESSAGES["ListPodResourcesRequest"].FromString)})
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"unix://{socket}")
