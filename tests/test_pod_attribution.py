@@ -298,6 +298,18 @@ def test_a_kubelet_answer_that_is_no_list_response_fails_in_one_line(
     assert f"the answer ({len(answer)} bytes) is no ListPodResourcesResponse" in str(failed.value)
 
 
+def test_a_container_listed_twice_publishes_each_gpu_once(tmp_path: Path) -> None:
+    """A List answer naming one pod container twice (a pod recreated under its name while the old one is listed, a
+    broken kubelet): each of its GPUs was published twice with the same labels, a duplicate series."""
+    pods = [_pod("a", SHARED), _pod("a", SHARED, ALONE)]
+    found, collector, text = _collected(tmp_path / "kubelet.sock", pods, {})
+    collector.close()
+    lines = [line for line in text.splitlines() if line.startswith(families.GPU_POD_INFO + "{")]
+    assert len(lines) == len(set(lines)) == 2
+    assert found == {SHARED: {("ml", "a", SHARED)}, ALONE: {("ml", "a", ALONE)}}
+    assert collector.attribution.gpu(SHARED) == collector.attribution.gpu(ALONE) == ("ml", "a", "train")
+
+
 def _answer(collector: PodCollector) -> list | None:
     """A cycle's families, None while List fails (for _wait)."""
     try:

@@ -144,15 +144,18 @@ class PodContainer:
 
 def gpu_containers(response: object) -> list[PodContainer]:
     """The containers of a List answer that hold GPUs, with their GPUs: a container given two replicas of one
-    time-sliced GPU holds that GPU once (one gpu_pod_info series, not two alike)."""
-    found = []
+    time-sliced GPU holds that GPU once (one gpu_pod_info series, not two alike). A container the answer lists
+    twice (one namespace, pod and container name: a pod recreated under its name while the old one is still
+    listed, or a broken kubelet) is one container with the GPUs of both: before, each of its GPUs was published
+    twice with the same labels, an exposition Prometheus drops the second of as a duplicate sample."""
+    found: dict[PodLabels, dict[str, None]] = {}
     for pod in response.pod_resources:  # type: ignore[attr-defined]
         for container in pod.containers:
-            devices = tuple(dict.fromkeys(gpu_uuid(device_id) for device in container.devices
-                                          if _is_gpu(device.resource_name) for device_id in device.device_ids))
+            devices = [gpu_uuid(device_id) for device in container.devices
+                       if _is_gpu(device.resource_name) for device_id in device.device_ids]
             if devices:
-                found.append(PodContainer(pod.namespace, pod.name, container.name, devices))
-    return found
+                found.setdefault((pod.namespace, pod.name, container.name), {}).update(dict.fromkeys(devices))
+    return [PodContainer(*labels, tuple(devices)) for labels, devices in found.items()]
 
 
 class PodResourcesClient:
