@@ -6,6 +6,7 @@ under the pid it sees, and never the unrelated process that has pid 1 in the exp
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -126,6 +127,18 @@ def test_without_a_start_time_a_pid_only_one_process_has_is_trusted() -> None:
     never = (max(psutil.pids()) + 100_000, None, None)
     mine = (os.getpid(), None, None)
     assert PidResolver().resolve([never, mine]) == {mine: os.getpid()}
+
+
+def test_init_here_is_never_a_rank_whatever_a_push_reports(caplog: pytest.LogCaptureFixture) -> None:
+    """A push of pid 1 with init's start time (world-readable): before, the process collector published init with
+    its descendants, the whole node (93538 s of CPU), as the pushing client's run and rank."""
+    init = (1, psutil.Process(1).create_time(), None)
+    resolver = PidResolver()
+    with caplog.at_level(logging.WARNING, logger="stepscope.exporter.collectors.pid_namespaces"):
+        assert resolver.resolve([init]) == {}
+        assert resolver.resolve([init]) == {}
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert "which is pid 1 here, this exporter's pid namespace's init" in warning
 
 
 def test_a_pid_from_another_namespace_resolves_to_the_pid_seen_here(namespaced: Namespaced) -> None:

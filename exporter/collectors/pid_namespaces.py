@@ -32,6 +32,13 @@ than it reported: checked again by Unix time each cycle, a rank found before a 2
 process series left without run and rank, for the rest of its life. So a process is matched by Unix time once,
 then re-checked by its start ticks, which no clock step moves. (One first met after a step, the exporter
 restarted meanwhile, still cannot be matched: the report says nothing of the ticks.)
+
+Whatever a push reports, it never resolves to pid 1 here, the init of this exporter's pid namespace (the node's init
+under hostPID or `pid: host`; in a container of its own, the exporter or its entrypoint): a process is published with
+its descendants, and init's are every process. Any client that may push could name it, pid "1" with init's start
+time (world-readable in /proc/1/stat) or none: the process collector published the node's whole CPU since boot
+(93538 s) and memory as that client's run and rank, every GPU holder a "worker" of it. A training process is pid 1
+only in a namespace of its own, where it is found under another pid here.
 """
 
 import logging
@@ -48,6 +55,7 @@ log = logging.getLogger(__name__)
 
 TOLERANCE_SECONDS = 0.05  # create_time has clock-tick (10 ms) resolution; the hooks send milliseconds
 RETRY_SECONDS = 30.0  # a reported process a scan missed is scanned for again after this long
+INIT_PID = 1  # this exporter's namespace's init: never a rank (module docstring)
 
 Reported = tuple[int, float | None, int | None]
 """(pid in the process's own namespace, its start time in Unix seconds, its pid namespace's inode; None when
@@ -65,6 +73,7 @@ class PidResolver:
         self._cache: dict[Reported, Identity] = {}
         self._missed: dict[Reported, float] = {}  # reported -> clock time of the scan that missed it
         self._ambiguous: dict[Reported, list[Identity]] = {}  # reported -> the processes its start time matched
+        self._named_init: set[Reported] = set()  # reported processes found to be INIT_PID, logged
 
     def resolve(self, reported: Iterable[Reported]) -> dict[Reported, int]:
         """{reported: pid as this exporter sees it}; a process that cannot be found is left out.
@@ -88,7 +97,19 @@ class PidResolver:
                 identified[key] = found
         identified.update(self._scan_for(unresolved, now))
         self._cache = identified
-        return trusted | {key: pid for key, (pid, _) in identified.items()}
+        resolved = trusted | {key: pid for key, (pid, _) in identified.items()}
+        naming_init = self._naming_init(resolved)
+        return {key: pid for key, pid in resolved.items() if key not in naming_init}
+
+    def _naming_init(self, resolved: dict[Reported, int]) -> set[Reported]:
+        """The reported processes found to be INIT_PID, which are never published; each is logged when it first
+        appears (the set kept is the last call's: a client cannot grow it past the groups it pushes)."""
+        naming = {key for key, pid in resolved.items() if pid == INIT_PID}
+        for key in naming - self._named_init:
+            log.warning("a push reports pid %d (start time %s, pid namespace %s), which is pid 1 here, this "
+                        "exporter's pid namespace's init: its process series are not published", *key)
+        self._named_init = naming
+        return naming
 
     def unidentified(self) -> set[int]:
         """Pids here of the processes that match a reported pid and start time but as well as another does:
