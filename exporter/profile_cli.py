@@ -141,7 +141,7 @@ class ExporterApi:
                           " running there? (--exporter, STEPSCOPE_PUSH_URL)") from None
         try:
             payload = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the interpreter's stack
             payload = None
         if not isinstance(payload, dict):
             raise Failure(f"{self.shown_url + path} answered HTTP {response.status_code} without the profile API's "

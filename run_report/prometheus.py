@@ -80,7 +80,7 @@ class Prometheus:
         shown = f"{self.shown_url}/api/v1/{endpoint}"
         try:
             body = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the interpreter's stack
             raise PrometheusError(
                 f"{shown} answered HTTP {response.status_code} without a Prometheus API response "
                 "(is --prometheus the server's base URL?)"

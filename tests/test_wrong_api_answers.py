@@ -28,8 +28,9 @@ PENDING = {"id": "a1", "run": "r", "rank": "0", "state": "pending", "reason": ""
 
 @contextmanager
 def answering(body: object) -> Iterator[str]:
-    """A server on a free loopback port answering HTTP 200 and `body` as JSON to every GET, POST and DELETE."""
-    data = json.dumps(body).encode()
+    """A server on a free loopback port answering HTTP 200 and `body` as JSON (bytes: as they are) to every GET,
+    POST and DELETE."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self) -> None:
@@ -159,6 +160,27 @@ def test_stepscope_profile_takes_a_request_without_the_fields_later_exporters_ad
     assert code == 0, captured.err
     assert captured.out == "/traces/r-0.pt.trace.json.gz\n"
     assert captured.err.splitlines()[-1] == "stepscope-profile: rank 0: 20 steps, 2.0 KiB"
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000  # JSON nested deeper than Python's stack: json raises RecursionError
+
+
+def test_the_report_names_json_nested_too_deep_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, a RecursionError traceback from inside requests' json()."""
+    out = tmp_path / "report"
+    with answering(NESTED) as url:
+        code = report_cli.main(["--prometheus", url, "--run", "r", "--out", str(out)])
+    line = _one_line(capsys.readouterr().err, "stepscope-report: error: ")
+    assert code == 2 and "answered HTTP 200 without a Prometheus API response" in line, line
+    assert not out.exists()
+
+
+def test_stepscope_profile_names_json_nested_too_deep_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, a RecursionError traceback from inside requests' json()."""
+    with answering(NESTED) as url:
+        code = profile_cli.main(["--exporter", url, "--run", "r", "--wait", "2"])
+    line = _one_line(capsys.readouterr().err, "stepscope-profile: ")
+    assert code == 2 and "answered HTTP 200 without the profile API's JSON" in line, line
 
 
 @pytest.mark.timeout(60)
