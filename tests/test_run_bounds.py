@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import stepscope.hooks as th
-from stepscope.hooks.run_bounds import STEP_HISTOGRAM, RunBounds, run_store
+from stepscope.hooks.run_bounds import RUN_BOUNDS_HEADER, STEP_HISTOGRAM, RunBounds, run_store
 from stepscope_testkit.processes import REPO_ROOT, running_exporter
 
 RANK_SCRIPT = REPO_ROOT / "tests" / "support" / "run_bounds_rank.py"
@@ -127,6 +127,17 @@ def test_a_round_before_any_rank_wants_a_block_does_not_wait(caplog: pytest.LogC
         bounds.exchange()
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert bounds.wanted(STEP_HISTOGRAM) == {70: 1}
+
+
+def test_an_answer_header_nested_too_deep_is_ignored() -> None:
+    """An exporter's (or a proxy's) answer whose bounds header nests brackets past the stack: on_answer raised
+    RecursionError, which the pusher logged as a warning at every push."""
+    bounds = RunBounds(lambda: None, interval=3600.0)
+    bounds.publish(STEP_HISTOGRAM, frozenset({70}))
+    bounds.headers()
+    bounds.on_answer({RUN_BOUNDS_HEADER: "[" * 60_000})
+    bounds.on_answer({RUN_BOUNDS_HEADER: json.dumps({STEP_HISTOGRAM: {"70": 2}})})
+    assert bounds.wanted(STEP_HISTOGRAM) == {70: 2}
 
 
 def test_a_bad_share_bounds_setting_is_refused() -> None:

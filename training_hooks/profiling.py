@@ -108,7 +108,7 @@ def parse_request(raw: str) -> TraceRequest:
     try:
         data = json.loads(raw)
         request_id, steps = data["id"], data["steps"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:  # RecursionError: brackets nested too deep
         raise ValueError(f"{REQUEST_HEADER} is not a JSON object with id and steps: {raw[:120]!r} ({exc})") from None
     if not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id):
         raise ValueError(f"{REQUEST_HEADER} has a bad id: {request_id!r}")

@@ -140,7 +140,7 @@ class RunBounds:
         try:
             run = {name: Counter({int(block): int(count) for block, count in blocks.items()})
                    for name, blocks in json.loads(raw).items()}
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, RecursionError):  # RecursionError: brackets nested too deep
             log.debug("stepscope: ignoring an unreadable %s header: %.80r", RUN_BOUNDS_HEADER, raw)
             return
         self._view = (run, self._sent)
