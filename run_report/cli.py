@@ -38,6 +38,8 @@ IDLE_TAIL_SECONDS = 60  # at most, kept after the last rank went idle (a tenth o
 MIN_STEP = 0.001  # seconds: the report writes the step in PromQL as whole milliseconds
 RECORDING_LAG_SECONDS = 300  # after the window, where a short run's first recordings may still land
 RUN_EDGE_SCRAPES = 2  # --from/--to farther than this many scrapes outside the run's samples is cut to them
+LISTED_RUNS = 20  # runs a message names; it counts the others
+_SHORT_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}  # as bash's $'...' reads them
 MAX_TIMEOUT_SECONDS = 86400  # a socket cannot wait past about 9.2e9 s: 1e10 ended in an OverflowError traceback
 
 
@@ -193,16 +195,44 @@ def _list_runs(prom: Prometheus, start: float, end: float) -> None:
     if not seen:
         raise NoData(f"no run pushed training metrics between {iso(start)} and {iso(end)} "
                      "(is Prometheus scraping the stepscope exporter?)")
-    listing = "; ".join(f"{shlex.quote(s.run)} ({s.ranks} rank{'s' * (s.ranks != 1)} on {', '.join(s.nodes)})"
-                        for s in seen)
+    listing = _at_most_listed([f"{shell_word(s.run)} ({s.ranks} rank{'s' * (s.ranks != 1)} on {', '.join(s.nodes)})"
+                               for s in seen], "; ")
     raise UsageError(f"--run is required; runs seen between {iso(start)} and {iso(end)}: {listing}")
 
 
 def runs_listed(runs: Sequence[str]) -> str:
-    """Run names as a message lists them: each as a shell writes it for --run (shlex.quote). Listed as they are,
+    """Run names as a message lists them: each as a shell writes it for --run (`shell_word`). Listed as they are,
     `exp1 ` (a trailing space from an env file) read as `exp1`, which --run then did not find, and a run named
     `lr=1e-3, bs=64` as two runs."""
-    return ", ".join(shlex.quote(run) for run in runs)
+    return _at_most_listed([shell_word(run) for run in runs], ", ")
+
+
+def _at_most_listed(items: Sequence[str], separator: str) -> str:
+    """The first LISTED_RUNS items and how many more: a Prometheus of 50,000 runs made a 1.7 MB error line."""
+    more = len(items) - LISTED_RUNS
+    shown = separator.join(items[:LISTED_RUNS])
+    return f"{shown}{separator}and {more} more (narrow them with --from/--to)" if more > 0 else shown
+
+
+def shell_word(run: str) -> str:
+    """`run` as a shell writes it for --run: shlex.quote, or bash's $'...' where it holds a character no terminal
+    shows as itself (a line end, an escape): Prometheus stores any label value, and a run pushed through a stock
+    Pushgateway named "a\\n\\x1b[31m" split the one-line error and turned the terminal red."""
+    if run.isprintable():
+        return shlex.quote(run)
+    return "$'" + "".join(_ansi_c(char) for char in run) + "'"
+
+
+def _ansi_c(char: str) -> str:
+    """One character inside bash's $'...'."""
+    if char in "\\'":
+        return "\\" + char
+    if char.isprintable():
+        return char
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _window(prom: Prometheus, args: argparse.Namespace, now: float) -> tuple[Window, list[str]]:

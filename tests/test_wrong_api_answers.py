@@ -162,6 +162,21 @@ def test_stepscope_profile_takes_a_request_without_the_fields_later_exporters_ad
     assert captured.err.splitlines()[-1] == "stepscope-profile: rank 0: 20 steps, 2.0 KiB"
 
 
+def test_the_report_lists_many_runs_and_odd_run_names_on_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --run the report lists the runs it sees: all of them before (1.7 MB of one error for 50,000), and a
+    name with a line end or an escape (Prometheus stores any label value, a stock Pushgateway pushes it) as it is,
+    which split the line and coloured the terminal."""
+    runs = ["a\n\x1b[31m", *(f"run-{index:02}" for index in range(49))]
+    series = [{"__name__": "stepscope_training_info", "run": run, "rank": "0", "instance": "n1"} for run in runs]
+    with answering({"status": "success", "data": series}) as url:
+        code = report_cli.main(["--prometheus", url, "--out", str(tmp_path / "report")])
+    line = _one_line(capsys.readouterr().err, "stepscope-report: error: --run is required; runs seen between ")
+    assert code == 2 and "\x1b" not in line
+    assert "$'a\\n\\x1b[31m' (1 rank on n1); run-00 (1 rank on n1); " in line, line
+    assert line.endswith("; run-18 (1 rank on n1); and 30 more (narrow them with --from/--to)"), line
+
+
 NESTED = b"[" * 100_000 + b"]" * 100_000  # JSON nested deeper than Python's stack: json raises RecursionError
 
 
