@@ -89,6 +89,20 @@ def test_a_request_moves_with_the_ranks_pushes(groups: GroupStore, clock: Clock)
     assert registry.get(request.id)["reason"] == "torch.profiler could not start: x"
 
 
+def test_a_rank_s_reason_is_kept_as_one_line(groups: GroupStore, clock: Clock) -> None:
+    """torch's exceptions span lines (its C++ frames): a reason quoting one made stepscope-profile's one-line end
+    three lines, and an escape in it reached the terminal."""
+    registry = ProfileRequests(groups, clock=clock)
+    push(groups, registry, "0", READY)
+    [request] = registry.create("r", ["0"], 5)
+    reason = "torch.profiler could not start: boom\nException raised from start at kineto.cpp:42\n\x1b[31mframe #0"
+    push(groups, registry, "0", ready_after(request.id, False, reason=reason))
+    assert registry.get(request.id)["reason"] == ("torch.profiler could not start: boom Exception raised from start "
+                                                  "at kineto.cpp:42 [31mframe #0")
+    push(groups, registry, "0", json.dumps({"v": 1, "state": "unavailable", "reason": "no\r\ntorch"}))
+    assert registry.listing("r")["ranks"][0]["tracing"] == "unavailable: no torch"
+
+
 def test_a_refusal_lists_the_runs_here_as_a_shell_writes_them(groups: GroupStore, clock: Clock) -> None:
     """Before: `(runs pushing here: exp1 , lr=1e-3, bs=64)`: the trailing space that made --run exp1 miss was
     invisible, and one run read as two."""

@@ -33,6 +33,7 @@ MAX_STEPS = 1000  # stepscope.hooks.profiling.MAX_TRACE_STEPS
 PENDING_TIMEOUT_SECONDS = 600.0  # a request no push took within this long fails
 KEEP_FINISHED = 256  # finished requests kept for stepscope-profile to read, the oldest dropped first
 ACTIVE = ("pending", "running")
+MAX_REASON = 300  # characters of a rank's reason kept
 
 
 class ProfileError(Exception):
@@ -66,7 +67,7 @@ def parse_status(raw: str) -> RankStatus | None:
         return None
     done, version = data.get("done_steps"), data.get("v")
     return RankStatus(
-        state=data["state"], reason=clip(str(data.get("reason") or ""), 300), running_id=str(data.get("id") or ""),
+        state=data["state"], reason=_one_line(data.get("reason")), running_id=str(data.get("id") or ""),
         done_steps=done if _count(done) else 0, last=_outcome(data.get("last")),
         version=version if _count(version) else 1,
     )
@@ -80,8 +81,16 @@ def _outcome(last: object) -> Mapping[str, Any]:
                            and _count(last.get("steps"))):
         return {}
     return {"id": last["id"], "ok": last["ok"], "path": last.get("path", ""), "size": last.get("size", 0),
-            "steps": last.get("steps", 0), "reason": clip(str(last.get("reason") or ""), 300),
+            "steps": last.get("steps", 0), "reason": _one_line(last.get("reason")),
             "cancelled": last.get("cancelled") is True and not last["ok"]}
+
+
+def _one_line(reason: object) -> str:
+    """A rank's reason as stepscope-profile and the listing show it: one line of at most MAX_REASON characters.
+    Reasons quote exceptions, and torch's span lines (C++ frames under "Exception raised from"): stepscope-profile,
+    which ends with one line saying why, printed each of them, and a terminal acted on any escape in them."""
+    words = "".join(char if char.isprintable() else " " for char in str(reason or "")).split()
+    return clip(" ".join(words), MAX_REASON)
 
 
 def _count(value: object) -> bool:
