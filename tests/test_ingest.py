@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepscope.contract import EXPORTER_INSTANCE_HEADER
 from stepscope.contract.training import STATES
 from stepscope.exporter.exposition import Chunk, ExpositionStore, render
+from stepscope.exporter.ingest import LOST_GIVES_WAY_SECONDS, RANK_LOST_PAGED_SECONDS
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.api import PushApi, parse_group_path
 from stepscope.exporter.ingest.errors import Rejected
@@ -265,7 +266,7 @@ def test_a_closed_group_gives_its_slot_to_a_new_one_the_longest_closed_first() -
     before = store.snapshot()
     error = rejected(push, store, "5", process_push(105))
     assert (error.status, error.reason) == (429, "too_many_groups") and store.snapshot() == before
-    assert "none of a rank that closed (those give way)" in error.message
+    assert "none of a rank that closed or that has not pushed for 120s (those give way)" in error.message
     assert store.dropped() == 2
 
 
@@ -695,3 +696,24 @@ def test_a_closed_rank_is_in_no_phase_whatever_its_hooks_pushed() -> None:
     push(store, "0", families(entered + state_family("idle", STATES)))
     assert "phase_entered" not in training_text(store)
     assert 'stepscope_training_state{rank="0",run="r",state="idle"} 1.0' in training_text(store)
+
+
+def test_a_lost_group_gives_way_once_its_rank_was_paged_but_not_before() -> None:
+    """A sweep whose trials were SIGKILLed (OOM at the first step) left their groups in `train` until --ingest-ttl
+    (600 s): with every slot held by them, a new run's rank was refused 429 for up to 10 minutes, though
+    StepscopeRankLost had paged each dead rank long before. A rank silent past LOST_GIVES_WAY_SECONDS gives way
+    after the closed ones, the longest silent first; one the rules may not have paged yet does not."""
+    clock = FakeClock()
+    store = GroupStore(StoreLimits(max_groups=3, max_series_per_group=40, max_phases=4, ttl_seconds=600),
+                       clock=clock, wall_clock=clock)
+    for rank, pid in (("0", 100), ("1", 101), ("2", 102)):
+        push(store, rank, process_push(pid))
+        clock.now += 1
+    clock.now += LOST_GIVES_WAY_SECONDS - 4  # rank 0, the longest silent, for 1 s less than that
+    error = rejected(push, store, "0", process_push(200, run="next"), True, "next")
+    assert (error.status, error.reason) == (429, "too_many_groups")
+    assert f"a rank that closed or that has not pushed for {LOST_GIVES_WAY_SECONDS:g}s" in error.message
+    clock.now += 1  # rank 0 is silent for LOST_GIVES_WAY_SECONDS, ranks 1 and 2 for less
+    push(store, "0", process_push(200, run="next"), run="next")
+    assert [(g.run, g.rank) for g in store.snapshot()[1]] == [("next", "0"), ("r", "1"), ("r", "2")]
+    assert LOST_GIVES_WAY_SECONDS > RANK_LOST_PAGED_SECONDS

@@ -55,6 +55,10 @@ from stepscope.exporter.flags import add_flag, cidr_list, positive_int, readable
 MAX_TTL_SECONDS = 30 * 86400  # past a month a group is kept for no one; 1e308 overflowed the expiry's wait
 RANK_LOST_FOR_SECONDS = 15  # StepscopeRankLost's `for` (grafana/rules/src/stepscope-node.rules.yml)
 RANK_LOST_PAGED_SECONDS = THRESHOLDS["rank_lost_seconds"].value + RANK_LOST_FOR_SECONDS
+# How long a rank that stopped pushing without closing (SIGKILL, the OOM killer) keeps its slot against a new group
+# once the limits are reached: until StepscopeRankLost has paged it (45 s of silence, 15 s `for`) with four 15 s
+# scrape and evaluation intervals to spare. The rules carry a paged rank on while its run is there.
+LOST_GIVES_WAY_SECONDS = RANK_LOST_PAGED_SECONDS + 60
 PROFILE_PREFIX = "/api/v1/profiles"  # the profile-request API (exporter.ingest.profile_api)
 
 
@@ -78,8 +82,9 @@ def add_flags(group: argparse._ArgumentGroup) -> None:
     add_flag(group, "--ingest-max-series-per-group", default="2000", type=positive_int,
              help="most series one group (run, rank) may hold, histogram buckets included")
     add_flag(group, "--ingest-max-groups", default="512", type=positive_int,
-             help="most groups (run, rank) stored at once; a closed one (state idle) gives way to a new group, "
-                  "and pushes for new groups beyond live ones get 429")
+             help="most groups (run, rank) stored at once; a closed one (state idle), then a lost one (no push "
+                  f"for {LOST_GIVES_WAY_SECONDS:g} s without closing), gives way to a new group, and pushes for "
+                  "new groups beyond live ones get 429")
     add_flag(group, "--ingest-max-label-value-length", default="128", type=positive_int,
              help="longest label value (and run name) accepted, in characters")
     add_flag(group, "--ingest-max-phases", default="32", type=positive_int,

@@ -16,13 +16,15 @@ expired or was deleted.
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from types import MappingProxyType
 
 from stepscope.contract import THRESHOLDS, TRAINING_PHASE_ENTERED, TRAINING_STATE
 from stepscope.contract.training import IDLE_STATE
 from stepscope.exporter.exposition import Chunk
+from stepscope.exporter.ingest import LOST_GIVES_WAY_SECONDS
 from stepscope.exporter.ingest.errors import Rejected
 from stepscope.exporter.ingest.families import FAMILIES, INFO_FAMILY, PHASE_FAMILY
 from stepscope.exporter.ingest.parser import SeriesKey
@@ -159,7 +161,7 @@ class GroupStore:
                     f"group run={run!r} rank={rank} would hold {series} series, over the limit of "
                     f"{limits.max_series_per_group} (--ingest-max-series-per-group)",
                 )
-            kept = self._room_for(run, rank, old, series)
+            kept = self._room_for(run, rank, old, series, now)
             pushed_at = self._wall_clock()
             group = Group(run, rank, MappingProxyType(merged), last_push(pushed_at), pushed_at,
                           now + limits.ttl_seconds, series, _owner(merged), current_state(merged), now,
@@ -222,13 +224,16 @@ class GroupStore:
         with self._lock:
             return min((g.expires_at for g in self._groups.values()), default=self._clock() + self._limits.ttl_seconds)
 
-    def _room_for(self, run: str, rank: str, old: Group | None, series: int) -> dict[GroupKey, Group]:
-        """The stored groups, less the closed ones (last state idle, the earliest pushed first) that must give way
-        for this push to fit --ingest-max-groups and --ingest-max-series; 429 when the live ones leave no room.
+    def _room_for(self, run: str, rank: str, old: Group | None, series: int, now: float) -> dict[GroupKey, Group]:
+        """The stored groups, less those that must give way for this push to fit --ingest-max-groups and
+        --ingest-max-series (closed ones first, then lost ones, each the earliest pushed first); 429 when the live
+        ones leave no room.
 
         A closed group is kept until its TTL only to show how its run ended: a node running a sweep of short
         trials filled its 512 slots with closed runs within the TTL, and a training rank was then refused (429)
-        until one expired, its series lost meanwhile. A live group never gives way."""
+        until one expired, its series lost meanwhile. A lost group (no push for LOST_GIVES_WAY_SECONDS, not closed)
+        is kept for the same reason once StepscopeRankLost has paged it: a sweep of trials killed at their first
+        step held every slot for the whole TTL. A live group never gives way."""
         limits = self._limits
         kept = dict(self._groups)
         total = self._series - (old.series if old else 0) + series
@@ -237,25 +242,24 @@ class GroupStore:
             return (old is None and len(kept) >= limits.max_groups) or total > limits.max_series
 
         if over():  # only then: a push within the limits (nearly every one) sorts nothing
-            closed = sorted((g for g in kept.values() if g.state == IDLE_STATE and (g.run, g.rank) != (run, rank)),
-                            key=lambda g: g.pushed_clock, reverse=True)
-            while closed and over():
-                gone = closed.pop()
+            for gone in _giving_way(kept.values(), (run, rank), now):
+                if not over():
+                    break
                 del kept[(gone.run, gone.rank)]
                 total -= gone.series
+        ends = (f"none of a rank that closed or that has not pushed for {LOST_GIVES_WAY_SECONDS:g}s (those give way); "
+                f"a group expires {limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE")
         if old is None and len(kept) >= limits.max_groups:
             raise Rejected(
                 429, "too_many_groups",
                 f"cannot add group run={run!r} rank={rank}: {len(kept)} groups are stored, the limit "
-                f"(--ingest-max-groups {limits.max_groups}), none of a rank that closed (those give way); a group "
-                f"expires {limits.ttl_seconds:g}s after its last push (--ingest-ttl) or on DELETE",
+                f"(--ingest-max-groups {limits.max_groups}), {ends}",
             )
         if total > limits.max_series:
             raise Rejected(
                 429, "too_many_series",
                 f"storing group run={run!r} rank={rank} would make {total} series on this exporter, over "
-                f"the limit of {limits.max_series} (--ingest-max-series); groups expire "
-                f"{limits.ttl_seconds:g}s after their last push (--ingest-ttl) or on DELETE",
+                f"the limit of {limits.max_series} (--ingest-max-series), {ends}",
             )
         return kept
 
@@ -321,6 +325,21 @@ def _in_no_phase_once_closed(families: dict[str, StoredFamily]) -> dict[str, Sto
     if TRAINING_PHASE_ENTERED in families and current_state(families) == IDLE_STATE:
         del families[TRAINING_PHASE_ENTERED]
     return families
+
+def _giving_way(groups: Iterable[Group], pushed: GroupKey, now: float) -> list[Group]:
+    """The groups that may give way to `pushed`, in order: the closed ones, then the lost ones (silent for
+    LOST_GIVES_WAY_SECONDS without closing), each the earliest pushed first."""
+    closed, lost = [], []
+    for group in groups:
+        if (group.run, group.rank) == pushed:
+            continue
+        if group.state == IDLE_STATE:
+            closed.append(group)
+        elif now - group.pushed_clock >= LOST_GIVES_WAY_SECONDS:
+            lost.append(group)
+    by_push = attrgetter("pushed_clock")
+    return sorted(closed, key=by_push) + sorted(lost, key=by_push)
+
 
 def _owner(families: Mapping[str, StoredFamily]) -> Owner | None:
     """The process named by the families' stepscope_training_info; None without one (no identity)."""
