@@ -201,6 +201,25 @@ def test_a_registered_process_that_exited_costs_one_scan_per_retry_time_not_one_
     assert resolver.scans == 3
 
 
+def test_ranks_that_exit_one_a_cycle_cost_one_scan_per_retry_time_all_together() -> None:
+    """A sweep's ranks end one after another while their groups stay registered (--ingest-ttl): each exit cost a
+    scan of /proc and each missed process was retried on a clock of its own, so 30 exits over 30 s kept a scan in
+    every 1 s cycle (120 of 120). An exited process found before is missed without a scan; the missed ones are
+    scanned for together, once per RETRY_SECONDS."""
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(10)]
+    reported = [(rank.pid, psutil.Process(rank.pid).create_time(), None) for rank in ranks]
+    now = [0.0]
+    resolver = CountingResolver(clock=lambda: now[0])
+    assert len(resolver.resolve(reported)) == 10 and resolver.scans == 0  # each found by its own pid
+    for cycle in range(45):  # 45 s of 1 s cycles, a rank exiting in each of the first 10
+        if cycle < len(ranks):
+            ranks[cycle].kill()
+            ranks[cycle].wait()
+        assert len(resolver.resolve(reported)) == max(0, 9 - cycle)
+        now[0] += 1.0
+    assert resolver.scans == 2  # at 0 s and 30 s
+
+
 # Runs in a mount namespace of its own: resolves a process it started, then steps the clock as the exporter sees
 # it (a copy of /proc/stat with btime 2 s later bound over /proc/stat: what an NTP step of +2 s does to btime)
 # and resolves it again.

@@ -23,8 +23,10 @@ process it misses is almost always one that exited: its pushed group stays regis
 TTL (10 minutes by default) after every run. Looked for every cycle, such a process cost a scan per
 second: on the H100 of the shared corpus, a process collector cycle took 6.25 ms of wall time (median)
 with no live registered process, against 0.11 ms before the first run. A process that exited cannot be
-found later, so a missed one is looked for again only every RETRY_SECONDS (in case /proc could not be
-read, say).
+found later, so the missed ones are looked for again only every RETRY_SECONDS (in case /proc could not be
+read, say), all in one scan, and a process found before whose pid no longer names it (it exited) is missed without
+a scan. Before, each missed process kept a retry time of its own and each exit cost a scan: where a sweep ended a
+rank a second, 30 exits kept a scan in every 1 s cycle (120 of 120 cycles) for as long as their groups were kept.
 
 The start time is Unix time: boot time (/proc/stat's btime) plus the start ticks. A clock step (an NTP step,
 a VM resumed, a leap second) moves btime by the step, and every process then reads as started that much later
@@ -71,17 +73,19 @@ class PidResolver:
         self._procfs = procfs
         self._clock = clock
         self._cache: dict[Reported, Identity] = {}
-        self._missed: dict[Reported, float] = {}  # reported -> clock time of the scan that missed it
+        self._missed: set[Reported] = set()  # reported processes the last scans missed, or that exited since found
+        self._retried_at = -RETRY_SECONDS  # clock time of the last scan, which looked for the missed ones again
         self._ambiguous: dict[Reported, list[Identity]] = {}  # reported -> the processes its start time matched
         self._named_init: set[Reported] = set()  # reported processes found to be INIT_PID, logged
 
     def resolve(self, reported: Iterable[Reported]) -> dict[Reported, int]:
         """{reported: pid as this exporter sees it}; a process that cannot be found is left out.
 
-        /proc is scanned at most once per call, and only when a cached or same-pid answer fails for a
-        process that no scan missed in the last RETRY_SECONDS.
+        /proc is scanned at most once per call: for a process first reported, or, every RETRY_SECONDS, for the
+        missed ones; a process that was found and exited since is missed without one.
         """
         wanted, now = set(reported), self._clock()
+        retrying = now - self._retried_at >= RETRY_SECONDS
         trusted: dict[Reported, int] = {}
         identified: dict[Reported, Identity] = {}
         unresolved: list[Reported] = []
@@ -90,12 +94,13 @@ class PidResolver:
             if start_time is None and not sys.platform.startswith("linux"):  # no pid namespaces: trust the pid
                 trusted[key] = pid
                 continue
-            found = None if self._missed_lately(key, now) else self._still_running(key) or self._checked(key)
+            skipped = key in self._missed and not retrying
+            found = None if skipped else self._still_running(key) or self._checked(key)
             if found is None:
                 unresolved.append(key)
             else:
                 identified[key] = found
-        identified.update(self._scan_for(unresolved, now))
+        identified.update(self._scan_for(unresolved, retrying, now))
         self._cache = identified
         resolved = trusted | {key: pid for key, (pid, _) in identified.items()}
         naming_init = self._naming_init(resolved)
@@ -130,33 +135,36 @@ class PidResolver:
         pid, start_time, namespace = key
         return None if start_time is None else _identity(pid, start_time, namespace)
 
-    def _missed_lately(self, key: Reported, now: float) -> bool:
-        """Whether a scan missed this process in the last RETRY_SECONDS: no process that started later can
-        have its start time, which is in the past, so until then it is neither checked nor scanned for."""
-        return now - self._missed.get(key, -RETRY_SECONDS) < RETRY_SECONDS
-
-    def _scan_for(self, unresolved: list[Reported], now: float) -> dict[Reported, Identity]:
-        """Scans /proc for the unresolved processes not missed lately, and remembers which it missed (a
-        process still unresolved stays remembered, any other is forgotten)."""
-        due = [key for key in unresolved if not self._missed_lately(key, now)]
+    def _scan_for(self, unresolved: list[Reported], retrying: bool, now: float) -> dict[Reported, Identity]:
+        """Scans /proc for all the unresolved processes, once one of them was first reported or the missed ones'
+        retry time came, and remembers which are missed (a process found in the last call, now unresolved,
+        exited: missed without a scan)."""
+        first_reported = [key for key in unresolved if key not in self._missed and key not in self._cache]
         found: dict[Reported, Identity] = {}
-        if due and sys.platform.startswith("linux"):
-            innermost = self._innermost_pids({pid for pid, *_ in due})
-            for key in due:
-                pid, start_time, namespace = key
-                matching = [here for here in (_identity(c, start_time, namespace) for c in innermost.get(pid, ()))
-                            if here is not None]
-                if len(matching) == 1:
-                    found[key] = matching[0]
-                    continue
-                if start_time is not None and matching:
-                    self._ambiguous[key] = matching
-                if key not in self._missed:
-                    log.debug("%d processes here have pid %d in their own pid namespace, start time %s and pid "
-                              "namespace %s; publishing nothing for it", len(matching), *key)
-        missed = {key: now for key in due if key not in found}
-        self._missed = {key: self._missed[key] for key in unresolved if key in self._missed} | missed
+        if (first_reported or (retrying and unresolved)) and sys.platform.startswith("linux"):
+            self._retried_at = now
+            found = self._scan(unresolved)
+        self._missed = {key for key in unresolved if key not in found}
         self._ambiguous = {key: here for key, here in self._ambiguous.items() if key in self._missed}
+        return found
+
+    def _scan(self, unresolved: list[Reported]) -> dict[Reported, Identity]:
+        """The unresolved processes one scan of /proc finds, each by its innermost pid, start time and pid
+        namespace; one that several processes match is found as none of them."""
+        innermost = self._innermost_pids({pid for pid, *_ in unresolved})
+        found: dict[Reported, Identity] = {}
+        for key in unresolved:
+            pid, start_time, namespace = key
+            matching = [here for here in (_identity(c, start_time, namespace) for c in innermost.get(pid, ()))
+                        if here is not None]
+            if len(matching) == 1:
+                found[key] = matching[0]
+                continue
+            if start_time is not None and matching:
+                self._ambiguous[key] = matching
+            if key not in self._missed:
+                log.debug("%d processes here have pid %d in their own pid namespace, start time %s and pid "
+                          "namespace %s; publishing nothing for it", len(matching), *key)
         return found
 
     def _innermost_pids(self, wanted: set[int]) -> dict[int, list[int]]:
