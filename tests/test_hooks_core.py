@@ -252,6 +252,60 @@ def test_a_default_run_the_exporter_refuses_is_named_as_the_scripts_name(monkeyp
         Config.resolve(env={"STEPSCOPE_RUN": "it's"})
 
 
+# Each launcher's variables for one process, rank 1 of 4 (local rank 1), from their docs: srun(1) "OUTPUT
+# ENVIRONMENT VARIABLES"; Open MPI 5 "Environment variables set for MPI applications" (docs.open-mpi.org,
+# tuning-apps/environment-var); MPICH's and Intel MPI's Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID).
+SRUN_TASK = {"SLURM_JOB_ID": "1001", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_NTASKS": "4"}
+LAUNCHED = {
+    "srun": SRUN_TASK,
+    "mpirun (Open MPI)": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+    "mpiexec (MPICH, Intel MPI)": {"PMI_RANK": "1", "MPI_LOCALRANKID": "1", "PMI_SIZE": "4"},
+    # mpirun inside a Slurm batch script: the batch step's SLURM_PROCID 0 and SLURM_NTASKS are no rank of it
+    "mpirun in sbatch": {"SLURM_JOB_ID": "1001", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4",
+                         "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+    "torchrun": {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"},
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_each_launcher_gives_its_processes_their_rank_and_world_size(launcher: str) -> None:
+    """Under srun or mpirun without torchrun every process was rank 0 of 1: two srun tasks on one node both pushed
+    run 'train' rank 0, and the second was refused (409) at each of its 17 pushes, its steps never stored."""
+    config = Config.resolve(env={"STEPSCOPE_RUN": "r", **LAUNCHED[launcher]})
+    assert (config.rank, config.local_rank, config.world_size) == (1, 1, 4)
+
+
+def test_torchs_variables_win_over_the_launcher_that_started_torchrun() -> None:
+    """torchrun inside srun (one task per node): RANK and WORLD_SIZE are the truth; srun's task of 2 is no rank."""
+    inside = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2", "RANK": "9", "LOCAL_RANK": "1",
+              "WORLD_SIZE": "16"}
+    config = Config.resolve(env={"STEPSCOPE_RUN": "r", **inside})
+    assert (config.rank, config.local_rank, config.world_size) == (9, 1, 16)
+    assert Config.resolve(env={"STEPSCOPE_RUN": "r", **SRUN_TASK}, rank=3).rank == 3  # arguments win
+
+
+def test_a_batch_scripts_own_slurm_variables_make_no_world() -> None:
+    """`python train.py` in an sbatch script of --ntasks=4 (no srun): one process, rank 0 of 1, not of 4 (the run
+    report would say 3 ranks never reported)."""
+    batch = {"SLURM_JOB_ID": "1001", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4"}
+    config = Config.resolve(env={"STEPSCOPE_RUN": "r", **batch})
+    assert (config.rank, config.world_size) == (0, 1)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "1"}, "RANK is 1 but WORLD_SIZE is unset: set both (torchrun does), or pass th.init(world_size=...)"),
+    ({"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "4"}, "SLURM_PROCID 4 must be smaller than SLURM_STEP_NUM_TASKS 4"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "4"}, "PMI_RANK must be an integer >= 0 in ASCII digits, got 'x'"),
+])
+def test_a_rank_without_its_world_size_or_past_it_names_the_variables_set(env: dict[str, str], message: str) -> None:
+    """`RANK=1` without WORLD_SIZE was told "RANK 1 must be smaller than world_size 1": a setting never made."""
+    with pytest.raises(ValueError) as refused:
+        Config.resolve(env={"STEPSCOPE_RUN": "r", **env})
+    assert str(refused.value) == message
+    assert Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": "1"}, world_size=2).world_size == 2
+
+
 def _in_a_notebook_kernel(monkeypatch, **namespace: str) -> None:
     """sys as ipykernel 7.4 sets it in a kernel (seen in a real one): argv [.../ipykernel_launcher.py, -f,
     <connection file>], ipykernel loaded, and `__main__` the user's namespace, which has no `__file__`."""

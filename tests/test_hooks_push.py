@@ -189,6 +189,32 @@ def test_torch_loop_pushes_to_the_exporter(tmp_path: Path) -> None:
     assert sample_values(text, "stepscope_step_phase_seconds_count", phase="forward", **labels) == [6]
 
 
+def test_two_srun_tasks_of_one_node_push_their_own_ranks_of_their_jobs_run(tmp_path: Path, monkeypatch) -> None:
+    """`srun -n 2 python train.py` (no torchrun, no STEPSCOPE_RUN): both tasks pushed run 'train' rank 0 of 1, and the
+    exporter refused one at each of its 17 pushes (409), its steps never stored. Each is its rank now; the variables
+    are srun's (srun(1), OUTPUT ENVIRONMENT VARIABLES)."""
+    monkeypatch.setattr("sys.argv", ["/jobs/train.py"])
+    for name in ("STEPSCOPE_RUN", "RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_JOB_ID": "1001", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with running_exporter(tmp_path, "--collectors", "") as exporter:
+        trackers = []
+        for task in ("0", "1"):
+            monkeypatch.setenv("SLURM_PROCID", task)
+            monkeypatch.setenv("SLURM_LOCALID", task)
+            trackers.append(th.init(push_url=exporter.url, push_interval=60, handle_sigterm=False))
+        for tracker in trackers:
+            train(tracker, 3)
+            tracker.close()
+            assert tracker.pusher.stats.failures == 0, tracker.pusher.stats.last_error
+        text = scrape(exporter.url)
+    for rank in ("0", "1"):
+        assert sample_values(text, "stepscope_steps_total", run="train", rank=rank) == [3]
+        assert sample_values(text, "stepscope_training_info", run="train", rank=rank, local_rank=rank,
+                             world_size="2") == [1]
+
+
 def retry_delays(pusher: Pusher, count: int = 4) -> list[float]:
     """The wait after each of the pusher's first `count` tries (its loop, run on this thread)."""
     delays: list[float] = []

@@ -66,6 +66,19 @@ ENVIRONMENT: Mapping[str, str] = {
     "trace_keep": "STEPSCOPE_TRACE_KEEP", "flops_dtype": "STEPSCOPE_FLOPS_DTYPE", "peak_flops": "STEPSCOPE_PEAK_FLOPS",
 }
 
+# Launchers that start each rank without torch's variables, as (launcher, rank, local rank, world size variables),
+# read where RANK, LOCAL_RANK and WORLD_SIZE are all unset. Under srun without torchrun every rank was rank 0 of 1:
+# two srun tasks on one node resolved run 'train' rank 0, and one was refused (409) at each of its 17 pushes, its
+# steps never stored. MPI's come first: mpirun inside a Slurm batch script also sees the batch step's SLURM_PROCID 0.
+# srun's SLURM_STEP_NUM_TASKS is its step's task count; SLURM_NTASKS is also set in a batch script, where it counts
+# the tasks the job may start, not the processes that run.
+LAUNCHER_RANKS: tuple[tuple[str, str, str, str], ...] = (
+    ("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MPICH's or Intel MPI's mpiexec", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE"),
+    ("Slurm's srun", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
+)
+TORCH_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 
@@ -361,7 +374,8 @@ class Config:
     def resolve(cls, env: Mapping[str, str] | None = None, **given: object) -> Config:
         """Arguments win; None means "take it from the environment (or the default)".
 
-        Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun), STEPSCOPE_PUSH_URL,
+        Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (as set by torchrun; else a launcher's own,
+        LAUNCHER_RANKS), STEPSCOPE_PUSH_URL,
         STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL, STEPSCOPE_BUCKETS (comma-separated seconds),
         STEPSCOPE_PHASE_BUCKETS and STEPSCOPE_SHARE_BOUNDS (1/true/yes/on or 0/false/no/off), STEPSCOPE_TRACE_DIR,
         STEPSCOPE_TRACE_MAX_BYTES, STEPSCOPE_TRACE_KEEP, STEPSCOPE_FLOPS_DTYPE, STEPSCOPE_PEAK_FLOPS.
@@ -376,9 +390,7 @@ class Config:
                 from_env["run"] = (origin, values["run"])
             else:
                 values["run"] = env["STEPSCOPE_RUN"]
-        values.setdefault("rank", _int_env(env, "RANK", 0, 0))
-        values.setdefault("local_rank", _int_env(env, "LOCAL_RANK", 0, 0))
-        values.setdefault("world_size", _int_env(env, "WORLD_SIZE", 1, 1))
+        _resolve_ranks(env, values, from_env)
         if "push_url" not in values:
             values["push_url"] = env.get("STEPSCOPE_PUSH_URL", DEFAULT_PUSH_URL).strip()
         values["push_url"] = str(values["push_url"]).rstrip("/")
@@ -404,3 +416,35 @@ class Config:
         if "peak_flops" not in values and env.get("STEPSCOPE_PEAK_FLOPS", "").strip():
             values["peak_flops"] = _float_env(env, "STEPSCOPE_PEAK_FLOPS", "FLOP/s (a number like 989.4e12)")
         return cls(**values, from_env=from_env)  # type: ignore[arg-type]
+
+
+def _rank_variables(env: Mapping[str, str]) -> tuple[str, str, str]:
+    """The (rank, local rank, world size) variables to read: torch's where any is set (torchrun, accelerate, DeepSpeed,
+    Ray Train and Kubeflow's PyTorchJob set them), else those of the first launcher of LAUNCHER_RANKS whose world size
+    is set. Never a mix: torchrun inside srun has rank 9 of 16 in RANK and WORLD_SIZE, and srun's 2 tasks (one
+    torchrun per node) in SLURM_STEP_NUM_TASKS."""
+    if any(env.get(name, "").strip() for name in TORCH_RANK_VARIABLES):
+        return TORCH_RANK_VARIABLES
+    for _, rank, local_rank, world_size in LAUNCHER_RANKS:
+        if env.get(world_size, "").strip():
+            return rank, local_rank, world_size
+    return TORCH_RANK_VARIABLES
+
+
+def _resolve_ranks(env: Mapping[str, str], values: dict[str, object], from_env: dict[str, tuple[str, str]]) -> None:
+    """Fills rank, local_rank and world_size not given from one source's variables (`_rank_variables`), and records
+    which variable each came from, so that errors name it. A rank set without its world size raises, naming both:
+    `RANK=1` alone was told "RANK 1 must be smaller than world_size 1", a setting the user never made."""
+    variables = _rank_variables(env)
+    size_given = "world_size" in values
+    for setting, variable, default in zip(("rank", "local_rank", "world_size"), variables, (0, 0, 1), strict=True):
+        if setting in values:
+            continue
+        values[setting] = _int_env(env, variable, default, default)
+        from_env.pop(setting, None)
+        if env.get(variable, "").strip():
+            from_env[setting] = (variable, env[variable])
+    rank_variable, _, size_variable = variables
+    if "rank" in from_env and values["rank"] != 0 and "world_size" not in from_env and not size_given:
+        raise ValueError(f"{rank_variable} is {values['rank']} but {size_variable} is unset: set both (torchrun "
+                         "does), or pass th.init(world_size=...)")
