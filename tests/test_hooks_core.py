@@ -306,6 +306,29 @@ def test_a_rank_without_its_world_size_or_past_it_names_the_variables_set(env: d
     assert Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": "1"}, world_size=2).world_size == 2
 
 
+@pytest.mark.parametrize(("slurm", "run"), [
+    ({"SLURM_JOB_ID": "2001"}, "train-2001"),
+    ({"SLURM_JOB_ID": "3002", "SLURM_ARRAY_JOB_ID": "3000", "SLURM_ARRAY_TASK_ID": "2"}, "train-3000_2"),
+    ({"SLURM_JOB_ID": " "}, "train"),
+])
+def test_the_default_run_of_a_slurm_job_is_its_own(monkeypatch, caplog, slurm: dict[str, str], run: str) -> None:
+    """Two jobs (or two tasks of an array) of one train.py on a node were both run 'train': the second's pushes were
+    refused (409) while the first ran, 10 of them in 3 s. The run is the script's name and the job's id as Slurm
+    writes it (%j, %A_%a); all the job's ranks share it."""
+    monkeypatch.setattr(sys, "argv", ["/jobs/train.py"])
+    assert Config.resolve(env=slurm).run == run
+    assert Config.resolve(env={**slurm, "STEPSCOPE_RUN": "mine"}).run == "mine"
+    for name in ("STEPSCOPE_RUN", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.INFO, logger="stepscope.hooks"):
+        th.init(push_url="").close()
+    said = "and the Slurm job's id " if run != "train" else ""
+    assert f"stepscope: the run, the script's name {said}by default (name it with STEPSCOPE_RUN or init(run=...)), " \
+           f"is {run!r}" in caplog.text
+
+
 def _in_a_notebook_kernel(monkeypatch, **namespace: str) -> None:
     """sys as ipykernel 7.4 sets it in a kernel (seen in a real one): argv [.../ipykernel_launcher.py, -f,
     <connection file>], ipykernel loaded, and `__main__` the user's namespace, which has no `__file__`."""

@@ -191,8 +191,8 @@ def test_torch_loop_pushes_to_the_exporter(tmp_path: Path) -> None:
 
 def test_two_srun_tasks_of_one_node_push_their_own_ranks_of_their_jobs_run(tmp_path: Path, monkeypatch) -> None:
     """`srun -n 2 python train.py` (no torchrun, no STEPSCOPE_RUN): both tasks pushed run 'train' rank 0 of 1, and the
-    exporter refused one at each of its 17 pushes (409), its steps never stored. Each is its rank now; the variables
-    are srun's (srun(1), OUTPUT ENVIRONMENT VARIABLES)."""
+    exporter refused one at each of its 17 pushes (409), its steps never stored. Each is its rank now, of job 1001's
+    run; the variables are srun's (srun(1), OUTPUT ENVIRONMENT VARIABLES)."""
     monkeypatch.setattr("sys.argv", ["/jobs/train.py"])
     for name in ("STEPSCOPE_RUN", "RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -210,8 +210,8 @@ def test_two_srun_tasks_of_one_node_push_their_own_ranks_of_their_jobs_run(tmp_p
             assert tracker.pusher.stats.failures == 0, tracker.pusher.stats.last_error
         text = scrape(exporter.url)
     for rank in ("0", "1"):
-        assert sample_values(text, "stepscope_steps_total", run="train", rank=rank) == [3]
-        assert sample_values(text, "stepscope_training_info", run="train", rank=rank, local_rank=rank,
+        assert sample_values(text, "stepscope_steps_total", run="train-1001", rank=rank) == [3]
+        assert sample_values(text, "stepscope_training_info", run="train-1001", rank=rank, local_rank=rank,
                              world_size="2") == [1]
 
 

@@ -78,6 +78,8 @@ LAUNCHER_RANKS: tuple[tuple[str, str, str, str], ...] = (
     ("Slurm's srun", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
 )
 TORCH_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Slurm's job (and job array) ids, which a default run name carries (`_default_run`).
+SLURM_JOB_VARIABLES = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
 
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
@@ -252,11 +254,30 @@ def _default_run(env: Mapping[str, str]) -> tuple[str, str]:
     job would be run `__main__`), and code with no file (`-c`, stdin's `-`, the REPL) is `default`. In a notebook's
     kernel, the notebook's name (`_notebook_run`)."""
     if _in_ipython_kernel():
-        return _notebook_run(env)
+        return _with_slurm_job(env, *_notebook_run(env))
     if not sys.argv or sys.argv[0] in ("", "-c", "-m", "-"):
-        return "default", SCRIPT_NAME_RUN
+        return _with_slurm_job(env, "default", SCRIPT_NAME_RUN)
     script = Path(sys.argv[0])
-    return (script.parent.name if script.stem == "__main__" else script.stem) or "default", SCRIPT_NAME_RUN
+    named = (script.parent.name if script.stem == "__main__" else script.stem) or "default"
+    return _with_slurm_job(env, named, SCRIPT_NAME_RUN)
+
+
+def _slurm_job(env: Mapping[str, str]) -> str:
+    """The Slurm job this process belongs to as Slurm writes it (`%A_%a` for an array's task, else `%j`), or "":
+    two jobs, or two tasks of an array, of one script on a node were both run `train`, and the second was refused
+    (409) at each of its pushes while the first ran."""
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return env.get("SLURM_JOB_ID", "").strip()
+
+
+def _with_slurm_job(env: Mapping[str, str], run: str, origin: str) -> tuple[str, str]:
+    """`run`-<Slurm job> under Slurm (one run per job, shared by all its ranks on all its nodes), else `run`."""
+    job = _slurm_job(env)
+    if not job:
+        return run, origin
+    return f"{run}-{job}", origin.replace(" by default", " and the Slurm job's id by default", 1)
 
 
 @dataclass(frozen=True)
