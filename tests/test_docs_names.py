@@ -10,7 +10,7 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES
 from stepscope.exporter.cli import COLLECTOR_NAMES, build_parser
-from stepscope.hooks.config import ENVIRONMENT, LAUNCHER_RANKS, SLURM_JOB_VARIABLES, Config
+from stepscope.hooks.config import ENVIRONMENT, LAUNCHER_RANKS, RAY_JOB_VARIABLE, SLURM_JOB_VARIABLES, Config
 from tests.support.readme import DOCS, documents
 
 # a recorded series written out in full (`level:metric:operation`); `..._sm_active:training_ratio` and
@@ -91,4 +91,4 @@ def test_every_environment_variable_the_hooks_read_has_a_row_in_the_hooks_enviro
     rows = {name for row in re.findall(r"^\| (`[A-Z_]+`(?:, `[A-Z_]+`)*) \|", section, re.M)
             for name in re.findall(r"`([A-Z_]+)`", row)}
     launchers = {variable for _, *variables in LAUNCHER_RANKS for variable in variables}
-    assert (set(ENVIRONMENT.values()) | launchers | set(SLURM_JOB_VARIABLES)) - rows == set()
+    assert (set(ENVIRONMENT.values()) | launchers | set(SLURM_JOB_VARIABLES) | {RAY_JOB_VARIABLE}) - rows == set()

@@ -329,6 +329,43 @@ def test_the_default_run_of_a_slurm_job_is_its_own(monkeypatch, caplog, slurm: d
            f"is {run!r}" in caplog.text
 
 
+RAY_WORKER_ARGV = ["/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py",
+                   "--node-ip-address=10.0.0.5", "--node-manager-port=53621"]  # as Ray 2.60 starts a worker
+
+
+def _ray_train(monkeypatch, experiment: str | None) -> None:
+    """ray.train as a Ray Train worker has it imported: get_context().get_experiment_name() answers the run's name
+    (seen in real Ray 2.60 workers: RunConfig(name=...), else `ray_train_run-<date>_<time>`); None: a plain Ray
+    worker, whose get_context() raises."""
+    def get_context() -> types.SimpleNamespace:
+        if experiment is None:
+            raise RuntimeError("`get_context` can only be called from within a Ray Train worker")
+        return types.SimpleNamespace(get_experiment_name=lambda: experiment)
+    monkeypatch.setitem(sys.modules, "ray.train", types.SimpleNamespace(get_context=get_context))
+
+
+@pytest.mark.parametrize(("experiment", "run", "origin"), [
+    ("llama-a", "llama-a", "Ray Train's run name"),
+    ("ray_train_run-2026-11-29_19-46-25", "ray_train_run-2026-11-29_19-46-25", "Ray Train's run name"),
+    (None, "ray-job-01000000", "Ray's job id"),
+])
+def test_a_ray_train_worker_is_named_by_its_ray_train_run(
+    monkeypatch, caplog, experiment: str | None, run: str, origin: str
+) -> None:
+    """A TorchTrainer of 2 workers on real Ray 2.60 pushed run 'default_worker' (the worker's script): every Ray
+    Train run of a cluster was one run, and two on a node clashed. Ray sets RANK and WORLD_SIZE already."""
+    monkeypatch.setattr(sys, "argv", RAY_WORKER_ARGV)
+    _ray_train(monkeypatch, experiment)
+    env = {"RAY_JOB_ID": "01000000", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "STEPSCOPE_PUSH_URL": ""}
+    config = Config.resolve(env=env)
+    assert (config.run, config.rank, config.world_size) == (run, 1, 2)
+    assert Config.resolve(env={**env, "STEPSCOPE_RUN": "mine"}).run == "mine"
+    with caplog.at_level(logging.INFO, logger="stepscope.hooks"):
+        th.Tracker(config).close()
+    assert f"stepscope: the run, {origin} by default (name it with STEPSCOPE_RUN or init(run=...)), is {run!r}" \
+        in caplog.text
+
+
 def _in_a_notebook_kernel(monkeypatch, **namespace: str) -> None:
     """sys as ipykernel 7.4 sets it in a kernel (seen in a real one): argv [.../ipykernel_launcher.py, -f,
     <connection file>], ipykernel loaded, and `__main__` the user's namespace, which has no `__file__`."""

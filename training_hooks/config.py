@@ -78,6 +78,9 @@ LAUNCHER_RANKS: tuple[tuple[str, str, str, str], ...] = (
     ("Slurm's srun", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
 )
 TORCH_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+# The script of a Ray worker process (`_in_ray_worker`), whose name is no run's.
+RAY_WORKER_SCRIPT = ("ray", "_private", "workers", "default_worker.py")
+RAY_JOB_VARIABLE = "RAY_JOB_ID"  # what Ray sets in its workers; names the run outside Ray Train (`_ray_run`)
 # Slurm's job (and job array) ids, which a default run name carries (`_default_run`).
 SLURM_JOB_VARIABLES = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
 
@@ -248,13 +251,38 @@ def _notebook_run(env: Mapping[str, str]) -> tuple[str, str]:
     return f"notebook-{os.getpid()}", default_run_origin("a kernel's notebook-<pid>")
 
 
+def _in_ray_worker() -> bool:
+    """A Ray worker process, where Ray Train runs the training function: its script is Ray's
+    `ray/_private/workers/default_worker.py`, so every Ray Train run on a cluster was run `default_worker` (a
+    TorchTrainer of 2 workers on Ray 2.60 pushed run 'default_worker' ranks 0 and 1), and two on one node clashed."""
+    return bool(sys.argv) and Path(sys.argv[0]).parts[-4:] == RAY_WORKER_SCRIPT
+
+
+def _ray_run(env: Mapping[str, str]) -> tuple[str, str]:
+    """Ray Train's run name, shared by the run's workers and new at each fit(): `RunConfig(name=...)`, else Ray's
+    `ray_train_run-<date>_<time>`; outside Ray Train (a plain Ray task or actor), `ray-job-<RAY_JOB_ID>`. Ray is read
+    only as the worker has imported it: the hooks import no framework."""
+    train = sys.modules.get("ray.train")
+    name = None
+    if train is not None:
+        try:
+            name = train.get_context().get_experiment_name()
+        except Exception:  # no Train context in this worker, or a Ray without it: the job's id then
+            name = None
+    if isinstance(name, str) and name.strip():
+        return name.strip(), default_run_origin("Ray Train's run name")
+    return f"ray-job-{env.get(RAY_JOB_VARIABLE, '').strip() or 'unknown'}", default_run_origin("Ray's job id")
+
+
 def _default_run(env: Mapping[str, str]) -> tuple[str, str]:
     """The run and how errors name it. In a script, the script's name: `train` for `python train.py` and `python -m
     jobs.train`. A package run with `-m` is named by its folder (`python -m jobs` runs jobs/__main__.py: every such
     job would be run `__main__`), and code with no file (`-c`, stdin's `-`, the REPL) is `default`. In a notebook's
-    kernel, the notebook's name (`_notebook_run`)."""
+    kernel, the notebook's name (`_notebook_run`); in a Ray worker, Ray Train's run (`_ray_run`)."""
     if _in_ipython_kernel():
         return _with_slurm_job(env, *_notebook_run(env))
+    if _in_ray_worker():
+        return _ray_run(env)
     if not sys.argv or sys.argv[0] in ("", "-c", "-m", "-"):
         return _with_slurm_job(env, "default", SCRIPT_NAME_RUN)
     script = Path(sys.argv[0])
