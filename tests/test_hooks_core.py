@@ -265,6 +265,8 @@ LAUNCHED = {
     "mpirun in sbatch": {"SLURM_JOB_ID": "1001", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4",
                          "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
     "torchrun": {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"},
+    # an sbatch script that exports WORLD_SIZE and MASTER_ADDR for init_process_group, the rank read in Python
+    "srun, WORLD_SIZE exported": {**SRUN_TASK, "WORLD_SIZE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"},
 }
 
 
@@ -297,13 +299,18 @@ def test_a_batch_scripts_own_slurm_variables_make_no_world() -> None:
     ({"RANK": "1"}, "RANK is 1 but WORLD_SIZE is unset: set both (torchrun does), or pass th.init(world_size=...)"),
     ({"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "4"}, "SLURM_PROCID 4 must be smaller than SLURM_STEP_NUM_TASKS 4"),
     ({"PMI_RANK": "x", "PMI_SIZE": "4"}, "PMI_RANK must be an integer >= 0 in ASCII digits, got 'x'"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is 2 but RANK is unset: set both (torchrun does), or pass th.init(rank=...)"),
+    ({**SRUN_TASK, "WORLD_SIZE": "8"},  # srun's 4 tasks are not these 8 ranks: no rank of theirs is taken
+     "WORLD_SIZE is 8 but RANK is unset: set both (torchrun does), or pass th.init(rank=...)"),
 ])
-def test_a_rank_without_its_world_size_or_past_it_names_the_variables_set(env: dict[str, str], message: str) -> None:
-    """`RANK=1` without WORLD_SIZE was told "RANK 1 must be smaller than world_size 1": a setting never made."""
+def test_a_rank_and_a_world_size_that_do_not_pair_name_the_variables_set(env: dict[str, str], message: str) -> None:
+    """`RANK=1` without WORLD_SIZE was told "RANK 1 must be smaller than world_size 1": a setting never made; every
+    process with WORLD_SIZE=2 and no RANK was rank 0 of 2 (two srun tasks: one refused, 409, at each push)."""
     with pytest.raises(ValueError) as refused:
         Config.resolve(env={"STEPSCOPE_RUN": "r", **env})
     assert str(refused.value) == message
     assert Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": "1"}, world_size=2).world_size == 2
+    assert Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "2"}, rank=1).rank == 1
 
 
 @pytest.mark.parametrize(("slurm", "run"), [

@@ -323,7 +323,7 @@ def test_a_number_not_written_in_ascii_is_refused_naming_the_variable(variable: 
     """int() and float() read `RANK=1_0` as rank 10, an Arabic-Indic one (U+0661) as rank 1 and `+1` as 1: a rank
     pushed as another one. Only ASCII numbers are taken (blanks around them are; a blank one is unset)."""
     with pytest.raises(ValueError, match=rf"^{variable} must be .*, got {re.escape(repr(text))}$"):
-        Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "32", variable: text})
+        Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": "0", "WORLD_SIZE": "32", variable: text})
     spaced = Config.resolve(env={"STEPSCOPE_RUN": "r", "RANK": " 3 ", "WORLD_SIZE": "4\n"})
     assert (spaced.rank, spaced.world_size) == (3, 4)
 

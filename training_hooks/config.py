@@ -467,33 +467,49 @@ class Config:
         return cls(**values, from_env=from_env)  # type: ignore[arg-type]
 
 
+def _is_set(env: Mapping[str, str], name: str) -> bool:
+    return bool(env.get(name, "").strip())
+
+
 def _rank_variables(env: Mapping[str, str]) -> tuple[str, str, str]:
     """The (rank, local rank, world size) variables to read: torch's where any is set (torchrun, accelerate, DeepSpeed,
     Ray Train and Kubeflow's PyTorchJob set them), else those of the first launcher of LAUNCHER_RANKS whose world size
-    is set. Never a mix: torchrun inside srun has rank 9 of 16 in RANK and WORLD_SIZE, and srun's 2 tasks (one
-    torchrun per node) in SLURM_STEP_NUM_TASKS."""
-    if any(env.get(name, "").strip() for name in TORCH_RANK_VARIABLES):
+    is set. Not a mix, as torchrun inside srun has rank 9 of 16 in RANK and WORLD_SIZE, and srun's 2 tasks (one
+    torchrun per node) in SLURM_STEP_NUM_TASKS; but for WORLD_SIZE exported to the whole job without RANK (batch
+    scripts that set it and MASTER_ADDR for init_process_group, and read the rank from SLURM_PROCID in Python), the
+    rank of the launcher whose world size is the same number: both srun tasks of such a job were rank 0 of 2, and one
+    was refused (409) at each push."""
+    if not any(_is_set(env, name) for name in TORCH_RANK_VARIABLES):
+        for _, rank, local_rank, world_size in LAUNCHER_RANKS:
+            if _is_set(env, world_size):
+                return rank, local_rank, world_size
+        return TORCH_RANK_VARIABLES
+    if _is_set(env, "RANK") or not _is_set(env, "WORLD_SIZE"):
         return TORCH_RANK_VARIABLES
     for _, rank, local_rank, world_size in LAUNCHER_RANKS:
-        if env.get(world_size, "").strip():
-            return rank, local_rank, world_size
+        if env.get(world_size, "").strip() == env["WORLD_SIZE"].strip():
+            return rank, "LOCAL_RANK" if _is_set(env, "LOCAL_RANK") else local_rank, "WORLD_SIZE"
     return TORCH_RANK_VARIABLES
 
 
 def _resolve_ranks(env: Mapping[str, str], values: dict[str, object], from_env: dict[str, tuple[str, str]]) -> None:
-    """Fills rank, local_rank and world_size not given from one source's variables (`_rank_variables`), and records
-    which variable each came from, so that errors name it. A rank set without its world size raises, naming both:
-    `RANK=1` alone was told "RANK 1 must be smaller than world_size 1", a setting the user never made."""
+    """Fills rank, local_rank and world_size not given from the variables `_rank_variables` picks, and records which
+    variable each came from, so that errors name it. A rank set without its world size, or a world size of more than
+    one without its rank, raises naming both: `RANK=1` alone was told "RANK 1 must be smaller than world_size 1", a
+    setting the user never made, and `WORLD_SIZE=2` alone made every process rank 0."""
     variables = _rank_variables(env)
-    size_given = "world_size" in values
+    given = {setting for setting in ("rank", "world_size") if setting in values}
     for setting, variable, default in zip(("rank", "local_rank", "world_size"), variables, (0, 0, 1), strict=True):
         if setting in values:
             continue
         values[setting] = _int_env(env, variable, default, default)
         from_env.pop(setting, None)
-        if env.get(variable, "").strip():
+        if _is_set(env, variable):
             from_env[setting] = (variable, env[variable])
     rank_variable, _, size_variable = variables
-    if "rank" in from_env and values["rank"] != 0 and "world_size" not in from_env and not size_given:
+    if "rank" in from_env and values["rank"] != 0 and "world_size" not in from_env and "world_size" not in given:
         raise ValueError(f"{rank_variable} is {values['rank']} but {size_variable} is unset: set both (torchrun "
                          "does), or pass th.init(world_size=...)")
+    if "world_size" in from_env and values["world_size"] != 1 and "rank" not in from_env and "rank" not in given:
+        raise ValueError(f"{size_variable} is {values['world_size']} but {rank_variable} is unset: set both "
+                         "(torchrun does), or pass th.init(rank=...)")
