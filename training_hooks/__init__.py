@@ -35,7 +35,8 @@ def init(
 ) -> Tracker:
     """A started Tracker; every argument left as None comes from the environment or its default.
 
-    Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE, STEPSCOPE_PUSH_URL (default
+    Environment: STEPSCOPE_RUN, RANK, LOCAL_RANK, WORLD_SIZE (else srun's or mpirun's own: docs/hooks.md,
+    Launchers), STEPSCOPE_PUSH_URL (default
     http://127.0.0.1:9847; empty disables pushing), STEPSCOPE_PUSH_TOKEN, STEPSCOPE_PUSH_INTERVAL (5 s),
     STEPSCOPE_BUCKETS (fixed bounds instead of buckets that follow the run), STEPSCOPE_PHASE_BUCKETS
     (per-phase buckets, off by default), STEPSCOPE_TRACE_DIR, STEPSCOPE_TRACE_MAX_BYTES and
