@@ -51,7 +51,7 @@ THRESHOLDS: Mapping[str, Threshold] = {
         0.3, "share of step time spent in dataloader_next above which a run is data bound",
         (RUN_VERDICT, "StepscopeDataLoadingBottleneck")),
     # Set from the H100 recordings in ../shared/corpus (h100-2026-11-24, medians of steady training):
-    # GPU-bound bf16 work read NVML utilization 0.98-1.00 with SM active 0.65-0.90 (0.73 at the 700 W
+    # GPU-bound bf16 work read NVML utilization 0.98-1.00 with SM active 0.73-0.90 (0.73 at the 700 W
     # power cap); a data-bound loop 0.00; a launch-bound loop 0.14 (SM active 0.0009); one single-SM
     # kernel per step 1.00 with SM active 0.008. Held to the H200's (benchmarks/corpus/h200-2026-11-26,
     # every steady reading): the nearest busy GPU is one time-sharing two DDP ranks, 0.86-0.91 (SM active
@@ -65,7 +65,8 @@ THRESHOLDS: Mapping[str, Threshold] = {
         (RUN_VERDICT, "StepscopeGpuUnderutilized", "StepscopeGpuBusyButIdle")),
     "busy_idle_sm_active": Threshold(
         0.2, "SM active (GPM) below which a busy GPU does little: kernels too small for it "
-        "(H100: one-SM kernel 0.008, GPU-bound bf16 0.65-0.90)",
+        "(H100: one-SM kernel 0.008; GPU-bound bf16 on the H100 and H200 0.67-0.90, the 0.67 two DDP ranks "
+        "time-sharing one)",
         (RUN_VERDICT, "StepscopeGpuBusyButIdle")),
     "verdict_settle_seconds": Threshold(
         30, "seconds since a rank started training (in state train now, and already that long ago) before the "
@@ -162,7 +163,7 @@ THRESHOLDS: Mapping[str, Threshold] = {
         "active above which a GPU is throttled", ("StepscopeGpuThrottling",)),
     "power_cap_clock_ratio": Threshold(
         0.7, "SM clock over the GPU's maximum below which power capping costs more than a GPU at its power "
-        "limit does (at their 700 W cap on bf16 matmuls an H100 ran 1.695-1.77 of 1.98 GHz, 0.86-0.89, and an "
+        "limit does (at their 700 W cap on bf16 matmuls an H100 ran 1.695-1.815 of 1.98 GHz, 0.86-0.92, and an "
         "H200 1.53-1.725 GHz, 0.77-0.87, 0.82 on average)",
         ("StepscopeGpuThrottling",)),
     "collector_stale_seconds": Threshold(

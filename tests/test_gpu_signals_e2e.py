@@ -161,7 +161,7 @@ def test_busy_but_idle_alert_fires_for_the_gpu_with_high_utilization_and_low_sm_
 
 def test_underutilized_alert_reads_nvml_utilization_so_a_saturated_gpm_gpu_stays_out(stack: Stack) -> None:
     """bf16's H100 is saturated (NVML 98%) with its SMs active 72.5%, as a real one at full bf16 load
-    (0.65-0.90): no alert. tiny's GPU is busy too (its idle SMs have their own alert). The A100 dropping
+    (0.67-0.90): no alert. tiny's GPU is busy too (its idle SMs have their own alert). The A100 dropping
     to a launch-bound loop's 14% NVML waits: the alert fires for it, and for it alone."""
     bf16 = _gpu("bf16")
     assert bf16["utilization"]["gpu"] / 100 >= BUSY and bf16["gpm"]["sm_util"] / 100 < BUSY

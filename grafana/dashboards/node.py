@@ -401,7 +401,7 @@ def _gpu_throttling(board: dashboard.Dashboard) -> dashboard.Dashboard:
             timeseries_panel(
                 "SM clock lost below its maximum",
                 "1 - SM clock / maximum SM clock, per GPU: what power capping (or throttling) costs. At its "
-                "700 W cap on bf16 matmuls an H100 ran at 0.86-0.89 of its 1.98 GHz (a loss of 11-14%), an H200 at "
+                "700 W cap on bf16 matmuls an H100 ran at 0.86-0.92 of its 1.98 GHz (a loss of 8-14%), an H200 at "
                 "0.77-0.87 (13-23%); "
                 f"StepscopeGpuThrottling warns for sw_power_cap only past a loss of {1 - POWER_CAP_CLOCK.value:.0%}.",
                 [Q(f"1 - {sel(rec.GPU_SOURCE_SM_CLOCK, GPUS)} "

@@ -315,8 +315,8 @@ def _overview_row(board: dashboard.Dashboard) -> dashboard.Dashboard:
                 "The GPUs the run's ranks hold memory on, averaged over the last minute of training. NVML: the "
                 f"share of time a kernel was resident; at or above {GPU_BOUND.percent} the GPUs are busy (the "
                 "healthy state), below it they wait for the data or the host. SM active (GPM, Hopper and newer) "
-                "and tensor cores grade how well busy GPUs are used: saturated bf16 training on an H100 read "
-                f"SM active 0.65-0.90; below {BUSY_IDLE.percent} the busy GPUs do little. Empty for CPU-only runs.",
+                "and tensor cores grade how well busy GPUs are used: saturated bf16 training on an H100 or H200 read "
+                f"SM active 0.67-0.90; below {BUSY_IDLE.percent} the busy GPUs do little. Empty for CPU-only runs.",
                 [
                     Q(sel(rec.RUN_GPU_UTILIZATION, RUN), "NVML"),
                     Q(sel(rec.RUN_GPU_SM_ACTIVE, RUN), "SM active"),

@@ -24,7 +24,7 @@ GIB = 1024**3
 # Per-model templates: identity and limits of the real models; readings are a saturated training GPU as
 # an H100 80GB HBM3 reported it (benchmarks/corpus/h100-2026-11-24, mlp_bf16: 4 x Linear(8192) in bf16
 # at its 700 W cap): NVML utilization 98%, memory-controller 38%, SM active 73%, SM occupancy 18%,
-# tensor 57%, DRAM 30%, 688 W, SM clock 1.695-1.77 of 1.98 GHz, 61 C. The H200 template is the H200's own
+# tensor 57%, DRAM 30%, 688 W, SM clock 1.695-1.815 of 1.98 GHz, 61 C. The H200 template is the H200's own
 # recording of the same model (benchmarks/corpus/h200-2026-11-26, mlp_bf16, medians of steady training).
 # No other model has been recorded: the GH200 (the same Hopper SMs) takes the H100's GPM readings, and
 # every other model the same NVML utilization (a saturated GPU reads 98-100% on any of them); power,
