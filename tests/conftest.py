@@ -34,6 +34,7 @@ LONGEST_FIRST = (  # wall seconds measured at -n 3 on a 2-core machine (set up +
     "test_bundle_e2e.py",           # 43 (34): training runs, Prometheus, every rule and panel query
     "test_pod_labels.py",           # 39 (9): two exporters, a run on each, until both have their verdict
     "test_framework_truth.py",      # 23 (17)
+    "test_corpus_scrape_interval.py",  # 20 at -n 0 on a loaded machine: ten promtool runs, two at a time
     "test_readme_commands.py",      # 20 (29): every demo command at once, a CPU burst
     "test_http_hardening.py",       # 17 (13): 512 groups, shutdown deadlines
     "test_helm_chart.py",           # 15 (15)
