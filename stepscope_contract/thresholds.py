@@ -169,6 +169,12 @@ THRESHOLDS: Mapping[str, Threshold] = {
     "collector_stale_seconds": Threshold(
         120, "age of a collector's last success above which its readings are stale",
         ("StepscopeExporterCollectionStale",)),
+    # The rules' rate windows are 1m: they need two scrapes inside every minute. Prometheus 2.42 scraping a real
+    # exporter every 60 s (evaluating every 1m, its default) recorded no step rate, share, straggler score nor verdict
+    # for any run in 7 minutes, and paged StepscopeRankLost for every live rank (a push read up to 60 s old).
+    "scrape_interval_max_seconds": Threshold(
+        30, "longest scrape interval of a stepscope exporter the rules serve (their 1m windows need two scrapes)",
+        ("StepscopeScrapeIntervalTooLong",)),
     "compute_limit_share": Threshold(
         0.8, "share of the compute limit below which a run whose loader keeps up is below its limits",
         (RUN_LIMITS_VERDICT,)),
