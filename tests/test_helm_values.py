@@ -24,6 +24,7 @@ import pytest
 import requests
 import yaml
 
+from stepscope.contract import THRESHOLDS
 from stepscope_testkit.loopback import LoopbackServer, serving
 from tests.support.helm_chart import (
     CHART,
@@ -503,8 +504,25 @@ def test_a_scrape_timeout_longer_than_the_interval_is_refused(kind: str) -> None
     values = {kind: {"enabled": True, "interval": "15s", "scrapeTimeout": "1m"}, other: {"enabled": False}}
     with pytest.raises(helm_python.HelmRenderError, match=rf"{kind}.scrapeTimeout 1m is longer than .*interval 15s"):
         render(CHART, values)
-    fine = {kind: {"enabled": True, "interval": "1m30s", "scrapeTimeout": "1m"}, other: {"enabled": False}}
+    fine = {kind: {"enabled": True, "interval": "30s", "scrapeTimeout": "30s"}, other: {"enabled": False}}
     assert objects(render(CHART, fine))
+
+
+@pytest.mark.parametrize("kind", ["serviceMonitor", "podMonitor"])
+def test_a_scrape_interval_the_rules_cannot_serve_is_refused(kind: str) -> None:
+    """The rules' 1m windows need two scrapes in a minute: a 60 s monitor (kube-prometheus-stack's and Prometheus'
+    habit) rendered, and Prometheus then recorded no rate, share nor verdict for any run and paged StepscopeRankLost
+    for every live rank (docs/deployment.md). The limit is the contract's."""
+    longest = THRESHOLDS["scrape_interval_max_seconds"].value
+    other = "podMonitor" if kind == "serviceMonitor" else "serviceMonitor"
+    for interval in ("1m", f"{longest + 1:g}s"):
+        values = {kind: {"enabled": True, "interval": interval, "scrapeTimeout": "10s"}, other: {"enabled": False}}
+        with pytest.raises(helm_python.HelmRenderError,
+                           match=rf"{kind}.interval {interval} is longer than {longest:g}s: the stepscope rules' 1m "
+                                 r"windows need two scrapes in a minute; at 60s no run gets a rate, share or verdict"):
+            render(CHART, values)
+    edge = {kind: {"enabled": True, "interval": f"{longest:g}s", "scrapeTimeout": "10s"}, other: {"enabled": False}}
+    assert objects(render(CHART, edge))
 
 
 # ---- every rendered object validates ---------------------------------------------------------------

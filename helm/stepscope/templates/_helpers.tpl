@@ -252,6 +252,17 @@ and the operator drops the monitor without a word where users look. (list "servi
 {{- end }}
 {{- end }}
 
+{{/* Fails when a monitor scrapes less often than every 30 s (THRESHOLDS["scrape_interval_max_seconds"]): the rules'
+1m windows need two scrapes in a minute. At 60 s Prometheus recorded no rate, share, straggler score nor verdict for
+any run, and StepscopeRankLost paged every live rank (docs/deployment.md). (list "serviceMonitor" values) */}}
+{{- define "stepscope.checkScrapeInterval" -}}
+{{- $name := index . 0 }}
+{{- $monitor := index . 1 }}
+{{- if gt (include "stepscope.durationMs" $monitor.interval | atoi) 30000 }}
+{{- fail (printf "%s.interval %s is longer than 30s: the stepscope rules' 1m windows need two scrapes in a minute; at 60s no run gets a rate, share or verdict and StepscopeRankLost pages every live rank (docs/deployment.md#scrape-and-evaluation-intervals)" $name $monitor.interval) }}
+{{- end }}
+{{- end }}
+
 {{/* The groups of one of the rule files (a .Files.Glob), as YAML; fails clearly when the file is missing
 or broken. (list $files path) */}}
 {{- define "stepscope.ruleGroups" -}}
