@@ -119,6 +119,11 @@ def runs_seen(prom: Prometheus, start: float, end: float) -> list[RunSeen]:
     return [RunSeen(run, len(ranks[run]), tuple(sorted(nodes[run]))) for run in sorted(ranks)]
 
 
+# The raw samples read at each edge of a run: three scrapes at a 60 s interval, so their gaps give the interval. With
+# 60 s, one sample or none fell in each edge's minute and the interval was taken for the 15 s default.
+RAW_SECONDS = 180
+
+
 def run_life(prom: Prometheus, run: str, start: float, end: float) -> tuple[float, float, float]:
     """(when the run started, last sample, typical scrape interval) of the run's info series in [start, end]:
     its first sample there, or its processes' start just before it (run_start).
@@ -130,8 +135,8 @@ def run_life(prom: Prometheus, run: str, start: float, end: float) -> tuple[floa
     last_minute = _edge_minute(prom, selector, start, end, from_end=True)
     if first_minute is None or last_minute is None:
         raise NoData(f"run {run!r} has no samples between {iso(start)} and {iso(end)}")
-    first_raw = prom.query(f"{selector}[60s]", first_minute)
-    raw = first_raw + prom.query(f"{selector}[60s]", last_minute)
+    first_raw = prom.query(f"{selector}[{RAW_SECONDS}s]", first_minute)
+    raw = first_raw + prom.query(f"{selector}[{RAW_SECONDS}s]", last_minute)
     times = [t for series in raw for t, _ in series.points if start <= t <= end]
     if not times:
         raise NoData(f"run {run!r} has no samples between {iso(start)} and {iso(end)}")

@@ -73,9 +73,20 @@ def gapped_run() -> list[tuple[str, float, float]]:
             for sample in _scrape_of("gapped", t, min(t, 100), 10 * min(t, 100), t < 100, rank, world_size=3)]
 
 
+SPARSE_SCRAPE = 60  # Prometheus' default interval: the rules' 1m windows hold one sample, the rules record nothing
+
+
+def sparse_run(run: str, recorded: bool) -> list[tuple[str, float, float]]:
+    """Run `run`, one rank stepping 10 a second for 10 minutes, its exporter scraped every 60 s: what Prometheus
+    2.42 recorded of it (nothing: `recorded` False), or VictoriaMetrics, whose rates read the sample before the
+    window (its samples rate, no verdict)."""
+    return [sample for t in range(0, 601, SPARSE_SCRAPE) for sample in _scrape_of(run, t, t, 10 * t, True)
+            if recorded or not sample[0].startswith(RUN_SAMPLES_RATE)]
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    history = paused_run() + killed_run() + gapped_run()
+    history = paused_run() + killed_run() + gapped_run() + sparse_run("sparse", False) + sparse_run("sparse_vm", True)
     with running_prometheus_holding(tmp_path_factory.mktemp("history"), history) as running:
         yield running.url
 
@@ -178,3 +189,23 @@ def test_a_rank_of_the_world_size_that_never_reported_is_named(
             in (out / "index.html").read_text())
     assert cli.main(["--prometheus", prometheus, "--run", "paused", "--out", str(tmp_path / "whole")]) == 0
     assert "never reported" not in capsys.readouterr().err + (tmp_path / "whole" / "index.html").read_text()
+
+
+def test_a_run_scraped_too_rarely_for_the_rules_is_told_so(prometheus: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Scraped every 60 s, the rules recorded nothing of a run on Prometheus 2.42 (real exporter and hooks), and
+    the report said to load the rule files, which were loaded; on VictoriaMetrics they recorded its rates but no
+    verdict, and the report's headline read "No verdict yet: a rank must have started training 30 s ago" with no
+    word of why. Both now name the interval and the one the rules need."""
+    capsys.readouterr()
+    argv = ["--prometheus", prometheus, "--out", str(tmp_path / "report")]
+    assert cli.main([*argv, "--run", "sparse"]) == 2
+    [refused] = capsys.readouterr().err.splitlines()
+    assert "load the rule files" not in refused, refused
+    assert refused.endswith("its exporter was scraped every 60 s, and the rules' 1m windows need a scrape at least "
+                            "every 30 s: set the stepscope job's scrape_interval to 15s (docs/deployment.md)"), refused
+    assert cli.main([*argv, "--run", "sparse_vm"]) == 0
+    warning = capsys.readouterr().err
+    assert warning.startswith("stepscope-report: warning: its exporter was scraped every 60 s"), warning
+    assert cli.main([*argv, "--run", "paused"]) == 0
+    assert "scraped every" not in capsys.readouterr().err
