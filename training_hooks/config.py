@@ -25,7 +25,7 @@ MAX_LABEL_LENGTH = 128
 # The longest push interval, backoff and push timeout: the exporter forgets a group not pushed for its
 # --ingest-ttl (600 s by default), so a rank pushing less often comes and goes. Far above, a wait the pusher
 # thread cannot make (threading.TIMEOUT_MAX) killed it with OverflowError: no periodic push at all. The rules
-# assume about 20 s at most (StepscopeRankLost, docs/alerts.md).
+# assume it plus the scrape interval stays under rank_lost_seconds, 45 s (StepscopeRankLost, docs/alerts.md).
 MAX_PUSH_SECONDS = 600.0
 # Pushing more often than this is no finer reading (Prometheus scrapes every few seconds) and, at 1e-9, a pusher
 # thread pushing flat out: a core of the training node and the node's exporter spent on it.
