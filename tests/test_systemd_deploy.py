@@ -19,6 +19,7 @@ import requests
 import yaml
 
 from stepscope.contract import families
+from stepscope_testkit import ingest_bodies
 from stepscope_testkit.processes import Running, free_port, running, sample_values
 from tests.support.prometheus import query, running_prometheus_config, wait_for
 
@@ -230,3 +231,28 @@ def test_the_unit_as_its_user_serves_a_slurm_rank_of_another_user_to_the_shipped
             rank.kill()
             rank.wait()
         assert "refused" not in exporter.log()
+
+
+def last_process_cycle(base_url: str) -> float:
+    """Unix time of the process collector's last cycle."""
+    return sample_values(scrape_with_auth(base_url), "stepscope_exporter_collector_last_success_timestamp_seconds",
+                         collector="process")[0]
+
+
+@needs_root_and_setpriv
+def test_without_the_capabilities_the_exporter_says_in_one_line_what_it_leaves_out(
+        tmp_path: Path, etc_stepscope: Path, unit_settings: dict[str, str]) -> None:
+    """Run as a user without the unit's capabilities, another user's rank (this test, root) reads CPU and memory
+    but no I/O: before, no word said why its I/O families were missing."""
+    with running_unit(etc_stepscope, unit_settings, tmp_path / "exporter.log", with_capabilities=False) as exporter:
+        push = f"{exporter.url}/metrics/job/stepscope/run/rooted/rank/0"
+        body = ingest_bodies.full_body(pid=os.getpid())
+        assert requests.put(push, data=body, timeout=10).status_code == 200
+        assert wait_for(lambda: sample_values(scrape_with_auth(exporter.url), families.PROCESS_CPU_SECONDS,
+                                              run="rooted"), timeout=30, interval=0.5), exporter.log()
+        first = last_process_cycle(exporter.url)
+        assert wait_for(lambda: last_process_cycle(exporter.url) >= first + 2, timeout=30, interval=0.5)
+        assert sample_values(scrape_with_auth(exporter.url), families.PROCESS_IO_READ, run="rooted") == []
+    refusals = [line for line in exporter.log().splitlines() if "is refused" in line]
+    assert len(refusals) == 1, exporter.log()  # one line, not one a cycle
+    assert "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH" in refusals[0]

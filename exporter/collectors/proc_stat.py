@@ -51,8 +51,9 @@ def stat_of(pid: int, procfs: str | None = None) -> ProcStat | None:
 
 
 def io_of(pid: int) -> tuple[int, int] | None:
-    """(read, written) storage bytes, or None where they may not be read (another user's process, a
-    platform or kernel without them). Raises psutil.NoSuchProcess when the process is gone."""
+    """(read, written) storage bytes, or None where the platform or kernel has none. Raises PermissionError where
+    they are refused (another user's process, read without CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH), which the
+    collector tells the operator about, and psutil.NoSuchProcess when the process is gone."""
     if not _LINUX:
         return _psutil_io_of(pid)
     process = f"{psutil.PROCFS_PATH}/{pid}"
@@ -67,8 +68,6 @@ def io_of(pid: int) -> tuple[int, int] | None:
         raise psutil.NoSuchProcess(pid) from exc
     except ProcessLookupError as exc:
         raise psutil.NoSuchProcess(pid) from exc
-    except PermissionError:
-        return None
     return int(counters[b"read_bytes"]), int(counters[b"write_bytes"])
 
 
@@ -90,6 +89,6 @@ def _psutil_io_of(pid: int) -> tuple[int, int] | None:
         return None
     try:
         counters = io_counters()
-    except psutil.AccessDenied:
-        return None
+    except psutil.AccessDenied as exc:
+        raise PermissionError(f"I/O counters of process {pid} refused") from exc
     return counters.read_bytes, counters.write_bytes

@@ -75,6 +75,7 @@ class _Reading:
     rss: int
     children: int
     io: tuple[int, int] | None  # (read, written) bytes; None where the platform or permissions deny it
+    io_refused: bool  # the process's own I/O counters were refused: another user's, read without the capabilities
     descendants: list[int]  # pids, the exited ones not yet reaped included
 
 
@@ -140,6 +141,7 @@ class ProcessCollector:
         self._tracked: dict[int, _Tracked] = {}
         self._children = _ChildrenMap()
         self._missing: dict[int, float] = {}  # pid -> monotonic time of its last failed lookup
+        self._io_refusal_logged = False
 
     def collect(self) -> Iterable[Metric]:
         identities = self._identities()
@@ -195,6 +197,8 @@ class ProcessCollector:
             cpu.add_metric(labels, tracked.monotonic("cpu", reading.cpu_seconds))
             rss.add_metric(labels, reading.rss)
             children.add_metric(labels, reading.children)
+            if reading.io_refused:
+                self._log_io_refused(pid)
             if reading.io is not None:
                 io_read.add_metric(labels, tracked.monotonic("io_read", reading.io[0]))
                 io_write.add_metric(labels, tracked.monotonic("io_write", reading.io[1]))
@@ -212,6 +216,18 @@ class ProcessCollector:
 
     def close(self) -> None:
         self._tracked.clear()
+
+    def _log_io_refused(self, pid: int) -> None:
+        """Says once why the I/O families lack a process: run as a user other than root without the two
+        capabilities, the exporter published CPU and memory for another user's training process and silently
+        no I/O bytes."""
+        if self._io_refusal_logged:
+            return
+        self._io_refusal_logged = True
+        log.warning("process I/O of pid %d is refused (another user's process): %s and %s are left out for "
+                    "other users' processes; run the exporter as root, or give it CAP_SYS_PTRACE and "
+                    "CAP_DAC_READ_SEARCH (deploy/systemd/stepscope-exporter.service)",
+                    pid, families.PROCESS_IO_READ, families.PROCESS_IO_WRITE)
 
     def _identities(self) -> dict[int, tuple[str, str]]:
         """{pid as seen here: (run, rank)} of the registered processes that could be found here.
@@ -341,7 +357,11 @@ def _readable_stat_of(pid: int) -> ProcStat | None:
 def _read_tree(root: int, own: ProcStat, children_of: dict[int, list[int]]) -> _Reading:
     """Sums the process (`own`: its reading this cycle) and its live descendants; a descendant that exits
     mid-read is left out."""
-    cpu_seconds, rss, live, io = own.cpu_seconds, own.rss, 0, io_of(root)
+    cpu_seconds, rss, live = own.cpu_seconds, own.rss, 0
+    try:
+        io, io_refused = io_of(root), False
+    except PermissionError:
+        io, io_refused = None, True
     descendants = _descendants(root, own.started, children_of)
     for pid, child in descendants:
         cpu_seconds += child.cpu_seconds
@@ -351,7 +371,9 @@ def _read_tree(root: int, own: ProcStat, children_of: dict[int, list[int]]) -> _
             child_io = io_of(pid) if io is not None else None
         except psutil.NoSuchProcess:
             continue
+        except PermissionError:  # a worker that exec'd another user's program: the tree's bytes are unknown
+            child_io = None
         rss += child.rss
         live += 1
         io = (io[0] + child_io[0], io[1] + child_io[1]) if io is not None and child_io is not None else None
-    return _Reading(cpu_seconds, rss, live, io, [pid for pid, _ in descendants])
+    return _Reading(cpu_seconds, rss, live, io, io_refused, [pid for pid, _ in descendants])
