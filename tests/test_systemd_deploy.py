@@ -161,11 +161,14 @@ def start_slurm_rank(directory: Path, push_url: str) -> subprocess.Popen:
 
 
 def prometheus_config(tmp_path: Path, exporter_port: int) -> dict:
-    """The shipped prometheus.yml, its node list in a file naming this node `localhost`, basic auth as its
+    """The shipped prometheus.yml, its node list in a file naming this node `localhost` (by its address) and
+    `gpu-003` (by its target group's `instance`), basic auth as its
     comment says, scraped every second, its rules left out (test_shipped_prometheus_config_loads_with_the_rules
     loads them)."""
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
-    (tmp_path / "nodes.yml").write_text(yaml.safe_dump([{"targets": [f"localhost:{exporter_port}"]}]))
+    nodes = [{"targets": [f"localhost:{exporter_port}"]},
+             {"targets": [f"127.0.0.1:{exporter_port}"], "labels": {"instance": "gpu-003"}}]  # named by its group
+    (tmp_path / "nodes.yml").write_text(yaml.safe_dump(nodes))
     (tmp_path / "password").write_text(PASSWORD)
     config["global"]["scrape_interval"] = "1s"
     del config["rule_files"]
@@ -226,7 +229,9 @@ def test_the_unit_as_its_user_serves_a_slurm_rank_of_another_user_to_the_shipped
                                            ) as prometheus:
                 selector = 'stepscope_training_info{job="stepscope",instance="localhost",run="train-1001"}'
                 assert wait_for(lambda: query(prometheus.url, selector), timeout=30), prometheus.log()
-                assert query(prometheus.url, 'up{job="stepscope"}')[0]["metric"]["instance"] == "localhost"
+                assert wait_for(lambda: len(query(prometheus.url, 'up{job="stepscope"} == 1')) == 2, timeout=30)
+                up = query(prometheus.url, 'up{job="stepscope"}')
+                assert sorted(result["metric"]["instance"] for result in up) == ["gpu-003", "localhost"]
         finally:
             rank.kill()
             rank.wait()
