@@ -2,13 +2,14 @@
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it.
 # Debian packages: Prometheus, promtool, the Pushgateway, Alertmanager and amtool, node_exporter (for benchmarks), and
 # Chromium with its WebDriver (the report page is checked in a real headless browser), VictoriaMetrics with
-# vmalert (the second engine the rules are proven on, docs/engines.md).
+# vmalert (the second engine the rules are proven on, docs/engines.md), and systemd for systemd-analyze (the shipped
+# unit, deploy/systemd, is verified; nothing is started).
 # Python: a virtualenv in .venv with the CPU build of torch, then the project with its test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 apt_packages=(prometheus prometheus-pushgateway prometheus-node-exporter prometheus-alertmanager chromium chromium-driver
-              victoria-metrics)
+              victoria-metrics systemd)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

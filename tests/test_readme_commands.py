@@ -67,6 +67,17 @@ NOT_RUN = {  # command prefix -> why not here, and what is checked instead
     "helm install": "needs a cluster (and the helm CLI); test_the_helm_install_values_render renders "
                     "and lints the chart with these --set values through the Helm SDK",
     "helm test": "needs a cluster; test_the_helm_install_values_render checks the test pod is rendered",
+    "sudo useradd ": "bare-metal install as root, system-wide (docs/deployment.md, Bare metal and Slurm); "
+                     "test_systemd_deploy.py runs the unit's ExecStart as an unprivileged user with the unit's "
+                     "capabilities and env file, and the install command itself is test_readme_install.py's",
+    "sudo /usr/bin/python3 -m venv /opt/stepscope": "the same bare-metal install; test_readme_install.py runs its "
+                                                     "venv and pip install '.[exporter]' in a temporary folder",
+    "sudo /opt/stepscope/bin/pip install": "the same; test_readme_install.py",
+    "sudo install ": "copies the shipped files under /etc as root; test_systemd_deploy.py reads them where they are",
+    "sudo systemctl ": "needs systemd as PID 1 (none here); test_systemd_deploy.py verifies the unit with "
+                       "systemd-analyze and runs its ExecStart",
+    "curl -s http://127.0.0.1:9847/-/healthy": "the installed service's health; test_systemd_deploy.py scrapes "
+                                               "the unit's exporter",
     "PYTHONPATH=. .venv/bin/python benchmarks/": "benchmarks take minutes each and write benchmarks/results/ "
                                                  "(timing budgets live there, never in tests); "
                                                  "test_the_benchmark_scripts_exist_and_compile",
