@@ -45,6 +45,16 @@ class Threshold:
         """The value as written in a query or a sentence: 0.75 -> "0.75", 120 -> "120"."""
         return f"{self.value:g}"
 
+    @property
+    def duration(self) -> str:
+        """Seconds as an alert's sentence says them: 21600 -> "6 hours", 1200 -> "20 minutes", 45 -> "45 s" (a
+        description read "or 21600 s after this push")."""
+        for unit, seconds in (("hour", 3600), ("minute", 60)):
+            count = self.value / seconds
+            if count >= 1 and count.is_integer():
+                return f"{count:g} {unit}{'' if count == 1 else 's'}"
+        return f"{self.value:g} s"
+
 
 THRESHOLDS: Mapping[str, Threshold] = {
     "data_loading_share": Threshold(

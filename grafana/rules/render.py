@@ -7,6 +7,7 @@
                                        group_left () instance:stepscope_node_clock_offset:seconds`
     <<threshold:data_loading_share>>   THRESHOLDS["data_loading_share"] as a number (0.3)
     <<percent:data_loading_share>>     the same as a share (30%), for annotations
+    <<duration:rank_lost_max_seconds>> a threshold in seconds as words (6 hours), for annotations
     <<phase:DATA_LOADING_PHASE>>       a phase constant of stepscope.contract.training
     <<phases:LOCAL_PHASES>>            a tuple of phases as a regex alternation (a|b|c)
     <<state:TRAIN_STATE>>              a state constant of stepscope.contract.training
@@ -64,6 +65,7 @@ KINDS: dict[str, Callable[[str], str]] = {
     "node_join": lambda name: f"on (instance, job) group_left () {_named(recordings)(name)}",
     "threshold": lambda name: THRESHOLDS[name].number,
     "percent": lambda name: THRESHOLDS[name].percent,
+    "duration": lambda name: THRESHOLDS[name].duration,
     "phase": _named(training, "_PHASE"),
     "phases": _named(training, "PHASES", tuple),
     "state": _named(training, "_STATE"),
