@@ -276,13 +276,11 @@ def _verdict(fractions: dict[str, float], data: RunData) -> str:
               and verdict != verdicts.IDLE}
     if judged:
         return max(judged, key=judged.__getitem__)
-    return NO_VERDICT if _trained_unjudged(data) else verdicts.IDLE
-
-
-def _trained_unjudged(data: RunData) -> bool:
-    """Whether a rank was in state train at a time the run had no verdict (range queries share times)."""
-    judged = {t for s in data.over_time["verdict"] for t, _ in s.points}
-    return bool(times_in_state(data.over_time["state"], TRAIN_STATE) - judged)
+    training = times_in_state(data.over_time["state"], TRAIN_STATE)
+    judged_at = {t for s in data.over_time["verdict"] for t, _ in s.points}
+    # A stalled run trains unjudged until the rules see it stall (the settle time and the stall threshold),
+    # then is judged idle while in train: idle at any time in train is the rules' verdict, not "none yet".
+    return NO_VERDICT if training - judged_at and not training & judged_at else verdicts.IDLE
 
 
 def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings, achieved: Throughput,

@@ -1075,3 +1075,17 @@ def test_a_world_size_that_follows_another_is_a_resize_and_the_same_size_after_a
     assert resizes([_world_size("4", 1000, 2000), _world_size("1", 1000, 2000)], 10.0) == []
     kept = Series({"world_size": "4"}, (*_world_size("4", 1000, 1620).points, *_world_size("4", 1680, 1900).points))
     assert resizes([kept, _world_size("2", 1600, 3000)], 10.0) == [Resize(1600, 4, 2)]
+
+
+def test_a_run_that_stalled_after_training_unjudged_is_idle_not_waiting_for_a_verdict() -> None:
+    """Measured on VictoriaMetrics and Prometheus at a 30 s scrape: a rank that made three steps and hung in
+    dataloader_next, in state train for 6 minutes, had no verdict for its first 2 minutes (the settle time and
+    the stall threshold) and `idle` after; the report said "No verdict yet: a rank must have started training
+    30 s ago" and that no rank had trained 30 s without a break."""
+    over = _over_time(None)
+    stalled_from = len(TIMES) // 2
+    over["verdict"] = [Series({"verdict": verdicts.IDLE}, tuple((t, 1.0) for t in TIMES[stalled_from:]))]
+    a = _assess(over)
+    assert a.verdict == verdicts.IDLE
+    assert a.headline == HEADLINES[verdicts.IDLE] and "the rules gave no verdict" not in a.because
+    assert a.fixes == FIXES[verdicts.IDLE]
