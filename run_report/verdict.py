@@ -102,6 +102,12 @@ NO_VERDICT_FIXES = [
     f"Report a range with a longer stretch of training: the rules judge a run once a rank has trained "
     f"{SETTLE_SECONDS} s without eval or checkpoints between, when the GPU readings and the 1m rates are in.",
 ]
+SCRAPE_INTERVAL_MAX_SECONDS = THRESHOLDS["scrape_interval_max_seconds"].value
+SPARSE_SCRAPES_FIXES = [
+    f"Scrape the stepscope job every 15 s (at most {SCRAPE_INTERVAL_MAX_SECONDS:g} s): its scrape_interval, the "
+    "chart's serviceMonitor.interval, or -promscrape.config's scrape_interval for VictoriaMetrics and vmagent, "
+    "whose default is 1m (docs/deployment.md).",
+]
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,7 @@ class Evidence:
     io_samples_per_second: float | None = None  # the whole window's only
     training_samples_per_second: float | None = None
     phases_timed: bool = True
+    scrape_interval: float = 0.0  # the exporter's, as the report measured it (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     spells = _partial_stragglers(data, slow)
     periods = judged_periods(data)
     last = periods[-1] if periods and periods[-1][0] != verdict and verdict != NO_VERDICT else None
-    fixes = list(FIXES.get(verdict, NO_VERDICT_FIXES))
+    fixes = list(FIXES.get(verdict, SPARSE_SCRAPES_FIXES if _too_sparse(data.window) else NO_VERDICT_FIXES))
     fixes += [fix for fix in FIXES[last[0]] if fix not in fixes] if last else []
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
@@ -191,7 +198,9 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
               f"{_clock(data.window, spell.end)} UTC: "
               "GPU throttling, XID/ECC errors, CPU saturation, another job on the node, network." for spell in spells]
     return Assessment(
-        verdict=verdict, fractions=fractions, headline=_headline(verdict, fractions, gpus, achieved, last),
+        verdict=verdict, fractions=fractions,
+        headline=_sparse_headline(data.window) if verdict == NO_VERDICT and _too_sparse(data.window)
+        else _headline(verdict, fractions, gpus, achieved, last),
         because=_because(data, verdict, totals, gpus, periods) + _straggler_words(slow)
         + _spell_words(spells, data.window),
         rule=verdicts.MEANINGS.get(verdict, ""), fixes=fixes, checks=_checks(totals, ranks, gpus, spells),
@@ -226,7 +235,7 @@ def _evidence(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings,
     judged = {t for s in data.over_time["verdict"] for t, _ in s.points
               if s.labels.get("verdict") not in (verdicts.IDLE, verdict)}
     whole = Evidence("Over the window", gpus, totals.dataloader_share, totals.io_samples_per_second,
-                     totals.training_samples_per_second, bool(totals.phase_seconds))
+                     totals.training_samples_per_second, bool(totals.phase_seconds), data.window.scrape_interval)
     if verdict not in verdicts.BOTTLENECK_VERDICTS or all(period[0] == verdict for period in periods):
         return whole
     held = {t for s in data.over_time["verdict"] if s.labels.get("verdict") == verdict for t, _ in s.points}
@@ -374,7 +383,22 @@ def _idle(e: Evidence) -> str:
     return "No step was made in state train in this range."
 
 
+def _too_sparse(window: Window) -> bool:
+    """Whether the run's exporter was scraped less often than the rules' 1m windows need: then they give no
+    verdict however long the ranks train (at 60 s on VictoriaMetrics + vmalert a run that trained 6 minutes read
+    "No verdict yet: a rank must have started training 30 s ago")."""
+    return window.scrape_interval > SCRAPE_INTERVAL_MAX_SECONDS
+
+
+def _sparse_headline(window: Window) -> str:
+    return (f"No verdict: the run's exporter was scraped every {window.scrape_interval:.0f} s, and the rules need a "
+            f"scrape at least every {SCRAPE_INTERVAL_MAX_SECONDS:g} s")
+
+
 def _no_verdict(e: Evidence) -> str:
+    if e.scrape_interval > SCRAPE_INTERVAL_MAX_SECONDS:
+        return (f"The ranks trained in this range, but their exporter was scraped every {e.scrape_interval:.0f} s: "
+                "the rules' 1m windows held one sample or none, so they gave no verdict; the numbers below hold.")
     return (f"The ranks trained in this range, but none for {SETTLE_SECONDS} s without a break (setup, eval, "
             "checkpoints or the run's end came first), so the rules gave no verdict; the numbers below hold.")
 

@@ -3,6 +3,7 @@ times, windows, the Gantt intervals and the critical path from series, CSV cells
 directory that is replaced only when a report is complete, and the verdict in words for the readings
 of a real H100 (saturated bf16: NVML 0.98, SM active 0.73, tensor cores 0.58)."""
 
+import dataclasses
 import errno
 import os
 import re
@@ -1089,3 +1090,21 @@ def test_a_run_that_stalled_after_training_unjudged_is_idle_not_waiting_for_a_ve
     assert a.verdict == verdicts.IDLE
     assert a.headline == HEADLINES[verdicts.IDLE] and "the rules gave no verdict" not in a.because
     assert a.fixes == FIXES[verdicts.IDLE]
+
+
+def test_a_run_scraped_every_60_s_reads_no_verdict_for_its_scrape_interval_not_its_settle_time() -> None:
+    """Measured on VictoriaMetrics + vmalert scraping every 60 s: a data-bound run that trained 6 minutes got rates
+    but no verdict, and the page said "No verdict yet: a rank must have started training 30 s ago" and that no rank
+    had trained 30 s without a break; only stderr named the interval."""
+    sparse = Window(WINDOW.start, WINDOW.end, WINDOW.step, scrape_interval=60.0)
+    data = RunData("r", sparse, ("n",), {}, _over_time(None))
+    totals = RunTotals(steps=100, samples=6400, step_seconds=10.0, steps_timed=100, phase_seconds={}, p50=0.1, p95=0.12)
+    a = assess(data, totals, [])
+    assert a.verdict == NO_VERDICT
+    assert a.headline == ("No verdict: the run's exporter was scraped every 60 s, and the rules need a scrape at "
+                          "least every 30 s")
+    assert "scraped every 60 s" in a.because and "without a break" not in a.because
+    assert "scrape_interval" in a.fixes[0]
+    at_30_s = assess(RunData("r", dataclasses.replace(sparse, scrape_interval=30.0), ("n",), {}, _over_time(None)),
+                     totals, [])
+    assert at_30_s.headline.startswith("No verdict yet") and "without a break" in at_30_s.because
