@@ -56,6 +56,7 @@ HEADLINES = {
     verdicts.UNDETERMINED: "Undetermined: the run steps, but nothing measured says what limits it",
     verdicts.IDLE: "Idle: no rank trained in this range",
 }
+STALLED_HEADLINE = "Idle: a rank in state train stopped stepping (stalled)"
 
 FIXES = {
     verdicts.DATA_BOUND: [
@@ -148,6 +149,7 @@ class Evidence:
     training_samples_per_second: float | None = None
     phases_timed: bool = True
     scrape_interval: float = 0.0  # the exporter's, as the report measured it (0: unknown)
+    stalled: bool = False  # judged idle while a rank was in state train
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     return Assessment(
         verdict=verdict, fractions=fractions,
         headline=_sparse_headline(data.window) if verdict == NO_VERDICT and _too_sparse(data.window)
+        else STALLED_HEADLINE if verdict == verdicts.IDLE and _stalled(data)
         else _headline(verdict, fractions, gpus, achieved, last),
         because=_because(data, verdict, totals, gpus, periods) + _straggler_words(slow)
         + _spell_words(spells, data.window),
@@ -235,7 +238,8 @@ def _evidence(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings,
     judged = {t for s in data.over_time["verdict"] for t, _ in s.points
               if s.labels.get("verdict") not in (verdicts.IDLE, verdict)}
     whole = Evidence("Over the window", gpus, totals.dataloader_share, totals.io_samples_per_second,
-                     totals.training_samples_per_second, bool(totals.phase_seconds), data.window.scrape_interval)
+                     totals.training_samples_per_second, bool(totals.phase_seconds), data.window.scrape_interval,
+                     _stalled(data))
     if verdict not in verdicts.BOTTLENECK_VERDICTS or all(period[0] == verdict for period in periods):
         return whole
     held = {t for s in data.over_time["verdict"] if s.labels.get("verdict") == verdict for t, _ in s.points}
@@ -288,8 +292,15 @@ def _verdict(fractions: dict[str, float], data: RunData) -> str:
     training = times_in_state(data.over_time["state"], TRAIN_STATE)
     judged_at = {t for s in data.over_time["verdict"] for t, _ in s.points}
     # A stalled run trains unjudged until the rules see it stall (the settle time and the stall threshold),
-    # then is judged idle while in train: idle at any time in train is the rules' verdict, not "none yet".
-    return NO_VERDICT if training - judged_at and not training & judged_at else verdicts.IDLE
+    # then is judged idle while in train: that is the rules' verdict, not "none yet".
+    return NO_VERDICT if training - judged_at and not _stalled(data) else verdicts.IDLE
+
+
+def _stalled(data: RunData) -> bool:
+    """Whether the rules judged the run idle at a time a rank was in state train: it stopped stepping there (a
+    hung loader, collective or I/O), which "no rank trained" would hide (range queries share times)."""
+    idle_at = {t for s in data.over_time["verdict"] if s.labels.get("verdict") == verdicts.IDLE for t, _ in s.points}
+    return bool(times_in_state(data.over_time["state"], TRAIN_STATE) & idle_at)
 
 
 def _headline(verdict: str, fractions: dict[str, float], gpus: GpuReadings, achieved: Throughput,
@@ -380,6 +391,9 @@ def _undetermined(e: Evidence) -> str:
 
 
 def _idle(e: Evidence) -> str:
+    if e.stalled:
+        return ("A rank was in state train but made no step while the rules judged the run idle: it hangs in a "
+                "phase (the state timeline and StepscopeTrainingStalled say which), or waits on another rank.")
     return "No step was made in state train in this range."
 
 

@@ -1088,8 +1088,11 @@ def test_a_run_that_stalled_after_training_unjudged_is_idle_not_waiting_for_a_ve
     over["verdict"] = [Series({"verdict": verdicts.IDLE}, tuple((t, 1.0) for t in TIMES[stalled_from:]))]
     a = _assess(over)
     assert a.verdict == verdicts.IDLE
-    assert a.headline == HEADLINES[verdicts.IDLE] and "the rules gave no verdict" not in a.because
+    assert a.headline == "Idle: a rank in state train stopped stepping (stalled)"
+    assert "made no step while the rules judged the run idle" in a.because and "no verdict" not in a.because
     assert a.fixes == FIXES[verdicts.IDLE]
+    ended = _over_time(verdicts.IDLE, trained=False)  # judged idle with no rank in train: nothing stalled
+    assert _assess(ended).headline == HEADLINES[verdicts.IDLE]
 
 
 def test_a_run_scraped_every_60_s_reads_no_verdict_for_its_scrape_interval_not_its_settle_time() -> None:
