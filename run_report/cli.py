@@ -179,11 +179,11 @@ def _too_sparse(window: Window) -> str:
     windows hold one sample or none): at 60 s, Prometheus recorded nothing and the report told the user to load
     rules that were loaded; VictoriaMetrics recorded rates but no verdict, which read "No verdict yet". Empty
     where the interval serves them."""
-    longest = THRESHOLDS["scrape_interval_max_seconds"].value
-    if window.scrape_interval <= longest:
+    if not window.scraped_too_rarely:
         return ""
     return (f"its exporter was scraped every {window.scrape_interval:.0f} s, and the rules' 1m windows need a scrape "
-            f"at least every {longest:g} s: set the stepscope job's scrape_interval to 15s (docs/deployment.md)")
+            f"at least every {THRESHOLDS['scrape_interval_max_seconds'].value:g} s: set the stepscope job's "
+            "scrape_interval to 15s (docs/deployment.md)")
 
 
 def _recorded(prom: Prometheus, run: str, window: Window) -> bool:

@@ -192,7 +192,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
     spells = _partial_stragglers(data, slow)
     periods = judged_periods(data)
     last = periods[-1] if periods and periods[-1][0] != verdict and verdict != NO_VERDICT else None
-    fixes = list(FIXES.get(verdict, SPARSE_SCRAPES_FIXES if _too_sparse(data.window) else NO_VERDICT_FIXES))
+    fixes = list(FIXES.get(verdict, SPARSE_SCRAPES_FIXES if data.window.scraped_too_rarely else NO_VERDICT_FIXES))
     fixes += [fix for fix in FIXES[last[0]] if fix not in fixes] if last else []
     fixes += [f"Open rank {rank.rank}'s node {rank.node}: GPU throttling, XID/ECC errors, CPU saturation, "
               "network; compare its phase breakdown with the other ranks'." for rank in slow]
@@ -201,7 +201,7 @@ def assess(data: RunData, totals: RunTotals, ranks: list[RankSummary]) -> Assess
               "GPU throttling, XID/ECC errors, CPU saturation, another job on the node, network." for spell in spells]
     return Assessment(
         verdict=verdict, fractions=fractions,
-        headline=_sparse_headline(data.window) if verdict == NO_VERDICT and _too_sparse(data.window)
+        headline=_sparse_headline(data.window) if verdict == NO_VERDICT and data.window.scraped_too_rarely
         else STALLED_HEADLINE if verdict == verdicts.IDLE and _stalled(data)
         else _headline(verdict, fractions, gpus, achieved, last),
         because=_because(data, verdict, totals, gpus, periods) + _straggler_words(slow)
@@ -395,13 +395,6 @@ def _idle(e: Evidence) -> str:
         return ("A rank was in state train but made no step while the rules judged the run idle: it hangs in a "
                 "phase (the state timeline and StepscopeTrainingStalled say which), or waits on another rank.")
     return "No step was made in state train in this range."
-
-
-def _too_sparse(window: Window) -> bool:
-    """Whether the run's exporter was scraped less often than the rules' 1m windows need: then they give no
-    verdict however long the ranks train (at 60 s on VictoriaMetrics + vmalert a run that trained 6 minutes read
-    "No verdict yet: a rank must have started training 30 s ago")."""
-    return window.scrape_interval > SCRAPE_INTERVAL_MAX_SECONDS
 
 
 def _sparse_headline(window: Window) -> str:

@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from stepscope.contract import TRAINING_INFO
+from stepscope.contract import THRESHOLDS, TRAINING_INFO
 from stepscope.report.prometheus import Prometheus, Series
 from stepscope.report.times import iso
 
@@ -63,6 +63,13 @@ class Window:
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    @property
+    def scraped_too_rarely(self) -> bool:
+        """Whether the run's exporter was scraped less often than the rules' 1m windows need: then they record no
+        verdict however long the ranks train (at 60 s Prometheus recorded nothing, VictoriaMetrics rates but no
+        verdict)."""
+        return self.scrape_interval > THRESHOLDS["scrape_interval_max_seconds"].value
 
     @property
     def range_ms(self) -> str:
