@@ -345,31 +345,6 @@ def test_a_failing_background_test_fails_the_run_and_its_output_comes_last(tmp_p
     assert out.strip().splitlines()[-1].startswith("1 failed, 1 passed in "), out
 
 
-BESIDE_MODULE = """
-import os, pathlib, time
-import pytest
-@pytest.mark.background
-def test_marks_its_start():
-    pathlib.Path(os.environ["STEPSCOPE_TEST_STARTED"]).touch()
-def test_sees_the_background_start():
-    started = pathlib.Path(os.environ["STEPSCOPE_TEST_STARTED"])
-    deadline = time.monotonic() + 60
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert started.exists(), "the background phase had not started"
-"""
-
-
-def test_the_background_phase_runs_beside_the_first(tmp_path: Path) -> None:
-    """It ran beside the alone phase only, and outlasted it (226 against 254 s in a clean-clone CI run): it starts
-    with the first phase now, soaking up the CPU that phase's waits on real time leave free."""
-    module = tmp_path / "test_lane.py"
-    module.write_text(BESIDE_MODULE)
-    script = _phases(module, 0, tmp_path / "started")
-    out, _ = script.communicate(timeout=120)
-    assert script.returncode == 0, out
-
-
 def test_the_alone_phase_orders_every_alone_module_longest_first() -> None:
     """A module marked alone and missing from ALONE_LONGEST_FIRST would start last and run on after the others."""
     from tests.conftest import ALONE_LONGEST_FIRST
