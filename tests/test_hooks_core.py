@@ -313,6 +313,22 @@ def test_a_rank_and_a_world_size_that_do_not_pair_name_the_variables_set(env: di
     assert Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "2"}, rank=1).rank == 1
 
 
+@pytest.mark.parametrize(("lightning", "rank"), [
+    ({"LOCAL_RANK": "1", "NODE_RANK": "0"}, 1),
+    ({"LOCAL_RANK": "1"}, 1),
+    ({"LOCAL_RANK": "0", "NODE_RANK": "0"}, 0),
+])
+def test_lightnings_launcher_gives_each_rank_of_its_first_node_its_own(lightning: dict[str, str], rank: int) -> None:
+    """Lightning's launcher (Trainer(strategy="ddp") without torchrun) starts each rank with WORLD_SIZE, LOCAL_RANK
+    and NODE_RANK, no RANK (lightning.fabric's subprocess_script launcher): th.init() in the script raised
+    "WORLD_SIZE is 2 but RANK is unset" in every rank, ending the fit. On its first node the local rank is the rank;
+    on a later one the devices per node are in no variable, and it still raises."""
+    config = Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", **lightning})
+    assert (config.rank, config.local_rank, config.world_size) == (rank, rank, 2)
+    with pytest.raises(ValueError, match="WORLD_SIZE is 4 but RANK is unset"):
+        Config.resolve(env={"STEPSCOPE_RUN": "r", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "NODE_RANK": "1"})
+
+
 @pytest.mark.parametrize(("slurm", "run"), [
     ({"SLURM_JOB_ID": "2001"}, "train-2001"),
     ({"SLURM_JOB_ID": "3002", "SLURM_ARRAY_JOB_ID": "3000", "SLURM_ARRAY_TASK_ID": "2"}, "train-3000_2"),

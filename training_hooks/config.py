@@ -78,6 +78,7 @@ LAUNCHER_RANKS: tuple[tuple[str, str, str, str], ...] = (
     ("Slurm's srun", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"),
 )
 TORCH_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+NODE_RANK_VARIABLE = "NODE_RANK"  # Lightning's launcher's node (`_rank_variables`)
 # The script of a Ray worker process (`_in_ray_worker`), whose name is no run's.
 RAY_WORKER_SCRIPT = ("ray", "_private", "workers", "default_worker.py")
 RAY_JOB_VARIABLE = "RAY_JOB_ID"  # what Ray sets in its workers; names the run outside Ray Train (`_ray_run`)
@@ -478,7 +479,9 @@ def _rank_variables(env: Mapping[str, str]) -> tuple[str, str, str]:
     torchrun per node) in SLURM_STEP_NUM_TASKS; but for WORLD_SIZE exported to the whole job without RANK (batch
     scripts that set it and MASTER_ADDR for init_process_group, and read the rank from SLURM_PROCID in Python), the
     rank of the launcher whose world size is the same number: both srun tasks of such a job were rank 0 of 2, and one
-    was refused (409) at each push."""
+    was refused (409) at each push. Lightning's own launcher (Trainer(strategy="ddp") without torchrun) sets
+    WORLD_SIZE, LOCAL_RANK and NODE_RANK but no RANK, its global rank NODE_RANK x devices + LOCAL_RANK: on its first
+    node (NODE_RANK 0 or unset) the local rank is the rank; past it the devices per node are in no variable."""
     if not any(_is_set(env, name) for name in TORCH_RANK_VARIABLES):
         for _, rank, local_rank, world_size in LAUNCHER_RANKS:
             if _is_set(env, world_size):
@@ -489,6 +492,8 @@ def _rank_variables(env: Mapping[str, str]) -> tuple[str, str, str]:
     for _, rank, local_rank, world_size in LAUNCHER_RANKS:
         if env.get(world_size, "").strip() == env["WORLD_SIZE"].strip():
             return rank, "LOCAL_RANK" if _is_set(env, "LOCAL_RANK") else local_rank, "WORLD_SIZE"
+    if _is_set(env, "LOCAL_RANK") and env.get(NODE_RANK_VARIABLE, "0").strip() in ("", "0"):
+        return "LOCAL_RANK", "LOCAL_RANK", "WORLD_SIZE"
     return TORCH_RANK_VARIABLES
 
 
