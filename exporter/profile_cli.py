@@ -27,6 +27,7 @@ from typing import Any
 
 import requests
 
+from stepscope.contract import json_text
 from stepscope.exporter.flags import positive_float
 from stepscope.exporter.ingest.tokens import check_token, first_token
 from stepscope.hooks.config import bracket_ipv6_host, sent_token
@@ -140,8 +141,8 @@ class ExporterApi:
             raise Failure(f"cannot reach the exporter at {self.shown_url} ({type(exc).__name__}): is stepscope-exporter"
                           " running there? (--exporter, STEPSCOPE_PUSH_URL)") from None
         try:
-            payload = response.json()
-        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the interpreter's stack
+            payload = json_text.loads(response.content)
+        except ValueError:
             payload = None
         if not isinstance(payload, dict):
             raise Failure(f"{self.shown_url + path} answered HTTP {response.status_code} without the profile API's "

@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from stepscope.contract import json_text
+
 log = logging.getLogger(__name__)
 
 KNOWN_GROUPS = 1024  # groups let in and not denied since; the least recently let in go first
@@ -132,8 +134,8 @@ def _parse(raw: bytes) -> dict[str, float]:
     if len(raw) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
     try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:  # both ValueErrors; said plainly
+        document = json_text.loads(raw)
+    except ValueError as exc:  # undecodable, not JSON, or nested too deep; said plainly
         raise ValueError(f"not a JSON document ({exc})") from None
     if not isinstance(document, dict) or document.get("version") != FORMAT_VERSION:
         raise ValueError(f"not a version {FORMAT_VERSION} state file")

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import requests
 
+from stepscope.contract import json_text
+
 TIMEOUT_SECONDS = 60.0
 T = TypeVar("T")
 
@@ -79,8 +81,8 @@ class Prometheus:
             raise PrometheusError(f"cannot reach Prometheus at {self.shown_url}: {_reason(exc)}") from None
         shown = f"{self.shown_url}/api/v1/{endpoint}"
         try:
-            body = response.json()
-        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the interpreter's stack
+            body = json_text.loads(response.content)
+        except ValueError:
             raise PrometheusError(
                 f"{shown} answered HTTP {response.status_code} without a Prometheus API response "
                 "(is --prometheus the server's base URL?)"

@@ -147,7 +147,8 @@ def test_an_empty_state_file_starts_with_no_groups_and_is_rewritten(
     b'{"version":1,"groups":{"10.0.2.1":true}}',
     b'{"version":1,"groups":{"' + b"x" * 65 + b'":1.0}}',
     b"[" * (MAX_FILE_BYTES + 1),
-], ids=["half-written", "binary", "other-version", "bad-time", "bool-time", "long-group", "too-large"])
+    b"[" * 5000,  # deeper than the interpreter's stack: a RecursionError traceback at start before
+], ids=["half-written", "binary", "other-version", "bad-time", "bool-time", "long-group", "too-large", "nested"])
 def test_a_state_file_the_exporter_did_not_write_is_refused_and_left_as_it_was(
         tmp_path: Path, content: bytes) -> None:
     """Before, such a file was ignored with a warning and replaced at the first let-in: whatever it held

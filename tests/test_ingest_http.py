@@ -373,6 +373,7 @@ def test_a_push_is_answered_what_the_runs_ranks_here_want(exporter: Running) -> 
 @pytest.mark.parametrize(("wanted", "message"), [
     ("[40]", "header Stepscope-Bounds must be an object of at most 5 histograms"),
     ("{nope", "header Stepscope-Bounds is not JSON"),
+    pytest.param("[" * 5000, "header Stepscope-Bounds is not JSON", id="nested-past-the-stack"),  # was 500
     ('{"step":[40,"41"]}', "header Stepscope-Bounds gives 'step' blocks [40, '41']: a list of integers from 0 to 215"),
     ('{"step":[-1]}', "a list of integers from 0 to 215 expected"),
     ('{"forward":[3]}', 'header Stepscope-Bounds names histogram \'forward\': "step" or "phase:<phase>" expected'),

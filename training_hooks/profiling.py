@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from stepscope.contract import json_text
+
 log = logging.getLogger("stepscope.hooks")
 
 STATUS_HEADER = "Stepscope-Profile"
@@ -106,9 +108,9 @@ class TraceTooLarge(Exception):
 def parse_request(raw: str) -> TraceRequest:
     """The exporter's `Stepscope-Profile-Request` value; ValueError names what is wrong."""
     try:
-        data = json.loads(raw)
+        data = json_text.loads(raw)
         request_id, steps = data["id"], data["steps"]
-    except (ValueError, TypeError, KeyError, RecursionError) as exc:  # RecursionError: brackets nested too deep
+    except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"{REQUEST_HEADER} is not a JSON object with id and steps: {raw[:120]!r} ({exc})") from None
     if not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id):
         raise ValueError(f"{REQUEST_HEADER} has a bad id: {request_id!r}")

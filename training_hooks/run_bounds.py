@@ -37,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from stepscope.contract import json_text
+
 log = logging.getLogger("stepscope.hooks")
 
 STEP_HISTOGRAM = "step"  # phases are keyed "phase:<name>", so a phase named "step" cannot collide
@@ -139,8 +141,8 @@ class RunBounds:
             return
         try:
             run = {name: Counter({int(block): int(count) for block, count in blocks.items()})
-                   for name, blocks in json.loads(raw).items()}
-        except (ValueError, TypeError, AttributeError, RecursionError):  # RecursionError: brackets nested too deep
+                   for name, blocks in json_text.loads(raw).items()}
+        except (ValueError, TypeError, AttributeError):
             log.debug("stepscope: ignoring an unreadable %s header: %.80r", RUN_BOUNDS_HEADER, raw)
             return
         self._view = (run, self._sent)

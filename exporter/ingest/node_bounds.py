@@ -16,7 +16,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from stepscope.contract import GRID_OCTAVES, STEPS_PER_OCTAVE
+from stepscope.contract import GRID_OCTAVES, STEPS_PER_OCTAVE, json_text
 from stepscope.exporter.ingest.errors import Rejected, clip
 
 BOUNDS_HEADER = "Stepscope-Bounds"
@@ -40,7 +40,7 @@ def parse_wanted(raw: str | None, max_histograms: int, max_name_length: int) -> 
     if len(raw) > MAX_HEADER_CHARS:
         raise Rejected(400, "malformed", problem + f"has {len(raw)} characters, over {MAX_HEADER_CHARS}")
     try:
-        value = json.loads(raw)
+        value = json_text.loads(raw)
     except ValueError:
         raise Rejected(400, "malformed", problem + f"is not JSON: {clip(raw)!r}") from None
     if not isinstance(value, dict) or len(value) > max_histograms:

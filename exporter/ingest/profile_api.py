@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+from stepscope.contract import json_text
 from stepscope.exporter.ingest import PROFILE_PREFIX
 from stepscope.exporter.ingest.access import AccessPolicy
 from stepscope.exporter.ingest.errors import Rejected, clip
@@ -106,8 +107,8 @@ def _parse_body(body: bytes) -> tuple[str, list[str] | None, int]:
     """(run, ranks as strings or None for all, steps) of a POST body; ProfileError 400 otherwise."""
     usage = 'send {"run": "<run>", "ranks": [0, 1] or "all", "steps": 20}'
     try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the interpreter's stack
+        data = json_text.loads(body)
+    except ValueError:
         raise ProfileError(400, f"the body is not JSON: {usage}") from None
     if not isinstance(data, dict):
         raise ProfileError(400, f"the body is not a JSON object: {usage}")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stepscope.contract import json_text
 from stepscope.contract.training import IDLE_STATE
 from stepscope.exporter.ingest.errors import clip
 from stepscope.exporter.ingest.store import Group, GroupKey, GroupStore
@@ -60,8 +61,8 @@ class RankStatus:
 def parse_status(raw: str) -> RankStatus | None:
     """The header's content; None when it is not what current hooks send (treated as no header)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # a header of nested brackets is not what hooks send either
+        data = json_text.loads(raw)
+    except ValueError:  # a header of nested brackets is not what hooks send either
         return None
     if not isinstance(data, dict) or data.get("state") not in ("ready", "running", "unavailable"):
         return None
