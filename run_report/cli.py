@@ -14,7 +14,7 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 
-from stepscope.contract import IDLE_STATE, THRESHOLDS, TRAINING_INFO, TRAINING_STATE, selector
+from stepscope.contract import IDLE_STATE, TRAINING_INFO, TRAINING_STATE, selector
 from stepscope.contract.recordings import RUN_SAMPLES_RATE
 from stepscope.report import output
 from stepscope.report.prometheus import Prometheus, PrometheusError, Series
@@ -23,6 +23,7 @@ from stepscope.report.summary import missing_ranks
 from stepscope.report.timeline import LOST_SECONDS
 from stepscope.report.times import iso, parse_time
 from stepscope.report.window import (
+    SCRAPE_INTERVAL_MAX_SECONDS,
     SEARCH_DAYS,
     NoData,
     Window,
@@ -182,7 +183,7 @@ def _too_sparse(window: Window) -> str:
     if not window.scraped_too_rarely:
         return ""
     return (f"its exporter was scraped every {window.scrape_interval:.0f} s, and the rules' 1m windows need a scrape "
-            f"at least every {THRESHOLDS['scrape_interval_max_seconds'].value:g} s: set the stepscope job's "
+            f"at least every {SCRAPE_INTERVAL_MAX_SECONDS:g} s: set the stepscope job's "
             "scrape_interval to 15s (docs/deployment.md)")
 
 

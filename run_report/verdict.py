@@ -35,7 +35,7 @@ from stepscope.report.timeline import (
     while_training,
 )
 from stepscope.report.times import clock
-from stepscope.report.window import Window
+from stepscope.report.window import SCRAPE_INTERVAL_MAX_SECONDS, Window
 
 GPU_BOUND = THRESHOLDS["gpu_bound_utilization"].value
 BUSY_IDLE_SM_ACTIVE = THRESHOLDS["busy_idle_sm_active"].value
@@ -103,7 +103,6 @@ NO_VERDICT_FIXES = [
     f"Report a range with a longer stretch of training: the rules judge a run once a rank has trained "
     f"{SETTLE_SECONDS} s without eval or checkpoints between, when the GPU readings and the 1m rates are in.",
 ]
-SCRAPE_INTERVAL_MAX_SECONDS = THRESHOLDS["scrape_interval_max_seconds"].value
 SPARSE_SCRAPES_FIXES = [
     f"Scrape the stepscope job every 15 s (at most {SCRAPE_INTERVAL_MAX_SECONDS:g} s): its scrape_interval, the "
     "chart's serviceMonitor.interval, or -promscrape.config's scrape_interval for VictoriaMetrics and vmagent, "
@@ -148,7 +147,7 @@ class Evidence:
     io_samples_per_second: float | None = None  # the whole window's only
     training_samples_per_second: float | None = None
     phases_timed: bool = True
-    scrape_interval: float = 0.0  # the exporter's, as the report measured it (0: unknown)
+    too_long_scrape_interval: float = 0.0  # the exporter's, where longer than the rules serve (else 0)
     stalled: bool = False  # judged idle while a rank was in state train
 
 
@@ -238,7 +237,8 @@ def _evidence(data: RunData, verdict: str, totals: RunTotals, gpus: GpuReadings,
     judged = {t for s in data.over_time["verdict"] for t, _ in s.points
               if s.labels.get("verdict") not in (verdicts.IDLE, verdict)}
     whole = Evidence("Over the window", gpus, totals.dataloader_share, totals.io_samples_per_second,
-                     totals.training_samples_per_second, bool(totals.phase_seconds), data.window.scrape_interval,
+                     totals.training_samples_per_second, bool(totals.phase_seconds),
+                     data.window.scrape_interval if data.window.scraped_too_rarely else 0.0,
                      _stalled(data))
     if verdict not in verdicts.BOTTLENECK_VERDICTS or all(period[0] == verdict for period in periods):
         return whole
@@ -403,9 +403,10 @@ def _sparse_headline(window: Window) -> str:
 
 
 def _no_verdict(e: Evidence) -> str:
-    if e.scrape_interval > SCRAPE_INTERVAL_MAX_SECONDS:
-        return (f"The ranks trained in this range, but their exporter was scraped every {e.scrape_interval:.0f} s: "
-                "the rules' 1m windows held one sample or none, so they gave no verdict; the numbers below hold.")
+    if e.too_long_scrape_interval:
+        return (f"The ranks trained in this range, but their exporter was scraped every "
+                f"{e.too_long_scrape_interval:.0f} s: the rules' 1m windows held one sample or none, so they gave no "
+                "verdict; the numbers below hold.")
     return (f"The ranks trained in this range, but none for {SETTLE_SECONDS} s without a break (setup, eval, "
             "checkpoints or the run's end came first), so the rules gave no verdict; the numbers below hold.")
 

@@ -23,6 +23,10 @@ from stepscope.contract import THRESHOLDS, TRAINING_INFO
 from stepscope.report.prometheus import Prometheus, Series
 from stepscope.report.times import iso
 
+# The longest scrape interval the rules' 1m windows serve (two scrapes in each): the report names it where a run's is
+# longer.
+SCRAPE_INTERVAL_MAX_SECONDS = THRESHOLDS["scrape_interval_max_seconds"].value
+
 SEARCH_DAYS = 30  # how far back a run is looked for when --from is not given
 RESOLUTION_POINTS = 1200  # query_range points over the window, at most (finer: the scrape interval)
 NICE_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
@@ -69,7 +73,7 @@ class Window:
         """Whether the run's exporter was scraped less often than the rules' 1m windows need: then they record no
         verdict however long the ranks train (at 60 s Prometheus recorded nothing, VictoriaMetrics rates but no
         verdict)."""
-        return self.scrape_interval > THRESHOLDS["scrape_interval_max_seconds"].value
+        return self.scrape_interval > SCRAPE_INTERVAL_MAX_SECONDS
 
     @property
     def range_ms(self) -> str:
