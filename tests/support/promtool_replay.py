@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.rules import RULE_FILES, groups
 from stepscope.contract import recordings
+from stepscope.hooks.render import escape_label_value
 from stepscope_testkit.replay import Workload
 
 JOB = "stepscope"
@@ -92,13 +93,9 @@ def _samples(body: str, instance: str) -> dict[str, float]:
     for family in text_string_to_metric_families(body):
         for sample in family.samples:
             labels = {**sample.labels, "instance": instance, "job": JOB}
-            scraped[sample.name + "{" + ",".join(f'{name}="{_escaped(value)}"'
+            scraped[sample.name + "{" + ",".join(f'{name}="{escape_label_value(value)}"'
                                                  for name, value in sorted(labels.items())) + "}"] = sample.value
     return scraped
-
-
-def _escaped(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _values(key: str, samples: list[dict[str, float]]) -> str:
