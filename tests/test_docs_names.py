@@ -10,7 +10,14 @@ import yaml
 from grafana.rules import RULE_FILES
 from stepscope.contract import FAMILIES
 from stepscope.exporter.cli import COLLECTOR_NAMES, build_parser
-from stepscope.hooks.config import ENVIRONMENT, LAUNCHER_RANKS, RAY_JOB_VARIABLE, SLURM_JOB_VARIABLES, Config
+from stepscope.hooks.config import (
+    ENVIRONMENT,
+    KUBEFLOW_JOB_VARIABLES,
+    LAUNCHER_RANKS,
+    RAY_JOB_VARIABLE,
+    SLURM_JOB_VARIABLES,
+    Config,
+)
 from tests.support.readme import DOCS, documents
 
 # a recorded series written out in full (`level:metric:operation`); `..._sm_active:training_ratio` and
@@ -91,4 +98,14 @@ def test_every_environment_variable_the_hooks_read_has_a_row_in_the_hooks_enviro
     rows = {name for row in re.findall(r"^\| (`[A-Z_]+`(?:, `[A-Z_]+`)*) \|", section, re.M)
             for name in re.findall(r"`([A-Z_]+)`", row)}
     launchers = {variable for _, *variables in LAUNCHER_RANKS for variable in variables}
-    assert (set(ENVIRONMENT.values()) | launchers | set(SLURM_JOB_VARIABLES) | {RAY_JOB_VARIABLE}) - rows == set()
+    assert (set(ENVIRONMENT.values()) | launchers | set(SLURM_JOB_VARIABLES) | set(KUBEFLOW_JOB_VARIABLES)
+            | {RAY_JOB_VARIABLE}) - rows == set()
+
+
+def test_the_downward_api_example_for_jobs_that_name_no_run_is_a_container_env() -> None:
+    """docs/hooks.md tells JobSet and Indexed Job users, whose controllers set no variable naming the job, to take
+    STEPSCOPE_RUN from a pod label: the example must be a container's `env` that Kubernetes takes as written."""
+    section = (DOCS / "hooks.md").read_text().split("label with the downward API:\n", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert example == {"env": [{"name": "STEPSCOPE_RUN", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-name']"}}}]}

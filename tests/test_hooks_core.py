@@ -352,6 +352,43 @@ def test_the_default_run_of_a_slurm_job_is_its_own(monkeypatch, caplog, slurm: d
            f"is {run!r}" in caplog.text
 
 
+@pytest.mark.parametrize(("kubeflow", "run", "origin"), [
+    # Kubeflow Trainer v2's torch runtime, node 1 of a TrainJob `llama-a` (kubeflow/trainer's torch plugin)
+    ({"PET_MASTER_ADDR": "llama-a-node-0-0.llama-a", "PET_NODE_RANK": "1", "HOSTNAME": "llama-a-node-0-1-x7k2p"},
+     "train-llama-a", "the Kubeflow TrainJob's name"),
+    # training-operator v1: a PyTorchJob `resnet-a`'s worker 2 and its master
+    ({"MASTER_ADDR": "resnet-a-master-0", "HOSTNAME": "resnet-a-worker-2", "RANK": "3", "WORLD_SIZE": "4"},
+     "train-resnet-a", "the PyTorchJob's name"),
+    ({"MASTER_ADDR": "resnet-a-master-0", "HOSTNAME": "resnet-a-master-0", "RANK": "0", "WORLD_SIZE": "4"},
+     "train-resnet-a", "the PyTorchJob's name"),
+    # an elastic PyTorchJob's worker 1 (workers only: no MASTER_ADDR)
+    ({"PET_RDZV_ENDPOINT": "resnet-e-worker-0:23456", "PET_NNODES": "2:4", "HOSTNAME": "resnet-e-worker-1"},
+     "train-resnet-e", "the PyTorchJob's name"),
+    ({"PET_RDZV_ENDPOINT": "etcd-0:2379", "HOSTNAME": "resnet-e-worker-1"}, "train", None),
+    # a MASTER_ADDR that no PyTorchJob set (the pod is no replica of that job), torchrun's own, a hand-made
+    # TrainJob-like address of two names: no job
+    ({"MASTER_ADDR": "resnet-a-master-0", "HOSTNAME": "gpu-node-7"}, "train", None),
+    ({"MASTER_ADDR": "127.0.0.1", "HOSTNAME": "resnet-a-worker-2"}, "train", None),
+    ({"PET_MASTER_ADDR": "llama-a-node-0-0.llama-b"}, "train", None),
+    # a Slurm job's id wins over a MASTER_ADDR its script exported
+    ({"SLURM_JOB_ID": "2001", "MASTER_ADDR": "resnet-a-master-0", "HOSTNAME": "resnet-a-master-0"},
+     "train-2001", "the Slurm job's id"),
+])
+def test_the_default_run_of_a_kubeflow_job_is_its_own(
+    monkeypatch, kubeflow: dict[str, str], run: str, origin: str | None
+) -> None:
+    """Two TrainJobs (or PyTorchJobs) of one image on a node were both run 'train': the second's pushes were refused
+    (409) while the first ran, and on two nodes StepscopeRunNameClash fired and the run rules mixed them. The run is
+    the script's name and the job's, read from the address of its first pod that the controller sets in every one."""
+    monkeypatch.setattr(sys, "argv", ["/app/train.py"])
+    config = Config.resolve(env=kubeflow)
+    assert config.run == run
+    said = f"and {origin} " if origin else ""
+    assert config.from_env["run"][0] == f"the run, the script's name {said}by default (name it with STEPSCOPE_RUN " \
+                                        "or init(run=...)),"
+    assert Config.resolve(env={**kubeflow, "STEPSCOPE_RUN": "mine"}).run == "mine"
+
+
 RAY_WORKER_ARGV = ["/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py",
                    "--node-ip-address=10.0.0.5", "--node-manager-port=53621"]  # as Ray 2.60 starts a worker
 

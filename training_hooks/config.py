@@ -84,6 +84,15 @@ RAY_WORKER_SCRIPT = ("ray", "_private", "workers", "default_worker.py")
 RAY_JOB_VARIABLE = "RAY_JOB_ID"  # what Ray sets in its workers; names the run outside Ray Train (`_ray_run`)
 # Slurm's job (and job array) ids, which a default run name carries (`_default_run`).
 SLURM_JOB_VARIABLES = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
+# What Kubeflow's controllers set in every training container that names the job, not the pod (`_kubeflow_job`):
+# Trainer v2's torch runtime PET_MASTER_ADDR `<TrainJob>-node-0-0.<TrainJob>` (kubeflow/trainer, torch plugin); the
+# training-operator v1 PyTorchJob MASTER_ADDR `<PyTorchJob>-master-0` with a master replica, or PET_RDZV_ENDPOINT
+# `<PyTorchJob>-worker-0:<port>` with an elastic policy, in pods whose HOSTNAME (the pod's name) is
+# `<PyTorchJob>-master-0` or `<PyTorchJob>-worker-<i>`. JobSet and Indexed Jobs set none.
+KUBEFLOW_JOB_VARIABLES = ("PET_MASTER_ADDR", "MASTER_ADDR", "PET_RDZV_ENDPOINT", "HOSTNAME")
+_TRAINJOB_MASTER = re.compile(r"(?P<job>[a-z0-9]([-a-z0-9]*[a-z0-9])?)-node-0-0\.(?P=job)")
+_PYTORCHJOB_FIRST_POD = (("MASTER_ADDR", re.compile(r"(?P<job>[a-z0-9]([-a-z0-9]*[a-z0-9])?)-master-0")),
+                         ("PET_RDZV_ENDPOINT", re.compile(r"(?P<job>[a-z0-9]([-a-z0-9]*[a-z0-9])?)-worker-0:[0-9]+")))
 
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
@@ -279,16 +288,17 @@ def _default_run(env: Mapping[str, str]) -> tuple[str, str]:
     """The run and how errors name it. In a script, the script's name: `train` for `python train.py` and `python -m
     jobs.train`. A package run with `-m` is named by its folder (`python -m jobs` runs jobs/__main__.py: every such
     job would be run `__main__`), and code with no file (`-c`, stdin's `-`, the REPL) is `default`. In a notebook's
-    kernel, the notebook's name (`_notebook_run`); in a Ray worker, Ray Train's run (`_ray_run`)."""
+    kernel, the notebook's name (`_notebook_run`); in a Ray worker, Ray Train's run (`_ray_run`). Under Slurm or in a
+    Kubeflow job, the job follows it (`_with_job`)."""
     if _in_ipython_kernel():
-        return _with_slurm_job(env, *_notebook_run(env))
+        return _with_job(env, *_notebook_run(env))
     if _in_ray_worker():
         return _ray_run(env)
     if not sys.argv or sys.argv[0] in ("", "-c", "-m", "-"):
-        return _with_slurm_job(env, "default", SCRIPT_NAME_RUN)
+        return _with_job(env, "default", SCRIPT_NAME_RUN)
     script = Path(sys.argv[0])
     named = (script.parent.name if script.stem == "__main__" else script.stem) or "default"
-    return _with_slurm_job(env, named, SCRIPT_NAME_RUN)
+    return _with_job(env, named, SCRIPT_NAME_RUN)
 
 
 def _slurm_job(env: Mapping[str, str]) -> str:
@@ -301,12 +311,31 @@ def _slurm_job(env: Mapping[str, str]) -> str:
     return env.get("SLURM_JOB_ID", "").strip()
 
 
-def _with_slurm_job(env: Mapping[str, str], run: str, origin: str) -> tuple[str, str]:
-    """`run`-<Slurm job> under Slurm (one run per job, shared by all its ranks on all its nodes), else `run`."""
-    job = _slurm_job(env)
+def _kubeflow_job(env: Mapping[str, str]) -> tuple[str, str]:
+    """The Kubeflow job this process belongs to and what it is, or ("", ""): two TrainJobs or PyTorchJobs of one
+    image on a node were both run `train`, and the second's pushes were refused (409) while the first ran. Read only
+    where the controller's address of the job's first pod matches its pattern and, for a PyTorchJob, this pod's name
+    is one of that job's: a script's own MASTER_ADDR (a Slurm node's, 127.0.0.1, torchrun's) names no job."""
+    trainjob = _TRAINJOB_MASTER.fullmatch(env.get("PET_MASTER_ADDR", "").strip())
+    if trainjob:
+        return trainjob["job"], "the Kubeflow TrainJob's name"
+    for variable, first_pod in _PYTORCHJOB_FIRST_POD:
+        pytorchjob = first_pod.fullmatch(env.get(variable, "").strip())
+        if pytorchjob and re.fullmatch(rf"{re.escape(pytorchjob['job'])}-(master-0|worker-[0-9]+)",
+                                       env.get("HOSTNAME", "").strip()):
+            return pytorchjob["job"], "the PyTorchJob's name"
+    return "", ""
+
+
+def _with_job(env: Mapping[str, str], run: str, origin: str) -> tuple[str, str]:
+    """`run`-<Slurm job> under Slurm, else `run`-<Kubeflow job> in a TrainJob's or PyTorchJob's pod (one run per job,
+    shared by all its ranks on all its nodes), else `run`."""
+    job, what = _slurm_job(env), "the Slurm job's id"
+    if not job:
+        job, what = _kubeflow_job(env)
     if not job:
         return run, origin
-    return f"{run}-{job}", origin.replace(" by default", " and the Slurm job's id by default", 1)
+    return f"{run}-{job}", origin.replace(" by default", f" and {what} by default", 1)
 
 
 @dataclass(frozen=True)
