@@ -213,6 +213,16 @@ def test_shipped_prometheus_config_loads_with_the_rules(tmp_path: Path) -> None:
     assert "2 rule files found" in result.stdout
 
 
+def test_the_shipped_prometheus_config_sends_alerts_as_the_compose_stack_does() -> None:
+    """Without an alerting section the rules' alerts reached no one, and without grafana_url every alert's
+    dashboard_url was a bare path; the label is dropped from the alerts as the compose stack's config does."""
+    bare_metal = yaml.safe_load(PROMETHEUS_YML.read_text())
+    compose = yaml.safe_load((REPO / "docker" / "prometheus" / "prometheus.yml").read_text())
+    assert bare_metal["global"]["external_labels"]["grafana_url"].startswith("http")
+    assert bare_metal["alerting"]["alert_relabel_configs"] == compose["alerting"]["alert_relabel_configs"]
+    assert bare_metal["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+
+
 @needs_root_and_setpriv
 def test_the_unit_as_its_user_serves_a_slurm_rank_of_another_user_to_the_shipped_prometheus(
         tmp_path: Path, etc_stepscope: Path, unit_settings: dict[str, str]) -> None:
