@@ -13,6 +13,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from stepscope.contract.exposition import escape_label_value
+
 
 class Sample(NamedTuple):
     name: str
@@ -105,12 +107,8 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
-def _escape_label_value(text: str) -> str:
-    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
 def sample_line(sample: Sample) -> str:
-    labels = ",".join(f'{name}="{_escape_label_value(value)}"' for name, value in sorted(sample.labels.items()))
+    labels = ",".join(f'{name}="{escape_label_value(value)}"' for name, value in sorted(sample.labels.items()))
     series = f"{sample.name}{{{labels}}}" if labels else sample.name
     timestamp = "" if sample.timestamp is None else f" {int(float(sample.timestamp) * 1000):d}"
     return f"{series} {float_to_go_string(sample.value)}{timestamp}\n"

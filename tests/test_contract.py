@@ -7,6 +7,7 @@ recorded series the dashboards and the report read), so a name typed into a sour
 """
 
 import ast
+import random
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import stepscope.contract as contract
 from grafana.dashboards import training
 from grafana.rules import RULE_FILES
 from stepscope.contract import recordings, verdicts
+from stepscope.contract.exposition import escape_label_value
 from stepscope.exporter.ingest.families import FAMILIES as INGESTED
 from stepscope.exporter.ingest.parser import PushLimits, parse_push
 from stepscope.hooks.cuda_memory import AllocatorMemory
@@ -207,6 +209,40 @@ def test_dashboards_select_only_contract_phases_and_states() -> None:
             assert set(phases.split("|")) <= set(contract.STANDARD_PHASES), f"{query.panel}: {phases}"
         for states in STATE_SELECTOR.findall(query.raw_expr):
             assert set(states.split("|")) <= set(contract.STATES), f"{query.panel}: {states}"
+
+
+
+# ---- one label-value escaper: the hooks' push body, the exporter's ingest and its own families ----------
+
+ESCAPER_SOURCES = ("stepscope_contract", "training_hooks", "exporter", "run_report", "grafana", "stepscope_testkit",
+                   "tests", "benchmarks")
+QUOTE_REPLACES = (".replace('\"'", '.replace("\\""')  # how a replace of '"' is spelled: only those files are parsed
+LABEL_VALUE_CHARACTERS = '\\"\n\r\t a\u00fc\u2028{},=\'#'
+
+
+def escapes_a_quote(node: ast.AST) -> bool:
+    """Whether `node` is `<text>.replace('"', '\\"')`: the step only a label-value escaper has (help text has none)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "replace"
+            and [getattr(argument, "value", None) for argument in node.args] == ['"', '\\"'])
+
+
+def test_no_writer_keeps_its_own_copy_of_the_label_value_escaper() -> None:
+    """The hooks, the ingest parser and the exporter's families each had one; a copy is free to drift from what
+    the others write and Prometheus reads."""
+    texts = {path: path.read_text() for folder in ESCAPER_SOURCES for path in (REPO / folder).rglob("*.py")}
+    replacing_quotes = {path: text for path, text in texts.items() if any(call in text for call in QUOTE_REPLACES)}
+    copies = {str(path.relative_to(REPO)) for path, text in replacing_quotes.items()
+              for node in ast.walk(ast.parse(text)) if escapes_a_quote(node)}
+    assert copies == {"stepscope_contract/exposition.py"}
+
+
+def test_escaped_label_values_read_back_unchanged_by_prometheus_client() -> None:
+    rng = random.Random(20)
+    values = ["", "0", "train-llama-7b", 'quo"te', "back\\slash\\n", "line\nend", "\\\"\n"]
+    values += ["".join(rng.choice(LABEL_VALUE_CHARACTERS) for _ in range(rng.randrange(1, 12))) for _ in range(300)]
+    for value in values:
+        (read,) = text_string_to_metric_families(f'stepscope_x{{phase="{escape_label_value(value)}"}} 1\n')
+        assert read.samples[0].labels == {"phase": value}, repr(value)
 
 
 # ---- a rename is one edit plus `python -m grafana generate` --------------------------------------------

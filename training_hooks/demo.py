@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import stepscope.hooks
+from stepscope.contract.exposition import escape_label_value
 from stepscope.contract.training import (
     BACKWARD_PHASE,
     DATA_LOADING_PHASE,
@@ -32,7 +33,6 @@ from stepscope.contract.training import (
     TO_DEVICE_PHASE,
 )
 from stepscope.hooks.config import Config
-from stepscope.hooks.render import escape_label_value
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # How --ddp is started, the demo's flags after the `--`: without it torchrun's own parser takes them, and

@@ -32,6 +32,7 @@ from stepscope.contract import (
     TRAINING_PHASE_ENTERED,
     TRAINING_STATE,
 )
+from stepscope.contract.exposition import escape_label_value
 from stepscope.contract.families import (
     CUDA_ALLOC_RETRIES,
     CUDA_MEMORY_ALLOCATED,
@@ -71,12 +72,6 @@ class Snapshot:
     flops_dtype: str = ""  # the dtype the FLOPs run in (label `dtype`)
     peak_flops: float | None = None  # the user's dense peak FLOP/s of the rank's GPU, None: the table's
     allocator: AllocatorMemory | None = None  # PyTorch's CUDA caching allocator, on CUDA only
-
-
-def escape_label_value(value: str) -> str:
-    """A label value as the exposition writes it (the exporter's /metrics too): backslash, newline and quote
-    escaped."""
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _labels(pairs: Sequence[tuple[str, str]]) -> str:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from stepscope.contract.exposition import escape_label_value
 from stepscope.exporter.ingest.errors import Rejected, clip
 from stepscope.exporter.ingest.families import (
     FAMILIES,
@@ -96,10 +97,6 @@ def parse_push(body: bytes, run: str, rank: str, limits: PushLimits) -> dict[str
                 f"cannot parse the text exposition (format 0.0.4) at line {number} {clip(line.strip())!r}: {exc}",
             ) from None
     return parser.finish()
-
-
-def escape_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def unknown_family(name: str) -> Rejected:

@@ -14,9 +14,9 @@ from dataclasses import replace
 from typing import Protocol
 
 from stepscope.contract import families, family
+from stepscope.contract.exposition import escape_label_value
 from stepscope.exporter.exposition import Chunk, render
 from stepscope.exporter.ingest.families import FAMILIES, LAST_PUSH_FAMILY, FamilySpec
-from stepscope.exporter.ingest.parser import escape_label_value
 from stepscope.exporter.ingest.store import Group, GroupStore
 from stepscope.exporter.metric_families import CounterMetricFamily, GaugeMetricFamily, Metric
 

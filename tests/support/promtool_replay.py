@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grafana.rules import RULE_FILES, groups
 from stepscope.contract import recordings
-from stepscope.hooks.render import escape_label_value
+from stepscope.contract.exposition import escape_label_value
 from stepscope_testkit.replay import Workload
 
 JOB = "stepscope"
