@@ -172,3 +172,13 @@ def test_later_buckets_of_a_series_are_checked_like_the_first(line: str, reason:
         parse_push(body.encode(), "r", "0", LIMITS)
     assert info.value.reason == reason
     assert text in info.value.message
+
+
+def test_a_refused_sample_is_quoted_on_one_line_as_it_was_written() -> None:
+    """The refusal is the 400's body and the exporter's log line: a label value's newline, sent escaped, must stay
+    escaped there, or a client writes lines of its own into the exporter's log."""
+    sample = ('stepscope_training_info{framework="torch \\"2.13\\" \\\\\\nforged log line",local_rank="0",'
+              'world_size="1"}')
+    with pytest.raises(Rejected) as info:
+        parse_push(f"# TYPE stepscope_training_info gauge\n{sample} 1\n".encode(), "r", "0", LIMITS)
+    assert info.value.message == f"{sample}: missing label 'pid'"

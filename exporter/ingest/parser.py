@@ -172,7 +172,8 @@ def _format_value(value: float) -> str:
 
 
 def _show(name: str, labels: Iterable[tuple[str, str]]) -> str:
-    shown = ",".join(f'{k}="{clip(v, 60)}"' for k, v in labels)
+    """The sample as the body wrote it, escapes kept: the refusal is one line in the 400 and the exporter's log."""
+    shown = ",".join(f'{k}="{clip(escape_label_value(v), 60)}"' for k, v in labels)
     return clip(f"{name}{{{shown}}}" if shown else name, 200)
 
 
