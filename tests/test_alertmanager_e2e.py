@@ -402,6 +402,30 @@ def test_a_warning_that_resolves_while_its_run_stalls_is_told_resolved(alertmana
     post_alert(alertmanager, stall, resolved=True)
 
 
+def test_a_scrape_config_too_rare_for_the_rules_is_one_notification_for_all_its_nodes(alertmanager: str,
+                                                                                     webhook) -> None:
+    """StepscopeScrapeIntervalTooLong is one setting's mistake (the job's scrape_interval), which a cluster-wide 60 s
+    config makes on every node: under the root's grouping (alertname, instance) three nodes were three
+    notifications of the same cause; it is grouped by job now: one, naming the three."""
+    inbox = webhook[1]
+    for node in ("sparse-1", "sparse-2", "sparse-3"):
+        labels = {"alertname": "StepscopeScrapeIntervalTooLong", "severity": "warning", "job": "stepscope-sparse",
+                  "instance": node}
+        alert = {"labels": labels, "annotations": {"summary": f"{node} is scraped too rarely", "description": "."},
+                 "endsAt": datetime.fromtimestamp(time.time() + 3600).astimezone().isoformat()}
+        requests.post(f"{alertmanager}/api/v2/alerts", json=[alert], timeout=10).raise_for_status()
+
+    def notified() -> list[Notification]:
+        with inbox.lock:
+            return [n for n in inbox.received if n.path == "/webhook"
+                    and n.body["commonLabels"].get("job") == "stepscope-sparse"]
+    assert wait_for(notified, 20, 0.2), "never notified"
+    time.sleep(GROUP_INTERVAL_SECONDS + GROUP_WAIT_SECONDS)  # a group per node would have sent its own by now
+    (notification,) = notified()
+    assert sorted(alert["labels"]["instance"] for alert in notification.body["alerts"]) == [
+        "sparse-1", "sparse-2", "sparse-3"]
+
+
 def test_hints_take_their_own_route() -> None:
     """amtool's route test on the shipped config: info to `info`, run and node alerts to `default`, critical ones
     to the pager too."""
