@@ -326,6 +326,7 @@ def _in_no_phase_once_closed(families: dict[str, StoredFamily]) -> dict[str, Sto
         del families[TRAINING_PHASE_ENTERED]
     return families
 
+
 def _giving_way(groups: Iterable[Group], pushed: GroupKey, now: float) -> list[Group]:
     """The groups that may give way to `pushed`, in order: the closed ones, then the lost ones (silent for
     LOST_GIVES_WAY_SECONDS without closing), each the earliest pushed first."""
